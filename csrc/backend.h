@@ -1,0 +1,79 @@
+// The backend interface: the operations a device must offer for vpaged to put physical pages behind
+// virtual address ranges. It is shaped after the CUDA driver's VMM calls (reserve, create, map, unmap,
+// copy), so the host implementation (mmap + memfd) and the CUDA one (cuMem*) are interchangeable.
+//
+// Physical pages are named by dense ids 0..capacity_pages()-1. A backend instance serves one device and
+// one page size. Every page that exists is also mapped once in the backend's private "pool window", so
+// page-to-page and page-to-host copies never need a caller's mapping.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace vpaged {
+
+using PageId = int64_t;
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // "cpu" or "cuda:N".
+  virtual std::string device() const = 0;
+  // DLPack device type and index of memory handed out by this backend.
+  virtual int dlpack_device_type() const = 0;
+  virtual int device_index() const = 0;
+
+  virtual size_t page_size() const = 0;
+  virtual size_t capacity_pages() const = 0;
+
+  // Physical pages come into existence ahead of need (cuMemCreate is slow). created_pages() pages,
+  // ids 0..created_pages()-1, exist now; create_pages() adds up to `count` more, bounded by capacity.
+  virtual size_t created_pages() const = 0;
+  virtual void create_pages(size_t count) = 0;
+  // Give a free page's memory back to the system where the backend can (host: punch a hole; the page
+  // then reads as zeros). The page id stays valid.
+  virtual void discard_page(PageId page) = 0;
+
+  // Virtual address space: reserve returns a page-aligned address of `bytes` (a multiple of page_size)
+  // with nothing mapped. Reading unmapped reserved memory faults.
+  virtual uintptr_t reserve(size_t bytes) = 0;
+  virtual void release(uintptr_t va, size_t bytes) = 0;
+
+  // Map pages[0..n) at va, va + page_size, ... Either all are mapped or none (on failure the backend
+  // undoes what it did and throws).
+  virtual void map(uintptr_t va, const PageId* pages, size_t n) = 0;
+  // Unmap n consecutive page slots starting at va; the address range stays reserved.
+  virtual void unmap(uintptr_t va, size_t n) = 0;
+
+  // Data movement between pages and host memory. `stream` is a CUDA stream handle (0: the default
+  // stream); the host backend ignores it. Copies are ordered on that stream; synchronize() waits.
+  virtual void copy_page(PageId dst, PageId src, uintptr_t stream) = 0;
+  virtual void copy_to_host(PageId src, void* host, uintptr_t stream) = 0;
+  virtual void copy_from_host(PageId dst, const void* host, uintptr_t stream) = 0;
+  virtual void synchronize(uintptr_t stream) = 0;
+
+  // Backend-level call counters, for benchmarks (map/unmap calls issued to the OS or driver).
+  size_t map_calls() const { return map_calls_; }
+  size_t unmap_calls() const { return unmap_calls_; }
+
+ protected:
+  size_t map_calls_ = 0;
+  size_t unmap_calls_ = 0;
+};
+
+// Host backend: a sparse memfd of capacity_pages * page_size bytes is the physical memory.
+std::shared_ptr<Backend> make_host_backend(size_t page_size, size_t capacity_pages);
+
+// CUDA backend (csrc/vmm/cuda_backend.cpp). Throws BackendUnavailable with the reason when CUDA cannot
+// be used (built without CUDA, no driver, no such device).
+std::shared_ptr<Backend> make_cuda_backend(int device, size_t page_size, size_t capacity_pages,
+                                           size_t reserve_pages);
+// Why CUDA is unusable ("" when it is usable), and the VMM granularity of a device (0 if unusable).
+std::string cuda_unavailable_reason(int device);
+size_t cuda_granularity(int device);
+int cuda_device_count();
+bool built_with_cuda();
+
+}  // namespace vpaged

@@ -1,0 +1,135 @@
+// Python bindings of the core: backends, PagePool, VirtualRange. Tensors leave as DLPack capsules.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "backend.h"
+#include "dlpack.h"
+#include "errors.h"
+#include "page_pool.h"
+#include "virtual_range.h"
+
+namespace py = pybind11;
+using namespace vpaged;
+
+namespace {
+
+void raise_as(const char* name, const char* what) {
+  py::object cls = py::module_::import("vpaged.errors").attr(name);
+  PyErr_SetString(cls.ptr(), what);
+}
+
+void capsule_destructor(PyObject* capsule) {
+  // A capsule that torch consumed is renamed "used_dltensor" and owned by torch from then on.
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    if (m && m->deleter) m->deleter(m);
+  } else {
+    PyErr_Clear();
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "vpaged core: backends, page pool, virtual ranges";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OutOfPages& e) {
+      raise_as("OutOfPagesError", e.what());
+    } catch (const MappingLimit& e) {
+      raise_as("MappingLimitError", e.what());
+    } catch (const BackendUnavailable& e) {
+      raise_as("BackendUnavailableError", e.what());
+    } catch (const BackendFailure& e) {
+      raise_as("BackendError", e.what());
+    } catch (const ViewsAlive& e) {
+      raise_as("ViewsAliveError", e.what());
+    } catch (const InvalidArgument& e) {
+      raise_as("InvalidArgumentError", e.what());
+    }
+  });
+
+  py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
+      .def_property_readonly("device", &Backend::device)
+      .def_property_readonly("page_size", &Backend::page_size)
+      .def_property_readonly("capacity_pages", &Backend::capacity_pages)
+      .def_property_readonly("created_pages", &Backend::created_pages)
+      .def_property_readonly("map_calls", &Backend::map_calls)
+      .def_property_readonly("unmap_calls", &Backend::unmap_calls)
+      .def("reserve", &Backend::reserve, py::arg("bytes"))
+      .def("release", &Backend::release, py::arg("va"), py::arg("bytes"))
+      .def("synchronize", &Backend::synchronize, py::arg("stream") = 0);
+
+  m.def("host_backend", &make_host_backend, py::arg("page_size"), py::arg("capacity_pages"));
+  m.def("cuda_backend", &make_cuda_backend, py::arg("device"), py::arg("page_size"),
+        py::arg("capacity_pages"), py::arg("reserve_pages") = 0);
+  m.def("cuda_unavailable_reason", &cuda_unavailable_reason, py::arg("device") = 0);
+  m.def("cuda_granularity", &cuda_granularity, py::arg("device") = 0);
+  m.def("cuda_device_count", &cuda_device_count);
+  m.def("built_with_cuda", &built_with_cuda);
+
+  py::class_<PoolStats>(m, "PoolStats")
+      .def_readonly("page_size", &PoolStats::page_size)
+      .def_readonly("total_pages", &PoolStats::total_pages)
+      .def_readonly("used_pages", &PoolStats::used_pages)
+      .def_readonly("free_pages", &PoolStats::free_pages)
+      .def_readonly("high_water_pages", &PoolStats::high_water_pages)
+      .def_readonly("created_pages", &PoolStats::created_pages);
+
+  py::class_<PagePool, std::shared_ptr<PagePool>>(m, "PagePool")
+      .def(py::init<std::shared_ptr<Backend>, size_t, size_t>(), py::arg("backend"),
+           py::arg("reserve_pages") = 0, py::arg("create_batch") = 64)
+      .def_property_readonly("backend", &PagePool::backend_ptr)
+      .def_property_readonly("page_size", &PagePool::page_size)
+      .def("acquire", &PagePool::acquire, py::arg("n"))
+      .def("incref", &PagePool::incref)
+      .def("decref", &PagePool::decref)
+      .def("refcount", &PagePool::refcount)
+      .def("free_pages", &PagePool::free_pages)
+      .def("stats", &PagePool::stats)
+      .def("trim", &PagePool::trim)
+      .def("reset_high_water", &PagePool::reset_high_water)
+      .def("copy_page",
+           [](PagePool& p, PageId dst, PageId src, uintptr_t stream) { p.backend().copy_page(dst, src, stream); },
+           py::arg("dst"), py::arg("src"), py::arg("stream") = 0)
+      .def("copy_to_host",
+           [](PagePool& p, PageId src, uintptr_t host, uintptr_t stream) {
+             p.backend().copy_to_host(src, reinterpret_cast<void*>(host), stream);
+           },
+           py::arg("src"), py::arg("host_ptr"), py::arg("stream") = 0)
+      .def("copy_from_host",
+           [](PagePool& p, PageId dst, uintptr_t host, uintptr_t stream) {
+             p.backend().copy_from_host(dst, reinterpret_cast<const void*>(host), stream);
+           },
+           py::arg("dst"), py::arg("host_ptr"), py::arg("stream") = 0);
+
+  py::class_<VirtualRange, std::shared_ptr<VirtualRange>>(m, "VirtualRange")
+      .def(py::init<std::shared_ptr<PagePool>, size_t>(), py::arg("pool"), py::arg("bytes"))
+      .def_property_readonly("address", &VirtualRange::address)
+      .def_property_readonly("bytes", &VirtualRange::bytes)
+      .def_property_readonly("num_slots", &VirtualRange::num_slots)
+      .def_property_readonly("page_size", &VirtualRange::page_size)
+      .def_property_readonly("mapped_slots", &VirtualRange::mapped_slots)
+      .def("map_new", &VirtualRange::map_new, py::arg("slots"))
+      .def("map_shared", &VirtualRange::map_shared, py::arg("slots"), py::arg("pages"))
+      .def("unmap", &VirtualRange::unmap, py::arg("slots"))
+      .def("copy_on_write", &VirtualRange::copy_on_write, py::arg("slot"), py::arg("stream") = 0)
+      .def("replace", &VirtualRange::replace, py::arg("slot"), py::arg("page"))
+      .def("page_at", &VirtualRange::page_at)
+      .def("pages_at", &VirtualRange::pages_at)
+      .def("pins_at", &VirtualRange::pins_at)
+      .def("is_mapped", &VirtualRange::is_mapped, py::arg("offset"), py::arg("length"))
+      .def("unmap_all_unpinned", &VirtualRange::unmap_all_unpinned)
+      .def(
+          "view",
+          [](VirtualRange& r, size_t offset, std::vector<int64_t> shape, std::vector<int64_t> strides,
+             int code, int bits) {
+            void* managed = r.make_dlpack(offset, shape, strides, code, bits);
+            return py::capsule(managed, "dltensor", &capsule_destructor);
+          },
+          py::arg("offset"), py::arg("shape"), py::arg("strides"), py::arg("dtype_code"),
+          py::arg("dtype_bits"),
+          "A DLPack capsule of a tensor over mapped memory of this range (strides in elements).");
+}

@@ -1,0 +1,118 @@
+#include "page_pool.h"
+
+#include <algorithm>
+#include <string>
+
+#include "errors.h"
+
+namespace vpaged {
+
+PagePool::PagePool(std::shared_ptr<Backend> backend, size_t reserve_pages, size_t create_batch)
+    : backend_(std::move(backend)), create_batch_(std::max<size_t>(create_batch, 1)) {
+  std::lock_guard<std::mutex> lock(mu_);
+  grow_locked(std::min(reserve_pages, backend_->capacity_pages()));
+  // Pages that already exist (all of them for the host backend) are free from the start.
+  grow_locked(0);
+}
+
+// Bring free_ up to `needed` pages by creating physical pages in batches, bounded by capacity.
+void PagePool::grow_locked(size_t needed) {
+  const size_t cap = backend_->capacity_pages();
+  size_t created = backend_->created_pages();
+  if (free_.size() < needed && created < cap) {
+    size_t want = std::max(needed - free_.size(), create_batch_);
+    backend_->create_pages(std::min(want, cap - created));
+  }
+  size_t now = backend_->created_pages();
+  if (now > refcount_.size()) {
+    size_t old = refcount_.size();
+    refcount_.resize(now, 0);
+    // Push in reverse so that low ids are handed out first: runs of consecutive ids map in one call.
+    for (size_t i = now; i > old; --i) free_.push_back(static_cast<PageId>(i - 1));
+  }
+}
+
+std::vector<PageId> PagePool::acquire(size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_.size() < n) grow_locked(n);
+  if (free_.size() < n) {
+    throw OutOfPages("page pool exhausted: " + std::to_string(n) + " page(s) of " +
+                     std::to_string(backend_->page_size()) + " bytes requested, " +
+                     std::to_string(free_.size()) + " free of " +
+                     std::to_string(backend_->capacity_pages()));
+  }
+  std::vector<PageId> out(free_.end() - static_cast<ptrdiff_t>(n), free_.end());
+  std::reverse(out.begin(), out.end());
+  free_.resize(free_.size() - n);
+  for (PageId p : out) refcount_[p] = 1;
+  used_ += n;
+  high_water_ = std::max(high_water_, used_);
+  return out;
+}
+
+void PagePool::check(PageId page) const {
+  if (page < 0 || static_cast<size_t>(page) >= refcount_.size()) {
+    throw InvalidArgument("page id " + std::to_string(page) + " does not exist in this pool");
+  }
+}
+
+void PagePool::incref(PageId page) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check(page);
+  if (refcount_[page] <= 0) throw InvalidArgument("incref of free page " + std::to_string(page));
+  ++refcount_[page];
+}
+
+void PagePool::incref_all(const std::vector<PageId>& pages) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (PageId p : pages) {
+    check(p);
+    if (refcount_[p] <= 0) throw InvalidArgument("incref of free page " + std::to_string(p));
+  }
+  for (PageId p : pages) ++refcount_[p];
+}
+
+void PagePool::decref(PageId page) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check(page);
+  if (refcount_[page] <= 0) throw InvalidArgument("decref of free page " + std::to_string(page));
+  if (--refcount_[page] == 0) {
+    free_.push_back(page);
+    --used_;
+  }
+}
+
+void PagePool::decref_all(const std::vector<PageId>& pages) {
+  for (PageId p : pages) decref(p);
+}
+
+int32_t PagePool::refcount(PageId page) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  check(page);
+  return refcount_[page];
+}
+
+size_t PagePool::free_pages() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return backend_->capacity_pages() - used_;
+}
+
+PoolStats PagePool::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t total = backend_->capacity_pages();
+  return PoolStats{backend_->page_size(), total, used_, total - used_, high_water_,
+                   backend_->created_pages()};
+}
+
+size_t PagePool::trim() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (PageId p : free_) backend_->discard_page(p);
+  return free_.size();
+}
+
+void PagePool::reset_high_water() {
+  std::lock_guard<std::mutex> lock(mu_);
+  high_water_ = used_;
+}
+
+}  // namespace vpaged

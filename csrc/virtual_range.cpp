@@ -1,0 +1,333 @@
+#include "virtual_range.h"
+
+#include <algorithm>
+#include <string>
+
+#include "dlpack.h"
+#include "errors.h"
+
+namespace vpaged {
+
+VirtualRange::VirtualRange(std::shared_ptr<PagePool> pool, size_t bytes)
+    : pool_(std::move(pool)), page_size_(pool_->page_size()) {
+  if (bytes == 0) throw InvalidArgument("a virtual range needs a positive size");
+  slots_ = (bytes + page_size_ - 1) / page_size_;
+  va_ = pool_->backend().reserve(slots_ * page_size_);
+  table_.assign(slots_, -1);
+  pins_.assign(slots_, 0);
+}
+
+VirtualRange::~VirtualRange() {
+  // Destroyed only when no view pins it (views hold a shared_ptr): every slot can go.
+  std::vector<int64_t> mapped;
+  for (size_t s = 0; s < slots_; ++s)
+    if (table_[s] >= 0) mapped.push_back(static_cast<int64_t>(s));
+  try {
+    unmap_locked(mapped);
+  } catch (...) {
+    // Releasing the reservation below removes the mappings anyway; drop the references by hand.
+    for (int64_t s : mapped)
+      if (table_[s] >= 0) pool_->decref(table_[s]);
+  }
+  try {
+    pool_->backend().release(va_, slots_ * page_size_);
+  } catch (...) {
+  }
+}
+
+size_t VirtualRange::mapped_slots() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return mapped_;
+}
+
+void VirtualRange::check_slot(int64_t slot) const {
+  if (slot < 0 || static_cast<size_t>(slot) >= slots_) {
+    throw InvalidArgument("page slot " + std::to_string(slot) + " outside the range (" +
+                          std::to_string(slots_) + " slots)");
+  }
+}
+
+std::vector<std::pair<int64_t, int64_t>> VirtualRange::runs(std::vector<int64_t> slots) {
+  std::sort(slots.begin(), slots.end());
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t s : slots) {
+    if (!out.empty() && out.back().first + out.back().second == s) {
+      ++out.back().second;
+    } else {
+      out.emplace_back(s, 1);
+    }
+  }
+  return out;
+}
+
+std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& slots) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int64_t s : slots) {
+    check_slot(s);
+    if (table_[s] >= 0) throw InvalidArgument("page slot " + std::to_string(s) + " is already mapped");
+  }
+  std::vector<int64_t> sorted(slots);
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+    throw InvalidArgument("map_new: a slot is listed twice");
+  std::vector<PageId> pages = pool_->acquire(sorted.size());  // throws OutOfPages, nothing changed
+  // pages[i] goes to sorted[i]: fresh pages come out in ascending ids, so a run of slots gets a run of
+  // consecutive pages when the pool has one, and the host backend maps it in one call.
+  size_t done = 0;
+  try {
+    for (auto [first, count] : runs(sorted)) {
+      pool_->backend().map(va_ + static_cast<size_t>(first) * page_size_, pages.data() + done,
+                           static_cast<size_t>(count));
+      done += static_cast<size_t>(count);
+    }
+  } catch (...) {
+    // Undo the runs already mapped, then give every page back.
+    size_t undone = 0;
+    for (auto [first, count] : runs(sorted)) {
+      if (undone >= done) break;
+      try {
+        pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
+      } catch (...) {
+      }
+      undone += static_cast<size_t>(count);
+    }
+    pool_->decref_all(pages);
+    throw;
+  }
+  for (size_t i = 0; i < sorted.size(); ++i) table_[sorted[i]] = pages[i];
+  mapped_ += sorted.size();
+  // Return in the caller's order.
+  std::vector<PageId> out;
+  out.reserve(slots.size());
+  for (int64_t s : slots) out.push_back(table_[s]);
+  return out;
+}
+
+void VirtualRange::map_shared(const std::vector<int64_t>& slots, const std::vector<PageId>& pages) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (slots.size() != pages.size()) throw InvalidArgument("map_shared: slots and pages differ in length");
+  for (int64_t s : slots) {
+    check_slot(s);
+    if (table_[s] >= 0) throw InvalidArgument("page slot " + std::to_string(s) + " is already mapped");
+  }
+  pool_->incref_all(pages);  // validates every page first; all or nothing
+  size_t done = 0;
+  try {
+    for (; done < slots.size(); ++done) {
+      pool_->backend().map(va_ + static_cast<size_t>(slots[done]) * page_size_, &pages[done], 1);
+    }
+  } catch (...) {
+    for (size_t i = 0; i < done; ++i) {
+      try {
+        pool_->backend().unmap(va_ + static_cast<size_t>(slots[i]) * page_size_, 1);
+      } catch (...) {
+      }
+    }
+    pool_->decref_all(pages);
+    throw;
+  }
+  for (size_t i = 0; i < slots.size(); ++i) table_[slots[i]] = pages[i];
+  mapped_ += slots.size();
+}
+
+void VirtualRange::unmap(const std::vector<int64_t>& slots) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int64_t s : slots) {
+    check_slot(s);
+    if (table_[s] < 0) throw InvalidArgument("page slot " + std::to_string(s) + " is not mapped");
+    if (pins_[s] > 0)
+      throw ViewsAlive("page slot " + std::to_string(s) +
+                       " is still read through a live tensor view; drop the view first");
+  }
+  unmap_locked(slots);
+}
+
+void VirtualRange::unmap_locked(const std::vector<int64_t>& slots) {
+  // One backend call per run of consecutive slots; references are dropped only for runs really unmapped,
+  // so a failure leaves table and pool consistent.
+  for (auto [first, count] : runs(slots)) {
+    pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
+    for (int64_t s = first; s < first + count; ++s) {
+      PageId p = table_[s];
+      table_[s] = -1;
+      --mapped_;
+      pool_->decref(p);
+    }
+  }
+}
+
+PageId VirtualRange::copy_on_write(int64_t slot, uintptr_t stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_slot(slot);
+  const PageId old = table_[slot];
+  if (old < 0) throw InvalidArgument("copy_on_write: page slot " + std::to_string(slot) + " is not mapped");
+  PageId fresh = pool_->acquire(1)[0];
+  try {
+    pool_->backend().copy_page(fresh, old, stream);
+    // Remapping a slot over a live mapping is one step on both backends' terms: unmap, then map.
+    pool_->backend().unmap(va_ + static_cast<size_t>(slot) * page_size_, 1);
+  } catch (...) {
+    pool_->decref(fresh);
+    throw;
+  }
+  try {
+    pool_->backend().map(va_ + static_cast<size_t>(slot) * page_size_, &fresh, 1);
+  } catch (...) {
+    // Put the shared page back so the slot stays as it was.
+    try {
+      pool_->backend().map(va_ + static_cast<size_t>(slot) * page_size_, &old, 1);
+    } catch (...) {
+      table_[slot] = -1;
+      --mapped_;
+      pool_->decref(old);
+    }
+    pool_->decref(fresh);
+    throw;
+  }
+  table_[slot] = fresh;
+  pool_->decref(old);
+  return fresh;
+}
+
+void VirtualRange::replace(int64_t slot, PageId page) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_slot(slot);
+  const PageId old = table_[slot];
+  if (old < 0) throw InvalidArgument("replace: page slot " + std::to_string(slot) + " is not mapped");
+  if (pins_[slot] > 0) throw ViewsAlive("replace: page slot is read through a live tensor view; drop the view first");
+  pool_->incref(page);
+  try {
+    pool_->backend().unmap(va_ + static_cast<size_t>(slot) * page_size_, 1);
+  } catch (...) {
+    pool_->decref(page);
+    throw;
+  }
+  try {
+    pool_->backend().map(va_ + static_cast<size_t>(slot) * page_size_, &page, 1);
+  } catch (...) {
+    try {
+      pool_->backend().map(va_ + static_cast<size_t>(slot) * page_size_, &old, 1);
+    } catch (...) {
+      table_[slot] = -1;
+      --mapped_;
+      pool_->decref(old);
+    }
+    pool_->decref(page);
+    throw;
+  }
+  table_[slot] = page;
+  pool_->decref(old);
+}
+
+PageId VirtualRange::page_at(int64_t slot) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_slot(slot);
+  return table_[slot];
+}
+
+std::vector<PageId> VirtualRange::pages_at(const std::vector<int64_t>& slots) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<PageId> out;
+  out.reserve(slots.size());
+  for (int64_t s : slots) {
+    check_slot(s);
+    out.push_back(table_[s]);
+  }
+  return out;
+}
+
+int32_t VirtualRange::pins_at(int64_t slot) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_slot(slot);
+  return pins_[slot];
+}
+
+bool VirtualRange::is_mapped(size_t offset, size_t len) const {
+  if (len == 0) return true;
+  if (offset + len > slots_ * page_size_ || offset + len < offset) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t s = offset / page_size_; s <= (offset + len - 1) / page_size_; ++s)
+    if (table_[s] < 0) return false;
+  return true;
+}
+
+namespace {
+struct ViewContext {
+  std::shared_ptr<VirtualRange> owner;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  int64_t first_slot = 0;
+  int64_t last_slot = -1;  // inclusive; -1 when nothing is pinned
+  DLManagedTensor managed{};
+};
+
+void delete_view(DLManagedTensor* self) {
+  auto* ctx = static_cast<ViewContext*>(self->manager_ctx);
+  if (ctx->last_slot >= ctx->first_slot) ctx->owner->unpin(ctx->first_slot, ctx->last_slot);
+  delete ctx;
+}
+}  // namespace
+
+void* VirtualRange::make_dlpack(size_t offset, const std::vector<int64_t>& shape,
+                                const std::vector<int64_t>& strides, int dtype_code, int dtype_bits) {
+  if (shape.size() != strides.size()) throw InvalidArgument("view: shape and strides differ in length");
+  const size_t itemsize = static_cast<size_t>(dtype_bits) / 8;
+  if (itemsize == 0 || dtype_bits % 8 != 0) throw InvalidArgument("view: unsupported dtype width");
+  bool empty = false;
+  size_t span = 1;  // in elements, from the first to one past the last element reached
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0 || strides[i] < 0) throw InvalidArgument("view: negative shape or stride");
+    if (shape[i] == 0) empty = true;
+    span += static_cast<size_t>(shape[i] > 0 ? shape[i] - 1 : 0) * static_cast<size_t>(strides[i]);
+  }
+  const size_t extent = empty ? 0 : span * itemsize;
+  auto ctx = std::make_unique<ViewContext>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (offset > slots_ * page_size_ || extent > slots_ * page_size_ - offset)
+      throw InvalidArgument("view reaches past the end of the virtual range");
+    if (extent > 0) {
+      const int64_t first = static_cast<int64_t>(offset / page_size_);
+      const int64_t last = static_cast<int64_t>((offset + extent - 1) / page_size_);
+      for (int64_t s = first; s <= last; ++s) {
+        if (table_[s] < 0)
+          throw InvalidArgument("view would reach unmapped memory (page slot " + std::to_string(s) + ")");
+      }
+      for (int64_t s = first; s <= last; ++s) ++pins_[s];
+      ctx->first_slot = first;
+      ctx->last_slot = last;
+    }
+  }
+  ctx->owner = shared_from_this();
+  ctx->shape = shape;
+  ctx->strides = strides;
+  DLTensor& t = ctx->managed.dl_tensor;
+  t.data = reinterpret_cast<void*>(va_ + offset);
+  t.device.device_type = pool_->backend().dlpack_device_type();
+  t.device.device_id = pool_->backend().device_index();
+  t.ndim = static_cast<int32_t>(shape.size());
+  t.dtype.code = static_cast<uint8_t>(dtype_code);
+  t.dtype.bits = static_cast<uint8_t>(dtype_bits);
+  t.dtype.lanes = 1;
+  t.shape = ctx->shape.data();
+  t.strides = ctx->strides.data();
+  t.byte_offset = 0;
+  ctx->managed.manager_ctx = ctx.get();
+  ctx->managed.deleter = delete_view;
+  return &ctx.release()->managed;
+}
+
+void VirtualRange::unpin(int64_t first, int64_t last) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int64_t s = first; s <= last; ++s) --pins_[s];
+}
+
+void VirtualRange::unmap_all_unpinned() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> slots;
+  for (size_t s = 0; s < slots_; ++s)
+    if (table_[s] >= 0 && pins_[s] == 0) slots.push_back(static_cast<int64_t>(s));
+  unmap_locked(slots);
+}
+
+}  // namespace vpaged

@@ -1,0 +1,109 @@
+"""Build of vpaged._C: a plain pybind11 extension (no libtorch), plus CUDA sources when a CUDA home is found.
+
+CUDA is compiled only where a directory holding both bin/nvcc and include/cuda.h exists (nvcc on PATH may be
+a wrapper script, so the wrapper's own location proves nothing). VPAGED_CUDA=0 turns CUDA off. The CUDA driver
+is never linked: the extension dlopens libcuda.so.1 at first use, so one build imports on any machine.
+"""
+import glob
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def pybind11_include() -> str:
+    try:
+        import pybind11
+
+        return pybind11.get_include()
+    except ImportError:
+        pass
+    # torch ships the pybind11 headers; find them without importing torch.
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            inc = Path(loc) / "include"
+            if (inc / "pybind11" / "pybind11.h").exists():
+                return str(inc)
+    raise RuntimeError("pybind11 headers not found: pip install pybind11 (or install torch, which ships them)")
+
+
+def is_cuda_home(path) -> bool:
+    p = Path(path)
+    return (p / "bin" / "nvcc").is_file() and (p / "include" / "cuda.h").is_file()
+
+
+def find_cuda_home():
+    if os.environ.get("VPAGED_CUDA", "1") == "0":
+        return None
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(os.path.realpath(nvcc)).parent.parent)
+    candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for c in candidates:
+        if c and is_cuda_home(c):
+            return Path(c).resolve()
+    return None
+
+
+class BuildExt(build_ext):
+    def build_extensions(self):
+        ext = self.extensions[0]
+        cuda_home = find_cuda_home()
+        if cuda_home is not None:
+            print(f"vpaged: building with CUDA from {cuda_home}")
+            ext.define_macros.append(("VPAGED_WITH_CUDA", "1"))
+            ext.include_dirs.append(str(cuda_home / "include"))
+            cu_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cu"))
+            if cu_sources:
+                ext.extra_objects += [self.nvcc_compile(cuda_home, src) for src in cu_sources]
+                lib = cuda_home / "lib64"
+                if not lib.is_dir():
+                    lib = cuda_home / "lib"
+                ext.library_dirs.append(str(lib))
+                ext.libraries += ["cudart_static", "rt", "pthread", "dl"]
+        else:
+            print("vpaged: no CUDA home with bin/nvcc and include/cuda.h (or VPAGED_CUDA=0): CPU-only build")
+        ext.libraries.append("dl")
+        super().build_extensions()
+
+    def nvcc_compile(self, cuda_home: Path, src: str) -> str:
+        out = Path(self.build_temp) / (src + ".o")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        archs = os.environ.get("VPAGED_CUDA_ARCHS", "80;90").split(";")
+        gencode = []
+        for a in archs:
+            gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        gencode += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]  # PTX for newer GPUs
+        cmd = [str(cuda_home / "bin" / "nvcc"), "-c", src, "-o", str(out), "-O3", "-std=c++17",
+               "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", "-Icsrc", "-DVPAGED_WITH_CUDA=1", *gencode]
+        if not (out.exists() and out.stat().st_mtime > max(Path(src).stat().st_mtime, newest_header())):
+            print(" ".join(cmd))
+            subprocess.check_call(cmd, cwd=ROOT)
+        return str(out)
+
+
+def newest_header() -> float:
+    return max((p.stat().st_mtime for p in (ROOT / "csrc").rglob("*.h")), default=0.0)
+
+
+sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
+
+ext = Extension(
+    "vpaged._C",
+    sources=sources,
+    include_dirs=[pybind11_include(), "csrc"],
+    language="c++",
+    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
+)
+
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

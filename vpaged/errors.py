@@ -1,0 +1,50 @@
+"""Every error vpaged raises, in one place. Each also derives from the built-in exception a caller would
+naturally catch (MemoryError for exhausted pages, IndexError for a bad layer, ...)."""
+
+
+class VPagedError(Exception):
+    """Base class of all vpaged errors."""
+
+
+class OutOfPagesError(VPagedError, MemoryError):
+    """The page pool has too few free pages; the call that raised changed nothing."""
+
+
+class MappingLimitError(VPagedError, OSError):
+    """The host refused another memory mapping (vm.max_map_count); nothing was changed."""
+
+
+class BackendError(VPagedError, RuntimeError):
+    """An OS or driver call failed; the message names the call and the reason."""
+
+
+class BackendUnavailableError(BackendError):
+    """The requested backend cannot be used here (no driver, no device, built without CUDA)."""
+
+
+class InvalidArgumentError(VPagedError, ValueError):
+    """A bad argument reached the core (page slot, page id, view outside mapped memory, ...)."""
+
+
+class UnknownSequenceError(VPagedError, LookupError):
+    """The sequence id was never allocated or has been freed."""
+
+
+class SequenceTooLongError(VPagedError, ValueError):
+    """Extending would take a sequence past the cache's max_seq_len."""
+
+
+class SlotsExhaustedError(VPagedError, RuntimeError):
+    """All max_seqs sequence slots are in use."""
+
+
+class LayerIndexError(VPagedError, IndexError):
+    """Layer index outside 0..num_layers-1."""
+
+
+class CacheClosedError(VPagedError, RuntimeError):
+    """The cache was closed; it holds no memory any more."""
+
+
+class ViewsAliveError(VPagedError, RuntimeError):
+    """Memory cannot be unmapped while tensor views of it are alive."""
