@@ -256,14 +256,13 @@ struct ViewContext {
   std::shared_ptr<VirtualRange> owner;
   std::vector<int64_t> shape;
   std::vector<int64_t> strides;
-  int64_t first_slot = 0;
-  int64_t last_slot = -1;  // inclusive; -1 when nothing is pinned
+  std::vector<std::pair<int64_t, int64_t>> pinned;  // inclusive slot runs pinned by this view
   DLManagedTensor managed{};
 };
 
 void delete_view(DLManagedTensor* self) {
   auto* ctx = static_cast<ViewContext*>(self->manager_ctx);
-  if (ctx->last_slot >= ctx->first_slot) ctx->owner->unpin(ctx->first_slot, ctx->last_slot);
+  for (auto [first, last] : ctx->pinned) ctx->owner->unpin(first, last);
   delete ctx;
 }
 }  // namespace
@@ -271,31 +270,46 @@ void delete_view(DLManagedTensor* self) {
 void* VirtualRange::make_dlpack(size_t offset, const std::vector<int64_t>& shape,
                                 const std::vector<int64_t>& strides, int dtype_code, int dtype_bits) {
   if (shape.size() != strides.size()) throw InvalidArgument("view: shape and strides differ in length");
+  if (shape.empty()) throw InvalidArgument("view: at least one dimension is needed");
   const size_t itemsize = static_cast<size_t>(dtype_bits) / 8;
   if (itemsize == 0 || dtype_bits % 8 != 0) throw InvalidArgument("view: unsupported dtype width");
   bool empty = false;
-  size_t span = 1;  // in elements, from the first to one past the last element reached
+  size_t inner_span = 1;  // elements from the first to one past the last of one index of dim 0
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] < 0 || strides[i] < 0) throw InvalidArgument("view: negative shape or stride");
     if (shape[i] == 0) empty = true;
-    span += static_cast<size_t>(shape[i] > 0 ? shape[i] - 1 : 0) * static_cast<size_t>(strides[i]);
+    if (i > 0) inner_span += static_cast<size_t>(shape[i] > 0 ? shape[i] - 1 : 0) * static_cast<size_t>(strides[i]);
   }
-  const size_t extent = empty ? 0 : span * itemsize;
+  // The view touches `blocks` blocks of `block` bytes, `step` bytes apart. When the gap between blocks is
+  // shorter than a page no page can fall into it, so the union [first, last] is exactly what is touched;
+  // otherwise (one view over several sequence slots) each block is checked and pinned on its own.
+  const size_t block = inner_span * itemsize;
+  const size_t step = static_cast<size_t>(strides[0]) * itemsize;
+  const size_t blocks = empty ? 0 : static_cast<size_t>(shape[0]);
+  std::vector<std::pair<size_t, size_t>> spans;  // byte [lo, hi)
+  if (blocks > 0) {
+    if (blocks == 1 || step < block + page_size_) {
+      spans.emplace_back(offset, offset + (blocks - 1) * step + block);
+    } else {
+      for (size_t b = 0; b < blocks; ++b) spans.emplace_back(offset + b * step, offset + b * step + block);
+    }
+  }
   auto ctx = std::make_unique<ViewContext>();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (offset > slots_ * page_size_ || extent > slots_ * page_size_ - offset)
-      throw InvalidArgument("view reaches past the end of the virtual range");
-    if (extent > 0) {
-      const int64_t first = static_cast<int64_t>(offset / page_size_);
-      const int64_t last = static_cast<int64_t>((offset + extent - 1) / page_size_);
-      for (int64_t s = first; s <= last; ++s) {
+    const size_t total = slots_ * page_size_;
+    for (auto [lo, hi] : spans) {
+      if (hi > total || lo > hi) throw InvalidArgument("view reaches past the end of the virtual range");
+      for (size_t s = lo / page_size_; s <= (hi - 1) / page_size_; ++s) {
         if (table_[s] < 0)
           throw InvalidArgument("view would reach unmapped memory (page slot " + std::to_string(s) + ")");
       }
+    }
+    for (auto [lo, hi] : spans) {
+      const int64_t first = static_cast<int64_t>(lo / page_size_);
+      const int64_t last = static_cast<int64_t>((hi - 1) / page_size_);
       for (int64_t s = first; s <= last; ++s) ++pins_[s];
-      ctx->first_slot = first;
-      ctx->last_slot = last;
+      ctx->pinned.emplace_back(first, last);
     }
   }
   ctx->owner = shared_from_this();

@@ -48,3 +48,11 @@ class CacheClosedError(VPagedError, RuntimeError):
 
 class ViewsAliveError(VPagedError, RuntimeError):
     """Memory cannot be unmapped while tensor views of it are alive."""
+
+
+class DTypeError(VPagedError, TypeError):
+    """A tensor or cache dtype vpaged does not support, or one that does not match the cache."""
+
+
+class ShapeError(VPagedError, ValueError):
+    """A tensor whose shape does not match what the call expects."""

@@ -1,0 +1,145 @@
+"""PagePool: the physical pages of one device, shared by every cache built on it.
+
+A pool is an object, not global state; `default_pool(device)` creates one per device on first use and
+`set_default_pool` replaces it. Caches register with their pool so that, when one cache runs short of
+pages, the pool can take back pages other caches keep only for reuse (deferred reclamation) before
+anybody sees an OutOfPagesError.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from . import _C
+from .device import default_page_size, make_backend, normalize_device
+from .errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    device: str
+    page_size: int
+    total_pages: int
+    used_pages: int
+    free_pages: int
+    high_water_pages: int
+    created_pages: int
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_pages * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total_pages * self.page_size
+
+    @property
+    def high_water_bytes(self) -> int:
+        return self.high_water_pages * self.page_size
+
+
+class PagePool:
+    """Physical pages of one device with a fixed capacity.
+
+    capacity_bytes / capacity_pages: the budget (one of them). page_size: bytes per page (default 64 KiB on
+    the host, the VMM granularity, 2 MiB on current NVIDIA GPUs, on CUDA). reserve_pages: pages created
+    up front (CUDA creates physical memory ahead of need; on the host every page exists at no cost).
+    """
+
+    def __init__(self, device="cpu", *, capacity_bytes: int | None = None, capacity_pages: int | None = None,
+                 page_size: int | None = None, reserve_pages: int = 0):
+        self.device = normalize_device(device)
+        self.page_size = int(page_size) if page_size is not None else default_page_size(self.device)
+        if self.page_size <= 0:
+            raise InvalidArgumentError(f"page_size must be positive, got {page_size}")
+        if (capacity_bytes is None) == (capacity_pages is None):
+            raise InvalidArgumentError("give exactly one of capacity_bytes and capacity_pages")
+        if capacity_pages is None:
+            capacity_pages = int(capacity_bytes) // self.page_size
+        if capacity_pages <= 0:
+            raise InvalidArgumentError(
+                f"a pool needs at least one page of {self.page_size} bytes (capacity {capacity_bytes} bytes)")
+        backend = make_backend(self.device, self.page_size, int(capacity_pages), int(reserve_pages))
+        self._pool = _C.PagePool(backend, int(reserve_pages))
+        self._clients: weakref.WeakSet = weakref.WeakSet()
+
+    @property
+    def capacity_pages(self) -> int:
+        return self._pool.backend.capacity_pages
+
+    @property
+    def backend(self):
+        return self._pool.backend
+
+    def free_pages(self) -> int:
+        return self._pool.free_pages()
+
+    def stats(self) -> PoolStats:
+        s = self._pool.stats()
+        return PoolStats(str(self.device), s.page_size, s.total_pages, s.used_pages, s.free_pages,
+                         s.high_water_pages, s.created_pages)
+
+    def trim(self) -> int:
+        """Return the RAM of all free pages to the system (host); returns how many pages were free."""
+        return self._pool.trim()
+
+    def reset_high_water(self) -> None:
+        self._pool.reset_high_water()
+
+    # Deferred reclamation across the caches that share this pool.
+    def _register(self, client) -> None:
+        self._clients.add(client)
+
+    def reclaimable_pages(self) -> int:
+        return sum(c._reclaimable_pages() for c in list(self._clients))
+
+    def reclaim(self, pages: int) -> int:
+        """Ask caches to unmap pages they keep only for reuse until `pages` are freed; returns pages freed."""
+        freed = 0
+        for c in list(self._clients):
+            if freed >= pages:
+                break
+            freed += c._reclaim(pages - freed)
+        return freed
+
+    def ensure_free(self, pages: int) -> bool:
+        """Make `pages` pages free if that is possible by reclaiming; changes nothing when it is not."""
+        short = pages - self.free_pages()
+        if short <= 0:
+            return True
+        if self.reclaimable_pages() < short:
+            return False
+        self.reclaim(short)
+        return self.free_pages() >= pages
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"PagePool(device={s.device}, page_size={s.page_size}, used={s.used_pages}/{s.total_pages} pages)")
+
+
+_default_pools: dict[torch.device, PagePool] = {}
+
+
+def default_pool(device="cpu") -> PagePool:
+    """The pool of `device`, created on first use. Host: a quarter of RAM (sparse: RAM is used only by
+    pages holding data), or VPAGED_HOST_POOL_BYTES. CUDA: 90 % of the free device memory at first use."""
+    dev = normalize_device(device)
+    pool = _default_pools.get(dev)
+    if pool is None:
+        if dev.type == "cpu":
+            env = os.environ.get("VPAGED_HOST_POOL_BYTES")
+            cap = int(env) if env else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+        else:
+            free, _total = torch.cuda.mem_get_info(dev)
+            cap = int(free * 0.9)
+        pool = PagePool(dev, capacity_bytes=cap)
+        _default_pools[dev] = pool
+    return pool
+
+
+def set_default_pool(pool: PagePool) -> None:
+    """Make `pool` the default pool of its device (caches created later use it)."""
+    _default_pools[pool.device] = pool
