@@ -126,10 +126,20 @@ class HostBackend final : public Backend {
   }
 
   void unmap(uintptr_t va, size_t n) override {
-    void* p = mmap(reinterpret_cast<void*>(va), n * page_size_, PROT_NONE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    void* addr = reinterpret_cast<void*>(va);
+    const size_t len = n * page_size_;
     ++unmap_calls_;
-    if (p == MAP_FAILED) throw_mmap_error("mmap(unmap page)", errno);
+    void* p = mmap(addr, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    if (p != MAP_FAILED) return;
+    int err = errno;
+    // At vm.max_map_count every mmap is refused, even one that would lower the count. munmap is not
+    // (unless it must split a mapping), and then re-reserving the hole fits under the limit again.
+    if (err != ENOMEM || munmap(addr, len) != 0) throw_mmap_error("mmap(unmap page)", err);
+    p = mmap(addr, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+    if (p == MAP_FAILED || p != addr) {
+      // The hole is unmapped either way (reads fault); only the reservation of these pages is lost.
+      throw BackendFailure(errno_text("mmap(re-reserve after unmap)", errno));
+    }
   }
 
   void copy_page(PageId dst, PageId src, uintptr_t) override {

@@ -1,0 +1,30 @@
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def rng():
+    """A fresh random generator per test, seeded from the OS: every run checks new data."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"random seed {seed}")  # shown by pytest on failure, to replay a case
+    return torch.Generator().manual_seed(seed)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def mapping_count() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def address_is_mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
