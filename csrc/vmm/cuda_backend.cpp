@@ -1,8 +1,38 @@
-// Placeholder until the CUDA backend lands: reports CUDA as unavailable.
+// CUDA backend: physical pages are cuMemCreate handles, virtual ranges are cuMemAddressReserve spans,
+// mapping is cuMemMap + cuMemSetAccess. Compiled by the host compiler; cuda.h supplies types only.
+//
+// The driver is never linked. libcuda.so.1 is dlopen'd once per process (std::call_once), the versioned
+// cuGetProcAddress_v2 is the one symbol taken with dlsym, and every other entry point comes from it at a
+// fixed driver-API version (kDriverApi), so `import vpaged` works on machines without a driver and says
+// why CUDA is unavailable when it is.
+//
+// Contexts: each backend retains its device's primary context (the one torch and the runtime use) and
+// makes it current around every driver call with push/pop rather than cuCtxSetCurrent, because the
+// caller may be any thread and may have another device current for torch: we must not change what a
+// thread's current device is behind its back.
+//
+// STREAM-SAFETY PROTOCOL (the backend does not track streams; the cache layers above must):
+//   * map() is synchronous with respect to the host: once it returns, work enqueued later on any stream
+//     may use the new mapping.
+//   * unmap() (and remapping a slot: copy_on_write, replace) does NOT wait for kernels or copies still
+//     queued on streams that read or write the page through that address; cuMemUnmap is not a reliable
+//     barrier. Callers must unmap or remap a slot only after the work on every stream that may touch it
+//     has completed (stream/event synchronisation, or deferred reclamation at a step boundary that is
+//     known to be complete). The same holds for dropping the last reference to a page and handing it to
+//     another sequence: the new owner's writes are ordered only on its own stream.
+//   * copy_page / copy_to_host / copy_from_host are asynchronous on the given stream (0: the legacy
+//     default stream). Host buffers must stay alive, and unread, until synchronize(stream) returns (or
+//     later work on that stream is known to be complete). With pageable host memory the driver may make
+//     the copy synchronous; pinned memory is needed for overlap.
+//   * Releasing the backend (last PagePool / range / view gone) unmaps the pool window and frees every
+//     page without synchronising: no stream may still be using any page at that point.
+#include <memory>
 #include <string>
 
 #include "../backend.h"
 #include "../errors.h"
+
+#ifndef VPAGED_WITH_CUDA
 
 namespace vpaged {
 bool built_with_cuda() { return false; }
@@ -13,3 +43,490 @@ std::shared_ptr<Backend> make_cuda_backend(int device, size_t, size_t, size_t) {
   throw BackendUnavailable(cuda_unavailable_reason(device));
 }
 }  // namespace vpaged
+
+#else  // VPAGED_WITH_CUDA
+
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+#if CUDA_VERSION < 12000
+#error "the vpaged CUDA backend needs CUDA 12.0+ headers (cuGetProcAddress with a symbol-status argument)"
+#endif
+
+namespace vpaged {
+namespace {
+
+// Entry points are requested at this driver-API version. Every function below has had its current
+// signature (the _v2 variants cuda.h maps the plain names to) since CUDA 12.0 or earlier, and asking for
+// a version above the installed driver's fails, so 12.0 keeps any 12.x or newer driver usable.
+constexpr int kDriverApi = 12000;
+
+// The driver functions used. cuda.h #defines some plain names to versioned ones (cuCtxPushCurrent ->
+// cuCtxPushCurrent_v2, cuMemcpyDtoHAsync -> cuMemcpyDtoHAsync_v2, ...): `#name` below stringizes the
+// plain name (what cuGetProcAddress wants), while `decltype(&::name)` and the member name expand to the
+// versioned declaration, consistently with every use of the member in this file.
+#define VPAGED_CU_FUNCTIONS(X)                                                                        \
+  X(cuGetErrorName) X(cuGetErrorString) X(cuInit) X(cuDeviceGetCount) X(cuDeviceGet)                  \
+  X(cuDeviceGetAttribute) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxGetCurrent) \
+  X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuMemGetAllocationGranularity) X(cuMemCreate)              \
+  X(cuMemRelease) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap)                \
+  X(cuMemSetAccess) X(cuMemcpyDtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemcpyHtoDAsync)                    \
+  X(cuStreamSynchronize)
+
+// The process-wide driver table: written once under std::call_once, read-only afterwards.
+struct Driver {
+#define VPAGED_CU_MEMBER(name) decltype(&::name) name = nullptr;
+  VPAGED_CU_FUNCTIONS(VPAGED_CU_MEMBER)
+#undef VPAGED_CU_MEMBER
+  std::string unavailable;  // why the driver cannot be used; "" when it can
+};
+
+std::string result_text(const Driver& d, CUresult r) {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (d.cuGetErrorName) d.cuGetErrorName(r, &name);
+  if (d.cuGetErrorString) d.cuGetErrorString(r, &text);
+  std::string out = name ? name : "CUresult " + std::to_string(static_cast<int>(r));
+  if (text) out += std::string(" (") + text + ")";
+  return out;
+}
+
+void load_driver(Driver& d) {
+  // Never dlclose'd: the driver stays loaded for the life of the process, as the runtime does it.
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* err = dlerror();
+    d.unavailable = std::string("libcuda.so.1 not found: no NVIDIA driver on this machine (dlopen: ") +
+                    (err ? err : "unknown error") + ")";
+    return;
+  }
+  // cuGetProcAddress_v2 is the CUDA 12+ signature (with the symbol-status out-parameter); drivers
+  // older than 12.0 lack it.
+  auto get_proc = reinterpret_cast<decltype(&::cuGetProcAddress)>(dlsym(lib, "cuGetProcAddress_v2"));
+  if (get_proc == nullptr) {
+    d.unavailable = "the NVIDIA driver is too old: libcuda.so.1 has no cuGetProcAddress_v2 "
+                    "(a CUDA 12.0 or newer driver is needed)";
+    return;
+  }
+  auto resolve = [&](const char* symbol, void** slot) {
+    CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    // LEGACY_STREAM: stream 0 means the legacy default stream, as it does for torch.
+    CUresult r = get_proc(symbol, slot, kDriverApi, CU_GET_PROC_ADDRESS_LEGACY_STREAM, &status);
+    if (r == CUDA_SUCCESS && status == CU_GET_PROC_ADDRESS_SUCCESS && *slot != nullptr) return true;
+    d.unavailable = std::string("the NVIDIA driver does not provide ") + symbol + " for CUDA " +
+                    std::to_string(kDriverApi / 1000) + "." + std::to_string(kDriverApi % 1000 / 10) +
+                    " (cuGetProcAddress returned " + result_text(d, r) + ", symbol status " +
+                    std::to_string(static_cast<int>(status)) + ")";
+    return false;
+  };
+#define VPAGED_CU_RESOLVE(name)                                     \
+  {                                                                 \
+    void* fn = nullptr;                                             \
+    if (!resolve(#name, &fn)) return;                               \
+    d.name = reinterpret_cast<decltype(&::name)>(fn);               \
+  }
+  VPAGED_CU_FUNCTIONS(VPAGED_CU_RESOLVE)
+#undef VPAGED_CU_RESOLVE
+  CUresult r = d.cuInit(0);
+  if (r != CUDA_SUCCESS) d.unavailable = "cuInit failed: " + result_text(d, r);
+}
+
+const Driver& driver() {
+  static Driver d;
+  static std::once_flag once;
+  std::call_once(once, [] { load_driver(d); });
+  return d;
+}
+
+std::string call_error(const char* call, CUresult r) {
+  return std::string(call) + " failed: " + result_text(driver(), r);
+}
+
+void check(CUresult r, const char* call) {
+  if (r != CUDA_SUCCESS) throw BackendFailure(call_error(call, r));
+}
+
+// Why device `device` cannot hold vpaged pages ("" when it can). Needs no context.
+std::string device_problem(int device) {
+  const Driver& d = driver();
+  if (!d.unavailable.empty()) return d.unavailable;
+  int count = 0;
+  CUresult r = d.cuDeviceGetCount(&count);
+  if (r != CUDA_SUCCESS) return call_error("cuDeviceGetCount", r);
+  if (device < 0 || device >= count) {
+    return "CUDA device " + std::to_string(device) + " does not exist (" + std::to_string(count) +
+           " device(s) visible; see CUDA_VISIBLE_DEVICES)";
+  }
+  CUdevice dev = 0;
+  r = d.cuDeviceGet(&dev, device);
+  if (r != CUDA_SUCCESS) return call_error("cuDeviceGet", r);
+  int vmm = 0;
+  r = d.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
+  if (r != CUDA_SUCCESS) return call_error("cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)", r);
+  if (!vmm) {
+    return "CUDA device " + std::to_string(device) +
+           " does not support virtual memory management (cuMemCreate / cuMemMap)";
+  }
+  return "";
+}
+
+// Pinned device memory on one device, no export handle types, no compression: what every page is.
+CUmemAllocationProp page_properties(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
+// Makes `ctx` current on the calling thread for the guard's lifetime. Push/pop (not cuCtxSetCurrent)
+// leaves the thread's own current context as it was; nothing is pushed when ctx is current already.
+class ScopedContext {
+ public:
+  explicit ScopedContext(CUcontext ctx) {
+    const Driver& d = driver();
+    CUcontext current = nullptr;
+    check(d.cuCtxGetCurrent(&current), "cuCtxGetCurrent");
+    if (current != ctx) {
+      check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent");
+      pushed_ = true;
+    }
+  }
+  ~ScopedContext() {
+    if (pushed_) {
+      CUcontext popped = nullptr;
+      driver().cuCtxPopCurrent(&popped);
+    }
+  }
+  ScopedContext(const ScopedContext&) = delete;
+  ScopedContext& operator=(const ScopedContext&) = delete;
+
+ private:
+  bool pushed_ = false;
+};
+
+// Holds a reference on a device's primary context (created by the first retain, shared with torch).
+class PrimaryContext {
+ public:
+  explicit PrimaryContext(CUdevice dev) : dev_(dev) {
+    check(driver().cuDevicePrimaryCtxRetain(&ctx_, dev), "cuDevicePrimaryCtxRetain");
+  }
+  ~PrimaryContext() { driver().cuDevicePrimaryCtxRelease(dev_); }
+  PrimaryContext(const PrimaryContext&) = delete;
+  PrimaryContext& operator=(const PrimaryContext&) = delete;
+  CUcontext get() const { return ctx_; }
+
+ private:
+  CUdevice dev_;
+  CUcontext ctx_ = nullptr;
+};
+
+bool is_power_of_two(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, size_t page_size, size_t capacity_pages, size_t reserve_pages)
+      : device_(device), page_size_(page_size), capacity_pages_(capacity_pages) {
+    const std::string why = device_problem(device);
+    if (!why.empty()) throw BackendUnavailable(why);
+    if (capacity_pages == 0) throw InvalidArgument("a page pool needs a capacity of at least one page");
+    const Driver& d = driver();
+    check(d.cuDeviceGet(&dev_, device), "cuDeviceGet");
+    prop_ = page_properties(device);
+    access_.location = prop_.location;
+    access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    context_ = std::make_unique<PrimaryContext>(dev_);  // released by the member's destructor
+    try {
+      ScopedContext current(context_->get());
+      size_t granularity = 0;
+      check(d.cuMemGetAllocationGranularity(&granularity, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+            "cuMemGetAllocationGranularity");
+      if (page_size == 0 || granularity == 0 || page_size % granularity != 0) {
+        throw InvalidArgument("page_size must be a positive multiple of the CUDA allocation granularity of " +
+                              this->device() + " (" + std::to_string(granularity) + " bytes), got " +
+                              std::to_string(page_size));
+      }
+      if (capacity_pages > std::numeric_limits<size_t>::max() / page_size) {
+        throw InvalidArgument("capacity_pages * page_size overflows");
+      }
+      // cuMemAddressReserve wants a power-of-two alignment; cuMemMap only needs granularity alignment.
+      alignment_ = is_power_of_two(page_size) ? page_size : (is_power_of_two(granularity) ? granularity : 0);
+      handles_.assign(capacity_pages, 0);  // never resized again: readers index it without the lock
+      check(d.cuMemAddressReserve(&window_, capacity_pages * page_size, alignment_, 0, 0),
+            "cuMemAddressReserve(pool window)");
+      create_pages(std::min(reserve_pages, capacity_pages));
+    } catch (...) {
+      free_all();
+      throw;
+    }
+  }
+
+  ~CudaBackend() override { free_all(); }
+
+  std::string device() const override { return "cuda:" + std::to_string(device_); }
+  int dlpack_device_type() const override { return 2; /* kDLCUDA */ }
+  int device_index() const override { return device_; }
+  size_t page_size() const override { return page_size_; }
+  size_t capacity_pages() const override { return capacity_pages_; }
+  size_t created_pages() const override { return created_.load(std::memory_order_acquire); }
+
+  // Creates up to `count` handles (cuMemCreate is the slow call, ~0.2 ms each) and maps them into the
+  // pool window, with one cuMemSetAccess for the whole new run. If device memory runs out part way,
+  // the pages that fit are kept and the call returns; only a call that created nothing raises
+  // OutOfPages. Window mappings are internal and not counted in map_calls().
+  void create_pages(size_t count) override {
+    std::lock_guard<std::mutex> lock(create_mu_);
+    const size_t first = created_.load(std::memory_order_relaxed);
+    count = std::min(count, capacity_pages_ - first);
+    if (count == 0) return;
+    const Driver& d = driver();
+    ScopedContext current(context_->get());
+    size_t made = 0;
+    CUresult err = CUDA_SUCCESS;
+    const char* failed = nullptr;
+    for (; made < count; ++made) {
+      const size_t id = first + made;
+      CUmemGenericAllocationHandle h = 0;
+      err = d.cuMemCreate(&h, page_size_, &prop_, 0);
+      if (err != CUDA_SUCCESS) {
+        failed = "cuMemCreate";
+        break;
+      }
+      err = d.cuMemMap(window_ + id * page_size_, page_size_, 0, h, 0);
+      if (err != CUDA_SUCCESS) {
+        d.cuMemRelease(h);
+        failed = "cuMemMap(pool window)";
+        break;
+      }
+      handles_[id] = h;
+    }
+    if (made > 0) {
+      const CUdeviceptr run = window_ + first * page_size_;
+      CUresult r = d.cuMemSetAccess(run, made * page_size_, &access_, 1);
+      if (r != CUDA_SUCCESS) {
+        d.cuMemUnmap(run, made * page_size_);
+        for (size_t i = first; i < first + made; ++i) {
+          d.cuMemRelease(handles_[i]);
+          handles_[i] = 0;
+        }
+        throw BackendFailure(call_error("cuMemSetAccess(pool window)", r));
+      }
+      // Publish only fully usable pages: copies and map() check ids against created_.
+      created_.store(first + made, std::memory_order_release);
+    }
+    if (failed == nullptr) return;
+    if (err == CUDA_ERROR_OUT_OF_MEMORY) {
+      if (made > 0) return;
+      throw OutOfPages(device() + " has no memory for another page of " + std::to_string(page_size_) +
+                       " bytes (" + std::to_string(first) + " of " + std::to_string(capacity_pages_) +
+                       " pages created): " + call_error(failed, err));
+    }
+    throw BackendFailure(call_error(failed, err));
+  }
+
+  // No-op. Device memory has no equivalent of punching a hole: the memory of a handle lives until the
+  // handle is released, and releasing it would make the id unusable until a new cuMemCreate (~0.2 ms)
+  // and a new window mapping, defeating "create ahead of need". The page's data is left as it was.
+  void discard_page(PageId page) override { check_page(page); }
+
+  uintptr_t reserve(size_t bytes) override {
+    if (bytes == 0 || bytes % page_size_ != 0) {
+      throw InvalidArgument("reserve: size must be a positive multiple of the page size");
+    }
+    ScopedContext current(context_->get());
+    CUdeviceptr va = 0;
+    CUresult r = driver().cuMemAddressReserve(&va, bytes, alignment_, 0, 0);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+      throw MappingLimit(call_error("cuMemAddressReserve", r) + ": the GPU virtual address space is exhausted");
+    }
+    check(r, "cuMemAddressReserve");
+    return static_cast<uintptr_t>(va);
+  }
+
+  void release(uintptr_t va, size_t bytes) override {
+    ScopedContext current(context_->get());
+    check(driver().cuMemAddressFree(static_cast<CUdeviceptr>(va), bytes), "cuMemAddressFree");
+  }
+
+  // One cuMemMap per page (a mapping covers a whole handle), then a single cuMemSetAccess over the run
+  // (every mapping needs access set; the call costs ~36 us whatever the length, so it is batched).
+  // map_calls() grows by n + 1. All or nothing: on failure what was mapped is unmapped again.
+  void map(uintptr_t va, const PageId* pages, size_t n) override {
+    if (n == 0) return;
+    for (size_t i = 0; i < n; ++i) check_page(pages[i]);
+    const Driver& d = driver();
+    ScopedContext current(context_->get());
+    size_t done = 0;
+    size_t calls = 0;
+    CUresult err = CUDA_SUCCESS;
+    const char* failed = nullptr;
+    for (; done < n; ++done) {
+      ++calls;
+      err = d.cuMemMap(static_cast<CUdeviceptr>(va + done * page_size_), page_size_, 0, handles_[pages[done]], 0);
+      if (err != CUDA_SUCCESS) {
+        failed = "cuMemMap";
+        break;
+      }
+    }
+    if (failed == nullptr) {
+      ++calls;
+      err = d.cuMemSetAccess(static_cast<CUdeviceptr>(va), n * page_size_, &access_, 1);
+      if (err != CUDA_SUCCESS) failed = "cuMemSetAccess";
+    }
+    count_calls(calls, 0);
+    if (failed == nullptr) return;
+    if (done > 0) {
+      d.cuMemUnmap(static_cast<CUdeviceptr>(va), done * page_size_);
+      count_calls(0, 1);
+    }
+    throw BackendFailure(call_error(failed, err));
+  }
+
+  // One cuMemUnmap for the run: the driver accepts a range made of several whole mappings (it only
+  // refuses to split one). Does not wait for streams: see the protocol at the top of this file.
+  void unmap(uintptr_t va, size_t n) override {
+    if (n == 0) return;
+    ScopedContext current(context_->get());
+    CUresult r = driver().cuMemUnmap(static_cast<CUdeviceptr>(va), n * page_size_);
+    count_calls(0, 1);
+    check(r, "cuMemUnmap");
+  }
+
+  void copy_page(PageId dst, PageId src, uintptr_t stream) override {
+    check_page(dst);
+    check_page(src);
+    ScopedContext current(context_->get());
+    check(driver().cuMemcpyDtoDAsync(window_address(dst), window_address(src), page_size_, as_stream(stream)),
+          "cuMemcpyDtoDAsync");
+  }
+
+  void copy_to_host(PageId src, void* host, uintptr_t stream) override {
+    check_page(src);
+    ScopedContext current(context_->get());
+    check(driver().cuMemcpyDtoHAsync(host, window_address(src), page_size_, as_stream(stream)),
+          "cuMemcpyDtoHAsync");
+  }
+
+  void copy_from_host(PageId dst, const void* host, uintptr_t stream) override {
+    check_page(dst);
+    ScopedContext current(context_->get());
+    check(driver().cuMemcpyHtoDAsync(window_address(dst), host, page_size_, as_stream(stream)),
+          "cuMemcpyHtoDAsync");
+  }
+
+  void synchronize(uintptr_t stream) override {
+    ScopedContext current(context_->get());
+    check(driver().cuStreamSynchronize(as_stream(stream)), "cuStreamSynchronize");
+  }
+
+ private:
+  static CUstream as_stream(uintptr_t stream) { return reinterpret_cast<CUstream>(stream); }
+  CUdeviceptr window_address(PageId page) const {
+    return window_ + static_cast<CUdeviceptr>(page) * page_size_;
+  }
+
+  // Only created pages have a handle and a window mapping.
+  void check_page(PageId page) const {
+    if (page < 0 || static_cast<size_t>(page) >= created_.load(std::memory_order_acquire)) {
+      throw InvalidArgument("page id " + std::to_string(page) + " out of range (" +
+                            std::to_string(created_pages()) + " pages created)");
+    }
+  }
+
+  // map_calls_ / unmap_calls_ are plain counters in Backend; ranges may map concurrently.
+  void count_calls(size_t maps, size_t unmaps) {
+    std::lock_guard<std::mutex> lock(counter_mu_);
+    map_calls_ += maps;
+    unmap_calls_ += unmaps;
+  }
+
+  // Undo everything the constructor did; safe on a partly built object and never throws. At process
+  // exit the driver may already be torn down: its calls then fail and there is nothing left to free.
+  void free_all() noexcept {
+    if (!context_) return;
+    const Driver& d = driver();
+    try {
+      ScopedContext current(context_->get());
+      const size_t made = created_.load(std::memory_order_acquire);
+      if (made > 0 && d.cuMemUnmap(window_, made * page_size_) != CUDA_SUCCESS) {
+        for (size_t i = 0; i < made; ++i) d.cuMemUnmap(window_address(static_cast<PageId>(i)), page_size_);
+      }
+      for (size_t i = 0; i < made; ++i) d.cuMemRelease(handles_[i]);
+      if (window_ != 0) d.cuMemAddressFree(window_, capacity_pages_ * page_size_);
+    } catch (...) {
+    }
+    created_.store(0);
+    window_ = 0;
+    context_.reset();  // cuDevicePrimaryCtxRelease
+  }
+
+  int device_;
+  CUdevice dev_ = 0;
+  size_t page_size_;
+  size_t capacity_pages_;
+  size_t alignment_ = 0;
+  CUmemAllocationProp prop_{};
+  CUmemAccessDesc access_{};
+  std::unique_ptr<PrimaryContext> context_;
+  CUdeviceptr window_ = 0;  // capacity_pages_ * page_size_ of VA; page id i is mapped at i * page_size_
+  std::vector<CUmemGenericAllocationHandle> handles_;
+  std::atomic<size_t> created_{0};
+  std::mutex create_mu_;
+  std::mutex counter_mu_;
+};
+
+}  // namespace
+
+bool built_with_cuda() { return true; }
+
+std::string cuda_unavailable_reason(int device) {
+  try {
+    return device_problem(device);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+int cuda_device_count() {
+  const Driver& d = driver();
+  int count = 0;
+  if (!d.unavailable.empty() || d.cuDeviceGetCount(&count) != CUDA_SUCCESS) return 0;
+  return count;
+}
+
+size_t cuda_granularity(int device) {
+  if (!device_problem(device).empty()) return 0;
+  const Driver& d = driver();
+  const CUmemAllocationProp prop = page_properties(device);
+  size_t granularity = 0;
+  CUresult r = d.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r == CUDA_ERROR_INVALID_CONTEXT) {
+    // Some drivers want a current context for the query: borrow the primary one for it.
+    try {
+      CUdevice dev = 0;
+      check(d.cuDeviceGet(&dev, device), "cuDeviceGet");
+      PrimaryContext ctx(dev);
+      ScopedContext current(ctx.get());
+      r = d.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    } catch (const std::exception&) {
+      return 0;
+    }
+  }
+  return r == CUDA_SUCCESS ? granularity : 0;
+}
+
+std::shared_ptr<Backend> make_cuda_backend(int device, size_t page_size, size_t capacity_pages,
+                                           size_t reserve_pages) {
+  return std::make_shared<CudaBackend>(device, page_size, capacity_pages, reserve_pages);
+}
+
+}  // namespace vpaged
+
+#endif  // VPAGED_WITH_CUDA
