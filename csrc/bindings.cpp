@@ -9,6 +9,10 @@
 #include "virtual_range.h"
 
 namespace py = pybind11;
+
+namespace vpaged {
+double raw_map_unmap_seconds_per_page(size_t page_size, size_t pages);
+}
 using namespace vpaged;
 
 namespace {
@@ -69,6 +73,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_granularity", &cuda_granularity, py::arg("device") = 0);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("built_with_cuda", &built_with_cuda);
+  m.def("_raw_map_unmap_seconds_per_page", &raw_map_unmap_seconds_per_page, py::arg("page_size"),
+        py::arg("pages"), "Benchmark floor: bare mmap map + unmap of one page, in C++.");
 
   py::class_<PoolStats>(m, "PoolStats")
       .def_readonly("page_size", &PoolStats::page_size)
