@@ -6,6 +6,7 @@
 // one page size. Every page that exists is also mapped once in the backend's private "pool window", so
 // page-to-page and page-to-host copies never need a caller's mapping.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -59,8 +60,9 @@ class Backend {
   size_t unmap_calls() const { return unmap_calls_; }
 
  protected:
-  size_t map_calls_ = 0;
-  size_t unmap_calls_ = 0;
+  // Atomic: ranges on different threads may map through one backend at once.
+  std::atomic<size_t> map_calls_{0};
+  std::atomic<size_t> unmap_calls_{0};
 };
 
 // Host backend: a sparse memfd of capacity_pages * page_size bytes is the physical memory.

@@ -110,24 +110,42 @@ void VirtualRange::map_shared(const std::vector<int64_t>& slots, const std::vect
     check_slot(s);
     if (table_[s] >= 0) throw InvalidArgument("page slot " + std::to_string(s) + " is already mapped");
   }
-  pool_->incref_all(pages);  // validates every page first; all or nothing
+  // Sort by slot so runs of consecutive slots map in one backend call (one cuMemSetAccess per run).
+  std::vector<size_t> order(slots.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return slots[a] < slots[b]; });
+  std::vector<int64_t> sorted_slots;
+  std::vector<PageId> sorted_pages;
+  for (size_t i : order) {
+    if (!sorted_slots.empty() && sorted_slots.back() == slots[i])
+      throw InvalidArgument("map_shared: a slot is listed twice");
+    sorted_slots.push_back(slots[i]);
+    sorted_pages.push_back(pages[i]);
+  }
+  pool_->incref_all(sorted_pages);  // validates every page first; all or nothing
   size_t done = 0;
+  const auto slot_runs = runs(sorted_slots);
   try {
-    for (; done < slots.size(); ++done) {
-      pool_->backend().map(va_ + static_cast<size_t>(slots[done]) * page_size_, &pages[done], 1);
+    for (auto [first, count] : slot_runs) {
+      pool_->backend().map(va_ + static_cast<size_t>(first) * page_size_, sorted_pages.data() + done,
+                           static_cast<size_t>(count));
+      done += static_cast<size_t>(count);
     }
   } catch (...) {
-    for (size_t i = 0; i < done; ++i) {
+    size_t undone = 0;
+    for (auto [first, count] : slot_runs) {
+      if (undone >= done) break;
       try {
-        pool_->backend().unmap(va_ + static_cast<size_t>(slots[i]) * page_size_, 1);
+        pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
       } catch (...) {
       }
+      undone += static_cast<size_t>(count);
     }
-    pool_->decref_all(pages);
+    pool_->decref_all(sorted_pages);
     throw;
   }
-  for (size_t i = 0; i < slots.size(); ++i) table_[slots[i]] = pages[i];
-  mapped_ += slots.size();
+  for (size_t i = 0; i < sorted_slots.size(); ++i) table_[sorted_slots[i]] = sorted_pages[i];
+  mapped_ += sorted_slots.size();
 }
 
 void VirtualRange::unmap(const std::vector<int64_t>& slots) {
@@ -217,6 +235,100 @@ void VirtualRange::replace(int64_t slot, PageId page) {
   }
   table_[slot] = page;
   pool_->decref(old);
+}
+
+size_t VirtualRange::make_private(const std::vector<int64_t>& slots, uintptr_t stream) {
+  std::vector<int64_t> shared;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int64_t s : slots) {
+      check_slot(s);
+      if (table_[s] >= 0 && pool_->refcount(table_[s]) > 1) shared.push_back(s);
+    }
+  }
+  if (shared.empty()) return 0;
+  if (pool_->free_pages() < shared.size()) {
+    throw OutOfPages("copy-on-write needs " + std::to_string(shared.size()) + " page(s), " +
+                     std::to_string(pool_->free_pages()) + " free");
+  }
+  // Each copy is complete on its own (the slot shows the same data before and after), so a failure half
+  // way leaves every slot valid: the ones already copied are simply private earlier than needed.
+  for (int64_t s : shared) copy_on_write(s, stream);
+  return shared.size();
+}
+
+void VirtualRange::assign(const std::vector<int64_t>& slots, const std::vector<PageId>& pages) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (slots.size() != pages.size()) throw InvalidArgument("assign: slots and pages differ in length");
+  std::vector<int64_t> sorted(slots);
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+    throw InvalidArgument("assign: a slot is listed twice");
+  std::vector<PageId> held;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    check_slot(slots[i]);
+    if (table_[slots[i]] == pages[i]) continue;
+    if (pins_[slots[i]] > 0)
+      throw ViewsAlive("assign: page slot " + std::to_string(slots[i]) +
+                       " is read through a live tensor view; drop the view first");
+    if (pages[i] >= 0) held.push_back(pages[i]);
+  }
+  pool_->incref_all(held);  // hold every incoming page so none is freed while slots change hands
+  struct Change {
+    int64_t slot;
+    PageId old;
+  };
+  std::vector<Change> log;
+  try {
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const int64_t s = slots[i];
+      const PageId old = table_[s];
+      if (old == pages[i]) continue;
+      const uintptr_t va = va_ + static_cast<size_t>(s) * page_size_;
+      if (old >= 0) pool_->backend().unmap(va, 1);
+      log.push_back({s, old});
+      table_[s] = -1;
+      if (pages[i] >= 0) {
+        pool_->backend().map(va, &pages[i], 1);
+        table_[s] = pages[i];
+      }
+    }
+  } catch (...) {
+    // Put back what changed, newest first; the old pages were never released, so they are all there.
+    for (auto it = log.rbegin(); it != log.rend(); ++it) {
+      const uintptr_t va = va_ + static_cast<size_t>(it->slot) * page_size_;
+      try {
+        if (table_[it->slot] >= 0) pool_->backend().unmap(va, 1);
+        table_[it->slot] = -1;
+        if (it->old >= 0) {
+          pool_->backend().map(va, &it->old, 1);
+          table_[it->slot] = it->old;
+        }
+      } catch (...) {
+      }
+    }
+    pool_->decref_all(held);
+    throw;
+  }
+  // Commit: the slots keep the held references to their new pages; the replaced pages lose theirs.
+  for (const Change& c : log) {  // each slot appears once (checked above)
+    if (c.old >= 0) {
+      pool_->decref(c.old);
+      --mapped_;
+    }
+    if (table_[c.slot] >= 0) ++mapped_;
+  }
+}
+
+std::vector<int32_t> VirtualRange::refcounts_at(const std::vector<int64_t>& slots) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int32_t> out;
+  out.reserve(slots.size());
+  for (int64_t s : slots) {
+    check_slot(s);
+    out.push_back(table_[s] >= 0 ? pool_->refcount(table_[s]) : 0);
+  }
+  return out;
 }
 
 PageId VirtualRange::page_at(int64_t slot) const {

@@ -42,6 +42,15 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   PageId copy_on_write(int64_t slot, uintptr_t stream);
   // Put `page` (taking a reference) at a mapped slot in place of its current page. All or nothing.
   void replace(int64_t slot, PageId page);
+  // Copy-on-write every listed slot whose page is shared (reference count > 1). Checks first that the
+  // pool has a page for each copy (OutOfPages, nothing changed). Returns the number of copies made.
+  size_t make_private(const std::vector<int64_t>& slots, uintptr_t stream);
+  // Make slots[i] show pages[i] (-1: unmapped), taking references on the new pages and dropping those of
+  // the pages replaced. The pages are held while the slots change, so one slot may take the page another
+  // slot in the same call gives up (reordering beams). Slots must be unpinned where they change.
+  void assign(const std::vector<int64_t>& slots, const std::vector<PageId>& pages);
+  // Reference counts of the pages behind the slots (0 where unmapped).
+  std::vector<int32_t> refcounts_at(const std::vector<int64_t>& slots) const;
 
   PageId page_at(int64_t slot) const;           // -1 when unmapped
   std::vector<PageId> pages_at(const std::vector<int64_t>& slots) const;

@@ -5,6 +5,15 @@ new tokens need; kv() hands out zero-copy torch views of exactly the tokens pres
 (SDPA, FlashAttention) run on them unchanged. free() keeps the slot's pages mapped for the next allocate()
 (deferred reclamation: no map calls in a steady workload); the pool takes them back when it runs low.
 
+Sharing: fork() maps a sequence's physical pages into another slot (no data copied); prefix caching maps
+full pages of an identical token prefix into a new sequence; reorder() remaps whole sequences (beam search).
+A shared page is never written: extend() first gives the sequence a private copy of any shared page its new
+tokens land in (copy-on-write). The write contract: a sequence's writable window is the tokens added by its
+last extend(); write() and new_kv() only reach that window, kv() is for reading.
+
+Swapping: swap_out() copies a sequence's private pages to host swap space and returns them to the pool;
+swap_in() maps fresh pages at the same virtual addresses and restores the data bit-exactly.
+
 Not thread-safe: one cache belongs to one scheduler thread. The pool under it is thread-safe.
 """
 from __future__ import annotations
@@ -18,9 +27,12 @@ from . import _C
 from ._dtypes import dlpack_code, itemsize
 from .device import normalize_device
 from .errors import (CacheClosedError, DTypeError, InvalidArgumentError, LayerIndexError, OutOfPagesError,
-                     SequenceTooLongError, ShapeError, SlotsExhaustedError, UnknownSequenceError)
+                     ReadOnlyTokensError, SequenceSwappedError, SequenceTooLongError, ShapeError,
+                     SlotsExhaustedError, SwapSpaceFullError, UnknownSequenceError, ViewsAliveError)
 from .layout import Layout
 from .pool import PagePool, default_pool
+from .prefix import HashFn, PrefixIndex
+from .swap import SwapSpace
 
 
 @dataclass(frozen=True)
@@ -33,13 +45,19 @@ class CacheStats:
     mapped_pages: int  # pages this cache has mapped, dormant ones included
     mapped_bytes: int
     dormant_pages: int  # pages of freed slots kept for reuse (reclaimable)
-    utilization: float  # live_bytes / mapped_bytes (1.0 when nothing is mapped)
+    utilization: float  # live_bytes / mapped_bytes (1.0 when nothing is mapped; > 1 when pages are shared)
     tokens_per_page: float  # fill granularity: tokens one page of one region holds
     pool_free_pages: int
     pool_used_pages: int
     pages_mapped_total: int  # pages mapped since creation (map work done)
     pages_unmapped_total: int
     map_calls: int  # calls into the range that mapped pages (one per extend that needed pages)
+    shared_pages: int  # pages this cache maps that are mapped more than once (or held by the prefix index)
+    cow_copies: int  # pages copied on write since creation
+    prefix_hit_tokens: int  # tokens reused from the prefix index since creation
+    prefix_cached_pages: int  # pages held by the prefix index
+    swapped_sequences: int
+    swapped_bytes: int  # bytes in swap space
 
 
 @dataclass(frozen=True)
@@ -79,11 +97,14 @@ class VirtualKVCache:
         layout: "per_layer" (dense per-layer views, fastest kernels) or "interleaved" (all layers of a token
             together: finer fill granularity, one map per page for all layers).
         page_size: bytes per page for a private/default pool (must match a given pool).
+        swap_bytes: capacity of the host swap space for swap_out() (0: no swapping).
+        prefix_hash: hash(parent_key, block_token_ids) -> bytes for the prefix index (default: blake2b chain).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
                  max_seqs: int = 64, max_seq_len: int = 4096, device="cpu", pool: PagePool | None = None,
-                 capacity_bytes: int | None = None, layout: str = "per_layer", page_size: int | None = None):
+                 capacity_bytes: int | None = None, layout: str = "per_layer", page_size: int | None = None,
+                 swap_bytes: int = 0, prefix_hash: HashFn | None = None):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -117,24 +138,78 @@ class VirtualKVCache:
         self._mapped = [0] * max_seqs  # pages mapped per region in each slot
         self._empty = list(range(max_seqs - 1, -1, -1))  # slots without pages; pop() gives the lowest
         self._dormant: OrderedDict[int, None] = OrderedDict()  # freed slots that keep their pages, oldest first
+        self._shared_upto = [0] * max_seqs  # pages below this index of a slot may be shared
+        self._writable_from = [0] * max_seqs  # first token of the writable window
+        self._swapped: dict[int, tuple[list[int], list[int]]] = {}  # slot -> (page slots swapped, chunks)
         self._next_id = 0
         self._pages_mapped = 0
         self._pages_unmapped = 0
         self._map_calls = 0
+        self._cow_copies = 0
+        self._prefix_hits = 0
+        tpp = self.layout.page_size / self.layout.token_bytes
+        self._prefix = PrefixIndex(int(tpp), prefix_hash) if tpp == int(tpp) else None
+        self._swap = (SwapSpace(swap_bytes, pool.page_size, pin=self.device.type == "cuda")
+                      if swap_bytes else None)
         self._closed = False
         pool._register(self)
 
     # ----------------------------------------------------------------------------------------- lifecycle
-    def allocate(self) -> int:
-        """A new empty sequence; returns its id. Reuses a freed slot's pages when one has them."""
+    def allocate(self, tokens=None) -> int:
+        """A new sequence; returns its id. Reuses a freed slot's pages when one has them.
+
+        tokens: the prompt's token ids. The longest run of cached full pages whose tokens match is mapped in
+        shared, and the sequence starts with those tokens present: seq_len(seq) tells how many, so the caller
+        computes (extends by) only the rest. Pages become reusable through cache_prefix()."""
         self._check_open()
-        if self._dormant:
-            slot, _ = self._dormant.popitem(last=True)  # most recently freed: its pages are warmest
-        elif self._empty:
-            slot = self._empty.pop()
-        else:
-            raise SlotsExhaustedError(f"all {self.max_seqs} sequence slots are in use")
-        return self._bind(slot)
+        if tokens is None:
+            if self._dormant:
+                slot, _ = self._dormant.popitem(last=True)  # most recently freed: its pages are warmest
+            elif self._empty:
+                slot = self._empty.pop()
+            else:
+                raise SlotsExhaustedError(f"all {self.max_seqs} sequence slots are in use")
+            return self._bind(slot)
+        index = self._prefix_index()
+        hits = index.match(tokens)
+        slot = self._take_clean_slot()
+        if hits:
+            page_slots = self.layout.page_slots(slot, 0, len(hits))  # region-major, like the pages below
+            pages = [b.pages[r] for r in range(self.layout.regions) for b in hits]
+            try:
+                self._range.map_shared(page_slots, pages)
+            except BaseException:
+                self._empty.append(slot)
+                raise
+        seq = self._bind(slot)
+        n = len(hits) * index.block_tokens
+        self._len[slot] = n
+        self._mapped[slot] = len(hits)
+        self._shared_upto[slot] = len(hits)
+        self._writable_from[slot] = n
+        self._prefix_hits += n
+        return seq
+
+    def _take_clean_slot(self) -> int:
+        """A slot with nothing mapped (an empty one, else a freed slot whose pages are unmapped now)."""
+        if self._empty:
+            return self._empty.pop()
+        for slot in list(self._dormant):
+            try:
+                self._unmap_slot(slot)
+            except ViewsAliveError:
+                continue
+            del self._dormant[slot]
+            return slot
+        raise SlotsExhaustedError(f"all {self.max_seqs} sequence slots are in use")
+
+    def _unmap_slot(self, slot: int) -> None:
+        if self._mapped[slot]:
+            idx = self.layout.page_slots(slot, 0, self._mapped[slot])
+            self._range.unmap(idx)
+            self._pages_unmapped += len(idx)
+        self._mapped[slot] = 0
+        self._shared_upto[slot] = 0
 
     def allocate_many(self, n: int) -> list[int]:
         """n new sequences in consecutive slots, so that kv_batch() can view them as one tensor."""
@@ -166,13 +241,33 @@ class VirtualKVCache:
         self._next_id += 1
         self._slot_of[seq] = slot
         self._len[slot] = 0
+        self._writable_from[slot] = 0
         return seq
 
     def free(self, seq: int) -> None:
-        """End a sequence. Its pages stay mapped for the next allocate() until the pool needs them."""
+        """End a sequence. Its private pages stay mapped for the next allocate() until the pool needs them;
+        pages it shares with others are unmapped at once (so a reused slot never starts with shared pages)."""
         slot = self._slot(seq)
         del self._slot_of[seq]
         self._len[slot] = 0
+        if slot in self._swapped:
+            swapped_slots, chunks = self._swapped.pop(slot)
+            self._swap.release(chunks)
+            gone = set(swapped_slots)
+            keep = [ps for ps in self.layout.page_slots(slot, 0, self._mapped[slot]) if ps not in gone]
+            self._range.unmap(keep)
+            self._pages_unmapped += len(keep)
+            self._mapped[slot] = 0
+            self._shared_upto[slot] = 0
+        elif self._shared_upto[slot]:
+            idx = self.layout.page_slots(slot, 0, self._mapped[slot])
+            if any(c > 1 for c in self._range.refcounts_at(idx)):
+                try:
+                    self._unmap_slot(slot)
+                except ViewsAliveError:
+                    pass  # kept; a later extend of the slot copies before writing
+            else:
+                self._shared_upto[slot] = 0
         if self._mapped[slot]:
             self._dormant[slot] = None
         else:
@@ -190,36 +285,233 @@ class VirtualKVCache:
             raise InvalidArgumentError(f"n must be an int, got {n!r}")
         if n < 0:
             raise InvalidArgumentError(f"n must be >= 0, got {n}")
-        slots = [self._slot(s) for s in seqs]
+        slots = [self._live_slot(s) for s in seqs]
         if len(set(slots)) != len(slots):
             raise InvalidArgumentError("a sequence is listed twice")
+        lay = self.layout
         page_slots: list[int] = []
         grown = []
+        to_privatize: list[int] = []  # mapped page slots the new tokens land in that may be shared
         for seq, slot in zip(seqs, slots):
-            new_len = self._len[slot] + n
+            old_len = self._len[slot]
+            new_len = old_len + n
             if new_len > self.max_seq_len:
                 raise SequenceTooLongError(
                     f"sequence {seq} would hold {new_len} tokens, more than max_seq_len={self.max_seq_len}")
-            need = self.layout.pages_for(new_len)
+            need = lay.pages_for(new_len)
+            if n and self._shared_upto[slot]:
+                first = old_len * lay.token_bytes // lay.page_size  # page of the first new token
+                stop = min(need, self._mapped[slot], self._shared_upto[slot])
+                if first < stop:
+                    to_privatize += lay.page_slots(slot, first, stop)
             if need > self._mapped[slot]:
-                page_slots += self.layout.page_slots(slot, self._mapped[slot], need)
+                page_slots += lay.page_slots(slot, self._mapped[slot], need)
                 grown.append((slot, need))
+        copies = sum(1 for c in self._range.refcounts_at(to_privatize) if c > 1) if to_privatize else 0
+        if page_slots or copies:
+            self._ensure_free(len(page_slots) + copies)
         if page_slots:
-            self._map_new(page_slots)
+            self._range.map_new(page_slots)
+            self._pages_mapped += len(page_slots)
+            self._map_calls += 1
             for slot, need in grown:
                 self._mapped[slot] = need
+        if copies:
+            self._cow_copies += self._range.make_private(to_privatize)
         for slot in slots:
+            if n and self._shared_upto[slot]:
+                # Every page from the first new token's on is private now.
+                first = self._len[slot] * lay.token_bytes // lay.page_size
+                self._shared_upto[slot] = min(self._shared_upto[slot], first)
+            self._writable_from[slot] = self._len[slot]
             self._len[slot] += n
 
-    def _map_new(self, page_slots: list[int]) -> None:
-        if not self.pool.ensure_free(len(page_slots)):
+    def _ensure_free(self, pages: int) -> None:
+        if not self.pool.ensure_free(pages):
             s = self.pool.stats()
             raise OutOfPagesError(
-                f"out of pages: {len(page_slots)} page(s) of {s.page_size} bytes needed, {s.free_pages} free "
+                f"out of pages: {pages} page(s) of {s.page_size} bytes needed, {s.free_pages} free "
                 f"of {s.total_pages} (+{self.pool.reclaimable_pages()} reclaimable); nothing was changed")
-        self._range.map_new(page_slots)
-        self._pages_mapped += len(page_slots)
+
+    # ----------------------------------------------------------------------------------------- sharing
+    def fork(self, seq: int) -> int:
+        """A new sequence with the same tokens, sharing every page of `seq` (no KV data is copied). Whichever
+        of the two writes first into a shared page gets a private copy of that page (in extend)."""
+        return self.fork_many(seq, 1)[0]
+
+    def fork_many(self, seq: int, n: int) -> list[int]:
+        """n forks of `seq` (parallel sampling); all or none."""
+        parent = self._live_slot(seq)
+        if not isinstance(n, int) or n <= 0:
+            raise InvalidArgumentError(f"n must be a positive int, got {n!r}")
+        if len(self._empty) + len(self._dormant) < n:
+            raise SlotsExhaustedError(f"{n} fork(s) need free slots; {len(self._empty) + len(self._dormant)} free")
+        npages = self.layout.pages_for(self._len[parent])
+        pages = self._range.pages_at(self.layout.page_slots(parent, 0, npages))
+        children: list[int] = []
+        try:
+            for _ in range(n):
+                slot = self._take_clean_slot()
+                try:
+                    if npages:
+                        self._range.map_shared(self.layout.page_slots(slot, 0, npages), pages)
+                except BaseException:
+                    self._empty.append(slot)
+                    raise
+                child = self._bind(slot)
+                children.append(child)
+                self._len[slot] = self._len[parent]
+                self._mapped[slot] = npages
+                self._shared_upto[slot] = npages
+                self._writable_from[slot] = self._len[slot]
+        except BaseException:
+            for child in children:
+                self.free(child)
+            raise
+        self._shared_upto[parent] = max(self._shared_upto[parent], npages)
+        self._writable_from[parent] = self._len[parent]  # its pages are shared now: nothing to write in place
+        return children
+
+    def truncate(self, seq: int, new_len: int) -> None:
+        """Drop the tokens from new_len on (speculative decoding, beam search). Pages wholly past the new
+        length are unmapped (kept while a live view reads them)."""
+        slot = self._live_slot(seq)
+        if not isinstance(new_len, int) or isinstance(new_len, bool) or not 0 <= new_len <= self._len[slot]:
+            raise InvalidArgumentError(f"new_len must be an int in 0..{self._len[slot]}, got {new_len!r}")
+        keep = self.layout.pages_for(new_len)
+        if self._mapped[slot] > keep:
+            idx = self.layout.page_slots(slot, keep, self._mapped[slot])
+            try:
+                self._range.unmap(idx)
+                self._pages_unmapped += len(idx)
+                self._mapped[slot] = keep
+                self._shared_upto[slot] = min(self._shared_upto[slot], keep)
+            except ViewsAliveError:
+                pass
+        self._len[slot] = new_len
+        self._writable_from[slot] = new_len
+
+    def reorder(self, seqs, sources) -> None:
+        """seqs[i] takes the tokens and K/V that seqs[sources[i]] held before the call (beam search).
+
+        Done by remapping pages: the sequences share every page afterwards; the partly filled last page is
+        copied when one of them writes to it. No KV data is copied here."""
+        seqs = list(seqs)
+        sources = [int(i) for i in sources]
+        if len(sources) != len(seqs):
+            raise InvalidArgumentError(f"{len(seqs)} sequences but {len(sources)} sources")
+        if any(not 0 <= i < len(seqs) for i in sources):
+            raise InvalidArgumentError(f"sources must index 0..{len(seqs) - 1}, got {sources}")
+        slots = [self._live_slot(s) for s in seqs]
+        if len(set(slots)) != len(slots):
+            raise InvalidArgumentError("a sequence is listed twice")
+        lay = self.layout
+        lens = [self._len[s] for s in slots]
+        old_pages = {s: self._range.pages_at(lay.page_slots(s, 0, self._mapped[s])) for s in set(slots)}
+        assign_slots: list[int] = []
+        assign_pages: list[int] = []
+        moves = []
+        for dst, i in zip(slots, sources):
+            src = slots[i]
+            if src == dst:
+                continue
+            src_n = lay.pages_for(lens[i])
+            span = max(src_n, self._mapped[dst])
+            src_by_slot = dict(zip(lay.page_slots(src, 0, self._mapped[src]), old_pages[src]))
+            for r in range(lay.regions):
+                for p in range(span):
+                    ps = lay.page_slots(dst, p, p + 1)[r]
+                    assign_slots.append(ps)
+                    assign_pages.append(src_by_slot[lay.page_slots(src, p, p + 1)[r]] if p < src_n else -1)
+            moves.append((dst, src, src_n, lens[i]))
+        if assign_slots:
+            self._range.assign(assign_slots, assign_pages)
+        for dst, src, src_n, length in moves:
+            self._len[dst] = length
+            self._mapped[dst] = src_n
+            self._shared_upto[dst] = src_n
+            self._writable_from[dst] = length
+            self._shared_upto[src] = max(self._shared_upto[src], min(src_n, self._mapped[src]))
+            self._writable_from[src] = self._len[src]
+
+    def cache_prefix(self, seq: int, tokens) -> int:
+        """Offer the full pages of `seq` for reuse by later allocate(tokens=...) calls. tokens: the token ids
+        of the sequence (at least its full pages' worth); their K/V must be written. Returns the number of
+        tokens now cached for this prefix."""
+        slot = self._live_slot(seq)
+        index = self._prefix_index()
+        tokens = list(tokens)
+        nblocks = min(len(tokens), self._len[slot]) // index.block_tokens
+        for depth, (key, block) in enumerate(index.keys(tokens[:nblocks * index.block_tokens])):
+            found = index.lookup(key)
+            if found is not None:
+                if found.tokens != block or found.depth != depth:
+                    return depth * index.block_tokens  # a different prefix owns this key: stop here
+                continue
+            pages = self._range.pages_at(self.layout.page_slots(slot, depth, depth + 1))
+            for p in pages:
+                self.pool._pool.incref(p)
+            index.insert(key, depth, block, pages)
+        self._shared_upto[slot] = max(self._shared_upto[slot], nblocks)
+        self._writable_from[slot] = max(self._writable_from[slot], nblocks * index.block_tokens)
+        return nblocks * index.block_tokens
+
+    def _prefix_index(self) -> PrefixIndex:
+        if self._prefix is None:
+            raise InvalidArgumentError(
+                f"prefix caching needs pages that hold a whole number of tokens; a page of {self.layout.page_size} "
+                f"bytes holds {self.layout.tokens_per_page:.3f} (choose a page size that is a multiple of "
+                f"{self.layout.token_bytes} bytes)")
+        return self._prefix
+
+    # ----------------------------------------------------------------------------------------- swapping
+    def swap_out(self, seq: int) -> int:
+        """Copy the sequence's private pages to swap space and return them to the pool; pages it shares stay
+        mapped. The sequence keeps its id and addresses; returns the bytes swapped."""
+        slot = self._live_slot(seq)
+        if self._swap is None:
+            raise SwapSpaceFullError("this cache has no swap space (create it with swap_bytes=...)")
+        idx = self.layout.page_slots(slot, 0, self._mapped[slot])
+        counts = self._range.refcounts_at(idx)
+        private = [ps for ps, c in zip(idx, counts) if c == 1]
+        if any(self._range.pins_at(ps) for ps in private):
+            raise ViewsAliveError(f"sequence {seq} is read through a live tensor view; drop the view first")
+        chunks = self._swap.alloc(len(private))
+        pages = self._range.pages_at(private)
+        try:
+            for page, chunk in zip(pages, chunks):
+                self.pool._pool.copy_to_host(page, self._swap.address(chunk))
+            self.pool.backend.synchronize(0)  # the copies must land before the pages go back to the pool
+            self._range.unmap(private)
+        except BaseException:
+            self._swap.release(chunks)
+            raise
+        self._pages_unmapped += len(private)
+        self._swapped[slot] = (private, chunks)
+        return len(private) * self.layout.page_size
+
+    def swap_in(self, seq: int) -> None:
+        """Map fresh pages where the swapped ones were and restore their data bit-exactly."""
+        slot = self._slot(seq)
+        if slot not in self._swapped:
+            raise InvalidArgumentError(f"sequence {seq} is not swapped out")
+        private, chunks = self._swapped[slot]
+        self._ensure_free(len(private))
+        pages = self._range.map_new(private)
+        try:
+            for page, chunk in zip(pages, chunks):
+                self.pool._pool.copy_from_host(page, self._swap.address(chunk))
+            self.pool.backend.synchronize(0)
+        except BaseException:
+            self._range.unmap(private)
+            raise
+        self._pages_mapped += len(private)
         self._map_calls += 1
+        del self._swapped[slot]
+        self._swap.release(chunks)
+
+    def is_swapped(self, seq: int) -> bool:
+        return self._slot(seq) in self._swapped
 
     def seq_len(self, seq: int) -> int:
         return self._len[self._slot(seq)]
@@ -238,9 +530,23 @@ class VirtualKVCache:
         """Zero-copy (K, V) views of shape [seq_len, num_kv_heads, head_dim] covering exactly the tokens
         present (strided for the interleaved layout). While a view lives, its pages stay mapped."""
         self._check_layer(layer)
-        slot = self._slot(seq)
+        slot = self._live_slot(seq)
         n = self._len[slot]
         return self._view(layer, 0, slot, 0, n), self._view(layer, 1, slot, 0, n)
+
+    def new_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writable (K, V) views of the sequence's writable window: the tokens its last extend() added.
+        Their pages belong to this sequence alone, so writing through these views is safe."""
+        self._check_layer(layer)
+        slot = self._live_slot(seq)
+        start = self._writable_from[slot]
+        n = self._len[slot] - start
+        return self._view(layer, 0, slot, start, n), self._view(layer, 1, slot, start, n)
+
+    def writable_range(self, seq: int) -> tuple[int, int]:
+        """(first, end) token positions write() and new_kv() may write for this sequence."""
+        slot = self._live_slot(seq)
+        return self._writable_from[slot], self._len[slot]
 
     def kv_batch(self, layer: int, seqs, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of several sequences as [B, length, num_kv_heads, head_dim] views. The sequences must sit
@@ -250,7 +556,7 @@ class VirtualKVCache:
         seqs = list(seqs)
         if not seqs:
             raise InvalidArgumentError("kv_batch needs at least one sequence")
-        slots = [self._slot(s) for s in seqs]
+        slots = [self._live_slot(s) for s in seqs]
         step = slots[1] - slots[0] if len(slots) > 1 else 1
         if step <= 0 or any(b - a != step for a, b in zip(slots, slots[1:])):
             raise InvalidArgumentError(f"kv_batch needs sequences in evenly spaced increasing slots, got {slots}")
@@ -269,7 +575,7 @@ class VirtualKVCache:
     def batch(self, layer: int, seqs) -> BatchedKV:
         """Descriptor of one layer's K/V of `seqs` for decode kernels with per-sequence lengths."""
         self._check_layer(layer)
-        slots = [self._slot(s) for s in seqs]
+        slots = [self._live_slot(s) for s in seqs]
         lay = self.layout
         base = self._range.address
         return BatchedKV(
@@ -281,9 +587,10 @@ class VirtualKVCache:
 
     def write(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
         """Copy k, v of shape [n, num_kv_heads, head_dim] into tokens start..start+n-1 of the sequence
-        (default: its last n tokens, i.e. those the last extend() added)."""
+        (default: its last n tokens). Only the writable window (the tokens the last extend() added) may be
+        written: earlier tokens may share pages with other sequences (ReadOnlyTokensError)."""
         self._check_layer(layer)
-        slot = self._slot(seq)
+        slot = self._live_slot(seq)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -301,6 +608,10 @@ class VirtualKVCache:
         if start < 0 or start + n > length:
             raise InvalidArgumentError(f"tokens {start}..{start + n - 1} outside the sequence's 0..{length - 1}; "
                                        "extend() first")
+        if start < self._writable_from[slot]:
+            raise ReadOnlyTokensError(
+                f"tokens before {self._writable_from[slot]} are read-only (they may share pages with other "
+                f"sequences); write only the tokens the last extend() added, or truncate() and extend() again")
         self._view(layer, 0, slot, start, n).copy_(k)
         self._view(layer, 1, slot, start, n).copy_(v)
 
@@ -327,17 +638,27 @@ class VirtualKVCache:
         regions = self.layout.regions
         mapped = sum(self._mapped) * regions
         dormant = sum(self._mapped[s] for s in self._dormant) * regions
-        live_tokens = sum(self._len[s] for s in self._slot_of.values())
+        # Tokens in memory: swapped-out sequences do not count. With sharing, live can exceed mapped.
+        live_tokens = sum(self._len[s] for s in self._slot_of.values() if s not in self._swapped)
         live_bytes = live_tokens * self.bytes_per_token
-        mapped_bytes = mapped * self.layout.page_size
         pool = self.pool.stats()
+        # Only pages below a slot's _shared_upto can be shared: count just those (unmapped ones read 0).
+        maybe = [ps for slot, upto in enumerate(self._shared_upto) if upto
+                 for ps in self.layout.page_slots(slot, 0, min(upto, self._mapped[slot]))]
+        shared = sum(1 for c in self._range.refcounts_at(maybe) if c > 1) if maybe else 0
+        swapped_pages = sum(len(p) for p, _ in self._swapped.values())
+        mapped -= swapped_pages
+        mapped_bytes = mapped * self.layout.page_size
         return CacheStats(
             layout=self.layout.kind, page_size=self.layout.page_size, sequences=len(self._slot_of),
             live_tokens=live_tokens, live_bytes=live_bytes, mapped_pages=mapped, mapped_bytes=mapped_bytes,
             dormant_pages=dormant, utilization=live_bytes / mapped_bytes if mapped_bytes else 1.0,
             tokens_per_page=self.layout.tokens_per_page, pool_free_pages=pool.free_pages,
             pool_used_pages=pool.used_pages, pages_mapped_total=self._pages_mapped,
-            pages_unmapped_total=self._pages_unmapped, map_calls=self._map_calls)
+            pages_unmapped_total=self._pages_unmapped, map_calls=self._map_calls, shared_pages=shared,
+            cow_copies=self._cow_copies, prefix_hit_tokens=self._prefix_hits,
+            prefix_cached_pages=len(self._prefix) * self.layout.regions if self._prefix else 0,
+            swapped_sequences=len(self._swapped), swapped_bytes=swapped_pages * self.layout.page_size)
 
     def reclaim(self) -> int:
         """Unmap the pages of every freed slot now; returns pages returned to the pool."""
@@ -347,7 +668,17 @@ class VirtualKVCache:
     def _reclaimable_pages(self) -> int:
         if self._closed:
             return 0
-        return sum(self._mapped[s] for s in self._dormant) * self.layout.regions
+        dormant = sum(self._mapped[s] for s in self._dormant) * self.layout.regions
+        return dormant + sum(len(b.pages) for b in self._evictable_blocks())
+
+    def _evictable_blocks(self):
+        """Prefix blocks whose pages only the index holds (after dormant slots let go of theirs)."""
+        if not self._prefix:
+            return []
+        refcount = self.pool._pool.refcount
+        dormant = {p for s in self._dormant for p in self._range.pages_at(self.layout.page_slots(s, 0, self._mapped[s]))}
+        return [b for b in self._prefix.eviction_order()
+                if all(refcount(p) == 1 + (p in dormant) for p in b.pages)]
 
     def _reclaim(self, pages: int) -> int:
         """Unmap freed slots' pages, oldest first, until `pages` are freed. Slots still read through a
@@ -365,9 +696,18 @@ class VirtualKVCache:
                 continue
             del self._dormant[slot]
             self._mapped[slot] = 0
+            self._shared_upto[slot] = 0
             self._empty.append(slot)
             self._pages_unmapped += len(idx)
             freed += len(idx)
+        if freed < pages and self._prefix:
+            for block in self._evictable_blocks():
+                if freed >= pages:
+                    break
+                self._prefix.remove(block)
+                for p in block.pages:
+                    self.pool._pool.decref(p)
+                freed += len(block.pages)
         return freed
 
     def close(self) -> None:
@@ -375,6 +715,12 @@ class VirtualKVCache:
         return when the last such view is gone), then release the address range."""
         if self._closed:
             return
+        if self._prefix:
+            for block in self._prefix.clear():
+                for p in block.pages:
+                    self.pool._pool.decref(p)
+        self._swapped.clear()
+        self._swap = None
         self._range.unmap_all_unpinned()
         self._range = None
         self._slot_of.clear()
@@ -405,6 +751,12 @@ class VirtualKVCache:
         if isinstance(seq, int) and 0 <= seq < self._next_id:
             raise UnknownSequenceError(f"sequence {seq} has been freed")
         raise UnknownSequenceError(f"no sequence {seq!r} in this cache")
+
+    def _live_slot(self, seq) -> int:
+        slot = self._slot(seq)
+        if slot in self._swapped:
+            raise SequenceSwappedError(f"sequence {seq} is swapped out; swap_in() first")
+        return slot
 
     def _check_layer(self, layer) -> None:
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:

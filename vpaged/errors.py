@@ -56,3 +56,15 @@ class DTypeError(VPagedError, TypeError):
 
 class ShapeError(VPagedError, ValueError):
     """A tensor whose shape does not match what the call expects."""
+
+
+class SwapSpaceFullError(VPagedError, MemoryError):
+    """The swap space has too few free chunks for the pages to swap out; nothing was changed."""
+
+
+class SequenceSwappedError(VPagedError, RuntimeError):
+    """The sequence is swapped out: swap_in() it (or free it) first."""
+
+
+class ReadOnlyTokensError(VPagedError, ValueError):
+    """A write to tokens outside the sequence's writable window (they may share pages with others)."""

@@ -1,0 +1,89 @@
+"""Prefix index: full pages of token prefixes that earlier sequences computed, for reuse.
+
+A block is the run of tokens that fills one page of every region. Its key chains the key of the block before
+it with its own token ids (so a key names the whole prefix up to it); on a key hit the stored token ids are
+compared too, so a hash collision is never taken for a hit. The index holds one pool reference on each
+page of a block; blocks that nothing else maps are evicted least recently used first when the pool runs low.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+HashFn = Callable[[bytes, Sequence[int]], bytes]
+
+
+def chained_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+@dataclass
+class PrefixBlock:
+    key: bytes
+    depth: int  # block index in the prefix (0: the first page of tokens)
+    tokens: tuple[int, ...]
+    pages: list[int]  # one page per region, in region order
+    last_used: int
+
+
+class PrefixIndex:
+    def __init__(self, block_tokens: int, hash_fn: HashFn | None = None):
+        self.block_tokens = block_tokens
+        self.hash_fn = hash_fn or chained_hash
+        self._blocks: dict[bytes, PrefixBlock] = {}
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def blocks(self) -> list[PrefixBlock]:
+        return list(self._blocks.values())
+
+    def keys(self, tokens: Sequence[int]) -> list[tuple[bytes, tuple[int, ...]]]:
+        """(key, token ids) of each full block of `tokens`."""
+        out, parent, b = [], b"", self.block_tokens
+        for start in range(0, len(tokens) - b + 1, b):
+            block = tuple(int(t) for t in tokens[start:start + b])
+            parent = self.hash_fn(parent, block)
+            out.append((parent, block))
+        return out
+
+    def match(self, tokens: Sequence[int]) -> list[PrefixBlock]:
+        """The longest run of cached blocks that starts at token 0 and whose token ids all match."""
+        self._clock += 1
+        hits = []
+        for key, block in self.keys(tokens):
+            found = self._blocks.get(key)
+            if found is None or found.tokens != block or found.depth != len(hits):
+                break
+            found.last_used = self._clock
+            hits.append(found)
+        return hits
+
+    def insert(self, key: bytes, depth: int, tokens: tuple[int, ...], pages: list[int]) -> bool:
+        """Add a block (the caller has taken the page references); False if its key is taken."""
+        if key in self._blocks:
+            return False
+        self._clock += 1
+        self._blocks[key] = PrefixBlock(key, depth, tokens, pages, self._clock)
+        return True
+
+    def lookup(self, key: bytes) -> PrefixBlock | None:
+        return self._blocks.get(key)
+
+    def eviction_order(self) -> list[PrefixBlock]:
+        """Least recently used first; within a prefix, deeper blocks before the ones they extend."""
+        return sorted(self._blocks.values(), key=lambda b: (b.last_used, -b.depth))
+
+    def remove(self, block: PrefixBlock) -> None:
+        del self._blocks[block.key]
+
+    def clear(self) -> list[PrefixBlock]:
+        blocks = list(self._blocks.values())
+        self._blocks.clear()
+        return blocks

@@ -1,0 +1,42 @@
+"""Swap space: host memory outside the page pool's budget that holds the pages of swapped-out sequences.
+
+One arena of fixed-size chunks (one page each); pinned on CUDA so page copies run at full bandwidth.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import SwapSpaceFullError
+
+
+class SwapSpace:
+    def __init__(self, capacity_bytes: int, page_size: int, pin: bool = False):
+        self.page_size = page_size
+        self.capacity_chunks = capacity_bytes // page_size
+        self._arena = torch.empty(self.capacity_chunks * page_size, dtype=torch.uint8, pin_memory=pin)
+        self._base = self._arena.data_ptr()
+        self._free = list(range(self.capacity_chunks - 1, -1, -1))
+
+    @property
+    def used_chunks(self) -> int:
+        return self.capacity_chunks - len(self._free)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_chunks * self.page_size
+
+    def alloc(self, n: int) -> list[int]:
+        """n chunks, all or none."""
+        if n > len(self._free):
+            raise SwapSpaceFullError(
+                f"swap space full: {n} page(s) of {self.page_size} bytes needed, {len(self._free)} free of "
+                f"{self.capacity_chunks}")
+        out = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        return out
+
+    def release(self, chunks: list[int]) -> None:
+        self._free.extend(chunks)
+
+    def address(self, chunk: int) -> int:
+        return self._base + chunk * self.page_size
