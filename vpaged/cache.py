@@ -417,12 +417,14 @@ class VirtualKVCache:
                 continue
             src_n = lay.pages_for(lens[i])
             span = max(src_n, self._mapped[dst])
-            src_by_slot = dict(zip(lay.page_slots(src, 0, self._mapped[src]), old_pages[src]))
+            # page_slots(slot, 0, n) lists region by region, so page p of region r is entry r * n + p. Built
+            # once per row: a call per page made a beam-search reorder O(regions^2 * pages) in Python.
+            src_pages, src_mapped = old_pages[src], self._mapped[src]
+            dst_slots = lay.page_slots(dst, 0, span)
+            assign_slots += dst_slots
             for r in range(lay.regions):
-                for p in range(span):
-                    ps = lay.page_slots(dst, p, p + 1)[r]
-                    assign_slots.append(ps)
-                    assign_pages.append(src_by_slot[lay.page_slots(src, p, p + 1)[r]] if p < src_n else -1)
+                assign_pages += src_pages[r * src_mapped:r * src_mapped + src_n]
+                assign_pages += [-1] * (span - src_n)
             moves.append((dst, src, src_n, lens[i]))
         if assign_slots:
             self._range.assign(assign_slots, assign_pages)
