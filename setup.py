@@ -58,6 +58,14 @@ class BuildExt(build_ext):
     def build_extensions(self):
         ext = self.extensions[0]
         cuda_home = find_cuda_home()
+        # A CUDA and a CPU-only build differ in VPAGED_WITH_CUDA, which setuptools' up-to-date checks (file
+        # times only) cannot see: rebuild everything when the mode changed since the last build here.
+        mode = "cuda" if cuda_home else "cpu"
+        marker = Path(self.build_temp) / "vpaged-build-mode"
+        if not marker.exists() or marker.read_text() != mode:
+            self.force = True
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(mode)
         if cuda_home is not None:
             print(f"vpaged: building with CUDA from {cuda_home}")
             ext.define_macros.append(("VPAGED_WITH_CUDA", "1"))

@@ -151,6 +151,7 @@ class VirtualKVCache:
         self._prefix = PrefixIndex(int(tpp), prefix_hash) if tpp == int(tpp) else None
         self._swap = (SwapSpace(swap_bytes, pool.page_size, pin=self.device.type == "cuda")
                       if swap_bytes else None)
+        self._streams: list = []  # extra CUDA streams kernels use on this cache (see _quiesce)
         self._closed = False
         pool._register(self)
 
@@ -206,6 +207,7 @@ class VirtualKVCache:
     def _unmap_slot(self, slot: int) -> None:
         if self._mapped[slot]:
             idx = self.layout.page_slots(slot, 0, self._mapped[slot])
+            self._quiesce()
             self._range.unmap(idx)
             self._pages_unmapped += len(idx)
         self._mapped[slot] = 0
@@ -255,6 +257,7 @@ class VirtualKVCache:
             self._swap.release(chunks)
             gone = set(swapped_slots)
             keep = [ps for ps in self.layout.page_slots(slot, 0, self._mapped[slot]) if ps not in gone]
+            self._quiesce()
             self._range.unmap(keep)
             self._pages_unmapped += len(keep)
             self._mapped[slot] = 0
@@ -317,7 +320,9 @@ class VirtualKVCache:
             for slot, need in grown:
                 self._mapped[slot] = need
         if copies:
+            self._quiesce()
             self._cow_copies += self._range.make_private(to_privatize)
+            self.pool.backend.synchronize(0)  # the copies (async on CUDA) land before kernels read the pages
         for slot in slots:
             if n and self._shared_upto[slot]:
                 # Every page from the first new token's on is private now.
@@ -382,6 +387,7 @@ class VirtualKVCache:
         if self._mapped[slot] > keep:
             idx = self.layout.page_slots(slot, keep, self._mapped[slot])
             try:
+                self._quiesce()
                 self._range.unmap(idx)
                 self._pages_unmapped += len(idx)
                 self._mapped[slot] = keep
@@ -427,6 +433,7 @@ class VirtualKVCache:
                 assign_pages += [-1] * (span - src_n)
             moves.append((dst, src, src_n, lens[i]))
         if assign_slots:
+            self._quiesce()
             self._range.assign(assign_slots, assign_pages)
         for dst, src, src_n, length in moves:
             self._len[dst] = length
@@ -481,6 +488,7 @@ class VirtualKVCache:
         chunks = self._swap.alloc(len(private))
         pages = self._range.pages_at(private)
         try:
+            self._quiesce()  # kernels writing this sequence's K/V finish before the pages are read out
             for page, chunk in zip(pages, chunks):
                 self.pool._pool.copy_to_host(page, self._swap.address(chunk))
             self.pool.backend.synchronize(0)  # the copies must land before the pages go back to the pool
@@ -693,6 +701,7 @@ class VirtualKVCache:
                 break
             idx = self.layout.page_slots(slot, 0, self._mapped[slot])
             try:
+                self._quiesce()
                 self._range.unmap(idx)
             except ViewsAliveError:
                 continue
@@ -723,6 +732,7 @@ class VirtualKVCache:
                     self.pool._pool.decref(p)
         self._swapped.clear()
         self._swap = None
+        self._quiesce()
         self._range.unmap_all_unpinned()
         self._range = None
         self._slot_of.clear()
@@ -738,6 +748,26 @@ class VirtualKVCache:
         state = "closed" if self._closed else f"{len(self._slot_of)} sequences"
         return (f"VirtualKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"dtype={self.dtype}, layout={self.layout.kind}, device={self.device}, {state})")
+
+    # ----------------------------------------------------------------------------------------- streams
+    def use_stream(self, stream) -> None:
+        """Declare a CUDA stream that runs kernels on this cache's views (the current stream is always
+        included). Unmapping and remapping wait for every declared stream; see _quiesce."""
+        if self.device.type == "cuda" and stream not in self._streams:
+            self._streams.append(stream)
+
+    def _quiesce(self) -> None:
+        """Stream-safety protocol, enforced here: a page that kernels may still read is unmapped, remapped or
+        handed to another sequence only after the work queued on the streams that use the cache completed.
+        cuMemUnmap does not reliably wait for kernels still reading a page, so every path that unmaps or
+        remaps (reclaim, truncate, free of shared pages, copy-on-write, reorder, swap out, close) calls this
+        first. Mapping fresh pages (extend, swap in) needs no wait: no kernel can be reading them. Deferred
+        reclamation keeps free() and the decode loop off this path. On the host, kernels are synchronous."""
+        if self.device.type != "cuda":
+            return
+        torch.cuda.current_stream(self.device).synchronize()
+        for stream in self._streams:
+            stream.synchronize()
 
     # ----------------------------------------------------------------------------------------- checks
     def _check_open(self) -> None:

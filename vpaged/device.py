@@ -59,7 +59,8 @@ def default_page_size(device: torch.device) -> int:
         return HOST_PAGE_SIZE
     gran = _C.cuda_granularity(device.index)
     if gran == 0:
-        raise BackendUnavailableError(_C.cuda_unavailable_reason(device.index) or "CUDA is unavailable")
+        reason = _C.cuda_unavailable_reason(device.index) or "CUDA is unavailable"
+        raise BackendUnavailableError(f"cannot use {device}: {reason}")
     return gran
 
 

@@ -15,7 +15,7 @@ import torch
 
 from . import _C
 from .device import default_page_size, make_backend, normalize_device
-from .errors import InvalidArgumentError
+from .errors import BackendUnavailableError, InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,9 @@ def default_pool(device="cpu") -> PagePool:
             env = os.environ.get("VPAGED_HOST_POOL_BYTES")
             cap = int(env) if env else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
         else:
+            reason = _C.cuda_unavailable_reason(dev.index)
+            if reason:
+                raise BackendUnavailableError(f"cannot use {dev}: {reason}")
             free, _total = torch.cuda.mem_get_info(dev)
             cap = int(free * 0.9)
         pool = PagePool(dev, capacity_bytes=cap)
