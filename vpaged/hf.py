@@ -280,7 +280,7 @@ class VPagedCache(Cache):
         batch, heads, n, dim = key_states.shape
         if batch != len(self._rows) or (heads, dim) != (self.num_kv_heads, self.head_dim):
             raise ShapeError(f"K/V of shape {list(key_states.shape)} for a cache of {len(self._rows)} rows x "
-                             f"{self.num_kv_heads} heads x {self.head_dim}")
+                             f"{self.num_kv_heads} heads x {self.head_dim} (reset() it to start a new batch)")
         if key_states.dtype != kv.dtype:
             raise DTypeError(f"K/V in {key_states.dtype}, the cache holds {kv.dtype}")
         past = self._written[layer]
@@ -300,7 +300,9 @@ class VPagedCache(Cache):
             else:
                 k_all, v_all = kv.kv_batch(layer, self._rows)
                 # One copy into the batched view instead of one write() per row: same bytes, B times fewer
-                # calls, and the same views are what this layer reads.
+                # calls, and the same views are what this layer reads. It keeps write()'s contract: it
+                # writes exactly the tokens this forward's extend_many() added, whose pages extend_many()
+                # made private to each row (copy-on-write), never a page another row shares.
                 k_all[:, past:].copy_(key_states.transpose(1, 2))
                 v_all[:, past:].copy_(value_states.transpose(1, 2))
                 out = k_all.transpose(1, 2), v_all.transpose(1, 2)
@@ -476,6 +478,12 @@ class VPagedCache(Cache):
         self._dup_of = {}
 
     close = reset
+
+    def __del__(self):
+        # Dropping the cache returns its pages through close(), which (on a GPU) first waits for the queued
+        # kernels that may still read them; the address range's own destructor would not wait.
+        if getattr(self, "kv", None) is not None:
+            self.reset()
 
     def stats(self) -> CacheStats | None:
         """The VirtualKVCache's stats (None before the first update)."""
