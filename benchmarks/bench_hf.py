@@ -1,0 +1,262 @@
+"""transformers integration: VPagedCache against DynamicCache and StaticCache on a random-weight Llama.
+
+  python benchmarks/bench_hf.py [--quick]
+
+1. Decode step at contexts of 1K / 4K / 8K tokens (batch 1): each cache is first filled with the same random
+   K/V (a prefill's result without its compute, which is the same for every cache), then decode steps run
+   through the model, round-robin over the caches (the machine is shared: load changes hit all alike). Median step time; peak KV memory: vpaged's pool high-water mark, DynamicCache's K/V
+   tensors plus the one-layer transient of its torch.cat, StaticCache's allocation (sized to the context +
+   the steps, its smallest possible size). Goals: step at 8K <= 0.7x DynamicCache's; peak KV <= 0.3x a
+   StaticCache sized for 32K.
+2. Beam search, 8 beams on a 4K context: 8 identical rows filled as generate() does it (the prompt repeated
+   per beam), then decode steps each followed by reorder_cache(beam_idx) with the same random beam indices
+   for both caches. Median reorder time, median step time (forward + reorder: vpaged pays its copy-on-write
+   copies in the forward), peak KV memory (DynamicCache: its tensors plus the one-layer transient of
+   index_select). Goals: reorder >= 2x faster, >= 40 % less peak KV memory than DynamicCache.
+3. One layer's decode attention at 8K on a dense tensor and on a vpaged view, in the two ways transformers
+   calls SDPA for grouped-query attention (explains the decode-step differences of part 1).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, print_table, write_json  # noqa: E402
+
+import transformers  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
+
+import vpaged  # noqa: E402
+from vpaged.hf import VPagedCache  # noqa: E402
+
+MIB = 2**20
+
+
+def build_model():
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=16384, max_position_embeddings=40000,
+                         pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    return config, LlamaForCausalLM(config).eval()
+
+
+def kv_bytes(cache) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+
+
+def layer_bytes(cache) -> int:
+    layer = cache.layers[0]
+    return layer.keys.nbytes + layer.values.nbytes
+
+
+def make(kind: str, config, context: int, steps: int, rows: int):
+    if kind == "dynamic":
+        return DynamicCache(config=config)
+    if kind == "static":
+        return StaticCache(config=config, max_cache_len=context + steps + 1)  # + the warm-up step
+    pool = vpaged.PagePool("cpu", capacity_bytes=4 << 30)  # sparse: RAM is used only by mapped pages
+    return VPagedCache(config, max_cache_len=32768, pool=pool, max_batch_size=rows, dtype=torch.float32)
+
+
+def fill(cache, config, base_k, base_v, rows: int) -> None:
+    """Put `context` tokens of K/V into every layer, as a prefill of `rows` identical prompts would."""
+    with torch.no_grad():
+        for layer in range(config.num_hidden_layers):
+            cache.update(base_k.expand(rows, -1, -1, -1), base_v.expand(rows, -1, -1, -1), layer)
+
+
+def decode_step(model, cache, rows: int, position: int, gen: torch.Generator):
+    tok = torch.randint(1, model.config.vocab_size, (rows, 1), generator=gen)
+    pos = torch.full((rows, 1), position, dtype=torch.long)
+    with torch.no_grad():
+        model(input_ids=tok, position_ids=pos, cache=cache, logits_to_keep=1)
+
+
+def bench_decode(model, config, context: int, steps: int, kinds) -> list[dict]:
+    """The caches are filled alike, then decode steps run round-robin over them, so that load changes on a
+    shared machine hit every cache alike."""
+    gen = torch.Generator().manual_seed(context)
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    base_k = torch.randn(1, heads, context, dim, generator=gen)
+    base_v = torch.randn(1, heads, context, dim, generator=gen)
+    caches = {kind: make(kind, config, context, steps, rows=1) for kind in kinds}
+    for cache in caches.values():
+        fill(cache, config, base_k, base_v, rows=1)
+        decode_step(model, cache, 1, context, gen)  # warm-up (first-call allocations, lazy init)
+    del base_k, base_v
+    times = {kind: [] for kind in kinds}
+    peak = dict.fromkeys(kinds, 0)
+    for i in range(steps):
+        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:  # rotate who goes first
+            cache = caches[kind]
+            t0 = time.perf_counter()
+            decode_step(model, cache, 1, context + 1 + i, gen)
+            times[kind].append(time.perf_counter() - t0)
+            if kind == "dynamic":  # torch.cat holds the old and the new tensor of one layer at once
+                peak[kind] = max(peak[kind], kv_bytes(cache) + layer_bytes(cache))
+    out = []
+    for kind, cache in caches.items():
+        if kind == "static":
+            peak[kind] = kv_bytes(cache)
+        elif kind == "vpaged":
+            peak[kind] = cache.pool.stats().high_water_bytes
+        row = {"kind": kind, "context": context, "step_ms": 1e3 * statistics.median(times[kind]),
+               "peak_kv_mib": peak[kind] / MIB}
+        if kind == "vpaged":
+            row["static_32k_mib"] = cache.static_bytes(batch_size=1, max_cache_len=32768) / MIB
+            cache.close()
+        out.append(row)
+    del caches, cache
+    gc.collect()
+    return out
+
+
+def bench_beam(model, config, context: int, beams: int, steps: int, kinds) -> list[dict]:
+    """Rows filled as generate() fills them for beam search, then decode step + reorder_cache, round-robin
+    over the caches with the same beam indices."""
+    gen = torch.Generator().manual_seed(4321)
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    base_k = torch.randn(1, heads, context, dim, generator=gen)
+    base_v = torch.randn(1, heads, context, dim, generator=gen)
+    caches = {kind: make(kind, config, context, steps, rows=beams) for kind in kinds}
+    for cache in caches.values():
+        fill(cache, config, base_k, base_v, rows=beams)
+    del base_k, base_v
+    order = torch.Generator().manual_seed(99)
+    reorder_t = {kind: [] for kind in kinds}
+    step_t = {kind: [] for kind in kinds}
+    peak = dict.fromkeys(kinds, 0)
+    for i in range(steps):
+        beam_idx = torch.randint(0, beams, (beams,), generator=order)
+        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+            cache = caches[kind]
+            t0 = time.perf_counter()
+            decode_step(model, cache, beams, context + i, gen)
+            t1 = time.perf_counter()
+            cache.reorder_cache(beam_idx)
+            t2 = time.perf_counter()
+            if i:  # the first step pays one-time costs (warm-up)
+                reorder_t[kind].append(t2 - t1)
+                step_t[kind].append(t2 - t0)
+            if kind == "dynamic":  # index_select holds the old and the new tensor of one layer at once
+                peak[kind] = max(peak[kind], kv_bytes(cache) + layer_bytes(cache))
+    out = []
+    for kind, cache in caches.items():
+        if kind == "vpaged":
+            peak[kind] = cache.pool.stats().high_water_bytes
+            cache.close()
+        out.append({"kind": kind, "context": context, "beams": beams,
+                    "reorder_ms": 1e3 * statistics.median(reorder_t[kind]),
+                    "step_ms": 1e3 * statistics.median(step_t[kind]), "peak_kv_mib": peak[kind] / MIB})
+    del caches, cache
+    gc.collect()
+    return out
+
+
+def bench_sdpa(config, context: int) -> dict:
+    """One layer's decode attention at `context` tokens on a dense [1, H, T, D] tensor (DynamicCache's and
+    StaticCache's layout) and on a vpaged per_layer view ([T, H, D] memory seen as [1, H, T, D]), in the two
+    ways transformers calls SDPA for grouped-query decode: enable_gqa (no mask, batch 1 with
+    Dynamic/VPagedCache) and the query packed per KV head (with a mask, as StaticCache always has)."""
+    import torch.nn.functional as F
+    from common import median_time
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    q = torch.randn(1, heads, 1, dim)
+    dense_k, dense_v = torch.randn(1, kv_heads, context, dim), torch.randn(1, kv_heads, context, dim)
+    cache = vpaged.VirtualKVCache(1, kv_heads, dim, dtype=torch.float32, max_seqs=1, max_seq_len=context,
+                                  capacity_bytes=64 << 20)
+    seq = cache.allocate()
+    cache.extend(seq, context)
+    cache.write(0, seq, dense_k[0].transpose(0, 1), dense_v[0].transpose(0, 1))
+    view_k, view_v = (t.transpose(0, 1)[None] for t in cache.kv(0, seq))
+    packed = q.reshape(1, kv_heads, heads // kv_heads, dim)
+    mask = torch.zeros(1, 1, 1, context)
+    out = {}
+    for name, k, v in (("dense", dense_k, dense_v), ("vpaged_view", view_k, view_v)):
+        out[f"{name}_gqa_ms"] = 1e3 * median_time(
+            lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), repeats=15)
+        out[f"{name}_packed_ms"] = 1e3 * median_time(
+            lambda: F.scaled_dot_product_attention(packed, k, v, attn_mask=mask), repeats=15)
+    del view_k, view_v
+    cache.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer steps (a few minutes on 2 cores)")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    steps = 8 if args.quick else 32
+    beam_steps = 6 if args.quick else 16
+    config, model = build_model()
+    load_start = os.getloadavg()
+
+    decode = []
+    for context in (1024, 4096, 8192):
+        decode += bench_decode(model, config, context, steps, ["dynamic", "static", "vpaged"])
+        print(f"  decode at {context}: " + ", ".join(f"{r['kind']} {r['step_ms']:.1f} ms" for r in decode[-3:]),
+              flush=True)
+    beam = bench_beam(model, config, 4096, 8, beam_steps, ["dynamic", "vpaged"])
+    sdpa = bench_sdpa(config, 8192)
+
+    by = {(r["kind"], r["context"]): r for r in decode}
+    rows = []
+    for context in (1024, 4096, 8192):
+        d, s, v = by["dynamic", context], by["static", context], by["vpaged", context]
+        rows.append([context, f"{d['step_ms']:.1f}", f"{s['step_ms']:.1f}", f"{v['step_ms']:.1f}",
+                     f"{v['step_ms'] / d['step_ms']:.2f}", f"{d['peak_kv_mib']:.0f}", f"{s['peak_kv_mib']:.0f}",
+                     f"{v['peak_kv_mib']:.0f}", f"{v['peak_kv_mib'] / v['static_32k_mib']:.3f}"])
+    print("\ndecode step, batch 1 (ms; peak KV MiB)")
+    print_table(["context", "dynamic", "static", "vpaged", "vp/dyn", "dyn MiB", "static MiB", "vp MiB",
+                 "vp/static32K"], rows)
+    d, v = beam
+    print("\none layer's decode attention at 8192 tokens (ms)")
+    print_table(["K/V", "enable_gqa (no mask)", "packed query (mask)"],
+                [[n, f"{sdpa[n + '_gqa_ms']:.2f}", f"{sdpa[n + '_packed_ms']:.2f}"] for n in ("dense", "vpaged_view")])
+    print(f"\nbeam search, {d['beams']} beams at {d['context']} tokens (ms; peak KV MiB)")
+    print_table(["cache", "reorder", "step+reorder", "peak MiB"],
+                [[r["kind"], f"{r['reorder_ms']:.2f}", f"{r['step_ms']:.1f}", f"{r['peak_kv_mib']:.0f}"]
+                 for r in beam])
+
+    at8k = by["vpaged", 8192]
+    goals = {
+        "decode_8k_vs_dynamic": {"goal": "<= 0.7", "measured": at8k["step_ms"] / by["dynamic", 8192]["step_ms"]},
+        "peak_kv_8k_vs_static_32k": {"goal": "<= 0.3", "measured": at8k["peak_kv_mib"] / at8k["static_32k_mib"]},
+        "beam_reorder_speedup": {"goal": ">= 2", "measured": d["reorder_ms"] / v["reorder_ms"]},
+        "beam_step_speedup": {"goal": "(context)", "measured": d["step_ms"] / v["step_ms"]},
+        "beam_kv_memory_saving": {"goal": ">= 0.4", "measured": 1 - v["peak_kv_mib"] / d["peak_kv_mib"]},
+    }
+    print("\ngoals")
+    print_table(["goal", "target", "measured"], [[k, g["goal"], f"{g['measured']:.3f}"] for k, g in goals.items()])
+    path = write_json("hf_cpu.json", {
+        "machine": machine(),
+        "versions": {"transformers": transformers.__version__, "vpaged": vpaged.__version__},
+        "mode": "quick" if args.quick else "full",
+        # The box is shared with other work: its load average tells how much the timings were disturbed.
+        "load_average_1min": {"start": load_start[0], "end": os.getloadavg()[0]},
+        "model": {"arch": "llama", "hidden": config.hidden_size, "layers": config.num_hidden_layers,
+                  "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
+                  "head_dim": config.hidden_size // config.num_attention_heads, "dtype": "float32",
+                  "kv_bytes_per_token": 2 * config.num_hidden_layers * config.num_key_value_heads
+                  * (config.hidden_size // config.num_attention_heads) * 4},
+        "vpaged": {"layout": "per_layer", "page_size": vpaged.PagePool("cpu", capacity_pages=1).page_size},
+        "decode_steps": steps, "beam_steps": beam_steps, "decode": decode, "beam": beam, "sdpa_8k": sdpa,
+        "goals": goals,
+    })
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
