@@ -286,13 +286,12 @@ class VPagedCache(Cache):
         past = self._written[layer]
         if self._layers_left == 0:
             # First layer of a new forward: grow every row once for all layers.
-            if any(w != self._length for w in self._written):
-                raise InvalidArgumentError("a previous forward did not update every layer (interrupted?); "
-                                           "crop() back to a common length or reset() the cache")
             self._begin_step(key_states, value_states, n)
         elif past + n != self._length:
-            raise InvalidArgumentError(f"layer {layer} got {n} new tokens after {past}, but this forward grew "
-                                       f"the cache to {self._length} tokens (or the layer was updated twice)")
+            raise InvalidArgumentError(
+                f"layer {layer} got {n} new tokens after {past}, but this forward grew the cache to {self._length} "
+                "tokens: a layer was updated twice, or an earlier forward stopped before its last layer "
+                "(reset() the cache then)")
         out = None
         with torch.no_grad():
             if self._dup_of:  # only in a prefill, where past == 0
