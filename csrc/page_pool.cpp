@@ -11,24 +11,29 @@ PagePool::PagePool(std::shared_ptr<Backend> backend, size_t reserve_pages, size_
     : backend_(std::move(backend)), create_batch_(std::max<size_t>(create_batch, 1)) {
   std::lock_guard<std::mutex> lock(mu_);
   grow_locked(std::min(reserve_pages, backend_->capacity_pages()));
-  // Pages that already exist (all of them for the host backend) are free from the start.
-  grow_locked(0);
 }
 
-// Bring free_ up to `needed` pages by creating physical pages in batches, bounded by capacity.
+// Take in the pages the backend has created (all of them for the host backend), then, if fewer than
+// `needed` are free, create more in batches, bounded by capacity.
 void PagePool::grow_locked(size_t needed) {
+  auto absorb = [this] {
+    const size_t now = backend_->created_pages();
+    if (now > refcount_.size()) {
+      const size_t old = refcount_.size();
+      refcount_.resize(now, 0);
+      // Freshly created pages go under the pages already free, in reverse, so that among them low ids
+      // are handed out first (a run of consecutive ids maps in one host call).
+      free_.insert(free_.begin(), now - old, 0);
+      for (size_t i = 0; i < now - old; ++i) free_[i] = static_cast<PageId>(now - 1 - i);
+    }
+  };
+  absorb();
   const size_t cap = backend_->capacity_pages();
-  size_t created = backend_->created_pages();
+  const size_t created = backend_->created_pages();
   if (free_.size() < needed && created < cap) {
-    size_t want = std::max(needed - free_.size(), create_batch_);
+    const size_t want = std::max(needed - free_.size(), create_batch_);
     backend_->create_pages(std::min(want, cap - created));
-  }
-  size_t now = backend_->created_pages();
-  if (now > refcount_.size()) {
-    size_t old = refcount_.size();
-    refcount_.resize(now, 0);
-    // Push in reverse so that low ids are handed out first: runs of consecutive ids map in one call.
-    for (size_t i = now; i > old; --i) free_.push_back(static_cast<PageId>(i - 1));
+    absorb();
   }
 }
 

@@ -60,6 +60,37 @@ std::vector<std::pair<int64_t, int64_t>> VirtualRange::runs(std::vector<int64_t>
   return out;
 }
 
+void VirtualRange::map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& slot_runs,
+                                    const std::vector<PageId>& pages) {
+  size_t done = 0;
+  try {
+    for (auto [first, count] : slot_runs) {
+      pool_->backend().map(va_ + static_cast<size_t>(first) * page_size_, pages.data() + done,
+                           static_cast<size_t>(count));
+      done += static_cast<size_t>(count);
+    }
+  } catch (...) {
+    // Undo the runs already mapped and drop the references the caller took. A page whose slot could not
+    // be unmapped keeps its reference (it leaks rather than being handed out again while still mapped).
+    size_t pos = 0;
+    for (auto [first, count] : slot_runs) {
+      const size_t n = static_cast<size_t>(count);
+      bool still_mapped = false;
+      if (pos < done) {
+        try {
+          pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, n);
+        } catch (...) {
+          still_mapped = true;
+        }
+      }
+      if (!still_mapped)
+        for (size_t i = pos; i < pos + n; ++i) pool_->decref(pages[i]);
+      pos += n;
+    }
+    throw;
+  }
+}
+
 std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& slots) {
   std::lock_guard<std::mutex> lock(mu_);
   for (int64_t s : slots) {
@@ -71,29 +102,9 @@ std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& slots) {
   if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
     throw InvalidArgument("map_new: a slot is listed twice");
   std::vector<PageId> pages = pool_->acquire(sorted.size());  // throws OutOfPages, nothing changed
-  // pages[i] goes to sorted[i]: fresh pages come out in ascending ids, so a run of slots gets a run of
-  // consecutive pages when the pool has one, and the host backend maps it in one call.
-  size_t done = 0;
-  try {
-    for (auto [first, count] : runs(sorted)) {
-      pool_->backend().map(va_ + static_cast<size_t>(first) * page_size_, pages.data() + done,
-                           static_cast<size_t>(count));
-      done += static_cast<size_t>(count);
-    }
-  } catch (...) {
-    // Undo the runs already mapped, then give every page back.
-    size_t undone = 0;
-    for (auto [first, count] : runs(sorted)) {
-      if (undone >= done) break;
-      try {
-        pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
-      } catch (...) {
-      }
-      undone += static_cast<size_t>(count);
-    }
-    pool_->decref_all(pages);
-    throw;
-  }
+  // pages[i] goes to sorted[i]: a run of slots that gets a run of consecutive page ids (the usual case
+  // for a pool that is not fragmented) maps in one host call.
+  map_runs_or_undo(runs(sorted), pages);
   for (size_t i = 0; i < sorted.size(); ++i) table_[sorted[i]] = pages[i];
   mapped_ += sorted.size();
   // Return in the caller's order.
@@ -123,27 +134,7 @@ void VirtualRange::map_shared(const std::vector<int64_t>& slots, const std::vect
     sorted_pages.push_back(pages[i]);
   }
   pool_->incref_all(sorted_pages);  // validates every page first; all or nothing
-  size_t done = 0;
-  const auto slot_runs = runs(sorted_slots);
-  try {
-    for (auto [first, count] : slot_runs) {
-      pool_->backend().map(va_ + static_cast<size_t>(first) * page_size_, sorted_pages.data() + done,
-                           static_cast<size_t>(count));
-      done += static_cast<size_t>(count);
-    }
-  } catch (...) {
-    size_t undone = 0;
-    for (auto [first, count] : slot_runs) {
-      if (undone >= done) break;
-      try {
-        pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
-      } catch (...) {
-      }
-      undone += static_cast<size_t>(count);
-    }
-    pool_->decref_all(sorted_pages);
-    throw;
-  }
+  map_runs_or_undo(runs(sorted_slots), sorted_pages);
   for (size_t i = 0; i < sorted_slots.size(); ++i) table_[sorted_slots[i]] = sorted_pages[i];
   mapped_ += sorted_slots.size();
 }
@@ -182,6 +173,8 @@ PageId VirtualRange::copy_on_write(int64_t slot, uintptr_t stream) {
   PageId fresh = pool_->acquire(1)[0];
   try {
     pool_->backend().copy_page(fresh, old, stream);
+    // The copy reads `old`, which may go back to the pool below: it must be complete first.
+    pool_->backend().synchronize(stream);
     // Remapping a slot over a live mapping is one step on both backends' terms: unmap, then map.
     pool_->backend().unmap(va_ + static_cast<size_t>(slot) * page_size_, 1);
   } catch (...) {

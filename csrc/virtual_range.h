@@ -70,6 +70,9 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
  private:
   void check_slot(int64_t slot) const;
   void unmap_locked(const std::vector<int64_t>& slots);
+  // Map pages (in order) over runs of slots; on failure unmap what was mapped, drop the caller's page
+  // references and rethrow.
+  void map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& slot_runs, const std::vector<PageId>& pages);
   // Group sorted slots into runs of consecutive slots: (first, count) pairs.
   static std::vector<std::pair<int64_t, int64_t>> runs(std::vector<int64_t> slots);
 

@@ -314,14 +314,14 @@ class VirtualKVCache:
         if page_slots or copies:
             self._ensure_free(len(page_slots) + copies)
         if page_slots:
-            self._range.map_new(page_slots)
+            self._with_reclaim(lambda: self._range.map_new(page_slots), len(page_slots))
             self._pages_mapped += len(page_slots)
             self._map_calls += 1
             for slot, need in grown:
                 self._mapped[slot] = need
         if copies:
             self._quiesce()
-            self._cow_copies += self._range.make_private(to_privatize)
+            self._cow_copies += self._with_reclaim(lambda: self._range.make_private(to_privatize), copies)
             self.pool.backend.synchronize(0)  # the copies (async on CUDA) land before kernels read the pages
         for slot in slots:
             if n and self._shared_upto[slot]:
@@ -330,6 +330,17 @@ class VirtualKVCache:
                 self._shared_upto[slot] = min(self._shared_upto[slot], first)
             self._writable_from[slot] = self._len[slot]
             self._len[slot] += n
+
+    def _with_reclaim(self, call, pages: int):
+        """Run a call that takes `pages` fresh pages. The pool counts pages it has not created yet as free;
+        on CUDA creating them can fail first (the device ran out of memory before the pool's capacity, e.g.
+        because torch holds the rest). The call then changed nothing: reclaim pages that exist and retry."""
+        try:
+            return call()
+        except OutOfPagesError:
+            if self.pool.reclaim(pages) == 0:
+                raise
+            return call()
 
     def _ensure_free(self, pages: int) -> None:
         if not self.pool.ensure_free(pages):
@@ -507,7 +518,7 @@ class VirtualKVCache:
             raise InvalidArgumentError(f"sequence {seq} is not swapped out")
         private, chunks = self._swapped[slot]
         self._ensure_free(len(private))
-        pages = self._range.map_new(private)
+        pages = self._with_reclaim(lambda: self._range.map_new(private), len(private))
         try:
             for page, chunk in zip(pages, chunks):
                 self.pool._pool.copy_from_host(page, self._swap.address(chunk))

@@ -120,6 +120,15 @@ void load_driver(Driver& d) {
     // LEGACY_STREAM: stream 0 means the legacy default stream, as it does for torch.
     CUresult r = get_proc(symbol, slot, kDriverApi, CU_GET_PROC_ADDRESS_LEGACY_STREAM, &status);
     if (r == CUDA_SUCCESS && status == CU_GET_PROC_ADDRESS_SUCCESS && *slot != nullptr) return true;
+    // A driver older than the API version asked for refuses every symbol: say so in its own terms.
+    int version = 0;
+    auto get_version = reinterpret_cast<CUresult (*)(int*)>(dlsym(lib, "cuDriverGetVersion"));
+    if (get_version != nullptr && get_version(&version) == CUDA_SUCCESS && version < kDriverApi) {
+      d.unavailable = "the NVIDIA driver is too old: it supports CUDA " + std::to_string(version / 1000) + "." +
+                      std::to_string(version % 1000 / 10) + ", vpaged needs " + std::to_string(kDriverApi / 1000) +
+                      "." + std::to_string(kDriverApi % 1000 / 10) + " or newer";
+      return false;
+    }
     d.unavailable = std::string("the NVIDIA driver does not provide ") + symbol + " for CUDA " +
                     std::to_string(kDriverApi / 1000) + "." + std::to_string(kDriverApi % 1000 / 10) +
                     " (cuGetProcAddress returned " + result_text(d, r) + ", symbol status " +

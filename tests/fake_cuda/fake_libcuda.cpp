@@ -1,0 +1,755 @@
+// A fake CUDA driver (libcuda.so.1) for vpaged's tests on machines without a GPU.
+//
+// It implements, on host memory, the driver entry points that csrc/vmm/cuda_backend.cpp resolves, so
+// that the backend's own logic (entry-point resolution, availability reasons, context handling, pool
+// window, batching of cuMemSetAccess, all-or-nothing mapping, error paths, teardown) runs in CI:
+//
+//   physical allocation (cuMemCreate)     a memfd of the allocation's size (sparse until written)
+//   address reservation (cuMemAddressReserve)  a PROT_NONE anonymous mmap, aligned to the granularity
+//   mapping (cuMemMap)                    mmap(MAP_SHARED | MAP_FIXED) of the memfd, still PROT_NONE
+//   access (cuMemSetAccess)               mprotect(PROT_READ | PROT_WRITE)
+//   unmapping (cuMemUnmap)                the range goes back to a PROT_NONE anonymous mapping
+//   copies (cuMemcpy*Async)               memcpy, done before the call returns
+//
+// So a "device pointer" handed out by vpaged is a host address the tests can read and write (through
+// ctypes or numpy), two mappings of one allocation see the same bytes, and touching memory that the
+// driver would fault on (unmapped, or mapped without access) is a SIGSEGV here too.
+//
+// The fake is strict where the real driver is: every rule it enforces is commented at its check, with
+// the return code the driver documents. A rejected call that means vpaged misused the API also counts as
+// a "violation" (fake_cuda_violations), which the tests require to stay at zero. Errors the tests cause
+// on purpose (injected failures, the memory limit) are not violations.
+//
+// Only cuGetProcAddress_v2 and the fake_cuda_* test hooks are exported: vpaged must reach every other
+// entry point through cuGetProcAddress, as it does with the real driver.
+//
+// Configuration, read from the environment at first use (the tests start each check in a fresh process):
+//   FAKE_CUDA_NO_DEVICE=1            cuInit fails with CUDA_ERROR_NO_DEVICE (a driver but no GPU)
+//   FAKE_CUDA_DEVICES=N              number of devices (default 1)
+//   FAKE_CUDA_VMM=0                  devices report no virtual memory management support
+//   FAKE_CUDA_GRANULARITY=BYTES      allocation granularity (default 2 MiB, as on A100/H100/H200)
+//   FAKE_CUDA_GRANULARITY_NEEDS_CONTEXT=1  cuMemGetAllocationGranularity wants a current context
+//   FAKE_CUDA_DRIVER_VERSION=V       CUDA version the driver supports (default 13000)
+//   FAKE_CUDA_MISSING=a,b            entry points cuGetProcAddress does not find
+// Build: g++ -std=c++17 -shared -fPIC -fvisibility=hidden -I<cuda>/include fake_libcuda.cpp
+//        -Wl,-soname,libcuda.so.1 -o <dir>/libcuda.so.1   (tests/test_cuda_backend_fake.py does this)
+#include <cuda.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#define FAKE_EXPORT extern "C" __attribute__((visibility("default")))
+
+// cuda.h leaves the context type opaque; the fake's contexts are the devices' primary contexts.
+struct CUctx_st {
+  int device;
+};
+
+namespace {
+
+constexpr int kMaxDevices = 16;
+
+long env_long(const char* name, long fallback) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::strtol(v, nullptr, 0) : fallback;
+}
+
+struct Config {
+  bool no_device = false;
+  int devices = 1;
+  bool vmm = true;
+  size_t granularity = 2u << 20;
+  bool granularity_needs_context = false;
+  int driver_version = 13000;
+  std::set<std::string> missing;
+};
+
+Config read_config() {
+  Config c;
+  c.no_device = env_long("FAKE_CUDA_NO_DEVICE", 0) != 0;
+  c.devices = static_cast<int>(env_long("FAKE_CUDA_DEVICES", 1));
+  if (c.devices < 0) c.devices = 0;
+  if (c.devices > kMaxDevices) c.devices = kMaxDevices;
+  c.vmm = env_long("FAKE_CUDA_VMM", 1) != 0;
+  c.granularity = static_cast<size_t>(env_long("FAKE_CUDA_GRANULARITY", 2l << 20));
+  c.granularity_needs_context = env_long("FAKE_CUDA_GRANULARITY_NEEDS_CONTEXT", 0) != 0;
+  c.driver_version = static_cast<int>(env_long("FAKE_CUDA_DRIVER_VERSION", 13000));
+  if (const char* m = std::getenv("FAKE_CUDA_MISSING")) {
+    std::stringstream names(m);
+    std::string name;
+    while (std::getline(names, name, ',')) c.missing.insert(name);
+  }
+  return c;
+}
+
+struct Allocation {  // one cuMemCreate handle
+  int fd;
+  size_t size;
+};
+
+struct Mapping {  // one cuMemMap
+  size_t size;
+  CUmemGenericAllocationHandle handle;
+  bool accessible;  // cuMemSetAccess has granted read/write
+};
+
+struct InjectedFailure {
+  long skip;  // calls that still succeed before the failing one
+  CUresult result;
+};
+
+// All driver state. Heap-allocated and never destroyed: vpaged may call the driver while the process
+// exits, after static destructors would have run.
+struct State {
+  std::mutex mu;
+  bool config_read = false;
+  Config cfg;
+  bool initialized = false;  // cuInit succeeded
+  CUctx_st contexts[kMaxDevices];
+  int primary_refs[kMaxDevices] = {};
+  std::map<CUmemGenericAllocationHandle, Allocation> allocations;
+  CUmemGenericAllocationHandle next_handle = 1;
+  size_t bytes_allocated = 0;
+  long long memory_limit = -1;  // bytes of allocations the "device" holds; < 0: no limit
+  std::map<uintptr_t, size_t> reservations;  // start -> size
+  std::map<uintptr_t, Mapping> mappings;      // start -> mapping
+  std::map<std::string, long> calls;
+  std::map<std::string, InjectedFailure> failures;
+  long violations = 0;
+  std::string last_violation;
+  unsigned long long last_proc_flags = ~0ull;
+  int last_proc_version = -1;
+};
+
+State& state() {
+  static State* s = [] {
+    auto* st = new State;
+    for (int i = 0; i < kMaxDevices; ++i) st->contexts[i].device = i;
+    return st;
+  }();
+  return *s;
+}
+
+const Config& config(State& s) {
+  if (!s.config_read) {
+    s.cfg = read_config();
+    s.config_read = true;
+  }
+  return s.cfg;
+}
+
+// The calling thread's context stack (cuCtxPushCurrent / cuCtxPopCurrent); its top is current.
+thread_local std::vector<CUcontext> context_stack;
+
+// Every entry point starts here, under the state lock: count the call, then fire an injected failure
+// if one is due for this entry point.
+CUresult enter(State& s, const char* name) {
+  ++s.calls[name];
+  auto it = s.failures.find(name);
+  if (it == s.failures.end()) return CUDA_SUCCESS;
+  if (it->second.skip > 0) {
+    --it->second.skip;
+    return CUDA_SUCCESS;
+  }
+  CUresult r = it->second.result;
+  s.failures.erase(it);
+  return r;
+}
+
+// A call the real driver would refuse because the caller broke one of its rules.
+CUresult violation(State& s, const char* call, CUresult result, const std::string& rule) {
+  ++s.violations;
+  s.last_violation = std::string(call) + ": " + rule;
+  return result;
+}
+
+// Every entry point begins with ENTER (lock, count, injected failure) and refuses a bad call with
+// REFUSE(result, rule), which records the violation.
+#define ENTER(name)                                      \
+  State& s = state();                                    \
+  std::lock_guard<std::mutex> lock(s.mu);                \
+  [[maybe_unused]] const char* const call_name = name;   \
+  if (CUresult injected = enter(s, call_name)) return injected
+
+#define REFUSE(result, rule) return violation(s, call_name, result, rule)
+
+// Rule: every call other than cuInit, cuGetErrorName/String and cuGetProcAddress needs cuInit first.
+#define NEED_INIT                                                                               \
+  do {                                                                                          \
+    if (!s.initialized) REFUSE(CUDA_ERROR_NOT_INITIALIZED, "called before cuInit succeeded");   \
+  } while (0)
+
+// Rule: memory and stream calls act on the calling thread's current context; without one they return
+// CUDA_ERROR_INVALID_CONTEXT. A primary context whose last reference was released is no longer active.
+#define NEED_CONTEXT                                                                            \
+  do {                                                                                          \
+    NEED_INIT;                                                                                  \
+    if (context_stack.empty() || context_stack.back() == nullptr)                               \
+      REFUSE(CUDA_ERROR_INVALID_CONTEXT, "no current context on the calling thread");           \
+    if (s.primary_refs[context_stack.back()->device] <= 0)                                      \
+      REFUSE(CUDA_ERROR_CONTEXT_IS_DESTROYED, "the current context was released");              \
+  } while (0)
+
+bool valid_device(State& s, int ordinal) { return ordinal >= 0 && ordinal < config(s).devices; }
+
+// Rule (cuMemCreate, cuMemGetAllocationGranularity): vpaged's pages are pinned device memory on one
+// existing device; anything else is outside what the fake (and vpaged) models.
+bool device_pinned_prop(State& s, const CUmemAllocationProp* prop) {
+  return prop != nullptr && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
+         prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && valid_device(s, prop->location.id);
+}
+
+// The mapping that contains address p, or mappings.end().
+std::map<uintptr_t, Mapping>::iterator mapping_at(State& s, uintptr_t p) {
+  auto it = s.mappings.upper_bound(p);
+  if (it == s.mappings.begin()) return s.mappings.end();
+  --it;
+  return p < it->first + it->second.size ? it : s.mappings.end();
+}
+
+// True when [p, p + size) is exactly a sequence of whole, adjacent mappings.
+bool whole_mappings(State& s, uintptr_t p, size_t size) {
+  if (size == 0) return false;
+  uintptr_t at = p;
+  while (at < p + size) {
+    auto it = s.mappings.find(at);
+    if (it == s.mappings.end()) return false;
+    at += it->second.size;
+  }
+  return at == p + size;
+}
+
+// True when every byte of [p, p + size) lies in mappings that have been granted access.
+bool accessible(State& s, uintptr_t p, size_t size) {
+  uintptr_t at = p;
+  while (at < p + size) {
+    auto it = mapping_at(s, at);
+    if (it == s.mappings.end() || !it->second.accessible) return false;
+    at = it->first + it->second.size;
+  }
+  return true;
+}
+
+bool inside_one_reservation(State& s, uintptr_t p, size_t size) {
+  auto it = s.reservations.upper_bound(p);
+  if (it == s.reservations.begin()) return false;
+  --it;
+  return p >= it->first && p + size <= it->first + it->second;
+}
+
+// Rule (copies, synchronize): the fake has no streams of its own, only the NULL (legacy default)
+// stream; vpaged passes the caller's stream through, and the tests only pass 0.
+bool known_stream(CUstream stream) { return stream == nullptr || stream == CU_STREAM_LEGACY; }
+
+// --------------------------------------------------------------------------------------------------
+// Entry points.
+
+CUresult fake_cuGetErrorName(CUresult error, const char** out) {
+  const char* name = nullptr;
+  switch (error) {
+#define NAME(e) \
+  case e:       \
+    name = #e;  \
+    break;
+    NAME(CUDA_SUCCESS)
+    NAME(CUDA_ERROR_INVALID_VALUE)
+    NAME(CUDA_ERROR_OUT_OF_MEMORY)
+    NAME(CUDA_ERROR_NOT_INITIALIZED)
+    NAME(CUDA_ERROR_NO_DEVICE)
+    NAME(CUDA_ERROR_INVALID_DEVICE)
+    NAME(CUDA_ERROR_INVALID_CONTEXT)
+    NAME(CUDA_ERROR_CONTEXT_IS_DESTROYED)
+    NAME(CUDA_ERROR_INVALID_HANDLE)
+    NAME(CUDA_ERROR_NOT_FOUND)
+    NAME(CUDA_ERROR_NOT_SUPPORTED)
+    NAME(CUDA_ERROR_NOT_PERMITTED)
+    NAME(CUDA_ERROR_ILLEGAL_ADDRESS)
+    NAME(CUDA_ERROR_UNKNOWN)
+#undef NAME
+    default:
+      break;
+  }
+  if (out == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *out = name;
+  return name ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult fake_cuGetErrorString(CUresult error, const char** out) {
+  if (out == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *out = error == CUDA_SUCCESS ? "no error" : "error reported by the fake CUDA driver of vpaged's tests";
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuInit(unsigned int flags) {
+  ENTER("cuInit");
+  // Rule: flags must be 0.
+  if (flags != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
+  // A driver with no GPU fails cuInit itself with CUDA_ERROR_NO_DEVICE.
+  if (config(s).no_device) return CUDA_ERROR_NO_DEVICE;
+  s.initialized = true;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuDeviceGetCount(int* count) {
+  ENTER("cuDeviceGetCount");
+  NEED_INIT;
+  if (count == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null count");
+  *count = config(s).devices;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuDeviceGet(CUdevice* device, int ordinal) {
+  ENTER("cuDeviceGet");
+  NEED_INIT;
+  // Rule: the ordinal must name a visible device (CUDA_ERROR_INVALID_DEVICE otherwise).
+  if (device == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null device");
+  if (!valid_device(s, ordinal)) REFUSE(CUDA_ERROR_INVALID_DEVICE, "no device " + std::to_string(ordinal));
+  *device = ordinal;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice device) {
+  ENTER("cuDeviceGetAttribute");
+  NEED_INIT;
+  if (value == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null value");
+  if (!valid_device(s, device)) REFUSE(CUDA_ERROR_INVALID_DEVICE, "no device " + std::to_string(device));
+  if (attribute == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) {
+    *value = config(s).vmm ? 1 : 0;
+    return CUDA_SUCCESS;
+  }
+  // Not a driver rule: the fake models one attribute; extend it when vpaged queries another.
+  REFUSE(CUDA_ERROR_NOT_SUPPORTED, "attribute " + std::to_string(attribute) + " is not modelled by the fake");
+}
+
+CUresult fake_cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice device) {
+  ENTER("cuDevicePrimaryCtxRetain");
+  NEED_INIT;
+  if (ctx == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null context pointer");
+  if (!valid_device(s, device)) REFUSE(CUDA_ERROR_INVALID_DEVICE, "no device " + std::to_string(device));
+  ++s.primary_refs[device];
+  *ctx = &s.contexts[device];
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuDevicePrimaryCtxRelease(CUdevice device) {
+  ENTER("cuDevicePrimaryCtxRelease");
+  NEED_INIT;
+  if (!valid_device(s, device)) REFUSE(CUDA_ERROR_INVALID_DEVICE, "no device " + std::to_string(device));
+  // Rule: each release must match an earlier retain.
+  if (s.primary_refs[device] <= 0) REFUSE(CUDA_ERROR_INVALID_CONTEXT, "release without a matching retain");
+  --s.primary_refs[device];
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuCtxGetCurrent(CUcontext* ctx) {
+  ENTER("cuCtxGetCurrent");
+  NEED_INIT;
+  if (ctx == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null context pointer");
+  *ctx = context_stack.empty() ? nullptr : context_stack.back();
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuCtxPushCurrent(CUcontext ctx) {
+  ENTER("cuCtxPushCurrent");
+  NEED_INIT;
+  // Rule: only a live context can be made current.
+  if (ctx == nullptr || ctx < &s.contexts[0] || ctx >= &s.contexts[kMaxDevices])
+    REFUSE(CUDA_ERROR_INVALID_CONTEXT, "not a context handed out by this driver");
+  if (s.primary_refs[ctx->device] <= 0) REFUSE(CUDA_ERROR_INVALID_CONTEXT, "pushing a released primary context");
+  context_stack.push_back(ctx);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuCtxPopCurrent(CUcontext* ctx) {
+  ENTER("cuCtxPopCurrent");
+  NEED_INIT;
+  // Rule: popping needs a context on this thread's stack.
+  if (context_stack.empty()) REFUSE(CUDA_ERROR_INVALID_CONTEXT, "pop with no current context");
+  if (ctx) *ctx = context_stack.back();
+  context_stack.pop_back();
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
+                                            CUmemAllocationGranularity_flags option) {
+  ENTER("cuMemGetAllocationGranularity");
+  NEED_INIT;
+  // Some drivers want a current context for this query (FAKE_CUDA_GRANULARITY_NEEDS_CONTEXT); vpaged
+  // retries with the primary context then. Reported as a plain error, not a violation.
+  if (config(s).granularity_needs_context && context_stack.empty()) return CUDA_ERROR_INVALID_CONTEXT;
+  if (granularity == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null granularity");
+  if (!device_pinned_prop(s, prop)) REFUSE(CUDA_ERROR_INVALID_VALUE, "not pinned memory on a visible device");
+  if (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+    REFUSE(CUDA_ERROR_INVALID_VALUE, "unknown granularity option");
+  *granularity = config(s).granularity;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
+                          unsigned long long flags) {
+  ENTER("cuMemCreate");
+  NEED_CONTEXT;
+  if (handle == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null handle");
+  // Rule: size must be a positive multiple of the granularity; flags must be 0.
+  if (size == 0 || size % config(s).granularity != 0)
+    REFUSE(CUDA_ERROR_INVALID_VALUE, "size " + std::to_string(size) + " is not a multiple of the granularity");
+  if (flags != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
+  if (!device_pinned_prop(s, prop)) REFUSE(CUDA_ERROR_INVALID_VALUE, "not pinned memory on a visible device");
+  // The device's memory is finite (fake_cuda_set_memory_limit): CUDA_ERROR_OUT_OF_MEMORY past it.
+  if (s.memory_limit >= 0 && s.bytes_allocated + size > static_cast<size_t>(s.memory_limit))
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  int fd = memfd_create("fake-cuda-allocation", MFD_CLOEXEC);
+  if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    close(fd);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  *handle = s.next_handle++;
+  s.allocations[*handle] = Allocation{fd, size};
+  s.bytes_allocated += size;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemRelease(CUmemGenericAllocationHandle handle) {
+  ENTER("cuMemRelease");
+  NEED_CONTEXT;
+  auto it = s.allocations.find(handle);
+  // Rule: the handle must come from cuMemCreate and not be released yet.
+  if (it == s.allocations.end()) REFUSE(CUDA_ERROR_INVALID_VALUE, "unknown or already released handle");
+  // The driver frees the memory once the handle is released and its last mapping is gone; the memfd's
+  // mappings keep its pages alive here in the same way after the descriptor is closed.
+  close(it->second.fd);
+  s.bytes_allocated -= it->second.size;
+  s.allocations.erase(it);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                  unsigned long long flags) {
+  ENTER("cuMemAddressReserve");
+  NEED_CONTEXT;
+  if (ptr == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null pointer");
+  // Rules: size a positive multiple of the host page size; alignment 0 or a power of two; flags 0.
+  // (vpaged passes no address hint, and the fake does not model hints.)
+  const size_t host_page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  if (size == 0 || size % host_page != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "size is not a multiple of the host page");
+  if (alignment & (alignment - 1)) REFUSE(CUDA_ERROR_INVALID_VALUE, "alignment is not a power of two");
+  if (flags != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
+  if (addr != 0) REFUSE(CUDA_ERROR_NOT_SUPPORTED, "address hints are not modelled by the fake");
+  // A default alignment of the granularity, so that granularity-sized pages map anywhere inside.
+  const size_t align = std::max<size_t>(alignment, config(s).granularity);
+  void* raw = mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;  // address space exhausted
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t start = (lo + align - 1) / align * align;  // align need not be a power of two here
+  if (start > lo) munmap(raw, start - lo);
+  const uintptr_t end = lo + size + align;
+  if (end > start + size) munmap(reinterpret_cast<void*>(start + size), end - (start + size));
+  s.reservations[start] = size;
+  *ptr = static_cast<CUdeviceptr>(start);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  ENTER("cuMemAddressFree");
+  NEED_CONTEXT;
+  // Rule: ptr and size must be exactly what cuMemAddressReserve returned and was given.
+  auto it = s.reservations.find(ptr);
+  if (it == s.reservations.end()) REFUSE(CUDA_ERROR_INVALID_VALUE, "not the start of a reservation");
+  if (it->second != size) REFUSE(CUDA_ERROR_INVALID_VALUE, "size differs from the reservation's");
+  // Rule: everything mapped inside must be unmapped first.
+  auto m = s.mappings.lower_bound(ptr);
+  if (m != s.mappings.end() && m->first < ptr + size)
+    REFUSE(CUDA_ERROR_INVALID_VALUE, "the reservation still has mappings");
+  munmap(reinterpret_cast<void*>(ptr), size);
+  s.reservations.erase(it);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                       unsigned long long flags) {
+  ENTER("cuMemMap");
+  NEED_CONTEXT;
+  auto a = s.allocations.find(handle);
+  if (a == s.allocations.end()) REFUSE(CUDA_ERROR_INVALID_VALUE, "unknown or released handle");
+  // Rules: offset must currently be 0 and flags 0; ptr a multiple of the granularity. The driver also
+  // accepts a prefix of an allocation; vpaged always maps a whole page, so any other size is a bug.
+  if (offset != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "offset must be 0");
+  if (flags != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
+  if (ptr % config(s).granularity != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "address not aligned to the granularity");
+  if (size != a->second.size) REFUSE(CUDA_ERROR_INVALID_VALUE, "size differs from the allocation's");
+  // Rule: the range must lie in one reservation and must not be mapped already.
+  if (!inside_one_reservation(s, ptr, size)) REFUSE(CUDA_ERROR_INVALID_VALUE, "range outside a reservation");
+  auto next = s.mappings.lower_bound(ptr);
+  if (next != s.mappings.end() && next->first < ptr + size) REFUSE(CUDA_ERROR_INVALID_VALUE, "range already mapped");
+  if (mapping_at(s, ptr) != s.mappings.end()) REFUSE(CUDA_ERROR_INVALID_VALUE, "range already mapped");
+  // Rule: a new mapping is not accessible until cuMemSetAccess grants access.
+  void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, a->second.fd, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  s.mappings[ptr] = Mapping{size, handle, false};
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  ENTER("cuMemUnmap");
+  NEED_CONTEXT;
+  // Rule: the range must consist of entire mappings (no sub-range of one). Several adjacent whole
+  // mappings in one call are accepted, as by the driver (vpaged unmaps a run of pages in one call;
+  // tests/test_cuda_backend.py checks that on a real GPU).
+  if (!whole_mappings(s, ptr, size)) REFUSE(CUDA_ERROR_INVALID_VALUE, "range is not a sequence of whole mappings");
+  void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+                 -1, 0);
+  if (p == MAP_FAILED) return CUDA_ERROR_UNKNOWN;
+  for (uintptr_t at = ptr; at < ptr + size;) {
+    auto it = s.mappings.find(at);
+    at += it->second.size;
+    s.mappings.erase(it);
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  ENTER("cuMemSetAccess");
+  NEED_CONTEXT;
+  // Rules: at least one descriptor, each naming a visible device and known access flags; the range
+  // must be fully mapped (the fake requires whole mappings, which is how vpaged calls it).
+  if (desc == nullptr || count == 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "no access descriptors");
+  bool read_write = false;
+  for (size_t i = 0; i < count; ++i) {
+    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || !valid_device(s, desc[i].location.id))
+      REFUSE(CUDA_ERROR_INVALID_VALUE, "descriptor does not name a visible device");
+    if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE && desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+        desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+      REFUSE(CUDA_ERROR_INVALID_VALUE, "unknown access flags");
+    read_write |= desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  if (!whole_mappings(s, ptr, size)) REFUSE(CUDA_ERROR_INVALID_VALUE, "range is not fully mapped");
+  // Not a driver rule: vpaged pages are read and written; any other access is modelled as none.
+  if (mprotect(reinterpret_cast<void*>(ptr), size, read_write ? PROT_READ | PROT_WRITE : PROT_NONE) != 0)
+    return CUDA_ERROR_UNKNOWN;
+  for (uintptr_t at = ptr; at < ptr + size;) {
+    Mapping& m = s.mappings.at(at);
+    m.accessible = read_write;
+    at += m.size;
+  }
+  return CUDA_SUCCESS;
+}
+
+// Copies: the device side must be mapped and accessible (the driver reports an invalid or illegal
+// address otherwise); the stream must be one the fake knows. The copy is done before returning.
+CUresult fake_cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+  ENTER("cuMemcpyDtoDAsync");
+  NEED_CONTEXT;
+  if (!known_stream(stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
+  if (!accessible(s, dst, bytes) || !accessible(s, src, bytes))
+    REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
+  std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+  ENTER("cuMemcpyDtoHAsync");
+  NEED_CONTEXT;
+  if (!known_stream(stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
+  if (dst == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null host pointer");
+  if (!accessible(s, src, bytes)) REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
+  std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
+  ENTER("cuMemcpyHtoDAsync");
+  NEED_CONTEXT;
+  if (!known_stream(stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
+  if (src == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null host pointer");
+  if (!accessible(s, dst, bytes)) REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
+  std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuStreamSynchronize(CUstream stream) {
+  ENTER("cuStreamSynchronize");
+  NEED_CONTEXT;
+  if (!known_stream(stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
+  return CUDA_SUCCESS;  // every copy is already complete
+}
+
+// The entry points cuGetProcAddress hands out, with the CUDA version that introduced the signature
+// the fake implements (the _v2 variants that cuda.h maps the plain names to).
+struct EntryPoint {
+  const char* name;
+  void* fn;
+  int since;
+};
+
+#define ENTRY(name, since) {#name, reinterpret_cast<void*>(&fake_##name), since}
+const EntryPoint kEntryPoints[] = {
+    ENTRY(cuGetErrorName, 6000),
+    ENTRY(cuGetErrorString, 6000),
+    ENTRY(cuInit, 2000),
+    ENTRY(cuDeviceGetCount, 2000),
+    ENTRY(cuDeviceGet, 2000),
+    ENTRY(cuDeviceGetAttribute, 2000),
+    ENTRY(cuDevicePrimaryCtxRetain, 7000),
+    ENTRY(cuDevicePrimaryCtxRelease, 11000),
+    ENTRY(cuCtxGetCurrent, 4000),
+    ENTRY(cuCtxPushCurrent, 4000),
+    ENTRY(cuCtxPopCurrent, 4000),
+    ENTRY(cuMemGetAllocationGranularity, 10020),
+    ENTRY(cuMemCreate, 10020),
+    ENTRY(cuMemRelease, 10020),
+    ENTRY(cuMemAddressReserve, 10020),
+    ENTRY(cuMemAddressFree, 10020),
+    ENTRY(cuMemMap, 10020),
+    ENTRY(cuMemUnmap, 10020),
+    ENTRY(cuMemSetAccess, 10020),
+    ENTRY(cuMemcpyDtoDAsync, 3020),
+    ENTRY(cuMemcpyDtoHAsync, 3020),
+    ENTRY(cuMemcpyHtoDAsync, 3020),
+    ENTRY(cuStreamSynchronize, 2000),
+};
+#undef ENTRY
+
+}  // namespace
+
+// The one symbol vpaged takes with dlsym. Documented behaviour: a cudaVersion above the driver's is
+// CUDA_ERROR_INVALID_VALUE; an unknown symbol, or one with no ABI-compatible variant at cudaVersion,
+// is CUDA_SUCCESS with *pfn = NULL and the reason in *symbolStatus.
+FAKE_EXPORT CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int cudaVersion, cuuint64_t flags,
+                                         CUdriverProcAddressQueryResult* symbolStatus) {
+  ENTER("cuGetProcAddress");
+  if (symbol == nullptr || pfn == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null symbol or pfn");
+  *pfn = nullptr;
+  if (flags != CU_GET_PROC_ADDRESS_DEFAULT && flags != CU_GET_PROC_ADDRESS_LEGACY_STREAM &&
+      flags != CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
+    REFUSE(CUDA_ERROR_INVALID_VALUE, "unknown flags");
+  s.last_proc_flags = flags;
+  s.last_proc_version = cudaVersion;
+  if (cudaVersion > config(s).driver_version) return CUDA_ERROR_INVALID_VALUE;  // a newer API than the driver's
+  for (const EntryPoint& e : kEntryPoints) {
+    if (std::strcmp(e.name, symbol) != 0 || config(s).missing.count(symbol)) continue;
+    if (cudaVersion < e.since) {
+      if (symbolStatus) *symbolStatus = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
+      return CUDA_SUCCESS;
+    }
+    *pfn = e.fn;
+    if (symbolStatus) *symbolStatus = CU_GET_PROC_ADDRESS_SUCCESS;
+    return CUDA_SUCCESS;
+  }
+  if (symbolStatus) *symbolStatus = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  return CUDA_SUCCESS;
+}
+
+// --------------------------------------------------------------------------------------------------
+// Test hooks (tests/test_cuda_backend_fake.py calls them through ctypes).
+
+// How many times an entry point was called (by its plain name, "cuMemMap"), injected failures included.
+FAKE_EXPORT long fake_cuda_calls(const char* name) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto it = s.calls.find(name);
+  return it == s.calls.end() ? 0 : it->second;
+}
+
+// Live driver objects: "allocations", "mappings", "accessible_mappings", "reservations",
+// "allocated_bytes", "primary_refs" (all devices), "context_depth" (the calling thread's stack).
+FAKE_EXPORT long long fake_cuda_live(const char* what) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  const std::string w = what;
+  if (w == "allocations") return static_cast<long long>(s.allocations.size());
+  if (w == "mappings") return static_cast<long long>(s.mappings.size());
+  if (w == "accessible_mappings") {
+    long long n = 0;
+    for (auto& [start, m] : s.mappings) n += m.accessible;
+    return n;
+  }
+  if (w == "reservations") return static_cast<long long>(s.reservations.size());
+  if (w == "allocated_bytes") return static_cast<long long>(s.bytes_allocated);
+  if (w == "primary_refs") {
+    long long n = 0;
+    for (int r : s.primary_refs) n += r;
+    return n;
+  }
+  if (w == "context_depth") return static_cast<long long>(context_stack.size());
+  return -1;
+}
+
+// Make a later call of entry point `name` fail: `skip` calls still succeed, the next returns `result`.
+FAKE_EXPORT void fake_cuda_fail(const char* name, long skip, int result) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.failures[name] = InjectedFailure{skip, static_cast<CUresult>(result)};
+}
+
+FAKE_EXPORT void fake_cuda_clear_failures() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.failures.clear();
+}
+
+// Bytes of allocations the device can hold (< 0: unlimited); cuMemCreate past it is out of memory.
+FAKE_EXPORT void fake_cuda_set_memory_limit(long long bytes) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.memory_limit = bytes;
+}
+
+FAKE_EXPORT long fake_cuda_violations() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.violations;
+}
+
+// The last violation as "entry point: rule" ("" when none). Copied into `out` (size bytes).
+FAKE_EXPORT void fake_cuda_last_violation(char* out, size_t size) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (size == 0) return;
+  std::strncpy(out, s.last_violation.c_str(), size - 1);
+  out[size - 1] = '\0';
+}
+
+// Flags and CUDA version of the last cuGetProcAddress request (~0 / -1 before any).
+FAKE_EXPORT unsigned long long fake_cuda_proc_flags() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.last_proc_flags;
+}
+
+FAKE_EXPORT int fake_cuda_proc_version() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.last_proc_version;
+}
+
+// Stand in for another library (torch) that keeps a device's primary context current on this thread:
+// retain it and push it. Returns 0 on success. fake_cuda_pop_primary undoes it. These go through the
+// entry points, so they count as calls of cuInit, cuDevicePrimaryCtxRetain, cuCtxPushCurrent, ...
+FAKE_EXPORT int fake_cuda_push_primary(int device) {
+  CUcontext ctx = nullptr;
+  if (fake_cuInit(0) != CUDA_SUCCESS) return 1;
+  if (fake_cuDevicePrimaryCtxRetain(&ctx, device) != CUDA_SUCCESS) return 2;
+  return fake_cuCtxPushCurrent(ctx) == CUDA_SUCCESS ? 0 : 3;
+}
+
+FAKE_EXPORT int fake_cuda_pop_primary() {
+  CUcontext ctx = nullptr;
+  if (fake_cuCtxPopCurrent(&ctx) != CUDA_SUCCESS) return 1;
+  return fake_cuDevicePrimaryCtxRelease(ctx->device) == CUDA_SUCCESS ? 0 : 2;
+}
+
+// Device of the calling thread's current context, -1 when none is current.
+FAKE_EXPORT int fake_cuda_current_device() {
+  return context_stack.empty() || context_stack.back() == nullptr ? -1 : context_stack.back()->device;
+}
