@@ -372,6 +372,27 @@ void delete_view(DLManagedTensor* self) {
 }
 }  // namespace
 
+// The byte spans a strided view touches, dims taken outermost first (callers order them by stride).
+// Index k of dim d covers one block (all the inner dims) `step` bytes after index k-1. When the gap between
+// blocks is shorter than a page no page can fall into it, so the union of the blocks is exactly the pages
+// touched; otherwise (a view over several sequence slots, or heads stored apart) each block is split
+// further. Views over unmapped gaps are thus allowed, and only the pages really read are checked.
+void VirtualRange::collect_spans(size_t offset, const std::vector<int64_t>& shape,
+                                 const std::vector<int64_t>& strides, size_t dim, size_t itemsize,
+                                 std::vector<std::pair<size_t, size_t>>& out) const {
+  size_t inner = 1;  // elements from the first to one past the last element of one block
+  for (size_t i = dim + 1; i < shape.size(); ++i)
+    inner += static_cast<size_t>(shape[i] - 1) * static_cast<size_t>(strides[i]);
+  const size_t block = inner * itemsize;
+  const size_t step = static_cast<size_t>(strides[dim]) * itemsize;
+  const size_t blocks = static_cast<size_t>(shape[dim]);
+  if (dim + 1 == shape.size() || (blocks > 1 && step < block + page_size_)) {
+    out.emplace_back(offset, offset + (blocks - 1) * step + block);
+    return;
+  }
+  for (size_t b = 0; b < blocks; ++b) collect_spans(offset + b * step, shape, strides, dim + 1, itemsize, out);
+}
+
 void* VirtualRange::make_dlpack(size_t offset, const std::vector<int64_t>& shape,
                                 const std::vector<int64_t>& strides, int dtype_code, int dtype_bits) {
   if (shape.size() != strides.size()) throw InvalidArgument("view: shape and strides differ in length");
@@ -379,26 +400,12 @@ void* VirtualRange::make_dlpack(size_t offset, const std::vector<int64_t>& shape
   const size_t itemsize = static_cast<size_t>(dtype_bits) / 8;
   if (itemsize == 0 || dtype_bits % 8 != 0) throw InvalidArgument("view: unsupported dtype width");
   bool empty = false;
-  size_t inner_span = 1;  // elements from the first to one past the last of one index of dim 0
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] < 0 || strides[i] < 0) throw InvalidArgument("view: negative shape or stride");
     if (shape[i] == 0) empty = true;
-    if (i > 0) inner_span += static_cast<size_t>(shape[i] > 0 ? shape[i] - 1 : 0) * static_cast<size_t>(strides[i]);
   }
-  // The view touches `blocks` blocks of `block` bytes, `step` bytes apart. When the gap between blocks is
-  // shorter than a page no page can fall into it, so the union [first, last] is exactly what is touched;
-  // otherwise (one view over several sequence slots) each block is checked and pinned on its own.
-  const size_t block = inner_span * itemsize;
-  const size_t step = static_cast<size_t>(strides[0]) * itemsize;
-  const size_t blocks = empty ? 0 : static_cast<size_t>(shape[0]);
-  std::vector<std::pair<size_t, size_t>> spans;  // byte [lo, hi)
-  if (blocks > 0) {
-    if (blocks == 1 || step < block + page_size_) {
-      spans.emplace_back(offset, offset + (blocks - 1) * step + block);
-    } else {
-      for (size_t b = 0; b < blocks; ++b) spans.emplace_back(offset + b * step, offset + b * step + block);
-    }
-  }
+  std::vector<std::pair<size_t, size_t>> spans;  // byte [lo, hi) the view touches
+  if (!empty) collect_spans(offset, shape, strides, 0, itemsize, spans);
   auto ctx = std::make_unique<ViewContext>();
   {
     std::lock_guard<std::mutex> lock(mu_);

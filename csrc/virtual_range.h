@@ -69,6 +69,8 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
 
  private:
   void check_slot(int64_t slot) const;
+  void collect_spans(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                     size_t dim, size_t itemsize, std::vector<std::pair<size_t, size_t>>& out) const;
   void unmap_locked(const std::vector<int64_t>& slots);
   // Map pages (in order) over runs of slots; on failure unmap what was mapped, drop the caller's page
   // references and rethrow.

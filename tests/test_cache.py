@@ -12,7 +12,7 @@ import vpaged
 from vpaged import VirtualKVCache
 from conftest import address_is_mapped
 
-LAYOUTS = ["per_layer", "interleaved"]
+LAYOUTS = ["per_layer", "interleaved", "head_major"]
 PAGE = 64 * 1024
 
 
@@ -103,14 +103,17 @@ def test_utilization_matches_hand_computation(layout):
     cache.extend(a, 100)
     cache.extend(b, 300)
     per_layer_token = heads * dim * 4  # bytes of K (or V) of one layer
-    if layout == "per_layer":
-        tokens_per_page = PAGE // per_layer_token  # 128
-        pages = 2 * layers * (-(-100 // tokens_per_page) + -(-300 // tokens_per_page))  # 6 * (1 + 3)
-    else:
-        tokens_per_page = PAGE // (2 * layers * per_layer_token)  # 21.33: pages hold fractional tokens
-        pages = -(-100 * 2 * layers * per_layer_token // PAGE) + -(-300 * 2 * layers * per_layer_token // PAGE)
+    if layout == "per_layer":  # 2·layers regions, 128 tokens per page
+        token_bytes = per_layer_token
+        pages = 2 * layers * (-(-100 // 128) + -(-300 // 128))  # 6 * (1 + 3)
+    elif layout == "interleaved":  # one region, 21.33 tokens per page: pages hold fractional tokens
+        token_bytes = 2 * layers * per_layer_token
+        pages = -(-100 * token_bytes // PAGE) + -(-300 * token_bytes // PAGE)
+    else:  # head_major: a run of pages per head in each of 2·layers regions, 256 tokens per page
+        token_bytes = dim * 4
+        pages = 2 * layers * heads * (-(-100 // 256) + -(-300 // 256))  # 12 * (1 + 2)
     s = cache.stats()
-    assert s.tokens_per_page == pytest.approx(PAGE / (per_layer_token * (1 if layout == "per_layer" else 2 * layers)))
+    assert s.tokens_per_page == pytest.approx(PAGE / token_bytes)
     live = 400 * 2 * layers * per_layer_token
     assert (s.mapped_pages, s.mapped_bytes, s.live_tokens, s.live_bytes) == (pages, pages * PAGE, 400, live)
     assert s.utilization == pytest.approx(live / (pages * PAGE))
@@ -186,7 +189,7 @@ def test_kv_batch_and_batched_descriptor(rng):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_errors_are_typed_and_change_nothing(layout, rng):
-    cache = make_cache(layout, max_seqs=3, capacity=20 * PAGE)
+    cache = make_cache(layout, max_seqs=3, capacity=40 * PAGE)
     a, b = cache.allocate(), cache.allocate()
     fill(cache, a, 130, rng)
     fill(cache, b, 20, rng)

@@ -9,7 +9,7 @@ from vpaged import VirtualKVCache
 from test_cache import assert_same, fill, snapshot
 
 PAGE = 64 * 1024
-LAYOUTS = ["per_layer", "interleaved"]
+LAYOUTS = ["per_layer", "interleaved", "head_major"]
 
 
 def make(layout="per_layer", layers=2, capacity_pages=200, max_seqs=16, max_len=1200, **kw):
@@ -33,7 +33,7 @@ def test_fork_1000_tokens_eight_times_costs_no_page_until_children_write(layout,
     fill(cache, parent, 1000, rng)
     before = data(cache, parent)
     used = cache.pool.stats().used_pages
-    regions = cache.layout.regions
+    runs = cache.layout.runs  # page runs of a slot: regions, times heads for head_major
     children = cache.fork_many(parent, 8)
     assert cache.pool.stats().used_pages == used  # at most one extra page per region per child: here none
     for c in children:
@@ -42,10 +42,10 @@ def test_fork_1000_tokens_eight_times_costs_no_page_until_children_write(layout,
     for i, c in enumerate(children):
         copies = cache.stats().cow_copies
         fill(cache, c, 1, rng)  # the first write lands in the shared, partly filled last page
-        assert cache.stats().cow_copies - copies == regions  # exactly one page copy per region
-        assert cache.pool.stats().used_pages == used + (i + 1) * regions
+        assert cache.stats().cow_copies - copies == runs  # exactly one page copy per run
+        assert cache.pool.stats().used_pages == used + (i + 1) * runs
         fill(cache, c, 3, rng)  # later writes to the now private page copy nothing
-        assert cache.stats().cow_copies - copies == regions
+        assert cache.stats().cow_copies - copies == runs
     assert same(data(cache, parent), before)  # no child write is visible in the parent
     for i, c in enumerate(children):
         for j, d in enumerate(children):

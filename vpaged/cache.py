@@ -65,8 +65,8 @@ class BatchedKV:
     """One layer's K and V of several sequences, for decode kernels that take per-sequence lengths.
 
     k_ptr / v_ptr address token 0 of slot 0; sequence i starts `slots[i] * slot_stride` elements further
-    and holds `lengths[i]` valid tokens with `token_stride` elements between tokens, `head_dim` between
-    heads. Only memory below each length is guaranteed mapped: a kernel must not read past it. Valid until
+    and holds `lengths[i]` valid tokens with `token_stride` elements between tokens, `head_stride` between
+    heads (head_dim except for the head_major layout). Only memory below each length is guaranteed mapped: a kernel must not read past it. Valid until
     one of the sequences is freed, truncated or swapped out.
     """
 
@@ -76,6 +76,7 @@ class BatchedKV:
     lengths: torch.Tensor  # int32 [B] on the cache's device
     slot_stride: int
     token_stride: int
+    head_stride: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
@@ -94,8 +95,9 @@ class VirtualKVCache:
         max_seq_len: tokens a sequence may hold.
         device: "cpu", "cuda" or "cuda:N".
         pool: a PagePool to share; or capacity_bytes for a private pool; neither: the device's default pool.
-        layout: "per_layer" (dense per-layer views, fastest kernels) or "interleaved" (all layers of a token
-            together: finer fill granularity, one map per page for all layers).
+        layout: "per_layer" (dense [T, H, D] per-layer views), "interleaved" (all layers of a token together:
+            finer fill granularity, one map per page for all layers) or "head_major" (dense [H, T, D] per
+            layer, what SDPA prefers; a page per head). See layout.py.
         page_size: bytes per page for a private/default pool (must match a given pool).
         swap_bytes: capacity of the host swap space for swap_out() (0: no swapping).
         prefix_hash: hash(parent_key, block_token_ids) -> bytes for the prefix index (default: blake2b chain).
@@ -176,7 +178,7 @@ class VirtualKVCache:
         slot = self._take_clean_slot()
         if hits:
             page_slots = self.layout.page_slots(slot, 0, len(hits))  # region-major, like the pages below
-            pages = [b.pages[r] for r in range(self.layout.regions) for b in hits]
+            pages = [b.pages[r] for r in range(self.layout.runs) for b in hits]
             try:
                 self._range.map_shared(page_slots, pages)
             except BaseException:
@@ -434,12 +436,12 @@ class VirtualKVCache:
                 continue
             src_n = lay.pages_for(lens[i])
             span = max(src_n, self._mapped[dst])
-            # page_slots(slot, 0, n) lists region by region, so page p of region r is entry r * n + p. Built
-            # once per row: a call per page made a beam-search reorder O(regions^2 * pages) in Python.
+            # page_slots(slot, 0, n) lists run by run, so page p of run r is entry r * n + p. Built once per
+            # row: a call per page made a beam-search reorder O(runs^2 * pages) in Python.
             src_pages, src_mapped = old_pages[src], self._mapped[src]
             dst_slots = lay.page_slots(dst, 0, span)
             assign_slots += dst_slots
-            for r in range(lay.regions):
+            for r in range(lay.runs):
                 assign_pages += src_pages[r * src_mapped:r * src_mapped + src_n]
                 assign_pages += [-1] * (span - src_n)
             moves.append((dst, src, src_n, lens[i]))
@@ -589,9 +591,11 @@ class VirtualKVCache:
         if not 0 <= length <= min(lens):
             raise InvalidArgumentError(f"length {length} outside 0..{min(lens)} (shortest sequence)")
         lay = self.layout
-        shape = [len(slots), length, self.num_kv_heads, self.head_dim]
-        strides = [step * lay.slot_stride, lay.token_stride, self.head_dim, 1]
-        return tuple(self._make_view(lay.offset(layer, kv, slots[0]), shape, strides) for kv in (0, 1))
+        shape, strides, perm = lay.view_dims(length)
+        shape, strides = [len(slots)] + shape, [step * lay.slot_stride] + strides
+        perm = (0,) + tuple(p + 1 for p in perm)
+        return tuple(self._make_view(lay.offset(layer, kv, slots[0]), shape, strides).permute(perm)
+                     for kv in (0, 1))
 
     def batch(self, layer: int, seqs) -> BatchedKV:
         """Descriptor of one layer's K/V of `seqs` for decode kernels with per-sequence lengths."""
@@ -603,7 +607,8 @@ class VirtualKVCache:
             k_ptr=base + lay.base_offset(layer, 0), v_ptr=base + lay.base_offset(layer, 1),
             slots=torch.tensor(slots, dtype=torch.int32, device=self.device),
             lengths=torch.tensor([self._len[s] for s in slots], dtype=torch.int32, device=self.device),
-            slot_stride=lay.slot_stride, token_stride=lay.token_stride, num_kv_heads=self.num_kv_heads,
+            slot_stride=lay.slot_stride, token_stride=lay.token_stride, head_stride=lay.head_stride,
+            num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, dtype=self.dtype, device=self.device, layout=lay.kind, owner=self._range)
 
     def write(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
@@ -637,8 +642,8 @@ class VirtualKVCache:
         self._view(layer, 1, slot, start, n).copy_(v)
 
     def _view(self, layer: int, kv: int, slot: int, start: int, n: int) -> torch.Tensor:
-        return self._make_view(self.layout.offset(layer, kv, slot, start), [n, self.num_kv_heads, self.head_dim],
-                               [self.layout.token_stride, self.head_dim, 1])
+        shape, strides, perm = self.layout.view_dims(n)
+        return self._make_view(self.layout.offset(layer, kv, slot, start), shape, strides).permute(perm)
 
     def _make_view(self, offset: int, shape, strides) -> torch.Tensor:
         self._check_open()
@@ -656,9 +661,9 @@ class VirtualKVCache:
 
     def stats(self) -> CacheStats:
         self._check_open()
-        regions = self.layout.regions
-        mapped = sum(self._mapped) * regions
-        dormant = sum(self._mapped[s] for s in self._dormant) * regions
+        runs = self.layout.runs
+        mapped = sum(self._mapped) * runs
+        dormant = sum(self._mapped[s] for s in self._dormant) * runs
         # Tokens in memory: swapped-out sequences do not count. With sharing, live can exceed mapped.
         live_tokens = sum(self._len[s] for s in self._slot_of.values() if s not in self._swapped)
         live_bytes = live_tokens * self.bytes_per_token
@@ -678,7 +683,7 @@ class VirtualKVCache:
             pool_used_pages=pool.used_pages, pages_mapped_total=self._pages_mapped,
             pages_unmapped_total=self._pages_unmapped, map_calls=self._map_calls, shared_pages=shared,
             cow_copies=self._cow_copies, prefix_hit_tokens=self._prefix_hits,
-            prefix_cached_pages=len(self._prefix) * self.layout.regions if self._prefix else 0,
+            prefix_cached_pages=len(self._prefix) * self.layout.runs if self._prefix else 0,
             swapped_sequences=len(self._swapped), swapped_bytes=swapped_pages * self.layout.page_size)
 
     def reclaim(self) -> int:
@@ -689,7 +694,7 @@ class VirtualKVCache:
     def _reclaimable_pages(self) -> int:
         if self._closed:
             return 0
-        dormant = sum(self._mapped[s] for s in self._dormant) * self.layout.regions
+        dormant = sum(self._mapped[s] for s in self._dormant) * self.layout.runs
         return dormant + sum(len(b.pages) for b in self._evictable_blocks())
 
     def _evictable_blocks(self):

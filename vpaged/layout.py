@@ -1,11 +1,16 @@
 """Where each token's K and V live inside a VirtualKVCache's virtual range.
 
-per_layer:   2·num_layers regions (K and V of each layer), each of max_seqs slots; a sequence's K of one
-             layer is a dense [len, kv_heads, head_dim] tensor. Page fill: page / (heads·dim·itemsize) tokens.
+per_layer:   2·num_layers regions (K and V of each layer), each of max_seqs slots; a sequence's K of one layer is
+             a dense [len, kv_heads, head_dim] tensor. Page fill: page / (heads·dim·itemsize) tokens.
 interleaved: one region of max_seqs slots; per token all layers' K and V side by side, so K of a layer is a
              strided view. Page fill: page / (2·layers·heads·dim·itemsize) tokens; one map serves all layers.
+head_major:  like per_layer, but each head of a slot has its own run of pages, so a sequence's K of one layer
+             is a dense [kv_heads, len, head_dim] tensor: the [B, H, T, D] that SDPA and transformers use.
+             Page fill: page / (dim·itemsize) tokens per head; a page boundary costs kv_heads pages per region.
 
-Every slot starts on a page boundary, so the pages of different sequences never overlap.
+A slot is cut into `runs_per_slot` runs of pages (one per head for head_major, else one); every run starts
+on a page boundary, so the pages of different sequences (and heads) never overlap. Page-slot lists are
+run-major: for each region, for each run, the pages in order.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidArgumentError
 
-LAYOUTS = ("per_layer", "interleaved")
+LAYOUTS = ("per_layer", "interleaved", "head_major")
 
 
 @dataclass(frozen=True)
@@ -33,17 +38,33 @@ class Layout:
 
     @property
     def regions(self) -> int:
-        return 2 * self.num_layers if self.kind == "per_layer" else 1
+        return 1 if self.kind == "interleaved" else 2 * self.num_layers
+
+    @property
+    def runs_per_slot(self) -> int:
+        return self.num_kv_heads if self.kind == "head_major" else 1
+
+    @property
+    def runs(self) -> int:
+        """Page runs of one slot over all regions: pages per slot for each page index."""
+        return self.regions * self.runs_per_slot
 
     @property
     def token_stride(self) -> int:
-        """Elements from one token to the next inside a region."""
+        """Elements from one token to the next inside a run."""
+        if self.kind == "head_major":
+            return self.head_dim
         per_head_row = self.num_kv_heads * self.head_dim
         return per_head_row if self.kind == "per_layer" else 2 * self.num_layers * per_head_row
 
     @property
+    def head_stride(self) -> int:
+        """Elements from one head to the next of the same token."""
+        return self.pages_per_run * self.page_size // self.itemsize if self.kind == "head_major" else self.head_dim
+
+    @property
     def token_bytes(self) -> int:
-        """Bytes one token occupies in one region."""
+        """Bytes one token occupies in one run."""
         return self.token_stride * self.itemsize
 
     @property
@@ -52,12 +73,12 @@ class Layout:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
 
     @property
-    def pages_per_slot(self) -> int:
+    def pages_per_run(self) -> int:
         return -(-self.max_seq_len * self.token_bytes // self.page_size)
 
     @property
     def slot_bytes(self) -> int:
-        return self.pages_per_slot * self.page_size
+        return self.runs_per_slot * self.pages_per_run * self.page_size
 
     @property
     def slot_stride(self) -> int:
@@ -70,23 +91,31 @@ class Layout:
 
     @property
     def tokens_per_page(self) -> float:
-        """Fill granularity: tokens that fit one page of one region."""
+        """Fill granularity: tokens that fit one page of one run."""
         return self.page_size / self.token_bytes
 
     def pages_for(self, tokens: int) -> int:
-        """Pages each region of a slot needs to hold `tokens` tokens."""
+        """Pages each run of a slot needs to hold `tokens` tokens."""
         return -(-tokens * self.token_bytes // self.page_size)
 
     def page_slots(self, slot: int, first: int, stop: int) -> list[int]:
-        """Range page-slot indices of pages first..stop-1 of `slot`, in every region."""
-        pps, seqs = self.pages_per_slot, self.max_seqs
-        return [(r * seqs + slot) * pps + p for r in range(self.regions) for p in range(first, stop)]
+        """Range page-slot indices of pages first..stop-1 of every run of `slot` (run-major)."""
+        ppr, rps, seqs = self.pages_per_run, self.runs_per_slot, self.max_seqs
+        return [((r * seqs + slot) * rps + h) * ppr + p
+                for r in range(self.regions) for h in range(rps) for p in range(first, stop)]
 
     def base_offset(self, layer: int, kv: int) -> int:
-        """Byte offset of slot 0, token 0 of layer's K (kv=0) or V (kv=1)."""
-        if self.kind == "per_layer":
-            return (2 * layer + kv) * self.max_seqs * self.slot_bytes
-        return (2 * layer + kv) * self.num_kv_heads * self.head_dim * self.itemsize
+        """Byte offset of slot 0, head 0, token 0 of layer's K (kv=0) or V (kv=1)."""
+        if self.kind == "interleaved":
+            return (2 * layer + kv) * self.num_kv_heads * self.head_dim * self.itemsize
+        return (2 * layer + kv) * self.max_seqs * self.slot_bytes
 
     def offset(self, layer: int, kv: int, slot: int, token: int = 0) -> int:
         return self.base_offset(layer, kv) + slot * self.slot_bytes + token * self.token_bytes
+
+    def view_dims(self, tokens: int) -> tuple[list[int], list[int], tuple[int, ...]]:
+        """(shape, strides, permutation) of a [tokens, heads, head_dim] view: shape/strides list the dims in
+        memory order (largest stride first) as the core checks them; permuting gives [tokens, heads, dim]."""
+        if self.kind == "head_major":
+            return [self.num_kv_heads, tokens, self.head_dim], [self.head_stride, self.token_stride, 1], (1, 0, 2)
+        return [tokens, self.num_kv_heads, self.head_dim], [self.token_stride, self.head_dim, 1], (0, 1, 2)
