@@ -10,5 +10,6 @@ from .errors import *  # noqa: F401,F403
 from .layout import Layout
 from .paged_cache import PagedCacheStats, PagedKVCache
 from .pool import PagePool, PoolStats, default_pool, set_default_pool
+from . import ops
 
 __version__ = "0.1.0"
