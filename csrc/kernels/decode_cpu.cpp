@@ -12,10 +12,10 @@
 // loops so GCC vectorises them, reductions included, without -ffast-math. GQA: each widened K row is
 // dotted with the 4 query heads sharing it at a time, and each V row feeds all its heads.
 //
-// Rows are prefetched in software (K kAhead tokens ahead, V one phase ahead, into L2): hardware
-// prefetchers stop at 4 KiB pages, which is one fp32 row of 8 heads x 128, and rows of a block table or
-// of the interleaved layout are not adjacent anyway. Prefetching into L1 instead stalled on L1 miss
-// buffers (measured: 4.5 -> 6.7 GB/s per core for bf16 with L2 hints and 8 tokens of distance).
+// Rows of K and V are prefetched in software, kAhead tokens ahead, into L2: hardware prefetchers stop at
+// 4 KiB pages, which is one fp32 row of 8 heads x 128, and rows of a block table or of the interleaved
+// layout are not adjacent anyway. Prefetching into L1 instead stalled on L1 miss buffers (measured on
+// the dev box: bf16 from DRAM 4.5 -> 6.7 GB/s per core with L2 hints).
 //
 // Every helper is always_inline and the per-item entry points are compiled twice, for the baseline
 // x86-64 ISA and for AVX2+FMA, and picked at run time: the extension must run on any x86-64 (no -march),
@@ -66,7 +66,7 @@ namespace {
 
 constexpr int kChunk = 32;      // tokens per online-softmax step
 constexpr int kMinSplit = 256;  // fewest tokens worth a separate item (merging costs ~ one head_dim pass)
-constexpr int kAhead = 8;       // K rows prefetched this many tokens ahead (4 was measurably too close)
+constexpr int kAhead = 16;      // tokens of prefetch distance (4 was too close; 8..48 measured alike)
 
 // ------------------------------------------------------------------------------------ element types
 VP_INLINE float bits_f(uint32_t u) {
@@ -221,6 +221,55 @@ VP_INLINE void axpy4(float* __restrict acc, const float* __restrict v0, const fl
   for (int d = 0; d < n; ++d) acc[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
 }
 
+// Four heads' accumulators += P·V over the n rows of a chunk, 16 dims at a time held in registers across
+// all n tokens: 8 independent FMA chains, 2 row loads + 4 broadcasts per 8 FMAs and no store inside the
+// token loop (axpy4 above stores the accumulator once per 4 FMAs, and stores were the bound). GCC vector
+// types spell the register tile out; the baseline ISA lowers each 8-wide operation to two SSE ones.
+typedef float vf8 __attribute__((vector_size(32)));
+// GCC warns that returning a 32-byte vector without AVX changes the ABI; these helpers are always inlined,
+// so no call ever passes one.
+#pragma GCC diagnostic ignored "-Wpsabi"
+VP_INLINE vf8 load8(const float* p) {
+  vf8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+VP_INLINE void store8(float* p, vf8 v) { std::memcpy(p, &v, sizeof v); }
+
+VP_INLINE void pv4x16(float* __restrict acc, const float* const* vr, const float* __restrict ps, int n, int D) {
+  float* __restrict a0 = acc;
+  float* __restrict a1 = acc + D;
+  float* __restrict a2 = acc + 2 * D;
+  float* __restrict a3 = acc + 3 * D;
+  const float* __restrict p0 = ps;
+  const float* __restrict p1 = ps + kChunk;
+  const float* __restrict p2 = ps + 2 * kChunk;
+  const float* __restrict p3 = ps + 3 * kChunk;
+  for (int d = 0; d < D; d += 16) {
+    vf8 x0 = load8(a0 + d), y0 = load8(a0 + d + 8), x1 = load8(a1 + d), y1 = load8(a1 + d + 8);
+    vf8 x2 = load8(a2 + d), y2 = load8(a2 + d + 8), x3 = load8(a3 + d), y3 = load8(a3 + d + 8);
+    for (int i = 0; i < n; ++i) {
+      const vf8 v = load8(vr[i] + d), w = load8(vr[i] + d + 8);
+      x0 += p0[i] * v;
+      y0 += p0[i] * w;
+      x1 += p1[i] * v;
+      y1 += p1[i] * w;
+      x2 += p2[i] * v;
+      y2 += p2[i] * w;
+      x3 += p3[i] * v;
+      y3 += p3[i] * w;
+    }
+    store8(a0 + d, x0);
+    store8(a0 + d + 8, y0);
+    store8(a1 + d, x1);
+    store8(a1 + d + 8, y1);
+    store8(a2 + d, x2);
+    store8(a2 + d + 8, y2);
+    store8(a3 + d, x3);
+    store8(a3 + d + 8, y3);
+  }
+}
+
 template <int DC>
 VP_INLINE void axpy1(float* __restrict acc, const float* __restrict v, float p, int D) {
   const int n = DC ? DC : D;
@@ -304,8 +353,11 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
     for (int i = 0; i < n; i += 2) {
       const int i1 = i + 1 < n ? i + 1 : i;
       for (int j = i; j <= i1; ++j) {
-        if (c0 + j + kAhead < it.t1) prefetch_row(K + row(c0 + j + kAhead), row_bytes);
-        prefetch_row(V + off[j], row_bytes);
+        if (c0 + j + kAhead < it.t1) {
+          const int64_t ahead = row(c0 + j + kAhead);
+          prefetch_row(K + ahead, row_bytes);
+          prefetch_row(V + ahead, row_bytes);
+        }
       }
       for (int kh = 0; kh < HKV; ++kh) {
         const float* k0 = widen<DT, DC>(K + off[i] + kh * D, rows, D);
@@ -347,7 +399,11 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
     // P·V: widen each V row of the chunk once, use it for the G heads that share it.
     for (int kh = 0; kh < HKV; ++kh) {
       for (int i = 0; i < n; ++i) vr[i] = widen<DT, DC>(V + off[i] + kh * D, rows + i * D, D);
-      for (int g = 0; g < G; ++g) {
+      int g = 0;
+      if (D % 16 == 0) {
+        for (; g + 4 <= G; g += 4) pv4x16(acc + (kh * G + g) * D, vr, sc + (kh * G + g) * kChunk, n, D);
+      }
+      for (; g < G; ++g) {
         const int h = kh * G + g;
         float* a = acc + h * D;
         const float* ps = sc + h * kChunk;
