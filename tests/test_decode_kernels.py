@@ -219,6 +219,8 @@ def test_cache_argument_errors(paged):
         ops.decode_attention(q, cache, seqs, 2)
     with pytest.raises(vpaged.UnknownSequenceError):
         ops.decode_attention(q, cache, [seqs[0], 99], 0)
+    with pytest.raises(ShapeError, match="rows for"):
+        ops.decode_attention(q, cache, seqs[:1], 0)
     empty = cache.allocate()
     with pytest.raises(InvalidArgumentError, match="no tokens"):
         ops.decode_attention(q, cache, [seqs[0], empty], 0)
@@ -260,11 +262,13 @@ def test_cuda_entry_point_without_gpu_raises_backend_error():
     p.token_stride, p.max_tokens = 128, 1
     launch = _C.CudaLaunch()
     launch.split_tokens = 1
-    with pytest.raises(BackendError):
+    # Built without CUDA: BackendUnavailableError saying so; built with CUDA but no driver/device: BackendError.
+    with pytest.raises(BackendError, match=None if _C.kernels_built_with_cuda() else "without CUDA"):
         _C.decode_cuda(p, launch)
-    with pytest.raises(InvalidArgumentError):
-        p.head_dim = 80  # the CUDA kernels take 64, 128, 256
-        _C.decode_cuda(p, launch)
+    if _C.kernels_built_with_cuda():
+        p.head_dim = 80  # the CUDA kernels take 64, 128, 256: refused before any device is touched
+        with pytest.raises(InvalidArgumentError):
+            _C.decode_cuda(p, launch)
 
 
 # --------------------------------------------------------------------------------------------- CUDA

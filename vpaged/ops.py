@@ -120,6 +120,8 @@ def decode_attention(q: torch.Tensor, cache, seqs, layer: int, scale: float | No
     """Decode attention of q (row i for seqs[i]) over one layer of a VirtualKVCache (contiguous kernel)
     or a PagedKVCache (block-table kernel). Lengths come from the cache (no device read-back)."""
     seqs = list(seqs)
+    if isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] != len(seqs):
+        raise ShapeError(f"q has {q.shape[0]} rows for {len(seqs)} sequences")
     if isinstance(cache, VirtualKVCache):
         max_len = _cache_max_len(cache, seqs)
         return decode_attention_contiguous(q, cache.batch(layer, seqs), scale, out, max_len=max_len)
