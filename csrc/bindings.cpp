@@ -15,6 +15,8 @@ double raw_map_unmap_seconds_per_page(size_t page_size, size_t pages);
 }
 using namespace vpaged;
 
+void register_kernels(py::module_& m);  // csrc/kernels/kernel_bindings.cpp
+
 namespace {
 
 void raise_as(const char* name, const char* what) {
@@ -141,4 +143,6 @@ PYBIND11_MODULE(_C, m) {
           py::arg("offset"), py::arg("shape"), py::arg("strides"), py::arg("dtype_code"),
           py::arg("dtype_bits"),
           "A DLPack capsule of a tensor over mapped memory of this range (strides in elements).");
+
+  register_kernels(m);
 }

@@ -82,6 +82,8 @@ def test_write_contract_is_enforced(rng):
         with pytest.raises(vpaged.ReadOnlyTokensError):
             cache.write(0, s, torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), start=99)
     cache.extend(b, 5)
+    assert cache.writable_range(b) == (0, 105)  # its only page was copied: all of it is b's own now
+    assert cache.writable_range(a) == (100, 100)  # a still counts its page as shared
     k, v = cache.new_kv(0, b)
     assert k.shape == (5, 2, 64)
     k.fill_(3.0)  # the window's pages are private to b

@@ -8,6 +8,8 @@ from .cache import BatchedKV, CacheStats, VirtualKVCache
 from .device import BackendInfo, backends
 from .errors import *  # noqa: F401,F403
 from .layout import Layout
+from .paged_cache import PagedCacheStats, PagedKVCache
 from .pool import PagePool, PoolStats, default_pool, set_default_pool
+from . import ops
 
 __version__ = "0.1.0"

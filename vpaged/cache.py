@@ -8,8 +8,9 @@ new tokens need; kv() hands out zero-copy torch views of exactly the tokens pres
 Sharing: fork() maps a sequence's physical pages into another slot (no data copied); prefix caching maps
 full pages of an identical token prefix into a new sequence; reorder() remaps whole sequences (beam search).
 A shared page is never written: extend() first gives the sequence a private copy of any shared page its new
-tokens land in (copy-on-write). The write contract: a sequence's writable window is the tokens added by its
-last extend(); write() and new_kv() only reach that window, kv() is for reading.
+tokens land in (copy-on-write). The write contract: a sequence may write its tokens that lie in pages it does
+not share (writable_range(): all of them until it shares pages, and always the tokens its last extend()
+added); write() and new_kv() enforce it, kv() views are for reading.
 
 Swapping: swap_out() copies a sequence's private pages to host swap space and returns them to the pool;
 swap_in() maps fresh pages at the same virtual addresses and restores the data bit-exactly.
@@ -141,7 +142,7 @@ class VirtualKVCache:
         self._empty = list(range(max_seqs - 1, -1, -1))  # slots without pages; pop() gives the lowest
         self._dormant: OrderedDict[int, None] = OrderedDict()  # freed slots that keep their pages, oldest first
         self._shared_upto = [0] * max_seqs  # pages below this index of a slot may be shared
-        self._writable_from = [0] * max_seqs  # first token of the writable window
+        self._new_from = [0] * max_seqs  # first token the last extend() added (new_kv's window)
         self._swapped: dict[int, tuple[list[int], list[int]]] = {}  # slot -> (page slots swapped, chunks)
         self._next_id = 0
         self._pages_mapped = 0
@@ -187,9 +188,9 @@ class VirtualKVCache:
         seq = self._bind(slot)
         n = len(hits) * index.block_tokens
         self._len[slot] = n
+        self._new_from[slot] = n
         self._mapped[slot] = len(hits)
         self._shared_upto[slot] = len(hits)
-        self._writable_from[slot] = n
         self._prefix_hits += n
         return seq
 
@@ -245,7 +246,7 @@ class VirtualKVCache:
         self._next_id += 1
         self._slot_of[seq] = slot
         self._len[slot] = 0
-        self._writable_from[slot] = 0
+        self._new_from[slot] = 0
         return seq
 
     def free(self, seq: int) -> None:
@@ -330,7 +331,7 @@ class VirtualKVCache:
                 # Every page from the first new token's on is private now.
                 first = self._len[slot] * lay.token_bytes // lay.page_size
                 self._shared_upto[slot] = min(self._shared_upto[slot], first)
-            self._writable_from[slot] = self._len[slot]
+            self._new_from[slot] = self._len[slot]
             self._len[slot] += n
 
     def _with_reclaim(self, call, pages: int):
@@ -381,13 +382,11 @@ class VirtualKVCache:
                 self._len[slot] = self._len[parent]
                 self._mapped[slot] = npages
                 self._shared_upto[slot] = npages
-                self._writable_from[slot] = self._len[slot]
         except BaseException:
             for child in children:
                 self.free(child)
             raise
         self._shared_upto[parent] = max(self._shared_upto[parent], npages)
-        self._writable_from[parent] = self._len[parent]  # its pages are shared now: nothing to write in place
         return children
 
     def truncate(self, seq: int, new_len: int) -> None:
@@ -408,7 +407,7 @@ class VirtualKVCache:
             except ViewsAliveError:
                 pass
         self._len[slot] = new_len
-        self._writable_from[slot] = new_len
+        self._new_from[slot] = min(self._new_from[slot], new_len)
 
     def reorder(self, seqs, sources) -> None:
         """seqs[i] takes the tokens and K/V that seqs[sources[i]] held before the call (beam search).
@@ -452,9 +451,7 @@ class VirtualKVCache:
             self._len[dst] = length
             self._mapped[dst] = src_n
             self._shared_upto[dst] = src_n
-            self._writable_from[dst] = length
             self._shared_upto[src] = max(self._shared_upto[src], min(src_n, self._mapped[src]))
-            self._writable_from[src] = self._len[src]
 
     def cache_prefix(self, seq: int, tokens) -> int:
         """Offer the full pages of `seq` for reuse by later allocate(tokens=...) calls. tokens: the token ids
@@ -475,7 +472,6 @@ class VirtualKVCache:
                 self.pool._pool.incref(p)
             index.insert(key, depth, block, pages)
         self._shared_upto[slot] = max(self._shared_upto[slot], nblocks)
-        self._writable_from[slot] = max(self._writable_from[slot], nblocks * index.block_tokens)
         return nblocks * index.block_tokens
 
     def _prefix_index(self) -> PrefixIndex:
@@ -558,18 +554,26 @@ class VirtualKVCache:
         return self._view(layer, 0, slot, 0, n), self._view(layer, 1, slot, 0, n)
 
     def new_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writable (K, V) views of the sequence's writable window: the tokens its last extend() added.
-        Their pages belong to this sequence alone, so writing through these views is safe."""
+        """Writable (K, V) views of the tokens the sequence's last extend() added (extend() made their pages
+        private to this sequence, so writing through these views is safe)."""
         self._check_layer(layer)
         slot = self._live_slot(seq)
-        start = self._writable_from[slot]
+        start = min(self._new_from[slot], self._len[slot])
         n = self._len[slot] - start
         return self._view(layer, 0, slot, start, n), self._view(layer, 1, slot, start, n)
 
     def writable_range(self, seq: int) -> tuple[int, int]:
-        """(first, end) token positions write() and new_kv() may write for this sequence."""
+        """(first, end): the tokens write() may write. Tokens in pages the sequence may share with others
+        (after fork, reorder, a prefix hit or cache_prefix) are read-only until extend() or truncate()
+        gives the sequence its own copy; the tokens the last extend() added are always writable."""
         slot = self._live_slot(seq)
-        return self._writable_from[slot], self._len[slot]
+        return self._first_writable(slot), self._len[slot]
+
+    def _first_writable(self, slot: int) -> int:
+        # The first token whose bytes all lie in pages at or past _shared_upto (private to this slot).
+        lay = self.layout
+        first = -(-self._shared_upto[slot] * lay.page_size // lay.token_bytes)
+        return min(first, self._len[slot])
 
     def kv_batch(self, layer: int, seqs, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of several sequences as [B, length, num_kv_heads, head_dim] views. The sequences must sit
@@ -613,8 +617,8 @@ class VirtualKVCache:
 
     def write(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
         """Copy k, v of shape [n, num_kv_heads, head_dim] into tokens start..start+n-1 of the sequence
-        (default: its last n tokens). Only the writable window (the tokens the last extend() added) may be
-        written: earlier tokens may share pages with other sequences (ReadOnlyTokensError)."""
+        (default: its last n tokens). Only writable_range() may be written: tokens in pages the sequence
+        may share with others raise ReadOnlyTokensError."""
         self._check_layer(layer)
         slot = self._live_slot(seq)
         for name, t in (("k", k), ("v", v)):
@@ -634,10 +638,10 @@ class VirtualKVCache:
         if start < 0 or start + n > length:
             raise InvalidArgumentError(f"tokens {start}..{start + n - 1} outside the sequence's 0..{length - 1}; "
                                        "extend() first")
-        if start < self._writable_from[slot]:
+        if start < self._first_writable(slot):
             raise ReadOnlyTokensError(
-                f"tokens before {self._writable_from[slot]} are read-only (they may share pages with other "
-                f"sequences); write only the tokens the last extend() added, or truncate() and extend() again")
+                f"tokens before {self._first_writable(slot)} are read-only (they may share pages with other "
+                f"sequences); write the tokens the last extend() added, or truncate() and extend() again")
         self._view(layer, 0, slot, start, n).copy_(k)
         self._view(layer, 1, slot, start, n).copy_(v)
 

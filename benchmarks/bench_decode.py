@@ -1,0 +1,252 @@
+"""Decode attention: contiguous kernel on a VirtualKVCache vs block-table kernel on a PagedKVCache vs SDPA.
+
+Every cell puts the same random K/V into both caches (one layer, Llama-3-8B geometry: 8 kv heads, 32 query
+heads, head_dim 128, block size 16 for the paged cache), runs
+
+    contiguous  vpaged.ops.decode_attention on the VirtualKVCache (BatchedKV, per-sequence lengths)
+    paged       vpaged.ops.decode_attention on the PagedKVCache (block tables)
+    sdpa        vpaged.ops.decode_attention_reference: torch SDPA per sequence over the cache views
+
+and reports median times next to the bandwidth floor: the bytes of K/V a decode step must read divided
+by the copy bandwidth of a large torch copy on the same device ((read + write bytes) / time). Caches are
+flushed between repeats (a write over a buffer larger than the last-level cache), so every repeat reads
+K/V from memory as a real decode step over many layers would.
+
+    python benchmarks/bench_decode.py --quick            # small grid, ~1-2 min on 2 cores
+    python benchmarks/bench_decode.py                     # full grid: batch 1..64, context 512..16K
+    python benchmarks/bench_decode.py --device cuda
+    python benchmarks/bench_decode.py --quick --threads 1 --clock cpu   # on a machine busy with other work
+
+Writes benchmarks/results/decode_<device>.json. On CUDA, where VirtualKVCache cannot map device memory
+(no CUDA VMM backend in this build), the contiguous kernel runs on a plain tensor with the per_layer
+layout's strides instead, and the JSON says so.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import vpaged
+from vpaged import PagedKVCache, VirtualKVCache, ops
+from vpaged.cache import BatchedKV
+
+KV_HEADS, HEADS, HEAD_DIM, BLOCK = 8, 32, 128, 16
+RESULTS = Path(__file__).resolve().parent / "results"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def machine(device: torch.device) -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=Path(__file__).parent,
+                                  check=False).stdout.strip()
+        except OSError:
+            return ""
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no", "--", "csrc", "vpaged"):
+        commit += "+modified"  # the kernels measured are not exactly the commit's
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__, "vpaged_commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "load_average": os.getloadavg()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+class Timer:
+    """Median seconds of fn over repeats, each after flushing the caches. On CUDA timed by events; on the
+    CPU by the wall clock, or with clock="cpu" by the calling thread's CPU time (single-threaded runs on a
+    machine shared with other work, where time slices taken by other processes would land in wall time)."""
+
+    def __init__(self, device: torch.device, clock: str = "wall"):
+        self.device = device
+        self.clock = time.thread_time if clock == "cpu" else time.perf_counter
+        # Larger than the last-level cache: 32 MiB L3 on the dev box, 50 MiB L2 on an H100/H200.
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+
+    def __call__(self, fn, repeats: int) -> float:
+        fn()  # warm-up: first-touch, lazy init, allocator
+        samples = []
+        for _ in range(repeats):
+            self.flush.fill_(1)
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = self.clock()
+                fn()
+                samples.append(self.clock() - t0)
+        return statistics.median(samples)
+
+
+def copy_bandwidth(device: torch.device, timer: Timer) -> float:
+    """Bytes per second moved (read + written) by a large torch copy."""
+    src = torch.ones(512 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = timer(lambda: dst.copy_(src), 7)
+    return 2 * src.numel() / t
+
+
+def tensor_contiguous(batch: int, ctx: int, dtype, device):
+    """K/V as a plain [2, batch, ctx, kv_heads, head_dim] tensor and its BatchedKV (per_layer strides)."""
+    kv = torch.empty(2, batch, ctx, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    desc = BatchedKV(kv[0].data_ptr(), kv[1].data_ptr(), torch.arange(batch, dtype=torch.int32, device=device),
+                     torch.full((batch,), ctx, dtype=torch.int32, device=device), kv.stride(1), kv.stride(2),
+                     kv.stride(3), KV_HEADS, HEAD_DIM, dtype, device, "per_layer", kv)
+    return kv, desc
+
+
+def run_cell(batch: int, ctx: int, dtype, device, timer: Timer, repeats: int, bw: float, layout: str,
+             use_vmm: bool) -> dict:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    token_bytes = KV_HEADS * HEAD_DIM * itemsize
+    paged = PagedKVCache(1, KV_HEADS, HEAD_DIM, dtype, batch, ctx, device, num_blocks=batch * -(-ctx // BLOCK),
+                         block_size=BLOCK)
+    pseqs = paged.allocate_many(batch)
+    if use_vmm:
+        virt = VirtualKVCache(1, KV_HEADS, HEAD_DIM, dtype, batch, ctx, device=device, layout=layout,
+                              capacity_bytes=2 * batch * (ctx * token_bytes + (2 << 20)))
+        vseqs = virt.allocate_many(batch)
+    else:
+        kv_tensor, desc = tensor_contiguous(batch, ctx, dtype, device)
+    for i in range(batch):
+        k = torch.randn(ctx, KV_HEADS, HEAD_DIM, device=device).to(dtype)
+        v = torch.randn(ctx, KV_HEADS, HEAD_DIM, device=device).to(dtype)
+        paged.extend(pseqs[i], ctx)
+        paged.write(0, pseqs[i], k, v)
+        if use_vmm:
+            virt.extend(vseqs[i], ctx)
+            virt.write(0, vseqs[i], k, v)
+        else:
+            kv_tensor[0, i], kv_tensor[1, i] = k, v
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=device).to(dtype)
+    outs = {name: torch.empty_like(q) for name in ("contiguous", "paged", "sdpa")}
+    def contiguous():
+        if use_vmm:
+            ops.decode_attention(q, virt, vseqs, 0, out=outs["contiguous"])
+        else:
+            ops.decode_attention_contiguous(q, desc, out=outs["contiguous"], max_len=ctx)
+
+    def block_table():
+        ops.decode_attention(q, paged, pseqs, 0, out=outs["paged"])
+
+    def sdpa():
+        if use_vmm:
+            ops.decode_attention_reference(q, virt, vseqs, 0, out=outs["sdpa"])
+        else:
+            ops.decode_attention_reference(q, paged, pseqs, 0, out=outs["sdpa"])
+
+    kernels = {"contiguous": contiguous, "paged": block_table, "sdpa": sdpa}
+    kv_bytes = 2 * batch * ctx * token_bytes
+    floor = kv_bytes / bw
+    cell = {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": ctx, "kv_bytes": kv_bytes,
+            "floor_ms": floor * 1e3, "kernels": {}}
+    for name, fn in kernels.items():
+        # SDPA per sequence is 10-100x slower: fewer repeats keep the run short, the median stays honest.
+        t = timer(fn, repeats if name != "sdpa" else max(2, repeats // 3))
+        cell["kernels"][name] = {"median_ms": t * 1e3, "x_floor": t / floor, "GBps": kv_bytes / t / 1e9}
+    # Same data, so the kernels must agree with SDPA (bf16/fp16 outputs differ by rounding).
+    cell["max_abs_diff_vs_sdpa"] = {n: (outs[n].float() - outs["sdpa"].float()).abs().max().item()
+                                    for n in ("contiguous", "paged")}
+    paged.close()
+    if use_vmm:
+        virt.close()
+    return cell
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quick", action="store_true", help="small grid (~1-2 min on 2 CPU cores)")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
+    ap.add_argument("--layout", default="per_layer", choices=["per_layer", "interleaved", "head_major"])
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per kernel (default 5 quick, 9 full)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="skip cells with batch*context above this (memory: two caches of the cell live at once)")
+    ap.add_argument("--threads", type=int, default=None, help="torch (and vpaged kernel) threads")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="cpu: time by the thread's CPU time (needs --threads 1; for machines shared with other work)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<device>.json)")
+    args = ap.parse_args()
+
+    device = vpaged.device.normalize_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        raise SystemExit("--clock cpu measures the calling thread only: use it with --device cpu --threads 1")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda is not available here")
+    if args.quick:
+        batches, contexts, default_cap, repeats = [1, 8], [512, 4096, 16384], 1 << 15, 5
+    else:
+        batches, contexts, default_cap, repeats = [1, 4, 16, 64], [512, 2048, 8192, 16384], 1 << 18, 9
+    if device.type == "cuda":
+        default_cap = 1 << 20
+    cap = args.max_tokens or default_cap
+    repeats = args.repeats or repeats
+    use_vmm = device.type == "cpu" or vpaged.backends()["cuda"].usable
+    timer = Timer(device, args.clock)
+    bw = copy_bandwidth(device, timer)
+    print(f"device {device}, copy bandwidth {bw / 1e9:.1f} GB/s (read + write), threads {torch.get_num_threads()}")
+    if not use_vmm:
+        print(f"contiguous kernel on a plain tensor: {vpaged.backends()['cuda'].reason}")
+
+    cells, skipped = [], []
+    header = f"{'dtype':>8} {'batch':>5} {'context':>7} {'KV MiB':>7} {'floor ms':>9}"
+    for name in ("contiguous", "paged", "sdpa"):
+        header += f" {name + ' ms':>14} {'x floor':>7}"
+    print(header)
+    for dname in args.dtypes.split(","):
+        dtype = DTYPES[dname.strip()]
+        for batch in batches:
+            for ctx in contexts:
+                if batch * ctx > cap:
+                    skipped.append({"dtype": dname, "batch": batch, "context": ctx})
+                    continue
+                c = run_cell(batch, ctx, dtype, device, timer, repeats, bw, args.layout, use_vmm)
+                cells.append(c)
+                row = f"{dname:>8} {batch:>5} {ctx:>7} {c['kv_bytes'] / 2**20:>7.1f} {c['floor_ms']:>9.3f}"
+                for name in ("contiguous", "paged", "sdpa"):
+                    k = c["kernels"][name]
+                    row += f" {k['median_ms']:>14.3f} {k['x_floor']:>7.2f}"
+                print(row, flush=True)
+    if skipped:
+        print(f"skipped {len(skipped)} cells above --max-tokens {cap} (batch*context)")
+
+    payload = {
+        "benchmark": "decode_attention", "machine": machine(device), "device": str(device),
+        "grid": "quick" if args.quick else "full", "repeats": repeats, "layout": args.layout, "clock": args.clock,
+        "geometry": {"kv_heads": KV_HEADS, "heads": HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK, "layers": 1},
+        "contiguous_on": "VirtualKVCache" if use_vmm else "plain tensor (per_layer strides)",
+        "copy_bandwidth_GBps": bw / 1e9,
+        "floor": "K/V bytes read / copy bandwidth; caches flushed before each repeat",
+        "cells": cells, "skipped": skipped,
+    }
+    out = Path(args.out) if args.out else RESULTS / f"decode_{device.type}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+// Decode attention: one new query token per sequence against that sequence's cached K/V, with per-sequence
+// lengths. Two ways to find token t of sequence b, one kernel family for both:
+//   contiguous (VirtualKVCache): row = slots[b] * slot_stride + t * token_stride
+//   paged (PagedKVCache):        row = (block_tables[b][t / block_size] * block_size + t % block_size) * token_stride
+// Within a row, kv head h starts at h * head_stride (head_dim when heads are dense, as in PagedKVCache and
+// the per_layer / interleaved layouts; a run of pages apart in the head_major layout), V sits at the same
+// offset from v as K from k. Query and output are dense [num_seqs, num_heads, head_dim]; query head j reads kv head
+// j / (num_heads / num_kv_heads) (GQA). Scores and accumulators are fp32 whatever the storage type.
+//
+// Tensors cross as raw pointers: the extension does not link libtorch, vpaged/ops.py checks shapes,
+// dtypes and devices before calling, and the kernels never read a token at or past a sequence's length.
+#pragma once
+#include <cstdint>
+
+namespace vpaged {
+namespace kernels {
+
+enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+struct DecodeParams {
+  int dtype = kFloat32;
+  int num_seqs = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  const void* q = nullptr;  // [num_seqs, num_heads, head_dim], dense
+  void* out = nullptr;      // [num_seqs, num_heads, head_dim], dense
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t token_stride = 0;             // elements from one token's row to the next
+  int64_t head_stride = 0;              // elements from one kv head to the next (0: head_dim)
+  const int32_t* lengths = nullptr;     // [num_seqs] valid tokens per sequence
+  int32_t max_tokens = 0;               // capacity per sequence; lengths are clamped to it (no stray reads)
+  bool paged = false;
+  const int32_t* slots = nullptr;       // contiguous: [num_seqs] slot of each sequence
+  int64_t slot_stride = 0;              // contiguous: elements between slots
+  const int32_t* block_tables = nullptr;  // paged: [num_seqs, bt_stride] block ids
+  int64_t bt_stride = 0;
+  int block_size = 0;                   // paged: a power of two
+  int32_t num_blocks = 0;               // paged: block ids are clamped to 0..num_blocks-1
+  float scale = 1.0f;                   // softmax scale (usually 1/sqrt(head_dim))
+};
+
+// Throws InvalidArgument when the parameters are inconsistent (shared by the CPU and CUDA paths).
+void check_params(const DecodeParams& p);
+
+// CPU (OpenMP). num_threads <= 0: the OpenMP default. force_baseline: skip the AVX2 code path even where the
+// CPU has it (so tests cover the portable path too).
+void decode_cpu(const DecodeParams& p, int num_threads, bool force_baseline = false);
+
+// CUDA. The caller plans the split of long contexts (vpaged/ops.py):
+//   num_splits == 1: one pass, each block writes its heads' output directly;
+//   num_splits > 1: sequence b's tokens are cut into pieces of split_tokens; pass 1 writes unnormalised
+//   partial outputs (partial_acc [num_seqs, num_heads, num_splits, head_dim]) and their max / sum
+//   (partial_ml [num_seqs, num_heads, num_splits, 2]), pass 2 merges them. All on `stream` (a cudaStream_t
+//   of device `device`, e.g. torch.cuda.current_stream().cuda_stream), asynchronously.
+struct CudaLaunch {
+  int device = 0;
+  uintptr_t stream = 0;
+  int num_splits = 1;
+  int split_tokens = 0;
+  float* partial_acc = nullptr;
+  float* partial_ml = nullptr;
+};
+// Without VPAGED_WITH_CUDA this raises BackendUnavailable.
+void decode_cuda(const DecodeParams& p, const CudaLaunch& launch);
+bool kernels_built_with_cuda();
+
+}  // namespace kernels
+}  // namespace vpaged

@@ -1,0 +1,382 @@
+// Decode attention on CUDA (contiguous and block-table K/V; see decode.h).
+//
+// One thread block handles GT query heads that share one kv head (GQA: K/V are read once for all GT) of
+// one sequence, over one piece of its tokens (the whole sequence in the one-pass launch). Its 4 warps
+// take tokens round-robin; inside a warp, LPT lanes cooperate on one token (each lane holds 16 bytes of
+// the row, so a group's load is one coalesced 16-byte-per-lane access) and 32 / LPT tokens are in flight
+// per warp. Every lane group keeps its own online softmax (max, sum, output slice) in registers, so the
+// token loop has no barrier; groups merge by shuffles, warps through shared memory, at the end.
+//
+// Long contexts with few sequences would leave most SMs idle, so the host (vpaged/ops.py) then cuts each
+// sequence into pieces of split_tokens: pass 1 writes each piece's (max, sum, unnormalised output),
+// pass 2 (merge_kernel) combines them. Scores live in the log2 domain (q pre-scaled by log2 e) so the
+// exponentials are exp2f.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "../errors.h"
+#include "decode.h"
+
+namespace vpaged {
+namespace kernels {
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kMaxSplits = 4096;  // merge_kernel keeps one weight per split in shared memory
+
+template <typename T>
+struct Cvt;
+template <>
+struct Cvt<float> {
+  static constexpr int kPerWord = 1;
+  __device__ static __forceinline__ void unpack(uint32_t w, float* f) { f[0] = __uint_as_float(w); }
+  __device__ static __forceinline__ float store(float x) { return x; }
+};
+template <>
+struct Cvt<__half> {
+  static constexpr int kPerWord = 2;
+  __device__ static __forceinline__ void unpack(uint32_t w, float* f) {
+    f[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
+    f[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+  }
+  __device__ static __forceinline__ __half store(float x) { return __float2half_rn(x); }
+};
+template <>
+struct Cvt<__nv_bfloat16> {
+  static constexpr int kPerWord = 2;
+  __device__ static __forceinline__ void unpack(uint32_t w, float* f) {
+    f[0] = __uint_as_float(w << 16);
+    f[1] = __uint_as_float(w & 0xffff0000u);
+  }
+  __device__ static __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
+};
+
+// N elements at src (16-byte aligned, N * sizeof(T) a multiple of 16) as floats, in 16-byte loads.
+template <typename T, int N>
+__device__ __forceinline__ void load_f(const T* src, float (&f)[N]) {
+  static_assert((N * sizeof(T)) % 16 == 0, "a lane loads whole 16-byte vectors");
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+  for (int i = 0; i < int(N * sizeof(T) / 16); ++i) {
+    const uint4 u = s[i];
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) Cvt<T>::unpack(w[j], &f[(i * 4 + j) * Cvt<T>::kPerWord]);
+  }
+}
+
+// Weight of a partial state with max m once the common max is mn (an empty state weighs nothing; this
+// also avoids (-inf) - (-inf) = NaN).
+__device__ __forceinline__ float rescale(float m, float mn) { return m == -INFINITY ? 0.0f : exp2f(m - mn); }
+
+__device__ __forceinline__ int clamp_len(const DecodeParams& p, int b) {
+  return min(max(p.lengths[b], 0), p.max_tokens);
+}
+
+template <typename T, int D, int GT>
+__global__ void __launch_bounds__(kThreads)
+    decode_kernel(const DecodeParams p, int num_splits, int split_tokens, float* part_acc, float* part_ml) {
+  constexpr int kVec = 16 / int(sizeof(T));                // elements in 16 bytes
+  constexpr int LPT = (D / kVec) < 32 ? (D / kVec) : 32;   // lanes per token
+  constexpr int EPL = D / LPT;                              // elements per lane
+  constexpr int TPW = 32 / LPT;                             // tokens per warp step
+  static_assert(D % LPT == 0 && 32 % LPT == 0, "head_dim must split evenly over a lane group");
+
+  const int b = blockIdx.z;
+  const int split = blockIdx.x;
+  const int h0 = blockIdx.y * GT;
+  const int G = p.num_heads / p.num_kv_heads;
+  const int kh = h0 / G;
+  const int len = clamp_len(p, b);
+  const int64_t t0 = int64_t(split) * split_tokens;
+  if (split > 0 && t0 >= len) return;  // nothing here (piece 0 always writes: an empty sequence gives zeros)
+  const int t1 = int(min(int64_t(len), t0 + split_tokens));
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int grp = lane / LPT, lig = lane % LPT;
+
+  float q[GT][EPL], acc[GT][EPL], m[GT], l[GT];
+  const T* qp = static_cast<const T*>(p.q) + (int64_t(b) * p.num_heads + h0) * D + lig * EPL;
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    load_f<T, EPL>(qp + g * D, q[g]);
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      q[g][e] *= p.scale * kLog2e;
+      acc[g][e] = 0.0f;
+    }
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+
+  const int64_t head_off = int64_t(kh) * (p.head_stride ? p.head_stride : D);
+  const T* K = static_cast<const T*>(p.k) + head_off + lig * EPL;
+  const T* V = static_cast<const T*>(p.v) + head_off + lig * EPL;
+  const int64_t slot_base = p.paged ? 0 : int64_t(p.slots[b]) * p.slot_stride;
+  const int32_t* bt = p.paged ? p.block_tables + int64_t(b) * p.bt_stride : nullptr;
+  const int shift = p.paged ? __ffs(p.block_size) - 1 : 0;
+
+  // The loop bound is uniform across the warp (base, not t) so that every lane reaches the shuffles.
+#pragma unroll 2
+  for (int base = int(t0) + warp * TPW; base < t1; base += kWarps * TPW) {
+    const int t = base + grp;
+    const bool valid = t < t1;
+    float k[EPL], v[EPL];
+    if (valid) {
+      int64_t off;
+      if (p.paged) {
+        int32_t blk = bt[t >> shift];
+        blk = min(max(blk, 0), p.num_blocks - 1);  // never read outside the pool
+        off = ((int64_t(blk) << shift) + (t & (p.block_size - 1))) * p.token_stride;
+      } else {
+        off = slot_base + int64_t(t) * p.token_stride;
+      }
+      load_f<T, EPL>(K + off, k);
+      load_f<T, EPL>(V + off, v);
+    } else {
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) k[e] = v[e] = 0.0f;
+    }
+    float s[GT];
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      float x = 0.0f;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) x += q[g][e] * k[e];
+#pragma unroll
+      for (int o = LPT / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);  // stays in the group
+      s[g] = x;
+    }
+    if (valid) {
+#pragma unroll
+      for (int g = 0; g < GT; ++g) {
+        const float mn = fmaxf(m[g], s[g]);
+        const float a = exp2f(m[g] - mn);  // m = -inf at the first token: a = 0
+        const float pr = exp2f(s[g] - mn);
+        l[g] = l[g] * a + pr;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[g][e] = acc[g][e] * a + pr * v[e];
+        m[g] = mn;
+      }
+    }
+  }
+
+  // Merge the warp's token groups (lanes with the same slice of head_dim are `o` apart).
+#pragma unroll
+  for (int o = LPT; o < 32; o <<= 1) {
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
+      const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+      const float mn = fmaxf(m[g], mo);
+      const float a = rescale(m[g], mn), ao = rescale(mo, mn);
+      l[g] = l[g] * a + lo * ao;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        const float other = __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+        acc[g][e] = acc[g][e] * a + other * ao;
+      }
+      m[g] = mn;
+    }
+  }
+
+  // Merge the warps.
+  __shared__ float sm_m[kWarps][GT], sm_l[kWarps][GT];
+  __shared__ float sm_acc[kWarps][GT][D];
+  if (grp == 0) {
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      if (lig == 0) {
+        sm_m[warp][g] = m[g];
+        sm_l[warp][g] = l[g];
+      }
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) sm_acc[warp][g][lig * EPL + e] = acc[g][e];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < GT * D; i += kThreads) {
+    const int g = i / D, d = i % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w][g]);
+    float L = 0.0f, A = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = rescale(sm_m[w][g], M);
+      L += f * sm_l[w][g];
+      A += f * sm_acc[w][g][d];
+    }
+    const int64_t bh = int64_t(b) * p.num_heads + h0 + g;
+    if (num_splits == 1) {
+      static_cast<T*>(p.out)[bh * D + d] = Cvt<T>::store(L > 0.0f ? A / L : 0.0f);
+    } else {
+      const int64_t idx = bh * num_splits + split;
+      part_acc[idx * D + d] = A;
+      if (d == 0) {
+        part_ml[idx * 2] = M;
+        part_ml[idx * 2 + 1] = L;
+      }
+    }
+  }
+}
+
+__device__ float block_reduce(float x, bool is_max, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = is_max ? fmaxf(x, y) : x + y;
+  }
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  x = scratch[0];
+  for (int w = 1; w < kWarps; ++w) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+  __syncthreads();  // scratch is reused by the next reduction
+  return x;
+}
+
+// One block per (sequence, head): combine the pieces' partial results into the output.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    merge_kernel(const DecodeParams p, int num_splits, int split_tokens, const float* part_acc,
+                 const float* part_ml) {
+  extern __shared__ float weight[];  // [num_splits]
+  __shared__ float scratch[kWarps];
+  const int64_t bh = blockIdx.x;
+  const int b = int(bh / p.num_heads);
+  const int len = clamp_len(p, b);
+  const int n = max(1, min(num_splits, (len + split_tokens - 1) / split_tokens));
+  const float* ml = part_ml + bh * num_splits * 2;
+
+  float mx = -INFINITY;
+  for (int s = threadIdx.x; s < n; s += kThreads) mx = fmaxf(mx, ml[2 * s]);
+  mx = block_reduce(mx, true, scratch);
+  float sum = 0.0f;
+  for (int s = threadIdx.x; s < n; s += kThreads) {
+    const float w = rescale(ml[2 * s], mx);
+    weight[s] = w;
+    sum += w * ml[2 * s + 1];
+  }
+  sum = block_reduce(sum, false, scratch);  // its barrier also publishes weight[]
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const int D = p.head_dim;
+  const float* acc = part_acc + bh * num_splits * D;
+  for (int d = threadIdx.x; d < D; d += kThreads) {
+    float a = 0.0f;
+    for (int s = 0; s < n; ++s) a += weight[s] * acc[int64_t(s) * D + d];
+    static_cast<T*>(p.out)[bh * D + d] = Cvt<T>::store(a * inv);
+  }
+}
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw BackendFailure(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// Kernels launch on the caller's device; our (static) runtime keeps its own current device per thread.
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int device) {
+    check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
+    if (prev != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
+  }
+};
+
+template <typename T, int D, int GT>
+void launch_gt(const DecodeParams& p, const CudaLaunch& L, cudaStream_t stream) {
+  const dim3 grid(L.num_splits, p.num_heads / GT, p.num_seqs);
+  decode_kernel<T, D, GT><<<grid, kThreads, 0, stream>>>(p, L.num_splits, L.split_tokens, L.partial_acc,
+                                                         L.partial_ml);
+}
+
+template <typename T, int D>
+void launch(const DecodeParams& p, const CudaLaunch& L, cudaStream_t stream) {
+  // Heads per block: as many of the G sharing a kv head as divide G, but at most 32 accumulator floats per
+  // lane (GT * EPL): beyond that registers (~250 for GT = 8, EPL = 8) cap occupancy at 2 blocks per SM,
+  // and a second block re-reading the same K/V from L2 is cheaper.
+  constexpr int kVec = 16 / int(sizeof(T));
+  constexpr int EPL = D / ((D / kVec) < 32 ? (D / kVec) : 32);
+  constexpr int kMaxGT = 32 / EPL < 8 ? 32 / EPL : 8;
+  const int G = p.num_heads / p.num_kv_heads;
+  int gt = 1;
+  while (gt * 2 <= kMaxGT && G % (gt * 2) == 0) gt *= 2;
+  switch (gt) {
+    case 8:
+      if constexpr (kMaxGT >= 8) launch_gt<T, D, 8>(p, L, stream);
+      break;
+    case 4:
+      if constexpr (kMaxGT >= 4) launch_gt<T, D, 4>(p, L, stream);
+      break;
+    case 2:
+      launch_gt<T, D, 2>(p, L, stream);
+      break;
+    default:
+      launch_gt<T, D, 1>(p, L, stream);
+  }
+  check_cuda(cudaGetLastError(), "decode attention kernel launch");
+  if (L.num_splits > 1) {
+    merge_kernel<T><<<p.num_seqs * p.num_heads, kThreads, L.num_splits * sizeof(float), stream>>>(
+        p, L.num_splits, L.split_tokens, L.partial_acc, L.partial_ml);
+    check_cuda(cudaGetLastError(), "decode attention merge kernel launch");
+  }
+}
+
+template <typename T>
+void launch_dim(const DecodeParams& p, const CudaLaunch& L, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64:
+      return launch<T, 64>(p, L, stream);
+    case 128:
+      return launch<T, 128>(p, L, stream);
+    default:
+      return launch<T, 256>(p, L, stream);
+  }
+}
+
+}  // namespace
+
+bool kernels_built_with_cuda() { return true; }
+
+void decode_cuda(const DecodeParams& p, const CudaLaunch& L) {
+  check_params(p);
+  auto fail = [](const std::string& m) { throw InvalidArgument("CUDA decode attention: " + m); };
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
+    fail("head_dim must be 64, 128 or 256, got " + std::to_string(p.head_dim));
+  if (p.num_seqs > 65535) fail("at most 65535 sequences per launch");
+  if (L.num_splits < 1 || L.num_splits > kMaxSplits)
+    fail("num_splits must be in 1.." + std::to_string(kMaxSplits));
+  if (L.split_tokens < 1) fail("split_tokens must be positive");
+  if (L.num_splits > 1 && (!L.partial_acc || !L.partial_ml)) fail("split launch without partial buffers");
+  if (int64_t(L.num_splits) * L.split_tokens < p.max_tokens) fail("splits do not cover max_tokens");
+  const int64_t item = p.dtype == kFloat32 ? 4 : 2;
+  // Lanes load 16-byte vectors: every row must start on a 16-byte boundary.
+  const bool aligned = (reinterpret_cast<uintptr_t>(p.q) | reinterpret_cast<uintptr_t>(p.out) |
+                        reinterpret_cast<uintptr_t>(p.k) | reinterpret_cast<uintptr_t>(p.v)) % 16 == 0 &&
+                       (p.token_stride * item) % 16 == 0 && (p.head_stride * item) % 16 == 0 &&
+                       (p.paged || (p.slot_stride * item) % 16 == 0);
+  if (!aligned) fail("q, out, K and V rows must be 16-byte aligned");
+  if (p.num_seqs == 0) return;
+  DeviceGuard guard(L.device);
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(L.stream);
+  switch (p.dtype) {
+    case kFloat32:
+      return launch_dim<float>(p, L, stream);
+    case kFloat16:
+      return launch_dim<__half>(p, L, stream);
+    default:
+      return launch_dim<__nv_bfloat16>(p, L, stream);
+  }
+}
+
+}  // namespace kernels
+}  // namespace vpaged

@@ -1,0 +1,82 @@
+// Python bindings of the attention kernels. Parameters are plain structs whose tensor fields are integer
+// addresses (tensor.data_ptr()): the extension does not link libtorch, vpaged/ops.py does the checking.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+
+#include "../errors.h"
+#include "decode.h"
+
+namespace py = pybind11;
+
+namespace vpaged {
+namespace kernels {
+
+#ifndef VPAGED_WITH_CUDA
+// No CUDA toolkit at build time: the CUDA entry points exist but say why they cannot run.
+bool kernels_built_with_cuda() { return false; }
+void decode_cuda(const DecodeParams&, const CudaLaunch&) {
+  throw BackendUnavailable(
+      "vpaged was built without CUDA: the CUDA decode kernels are not in this build "
+      "(rebuild where a CUDA toolkit with bin/nvcc and include/cuda.h is found)");
+}
+#endif
+
+}  // namespace kernels
+}  // namespace vpaged
+
+namespace {
+
+// An address field exposed to Python as an int.
+template <typename C, typename P>
+void address_field(py::class_<C>& cls, const char* name, P C::*field) {
+  cls.def_property(
+      name, [field](const C& c) { return reinterpret_cast<uintptr_t>(c.*field); },
+      [field](C& c, uintptr_t v) { c.*field = reinterpret_cast<P>(v); });
+}
+
+}  // namespace
+
+void register_kernels(py::module_& m) {
+  using namespace vpaged::kernels;
+  py::class_<DecodeParams> params(m, "DecodeParams",
+                                  "Arguments of a decode attention launch (see csrc/kernels/decode.h).");
+  params.def(py::init<>())
+      .def_readwrite("dtype", &DecodeParams::dtype)
+      .def_readwrite("num_seqs", &DecodeParams::num_seqs)
+      .def_readwrite("num_heads", &DecodeParams::num_heads)
+      .def_readwrite("num_kv_heads", &DecodeParams::num_kv_heads)
+      .def_readwrite("head_dim", &DecodeParams::head_dim)
+      .def_readwrite("token_stride", &DecodeParams::token_stride)
+      .def_readwrite("head_stride", &DecodeParams::head_stride)
+      .def_readwrite("max_tokens", &DecodeParams::max_tokens)
+      .def_readwrite("paged", &DecodeParams::paged)
+      .def_readwrite("slot_stride", &DecodeParams::slot_stride)
+      .def_readwrite("bt_stride", &DecodeParams::bt_stride)
+      .def_readwrite("block_size", &DecodeParams::block_size)
+      .def_readwrite("num_blocks", &DecodeParams::num_blocks)
+      .def_readwrite("scale", &DecodeParams::scale);
+  address_field(params, "q", &DecodeParams::q);
+  address_field(params, "out", &DecodeParams::out);
+  address_field(params, "k", &DecodeParams::k);
+  address_field(params, "v", &DecodeParams::v);
+  address_field(params, "lengths", &DecodeParams::lengths);
+  address_field(params, "slots", &DecodeParams::slots);
+  address_field(params, "block_tables", &DecodeParams::block_tables);
+
+  py::class_<CudaLaunch> launch(m, "CudaLaunch", "Device, stream and context split of a CUDA decode launch.");
+  launch.def(py::init<>())
+      .def_readwrite("device", &CudaLaunch::device)
+      .def_readwrite("stream", &CudaLaunch::stream)
+      .def_readwrite("num_splits", &CudaLaunch::num_splits)
+      .def_readwrite("split_tokens", &CudaLaunch::split_tokens);
+  address_field(launch, "partial_acc", &CudaLaunch::partial_acc);
+  address_field(launch, "partial_ml", &CudaLaunch::partial_ml);
+
+  m.def("decode_check", &check_params, py::arg("params"), "Raise InvalidArgumentError if params are inconsistent.");
+  m.def("decode_cpu", &decode_cpu, py::arg("params"), py::arg("num_threads") = 0, py::arg("force_baseline") = false,
+        py::call_guard<py::gil_scoped_release>(), "Decode attention on the CPU (blocking).");
+  m.def("decode_cuda", &decode_cuda, py::arg("params"), py::arg("launch"),
+        py::call_guard<py::gil_scoped_release>(), "Decode attention on CUDA (asynchronous on launch.stream).");
+  m.def("kernels_built_with_cuda", &kernels_built_with_cuda);
+}

@@ -1,0 +1,315 @@
+"""Decode attention kernels (vpaged.ops) against a float64 reference, on fresh random data every run.
+
+Outputs are poisoned with NaN before each call and must come back fully written. Lengths are mixed in a
+batch, include 1 and the cache's maximum, and are not multiples of pages or blocks.
+"""
+import math
+
+import pytest
+import torch
+
+import vpaged
+from vpaged import PagedKVCache, VirtualKVCache, _C, ops
+from vpaged.cache import BatchedKV
+from vpaged.errors import BackendError, DTypeError, InvalidArgumentError, ShapeError
+
+HKV = 2
+LENGTHS = [1, 37, 300, 129, 17]  # 300 is max_seq_len
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2),
+       torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+KINDS = ["per_layer", "interleaved", "head_major", "paged8", "paged16", "paged32"]
+HAS_CUDA = torch.cuda.is_available()
+
+
+def reference(q, ks, vs, scale=None):
+    """Attention of q[i] over ks[i], vs[i] in float64 (GQA by repeating kv heads)."""
+    num_seqs, num_heads, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float64)
+    for i, (k, v) in enumerate(zip(ks, vs)):
+        g = num_heads // k.shape[1]
+        k = k.cpu().double().repeat_interleave(g, dim=1)
+        v = v.cpu().double().repeat_interleave(g, dim=1)
+        s = torch.einsum("hd,thd->ht", q[i].cpu().double(), k) * scale
+        out[i] = torch.einsum("ht,thd->hd", s.softmax(-1), v)
+    return out
+
+
+def check(out, q, ks, vs, scale=None):
+    assert torch.isfinite(out).all(), "output not fully written (NaN poison left) or not finite"
+    torch.testing.assert_close(out.cpu().double(), reference(q, ks, vs, scale), **TOL[out.dtype])
+
+
+def poisoned(q):
+    return torch.full_like(q, float("nan"))
+
+
+def build(kind, dtype, head_dim, lengths, device="cpu", layers=2, hkv=HKV):
+    """A cache of `kind` holding random K/V for sequences of `lengths`; returns (cache, seqs, K/V of layer 1)."""
+    max_len = max(lengths)
+    if kind in ("per_layer", "interleaved", "head_major"):
+        cache = VirtualKVCache(layers, hkv, head_dim, dtype, len(lengths) + 1, max_len, device=device,
+                               capacity_bytes=64 << 20, layout=kind)
+    else:
+        bs = int(kind.removeprefix("paged"))
+        blocks = sum(-(-n // bs) for n in lengths)
+        cache = PagedKVCache(layers, hkv, head_dim, dtype, len(lengths) + 1, max_len, device, num_blocks=blocks + 3,
+                             block_size=bs)
+    seqs = [cache.allocate() for _ in lengths]
+    # Two rounds of extends interleave the blocks of different sequences in a PagedKVCache.
+    for s, n in zip(seqs, lengths):
+        cache.extend(s, n // 2)
+    for s, n in zip(seqs, lengths):
+        cache.extend(s, n - n // 2)
+    kvs = []
+    for s, n in zip(seqs, lengths):
+        for layer in range(layers):
+            k = torch.randn(n, hkv, head_dim, device=device).to(dtype)
+            v = torch.randn(n, hkv, head_dim, device=device).to(dtype)
+            cache.write(layer, s, k, v)
+        kvs.append((k, v))
+    return cache, seqs, kvs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_matches_reference(kind, group, head_dim, dtype):
+    cache, seqs, kvs = build(kind, dtype, head_dim, LENGTHS)
+    q = torch.randn(len(seqs), HKV * group, head_dim).to(dtype)
+    out = ops.decode_attention(q, cache, seqs, 1, out=poisoned(q))
+    check(out, q, *zip(*kvs))
+    # The kernel entry points with their own length checks (no max_len hint), in another batch order.
+    order = [3, 0, 4, 2]
+    qs = q[order]
+    if isinstance(cache, VirtualKVCache):
+        out = ops.decode_attention_contiguous(qs, cache.batch(1, [seqs[i] for i in order]), out=poisoned(qs))
+    else:
+        sub = [seqs[i] for i in order]
+        out = ops.decode_attention_paged(qs, cache.key_caches[1], cache.value_caches[1], cache.block_tables(sub),
+                                         cache.lengths(sub), out=poisoned(qs))
+    check(out, qs, *zip(*[kvs[i] for i in order]))
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "paged16"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_sdpa_and_scale(kind, dtype):
+    cache, seqs, kvs = build(kind, dtype, 64, LENGTHS)
+    q = torch.randn(len(seqs), HKV * 4, 64).to(dtype)
+    check(ops.decode_attention_reference(q, cache, seqs, 1, out=poisoned(q)), q, *zip(*kvs))
+    check(ops.decode_attention(q, cache, seqs, 1, scale=0.3), q, *zip(*kvs), scale=0.3)
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "paged8"])
+@pytest.mark.parametrize("head_dim", [80, 33, 256])
+def test_any_head_dim_on_cpu(kind, head_dim):
+    cache, seqs, kvs = build(kind, torch.float32, head_dim, [5, 70, 3])
+    q = torch.randn(3, HKV * 3, head_dim)  # GQA ratio 3: a group that is not a multiple of 4
+    check(ops.decode_attention(q, cache, seqs, 1, out=poisoned(q)), q, *zip(*kvs))
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "paged32"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_portable_code_path(kind, dtype, monkeypatch):
+    """The baseline-ISA build of the CPU kernels (what CPUs without AVX2 run)."""
+    real = _C.decode_cpu
+    monkeypatch.setattr(_C, "decode_cpu", lambda p, n=0: real(p, n, True))
+    cache, seqs, kvs = build(kind, dtype, 128, LENGTHS)
+    q = torch.randn(len(seqs), HKV * 4, 128).to(dtype)
+    check(ops.decode_attention(q, cache, seqs, 1, out=poisoned(q)), q, *zip(*kvs))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_long_context_split(threads):
+    """A long sequence next to short ones: the CPU kernel cuts it into pieces and merges them."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cache, seqs, kvs = build("paged16", torch.float32, 64, [2100, 1, 700], layers=1)
+        q = torch.randn(3, HKV * 2, 64)
+        kvs = [cache.kv(0, s) for s in seqs]
+        check(ops.decode_attention(q, cache, seqs, 0, out=poisoned(q)), q, *zip(*kvs))
+    finally:
+        torch.set_num_threads(old)
+
+
+def descriptor(kv, lengths, slots, layout):
+    """A BatchedKV over a plain tensor kv [slots, max_len, 2 (K, V), kv_heads, head_dim] ("interleaved":
+    K and V of a token side by side), [2, slots, max_len, kv_heads, head_dim] ("per_layer") or
+    [2, slots, kv_heads, max_len, head_dim] ("head_major"). Returns K, V as [slots, max_len, heads, dim]."""
+    if layout == "interleaved":
+        k, v = kv[:, :, 0], kv[:, :, 1]
+        slot_stride, token_stride, head_stride = kv.stride(0), kv.stride(1), kv.stride(3)
+    elif layout == "head_major":
+        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        slot_stride, token_stride, head_stride = kv.stride(1), kv.stride(3), kv.stride(2)
+    else:
+        k, v = kv[0], kv[1]
+        slot_stride, token_stride, head_stride = kv.stride(1), kv.stride(2), kv.stride(3)
+    dev = kv.device
+    return BatchedKV(k.data_ptr(), v.data_ptr(), torch.tensor(slots, dtype=torch.int32, device=dev),
+                     torch.tensor(lengths, dtype=torch.int32, device=dev), slot_stride, token_stride, head_stride,
+                     kv.shape[-2] if layout != "head_major" else kv.shape[2], kv.shape[-1], kv.dtype, dev, layout,
+                     kv), k, v
+
+
+def run_descriptor_case(dtype, layout, lengths, device, head_dim=128, group=4):
+    slots = [3, 0, 2, 1][:len(lengths)]
+    max_len = max(lengths)
+    shape = {"interleaved": (4, max_len, 2, HKV, head_dim), "per_layer": (2, 4, max_len, HKV, head_dim),
+             "head_major": (2, 4, HKV, max_len, head_dim)}[layout]
+    kv = torch.randn(shape, device=device).to(dtype)
+    bkv, k, v = descriptor(kv, lengths, slots, layout)
+    q = torch.randn(len(lengths), HKV * group, head_dim, device=device).to(dtype)
+    out = ops.decode_attention_contiguous(q, bkv, out=poisoned(q))
+    ks = [k[s, :n] for s, n in zip(slots, lengths)]
+    vs = [v[s, :n] for s, n in zip(slots, lengths)]
+    check(out, q, ks, vs)
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "interleaved", "head_major"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_contiguous_descriptor_over_tensors(dtype, layout):
+    run_descriptor_case(dtype, layout, [1, 77, 640, 5], "cpu")
+
+
+def test_noncontiguous_query_and_new_output():
+    cache, seqs, kvs = build("paged16", torch.float32, 64, [9, 40])
+    q = torch.randn(HKV * 4, 2, 64).transpose(0, 1)  # a strided view
+    assert not q.is_contiguous()
+    check(ops.decode_attention(q, cache, seqs, 1), q, *zip(*kvs))
+
+
+# --------------------------------------------------------------------------------------------- errors
+@pytest.fixture
+def paged():
+    cache, seqs, _ = build("paged16", torch.float32, 64, [9, 40])
+    return cache, seqs
+
+
+def paged_args(cache, seqs, **over):
+    args = dict(q=torch.randn(len(seqs), HKV * 2, 64), key_cache=cache.key_caches[0],
+                value_cache=cache.value_caches[0], block_tables=cache.block_tables(seqs),
+                lengths=cache.lengths(seqs))
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("change, error", [
+    (dict(q=torch.randn(2, 4, 32)), ShapeError),              # head_dim differs
+    (dict(q=torch.randn(2, 3, 64)), ShapeError),              # heads not a multiple of kv heads
+    (dict(q=torch.randn(2, 4, 64).double()), DTypeError),
+    (dict(q=torch.randn(2, 4, 64).half()), DTypeError),       # differs from the cache
+    (dict(lengths=torch.tensor([9, 0])), InvalidArgumentError),
+    (dict(lengths=torch.tensor([9, 10**6])), InvalidArgumentError),
+    (dict(lengths=torch.tensor([9])), ShapeError),
+    (dict(lengths=torch.tensor([9.0, 4.0])), DTypeError),
+    (dict(block_tables=torch.full((2, 4), 999, dtype=torch.int32)), InvalidArgumentError),
+    (dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), ShapeError),
+    (dict(out=torch.empty(2, 4, 63)), ShapeError),
+    (dict(out=torch.empty(4, 2, 64).transpose(0, 1)), InvalidArgumentError),
+    (dict(max_len=0), InvalidArgumentError),
+])
+def test_paged_argument_errors(paged, change, error):
+    cache, seqs = paged
+    with pytest.raises(error):
+        ops.decode_attention_paged(**paged_args(cache, seqs, **change))
+
+
+def test_cache_argument_errors(paged):
+    cache, seqs = paged
+    q = torch.randn(2, HKV, 64)
+    with pytest.raises(vpaged.LayerIndexError):
+        ops.decode_attention(q, cache, seqs, 2)
+    with pytest.raises(vpaged.UnknownSequenceError):
+        ops.decode_attention(q, cache, [seqs[0], 99], 0)
+    with pytest.raises(ShapeError, match="rows for"):
+        ops.decode_attention(q, cache, seqs[:1], 0)
+    empty = cache.allocate()
+    with pytest.raises(InvalidArgumentError, match="no tokens"):
+        ops.decode_attention(q, cache, [seqs[0], empty], 0)
+    with pytest.raises(InvalidArgumentError):
+        ops.decode_attention(q, object(), seqs, 0)
+    with pytest.raises(ShapeError):
+        ops.decode_attention_paged(q, cache.key_caches[0], cache.value_caches[0][:, :8].contiguous(),
+                                   cache.block_tables(seqs), cache.lengths(seqs))
+    with pytest.raises(InvalidArgumentError):
+        ops.decode_attention_paged(q, cache.key_caches[0][:, :8], cache.value_caches[0][:, :8],
+                                   cache.block_tables(seqs), cache.lengths(seqs))  # not a dense pool
+    f64 = VirtualKVCache(1, HKV, 64, torch.float64, 2, 16, capacity_bytes=4 << 20)
+    s = f64.allocate()
+    f64.extend(s, 3)
+    with pytest.raises(DTypeError):
+        ops.decode_attention(q[:1].double(), f64, [s], 0)
+
+
+def test_contiguous_descriptor_errors():
+    kv = torch.randn(2, 2, 16, HKV, 64)
+    bkv, _, _ = descriptor(kv, [4, 16], [0, 1], "per_layer")
+    q = torch.randn(2, HKV, 64)
+    ops.decode_attention_contiguous(q, bkv)
+    too_long, _, _ = descriptor(kv, [4, 17], [0, 1], "per_layer")
+    with pytest.raises(InvalidArgumentError):
+        ops.decode_attention_contiguous(q, too_long)
+    outside, _, _ = descriptor(kv, [4, 16], [0, 2], "per_layer")  # slot 2 lies past the tensor
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        ops.decode_attention_contiguous(q, outside)
+    with pytest.raises(InvalidArgumentError):
+        ops.decode_attention_contiguous(q, (kv, kv))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the error raised where no CUDA device is usable")
+def test_cuda_entry_point_without_gpu_raises_backend_error():
+    p = _C.DecodeParams()
+    p.num_seqs, p.num_heads, p.num_kv_heads, p.head_dim = 1, 2, 2, 64
+    p.q = p.out = p.k = p.v = p.lengths = p.slots = 4096  # never dereferenced: no device is reached
+    p.token_stride, p.max_tokens = 128, 1
+    launch = _C.CudaLaunch()
+    launch.split_tokens = 1
+    # Built without CUDA: BackendUnavailableError saying so; built with CUDA but no driver/device: BackendError.
+    with pytest.raises(BackendError, match=None if _C.kernels_built_with_cuda() else "without CUDA"):
+        _C.decode_cuda(p, launch)
+    if _C.kernels_built_with_cuda():
+        p.head_dim = 80  # the CUDA kernels take 64, 128, 256: refused before any device is touched
+        with pytest.raises(InvalidArgumentError):
+            _C.decode_cuda(p, launch)
+
+
+# --------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="torch.cuda is not available (no CUDA GPU)")
+@pytest.mark.parametrize("lengths", [[1, 37, 300, 129], [3000, 1, 4097, 513]], ids=["one_pass", "split"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_paged(dtype, head_dim, group, lengths):
+    cache, seqs, kvs = build("paged16", dtype, head_dim, lengths, device="cuda", layers=1)
+    q = torch.randn(len(seqs), HKV * group, head_dim, device="cuda").to(dtype)
+    out = ops.decode_attention(q, cache, seqs, 0, out=poisoned(q))
+    check(out, q, *zip(*kvs))
+    out = ops.decode_attention_paged(q, cache.key_caches[0], cache.value_caches[0], cache.block_tables(seqs),
+                                     cache.lengths(seqs), out=poisoned(q))
+    check(out, q, *zip(*kvs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="torch.cuda is not available (no CUDA GPU)")
+@pytest.mark.parametrize("lengths", [[1, 77, 300, 5], [1, 2900, 4000]], ids=["one_pass", "split"])
+@pytest.mark.parametrize("layout", ["per_layer", "interleaved", "head_major"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_contiguous(dtype, layout, lengths):
+    run_descriptor_case(dtype, layout, lengths, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="torch.cuda is not available (no CUDA GPU)")
+@pytest.mark.parametrize("layout", ["per_layer", "interleaved", "head_major"])
+def test_cuda_virtual_cache(layout):
+    info = vpaged.backends()["cuda"]
+    if not info.usable:
+        pytest.skip(f"VirtualKVCache cannot use CUDA here: {info.reason}")
+    cache, seqs, kvs = build(layout, torch.bfloat16, 128, LENGTHS, device="cuda")
+    q = torch.randn(len(seqs), HKV * 4, 128, device="cuda").to(torch.bfloat16)
+    check(ops.decode_attention(q, cache, seqs, 1, out=poisoned(q)), q, *zip(*kvs))

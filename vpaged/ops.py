@@ -1,0 +1,319 @@
+"""Decode attention over vpaged caches: one query token per sequence against its cached K/V.
+
+    decode_attention(q, cache, seqs, layer)            picks the kernel for a VirtualKVCache or PagedKVCache
+    decode_attention_contiguous(q, batched_kv)         contiguous-with-lengths kernel (VirtualKVCache.batch())
+    decode_attention_paged(q, key_cache, value_cache, block_tables, lengths)   block-table kernel
+    decode_attention_reference(q, cache, seqs, layer)  torch SDPA per sequence (views / gathered blocks)
+
+q is [num_seqs, num_heads, head_dim] with num_heads a multiple of num_kv_heads (GQA); the result has q's
+shape and dtype (float32, float16 or bfloat16; scores and sums are float32 inside). scale defaults to
+1/sqrt(head_dim). `out`, when given, is written in place and returned.
+
+Lengths are checked (each in 1..capacity) before any kernel reads memory. On CUDA that check reads them
+back to the host, a synchronisation; a caller that knows the longest length (a scheduler does) passes
+max_len=..., which skips the read-back: lengths are then clamped to max_len inside the kernels, so a wrong
+hint gives wrong numbers but never a read outside the cache. CUDA kernels run asynchronously on
+torch.cuda.current_stream().
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _C
+from ._dtypes import itemsize
+from .cache import BatchedKV, VirtualKVCache
+from .errors import DTypeError, InvalidArgumentError, ShapeError
+from .paged_cache import PagedKVCache
+
+__all__ = ["decode_attention", "decode_attention_contiguous", "decode_attention_paged",
+           "decode_attention_reference"]
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+# --------------------------------------------------------------------------------------------- entry points
+def decode_attention_contiguous(q: torch.Tensor, batched_kv: BatchedKV, scale: float | None = None,
+                                out: torch.Tensor | None = None, *, max_len: int | None = None) -> torch.Tensor:
+    """Decode attention over a BatchedKV descriptor (VirtualKVCache.batch(layer, seqs)): sequence i reads
+    tokens 0..lengths[i]-1 of its slot, never past them. Every cache layout (they differ in token_stride and
+    head_stride)."""
+    kv = batched_kv
+    if not isinstance(kv, BatchedKV):
+        raise InvalidArgumentError(f"batched_kv must be a BatchedKV (VirtualKVCache.batch()), got {type(kv).__name__}")
+    _check_dtype(kv.dtype, "the cache")
+    q = _check_q(q, kv.num_kv_heads, kv.head_dim, kv.dtype, kv.device)
+    out = _check_out(out, q)
+    num_seqs = q.shape[0]
+    slots = _index_tensor(kv.slots, "slots", (num_seqs,), q.device)
+    lengths = _index_tensor(kv.lengths, "lengths", (num_seqs,), q.device)
+    heads_apart = kv.head_stride != kv.head_dim  # head_major: each head has its own run of tokens
+    row = kv.head_dim if heads_apart else kv.num_kv_heads * kv.head_dim
+    if kv.head_stride < kv.head_dim or kv.token_stride < row or kv.slot_stride < 0:
+        raise InvalidArgumentError(f"token_stride {kv.token_stride} / head_stride {kv.head_stride} / slot_stride "
+                                   f"{kv.slot_stride} cannot hold {kv.num_kv_heads} heads of {kv.head_dim}")
+    span = kv.head_stride if heads_apart else kv.slot_stride  # elements one token run may fill
+    capacity = span // kv.token_stride if span else 2**31 - 1
+    if max_len is None:
+        max_len = _check_lengths(lengths, capacity)
+        _check_extent(kv, slots.tolist(), lengths.tolist())
+    else:
+        max_len = _check_max_len(max_len, capacity)
+    if num_seqs == 0:
+        return out
+    p = _params(q, out, kv.k_ptr, kv.v_ptr, kv.num_kv_heads, kv.token_stride, lengths, max_len, scale)
+    p.paged = False
+    p.slots = slots.data_ptr()
+    p.slot_stride = kv.slot_stride
+    p.head_stride = kv.head_stride
+    _launch(p, q)
+    return out
+
+
+def decode_attention_paged(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, lengths: torch.Tensor, scale: float | None = None,
+                           out: torch.Tensor | None = None, *, max_len: int | None = None) -> torch.Tensor:
+    """Decode attention over block pools key_cache / value_cache [num_blocks, block_size, num_kv_heads,
+    head_dim] (dense; block_size a power of two) through block_tables [num_seqs, width] (block ids) and
+    lengths [num_seqs]; token t of sequence i is row t % block_size of block block_tables[i, t // block_size]."""
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ShapeError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], got {list(t.shape)}")
+        if not t.is_contiguous():
+            raise InvalidArgumentError(f"{name} must be contiguous (a block pool, not a view into one)")
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype \
+            or key_cache.device != value_cache.device:
+        raise ShapeError(f"key_cache {list(key_cache.shape)} {key_cache.dtype} {key_cache.device} and value_cache "
+                         f"{list(value_cache.shape)} {value_cache.dtype} {value_cache.device} differ")
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ShapeError(f"block_size (dim 1 of the caches) must be a power of two, got {block_size}")
+    if num_blocks <= 0:
+        raise ShapeError("the block pools hold no blocks")
+    _check_dtype(key_cache.dtype, "key_cache")
+    q = _check_q(q, num_kv_heads, head_dim, key_cache.dtype, key_cache.device)
+    out = _check_out(out, q)
+    num_seqs = q.shape[0]
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ShapeError(f"block_tables must be a [{num_seqs}, width] tensor, got "
+                         f"{list(block_tables.shape) if isinstance(block_tables, torch.Tensor) else type(block_tables)}")
+    tables = _index_tensor(block_tables, "block_tables", tuple(block_tables.shape), q.device)
+    lengths = _index_tensor(lengths, "lengths", (num_seqs,), q.device)
+    capacity = tables.shape[1] * block_size
+    if max_len is None:
+        max_len = _check_lengths(lengths, capacity, tables, block_size, num_blocks)
+    else:
+        max_len = _check_max_len(max_len, capacity)
+    if num_seqs == 0:
+        return out
+    p = _params(q, out, key_cache.data_ptr(), value_cache.data_ptr(), num_kv_heads, num_kv_heads * head_dim,
+                lengths, max_len, scale)
+    p.paged = True
+    p.block_tables = tables.data_ptr()
+    p.bt_stride = tables.stride(0)
+    p.block_size = block_size
+    p.num_blocks = num_blocks
+    _launch(p, q)
+    return out
+
+
+def decode_attention(q: torch.Tensor, cache, seqs, layer: int, scale: float | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of q (row i for seqs[i]) over one layer of a VirtualKVCache (contiguous kernel)
+    or a PagedKVCache (block-table kernel). Lengths come from the cache (no device read-back)."""
+    seqs = list(seqs)
+    if isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] != len(seqs):
+        raise ShapeError(f"q has {q.shape[0]} rows for {len(seqs)} sequences")
+    if isinstance(cache, VirtualKVCache):
+        max_len = _cache_max_len(cache, seqs)
+        return decode_attention_contiguous(q, cache.batch(layer, seqs), scale, out, max_len=max_len)
+    if isinstance(cache, PagedKVCache):
+        cache._check_layer(layer)
+        max_len = _cache_max_len(cache, seqs)
+        return decode_attention_paged(q, cache.key_caches[layer], cache.value_caches[layer],
+                                      cache.block_tables(seqs), cache.lengths(seqs), scale, out, max_len=max_len)
+    raise InvalidArgumentError(f"cache must be a VirtualKVCache or a PagedKVCache, got {type(cache).__name__}")
+
+
+def decode_attention_reference(q: torch.Tensor, cache, seqs, layer: int, scale: float | None = None,
+                               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The same result by torch's scaled_dot_product_attention, one sequence at a time, over cache.kv()
+    (zero-copy views of a VirtualKVCache, blocks gathered into copies for a PagedKVCache)."""
+    if not isinstance(cache, (VirtualKVCache, PagedKVCache)):
+        raise InvalidArgumentError(f"cache must be a VirtualKVCache or a PagedKVCache, got {type(cache).__name__}")
+    seqs = list(seqs)
+    q = _check_q(q, cache.num_kv_heads, cache.head_dim, cache.dtype, cache.device)
+    if q.shape[0] != len(seqs):
+        raise ShapeError(f"q has {q.shape[0]} rows for {len(seqs)} sequences")
+    out = _check_out(out, q)
+    _cache_max_len(cache, seqs)  # every sequence holds at least one token
+    for i, seq in enumerate(seqs):
+        k, v = cache.kv(layer, seq)  # [T, kv_heads, D]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[i].unsqueeze(1), k.transpose(0, 1), v.transpose(0, 1), scale=scale, enable_gqa=True)
+        out[i].copy_(o.squeeze(1))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- checks
+def _check_dtype(dtype: torch.dtype, what: str) -> None:
+    if dtype not in _DTYPE_CODES:
+        raise DTypeError(f"{what} holds {dtype}; decode kernels support float32, float16 and bfloat16")
+
+
+def _check_q(q, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if not isinstance(q, torch.Tensor):
+        raise InvalidArgumentError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] == 0 or q.shape[1] % num_kv_heads:
+        raise ShapeError(f"q must be [num_seqs, num_heads, {head_dim}] with num_heads a positive multiple of "
+                         f"num_kv_heads={num_kv_heads}, got {list(q.shape)}")
+    if q.dtype != dtype:
+        raise DTypeError(f"q has dtype {q.dtype}, the cache holds {dtype}")
+    if q.device != device:
+        raise InvalidArgumentError(f"q is on {q.device}, the cache on {device}")
+    return q.contiguous()
+
+
+def _check_out(out, q: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(q)
+    if not isinstance(out, torch.Tensor):
+        raise InvalidArgumentError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != q.shape:
+        raise ShapeError(f"out must have q's shape {list(q.shape)}, got {list(out.shape)}")
+    if out.dtype != q.dtype:
+        raise DTypeError(f"out has dtype {out.dtype}, q {q.dtype}")
+    if out.device != q.device:
+        raise InvalidArgumentError(f"out is on {out.device}, q on {q.device}")
+    if not out.is_contiguous():
+        raise InvalidArgumentError("out must be contiguous")
+    return out
+
+
+def _index_tensor(t, name: str, shape: tuple, device: torch.device) -> torch.Tensor:
+    """An integer tensor as dense int32 on `device` (converted when needed: tables are small)."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ShapeError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise DTypeError(f"{name} must hold integers, got {t.dtype}")
+    if t.device != device:
+        raise InvalidArgumentError(f"{name} is on {t.device}, q on {device}")
+    if t.dtype != torch.int32:
+        if t.numel() and (int(t.min()) < -2**31 or int(t.max()) >= 2**31):
+            raise InvalidArgumentError(f"{name} holds values outside int32")
+        t = t.to(torch.int32)
+    return t.contiguous()
+
+
+def _check_lengths(lengths: torch.Tensor, capacity: int, tables: torch.Tensor | None = None,
+                   block_size: int = 0, num_blocks: int = 0) -> int:
+    """Every length in 1..capacity and, for block tables, every block a length reaches a valid id. One
+    read-back to the host. Returns the longest length."""
+    if lengths.numel() == 0:
+        return 1
+    checks = [lengths.min(), lengths.max()]
+    if tables is not None:
+        used = (lengths.to(torch.int64) + block_size - 1) // block_size  # blocks each sequence reaches
+        reached = torch.arange(tables.shape[1], device=tables.device)[None, :] < used.clamp(max=tables.shape[1])[:, None]
+        bad = reached & ((tables < 0) | (tables >= num_blocks))
+        checks.append(bad.sum())
+    lo, hi, *bad_blocks = torch.stack([c.to(torch.int64) for c in checks]).tolist()
+    if lo < 1:
+        raise InvalidArgumentError(f"every sequence must hold at least one token; a length is {lo}")
+    if hi > capacity:
+        raise InvalidArgumentError(f"a length of {hi} exceeds the capacity of {capacity} tokens per sequence")
+    if bad_blocks and bad_blocks[0]:
+        raise InvalidArgumentError(f"{bad_blocks[0]} block table entries below the lengths are outside "
+                                   f"0..{num_blocks - 1}")
+    return hi
+
+
+def _check_max_len(max_len, capacity: int) -> int:
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or not 1 <= max_len <= capacity:
+        raise InvalidArgumentError(f"max_len must be an int in 1..{capacity}, got {max_len!r}")
+    return max_len
+
+
+def _check_extent(kv: BatchedKV, slots: list[int], lengths: list[int]) -> None:
+    """The last row each sequence reaches must lie inside the memory that owns the descriptor."""
+    extent = _owner_extent(kv.owner)
+    if extent is None or not slots:
+        return
+    lo, hi = extent
+    item = itemsize(kv.dtype)
+    row = (kv.num_kv_heads - 1) * kv.head_stride + kv.head_dim  # first to one past the last element of a token
+    first = min(slots) * kv.slot_stride
+    last = max(s * kv.slot_stride + (n - 1) * kv.token_stride for s, n in zip(slots, lengths)) + row
+    for name, base in (("K", kv.k_ptr), ("V", kv.v_ptr)):
+        if min(slots) < 0 or base + first * item < lo or base + last * item > hi:
+            raise InvalidArgumentError(f"{name} rows of the descriptor's slots and lengths fall outside the "
+                                       "cache's memory")
+
+
+def _owner_extent(owner) -> tuple[int, int] | None:
+    if isinstance(owner, torch.Tensor):
+        start = owner.untyped_storage().data_ptr()
+        return start, start + owner.untyped_storage().nbytes()
+    if isinstance(owner, _C.VirtualRange):
+        return owner.address, owner.address + owner.bytes
+    return None  # unknown owner: nothing to check against
+
+
+def _cache_max_len(cache, seqs: list) -> int:
+    lens = [cache.seq_len(s) for s in seqs]
+    for s, n in zip(seqs, lens):
+        if n < 1:
+            raise InvalidArgumentError(f"sequence {s} holds no tokens; decode attends over at least one")
+    return max(lens, default=1)
+
+
+# --------------------------------------------------------------------------------------------- launch
+def _params(q, out, k_ptr: int, v_ptr: int, num_kv_heads: int, token_stride: int, lengths, max_len: int,
+            scale) -> _C.DecodeParams:
+    p = _C.DecodeParams()
+    p.dtype = _DTYPE_CODES[q.dtype]
+    p.num_seqs, p.num_heads, p.head_dim = q.shape
+    p.num_kv_heads = num_kv_heads
+    p.q, p.out, p.k, p.v = q.data_ptr(), out.data_ptr(), k_ptr, v_ptr
+    p.token_stride = token_stride
+    p.lengths = lengths.data_ptr()
+    p.max_tokens = max_len
+    p.scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    return p
+
+
+def _launch(p: _C.DecodeParams, q: torch.Tensor) -> None:
+    if q.device.type == "cpu":
+        _C.decode_cpu(p, torch.get_num_threads())
+        return
+    launch = _C.CudaLaunch()
+    launch.device = q.device.index
+    launch.stream = torch.cuda.current_stream(q.device).cuda_stream
+    launch.num_splits, launch.split_tokens = plan_cuda_splits(p.num_seqs, p.num_kv_heads, p.max_tokens, q.device)
+    if launch.num_splits > 1:
+        # Freed tensors return to torch's caching allocator for this stream: later work on the same stream
+        # runs after the kernels, so reuse is safe without a sync.
+        acc = torch.empty((p.num_seqs, p.num_heads, launch.num_splits, p.head_dim), dtype=torch.float32,
+                          device=q.device)
+        ml = torch.empty((p.num_seqs, p.num_heads, launch.num_splits, 2), dtype=torch.float32, device=q.device)
+        launch.partial_acc, launch.partial_ml = acc.data_ptr(), ml.data_ptr()
+    _C.decode_cuda(p, launch)
+
+
+def plan_cuda_splits(num_seqs: int, num_kv_heads: int, max_len: int, device) -> tuple[int, int]:
+    """(num_splits, split_tokens) for the CUDA kernels: one pass when the batch alone gives every SM a few
+    blocks (or contexts are short); otherwise cut contexts into pieces of >= 256 tokens until it does."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    blocks = num_seqs * num_kv_heads  # thread blocks per piece (at least)
+    target = 4 * sms
+    if max_len <= 512 or blocks >= target:
+        return 1, max_len
+    pieces = min(-(-target // blocks), -(-max_len // 256))
+    split_tokens = -(-max_len // pieces)
+    split_tokens = -(-split_tokens // 64) * 64
+    return -(-max_len // split_tokens), split_tokens
