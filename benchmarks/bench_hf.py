@@ -58,13 +58,17 @@ def layer_bytes(cache) -> int:
     return layer.keys.nbytes + layer.values.nbytes
 
 
+LAYOUT = "per_layer"  # set from --layout
+
+
 def make(kind: str, config, context: int, steps: int, rows: int):
     if kind == "dynamic":
         return DynamicCache(config=config)
     if kind == "static":
         return StaticCache(config=config, max_cache_len=context + steps + 1)  # + the warm-up step
     pool = vpaged.PagePool("cpu", capacity_bytes=4 << 30)  # sparse: RAM is used only by mapped pages
-    return VPagedCache(config, max_cache_len=32768, pool=pool, max_batch_size=rows, dtype=torch.float32)
+    return VPagedCache(config, max_cache_len=32768, pool=pool, max_batch_size=rows, dtype=torch.float32,
+                       layout=LAYOUT)
 
 
 def fill(cache, config, base_k, base_v, rows: int) -> None:
@@ -196,7 +200,11 @@ def bench_sdpa(config, context: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer steps (a few minutes on 2 cores)")
+    ap.add_argument("--layout", default="per_layer", choices=["per_layer", "interleaved", "head_major"],
+                    help="VirtualKVCache layout of the VPagedCache (results go to hf_cpu[_LAYOUT].json)")
     args = ap.parse_args()
+    global LAYOUT
+    LAYOUT = args.layout
     warnings.filterwarnings("ignore")
     steps = 8 if args.quick else 32
     beam_steps = 6 if args.quick else 16
@@ -240,7 +248,7 @@ def main() -> None:
     }
     print("\ngoals")
     print_table(["goal", "target", "measured"], [[k, g["goal"], f"{g['measured']:.3f}"] for k, g in goals.items()])
-    path = write_json("hf_cpu.json", {
+    path = write_json("hf_cpu.json" if LAYOUT == "per_layer" else f"hf_cpu_{LAYOUT}.json", {
         "machine": machine(),
         "versions": {"transformers": transformers.__version__, "vpaged": vpaged.__version__},
         "mode": "quick" if args.quick else "full",
@@ -251,7 +259,7 @@ def main() -> None:
                   "head_dim": config.hidden_size // config.num_attention_heads, "dtype": "float32",
                   "kv_bytes_per_token": 2 * config.num_hidden_layers * config.num_key_value_heads
                   * (config.hidden_size // config.num_attention_heads) * 4},
-        "vpaged": {"layout": "per_layer", "page_size": vpaged.PagePool("cpu", capacity_pages=1).page_size},
+        "vpaged": {"layout": LAYOUT, "page_size": vpaged.PagePool("cpu", capacity_pages=1).page_size},
         "decode_steps": steps, "beam_steps": beam_steps, "decode": decode, "beam": beam, "sdpa_8k": sdpa,
         "goals": goals,
     })

@@ -124,7 +124,6 @@ PYBIND11_MODULE(_C, m) {
       .def("map_shared", &VirtualRange::map_shared, py::arg("slots"), py::arg("pages"))
       .def("unmap", &VirtualRange::unmap, py::arg("slots"))
       .def("copy_on_write", &VirtualRange::copy_on_write, py::arg("slot"), py::arg("stream") = 0)
-      .def("replace", &VirtualRange::replace, py::arg("slot"), py::arg("page"))
       .def("make_private", &VirtualRange::make_private, py::arg("slots"), py::arg("stream") = 0)
       .def("assign", &VirtualRange::assign, py::arg("slots"), py::arg("pages"))
       .def("refcounts_at", &VirtualRange::refcounts_at, py::arg("slots"))

@@ -175,59 +175,33 @@ PageId VirtualRange::copy_on_write(int64_t slot, uintptr_t stream) {
     pool_->backend().copy_page(fresh, old, stream);
     // The copy reads `old`, which may go back to the pool below: it must be complete first.
     pool_->backend().synchronize(stream);
-    // Remapping a slot over a live mapping is one step on both backends' terms: unmap, then map.
-    pool_->backend().unmap(va_ + static_cast<size_t>(slot) * page_size_, 1);
+    remap_locked(slot, old, fresh);
   } catch (...) {
     pool_->decref(fresh);
     throw;
   }
-  try {
-    pool_->backend().map(va_ + static_cast<size_t>(slot) * page_size_, &fresh, 1);
-  } catch (...) {
-    // Put the shared page back so the slot stays as it was.
-    try {
-      pool_->backend().map(va_ + static_cast<size_t>(slot) * page_size_, &old, 1);
-    } catch (...) {
-      table_[slot] = -1;
-      --mapped_;
-      pool_->decref(old);
-    }
-    pool_->decref(fresh);
-    throw;
-  }
-  table_[slot] = fresh;
   pool_->decref(old);
   return fresh;
 }
 
-void VirtualRange::replace(int64_t slot, PageId page) {
-  std::lock_guard<std::mutex> lock(mu_);
-  check_slot(slot);
-  const PageId old = table_[slot];
-  if (old < 0) throw InvalidArgument("replace: page slot " + std::to_string(slot) + " is not mapped");
-  if (pins_[slot] > 0) throw ViewsAlive("replace: page slot is read through a live tensor view; drop the view first");
-  pool_->incref(page);
+void VirtualRange::remap_locked(int64_t slot, PageId old, PageId page) {
+  // Neither backend remaps a mapped slot in place: unmap, then map.
+  const uintptr_t va = va_ + static_cast<size_t>(slot) * page_size_;
+  pool_->backend().unmap(va, 1);
   try {
-    pool_->backend().unmap(va_ + static_cast<size_t>(slot) * page_size_, 1);
+    pool_->backend().map(va, &page, 1);
   } catch (...) {
-    pool_->decref(page);
-    throw;
-  }
-  try {
-    pool_->backend().map(va_ + static_cast<size_t>(slot) * page_size_, &page, 1);
-  } catch (...) {
+    // Put the old page back so the slot stays as it was; if even that fails the slot is unmapped.
     try {
-      pool_->backend().map(va_ + static_cast<size_t>(slot) * page_size_, &old, 1);
+      pool_->backend().map(va, &old, 1);
     } catch (...) {
       table_[slot] = -1;
       --mapped_;
       pool_->decref(old);
     }
-    pool_->decref(page);
     throw;
   }
   table_[slot] = page;
-  pool_->decref(old);
 }
 
 size_t VirtualRange::make_private(const std::vector<int64_t>& slots, uintptr_t stream) {

@@ -40,8 +40,6 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   // Give slot a private copy of its page: a fresh page receives the data, replaces the shared one at
   // the same address, and the old page loses a reference. All or nothing. Returns the new page.
   PageId copy_on_write(int64_t slot, uintptr_t stream);
-  // Put `page` (taking a reference) at a mapped slot in place of its current page. All or nothing.
-  void replace(int64_t slot, PageId page);
   // Copy-on-write every listed slot whose page is shared (reference count > 1). Checks first that the
   // pool has a page for each copy (OutOfPages, nothing changed). Returns the number of copies made.
   size_t make_private(const std::vector<int64_t>& slots, uintptr_t stream);
@@ -72,6 +70,9 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   void collect_spans(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
                      size_t dim, size_t itemsize, std::vector<std::pair<size_t, size_t>>& out) const;
   void unmap_locked(const std::vector<int64_t>& slots);
+  // Show `page` at a mapped slot instead of `old` (references are the caller's business); on failure the
+  // slot shows `old` again and the error is rethrown.
+  void remap_locked(int64_t slot, PageId old, PageId page);
   // Map pages (in order) over runs of slots; on failure unmap what was mapped, drop the caller's page
   // references and rethrow.
   void map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& slot_runs, const std::vector<PageId>& pages);

@@ -12,8 +12,9 @@
 #   <bench>.json    what each GPU benchmark wrote to benchmarks/results/ during the run
 # Exit status: 0 when every stage passed; 1 when a stage failed, timed out or had no time left.
 #
-# GPU tests: everything marked `gpu` under tests/ (pytest -m gpu). GPU benchmarks: benchmarks/bench_*cuda*.py
-# and benchmarks/bench_*gpu*.py, each run as `python FILE $GPU_BENCH_ARGS` (default --quick); a benchmark
+# GPU tests: everything marked `gpu` under tests/ (pytest -m gpu). GPU benchmarks: benchmarks/bench_*cuda*.py,
+# benchmarks/bench_*gpu*.py and bench_decode.py (with --device cuda), each run as
+# `python FILE $GPU_BENCH_ARGS` (default --quick); a benchmark
 # writes its JSON with benchmarks/common.write_json, and the files it wrote are copied to OUT_DIR.
 #
 # Settings (environment): PYTHON (default python3), GPU_CHECK_BUDGET_S (total seconds, default 345),
@@ -135,12 +136,15 @@ if [ -n "${GPU_BENCHES:-}" ]; then
   read -r -a BENCHES <<<"$GPU_BENCHES"
 else
   mapfile -t BENCHES < <(ls benchmarks/bench_*cuda*.py benchmarks/bench_*gpu*.py 2>/dev/null | sort -u)
+  BENCHES+=(benchmarks/bench_decode.py) # decode kernels: contiguous-on-VMM vs block table vs SDPA
 fi
 export GPU_BENCH_ARGS=${GPU_BENCH_ARGS:---quick}
 for bench in "${BENCHES[@]}"; do
   touch "$WORK/before-bench"
   sleep 1 # so that a file the benchmark writes is strictly newer than the marker
-  run_stage "bench:$(basename "$bench" .py)" 150 "\"\$PY\" \"$bench\" \$GPU_BENCH_ARGS"
+  extra=""
+  [ "$(basename "$bench")" = bench_decode.py ] && extra="--device cuda"
+  run_stage "bench:$(basename "$bench" .py)" 150 "\"\$PY\" \"$bench\" \$GPU_BENCH_ARGS $extra"
   find benchmarks/results -maxdepth 1 -name '*.json' -newer "$WORK/before-bench" -exec cp {} "$OUT_DIR/" \;
 done
 ((${#BENCHES[@]})) || echo "gpu_check: no GPU benchmarks found (benchmarks/bench_*cuda*.py, bench_*gpu*.py)"

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from . import _C
+from ._checks import check_kv, check_layer
 from ._dtypes import dlpack_code, itemsize
 from .device import normalize_device
-from .errors import (CacheClosedError, DTypeError, InvalidArgumentError, LayerIndexError, OutOfPagesError,
-                     ReadOnlyTokensError, SequenceSwappedError, SequenceTooLongError, ShapeError,
-                     SlotsExhaustedError, SwapSpaceFullError, UnknownSequenceError, ViewsAliveError)
+from .errors import (CacheClosedError, InvalidArgumentError, OutOfPagesError, ReadOnlyTokensError,
+                     SequenceSwappedError, SequenceTooLongError, SlotsExhaustedError, SwapSpaceFullError,
+                     UnknownSequenceError, ViewsAliveError)
 from .layout import Layout
 from .pool import PagePool, default_pool
 from .prefix import HashFn, PrefixIndex
@@ -621,17 +622,7 @@ class VirtualKVCache:
         may share with others raise ReadOnlyTokensError."""
         self._check_layer(layer)
         slot = self._live_slot(seq)
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != self.dtype:
-                raise DTypeError(f"{name} has dtype {t.dtype}, the cache holds {self.dtype}")
-            if t.dim() != 3 or tuple(t.shape[1:]) != (self.num_kv_heads, self.head_dim):
-                raise ShapeError(f"{name} must be [n, {self.num_kv_heads}, {self.head_dim}], got {list(t.shape)}")
-            if t.device != self.device:
-                raise InvalidArgumentError(f"{name} is on {t.device}, the cache on {self.device}")
-        if k.shape != v.shape:
-            raise ShapeError(f"k {list(k.shape)} and v {list(v.shape)} differ in shape")
+        check_kv(k, v, self.dtype, self.num_kv_heads, self.head_dim, self.device)
         n, length = k.shape[0], self._len[slot]
         if start is None:
             start = length - n
@@ -811,5 +802,4 @@ class VirtualKVCache:
         return slot
 
     def _check_layer(self, layer) -> None:
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
-            raise LayerIndexError(f"layer {layer!r} outside 0..{self.num_layers - 1}")
+        check_layer(layer, self.num_layers)

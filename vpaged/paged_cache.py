@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import check_kv, check_layer
 from ._dtypes import itemsize
 from .device import normalize_device
-from .errors import (CacheClosedError, DTypeError, InvalidArgumentError, LayerIndexError, OutOfPagesError,
-                     SequenceTooLongError, ShapeError, SlotsExhaustedError, UnknownSequenceError)
+from .errors import (CacheClosedError, InvalidArgumentError, OutOfPagesError, SequenceTooLongError,
+                     ShapeError, SlotsExhaustedError, UnknownSequenceError)
 
 BLOCK_SIZES = (8, 16, 32)
 
@@ -376,18 +377,7 @@ class PagedKVCache:
         raise UnknownSequenceError(f"no sequence {seq!r} in this cache")
 
     def _check_layer(self, layer) -> None:
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
-            raise LayerIndexError(f"layer {layer!r} outside 0..{self.num_layers - 1}")
+        check_layer(layer, self.num_layers)
 
     def _check_kv(self, k, v) -> None:
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != self.dtype:
-                raise DTypeError(f"{name} has dtype {t.dtype}, the cache holds {self.dtype}")
-            if t.dim() != 3 or tuple(t.shape[1:]) != (self.num_kv_heads, self.head_dim):
-                raise ShapeError(f"{name} must be [n, {self.num_kv_heads}, {self.head_dim}], got {list(t.shape)}")
-            if t.device != self.device:
-                raise InvalidArgumentError(f"{name} is on {t.device}, the cache on {self.device}")
-        if k.shape != v.shape:
-            raise ShapeError(f"k {list(k.shape)} and v {list(v.shape)} differ in shape")
+        check_kv(k, v, self.dtype, self.num_kv_heads, self.head_dim, self.device)

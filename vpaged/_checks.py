@@ -1,0 +1,26 @@
+"""Argument checks shared by the KV caches."""
+from __future__ import annotations
+
+import torch
+
+from .errors import DTypeError, InvalidArgumentError, LayerIndexError, ShapeError
+
+
+def check_layer(layer, num_layers: int) -> None:
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
+        raise LayerIndexError(f"layer {layer!r} outside 0..{num_layers - 1}")
+
+
+def check_kv(k, v, dtype: torch.dtype, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+    """k and v: tensors of the cache's dtype and device, both [n, num_kv_heads, head_dim]."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise DTypeError(f"{name} has dtype {t.dtype}, the cache holds {dtype}")
+        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
+            raise ShapeError(f"{name} must be [n, {num_kv_heads}, {head_dim}], got {list(t.shape)}")
+        if t.device != device:
+            raise InvalidArgumentError(f"{name} is on {t.device}, the cache on {device}")
+    if k.shape != v.shape:
+        raise ShapeError(f"k {list(k.shape)} and v {list(v.shape)} differ in shape")
