@@ -58,7 +58,7 @@ def layer_bytes(cache) -> int:
     return layer.keys.nbytes + layer.values.nbytes
 
 
-LAYOUT = "per_layer"  # set from --layout
+LAYOUT = "head_major"  # set from --layout
 
 
 def make(kind: str, config, context: int, steps: int, rows: int):
@@ -168,7 +168,8 @@ def bench_beam(model, config, context: int, beams: int, steps: int, kinds) -> li
 
 def bench_sdpa(config, context: int) -> dict:
     """One layer's decode attention at `context` tokens on a dense [1, H, T, D] tensor (DynamicCache's and
-    StaticCache's layout) and on a vpaged per_layer view ([T, H, D] memory seen as [1, H, T, D]), in the two
+    StaticCache's layout) and on a vpaged view of the benchmarked layout (head_major: dense per head; per_layer:
+    [T, H, D] memory seen as [1, H, T, D]), in the two
     ways transformers calls SDPA for grouped-query decode: enable_gqa (no mask, batch 1 with
     Dynamic/VPagedCache) and the query packed per KV head (with a mask, as StaticCache always has)."""
     import torch.nn.functional as F
@@ -179,7 +180,7 @@ def bench_sdpa(config, context: int) -> dict:
     q = torch.randn(1, heads, 1, dim)
     dense_k, dense_v = torch.randn(1, kv_heads, context, dim), torch.randn(1, kv_heads, context, dim)
     cache = vpaged.VirtualKVCache(1, kv_heads, dim, dtype=torch.float32, max_seqs=1, max_seq_len=context,
-                                  capacity_bytes=64 << 20)
+                                  capacity_bytes=64 << 20, layout=LAYOUT)
     seq = cache.allocate()
     cache.extend(seq, context)
     cache.write(0, seq, dense_k[0].transpose(0, 1), dense_v[0].transpose(0, 1))
@@ -200,7 +201,7 @@ def bench_sdpa(config, context: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer steps (a few minutes on 2 cores)")
-    ap.add_argument("--layout", default="per_layer", choices=["per_layer", "interleaved", "head_major"],
+    ap.add_argument("--layout", default="head_major", choices=["per_layer", "interleaved", "head_major"],
                     help="VirtualKVCache layout of the VPagedCache (results go to hf_cpu[_LAYOUT].json)")
     args = ap.parse_args()
     global LAYOUT
@@ -248,7 +249,7 @@ def main() -> None:
     }
     print("\ngoals")
     print_table(["goal", "target", "measured"], [[k, g["goal"], f"{g['measured']:.3f}"] for k, g in goals.items()])
-    path = write_json("hf_cpu.json" if LAYOUT == "per_layer" else f"hf_cpu_{LAYOUT}.json", {
+    path = write_json("hf_cpu.json" if LAYOUT == "head_major" else f"hf_cpu_{LAYOUT}.json", {
         "machine": machine(),
         "versions": {"transformers": transformers.__version__, "vpaged": vpaged.__version__},
         "mode": "quick" if args.quick else "full",

@@ -159,8 +159,10 @@ class VPagedCache(Cache):
         capacity_bytes: memory budget of a private page pool; running out raises OutOfPagesError.
         pool: a PagePool to share with other caches (instead of capacity_bytes). Neither: the device's
             default pool.
-        layout: "per_layer" (dense per-layer K/V, fastest attention) or "interleaved" (all layers of a token
-            side by side: finer page granularity, one map per page for all layers).
+        layout: "head_major" (default: each head's K/V dense, the [B, H, T, D] transformers' attention reads
+            fastest; a page per head at each page boundary), "per_layer" (dense [T, H, D] per layer: finer
+            pages, attention on a strided view) or "interleaved" (all layers of a token side by side:
+            finest pages, one map per page for all layers). See benchmarks/NOTES.md for measurements.
         dtype, device: of K/V; default: the config's dtype, and the dtype/device of the first K/V seen.
         page_size: bytes per page of a private or default pool.
         share_prefill: store identical prompt rows once (see the module docstring).
@@ -170,7 +172,7 @@ class VPagedCache(Cache):
     """
 
     def __init__(self, config=None, *, max_cache_len: int, max_batch_size: int | None = None,
-                 capacity_bytes: int | None = None, pool: PagePool | None = None, layout: str = "per_layer",
+                 capacity_bytes: int | None = None, pool: PagePool | None = None, layout: str = "head_major",
                  dtype: torch.dtype | None = None, device=None, page_size: int | None = None,
                  num_layers: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
                  share_prefill: bool = True):
