@@ -17,9 +17,9 @@ K/V from memory as a real decode step over many layers would.
     python benchmarks/bench_decode.py --device cuda
     python benchmarks/bench_decode.py --quick --threads 1 --clock cpu   # on a machine busy with other work
 
-Writes benchmarks/results/decode_<device>.json. On CUDA, where VirtualKVCache cannot map device memory
-(no CUDA VMM backend in this build), the contiguous kernel runs on a plain tensor with the per_layer
-layout's strides instead, and the JSON says so.
+Writes benchmarks/results/decode_<device>.json. On CUDA the contiguous kernel reads a VirtualKVCache on the
+CUDA VMM backend; where that backend is unusable (vpaged.backends() says why) it runs on a plain tensor with
+the per_layer layout's strides instead, and the JSON says so.
 """
 from __future__ import annotations
 
