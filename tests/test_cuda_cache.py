@@ -1,0 +1,182 @@
+"""VirtualKVCache, sharing and the transformers cache on the CUDA backend (tests marked `gpu`).
+
+They skip with the reason where CUDA is unusable (no driver, no device, built without CUDA, torch without
+CUDA); scripts/gpu_check.sh runs them on a lent GPU. The references are ordinary torch CUDA tensors holding
+the same data, cloned out of the cache before anything changes it.
+"""
+import gc
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vpaged
+from vpaged import _C
+
+pytestmark = pytest.mark.gpu
+REASON = _C.cuda_unavailable_reason(0) or ("" if torch.cuda.is_available() else "torch has no CUDA")
+if REASON:
+    pytest.skip(f"CUDA unusable: {REASON}", allow_module_level=True)
+
+DEV = torch.device("cuda", 0)
+GRAN = _C.cuda_granularity(0)
+LAYOUTS = ["per_layer", "interleaved", "head_major"]
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator(device=DEV)
+    g.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    return g
+
+
+def make(layout="per_layer", dtype=torch.bfloat16, pages=64, layers=2, heads=2, dim=128, max_seqs=8,
+         max_len=16384, **kw):
+    return vpaged.VirtualKVCache(layers, heads, dim, dtype=dtype, max_seqs=max_seqs, max_seq_len=max_len,
+                                 device=DEV, capacity_bytes=pages * GRAN, layout=layout, **kw)
+
+
+def fill(cache, seq, n, gen):
+    cache.extend(seq, n)
+    for layer in range(cache.num_layers):
+        shape = (n, cache.num_kv_heads, cache.head_dim)
+        k = torch.randn(shape, device=DEV, generator=gen).to(cache.dtype)
+        v = torch.randn(shape, device=DEV, generator=gen).to(cache.dtype)
+        cache.write(layer, seq, k, v)
+
+
+def clones(cache, seq):
+    return [tuple(t.clone() for t in cache.kv(layer, seq)) for layer in range(cache.num_layers)]
+
+
+def same(a, b):
+    return all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_on_views_equals_sdpa_on_ordinary_tensors(layout, dtype, gen):
+    cache = make(layout, dtype)
+    seq = cache.allocate()
+    for n in (1000, 3000, 1):  # crosses 2 MiB pages in every layout
+        fill(cache, seq, n, gen)
+    q = torch.randn(1, 8, 4, 128, device=DEV, generator=gen).to(dtype)  # GQA: 8 query heads on 2 kv heads
+    for layer in range(cache.num_layers):
+        k, v = cache.kv(layer, seq)
+        assert k.device == DEV and k.shape == (4001, 2, 128)
+        dense_k, dense_v = k.clone(), v.clone()
+        out_view = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                                  enable_gqa=True)
+        out_dense = F.scaled_dot_product_attention(q, dense_k.transpose(0, 1)[None],
+                                                   dense_v.transpose(0, 1)[None], enable_gqa=True)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out_view, out_dense, rtol=tol, atol=tol)
+    cache.close()
+
+
+def test_growth_and_unmapping_wait_for_kernels_in_flight_on_a_side_stream(gen):
+    cache = make("per_layer", torch.float32, pages=128)
+    side = torch.cuda.Stream(device=DEV)
+    cache.use_stream(side)
+    seqs = [cache.allocate() for _ in range(3)]
+    for s in seqs:
+        fill(cache, s, 5000, gen)
+    q = torch.randn(1, 2, 1, 128, device=DEV, generator=gen)
+    expect = []
+    outs = []
+    for s in seqs:
+        k, v = cache.kv(0, s)
+        expect.append(F.scaled_dot_product_attention(q, k.transpose(0, 1)[None].clone(),
+                                                     v.transpose(0, 1)[None].clone()))
+    torch.cuda.synchronize()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keep the side stream busy well past the host calls below
+        for s in seqs:
+            k, v = cache.kv(0, s)
+            outs.append(F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None]))
+            del k, v  # the views go (their pages unpin) while the kernels reading them are still queued
+    gc.collect()
+    # Growth maps new pages (no wait needed); truncate and free + reclaim unmap pages the queued kernels
+    # read: the cache must wait for the side stream first, or those kernels read unmapped memory.
+    fill(cache, seqs[0], 3000, gen)
+    cache.truncate(seqs[1], 10)
+    cache.free(seqs[2])
+    cache.reclaim()
+    torch.cuda.synchronize()
+    for out, ref in zip(outs, expect):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    cache.close()
+
+
+def test_out_of_pages_changes_nothing(gen):
+    cache = make("per_layer", torch.bfloat16, pages=8)  # 4 regions: 2 pages each
+    a = cache.allocate()
+    fill(cache, a, 5000, gen)  # 2 MiB holds 4096 bf16 tokens of 2 x 128: 2 pages per region
+    before = clones(cache, a)
+    used = cache.pool.stats().used_pages
+    with pytest.raises(vpaged.OutOfPagesError):
+        cache.extend(a, 4000)
+    assert cache.seq_len(a) == 5000 and cache.pool.stats().used_pages == used
+    assert same(clones(cache, a), before)
+    cache.close()
+
+
+def test_fork_copy_on_write_and_swap(gen):
+    cache = make("interleaved", torch.bfloat16, pages=64, swap_bytes=32 * GRAN)
+    parent = cache.allocate()
+    fill(cache, parent, 3000, gen)
+    before = clones(cache, parent)
+    used = cache.pool.stats().used_pages
+    kids = cache.fork_many(parent, 4)
+    assert cache.pool.stats().used_pages == used
+    for c in kids:
+        fill(cache, c, 7, gen)
+    assert same(clones(cache, parent), before)
+    assert cache.stats().cow_copies == 4
+    snap = clones(cache, kids[0])
+    addr = cache.kv(0, kids[0])[0].data_ptr()
+    cache.swap_out(kids[0])
+    other = cache.allocate()
+    fill(cache, other, 6000, gen)
+    cache.swap_in(kids[0])
+    assert cache.kv(0, kids[0])[0].data_ptr() == addr
+    assert same(clones(cache, kids[0]), snap)
+    cache.close()
+
+
+def test_close_returns_device_memory():
+    torch.cuda.synchronize()
+    gc.collect()
+    free_before, _ = torch.cuda.mem_get_info(DEV)
+    pool = vpaged.PagePool(DEV, capacity_pages=256, reserve_pages=128)  # 512 MiB of handles up front
+    cache = vpaged.VirtualKVCache(2, 2, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=65536, pool=pool)
+    s = cache.allocate()
+    cache.extend(s, 60000)
+    assert pool.stats().used_pages > 0
+    cache.close()
+    assert pool.stats().used_pages == 0
+    del cache, pool
+    gc.collect()
+    torch.cuda.synchronize()
+    free_after, _ = torch.cuda.mem_get_info(DEV)
+    assert free_after >= free_before - 64 * 2**20  # every handle released (slack for the driver's own use)
+
+
+def test_transformers_generate_on_cuda_matches_dynamic_cache():
+    transformers = pytest.importorskip("transformers")
+    from vpaged.hf import VPagedCache
+
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(DEV).eval()
+    ids = torch.randint(1, 256, (2, 12), device=DEV)  # no pad token (0) inside the prompts
+    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, **kw)
+    for layout in LAYOUTS:
+        cache = VPagedCache(config, max_cache_len=64, capacity_bytes=256 * GRAN, layout=layout)
+        out = model.generate(ids, past_key_values=cache, **kw)
+        assert torch.equal(out, ref), layout
+        cache.reset()
