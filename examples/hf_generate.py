@@ -22,7 +22,7 @@ def report(title: str, cache: VPagedCache, batch: int) -> None:
     static = cache.static_bytes(batch_size=batch)
     print(f"  {title}: {cache}")
     print(f"    vpaged KV memory now {mib(pool.used_bytes)}, peak {mib(pool.high_water_bytes)} "
-          f"({cache.stats().tokens_per_page:g} tokens per page per region)")
+          f"({cache.stats().tokens_per_page:g} tokens per page of each page run)")
     print(f"    StaticCache(max_cache_len={MAX_CACHE_LEN}) for {batch} rows: {mib(static)} "
           f"= {static / max(pool.high_water_bytes, 1):.0f}x vpaged's peak")
 
