@@ -254,19 +254,22 @@ class VirtualKVCache:
         """End a sequence. Its private pages stay mapped for the next allocate() until the pool needs them;
         pages it shares with others are unmapped at once (so a reused slot never starts with shared pages)."""
         slot = self._slot(seq)
-        del self._slot_of[seq]
-        self._len[slot] = 0
         if slot in self._swapped:
-            swapped_slots, chunks = self._swapped.pop(slot)
-            self._swap.release(chunks)
+            # The slot has holes where pages were swapped out, so it cannot stay dormant: unmap what is left
+            # first (ViewsAliveError when a view still reads a shared page: then nothing has changed).
+            swapped_slots, chunks = self._swapped[slot]
             gone = set(swapped_slots)
             keep = [ps for ps in self.layout.page_slots(slot, 0, self._mapped[slot]) if ps not in gone]
             self._quiesce()
             self._range.unmap(keep)
+            del self._swapped[slot]
+            self._swap.release(chunks)
             self._pages_unmapped += len(keep)
             self._mapped[slot] = 0
             self._shared_upto[slot] = 0
-        elif self._shared_upto[slot]:
+        del self._slot_of[seq]
+        self._len[slot] = 0
+        if self._shared_upto[slot]:
             idx = self.layout.page_slots(slot, 0, self._mapped[slot])
             if any(c > 1 for c in self._range.refcounts_at(idx)):
                 try:
@@ -308,7 +311,10 @@ class VirtualKVCache:
             need = lay.pages_for(new_len)
             if n and self._shared_upto[slot]:
                 first = old_len * lay.token_bytes // lay.page_size  # page of the first new token
-                stop = min(need, self._mapped[slot], self._shared_upto[slot])
+                # Every mapped page from `first` up to the watermark, not just those below `need`: after a
+                # truncate() or free() that could not unmap (a live view), pages past `need` may still be
+                # shared, and the watermark drops to `first` below, so they must be private by then.
+                stop = min(self._mapped[slot], self._shared_upto[slot])
                 if first < stop:
                     to_privatize += lay.page_slots(slot, first, stop)
             if need > self._mapped[slot]:
@@ -559,7 +565,9 @@ class VirtualKVCache:
         private to this sequence, so writing through these views is safe)."""
         self._check_layer(layer)
         slot = self._live_slot(seq)
-        start = min(self._new_from[slot], self._len[slot])
+        # Never before the first writable token: after fork(), reorder() or cache_prefix() the tokens of the
+        # last extend() may lie in pages shared with other sequences or the prefix index.
+        start = max(min(self._new_from[slot], self._len[slot]), self._first_writable(slot))
         n = self._len[slot] - start
         return self._view(layer, 0, slot, start, n), self._view(layer, 1, slot, start, n)
 
@@ -704,8 +712,8 @@ class VirtualKVCache:
     def _reclaim(self, pages: int) -> int:
         """Unmap freed slots' pages, oldest first, until `pages` are freed. Slots still read through a
         live view are skipped."""
-        from .errors import ViewsAliveError
-
+        if self._closed:  # a closed cache holds nothing to reclaim (its pool may still list it)
+            return 0
         freed = 0
         for slot in list(self._dormant):
             if freed >= pages:
@@ -747,7 +755,9 @@ class VirtualKVCache:
         self._range.unmap_all_unpinned()
         self._range = None
         self._slot_of.clear()
+        self._dormant.clear()
         self._closed = True
+        self.pool._clients.discard(self)
 
     def __enter__(self) -> VirtualKVCache:
         return self

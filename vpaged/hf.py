@@ -346,9 +346,10 @@ class VPagedCache(Cache):
     def _materialize(self, row: int) -> None:
         """Give a presumed duplicate row its own pages, holding its source's K/V of the layers written so far
         in this step (equal by the checks so far); the caller writes the current layer."""
-        src = self._dup_of.pop(row)
+        src = self._dup_of[row]
         seq, src_seq = self._rows[row], self._rows[src]
-        self.kv.extend(seq, self._length)
+        self.kv.extend(seq, self._length)  # may raise (OutOfPagesError): the row stays a duplicate then
+        del self._dup_of[row]
         for earlier in range(self.num_layers):
             if self._written[earlier] == self._length:  # written in this step already
                 self.kv.write(earlier, seq, *self.kv.kv(earlier, src_seq))

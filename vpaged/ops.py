@@ -253,6 +253,20 @@ def _check_extent(kv: BatchedKV, slots: list[int], lengths: list[int]) -> None:
         if min(slots) < 0 or base + first * item < lo or base + last * item > hi:
             raise InvalidArgumentError(f"{name} rows of the descriptor's slots and lengths fall outside the "
                                        "cache's memory")
+    if isinstance(kv.owner, _C.VirtualRange):
+        # Inside the reservation is not enough: a descriptor kept past free() + reclaim, truncate() or close()
+        # (or lengths edited by hand) would make the kernel read unmapped pages, a SIGSEGV on the host.
+        heads_apart = kv.head_stride != kv.head_dim
+        runs = [h * kv.head_stride for h in range(kv.num_kv_heads)] if heads_apart else [0]
+        run_row = kv.head_dim if heads_apart else row
+        for s, n in zip(slots, lengths):
+            nbytes = ((n - 1) * kv.token_stride + run_row) * item
+            for base in (kv.k_ptr, kv.v_ptr):
+                for h in runs:
+                    if not kv.owner.is_mapped(base - lo + (s * kv.slot_stride + h) * item, nbytes):
+                        raise InvalidArgumentError(
+                            f"the descriptor reaches unmapped memory (slot {s}, length {n}): it is stale; take "
+                            "a fresh one with VirtualKVCache.batch() after free(), truncate() or swap_out()")
 
 
 def _owner_extent(owner) -> tuple[int, int] | None:
