@@ -141,6 +141,10 @@ void VirtualRange::map_shared(const std::vector<int64_t>& slots, const std::vect
 
 void VirtualRange::unmap(const std::vector<int64_t>& slots) {
   std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> sorted(slots);
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+    throw InvalidArgument("unmap: a slot is listed twice");
   for (int64_t s : slots) {
     check_slot(s);
     if (table_[s] < 0) throw InvalidArgument("page slot " + std::to_string(s) + " is not mapped");
@@ -191,13 +195,15 @@ void VirtualRange::remap_locked(int64_t slot, PageId old, PageId page) {
   try {
     pool_->backend().map(va, &page, 1);
   } catch (...) {
-    // Put the old page back so the slot stays as it was; if even that fails the slot is unmapped.
+    // Put the old page back so the slot stays as it was. If even that fails the slot is unmapped: its page
+    // table entry says so, and the old page's reference is kept (leaked) rather than risk handing a page out
+    // again that a queued kernel may still read. A view pinning the slot keeps its range alive but would
+    // now fault; this takes two driver failures in a row.
     try {
       pool_->backend().map(va, &old, 1);
     } catch (...) {
       table_[slot] = -1;
       --mapped_;
-      pool_->decref(old);
     }
     throw;
   }
@@ -354,12 +360,24 @@ void delete_view(DLManagedTensor* self) {
 void VirtualRange::collect_spans(size_t offset, const std::vector<int64_t>& shape,
                                  const std::vector<int64_t>& strides, size_t dim, size_t itemsize,
                                  std::vector<std::pair<size_t, size_t>>& out) const {
+  // Every product and sum is checked: a view is refused, never wrapped around, whatever shape it asks for.
+  auto mul = [](size_t a, size_t b) {
+    size_t r;
+    if (__builtin_mul_overflow(a, b, &r)) throw InvalidArgument("view: shape and strides overflow");
+    return r;
+  };
+  auto add = [](size_t a, size_t b) {
+    size_t r;
+    if (__builtin_add_overflow(a, b, &r)) throw InvalidArgument("view: shape and strides overflow");
+    return r;
+  };
   size_t inner = 1;  // elements from the first to one past the last element of one block
   for (size_t i = dim + 1; i < shape.size(); ++i)
-    inner += static_cast<size_t>(shape[i] - 1) * static_cast<size_t>(strides[i]);
-  const size_t block = inner * itemsize;
-  const size_t step = static_cast<size_t>(strides[dim]) * itemsize;
+    inner = add(inner, mul(static_cast<size_t>(shape[i] - 1), static_cast<size_t>(strides[i])));
+  const size_t block = mul(inner, itemsize);
+  const size_t step = mul(static_cast<size_t>(strides[dim]), itemsize);
   const size_t blocks = static_cast<size_t>(shape[dim]);
+  add(add(offset, mul(blocks - 1, step)), block);  // the span's end must be representable
   if (dim + 1 == shape.size() || (blocks > 1 && step < block + page_size_)) {
     out.emplace_back(offset, offset + (blocks - 1) * step + block);
     return;

@@ -174,3 +174,15 @@ def test_trim_gives_ram_back_and_free_pages_read_zero(rng):
 def test_host_page_size_must_be_os_page_multiple():
     with pytest.raises(vpaged.InvalidArgumentError, match="multiple"):
         _C.host_backend(1000, 4)
+
+
+def test_duplicate_slots_and_overflowing_views_are_refused():
+    pool, r = make()
+    r.map_new([0, 1])
+    with pytest.raises(vpaged.InvalidArgumentError, match="twice"):
+        r.unmap([0, 0])
+    with pytest.raises(vpaged.InvalidArgumentError, match="overflow"):
+        r.view(0, [2**40, 2**40], [2**40, 1], *F32)
+    assert r.mapped_slots == 2 and pool.stats().used_pages == 2
+    r.unmap([0, 1])
+    assert pool.stats().used_pages == 0
