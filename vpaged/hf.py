@@ -441,13 +441,22 @@ class VPagedCache(Cache):
             except SlotsExhaustedError as e:
                 raise SlotsExhaustedError(f"no run of {new} free slots next to the current {old} rows; build the "
                                           "cache with a larger max_batch_size") from e
-            kv.reorder(rows + fresh, list(range(old)) + sources)
+            self._reorder_or_free(rows + fresh, list(range(old)) + sources, fresh)
             for seq in rows:
                 kv.free(seq)
             self._rows = fresh
             return
-        kv.reorder(rows + extra, sources)
+        self._reorder_or_free(rows + extra, sources, extra)
         self._rows = rows + extra
+
+    def _reorder_or_free(self, seqs: list[int], sources: list[int], added: list[int]) -> None:
+        """reorder(); if it raises (it then changed nothing), the rows just allocated go back."""
+        try:
+            self.kv.reorder(seqs, sources)
+        except BaseException:
+            for seq in added:
+                self.kv.free(seq)
+            raise
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove tokens of every row (transformers 5 passes a negative count;
