@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import DTypeError, InvalidArgumentError, LayerIndexError, ShapeError
+from .errors import DTypeError, InvalidArgumentError, LayerIndexError, ShapeError, UnknownSequenceError
 
 
 def check_layer(layer, num_layers: int) -> None:
@@ -24,3 +24,14 @@ def check_kv(k, v, dtype: torch.dtype, num_kv_heads: int, head_dim: int, device:
             raise InvalidArgumentError(f"{name} is on {t.device}, the cache on {device}")
     if k.shape != v.shape:
         raise ShapeError(f"k {list(k.shape)} and v {list(v.shape)} differ in shape")
+
+
+def lookup_sequence(table: dict, seq, next_id: int):
+    """table[seq] for a live sequence id; ids below next_id that are gone were freed."""
+    try:
+        return table[seq]
+    except (KeyError, TypeError):
+        pass
+    if isinstance(seq, int) and 0 <= seq < next_id:
+        raise UnknownSequenceError(f"sequence {seq} has been freed")
+    raise UnknownSequenceError(f"no sequence {seq!r} in this cache")

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from . import _C
-from ._checks import check_kv, check_layer
+from ._checks import check_kv, check_layer, lookup_sequence
 from ._dtypes import dlpack_code, itemsize
 from .device import normalize_device
 from .errors import (CacheClosedError, InvalidArgumentError, OutOfPagesError, ReadOnlyTokensError,
                      SequenceSwappedError, SequenceTooLongError, SlotsExhaustedError, SwapSpaceFullError,
-                     UnknownSequenceError, ViewsAliveError)
+                     ViewsAliveError)
 from .layout import Layout
 from .pool import PagePool, default_pool
 from .prefix import HashFn, PrefixIndex
@@ -797,13 +797,7 @@ class VirtualKVCache:
 
     def _slot(self, seq) -> int:
         self._check_open()
-        try:
-            return self._slot_of[seq]
-        except (KeyError, TypeError):
-            pass
-        if isinstance(seq, int) and 0 <= seq < self._next_id:
-            raise UnknownSequenceError(f"sequence {seq} has been freed")
-        raise UnknownSequenceError(f"no sequence {seq!r} in this cache")
+        return lookup_sequence(self._slot_of, seq, self._next_id)
 
     def _live_slot(self, seq) -> int:
         slot = self._slot(seq)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_kv, check_layer
+from ._checks import check_kv, check_layer, lookup_sequence
 from ._dtypes import itemsize
 from .device import normalize_device
 from .errors import (CacheClosedError, InvalidArgumentError, OutOfPagesError, SequenceTooLongError,
-                     ShapeError, SlotsExhaustedError, UnknownSequenceError)
+                     ShapeError, SlotsExhaustedError)
 
 BLOCK_SIZES = (8, 16, 32)
 
@@ -368,13 +368,7 @@ class PagedKVCache:
 
     def _table(self, seq) -> list[int]:
         self._check_open()
-        try:
-            return self._blocks[seq]
-        except (KeyError, TypeError):
-            pass
-        if isinstance(seq, int) and 0 <= seq < self._next_id:
-            raise UnknownSequenceError(f"sequence {seq} has been freed")
-        raise UnknownSequenceError(f"no sequence {seq!r} in this cache")
+        return lookup_sequence(self._blocks, seq, self._next_id)
 
     def _check_layer(self, layer) -> None:
         check_layer(layer, self.num_layers)
