@@ -84,9 +84,10 @@ class BuildExt(build_ext):
         super().build_extensions()
 
     def nvcc_compile(self, cuda_home: Path, src: str) -> str:
-        out = Path(self.build_temp) / (src + ".o")
-        out.parent.mkdir(parents=True, exist_ok=True)
         archs = os.environ.get("VPAGED_CUDA_ARCHS", "80;90").split(";")
+        # The architectures are part of the object's name: an object built for other GPUs is never reused.
+        out = Path(self.build_temp) / f"{src}.sm{'-'.join(archs)}.o"
+        out.parent.mkdir(parents=True, exist_ok=True)
         gencode = []
         for a in archs:
             gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
