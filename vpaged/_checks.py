@@ -11,6 +11,14 @@ def check_layer(layer, num_layers: int) -> None:
         raise LayerIndexError(f"layer {layer!r} outside 0..{num_layers - 1}")
 
 
+def check_token_count(n) -> None:
+    """A number of tokens to add: an int (not a bool), zero or more."""
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise InvalidArgumentError(f"n must be an int, got {n!r}")
+    if n < 0:
+        raise InvalidArgumentError(f"n must be >= 0, got {n}")
+
+
 def check_kv(k, v, dtype: torch.dtype, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
     """k and v: tensors of the cache's dtype and device, both [n, num_kv_heads, head_dim]."""
     for name, t in (("k", k), ("v", v)):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _C
-from ._checks import check_kv, check_layer, lookup_sequence
+from ._checks import check_kv, check_layer, check_token_count, lookup_sequence
 from ._dtypes import dlpack_code, itemsize
 from .device import normalize_device
 from .errors import (CacheClosedError, InvalidArgumentError, OutOfPagesError, ReadOnlyTokensError,
@@ -291,10 +291,7 @@ class VirtualKVCache:
     def extend_many(self, seqs, n: int = 1) -> None:
         """extend() for several sequences at once (a decode step): all of them or, on error, none."""
         self._check_open()
-        if not isinstance(n, int) or isinstance(n, bool):
-            raise InvalidArgumentError(f"n must be an int, got {n!r}")
-        if n < 0:
-            raise InvalidArgumentError(f"n must be >= 0, got {n}")
+        check_token_count(n)
         slots = [self._live_slot(s) for s in seqs]
         if len(set(slots)) != len(slots):
             raise InvalidArgumentError("a sequence is listed twice")
