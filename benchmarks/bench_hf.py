@@ -36,7 +36,7 @@ import transformers  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
 
 import vpaged  # noqa: E402
-from vpaged.hf import VPagedCache  # noqa: E402
+from vpaged.hf import VPagedCache, cache_kwargs  # noqa: E402
 
 MIB = 2**20
 
@@ -82,7 +82,7 @@ def decode_step(model, cache, rows: int, position: int, gen: torch.Generator):
     tok = torch.randint(1, model.config.vocab_size, (rows, 1), generator=gen)
     pos = torch.full((rows, 1), position, dtype=torch.long)
     with torch.no_grad():
-        model(input_ids=tok, position_ids=pos, cache=cache, logits_to_keep=1)
+        model(input_ids=tok, position_ids=pos, **cache_kwargs(cache), logits_to_keep=1)
 
 
 def bench_decode(model, config, context: int, steps: int, kinds) -> list[dict]:

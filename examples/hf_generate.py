@@ -2,13 +2,16 @@
 
     python examples/hf_generate.py
 
+Runs on every supported transformers release: `cache_kwargs(cache)` hands the cache over under the keyword
+the installed release expects (`cache=` from 5.24, `past_key_values=` before).
+
 Prints the generated ids (checked against transformers' DynamicCache) and the KV memory vpaged mapped,
 next to what a StaticCache of the same max_cache_len would allocate.
 """
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from vpaged.hf import VPagedCache
+from vpaged.hf import VPagedCache, cache_kwargs
 
 MAX_CACHE_LEN = 4096  # what the application allows; vpaged maps pages only for the tokens that arrive
 
@@ -45,8 +48,8 @@ def main() -> None:
 
     print("greedy, batch of 3 left-padded prompts, 48 new tokens")
     cache = VPagedCache(config, max_cache_len=MAX_CACHE_LEN, capacity_bytes=256 << 20)
-    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=48, do_sample=False)
-    ref = model.generate(ids, attention_mask=mask, cache=DynamicCache(config=config), max_new_tokens=48,
+    out = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=48, do_sample=False)
+    ref = model.generate(ids, attention_mask=mask, **cache_kwargs(DynamicCache(config=config)), max_new_tokens=48,
                          do_sample=False)
     for row in out[:, ids.shape[1]:]:
         print("   ", row.tolist())
@@ -58,8 +61,8 @@ def main() -> None:
     print("\nbeam search, 4 beams, one 300-token prompt, 24 new tokens")
     prompt = torch.randint(2, config.vocab_size, (1, 300))
     cache = VPagedCache(config, max_cache_len=MAX_CACHE_LEN, capacity_bytes=256 << 20)
-    out = model.generate(prompt, cache=cache, max_new_tokens=24, num_beams=4, do_sample=False)
-    ref = model.generate(prompt, cache=DynamicCache(config=config), max_new_tokens=24, num_beams=4,
+    out = model.generate(prompt, **cache_kwargs(cache), max_new_tokens=24, num_beams=4, do_sample=False)
+    ref = model.generate(prompt, **cache_kwargs(DynamicCache(config=config)), max_new_tokens=24, num_beams=4,
                          do_sample=False)
     print("   ", out[0, prompt.shape[1]:].tolist())
     print(f"  same tokens as DynamicCache: {torch.equal(out, ref)}")

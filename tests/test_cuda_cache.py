@@ -166,7 +166,7 @@ def test_close_returns_device_memory():
 
 def test_transformers_generate_on_cuda_matches_dynamic_cache():
     transformers = pytest.importorskip("transformers")
-    from vpaged.hf import VPagedCache
+    from vpaged.hf import VPagedCache, cache_kwargs
 
     config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
@@ -177,6 +177,6 @@ def test_transformers_generate_on_cuda_matches_dynamic_cache():
     ref = model.generate(ids, **kw)
     for layout in LAYOUTS:
         cache = VPagedCache(config, max_cache_len=64, capacity_bytes=256 * GRAN, layout=layout)
-        out = model.generate(ids, past_key_values=cache, **kw)
+        out = model.generate(ids, **cache_kwargs(cache), **kw)
         assert torch.equal(out, ref), layout
         cache.reset()

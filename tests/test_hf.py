@@ -10,7 +10,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from vpaged import OutOfPagesError, PagePool, SequenceTooLongError  # noqa: E402
 from vpaged.errors import InvalidArgumentError, ShapeError  # noqa: E402
-from vpaged.hf import VPagedCache  # noqa: E402
+from vpaged.hf import VPagedCache, cache_kwargs  # noqa: E402
 
 VOCAB = 128
 PAD = 0
@@ -67,7 +67,7 @@ def generate(model, cache, ids, mask, seed=None, **kw):
         torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # generation-config chatter of random models
-        return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=kw.pop("max_new_tokens", 16),
+        return model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=kw.pop("max_new_tokens", 16),
                               **kw)
 
 
@@ -125,16 +125,16 @@ def test_forward_loop_logits_match(models, arch, layout, rng):
     dyn, vp = DynamicCache(config=model.config), make_cache(model, layout)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        a = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=dyn).logits
-        b = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=vp).logits
+        a = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(dyn)).logits
+        b = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(vp)).logits
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         used = [vp.pool.stats().used_pages]
         for _ in range(50):
             nxt = a[:, -1:].argmax(-1)
             mask = torch.cat([mask, torch.ones_like(nxt)], 1)
             pos = pos[:, -1:] + 1
-            a = model(input_ids=nxt, attention_mask=mask, position_ids=pos, cache=dyn).logits
-            b = model(input_ids=nxt, attention_mask=mask, position_ids=pos, cache=vp).logits
+            a = model(input_ids=nxt, attention_mask=mask, position_ids=pos, **cache_kwargs(dyn)).logits
+            b = model(input_ids=nxt, attention_mask=mask, position_ids=pos, **cache_kwargs(vp)).logits
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
             used.append(vp.pool.stats().used_pages)
     for layer in range(model.config.num_hidden_layers):
@@ -155,7 +155,7 @@ def test_views_are_zero_copy(models, rng):
     cache = make_cache(model, "per_layer")
     ids, mask = prompts(2, 5, rng)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, cache=cache)
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(cache))
         k = torch.randn(2, 2, 1, 16, generator=rng)
         keys, values = cache.update(k, k.clone(), 0)
         cache.update(k, k.clone(), 1)
@@ -169,13 +169,13 @@ def test_views_are_zero_copy(models, rng):
 def _fill(model, caches, ids, mask):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        return [model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=c).logits for c in caches]
+        return [model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(c)).logits for c in caches]
 
 
 def _step(model, caches, tok, mask):
     pos = (mask.cumsum(-1) - 1)[:, -1:]
     with torch.no_grad():
-        return [model(input_ids=tok, attention_mask=mask, position_ids=pos, cache=c).logits for c in caches]
+        return [model(input_ids=tok, attention_mask=mask, position_ids=pos, **cache_kwargs(c)).logits for c in caches]
 
 
 def _same_kv(vp, dyn):
@@ -194,8 +194,8 @@ def test_prefill_duplicates_split_when_a_layer_differs(models, rng):
     pos = torch.arange(9).repeat(3, 1)
     dyn, vp = DynamicCache(config=model.config), make_cache(model, "per_layer")
     with torch.no_grad():
-        a = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=dyn).logits
-        b = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=vp).logits
+        a = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(dyn)).logits
+        b = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(vp)).logits
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     _same_kv(vp, dyn)
     kv, seqs = vp.kv, vp.sequences

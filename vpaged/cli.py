@@ -73,6 +73,10 @@ def cmd_info(_args) -> int:
     rows = [("vpaged", vpaged.__version__), ("torch", torch.__version__)]
     for name, b in backends().items():
         rows.append((f"backend {name}", "usable" if b.usable else f"unavailable: {b.reason}"))
+    from ._hf_compat import support_status  # reads the installed version; does not import transformers
+
+    hf_version, _, hf_status = support_status()
+    rows.append(("transformers", f"{hf_version}: {hf_status}" if hf_version else hf_status))
     _print_table("vpaged info", rows)
     return 0
 

@@ -1,8 +1,11 @@
 """transformers integration: VPagedCache, a `transformers.Cache` whose K/V live in one VirtualKVCache.
 
-    from vpaged.hf import VPagedCache
+    from vpaged.hf import VPagedCache, cache_kwargs
     cache = VPagedCache(model.config, max_cache_len=4096, capacity_bytes=2 << 30)
-    out = model.generate(input_ids, cache=cache, max_new_tokens=256)
+    out = model.generate(input_ids, **cache_kwargs(cache), max_new_tokens=256)
+
+(`cache_kwargs(cache)` is `{"cache": cache}` on transformers >= 5.24 and `{"past_key_values": cache}` before;
+see vpaged/_hf_compat.py for what differs between the supported releases.)
 
 Each batch row is one vpaged sequence; the rows sit in consecutive slots, so one layer's K of the whole batch
 is a single strided [B, T, H, D] view that update() returns transposed to the [B, H, T, D] transformers
@@ -25,8 +28,9 @@ from __future__ import annotations
 import weakref
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
+from ._hf_compat import CacheBase, cache_keyword, cache_kwargs, register_attention, support_status  # noqa: F401
 from .cache import CacheStats, VirtualKVCache
 from .device import normalize_device
 from .errors import DTypeError, InvalidArgumentError, ShapeError, SlotsExhaustedError
@@ -146,7 +150,7 @@ class VPagedLayer(CacheLayerMixin):
         return f"VPagedLayer({self.layer_idx})"
 
 
-class VPagedCache(Cache):
+class VPagedCache(CacheBase):
     """A transformers Cache backed by a VirtualKVCache (one sequence per batch row).
 
     Args:
