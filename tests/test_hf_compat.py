@@ -81,7 +81,7 @@ def test_cache_keyword_is_the_one_this_release_takes(rng):
 
 
 def test_max_cache_len_and_batch_size_are_plain_attributes():
-    # Up to 5.19 the base class has read-only properties of these names.
+    # In 5.17 the base class has read-only properties of these names.
     cache = VPagedCache(_model().config, max_cache_len=40, max_batch_size=3)
     assert (cache.max_cache_len, cache.max_batch_size) == (40, 3)
     assert cache.get_max_length() == 40

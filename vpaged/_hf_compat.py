@@ -6,15 +6,16 @@ Supported: transformers 5.17 (MIN_VERSION) and later 5.x; tested on 5.17 and on 
 | what | up to | from |
 | --- | --- | --- |
 | keyword that hands a cache to `generate()` and `forward()` | `past_key_values=` (5.23) | `cache=` (5.24; the old name still works, with a FutureWarning) |
-| `Cache.max_cache_len`, `Cache.max_batch_size` | read-only, deprecated properties (5.19) | gone (5.20) |
+| `Cache.max_cache_len`, `Cache.max_batch_size` | read-only, deprecated properties (5.17) | gone (by 5.20) |
 | `Cache.update(...)` from a model's attention layer | `(k, v, layer_idx)` (5.23) | `(k, v, layer_idx, kwargs=...)` (5.24) |
 | attention functions registered with `AttentionInterface` | see the notes above `register_attention` | |
 
-Why 5.17 is the oldest: it is the release of the GPU image, and the first with the cache protocol VPagedCache
-implements — per-layer `get_max_length()` (5.14; before it an abstract `get_max_cache_shape()`),
-`get_mask_sizes(query_length, layer_idx)` (5.5; 5.0-5.4 pass `cache_position`), and `is_croppable`, which
-generate() consults before it crops a cache (5.17; older releases crop without asking). Older releases would
-need shims for each of these, untested against their generate(); see README "transformers versions".
+Why 5.17 is the oldest supported: it is the release on the GPU image and the oldest one the test suite runs
+on (CI). Older releases, probed with greedy and 3-beam search on a left-padded batch against DynamicCache:
+5.14-5.16 give identical tokens unchanged; 5.10 (and the rest of 5.5-5.13) declares the layer's
+`get_max_cache_shape()` abstract, where 5.14 brought `get_max_length()`, and with that one alias also gives
+identical tokens; 5.0-5.4 call `get_mask_sizes(cache_position, layer_idx)` instead of
+`(query_length, layer_idx)`. None of them run through the test suite, so none is claimed.
 
 transformers is imported only by the functions and the module `vpaged.hf` that use it.
 """
@@ -86,9 +87,9 @@ def _cache_base():
     class CacheBase(Cache):
         """transformers' Cache with what differs between releases evened out, for VPagedCache to build on.
 
-        max_cache_len and max_batch_size: plain attributes of the subclass. Up to 5.19 the base class has
+        max_cache_len and max_batch_size: plain attributes of the subclass. In 5.17 the base class has
         read-only, deprecated properties of these names (a setter-less property: assigning raised
-        AttributeError); 5.20 removed them."""
+        AttributeError); they are gone by 5.20."""
 
         _max_cache_len: int | None = None
         _max_batch_size: int | None = None
