@@ -64,7 +64,9 @@ EXT="$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))
 for f in vpaged/*.py; do ln -sf "$ROOT/$f" "$OUT/pkg/vpaged/"; done
 echo "==> built in $(($(date +%s) - START)) s"
 
-ASAN_RT="$(${CXX:-g++} -print-file-name=libasan.so)"
+# libstdc++ is preloaded too: python does not link it, and ASan must find the real __cxa_throw at start-up
+# to intercept C++ exceptions (otherwise the first exception the extension throws aborts the process).
+ASAN_RT="$("$CXX" -print-file-name=libasan.so):$("$CXX" -print-file-name=libstdc++.so)"
 export LD_PRELOAD="$ASAN_RT${LD_PRELOAD:+:$LD_PRELOAD}"
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1:handle_segv=0:${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
