@@ -94,6 +94,8 @@ PYBIND11_MODULE(_C, m) {
       .def("acquire", &PagePool::acquire, py::arg("n"))
       .def("incref", &PagePool::incref)
       .def("decref", &PagePool::decref)
+      .def("incref_all", &PagePool::incref_all, py::arg("pages"))
+      .def("decref_all", &PagePool::decref_all, py::arg("pages"))
       .def("refcount", &PagePool::refcount)
       .def("free_pages", &PagePool::free_pages)
       .def("stats", &PagePool::stats)
@@ -125,6 +127,7 @@ PYBIND11_MODULE(_C, m) {
       .def("unmap", &VirtualRange::unmap, py::arg("slots"))
       .def("copy_on_write", &VirtualRange::copy_on_write, py::arg("slot"), py::arg("stream") = 0)
       .def("make_private", &VirtualRange::make_private, py::arg("slots"), py::arg("stream") = 0)
+      .def("copies_needed", &VirtualRange::copies_needed, py::arg("slots"))
       .def("assign", &VirtualRange::assign, py::arg("slots"), py::arg("pages"))
       .def("refcounts_at", &VirtualRange::refcounts_at, py::arg("slots"))
       .def("page_at", &VirtualRange::page_at)
@@ -132,6 +135,11 @@ PYBIND11_MODULE(_C, m) {
       .def("pins_at", &VirtualRange::pins_at)
       .def("is_mapped", &VirtualRange::is_mapped, py::arg("offset"), py::arg("length"))
       .def("unmap_all_unpinned", &VirtualRange::unmap_all_unpinned)
+      .def("add_stream", &VirtualRange::add_stream, py::arg("stream"))
+      .def("remove_stream", &VirtualRange::remove_stream, py::arg("stream"))
+      .def_property_readonly("streams", &VirtualRange::streams)
+      .def("wait_for_streams", &VirtualRange::wait_for_streams)
+      .def("pinned_count", &VirtualRange::pinned_count, py::arg("slots"))
       .def(
           "view",
           [](VirtualRange& r, size_t offset, std::vector<int64_t> shape, std::vector<int64_t> strides,

@@ -1,6 +1,7 @@
 #include "virtual_range.h"
 
 #include <algorithm>
+#include <map>
 #include <string>
 
 #include "dlpack.h"
@@ -23,6 +24,7 @@ VirtualRange::~VirtualRange() {
   for (size_t s = 0; s < slots_; ++s)
     if (table_[s] >= 0) mapped.push_back(static_cast<int64_t>(s));
   try {
+    if (!mapped.empty()) wait_for_streams_locked();
     unmap_locked(mapped);
   } catch (...) {
     // Releasing the reservation below removes the mappings anyway; drop the references by hand.
@@ -152,7 +154,46 @@ void VirtualRange::unmap(const std::vector<int64_t>& slots) {
       throw ViewsAlive("page slot " + std::to_string(s) +
                        " is still read through a live tensor view; drop the view first");
   }
+  if (slots.empty()) return;
+  wait_for_streams_locked();
   unmap_locked(slots);
+}
+
+void VirtualRange::wait_for_streams_locked() {
+  // Called with mu_ held: the wait is short next to the unmap that follows, and holding the lock keeps
+  // another thread from mapping a page into a slot between the wait and the unmap. Lock order: range, then
+  // pool (the backend's synchronize takes no vpaged lock).
+  for (uintptr_t stream : streams_) pool_->backend().synchronize(stream);
+}
+
+void VirtualRange::add_stream(uintptr_t stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (std::find(streams_.begin(), streams_.end(), stream) == streams_.end()) streams_.push_back(stream);
+}
+
+void VirtualRange::remove_stream(uintptr_t stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  streams_.erase(std::remove(streams_.begin(), streams_.end(), stream), streams_.end());
+}
+
+void VirtualRange::wait_for_streams() {
+  std::lock_guard<std::mutex> lock(mu_);
+  wait_for_streams_locked();
+}
+
+std::vector<uintptr_t> VirtualRange::streams() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return streams_;
+}
+
+size_t VirtualRange::pinned_count(const std::vector<int64_t>& slots) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (int64_t s : slots) {
+    check_slot(s);
+    n += pins_[s] > 0;
+  }
+  return n;
 }
 
 void VirtualRange::unmap_locked(const std::vector<int64_t>& slots) {
@@ -172,20 +213,27 @@ void VirtualRange::unmap_locked(const std::vector<int64_t>& slots) {
 PageId VirtualRange::copy_on_write(int64_t slot, uintptr_t stream) {
   std::lock_guard<std::mutex> lock(mu_);
   check_slot(slot);
-  const PageId old = table_[slot];
-  if (old < 0) throw InvalidArgument("copy_on_write: page slot " + std::to_string(slot) + " is not mapped");
+  if (table_[slot] < 0)
+    throw InvalidArgument("copy_on_write: page slot " + std::to_string(slot) + " is not mapped");
   PageId fresh = pool_->acquire(1)[0];
+  copy_into_locked(slot, fresh, stream);
+  return fresh;
+}
+
+void VirtualRange::copy_into_locked(int64_t slot, PageId fresh, uintptr_t stream) {
+  const PageId old = table_[slot];
   try {
     pool_->backend().copy_page(fresh, old, stream);
-    // The copy reads `old`, which may go back to the pool below: it must be complete first.
+    // The copy reads `old`, which may go back to the pool below: it must be complete first; and kernels
+    // still reading the slot must be done before it is remapped.
     pool_->backend().synchronize(stream);
+    wait_for_streams_locked();
     remap_locked(slot, old, fresh);
   } catch (...) {
     pool_->decref(fresh);
     throw;
   }
   pool_->decref(old);
-  return fresh;
 }
 
 void VirtualRange::remap_locked(int64_t slot, PageId old, PageId page) {
@@ -210,24 +258,51 @@ void VirtualRange::remap_locked(int64_t slot, PageId old, PageId page) {
   table_[slot] = page;
 }
 
-size_t VirtualRange::make_private(const std::vector<int64_t>& slots, uintptr_t stream) {
+std::vector<int64_t> VirtualRange::shared_slots_locked(const std::vector<int64_t>& slots, size_t* copies) const {
+  // A page referenced only by listed slots needs one copy fewer than it has slots: the last slot to be made
+  // private keeps the original (its reference count is 1 by then).
   std::vector<int64_t> shared;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (int64_t s : slots) {
-      check_slot(s);
-      if (table_[s] >= 0 && pool_->refcount(table_[s]) > 1) shared.push_back(s);
+  std::map<PageId, size_t> listed;  // page -> listed slots that show it
+  for (int64_t s : slots) {
+    check_slot(s);
+    if (table_[s] >= 0 && pool_->refcount(table_[s]) > 1) {
+      shared.push_back(s);
+      ++listed[table_[s]];
     }
   }
-  if (shared.empty()) return 0;
-  if (pool_->free_pages() < shared.size()) {
-    throw OutOfPages("copy-on-write needs " + std::to_string(shared.size()) + " page(s), " +
-                     std::to_string(pool_->free_pages()) + " free");
+  *copies = 0;
+  for (auto [page, n] : listed) *copies += static_cast<size_t>(pool_->refcount(page)) > n ? n : n - 1;
+  return shared;
+}
+
+size_t VirtualRange::copies_needed(const std::vector<int64_t>& slots) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t copies;
+  shared_slots_locked(slots, &copies);
+  return copies;
+}
+
+size_t VirtualRange::make_private(const std::vector<int64_t>& slots, uintptr_t stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t copies;
+  std::vector<int64_t> shared = shared_slots_locked(slots, &copies);
+  if (copies == 0) return 0;
+  // Every fresh page first: running out of pages (or of device memory while creating them) then raises
+  // OutOfPages with nothing changed.
+  std::vector<PageId> fresh = pool_->acquire(copies);
+  // Each copy is complete on its own (the slot shows the same data before and after), so a driver failure
+  // half way leaves every slot valid: the ones already copied are simply private earlier than needed.
+  size_t used = 0;
+  try {
+    for (int64_t s : shared) {
+      if (pool_->refcount(table_[s]) == 1) continue;  // the other sharers were copied: this one keeps it
+      copy_into_locked(s, fresh[used++], stream);     // drops that fresh page itself on failure
+    }
+  } catch (...) {
+    for (size_t i = used; i < fresh.size(); ++i) pool_->decref(fresh[i]);
+    throw;
   }
-  // Each copy is complete on its own (the slot shows the same data before and after), so a failure half
-  // way leaves every slot valid: the ones already copied are simply private earlier than needed.
-  for (int64_t s : shared) copy_on_write(s, stream);
-  return shared.size();
+  return used;
 }
 
 void VirtualRange::assign(const std::vector<int64_t>& slots, const std::vector<PageId>& pages) {
@@ -246,6 +321,9 @@ void VirtualRange::assign(const std::vector<int64_t>& slots, const std::vector<P
                        " is read through a live tensor view; drop the view first");
     if (pages[i] >= 0) held.push_back(pages[i]);
   }
+  bool remaps = false;  // a mapped slot changes: kernels reading it must be done first
+  for (size_t i = 0; i < slots.size(); ++i) remaps |= table_[slots[i]] >= 0 && table_[slots[i]] != pages[i];
+  if (remaps) wait_for_streams_locked();
   pool_->incref_all(held);  // hold every incoming page so none is freed while slots change hands
   struct Change {
     int64_t slot;
@@ -445,6 +523,8 @@ void VirtualRange::unmap_all_unpinned() {
   std::vector<int64_t> slots;
   for (size_t s = 0; s < slots_; ++s)
     if (table_[s] >= 0 && pins_[s] == 0) slots.push_back(static_cast<int64_t>(s));
+  if (slots.empty()) return;
+  wait_for_streams_locked();
   unmap_locked(slots);
 }
 

@@ -2,9 +2,20 @@
 // or backed by one physical page of a PagePool. The range owns one pool reference per mapped slot, so
 // one physical page may sit behind several slots (in this or other ranges): the basis of sharing.
 //
-// Safety rule: a tensor view handed out by view() pins the slots it covers; a pinned slot is never
-// unmapped or remapped (those calls raise), so no view ever reaches unmapped memory. The range itself
-// (reservation and pages) lives until the last view of it is gone.
+// "Page slot" (or just slot in this file) is a page-sized piece of the range, numbered from 0; the Python
+// caches call a sequence's row a slot and address page slots through Layout.page_slots().
+//
+// Safety rules, enforced here so that no caller (the Python caches, a C++ client) can forget them:
+// - Pins: a tensor view handed out by make_dlpack() pins the page slots it covers. A pinned page slot is
+//   never unmapped or remapped: unmap() and assign() raise ViewsAlive, so no view ever reaches unmapped
+//   memory. Copy-on-write does remap pinned slots: the slot shows the same bytes before and after, so a
+//   view of it stays valid (it sees the private copy from then on).
+// - Wait before unmap: kernels queued on a stream may still read a page when the host decides to unmap
+//   it, and cuMemUnmap does not reliably wait for them. Every call that unmaps or remaps a page slot
+//   (unmap, assign, copy_on_write, make_private, unmap_all_unpinned, the destructor) first waits for the
+//   streams registered with add_stream() (Backend::synchronize each; a no-op on the host). Mapping fresh
+//   pages needs no wait: nothing can be reading them yet.
+// The range itself (reservation and pages) lives until the last view of it is gone.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -40,9 +51,12 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   // Give slot a private copy of its page: a fresh page receives the data, replaces the shared one at
   // the same address, and the old page loses a reference. All or nothing. Returns the new page.
   PageId copy_on_write(int64_t slot, uintptr_t stream);
-  // Copy-on-write every listed slot whose page is shared (reference count > 1). Checks first that the
-  // pool has a page for each copy (OutOfPages, nothing changed). Returns the number of copies made.
+  // Copy-on-write every listed slot whose page is shared (reference count > 1). Takes a fresh page for
+  // each copy first (OutOfPages, nothing changed). Returns the number of copies made.
   size_t make_private(const std::vector<int64_t>& slots, uintptr_t stream);
+  // The number of copies make_private(slots) makes: one per listed slot with a shared page, less one per
+  // page whose every reference is a listed slot (the last of them keeps the original).
+  size_t copies_needed(const std::vector<int64_t>& slots) const;
   // Make slots[i] show pages[i] (-1: unmapped), taking references on the new pages and dropping those of
   // the pages replaced. The pages are held while the slots change, so one slot may take the page another
   // slot in the same call gives up (reordering beams). Slots must be unpinned where they change.
@@ -65,14 +79,31 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   // Unmap every unpinned slot and return its pages; release() in the destructor does the rest.
   void unmap_all_unpinned();
 
+  // Streams (CUDA stream handles; 0 is the legacy default stream) whose queued work may read this range:
+  // every unmap or remap waits for all of them first. Adding a stream twice keeps one entry.
+  void add_stream(uintptr_t stream);
+  void remove_stream(uintptr_t stream);
+  std::vector<uintptr_t> streams() const;
+  // Wait for the registered streams now (before reading pages out through the pool, e.g. to swap them).
+  void wait_for_streams();
+  // How many of the slots are pinned by live views.
+  size_t pinned_count(const std::vector<int64_t>& slots) const;
+
  private:
   void check_slot(int64_t slot) const;
   void collect_spans(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
                      size_t dim, size_t itemsize, std::vector<std::pair<size_t, size_t>>& out) const;
   void unmap_locked(const std::vector<int64_t>& slots);
+  // The listed slots whose page is shared, and (in *copies) how many copies make_private needs for them.
+  std::vector<int64_t> shared_slots_locked(const std::vector<int64_t>& slots, size_t* copies) const;
+  // Wait for the work queued on every registered stream (see the safety rules above).
+  void wait_for_streams_locked();
   // Show `page` at a mapped slot instead of `old` (references are the caller's business); on failure the
   // slot shows `old` again and the error is rethrown.
   void remap_locked(int64_t slot, PageId old, PageId page);
+  // Copy the slot's page into `fresh` (a page the caller acquired) and show it instead; the old page loses
+  // the slot's reference. On failure `fresh` is dropped and the slot shows the old page.
+  void copy_into_locked(int64_t slot, PageId fresh, uintptr_t stream);
   // Map pages (in order) over runs of slots; on failure unmap what was mapped, drop the caller's page
   // references and rethrow.
   void map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& slot_runs, const std::vector<PageId>& pages);
@@ -87,6 +118,7 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   std::vector<PageId> table_;
   std::vector<int32_t> pins_;
   size_t mapped_ = 0;
+  std::vector<uintptr_t> streams_;
 };
 
 }  // namespace vpaged

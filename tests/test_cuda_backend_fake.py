@@ -840,16 +840,12 @@ def test_teardown_releases_every_driver_object(drv, rng):
 # VirtualKVCache on device="cuda": bookkeeping and driver calls (views need a CUDA build of torch)
 
 
-class RecordingStream:
-    """Stands in for torch's current CUDA stream (a CPU build of torch has none): records, at each wait,
-    how many cuMemUnmap calls the driver had seen, so a check can tell whether the cache waited first."""
+class CurrentStream:
+    """Stands in for torch's current CUDA stream (a CPU build of torch has none): the legacy default
+    stream, handle 0. The cache registers it with its range, which waits for it (cuStreamSynchronize)
+    before every unmap."""
 
-    def __init__(self, drv):
-        self.drv = drv
-        self.unmaps_at_wait = []
-
-    def synchronize(self):
-        self.unmaps_at_wait.append(self.drv.calls("cuMemUnmap"))
+    cuda_stream = 0
 
 
 @fake_driver_check()
@@ -857,8 +853,7 @@ def test_virtual_kv_cache_steady_state_makes_no_driver_calls(drv, rng):
     """Deferred reclamation: a steady allocate/extend/free workload maps nothing after the first round
     and never waits on streams; reclaiming for another cache waits on the stream before unmapping."""
     g = drv.granularity
-    stream = RecordingStream(drv)
-    torch.cuda.current_stream = lambda device=None: stream  # this child process only
+    torch.cuda.current_stream = lambda device=None: CurrentStream()  # this child process only
     # 8 heads x 128 x bf16: 1,024 tokens per page and region; 2 layers x K/V = 4 regions.
     cache = vpaged.VirtualKVCache(2, 8, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=4096, device="cuda",
                                   capacity_bytes=64 * g)
@@ -880,8 +875,7 @@ def test_virtual_kv_cache_steady_state_makes_no_driver_calls(drv, rng):
     serve_requests()
     serve_requests()
     assert drv.calls_since(before, *VMM_CALLS, *COPY_CALLS) == {}
-    assert (backend.map_calls, backend.unmap_calls) == (m, u)
-    assert stream.unmaps_at_wait == [], "the decode loop must not wait on streams"
+    assert (backend.map_calls, backend.unmap_calls) == (m, u)  # and no cuStreamSynchronize (COPY_CALLS)
     st = cache.stats()
     assert (st.sequences, st.mapped_pages, st.dormant_pages) == (0, 32, 32)
 
@@ -891,9 +885,15 @@ def test_virtual_kv_cache_steady_state_makes_no_driver_calls(drv, rng):
                                   pool=cache.pool)
     seqs = [other.allocate() for _ in range(4)]
     unmaps = drv.calls("cuMemUnmap")
+    drv.fail("cuStreamSynchronize")  # the wait comes first: when it fails, nothing has been unmapped
+    with pytest.raises(BackendError, match="cuStreamSynchronize"):
+        other.extend_many(seqs, 4096)
+    assert drv.calls("cuMemUnmap") == unmaps and cache.stats().dormant_pages == 32
+    assert all(other.seq_len(s) == 0 for s in seqs)
+    syncs = drv.calls("cuStreamSynchronize")
     other.extend_many(seqs, 4096)  # 64 pages: the whole pool
     assert cache.stats().dormant_pages == 0 and drv.calls("cuMemUnmap") > unmaps
-    assert stream.unmaps_at_wait and stream.unmaps_at_wait[0] == unmaps, stream.unmaps_at_wait
+    assert drv.calls("cuStreamSynchronize") > syncs
     last = other.allocate()
     before_stats, before_calls = other.stats(), drv.snapshot()
     with pytest.raises(OutOfPagesError, match="nothing was changed"):
@@ -908,7 +908,7 @@ def test_virtual_kv_cache_steady_state_makes_no_driver_calls(drv, rng):
 @fake_driver_check()
 def test_device_out_of_memory_reclaims_dormant_pages_first(drv, rng):
     g = drv.granularity
-    torch.cuda.current_stream = lambda device=None: RecordingStream(drv)  # this child process only
+    torch.cuda.current_stream = lambda device=None: CurrentStream()  # this child process only
     drv.set_memory_limit(32 * g)  # the device holds half of what the pool may use
     pool = vpaged.PagePool("cuda", capacity_pages=64)
     first, second = (vpaged.VirtualKVCache(2, 8, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=4096,
@@ -923,6 +923,44 @@ def test_device_out_of_memory_reclaims_dormant_pages_first(drv, rng):
     assert second.seq_len(seq) == 2048 and first.stats().dormant_pages < 32
     first.close()
     second.close()
+
+
+@fake_driver_check()
+def test_a_cache_on_a_cuda_pool_is_on_the_pools_device(drv, rng):
+    torch.cuda.current_stream = lambda device=None: CurrentStream()  # this child process only
+    pool = vpaged.PagePool("cuda", capacity_pages=8)
+    cache = vpaged.VirtualKVCache(1, 8, 128, dtype=torch.bfloat16, max_seqs=2, max_seq_len=2048, pool=pool)
+    assert cache.device == pool.device == torch.device("cuda", 0)
+    with pytest.raises(InvalidArgumentError, match="pool is on cuda:0, device='cpu' asks for cpu"):
+        vpaged.VirtualKVCache(1, 8, 128, dtype=torch.bfloat16, max_seqs=2, max_seq_len=2048, pool=pool, device="cpu")
+    seq = cache.allocate()
+    cache.extend(seq, 1500)
+    assert cache.stats().mapped_pages == 4 and cache.pool.stats().used_pages == 4
+    cache.close()
+
+
+@fake_driver_check()
+def test_failed_swap_in_waits_for_its_copies_before_unmapping(drv, rng):
+    """swap_in's error path unmaps the fresh pages while host-to-device copies into them may still be
+    queued: the range waits for the stream first (the fake records an unmap of memory with an unsynchronized
+    copy as a violation, which the runner refuses)."""
+    g = drv.granularity
+    torch.cuda.current_stream = lambda device=None: CurrentStream()  # this child process only
+    cache = vpaged.VirtualKVCache(1, 8, 128, dtype=torch.bfloat16, max_seqs=2, max_seq_len=4096, device="cuda",
+                                  capacity_bytes=16 * g, swap_bytes=8 * g)
+    seq = cache.allocate()
+    cache.extend(seq, int(rng.integers(1025, 4096)))  # 2 to 4 pages in each of the 2 regions
+    swapped = cache.swap_out(seq) // g
+    assert swapped >= 4 and cache.is_swapped(seq)
+    before = cache.stats()
+    drv.fail("cuMemcpyHtoDAsync", skip=int(rng.integers(1, swapped)))  # a later copy fails, earlier ones queued
+    with pytest.raises(BackendError, match="cuMemcpyHtoDAsync"):
+        cache.swap_in(seq)
+    assert cache.is_swapped(seq) and cache.stats() == before
+    cache.swap_in(seq)  # the swap space still holds the data: a second try works
+    st = cache.stats()
+    assert not cache.is_swapped(seq) and (st.swapped_sequences, st.live_tokens) == (0, cache.seq_len(seq))
+    cache.close()
 
 
 def _load_with_assertion_rewriting():

@@ -114,7 +114,7 @@ def test_free_of_swapped_sequence_blocked_by_a_view_changes_nothing():
     del k, v
     cache.free(a)
     assert cache.sequences == [b]
-    assert len(cache._empty) + len(cache._dormant) == cache.max_seqs - 1
+    assert cache._slots.free_count == cache.max_seqs - 1
     assert cache.pool.stats().used_pages == pages_referenced(cache)
     assert cache.stats().swapped_bytes == 0
 

@@ -172,7 +172,7 @@ class CacheMachine(RuleBasedStateMachine):
         if cache._prefix:
             for block in cache._prefix.blocks():
                 refs.update(block.pages)
-        pool = cache.pool._pool
+        pool = cache.pool
         for page, count in refs.items():
             assert pool.refcount(page) == count, (page, count)
         assert cache.pool.stats().used_pages == len(refs)

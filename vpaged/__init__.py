@@ -7,6 +7,7 @@ kernels read unchanged.
 from .cache import BatchedKV, CacheStats, VirtualKVCache
 from .device import BackendInfo, backends
 from .errors import *  # noqa: F401,F403
+from .geometry import KVGeometry
 from .layout import Layout
 from .paged_cache import PagedCacheStats, PagedKVCache
 from .pool import PagePool, PoolStats, default_pool, set_default_pool

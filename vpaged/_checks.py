@@ -6,14 +6,24 @@ import torch
 from .errors import DTypeError, InvalidArgumentError, LayerIndexError, ShapeError, UnknownSequenceError
 
 
+def is_int(value) -> bool:
+    """An int that is not a bool (True would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_positive_int(name: str, value) -> None:
+    if not is_int(value) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+
+
 def check_layer(layer, num_layers: int) -> None:
-    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
+    if not is_int(layer) or not 0 <= layer < num_layers:
         raise LayerIndexError(f"layer {layer!r} outside 0..{num_layers - 1}")
 
 
 def check_token_count(n) -> None:
     """A number of tokens to add: an int (not a bool), zero or more."""
-    if not isinstance(n, int) or isinstance(n, bool):
+    if not is_int(n):
         raise InvalidArgumentError(f"n must be an int, got {n!r}")
     if n < 0:
         raise InvalidArgumentError(f"n must be >= 0, got {n}")

@@ -15,76 +15,38 @@ added); write() and new_kv() enforce it, kv() views are for reading.
 Swapping: swap_out() copies a sequence's private pages to host swap space and returns them to the pool;
 swap_in() maps fresh pages at the same virtual addresses and restores the data bit-exactly.
 
+State lives where its invariant is kept: slots and their watermarks in SlotTable (slot_table.py), cached
+prefixes and their page references in PrefixIndex (prefix.py), swapped pages in SwapSpace (swap.py), pins and
+the wait for streams before any unmap in the C++ VirtualRange. Sharing and copy-on-write stay here.
+
 Not thread-safe: one cache belongs to one scheduler thread. The pool under it is thread-safe.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
-
 import torch
 
-from . import _C
-from ._checks import check_kv, check_layer, check_token_count, lookup_sequence
-from ._dtypes import dlpack_code, itemsize
+from ._checks import check_kv, check_layer, check_positive_int, check_token_count, is_int
 from .device import normalize_device
-from .errors import (CacheClosedError, InvalidArgumentError, OutOfPagesError, ReadOnlyTokensError,
-                     SequenceSwappedError, SequenceTooLongError, SlotsExhaustedError, SwapSpaceFullError,
-                     ViewsAliveError)
+from .errors import (
+    CacheClosedError,
+    InvalidArgumentError,
+    OutOfPagesError,
+    ReadOnlyTokensError,
+    SequenceSwappedError,
+    SequenceTooLongError,
+    SlotsExhaustedError,
+    ViewsAliveError,
+)
+from .geometry import KVGeometry
 from .layout import Layout
 from .pool import PagePool, default_pool
 from .prefix import HashFn, PrefixIndex
+from .records import BatchedKV, CacheStats
+from .slot_table import SlotTable
 from .swap import SwapSpace
+from .views import SlotViews
 
-
-@dataclass(frozen=True)
-class CacheStats:
-    layout: str
-    page_size: int
-    sequences: int
-    live_tokens: int
-    live_bytes: int  # bytes holding K/V of live tokens (all layers)
-    mapped_pages: int  # pages this cache has mapped, dormant ones included
-    mapped_bytes: int
-    dormant_pages: int  # pages of freed slots kept for reuse (reclaimable)
-    utilization: float  # live_bytes / mapped_bytes (1.0 when nothing is mapped; > 1 when pages are shared)
-    tokens_per_page: float  # fill granularity: tokens one page of one region holds
-    pool_free_pages: int
-    pool_used_pages: int
-    pages_mapped_total: int  # pages mapped since creation (map work done)
-    pages_unmapped_total: int
-    map_calls: int  # calls into the range that mapped pages (one per extend that needed pages)
-    shared_pages: int  # pages this cache maps that are mapped more than once (or held by the prefix index)
-    cow_copies: int  # pages copied on write since creation
-    prefix_hit_tokens: int  # tokens reused from the prefix index since creation
-    prefix_cached_pages: int  # pages held by the prefix index
-    swapped_sequences: int
-    swapped_bytes: int  # bytes in swap space
-
-
-@dataclass(frozen=True)
-class BatchedKV:
-    """One layer's K and V of several sequences, for decode kernels that take per-sequence lengths.
-
-    k_ptr / v_ptr address token 0 of slot 0; sequence i starts `slots[i] * slot_stride` elements further
-    and holds `lengths[i]` valid tokens with `token_stride` elements between tokens, `head_stride` between
-    heads (head_dim except for the head_major layout). Only memory below each length is guaranteed mapped: a kernel must not read past it. Valid until
-    one of the sequences is freed, truncated or swapped out.
-    """
-
-    k_ptr: int
-    v_ptr: int
-    slots: torch.Tensor  # int32 [B] on the cache's device
-    lengths: torch.Tensor  # int32 [B] on the cache's device
-    slot_stride: int
-    token_stride: int
-    head_stride: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-    layout: str
-    owner: object  # the cache's range: keeps the memory reserved while this descriptor lives
+__all__ = ["BatchedKV", "CacheStats", "VirtualKVCache"]
 
 
 class VirtualKVCache:
@@ -95,7 +57,7 @@ class VirtualKVCache:
         dtype: element type of K and V (float32, float16, bfloat16, float64).
         max_seqs: sequence slots (concurrent sequences).
         max_seq_len: tokens a sequence may hold.
-        device: "cpu", "cuda" or "cuda:N".
+        device: "cpu", "cuda" or "cuda:N"; default: the pool's device when a pool is given, else "cpu".
         pool: a PagePool to share; or capacity_bytes for a private pool; neither: the device's default pool.
         layout: "per_layer" (dense [T, H, D] per-layer views), "interleaved" (all layers of a token together:
             finer fill granularity, one map per page for all layers) or "head_major" (dense [H, T, D] per
@@ -106,58 +68,51 @@ class VirtualKVCache:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                 max_seqs: int = 64, max_seq_len: int = 4096, device="cpu", pool: PagePool | None = None,
+                 max_seqs: int = 64, max_seq_len: int = 4096, device=None, pool: PagePool | None = None,
                  capacity_bytes: int | None = None, layout: str = "per_layer", page_size: int | None = None,
                  swap_bytes: int = 0, prefix_hash: HashFn | None = None):
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-        self.device = normalize_device(device)
+        self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype)
+        check_positive_int("max_seqs", max_seqs)
+        check_positive_int("max_seq_len", max_seq_len)
+        self.device = normalize_device(device if device is not None else pool.device if pool else "cpu")
         self.dtype = dtype
-        self._dl_code, self._dl_bits = dlpack_code(dtype)
+        self.pool = pool = self._resolve_pool(pool, capacity_bytes, page_size, device)
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.max_seqs, self.max_seq_len = max_seqs, max_seq_len
+        self.layout = Layout(layout, num_layers, num_kv_heads, head_dim, self.geometry.itemsize, max_seqs,
+                             max_seq_len, pool.page_size)
+        self._range = pool.new_range(self.layout.total_bytes)
+        self._views = SlotViews(self._range, self.layout, dtype, self.device)
+        self._slots = SlotTable(max_seqs)
+        self._swapped: dict[int, tuple[list[int], list[int]]] = {}  # slot -> (page slots swapped, chunks)
+        self._pages_mapped = self._pages_unmapped = self._map_calls = self._cow_copies = self._prefix_hits = 0
+        tpp = self.layout.page_size / self.layout.token_bytes
+        self._prefix = PrefixIndex(int(tpp), pool, prefix_hash) if tpp == int(tpp) else None
+        self._swap = (SwapSpace(swap_bytes, pool.page_size, pin=self.device.type == "cuda"
+                                and torch.cuda.is_available()) if swap_bytes else None)
+        self._streams: list = []  # stream objects given to use_stream(), kept alive while registered
+        self._on_cuda = self.device.type == "cuda"
+        if self._on_cuda:
+            self._range.add_stream(0)  # the legacy default stream: torch's default, and vpaged's own copies
+        self._closed = False
+        pool.register(self)
+
+    def _resolve_pool(self, pool, capacity_bytes, page_size, device) -> PagePool:
         if pool is not None:
             if capacity_bytes is not None:
                 raise InvalidArgumentError("give either pool or capacity_bytes, not both")
             if pool.device != self.device:
-                raise InvalidArgumentError(f"pool is on {pool.device}, cache on {self.device}")
+                raise InvalidArgumentError(f"pool is on {pool.device}, device={device!r} asks for {self.device}")
             if page_size is not None and page_size != pool.page_size:
                 raise InvalidArgumentError(f"page_size {page_size} differs from the pool's {pool.page_size}")
-        elif capacity_bytes is not None:
-            pool = PagePool(self.device, capacity_bytes=capacity_bytes, page_size=page_size)
-        else:
-            pool = default_pool(self.device)
-            if page_size is not None and page_size != pool.page_size:
-                raise InvalidArgumentError(
-                    f"page_size {page_size} differs from the default pool's {pool.page_size}; "
-                    "pass capacity_bytes or a pool of that page size")
-        self.pool = pool
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.max_seqs, self.max_seq_len = max_seqs, max_seq_len
-        self.layout = Layout(layout, num_layers, num_kv_heads, head_dim, itemsize(dtype), max_seqs, max_seq_len,
-                             pool.page_size)
-        self._range = _C.VirtualRange(pool._pool, self.layout.total_bytes)
-        self._slot_of: dict[int, int] = {}  # live sequence id -> slot
-        self._len = [0] * max_seqs  # tokens held by the sequence in each slot
-        self._mapped = [0] * max_seqs  # pages mapped per region in each slot
-        self._empty = list(range(max_seqs - 1, -1, -1))  # slots without pages; pop() gives the lowest
-        self._dormant: OrderedDict[int, None] = OrderedDict()  # freed slots that keep their pages, oldest first
-        self._shared_upto = [0] * max_seqs  # pages below this index of a slot may be shared
-        self._new_from = [0] * max_seqs  # first token the last extend() added (new_kv's window)
-        self._swapped: dict[int, tuple[list[int], list[int]]] = {}  # slot -> (page slots swapped, chunks)
-        self._next_id = 0
-        self._pages_mapped = 0
-        self._pages_unmapped = 0
-        self._map_calls = 0
-        self._cow_copies = 0
-        self._prefix_hits = 0
-        tpp = self.layout.page_size / self.layout.token_bytes
-        self._prefix = PrefixIndex(int(tpp), prefix_hash) if tpp == int(tpp) else None
-        self._swap = (SwapSpace(swap_bytes, pool.page_size, pin=self.device.type == "cuda")
-                      if swap_bytes else None)
-        self._streams: list = []  # extra CUDA streams kernels use on this cache (see _quiesce)
-        self._closed = False
-        pool._register(self)
+            return pool
+        if capacity_bytes is not None:
+            return PagePool(self.device, capacity_bytes=capacity_bytes, page_size=page_size)
+        pool = default_pool(self.device)
+        if page_size is not None and page_size != pool.page_size:
+            raise InvalidArgumentError(f"page_size {page_size} differs from the default pool's {pool.page_size}; "
+                                       "pass capacity_bytes or a pool of that page size")
+        return pool
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def allocate(self, tokens=None) -> int:
@@ -167,121 +122,99 @@ class VirtualKVCache:
         shared, and the sequence starts with those tokens present: seq_len(seq) tells how many, so the caller
         computes (extends by) only the rest. Pages become reusable through cache_prefix()."""
         self._check_open()
+        t = self._slots
         if tokens is None:
-            if self._dormant:
-                slot, _ = self._dormant.popitem(last=True)  # most recently freed: its pages are warmest
-            elif self._empty:
-                slot = self._empty.pop()
-            else:
-                raise SlotsExhaustedError(f"all {self.max_seqs} sequence slots are in use")
-            return self._bind(slot)
+            slot = t.take_reusable()
+            if slot is None:
+                raise self._slots_exhausted("a free sequence slot")
+            return t.bind(slot)
         index = self._prefix_index()
         hits = index.match(tokens)
         slot = self._take_clean_slot()
         if hits:
-            page_slots = self.layout.page_slots(slot, 0, len(hits))  # region-major, like the pages below
-            pages = [b.pages[r] for r in range(self.layout.runs) for b in hits]
-            try:
-                self._range.map_shared(page_slots, pages)
-            except BaseException:
-                self._empty.append(slot)
-                raise
-        seq = self._bind(slot)
+            pages = [b.pages[r] for r in range(self.layout.runs) for b in hits]  # run-major, like page_slots
+            self._map_shared_or_release(slot, pages, len(hits))
+        seq = t.bind(slot)
         n = len(hits) * index.block_tokens
-        self._len[slot] = n
-        self._new_from[slot] = n
-        self._mapped[slot] = len(hits)
-        self._shared_upto[slot] = len(hits)
+        t.length_tokens[slot] = t.new_from_token[slot] = n
+        t.mapped_pages[slot] = t.shared_below_page[slot] = len(hits)
         self._prefix_hits += n
         return seq
 
+    def _map_shared_or_release(self, slot: int, pages: list[int], npages: int) -> None:
+        try:
+            self._range.map_shared(self.layout.page_slots(slot, 0, npages), pages)
+        except BaseException:
+            self._slots.release(slot)
+            raise
+
     def _take_clean_slot(self) -> int:
         """A slot with nothing mapped (an empty one, else a freed slot whose pages are unmapped now)."""
-        if self._empty:
-            return self._empty.pop()
-        for slot in list(self._dormant):
-            try:
-                self._unmap_slot(slot)
-            except ViewsAliveError:
-                continue
-            del self._dormant[slot]
+        slot = self._slots.take_empty()
+        if slot is not None:
             return slot
-        raise SlotsExhaustedError(f"all {self.max_seqs} sequence slots are in use")
+        for slot in self._slots.dormant_slots():
+            if self._unmap_slot(slot):
+                self._slots.take(slot)
+                return slot
+        raise self._slots_exhausted("a free sequence slot with nothing mapped")
 
-    def _unmap_slot(self, slot: int) -> None:
-        if self._mapped[slot]:
-            idx = self.layout.page_slots(slot, 0, self._mapped[slot])
-            self._quiesce()
-            self._range.unmap(idx)
-            self._pages_unmapped += len(idx)
-        self._mapped[slot] = 0
-        self._shared_upto[slot] = 0
+    def _slots_exhausted(self, what: str, n: int = 1) -> SlotsExhaustedError:
+        t = self._slots
+        viewed = sum(1 for s in t.dormant_slots() if self._range.pinned_count(self._page_slots_of(s)))
+        return SlotsExhaustedError(
+            f"no room for {what if n == 1 else f'{n} {what}'}: {len(t.sequences)} of {self.max_seqs} slots hold "
+            f"live sequences, {t.free_count} are free, {viewed} of them held by live tensor views of freed "
+            "sequences (drop those views to reuse them)")
+
+    def _page_slots_of(self, slot: int, first: int = 0, stop: int | None = None) -> list[int]:
+        return self.layout.page_slots(slot, first, self._slots.mapped_pages[slot] if stop is None else stop)
+
+    def _unmap_slot(self, slot: int) -> bool:
+        """Unmap every page of the slot; False (nothing changed) while a live view reads one of them."""
+        idx = self._page_slots_of(slot)
+        try:
+            self._range.unmap(idx)  # waits for the cache's streams first
+        except ViewsAliveError:
+            return False
+        self._pages_unmapped += len(idx)
+        self._slots.set_unmapped(slot)
+        return True
 
     def allocate_many(self, n: int) -> list[int]:
         """n new sequences in consecutive slots, so that kv_batch() can view them as one tensor."""
         self._check_open()
-        if not isinstance(n, int) or n <= 0:
-            raise InvalidArgumentError(f"n must be a positive int, got {n!r}")
-        free = set(self._empty) | set(self._dormant)
-        run_start, best = 0, None
-        for s in range(self.max_seqs + 1):
-            if s < self.max_seqs and s in free:
-                if s - run_start + 1 >= n:
-                    best = s - n + 1
-                    break
-            else:
-                run_start = s + 1
-        if best is None:
-            raise SlotsExhaustedError(f"no {n} consecutive free sequence slots (of {self.max_seqs})")
-        ids = []
-        for slot in range(best, best + n):
-            if slot in self._dormant:
-                del self._dormant[slot]
-            else:
-                self._empty.remove(slot)
-            ids.append(self._bind(slot))
-        return ids
-
-    def _bind(self, slot: int) -> int:
-        seq = self._next_id
-        self._next_id += 1
-        self._slot_of[seq] = slot
-        self._len[slot] = 0
-        self._new_from[slot] = 0
-        return seq
+        check_positive_int("n", n)
+        first = self._slots.free_run(n)
+        if first is None:
+            raise self._slots_exhausted("consecutive free sequence slots", n)
+        for slot in range(first, first + n):
+            self._slots.take(slot)
+        return [self._slots.bind(slot) for slot in range(first, first + n)]
 
     def free(self, seq: int) -> None:
         """End a sequence. Its private pages stay mapped for the next allocate() until the pool needs them;
         pages it shares with others are unmapped at once (so a reused slot never starts with shared pages)."""
         slot = self._slot(seq)
+        t = self._slots
         if slot in self._swapped:
             # The slot has holes where pages were swapped out, so it cannot stay dormant: unmap what is left
             # first (ViewsAliveError when a view still reads a shared page: then nothing has changed).
             swapped_slots, chunks = self._swapped[slot]
             gone = set(swapped_slots)
-            keep = [ps for ps in self.layout.page_slots(slot, 0, self._mapped[slot]) if ps not in gone]
-            self._quiesce()
+            keep = [ps for ps in self._page_slots_of(slot) if ps not in gone]
             self._range.unmap(keep)
             del self._swapped[slot]
             self._swap.release(chunks)
             self._pages_unmapped += len(keep)
-            self._mapped[slot] = 0
-            self._shared_upto[slot] = 0
-        del self._slot_of[seq]
-        self._len[slot] = 0
-        if self._shared_upto[slot]:
-            idx = self.layout.page_slots(slot, 0, self._mapped[slot])
-            if any(c > 1 for c in self._range.refcounts_at(idx)):
-                try:
-                    self._unmap_slot(slot)
-                except ViewsAliveError:
-                    pass  # kept; a later extend of the slot copies before writing
+            t.set_unmapped(slot)
+        t.unbind(seq)
+        if t.shared_below_page[slot]:
+            if any(c > 1 for c in self._range.refcounts_at(self._page_slots_of(slot))):
+                self._unmap_slot(slot)  # kept while a view reads it; a later extend copies before writing
             else:
-                self._shared_upto[slot] = 0
-        if self._mapped[slot]:
-            self._dormant[slot] = None
-        else:
-            self._empty.append(slot)
+                t.shared_below_page[slot] = 0
+        t.release(slot)
 
     def extend(self, seq: int, n: int) -> None:
         """Grow a sequence by n tokens, mapping the pages they need. Their K/V are then to be written
@@ -292,51 +225,54 @@ class VirtualKVCache:
         """extend() for several sequences at once (a decode step): all of them or, on error, none."""
         self._check_open()
         check_token_count(n)
-        slots = [self._live_slot(s) for s in seqs]
-        if len(set(slots)) != len(slots):
-            raise InvalidArgumentError("a sequence is listed twice")
-        lay = self.layout
-        page_slots: list[int] = []
+        seqs = list(seqs)
+        slots = self._distinct_live_slots(seqs)
+        t, lay = self._slots, self.layout
+        fresh: list[int] = []  # page slots to map
         grown = []
         to_privatize: list[int] = []  # mapped page slots the new tokens land in that may be shared
         for seq, slot in zip(seqs, slots):
-            old_len = self._len[slot]
-            new_len = old_len + n
+            new_len = t.length_tokens[slot] + n
             if new_len > self.max_seq_len:
                 raise SequenceTooLongError(
                     f"sequence {seq} would hold {new_len} tokens, more than max_seq_len={self.max_seq_len}")
             need = lay.pages_for(new_len)
-            if n and self._shared_upto[slot]:
-                first = old_len * lay.token_bytes // lay.page_size  # page of the first new token
-                # Every mapped page from `first` up to the watermark, not just those below `need`: after a
-                # truncate() or free() that could not unmap (a live view), pages past `need` may still be
-                # shared, and the watermark drops to `first` below, so they must be private by then.
-                stop = min(self._mapped[slot], self._shared_upto[slot])
+            if n and t.shared_below_page[slot]:
+                # Every mapped page from the first new token's up to the watermark, not just those below
+                # `need`: after a truncate() or free() that could not unmap (a live view), pages past `need`
+                # may still be shared, and the watermark drops to the first new token's page below.
+                first = self._page_of_next_token(slot)
+                stop = min(t.mapped_pages[slot], t.shared_below_page[slot])
                 if first < stop:
                     to_privatize += lay.page_slots(slot, first, stop)
-            if need > self._mapped[slot]:
-                page_slots += lay.page_slots(slot, self._mapped[slot], need)
+            if need > t.mapped_pages[slot]:
+                fresh += lay.page_slots(slot, t.mapped_pages[slot], need)
                 grown.append((slot, need))
-        copies = sum(1 for c in self._range.refcounts_at(to_privatize) if c > 1) if to_privatize else 0
-        if page_slots or copies:
-            self._ensure_free(len(page_slots) + copies)
-        if page_slots:
-            self._with_reclaim(lambda: self._range.map_new(page_slots), len(page_slots))
-            self._pages_mapped += len(page_slots)
+        copies = self._range.copies_needed(to_privatize) if to_privatize else 0
+        if fresh or copies:
+            self._ensure_free(len(fresh) + copies)
+        if fresh:
+            self._with_reclaim(lambda: self._range.map_new(fresh), len(fresh))
+        if copies:
+            try:  # copy-on-write takes its pages first: out of pages (or device memory) changes nothing
+                self._cow_copies += self._with_reclaim(lambda: self._range.make_private(to_privatize), copies)
+            except BaseException:
+                if fresh:
+                    self._range.unmap(fresh)  # nothing reads pages mapped a moment ago
+                raise
+        if fresh:
+            self._pages_mapped += len(fresh)
             self._map_calls += 1
             for slot, need in grown:
-                self._mapped[slot] = need
-        if copies:
-            self._quiesce()
-            self._cow_copies += self._with_reclaim(lambda: self._range.make_private(to_privatize), copies)
-            self.pool.backend.synchronize(0)  # the copies (async on CUDA) land before kernels read the pages
+                t.mapped_pages[slot] = need
         for slot in slots:
-            if n and self._shared_upto[slot]:
-                # Every page from the first new token's on is private now.
-                first = self._len[slot] * lay.token_bytes // lay.page_size
-                self._shared_upto[slot] = min(self._shared_upto[slot], first)
-            self._new_from[slot] = self._len[slot]
-            self._len[slot] += n
+            if n and t.shared_below_page[slot]:
+                t.mark_private_from(slot, self._page_of_next_token(slot))
+            t.new_from_token[slot] = t.length_tokens[slot]
+            t.length_tokens[slot] += n
+
+    def _page_of_next_token(self, slot: int) -> int:
+        return self._slots.length_tokens[slot] * self.layout.token_bytes // self.layout.page_size
 
     def _with_reclaim(self, call, pages: int):
         """Run a call that takes `pages` fresh pages. The pool counts pages it has not created yet as free;
@@ -365,53 +301,46 @@ class VirtualKVCache:
     def fork_many(self, seq: int, n: int) -> list[int]:
         """n forks of `seq` (parallel sampling); all or none."""
         parent = self._live_slot(seq)
-        if not isinstance(n, int) or n <= 0:
-            raise InvalidArgumentError(f"n must be a positive int, got {n!r}")
-        if len(self._empty) + len(self._dormant) < n:
-            raise SlotsExhaustedError(f"{n} fork(s) need free slots; {len(self._empty) + len(self._dormant)} free")
-        npages = self.layout.pages_for(self._len[parent])
-        pages = self._range.pages_at(self.layout.page_slots(parent, 0, npages))
+        check_positive_int("n", n)
+        t = self._slots
+        if t.free_count < n:
+            raise self._slots_exhausted("forks", n)
+        npages = self.layout.pages_for(t.length_tokens[parent])
+        pages = self._range.pages_at(self._page_slots_of(parent, 0, npages))
         children: list[int] = []
         try:
             for _ in range(n):
                 slot = self._take_clean_slot()
-                try:
-                    if npages:
-                        self._range.map_shared(self.layout.page_slots(slot, 0, npages), pages)
-                except BaseException:
-                    self._empty.append(slot)
-                    raise
-                child = self._bind(slot)
-                children.append(child)
-                self._len[slot] = self._len[parent]
-                self._mapped[slot] = npages
-                self._shared_upto[slot] = npages
+                if npages:
+                    self._map_shared_or_release(slot, pages, npages)
+                children.append(t.bind(slot))
+                t.length_tokens[slot] = t.length_tokens[parent]
+                t.mapped_pages[slot] = t.shared_below_page[slot] = npages
         except BaseException:
             for child in children:
                 self.free(child)
             raise
-        self._shared_upto[parent] = max(self._shared_upto[parent], npages)
+        t.mark_shared(parent, npages)
         return children
 
     def truncate(self, seq: int, new_len: int) -> None:
         """Drop the tokens from new_len on (speculative decoding, beam search). Pages wholly past the new
         length are unmapped (kept while a live view reads them)."""
         slot = self._live_slot(seq)
-        if not isinstance(new_len, int) or isinstance(new_len, bool) or not 0 <= new_len <= self._len[slot]:
-            raise InvalidArgumentError(f"new_len must be an int in 0..{self._len[slot]}, got {new_len!r}")
+        t = self._slots
+        if not is_int(new_len) or not 0 <= new_len <= t.length_tokens[slot]:
+            raise InvalidArgumentError(f"new_len must be an int in 0..{t.length_tokens[slot]}, got {new_len!r}")
         keep = self.layout.pages_for(new_len)
-        if self._mapped[slot] > keep:
-            idx = self.layout.page_slots(slot, keep, self._mapped[slot])
+        if t.mapped_pages[slot] > keep:
+            idx = self._page_slots_of(slot, keep)
             try:
-                self._quiesce()
                 self._range.unmap(idx)
                 self._pages_unmapped += len(idx)
-                self._mapped[slot] = keep
-                self._shared_upto[slot] = min(self._shared_upto[slot], keep)
+                t.truncate_pages(slot, keep)
             except ViewsAliveError:
                 pass
-        self._len[slot] = new_len
-        self._new_from[slot] = min(self._new_from[slot], new_len)
+        t.length_tokens[slot] = new_len
+        t.new_from_token[slot] = min(t.new_from_token[slot], new_len)
 
     def reorder(self, seqs, sources) -> None:
         """seqs[i] takes the tokens and K/V that seqs[sources[i]] held before the call (beam search).
@@ -424,12 +353,10 @@ class VirtualKVCache:
             raise InvalidArgumentError(f"{len(seqs)} sequences but {len(sources)} sources")
         if any(not 0 <= i < len(seqs) for i in sources):
             raise InvalidArgumentError(f"sources must index 0..{len(seqs) - 1}, got {sources}")
-        slots = [self._live_slot(s) for s in seqs]
-        if len(set(slots)) != len(slots):
-            raise InvalidArgumentError("a sequence is listed twice")
-        lay = self.layout
-        lens = [self._len[s] for s in slots]
-        old_pages = {s: self._range.pages_at(lay.page_slots(s, 0, self._mapped[s])) for s in set(slots)}
+        slots = self._distinct_live_slots(seqs)
+        t, lay = self._slots, self.layout
+        lens = [t.length_tokens[s] for s in slots]
+        old_pages = {s: self._range.pages_at(self._page_slots_of(s)) for s in set(slots)}
         assign_slots: list[int] = []
         assign_pages: list[int] = []
         moves = []
@@ -438,24 +365,21 @@ class VirtualKVCache:
             if src == dst:
                 continue
             src_n = lay.pages_for(lens[i])
-            span = max(src_n, self._mapped[dst])
+            span = max(src_n, t.mapped_pages[dst])
             # page_slots(slot, 0, n) lists run by run, so page p of run r is entry r * n + p. Built once per
             # row: a call per page made a beam-search reorder O(runs^2 * pages) in Python.
-            src_pages, src_mapped = old_pages[src], self._mapped[src]
-            dst_slots = lay.page_slots(dst, 0, span)
-            assign_slots += dst_slots
+            src_pages, src_mapped = old_pages[src], t.mapped_pages[src]
+            assign_slots += lay.page_slots(dst, 0, span)
             for r in range(lay.runs):
                 assign_pages += src_pages[r * src_mapped:r * src_mapped + src_n]
                 assign_pages += [-1] * (span - src_n)
             moves.append((dst, src, src_n, lens[i]))
         if assign_slots:
-            self._quiesce()
-            self._range.assign(assign_slots, assign_pages)
+            self._range.assign(assign_slots, assign_pages)  # waits for the cache's streams first
         for dst, src, src_n, length in moves:
-            self._len[dst] = length
-            self._mapped[dst] = src_n
-            self._shared_upto[dst] = src_n
-            self._shared_upto[src] = max(self._shared_upto[src], min(src_n, self._mapped[src]))
+            t.length_tokens[dst] = length
+            t.mapped_pages[dst] = t.shared_below_page[dst] = src_n
+            t.mark_shared(src, src_n)
 
     def cache_prefix(self, seq: int, tokens) -> int:
         """Offer the full pages of `seq` for reuse by later allocate(tokens=...) calls. tokens: the token ids
@@ -464,18 +388,15 @@ class VirtualKVCache:
         slot = self._live_slot(seq)
         index = self._prefix_index()
         tokens = list(tokens)
-        nblocks = min(len(tokens), self._len[slot]) // index.block_tokens
+        nblocks = min(len(tokens), self._slots.length_tokens[slot]) // index.block_tokens
         for depth, (key, block) in enumerate(index.keys(tokens[:nblocks * index.block_tokens])):
             found = index.lookup(key)
             if found is not None:
                 if found.tokens != block or found.depth != depth:
                     return depth * index.block_tokens  # a different prefix owns this key: stop here
                 continue
-            pages = self._range.pages_at(self.layout.page_slots(slot, depth, depth + 1))
-            for p in pages:
-                self.pool._pool.incref(p)
-            index.insert(key, depth, block, pages)
-        self._shared_upto[slot] = max(self._shared_upto[slot], nblocks)
+            index.insert(key, depth, block, self._range.pages_at(self._page_slots_of(slot, depth, depth + 1)))
+        self._slots.mark_shared(slot, nblocks)
         return nblocks * index.block_tokens
 
     def _prefix_index(self) -> PrefixIndex:
@@ -492,19 +413,14 @@ class VirtualKVCache:
         mapped. The sequence keeps its id and addresses; returns the bytes swapped."""
         slot = self._live_slot(seq)
         if self._swap is None:
-            raise SwapSpaceFullError("this cache has no swap space (create it with swap_bytes=...)")
-        idx = self.layout.page_slots(slot, 0, self._mapped[slot])
-        counts = self._range.refcounts_at(idx)
-        private = [ps for ps, c in zip(idx, counts) if c == 1]
-        if any(self._range.pins_at(ps) for ps in private):
+            raise InvalidArgumentError("this cache has no swap space (create it with swap_bytes=...)")
+        idx = self._page_slots_of(slot)
+        private = [ps for ps, c in zip(idx, self._range.refcounts_at(idx)) if c == 1]
+        if self._range.pinned_count(private):
             raise ViewsAliveError(f"sequence {seq} is read through a live tensor view; drop the view first")
-        chunks = self._swap.alloc(len(private))
-        pages = self._range.pages_at(private)
+        self._range.wait_for_streams()  # kernels writing this sequence's K/V finish before it is read out
+        chunks = self._swap.save(self.pool, self._range.pages_at(private))
         try:
-            self._quiesce()  # kernels writing this sequence's K/V finish before the pages are read out
-            for page, chunk in zip(pages, chunks):
-                self.pool._pool.copy_to_host(page, self._swap.address(chunk))
-            self.pool.backend.synchronize(0)  # the copies must land before the pages go back to the pool
             self._range.unmap(private)
         except BaseException:
             self._swap.release(chunks)
@@ -522,11 +438,9 @@ class VirtualKVCache:
         self._ensure_free(len(private))
         pages = self._with_reclaim(lambda: self._range.map_new(private), len(private))
         try:
-            for page, chunk in zip(pages, chunks):
-                self.pool._pool.copy_from_host(page, self._swap.address(chunk))
-            self.pool.backend.synchronize(0)
+            self._swap.restore(self.pool, pages, chunks)
         except BaseException:
-            self._range.unmap(private)
+            self._range.unmap(private)  # after the copies already queued (the range waits for stream 0)
             raise
         self._pages_mapped += len(private)
         self._map_calls += 1
@@ -537,7 +451,7 @@ class VirtualKVCache:
         return self._slot(seq) in self._swapped
 
     def seq_len(self, seq: int) -> int:
-        return self._len[self._slot(seq)]
+        return self._slots.length_tokens[self._slot(seq)]
 
     def slot(self, seq: int) -> int:
         """The slot (row of the batched view) that holds a sequence."""
@@ -546,89 +460,67 @@ class VirtualKVCache:
     @property
     def sequences(self) -> list[int]:
         """Ids of the live sequences."""
-        return list(self._slot_of)
+        return self._slots.sequences
 
     # ----------------------------------------------------------------------------------------- views
     def kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero-copy (K, V) views of shape [seq_len, num_kv_heads, head_dim] covering exactly the tokens
         present (strided for the interleaved layout). While a view lives, its pages stay mapped."""
-        self._check_layer(layer)
+        check_layer(layer, self.num_layers)
         slot = self._live_slot(seq)
-        n = self._len[slot]
-        return self._view(layer, 0, slot, 0, n), self._view(layer, 1, slot, 0, n)
+        n = self._slots.length_tokens[slot]
+        return self._views.tokens(layer, 0, slot, 0, n), self._views.tokens(layer, 1, slot, 0, n)
 
     def new_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writable (K, V) views of the tokens the sequence's last extend() added (extend() made their pages
         private to this sequence, so writing through these views is safe)."""
-        self._check_layer(layer)
+        check_layer(layer, self.num_layers)
         slot = self._live_slot(seq)
+        t = self._slots
         # Never before the first writable token: after fork(), reorder() or cache_prefix() the tokens of the
         # last extend() may lie in pages shared with other sequences or the prefix index.
-        start = max(min(self._new_from[slot], self._len[slot]), self._first_writable(slot))
-        n = self._len[slot] - start
-        return self._view(layer, 0, slot, start, n), self._view(layer, 1, slot, start, n)
+        start = max(min(t.new_from_token[slot], t.length_tokens[slot]), self._first_writable(slot))
+        n = t.length_tokens[slot] - start
+        return self._views.tokens(layer, 0, slot, start, n), self._views.tokens(layer, 1, slot, start, n)
 
     def writable_range(self, seq: int) -> tuple[int, int]:
         """(first, end): the tokens write() may write. Tokens in pages the sequence may share with others
         (after fork, reorder, a prefix hit or cache_prefix) are read-only until extend() or truncate()
         gives the sequence its own copy; the tokens the last extend() added are always writable."""
         slot = self._live_slot(seq)
-        return self._first_writable(slot), self._len[slot]
+        return self._first_writable(slot), self._slots.length_tokens[slot]
 
     def _first_writable(self, slot: int) -> int:
-        # The first token whose bytes all lie in pages at or past _shared_upto (private to this slot).
-        lay = self.layout
-        first = -(-self._shared_upto[slot] * lay.page_size // lay.token_bytes)
-        return min(first, self._len[slot])
+        # The first token whose bytes all lie in pages at or past the shared watermark (private to this slot).
+        lay, t = self.layout, self._slots
+        first = -(-t.shared_below_page[slot] * lay.page_size // lay.token_bytes)
+        return min(first, t.length_tokens[slot])
 
     def kv_batch(self, layer: int, seqs, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of several sequences as [B, length, num_kv_heads, head_dim] views. The sequences must sit
         in evenly spaced slots (allocate_many gives consecutive ones); length defaults to their common length
         and may not exceed the shortest."""
-        self._check_layer(layer)
+        check_layer(layer, self.num_layers)
         seqs = list(seqs)
         if not seqs:
             raise InvalidArgumentError("kv_batch needs at least one sequence")
         slots = [self._live_slot(s) for s in seqs]
-        step = slots[1] - slots[0] if len(slots) > 1 else 1
-        if step <= 0 or any(b - a != step for a, b in zip(slots, slots[1:])):
-            raise InvalidArgumentError(f"kv_batch needs sequences in evenly spaced increasing slots, got {slots}")
-        lens = [self._len[s] for s in slots]
-        if length is None:
-            if len(set(lens)) != 1:
-                raise InvalidArgumentError(f"sequences differ in length {lens}; pass length <= {min(lens)}")
-            length = lens[0]
-        if not 0 <= length <= min(lens):
-            raise InvalidArgumentError(f"length {length} outside 0..{min(lens)} (shortest sequence)")
-        lay = self.layout
-        shape, strides, perm = lay.view_dims(length)
-        shape, strides = [len(slots)] + shape, [step * lay.slot_stride] + strides
-        perm = (0,) + tuple(p + 1 for p in perm)
-        return tuple(self._make_view(lay.offset(layer, kv, slots[0]), shape, strides).permute(perm)
-                     for kv in (0, 1))
+        return self._views.rows(layer, slots, [self._slots.length_tokens[s] for s in slots], length)
 
     def batch(self, layer: int, seqs) -> BatchedKV:
         """Descriptor of one layer's K/V of `seqs` for decode kernels with per-sequence lengths."""
-        self._check_layer(layer)
+        check_layer(layer, self.num_layers)
         slots = [self._live_slot(s) for s in seqs]
-        lay = self.layout
-        base = self._range.address
-        return BatchedKV(
-            k_ptr=base + lay.base_offset(layer, 0), v_ptr=base + lay.base_offset(layer, 1),
-            slots=torch.tensor(slots, dtype=torch.int32, device=self.device),
-            lengths=torch.tensor([self._len[s] for s in slots], dtype=torch.int32, device=self.device),
-            slot_stride=lay.slot_stride, token_stride=lay.token_stride, head_stride=lay.head_stride,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, dtype=self.dtype, device=self.device, layout=lay.kind, owner=self._range)
+        return self._views.descriptor(layer, slots, [self._slots.length_tokens[s] for s in slots])
 
     def write(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
         """Copy k, v of shape [n, num_kv_heads, head_dim] into tokens start..start+n-1 of the sequence
         (default: its last n tokens). Only writable_range() may be written: tokens in pages the sequence
         may share with others raise ReadOnlyTokensError."""
-        self._check_layer(layer)
+        check_layer(layer, self.num_layers)
         slot = self._live_slot(seq)
         check_kv(k, v, self.dtype, self.num_kv_heads, self.head_dim, self.device)
-        n, length = k.shape[0], self._len[slot]
+        n, length = k.shape[0], self._slots.length_tokens[slot]
         if start is None:
             start = length - n
         if start < 0 or start + n > length:
@@ -638,103 +530,88 @@ class VirtualKVCache:
             raise ReadOnlyTokensError(
                 f"tokens before {self._first_writable(slot)} are read-only (they may share pages with other "
                 f"sequences); write the tokens the last extend() added, or truncate() and extend() again")
-        self._view(layer, 0, slot, start, n).copy_(k)
-        self._view(layer, 1, slot, start, n).copy_(v)
-
-    def _view(self, layer: int, kv: int, slot: int, start: int, n: int) -> torch.Tensor:
-        shape, strides, perm = self.layout.view_dims(n)
-        return self._make_view(self.layout.offset(layer, kv, slot, start), shape, strides).permute(perm)
-
-    def _make_view(self, offset: int, shape, strides) -> torch.Tensor:
-        self._check_open()
-        return torch.from_dlpack(self._range.view(offset, shape, strides, self._dl_code, self._dl_bits))
+        self._views.tokens(layer, 0, slot, start, n).copy_(k)
+        self._views.tokens(layer, 1, slot, start, n).copy_(v)
 
     # ----------------------------------------------------------------------------------------- memory
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token over all layers."""
-        return self.layout.bytes_per_token
+        return self.geometry.bytes_per_token
 
     def static_bytes(self, num_seqs: int | None = None) -> int:
         """What reserving max_seq_len tokens for each of num_seqs sequences (default max_seqs) would take."""
-        return (self.max_seqs if num_seqs is None else num_seqs) * self.max_seq_len * self.bytes_per_token
+        return self.geometry.static_bytes(self.max_seqs if num_seqs is None else num_seqs, self.max_seq_len)
 
     def stats(self) -> CacheStats:
         self._check_open()
-        runs = self.layout.runs
-        mapped = sum(self._mapped) * runs
-        dormant = sum(self._mapped[s] for s in self._dormant) * runs
+        t, runs = self._slots, self.layout.runs
+        mapped = t.total_mapped_pages() * runs
+        dormant = t.total_mapped_pages(t.dormant_slots()) * runs
         # Tokens in memory: swapped-out sequences do not count. With sharing, live can exceed mapped.
-        live_tokens = sum(self._len[s] for s in self._slot_of.values() if s not in self._swapped)
+        live_tokens = sum(t.length_tokens[s] for s in t.live_slots() if s not in self._swapped)
         live_bytes = live_tokens * self.bytes_per_token
         pool = self.pool.stats()
-        # Only pages below a slot's _shared_upto can be shared: count just those (unmapped ones read 0).
-        maybe = [ps for slot, upto in enumerate(self._shared_upto) if upto
-                 for ps in self.layout.page_slots(slot, 0, min(upto, self._mapped[slot]))]
+        # Only pages below a slot's shared watermark can be shared: count just those (unmapped ones read 0).
+        maybe = [ps for slot, upto in enumerate(t.shared_below_page) if upto
+                 for ps in self._page_slots_of(slot, 0, min(upto, t.mapped_pages[slot]))]
         shared = sum(1 for c in self._range.refcounts_at(maybe) if c > 1) if maybe else 0
         swapped_pages = sum(len(p) for p, _ in self._swapped.values())
         mapped -= swapped_pages
         mapped_bytes = mapped * self.layout.page_size
         return CacheStats(
-            layout=self.layout.kind, page_size=self.layout.page_size, sequences=len(self._slot_of),
+            layout=self.layout.kind, page_size=self.layout.page_size, sequences=len(t.sequences),
             live_tokens=live_tokens, live_bytes=live_bytes, mapped_pages=mapped, mapped_bytes=mapped_bytes,
             dormant_pages=dormant, utilization=live_bytes / mapped_bytes if mapped_bytes else 1.0,
             tokens_per_page=self.layout.tokens_per_page, pool_free_pages=pool.free_pages,
             pool_used_pages=pool.used_pages, pages_mapped_total=self._pages_mapped,
             pages_unmapped_total=self._pages_unmapped, map_calls=self._map_calls, shared_pages=shared,
             cow_copies=self._cow_copies, prefix_hit_tokens=self._prefix_hits,
-            prefix_cached_pages=len(self._prefix) * self.layout.runs if self._prefix else 0,
+            prefix_cached_pages=self._prefix.pages if self._prefix else 0,
             swapped_sequences=len(self._swapped), swapped_bytes=swapped_pages * self.layout.page_size)
 
     def reclaim(self) -> int:
         """Unmap the pages of every freed slot now; returns pages returned to the pool."""
         self._check_open()
-        return self._reclaim(self._reclaimable_pages())
+        return self.reclaim_pages(self.reclaimable_pages())
 
-    def _reclaimable_pages(self) -> int:
+    def _unpinned_dormant_slots(self) -> list[int]:
+        """Freed slots whose pages no live view reads (reclaim can unmap them), oldest first."""
+        return [s for s in self._slots.dormant_slots() if not self._range.pinned_count(self._page_slots_of(s))]
+
+    def reclaimable_pages(self) -> int:
+        """Pages reclaim_pages() could return to the pool now (Reclaimable): unpinned freed slots' pages and
+        cached prefix blocks that nothing else maps."""
         if self._closed:
             return 0
-        dormant = sum(self._mapped[s] for s in self._dormant) * self.layout.runs
-        return dormant + sum(len(b.pages) for b in self._evictable_blocks())
+        dormant = self._unpinned_dormant_slots()
+        return self._slots.total_mapped_pages(dormant) * self.layout.runs + sum(
+            len(b.pages) for b in self._evictable_blocks(dormant))
 
-    def _evictable_blocks(self):
-        """Prefix blocks whose pages only the index holds (after dormant slots let go of theirs)."""
+    def _evictable_blocks(self, dormant: list[int]):
+        """Prefix blocks whose pages only the index holds once the given dormant slots let go of theirs."""
         if not self._prefix:
             return []
-        refcount = self.pool._pool.refcount
-        dormant = {p for s in self._dormant for p in self._range.pages_at(self.layout.page_slots(s, 0, self._mapped[s]))}
-        return [b for b in self._prefix.eviction_order()
-                if all(refcount(p) == 1 + (p in dormant) for p in b.pages)]
+        releasable = {p for s in dormant for p in self._range.pages_at(self._page_slots_of(s))}
+        return self._prefix.evictable(releasable)
 
-    def _reclaim(self, pages: int) -> int:
-        """Unmap freed slots' pages, oldest first, until `pages` are freed. Slots still read through a
-        live view are skipped."""
+    def reclaim_pages(self, pages: int) -> int:
+        """Unmap freed slots' pages, oldest first, then evict cached prefix blocks, until `pages` are freed
+        (Reclaimable). Slots still read through a live view are skipped. Returns the pages freed."""
         if self._closed:  # a closed cache holds nothing to reclaim (its pool may still list it)
             return 0
         freed = 0
-        for slot in list(self._dormant):
+        for slot in self._slots.dormant_slots():
             if freed >= pages:
                 break
-            idx = self.layout.page_slots(slot, 0, self._mapped[slot])
-            try:
-                self._quiesce()
-                self._range.unmap(idx)
-            except ViewsAliveError:
-                continue
-            del self._dormant[slot]
-            self._mapped[slot] = 0
-            self._shared_upto[slot] = 0
-            self._empty.append(slot)
-            self._pages_unmapped += len(idx)
-            freed += len(idx)
+            n = len(self._page_slots_of(slot))
+            if self._unmap_slot(slot):
+                freed += n
         if freed < pages and self._prefix:
-            for block in self._evictable_blocks():
+            for block in self._evictable_blocks([]):
                 if freed >= pages:
                     break
-                self._prefix.remove(block)
-                for p in block.pages:
-                    self.pool._pool.decref(p)
-                freed += len(block.pages)
+                freed += self._prefix.evict(block)
         return freed
 
     def close(self) -> None:
@@ -743,18 +620,14 @@ class VirtualKVCache:
         if self._closed:
             return
         if self._prefix:
-            for block in self._prefix.clear():
-                for p in block.pages:
-                    self.pool._pool.decref(p)
+            self._prefix.clear()
         self._swapped.clear()
         self._swap = None
-        self._quiesce()
-        self._range.unmap_all_unpinned()
-        self._range = None
-        self._slot_of.clear()
-        self._dormant.clear()
+        self._range.unmap_all_unpinned()  # waits for the cache's streams first
+        self._range = self._views = None
+        self._slots = SlotTable(self.max_seqs)
         self._closed = True
-        self.pool._clients.discard(self)
+        self.pool.unregister(self)
 
     def __enter__(self) -> VirtualKVCache:
         return self
@@ -763,38 +636,31 @@ class VirtualKVCache:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._slot_of)} sequences"
+        state = "closed" if self._closed else f"{len(self._slots.sequences)} sequences"
         return (f"VirtualKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"dtype={self.dtype}, layout={self.layout.kind}, device={self.device}, {state})")
 
     # ----------------------------------------------------------------------------------------- streams
     def use_stream(self, stream) -> None:
-        """Declare a CUDA stream that runs kernels on this cache's views (the current stream is always
-        included). Unmapping and remapping wait for every declared stream; see _quiesce."""
-        if self.device.type == "cuda" and stream not in self._streams:
+        """Declare a CUDA stream that runs kernels on this cache's views. Every unmap and remap of the
+        cache's pages first waits for the declared streams, for torch's current stream at each call into the
+        cache, and for the default stream (the wait lives in the C++ VirtualRange). On the host, kernels are
+        synchronous and nothing waits."""
+        if self._on_cuda and stream not in self._streams:
             self._streams.append(stream)
-
-    def _quiesce(self) -> None:
-        """Stream-safety protocol, enforced here: a page that kernels may still read is unmapped, remapped or
-        handed to another sequence only after the work queued on the streams that use the cache completed.
-        cuMemUnmap does not reliably wait for kernels still reading a page, so every path that unmaps or
-        remaps (reclaim, truncate, free of shared pages, copy-on-write, reorder, swap out, close) calls this
-        first. Mapping fresh pages (extend, swap in) needs no wait: no kernel can be reading them. Deferred
-        reclamation keeps free() and the decode loop off this path. On the host, kernels are synchronous."""
-        if self.device.type != "cuda":
-            return
-        torch.cuda.current_stream(self.device).synchronize()
-        for stream in self._streams:
-            stream.synchronize()
+            self._range.add_stream(stream.cuda_stream)
 
     # ----------------------------------------------------------------------------------------- checks
     def _check_open(self) -> None:
         if self._closed:
             raise CacheClosedError("the cache is closed")
+        if self._on_cuda:
+            # Kernels on the current stream may read what the next unmap removes: the range waits for it.
+            self._range.add_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
     def _slot(self, seq) -> int:
         self._check_open()
-        return lookup_sequence(self._slot_of, seq, self._next_id)
+        return self._slots.slot_of(seq)
 
     def _live_slot(self, seq) -> int:
         slot = self._slot(seq)
@@ -802,5 +668,8 @@ class VirtualKVCache:
             raise SequenceSwappedError(f"sequence {seq} is swapped out; swap_in() first")
         return slot
 
-    def _check_layer(self, layer) -> None:
-        check_layer(layer, self.num_layers)
+    def _distinct_live_slots(self, seqs: list) -> list[int]:
+        slots = [self._live_slot(s) for s in seqs]
+        if len(set(slots)) != len(slots):
+            raise InvalidArgumentError("a sequence is listed twice")
+        return slots

@@ -30,10 +30,12 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ._checks import check_positive_int
 from ._hf_compat import CacheBase, cache_keyword, cache_kwargs, register_attention, support_status  # noqa: F401
 from .cache import CacheStats, VirtualKVCache
 from .device import normalize_device
 from .errors import DTypeError, InvalidArgumentError, ShapeError, SlotsExhaustedError
+from .geometry import KVGeometry
 from .pool import PagePool
 
 # Layer kinds whose K/V we can hold in full. A sliding-window layer is served correctly by a full cache
@@ -190,10 +192,9 @@ class VPagedCache(CacheBase):
             raise InvalidArgumentError("give a model config, or num_layers, num_kv_heads and head_dim")
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("max_cache_len", max_cache_len)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size <= 0):
-            raise InvalidArgumentError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
+            check_positive_int(name, value)
+        if max_batch_size is not None:
+            check_positive_int("max_batch_size", max_batch_size)
         if pool is not None and capacity_bytes is not None:
             raise InvalidArgumentError("give either pool or capacity_bytes, not both")
         if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -495,8 +496,8 @@ class VPagedCache(CacheBase):
     close = reset
 
     def __del__(self):
-        # Dropping the cache returns its pages through close(), which (on a GPU) first waits for the queued
-        # kernels that may still read them; the address range's own destructor would not wait.
+        # Dropping the cache returns its pages through close() now (the address range waits for the queued
+        # kernels that may still read them before unmapping), not whenever the last reference goes.
         if getattr(self, "kv", None) is not None:
             self.reset()
 
@@ -510,7 +511,7 @@ class VPagedCache(CacheBase):
         dtype = self.kv.dtype if self.kv is not None else self.dtype
         if dtype is None:
             raise InvalidArgumentError("dtype unknown before the first update; pass dtype")
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+        return KVGeometry(self.num_layers, self.num_kv_heads, self.head_dim, dtype).bytes_per_token
 
     def static_bytes(self, batch_size: int | None = None, max_cache_len: int | None = None) -> int:
         """What a StaticCache of batch_size rows x max_cache_len tokens would allocate for the same model."""

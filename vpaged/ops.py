@@ -22,6 +22,7 @@ import math
 import torch
 
 from . import _C
+from ._checks import check_layer
 from ._dtypes import itemsize
 from .cache import BatchedKV, VirtualKVCache
 from .errors import DTypeError, InvalidArgumentError, ShapeError
@@ -131,7 +132,7 @@ def decode_attention(q: torch.Tensor, cache, seqs, layer: int, scale: float | No
         max_len = _cache_max_len(cache, seqs)
         return decode_attention_contiguous(q, cache.batch(layer, seqs), scale, out, max_len=max_len)
     if isinstance(cache, PagedKVCache):
-        cache._check_layer(layer)
+        check_layer(layer, cache.num_layers)
         max_len = _cache_max_len(cache, seqs)
         return decode_attention_paged(q, cache.key_caches[layer], cache.value_caches[layer],
                                       cache.block_tables(seqs), cache.lengths(seqs), scale, out, max_len=max_len)

@@ -18,11 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_kv, check_layer, check_token_count, lookup_sequence
-from ._dtypes import itemsize
+from ._checks import check_kv, check_layer, check_positive_int, check_token_count, is_int, lookup_sequence
 from .device import normalize_device
-from .errors import (CacheClosedError, InvalidArgumentError, OutOfPagesError, SequenceTooLongError,
-                     ShapeError, SlotsExhaustedError)
+from .errors import (
+    CacheClosedError,
+    InvalidArgumentError,
+    OutOfPagesError,
+    SequenceTooLongError,
+    ShapeError,
+    SlotsExhaustedError,
+)
+from .geometry import KVGeometry
 
 BLOCK_SIZES = (8, 16, 32)
 
@@ -62,22 +68,20 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
                  max_seqs: int = 64, max_seq_len: int = 4096, device="cpu", *, num_blocks: int | None = None,
                  capacity_bytes: int | None = None, block_size: int = 16):
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype)  # checks them; DTypeError
+        check_positive_int("max_seqs", max_seqs)
+        check_positive_int("max_seq_len", max_seq_len)
         if block_size not in BLOCK_SIZES:
             raise InvalidArgumentError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
         self.device = normalize_device(device)
         self.dtype = dtype
-        self._itemsize = itemsize(dtype)  # raises DTypeError for unsupported dtypes
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_seqs, self.max_seq_len, self.block_size = max_seqs, max_seq_len, block_size
         if (num_blocks is None) == (capacity_bytes is None):
             raise InvalidArgumentError("give exactly one of num_blocks and capacity_bytes")
         if num_blocks is None:
             num_blocks = int(capacity_bytes) // self.block_bytes
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+        if not is_int(num_blocks) or num_blocks <= 0:
             raise InvalidArgumentError(
                 f"the pool needs at least one block of {self.block_bytes} bytes, got num_blocks={num_blocks!r} "
                 f"(capacity_bytes={capacity_bytes!r})")
@@ -98,7 +102,7 @@ class PagedKVCache:
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self._itemsize
+        return self.geometry.bytes_per_token
 
     @property
     def block_bytes(self) -> int:
@@ -111,7 +115,7 @@ class PagedKVCache:
 
     def static_bytes(self, num_seqs: int | None = None) -> int:
         """What reserving max_seq_len tokens for each of num_seqs sequences (default max_seqs) would take."""
-        return (self.max_seqs if num_seqs is None else num_seqs) * self.max_seq_len * self.bytes_per_token
+        return self.geometry.static_bytes(self.max_seqs if num_seqs is None else num_seqs, self.max_seq_len)
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def allocate(self) -> int:
@@ -121,8 +125,7 @@ class PagedKVCache:
     def allocate_many(self, n: int) -> list[int]:
         """n new empty sequences (all or, when too few may be live, none)."""
         self._check_open()
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise InvalidArgumentError(f"n must be a positive int, got {n!r}")
+        check_positive_int("n", n)
         if len(self._blocks) + n > self.max_seqs:
             raise SlotsExhaustedError(
                 f"{n} more sequence(s) would exceed max_seqs={self.max_seqs} ({len(self._blocks)} live)")
@@ -202,7 +205,7 @@ class PagedKVCache:
 
     def block_refcount(self, block: int) -> int:
         """How many sequences reference a block (0: free)."""
-        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+        if not is_int(block) or not 0 <= block < self.num_blocks:
             raise InvalidArgumentError(f"block {block!r} outside 0..{self.num_blocks - 1}")
         return self._ref[block]
 
@@ -218,7 +221,7 @@ class PagedKVCache:
         n, length = k.shape[0], self._len[seq]
         if start is None:
             start = length - n
-        if not isinstance(start, int) or start < 0 or start + n > length:
+        if not is_int(start) or start < 0 or start + n > length:
             raise InvalidArgumentError(f"tokens {start}..{start + n - 1} outside the sequence's 0..{length - 1}; "
                                        "extend() first")
         if n == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -39,6 +40,18 @@ class PoolStats:
     @property
     def high_water_bytes(self) -> int:
         return self.high_water_pages * self.page_size
+
+
+@runtime_checkable
+class Reclaimable(Protocol):
+    """A pool client that keeps pages only for reuse (dormant slots, cached prefixes) and gives them back
+    when the pool runs short. Register it with PagePool.register(); the pool holds it weakly."""
+
+    def reclaimable_pages(self) -> int:
+        """Pages reclaim_pages() could free now."""
+
+    def reclaim_pages(self, pages: int) -> int:
+        """Free up to `pages` pages (at least that many if possible); returns the pages freed."""
 
 
 class PagePool:
@@ -89,20 +102,53 @@ class PagePool:
     def reset_high_water(self) -> None:
         self._pool.reset_high_water()
 
+    # Page references and copies, for the ranges' users (prefix index, swap space).
+    def new_range(self, nbytes: int):
+        """A VirtualRange (vpaged._C) of nbytes of address space whose pages come from this pool."""
+        return _C.VirtualRange(self._pool, int(nbytes))
+
+    def incref(self, pages: list[int]) -> None:
+        """Take one more reference on each page (all or none)."""
+        self._pool.incref_all(list(pages))
+
+    def decref(self, pages: list[int]) -> None:
+        """Drop one reference on each page; a page left with none goes back to the free list."""
+        self._pool.decref_all(list(pages))
+
+    def refcount(self, page: int) -> int:
+        return self._pool.refcount(page)
+
+    def copy_to_host(self, page: int, host_ptr: int, stream: int = 0) -> None:
+        """Queue a copy of a page to host memory on `stream` (CUDA; synchronous on the host)."""
+        self._pool.copy_to_host(page, host_ptr, stream)
+
+    def copy_from_host(self, page: int, host_ptr: int, stream: int = 0) -> None:
+        self._pool.copy_from_host(page, host_ptr, stream)
+
+    def synchronize(self, stream: int = 0) -> None:
+        """Wait for the copies queued on `stream`."""
+        self._pool.backend.synchronize(stream)
+
     # Deferred reclamation across the caches that share this pool.
-    def _register(self, client) -> None:
+    def register(self, client: Reclaimable) -> None:
+        """Ask `client` for pages when the pool runs short (held weakly; see Reclaimable)."""
+        if not isinstance(client, Reclaimable):
+            raise InvalidArgumentError(f"{type(client).__name__} is not Reclaimable")
         self._clients.add(client)
 
+    def unregister(self, client: Reclaimable) -> None:
+        self._clients.discard(client)
+
     def reclaimable_pages(self) -> int:
-        return sum(c._reclaimable_pages() for c in list(self._clients))
+        return sum(c.reclaimable_pages() for c in list(self._clients))
 
     def reclaim(self, pages: int) -> int:
-        """Ask caches to unmap pages they keep only for reuse until `pages` are freed; returns pages freed."""
+        """Ask clients to unmap pages they keep only for reuse until `pages` are freed; returns pages freed."""
         freed = 0
         for c in list(self._clients):
             if freed >= pages:
                 break
-            freed += c._reclaim(pages - freed)
+            freed += c.reclaim_pages(pages - freed)
         return freed
 
     def ensure_free(self, pages: int) -> bool:

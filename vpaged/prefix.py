@@ -2,16 +2,21 @@
 
 A block is the run of tokens that fills one page of every region. Its key chains the key of the block before
 it with its own token ids (so a key names the whole prefix up to it); on a key hit the stored token ids are
-compared too, so a hash collision is never taken for a hit. The index holds one pool reference on each
-page of a block; blocks that nothing else maps are evicted least recently used first when the pool runs low.
+compared too, so a hash collision is never taken for a hit. The index owns one pool reference on each
+page of a block: insert() takes them, evict() and clear() drop them. Blocks that nothing else maps are
+evicted least recently used first when the pool runs low.
 """
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .pool import PagePool
 
 HashFn = Callable[[bytes, Sequence[int]], bytes]
 
@@ -32,8 +37,9 @@ class PrefixBlock:
 
 
 class PrefixIndex:
-    def __init__(self, block_tokens: int, hash_fn: HashFn | None = None):
+    def __init__(self, block_tokens: int, pool: PagePool, hash_fn: HashFn | None = None):
         self.block_tokens = block_tokens
+        self.pool = pool
         self.hash_fn = hash_fn or chained_hash
         self._blocks: dict[bytes, PrefixBlock] = {}
         self._clock = 0
@@ -65,10 +71,16 @@ class PrefixIndex:
             hits.append(found)
         return hits
 
+    @property
+    def pages(self) -> int:
+        """Pages the index holds a reference on."""
+        return sum(len(b.pages) for b in self._blocks.values())
+
     def insert(self, key: bytes, depth: int, tokens: tuple[int, ...], pages: list[int]) -> bool:
-        """Add a block (the caller has taken the page references); False if its key is taken."""
+        """Add a block, taking a reference on each of its pages; False (nothing taken) if its key is taken."""
         if key in self._blocks:
             return False
+        self.pool.incref(pages)
         self._clock += 1
         self._blocks[key] = PrefixBlock(key, depth, tokens, pages, self._clock)
         return True
@@ -80,10 +92,21 @@ class PrefixIndex:
         """Least recently used first; within a prefix, deeper blocks before the ones they extend."""
         return sorted(self._blocks.values(), key=lambda b: (b.last_used, -b.depth))
 
-    def remove(self, block: PrefixBlock) -> None:
-        del self._blocks[block.key]
+    def evictable(self, releasable: set[int] = frozenset()) -> list[PrefixBlock]:
+        """Blocks whose pages evicting would free, in eviction order: pages nothing but the index holds,
+        counting one more reference on each page in `releasable` (held by mappings the caller can drop)."""
+        refcount = self.pool.refcount
+        return [b for b in self.eviction_order() if all(refcount(p) == 1 + (p in releasable) for p in b.pages)]
 
-    def clear(self) -> list[PrefixBlock]:
-        blocks = list(self._blocks.values())
+    def evict(self, block: PrefixBlock) -> int:
+        """Remove a block and drop its page references; returns the number of pages."""
+        del self._blocks[block.key]
+        self.pool.decref(block.pages)
+        return len(block.pages)
+
+    def clear(self) -> int:
+        """Evict every block; returns the number of pages whose references were dropped."""
+        pages = [p for b in self._blocks.values() for p in b.pages]
         self._blocks.clear()
-        return blocks
+        self.pool.decref(pages)
+        return len(pages)

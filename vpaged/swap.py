@@ -4,9 +4,14 @@ One arena of fixed-size chunks (one page each); pinned on CUDA so page copies ru
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .errors import SwapSpaceFullError
+
+if TYPE_CHECKING:
+    from .pool import PagePool
 
 
 class SwapSpace:
@@ -40,3 +45,23 @@ class SwapSpace:
 
     def address(self, chunk: int) -> int:
         return self._base + chunk * self.page_size
+
+    def save(self, pool: PagePool, pages: list[int]) -> list[int]:
+        """Copy pages into fresh chunks (all or none: SwapSpaceFullError changes nothing) and wait for the
+        copies to land, so the pages may go back to the pool. Returns the chunks, in the pages' order."""
+        chunks = self.alloc(len(pages))
+        try:
+            for page, chunk in zip(pages, chunks):
+                pool.copy_to_host(page, self.address(chunk))
+            pool.synchronize()
+        except BaseException:
+            self.release(chunks)
+            raise
+        return chunks
+
+    def restore(self, pool: PagePool, pages: list[int], chunks: list[int]) -> None:
+        """Copy chunks back into pages and wait for the copies; the chunks stay allocated (release() them
+        once the pages are in use: a failed restore can be retried)."""
+        for page, chunk in zip(pages, chunks):
+            pool.copy_from_host(page, self.address(chunk))
+        pool.synchronize()

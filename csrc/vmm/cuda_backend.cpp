@@ -449,9 +449,8 @@ class CudaBackend final : public Backend {
     }
   }
 
-  // map_calls_ / unmap_calls_ are plain counters in Backend; ranges may map concurrently.
+  // map_calls_ / unmap_calls_ are atomic in Backend: ranges on several threads may map at once.
   void count_calls(size_t maps, size_t unmaps) {
-    std::lock_guard<std::mutex> lock(counter_mu_);
     map_calls_ += maps;
     unmap_calls_ += unmaps;
   }
@@ -488,7 +487,6 @@ class CudaBackend final : public Backend {
   std::vector<CUmemGenericAllocationHandle> handles_;
   std::atomic<size_t> created_{0};
   std::mutex create_mu_;
-  std::mutex counter_mu_;
 };
 
 }  // namespace

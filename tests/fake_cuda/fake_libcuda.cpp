@@ -125,6 +125,9 @@ struct State {
   std::map<uintptr_t, Mapping> mappings;      // start -> mapping
   std::map<std::string, long> calls;
   std::map<std::string, InjectedFailure> failures;
+  // Allocations an async copy touched since the last cuStreamSynchronize: on a real device that copy may
+  // still be running, so unmapping them then is a bug (see fake_cuMemUnmap).
+  std::set<CUmemGenericAllocationHandle> copy_pending;
   long violations = 0;
   std::string last_violation;
   unsigned long long last_proc_flags = ~0ull;
@@ -250,6 +253,16 @@ bool inside_one_reservation(State& s, uintptr_t p, size_t size) {
 // Rule (copies, synchronize): the fake has no streams of its own, only the NULL (legacy default)
 // stream; vpaged passes the caller's stream through, and the tests only pass 0.
 bool known_stream(CUstream stream) { return stream == nullptr || stream == CU_STREAM_LEGACY; }
+
+// The fake knows one stream (the legacy default one), so "pending" is one set for all copies.
+void mark_copy_pending(State& s, uintptr_t p, size_t size) {
+  for (uintptr_t at = p; at < p + size;) {
+    auto it = mapping_at(s, at);
+    if (it == s.mappings.end()) return;
+    s.copy_pending.insert(it->second.handle);
+    at = it->first + it->second.size;
+  }
+}
 
 // --------------------------------------------------------------------------------------------------
 // Entry points.
@@ -507,6 +520,17 @@ CUresult fake_cuMemUnmap(CUdeviceptr ptr, size_t size) {
   // mappings in one call are accepted, as by the driver (vpaged unmaps a run of pages in one call;
   // tests/test_cuda_backend.py checks that on a real GPU).
   if (!whole_mappings(s, ptr, size)) REFUSE(CUDA_ERROR_INVALID_VALUE, "range is not a sequence of whole mappings");
+  // Not refused by the driver, but a bug it would not forgive: an async copy that may still run reads or
+  // writes this memory (vpaged must synchronize the copy's stream before unmapping). Recorded as a
+  // violation; the unmap goes ahead as the driver's would.
+  for (uintptr_t at = ptr; at < ptr + size;) {
+    const Mapping& m = s.mappings.at(at);
+    if (s.copy_pending.count(m.handle)) {
+      violation(s, call_name, CUDA_SUCCESS, "unmapped memory an unsynchronized async copy may still access");
+      break;
+    }
+    at += m.size;
+  }
   void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
                  -1, 0);
   if (p == MAP_FAILED) return CUDA_ERROR_UNKNOWN;
@@ -554,6 +578,8 @@ CUresult fake_cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, 
   if (!accessible(s, dst, bytes) || !accessible(s, src, bytes))
     REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
   std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+  mark_copy_pending(s, dst, bytes);
+  mark_copy_pending(s, src, bytes);
   return CUDA_SUCCESS;
 }
 
@@ -564,6 +590,7 @@ CUresult fake_cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstre
   if (dst == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null host pointer");
   if (!accessible(s, src, bytes)) REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
   std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
+  mark_copy_pending(s, src, bytes);
   return CUDA_SUCCESS;
 }
 
@@ -574,6 +601,7 @@ CUresult fake_cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, 
   if (src == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null host pointer");
   if (!accessible(s, dst, bytes)) REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
   std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
+  mark_copy_pending(s, dst, bytes);
   return CUDA_SUCCESS;
 }
 
@@ -581,6 +609,7 @@ CUresult fake_cuStreamSynchronize(CUstream stream) {
   ENTER("cuStreamSynchronize");
   NEED_CONTEXT;
   if (!known_stream(stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
+  s.copy_pending.clear();
   return CUDA_SUCCESS;  // every copy is already complete
 }
 

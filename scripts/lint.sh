@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Lint and format checks: ruff (lint + format) over the Python code, clang-format over the C++/CUDA code.
+# Changes nothing: prints what it would change and exits non-zero when something is off.
+#
+#   scripts/lint.sh          check
+#   scripts/lint.sh --fix    apply ruff's fixes and both formatters instead
+#
+# ruff and clang-format come from PyPI into the venv (.venv, or $VPAGED_VENV) when they are missing there.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VPAGED_VENV:-$ROOT/.venv}"
+cd "$ROOT"
+if [ ! -x "$VENV/bin/python" ]; then
+  "${PYTHON:-python3}" -m venv "$VENV"
+fi
+if [ ! -x "$VENV/bin/ruff" ] || [ ! -x "$VENV/bin/clang-format" ]; then
+  echo "==> installing ruff and clang-format into $VENV"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check ruff clang-format
+fi
+RUFF="$VENV/bin/ruff"
+CLANG_FORMAT="$VENV/bin/clang-format"
+mapfile -t CXX < <(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'tests/fake_cuda/*.cpp')
+
+if [ "${1:-}" = "--fix" ]; then
+  "$RUFF" check --fix .
+  "$RUFF" format .
+  "$CLANG_FORMAT" -i "${CXX[@]}"
+  exit 0
+fi
+
+status=0
+echo "==> ruff check"
+"$RUFF" check . || status=1
+echo "==> ruff format --check"
+"$RUFF" format --check . || status=1
+echo "==> clang-format --dry-run -Werror (${#CXX[@]} files)"
+"$CLANG_FORMAT" --dry-run -Werror "${CXX[@]}" || status=1
+((status == 0)) && echo "lint: clean"
+exit $status

@@ -1,0 +1,44 @@
+"""KVGeometry: the shape of a model's K/V (layers, heads, head size, element type), shared by every cache.
+
+One place computes what a token costs and what a static cache of the same model would reserve, so the two
+caches and the transformers integration agree on it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_positive_int
+from ._dtypes import itemsize
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            check_positive_int(name, getattr(self, name))
+        itemsize(self.dtype)  # DTypeError for a dtype a cache cannot hold
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def token_row_elements(self) -> int:
+        """Elements of one token's K (or V) in one layer."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_layers * self.token_row_elements * self.itemsize
+
+    def static_bytes(self, num_seqs: int, max_seq_len: int) -> int:
+        """What reserving max_seq_len tokens for each of num_seqs sequences takes (a static cache)."""
+        return num_seqs * max_seq_len * self.bytes_per_token

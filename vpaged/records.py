@@ -1,0 +1,57 @@
+"""Plain records the KV caches hand out: CacheStats (what a VirtualKVCache holds) and BatchedKV (one layer
+of several sequences, for decode kernels). Both are re-exported by vpaged.cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    layout: str
+    page_size: int
+    sequences: int
+    live_tokens: int
+    live_bytes: int  # bytes holding K/V of live tokens (all layers)
+    mapped_pages: int  # pages this cache has mapped, dormant ones included
+    mapped_bytes: int
+    dormant_pages: int  # pages of freed slots kept for reuse (reclaimable)
+    utilization: float  # live_bytes / mapped_bytes (1.0 when nothing is mapped; > 1 when pages are shared)
+    tokens_per_page: float  # fill granularity: tokens one page of one region holds
+    pool_free_pages: int
+    pool_used_pages: int
+    pages_mapped_total: int  # pages mapped since creation (map work done)
+    pages_unmapped_total: int
+    map_calls: int  # calls into the range that mapped pages (one per extend that needed pages)
+    shared_pages: int  # pages this cache maps that are mapped more than once (or held by the prefix index)
+    cow_copies: int  # pages copied on write since creation
+    prefix_hit_tokens: int  # tokens reused from the prefix index since creation
+    prefix_cached_pages: int  # pages held by the prefix index
+    swapped_sequences: int
+    swapped_bytes: int  # bytes in swap space
+
+
+@dataclass(frozen=True)
+class BatchedKV:
+    """One layer's K and V of several sequences, for decode kernels that take per-sequence lengths.
+
+    k_ptr / v_ptr address token 0 of slot 0; sequence i starts `slots[i] * slot_stride` elements further
+    and holds `lengths[i]` valid tokens with `token_stride` elements between tokens, `head_stride` between
+    heads (head_dim except for the head_major layout). Only memory below each length is guaranteed mapped:
+    a kernel must not read past it. Valid until one of the sequences is freed, truncated or swapped out.
+    """
+
+    k_ptr: int
+    v_ptr: int
+    slots: torch.Tensor  # int32 [B] on the cache's device
+    lengths: torch.Tensor  # int32 [B] on the cache's device
+    slot_stride: int
+    token_stride: int
+    head_stride: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    layout: str
+    owner: object  # the cache's range: keeps the memory reserved while this descriptor lives

@@ -1,0 +1,57 @@
+"""SlotViews: zero-copy torch views and decode-kernel descriptors over a VirtualKVCache's range.
+
+Stateless beyond what it is built with (the range, the layout, dtype and device): the cache decides which
+tokens may be viewed (lengths, the write contract), this module turns slots and token spans into tensors.
+The C++ range refuses any view that would reach unmapped memory and pins the pages of each view it makes.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._dtypes import dlpack_code
+from .errors import InvalidArgumentError
+from .layout import Layout
+from .records import BatchedKV
+
+
+class SlotViews:
+    def __init__(self, vrange, layout: Layout, dtype: torch.dtype, device: torch.device):
+        self.range, self.layout, self.dtype, self.device = vrange, layout, dtype, device
+        self._dl_code, self._dl_bits = dlpack_code(dtype)
+
+    def tokens(self, layer: int, kv: int, slot: int, start: int, n: int) -> torch.Tensor:
+        """K (kv=0) or V (kv=1) of tokens start..start+n-1 of a slot as a [n, kv_heads, head_dim] view."""
+        shape, strides, perm = self.layout.view_dims(n)
+        return self._make(self.layout.offset(layer, kv, slot, start), shape, strides).permute(perm)
+
+    def rows(self, layer: int, slots: list[int], lengths: list[int], length: int | None):
+        """(K, V) of evenly spaced slots as [B, length, kv_heads, head_dim] views; length defaults to the
+        slots' common length and may not exceed the shortest."""
+        step = slots[1] - slots[0] if len(slots) > 1 else 1
+        if step <= 0 or any(b - a != step for a, b in zip(slots, slots[1:])):
+            raise InvalidArgumentError(f"kv_batch needs sequences in evenly spaced increasing slots, got {slots}")
+        if length is None:
+            if len(set(lengths)) != 1:
+                raise InvalidArgumentError(f"sequences differ in length {lengths}; pass length <= {min(lengths)}")
+            length = lengths[0]
+        if not 0 <= length <= min(lengths):
+            raise InvalidArgumentError(f"length {length} outside 0..{min(lengths)} (shortest sequence)")
+        lay = self.layout
+        shape, strides, perm = lay.view_dims(length)
+        shape, strides = [len(slots)] + shape, [step * lay.slot_stride] + strides
+        perm = (0,) + tuple(p + 1 for p in perm)
+        return tuple(self._make(lay.offset(layer, kv, slots[0]), shape, strides).permute(perm) for kv in (0, 1))
+
+    def descriptor(self, layer: int, slots: list[int], lengths: list[int]) -> BatchedKV:
+        lay = self.layout
+        base = self.range.address
+        return BatchedKV(
+            k_ptr=base + lay.base_offset(layer, 0), v_ptr=base + lay.base_offset(layer, 1),
+            slots=torch.tensor(slots, dtype=torch.int32, device=self.device),
+            lengths=torch.tensor(lengths, dtype=torch.int32, device=self.device),
+            slot_stride=lay.slot_stride, token_stride=lay.token_stride, head_stride=lay.head_stride,
+            num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim, dtype=self.dtype, device=self.device,
+            layout=lay.kind, owner=self.range)
+
+    def _make(self, offset: int, shape, strides) -> torch.Tensor:
+        return torch.from_dlpack(self.range.view(offset, shape, strides, self._dl_code, self._dl_bits))
