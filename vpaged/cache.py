@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _C
+from . import _C, accounting
 from ._checks import check_kv, check_layer, check_token_count, lookup_sequence
 from ._dtypes import dlpack_code, itemsize
 from .device import normalize_device
@@ -60,6 +60,17 @@ class CacheStats:
     prefix_cached_pages: int  # pages held by the prefix index
     swapped_sequences: int
     swapped_bytes: int  # bytes in swap space
+    # Where the mapped memory goes (see vpaged/accounting.py). Each physical page counts once, so with
+    # sharing stored_bytes <= live_bytes.
+    stored_bytes: int  # bytes of live sequences' tokens held in pages, each physical copy once
+    fragmentation_bytes: int  # bytes of live sequences' pages holding no token (partly filled pages)
+    reserved_bytes: int  # reserved for tokens not yet present (0: vpaged maps on demand)
+    dormant_bytes: int  # pages kept only for reuse: freed slots and the prefix cache (reclaimable)
+
+    @property
+    def waste_bytes(self) -> int:
+        """Memory that holds no live token and cannot be handed out: fragmentation plus reservation."""
+        return self.fragmentation_bytes + self.reserved_bytes
 
 
 @dataclass(frozen=True)
@@ -610,6 +621,9 @@ class VirtualKVCache:
     def batch(self, layer: int, seqs) -> BatchedKV:
         """Descriptor of one layer's K/V of `seqs` for decode kernels with per-sequence lengths."""
         self._check_layer(layer)
+        if self.pool.accounting_only:
+            raise InvalidArgumentError("batch(): the cache is on an accounting-only pool, which holds no K/V "
+                                       "for kernels to read")
         slots = [self._live_slot(s) for s in seqs]
         lay = self.layout
         base = self._range.address
@@ -675,6 +689,7 @@ class VirtualKVCache:
         swapped_pages = sum(len(p) for p, _ in self._swapped.values())
         mapped -= swapped_pages
         mapped_bytes = mapped * self.layout.page_size
+        stored, fragmentation, dormant_bytes = self._memory_breakdown()
         return CacheStats(
             layout=self.layout.kind, page_size=self.layout.page_size, sequences=len(self._slot_of),
             live_tokens=live_tokens, live_bytes=live_bytes, mapped_pages=mapped, mapped_bytes=mapped_bytes,
@@ -684,7 +699,29 @@ class VirtualKVCache:
             pages_unmapped_total=self._pages_unmapped, map_calls=self._map_calls, shared_pages=shared,
             cow_copies=self._cow_copies, prefix_hit_tokens=self._prefix_hits,
             prefix_cached_pages=len(self._prefix) * self.layout.runs if self._prefix else 0,
-            swapped_sequences=len(self._swapped), swapped_bytes=swapped_pages * self.layout.page_size)
+            swapped_sequences=len(self._swapped), swapped_bytes=swapped_pages * self.layout.page_size,
+            stored_bytes=stored, fragmentation_bytes=fragmentation, reserved_bytes=0, dormant_bytes=dormant_bytes)
+
+    def _memory_breakdown(self) -> tuple[int, int, int]:
+        """(stored, fragmentation, dormant) bytes. A page of a live sequence holds bytes up to the sequence's
+        length in its run; a page shared by several sequences counts once, with the fullest use. Dormant: pages
+        of freed slots and of the prefix index that no live sequence maps."""
+        lay = self.layout
+        live_pages, live_fill = [], []
+        for slot in self._slot_of.values():
+            m = self._mapped[slot]
+            if not m or slot in self._swapped:
+                continue
+            live_pages += self._range.pages_at(lay.page_slots(slot, 0, m))
+            used = self._len[slot] * lay.token_bytes  # bytes of each run that hold tokens
+            live_fill += [min(max(used - p * lay.page_size, 0), lay.page_size) for p in range(m)] * lay.runs
+        fill = accounting.page_fill(live_pages, live_fill)
+        stored = sum(fill.values())
+        fragmentation = len(fill) * lay.page_size - stored
+        kept = {p for s in self._dormant for p in self._range.pages_at(lay.page_slots(s, 0, self._mapped[s]))}
+        if self._prefix:
+            kept.update(p for b in self._prefix.blocks() for p in b.pages)
+        return stored, fragmentation, len(kept - fill.keys()) * lay.page_size
 
     def reclaim(self) -> int:
         """Unmap the pages of every freed slot now; returns pages returned to the pool."""

@@ -132,6 +132,7 @@ def decode_attention(q: torch.Tensor, cache, seqs, layer: int, scale: float | No
         return decode_attention_contiguous(q, cache.batch(layer, seqs), scale, out, max_len=max_len)
     if isinstance(cache, PagedKVCache):
         cache._check_layer(layer)
+        cache._check_data()
         max_len = _cache_max_len(cache, seqs)
         return decode_attention_paged(q, cache.key_caches[layer], cache.value_caches[layer],
                                       cache.block_tables(seqs), cache.lengths(seqs), scale, out, max_len=max_len)
