@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import _C, accounting
@@ -704,24 +705,40 @@ class VirtualKVCache:
 
     def _memory_breakdown(self) -> tuple[int, int, int]:
         """(stored, fragmentation, dormant) bytes. A page of a live sequence holds bytes up to the sequence's
-        length in its run; a page shared by several sequences counts once, with the fullest use. Dormant: pages
-        of freed slots and of the prefix index that no live sequence maps."""
+        length in its run; a page shared by several sequences counts once, with its fullest use. Dormant: pages
+        of freed slots and of the prefix index that no live sequence maps.
+
+        Pages at or past a slot's _shared_upto are private to it, so they are counted by arithmetic; only the
+        pages below it are looked up and deduplicated (this runs at simulator scale: 10^5-10^6 pages)."""
         lay = self.layout
-        live_pages, live_fill = [], []
+        ps, runs = lay.page_size, lay.runs
+        stored = fragmentation = 0
+        shared_pages, shared_fill = [], []
         for slot in self._slot_of.values():
             m = self._mapped[slot]
             if not m or slot in self._swapped:
                 continue
-            live_pages += self._range.pages_at(lay.page_slots(slot, 0, m))
             used = self._len[slot] * lay.token_bytes  # bytes of each run that hold tokens
-            live_fill += [min(max(used - p * lay.page_size, 0), lay.page_size) for p in range(m)] * lay.runs
-        fill = accounting.page_fill(live_pages, live_fill)
-        stored = sum(fill.values())
-        fragmentation = len(fill) * lay.page_size - stored
-        kept = {p for s in self._dormant for p in self._range.pages_at(lay.page_slots(s, 0, self._mapped[s]))}
+            upto = min(self._shared_upto[slot], m)
+            private = max(0, min(used, m * ps) - upto * ps) * runs
+            stored += private
+            fragmentation += (m - upto) * ps * runs - private
+            if upto:
+                shared_pages.append(np.asarray(self._range.pages_at(lay.page_slots(slot, 0, upto)), dtype=np.int64))
+                per_run = np.clip(used - np.arange(upto, dtype=np.int64) * ps, 0, ps)
+                shared_fill.append(np.tile(per_run, runs))  # page slots are run-major
+        if shared_pages:
+            fill = accounting.page_fill(np.concatenate(shared_pages), np.concatenate(shared_fill))
+            stored += sum(fill.values())
+            fragmentation += len(fill) * ps - sum(fill.values())
+        else:
+            fill = {}
+        dormant = sum(self._mapped[s] for s in self._dormant if not self._shared_upto[s]) * runs
+        kept = {p for s in self._dormant if self._shared_upto[s]
+                for p in self._range.pages_at(lay.page_slots(s, 0, self._mapped[s]))}
         if self._prefix:
             kept.update(p for b in self._prefix.blocks() for p in b.pages)
-        return stored, fragmentation, len(kept - fill.keys()) * lay.page_size
+        return stored, fragmentation, (dormant + len(kept - fill.keys())) * ps
 
     def reclaim(self) -> int:
         """Unmap the pages of every freed slot now; returns pages returned to the pool."""

@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--step-ms", type=float, default=30.0, help="trace time of one decode step")
     p.add_argument("--policies", default="all",
                    help="comma-separated policies, e.g. 'static,block 16,vpaged interleaved 2 MiB' (default all)")
-    p.add_argument("--samples", type=int, default=200, help="memory samples per policy")
+    p.add_argument("--samples", type=int, default=100, help="memory samples per policy")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': standard output)")
     p.add_argument("--plot", metavar="DIR", help="write memory_over_time.png and waste_by_cause.png into DIR")
     p.set_defaults(func=run, parser=p)
