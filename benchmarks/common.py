@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# `vpaged bench` points every script at one results folder through VPAGED_RESULTS_DIR.
+RESULTS = Path(os.environ.get("VPAGED_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 
 
 def machine() -> dict:

@@ -26,6 +26,10 @@ class Backend {
   virtual int dlpack_device_type() const = 0;
   virtual int device_index() const = 0;
 
+  // False for a backend that maps no memory (the accounting backend): no view or raw pointer may be
+  // handed out over its ranges.
+  virtual bool addressable() const { return true; }
+
   virtual size_t page_size() const = 0;
   virtual size_t capacity_pages() const = 0;
 
@@ -67,6 +71,10 @@ class Backend {
 
 // Host backend: a sparse memfd of capacity_pages * page_size bytes is the physical memory.
 std::shared_ptr<Backend> make_host_backend(size_t page_size, size_t capacity_pages);
+
+// Accounting backend (csrc/accounting_backend.cpp): pages and reservations are counted, no memory is
+// mapped; views over its ranges are refused. For simulating KV memory at GPU scale on any host.
+std::shared_ptr<Backend> make_accounting_backend(size_t page_size, size_t capacity_pages);
 
 // CUDA backend (csrc/vmm/cuda_backend.cpp). Throws BackendUnavailable with the reason when CUDA cannot
 // be used (built without CUDA, no driver, no such device).

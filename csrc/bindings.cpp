@@ -64,11 +64,13 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("created_pages", &Backend::created_pages)
       .def_property_readonly("map_calls", &Backend::map_calls)
       .def_property_readonly("unmap_calls", &Backend::unmap_calls)
+      .def_property_readonly("addressable", &Backend::addressable)
       .def("reserve", &Backend::reserve, py::arg("bytes"))
       .def("release", &Backend::release, py::arg("va"), py::arg("bytes"))
       .def("synchronize", &Backend::synchronize, py::arg("stream") = 0);
 
   m.def("host_backend", &make_host_backend, py::arg("page_size"), py::arg("capacity_pages"));
+  m.def("accounting_backend", &make_accounting_backend, py::arg("page_size"), py::arg("capacity_pages"));
   m.def("cuda_backend", &make_cuda_backend, py::arg("device"), py::arg("page_size"),
         py::arg("capacity_pages"), py::arg("reserve_pages") = 0);
   m.def("cuda_unavailable_reason", &cuda_unavailable_reason, py::arg("device") = 0);

@@ -467,6 +467,10 @@ void* VirtualRange::make_dlpack(size_t offset, const std::vector<int64_t>& shape
                                 const std::vector<int64_t>& strides, int dtype_code, int dtype_bits) {
   if (shape.size() != strides.size()) throw InvalidArgument("view: shape and strides differ in length");
   if (shape.empty()) throw InvalidArgument("view: at least one dimension is needed");
+  if (!pool_->backend().addressable()) {
+    throw InvalidArgument("view: this range is on the accounting backend, which counts pages but holds no "
+                          "memory; use a host or CUDA pool to read or write K/V");
+  }
   const size_t itemsize = static_cast<size_t>(dtype_bits) / 8;
   if (itemsize == 0 || dtype_bits % 8 != 0) throw InvalidArgument("view: unsupported dtype width");
   bool empty = false;

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_kv, check_layer, check_positive_int, check_token_count, is_int
+from .accounting import virtual_cache_breakdown
 from .device import normalize_device
 from .errors import (
     CacheClosedError,
@@ -510,6 +511,9 @@ class VirtualKVCache:
     def batch(self, layer: int, seqs) -> BatchedKV:
         """Descriptor of one layer's K/V of `seqs` for decode kernels with per-sequence lengths."""
         check_layer(layer, self.num_layers)
+        if self.pool.accounting_only:
+            raise InvalidArgumentError("batch(): the cache is on an accounting-only pool, which holds no K/V "
+                                       "for kernels to read")
         slots = [self._live_slot(s) for s in seqs]
         return self._views.descriptor(layer, slots, [self._slots.length_tokens[s] for s in slots])
 
@@ -559,6 +563,9 @@ class VirtualKVCache:
         swapped_pages = sum(len(p) for p, _ in self._swapped.values())
         mapped -= swapped_pages
         mapped_bytes = mapped * self.layout.page_size
+        prefix_pages = [p for b in self._prefix.blocks() for p in b.pages] if self._prefix else []
+        stored, fragmentation, dormant_bytes = virtual_cache_breakdown(
+            self.layout, t, self._range.pages_at, prefix_pages, self._swapped)
         return CacheStats(
             layout=self.layout.kind, page_size=self.layout.page_size, sequences=len(t.sequences),
             live_tokens=live_tokens, live_bytes=live_bytes, mapped_pages=mapped, mapped_bytes=mapped_bytes,
@@ -568,7 +575,8 @@ class VirtualKVCache:
             pages_unmapped_total=self._pages_unmapped, map_calls=self._map_calls, shared_pages=shared,
             cow_copies=self._cow_copies, prefix_hit_tokens=self._prefix_hits,
             prefix_cached_pages=self._prefix.pages if self._prefix else 0,
-            swapped_sequences=len(self._swapped), swapped_bytes=swapped_pages * self.layout.page_size)
+            swapped_sequences=len(self._swapped), swapped_bytes=swapped_pages * self.layout.page_size,
+            stored_bytes=stored, fragmentation_bytes=fragmentation, reserved_bytes=0, dormant_bytes=dormant_bytes)
 
     def reclaim(self) -> int:
         """Unmap the pages of every freed slot now; returns pages returned to the pool."""
@@ -579,13 +587,26 @@ class VirtualKVCache:
         """Freed slots whose pages no live view reads (reclaim can unmap them), oldest first."""
         return [s for s in self._slots.dormant_slots() if not self._range.pinned_count(self._page_slots_of(s))]
 
+    def _spare_tails(self) -> list[tuple[int, int]]:
+        """(slot, first spare page) of live sequences holding private pages past what their tokens need: a
+        freed slot reused by a shorter sequence keeps the longer one's pages mapped (deferred reclamation).
+        They are kept for the sequence to grow into, and given back when the pool runs short."""
+        t, out = self._slots, []
+        for slot in t.live_slots():
+            first = max(self.layout.pages_for(t.length_tokens[slot]), t.shared_below_page[slot])
+            if first < t.mapped_pages[slot] and slot not in self._swapped:
+                if not self._range.pinned_count(self._page_slots_of(slot, first)):
+                    out.append((slot, first))
+        return out
+
     def reclaimable_pages(self) -> int:
-        """Pages reclaim_pages() could return to the pool now (Reclaimable): unpinned freed slots' pages and
-        cached prefix blocks that nothing else maps."""
+        """Pages reclaim_pages() could return to the pool now (Reclaimable): unpinned freed slots' pages,
+        cached prefix blocks that nothing else maps, and live sequences' spare pages past their tokens."""
         if self._closed:
             return 0
         dormant = self._unpinned_dormant_slots()
-        return self._slots.total_mapped_pages(dormant) * self.layout.runs + sum(
+        spare = sum(self._slots.mapped_pages[s] - first for s, first in self._spare_tails())
+        return (self._slots.total_mapped_pages(dormant) + spare) * self.layout.runs + sum(
             len(b.pages) for b in self._evictable_blocks(dormant))
 
     def _evictable_blocks(self, dormant: list[int]):
@@ -612,6 +633,15 @@ class VirtualKVCache:
                 if freed >= pages:
                     break
                 freed += self._prefix.evict(block)
+        if freed < pages:
+            for slot, first in self._spare_tails():
+                if freed >= pages:
+                    break
+                idx = self._page_slots_of(slot, first)
+                self._range.unmap(idx)  # unpinned (checked), private: nothing reads them
+                self._pages_unmapped += len(idx)
+                self._slots.truncate_pages(slot, first)
+                freed += len(idx)
         return freed
 
     def close(self) -> None:

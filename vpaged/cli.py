@@ -1,4 +1,6 @@
-"""The `vpaged` command: `vpaged demo` (a mixed workload on the CPU) and `vpaged info` (backends)."""
+"""The `vpaged` command: `vpaged demo` (a mixed workload on the CPU), `vpaged info` (backends) and
+`vpaged simulate` (KV memory of serving policies at production scale, vpaged/sim/cli.py) and `vpaged bench`
+(the benchmark suite, vpaged/benchsuite_cli.py)."""
 from __future__ import annotations
 
 import argparse
@@ -96,6 +98,11 @@ def main(argv=None) -> int:
     demo.set_defaults(func=cmd_demo)
     info = sub.add_parser("info", help="show which backends are usable here and why not")
     info.set_defaults(func=cmd_info)
+    from .benchsuite_cli import add_parser as add_bench
+    from .sim.cli import add_parser as add_simulate
+
+    add_simulate(sub)
+    add_bench(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

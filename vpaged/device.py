@@ -9,6 +9,7 @@ from . import _C
 from .errors import BackendUnavailableError, InvalidArgumentError
 
 HOST_PAGE_SIZE = 64 * 1024  # ≥ 64 KiB keeps host mappings far from vm.max_map_count
+CUDA_PAGE_SIZE = 2 * 1024 * 1024  # VMM granularity on A100/H100/H200 (the driver is asked where there is one)
 
 
 @dataclass(frozen=True)

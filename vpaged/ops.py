@@ -133,6 +133,8 @@ def decode_attention(q: torch.Tensor, cache, seqs, layer: int, scale: float | No
         return decode_attention_contiguous(q, cache.batch(layer, seqs), scale, out, max_len=max_len)
     if isinstance(cache, PagedKVCache):
         check_layer(layer, cache.num_layers)
+        if cache.accounting_only:
+            raise InvalidArgumentError("the cache is accounting-only: it keeps block tables but holds no K/V")
         max_len = _cache_max_len(cache, seqs)
         return decode_attention_paged(q, cache.key_caches[layer], cache.value_caches[layer],
                                       cache.block_tables(seqs), cache.lengths(seqs), scale, out, max_len=max_len)

@@ -49,6 +49,16 @@ class PagedCacheStats:
     pool_bytes: int  # num_blocks * block_bytes: preallocated at construction
     utilization: float  # live_bytes / allocated_bytes (1.0 when nothing is allocated)
     cow_copies: int  # blocks copied by copy-on-write since creation
+    # Where the allocated memory goes (see vpaged/accounting.py).
+    stored_bytes: int  # == live_bytes: each stored token row once
+    fragmentation_bytes: int  # rows of allocated blocks that hold no token (partly filled last blocks)
+    reserved_bytes: int  # 0: blocks are taken as tokens arrive
+    dormant_bytes: int  # 0: freed blocks go straight back to the free list
+
+    @property
+    def waste_bytes(self) -> int:
+        """Allocated memory that holds no live token: fragmentation plus reservation."""
+        return self.fragmentation_bytes + self.reserved_bytes
 
 
 class PagedKVCache:
@@ -63,11 +73,13 @@ class PagedKVCache:
         num_blocks or capacity_bytes (exactly one): size of the block pool; a block holds block_size tokens
             of K and V in every layer, capacity_bytes is rounded down to whole blocks.
         block_size: tokens per block, 8, 16 or 32.
+        accounting_only: keep the block tables and counts but allocate no block pools (the simulator's mode:
+            any scale on any host); write(), kv() and kernels then raise InvalidArgumentError.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
                  max_seqs: int = 64, max_seq_len: int = 4096, device="cpu", *, num_blocks: int | None = None,
-                 capacity_bytes: int | None = None, block_size: int = 16):
+                 capacity_bytes: int | None = None, block_size: int = 16, accounting_only: bool = False):
         self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype)  # checks them; DTypeError
         check_positive_int("max_seqs", max_seqs)
         check_positive_int("max_seq_len", max_seq_len)
@@ -86,10 +98,12 @@ class PagedKVCache:
                 f"the pool needs at least one block of {self.block_bytes} bytes, got num_blocks={num_blocks!r} "
                 f"(capacity_bytes={capacity_bytes!r})")
         self.num_blocks = num_blocks
+        self.accounting_only = bool(accounting_only)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        pools = 0 if self.accounting_only else num_layers
         # torch.empty: on the host, untouched pages of a large allocation cost no RAM until written.
-        self.key_caches = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.value_caches = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.key_caches = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(pools)]
+        self.value_caches = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(pools)]
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
         self._ref = [0] * num_blocks
         self._blocks: dict[int, list[int]] = {}  # live sequence -> its block table
@@ -269,6 +283,7 @@ class PagedKVCache:
         """(K, V) of the sequence as [seq_len, num_kv_heads, head_dim] tensors gathered from its blocks
         (copies, unlike VirtualKVCache.kv(): a block table has no strided view)."""
         self._check_layer(layer)
+        self._check_data()
         table = self._table(seq)
         n = self._len[seq]
         idx = torch.tensor(table, dtype=torch.int64, device=self.device)
@@ -311,7 +326,8 @@ class PagedKVCache:
             free_blocks=len(self._free), shared_blocks=sum(1 for r in self._ref if r > 1),
             sequences=len(self._blocks), live_tokens=sum(self._len.values()), stored_tokens=stored,
             live_bytes=live_bytes, allocated_bytes=allocated, pool_bytes=self.num_blocks * self.block_bytes,
-            utilization=live_bytes / allocated if allocated else 1.0, cow_copies=self._cow_copies)
+            utilization=live_bytes / allocated if allocated else 1.0, cow_copies=self._cow_copies,
+            stored_bytes=live_bytes, fragmentation_bytes=allocated - live_bytes, reserved_bytes=0, dormant_bytes=0)
 
     def close(self) -> None:
         """Free every sequence and drop the block pools."""
@@ -373,5 +389,10 @@ class PagedKVCache:
     def _check_layer(self, layer) -> None:
         check_layer(layer, self.num_layers)
 
+    def _check_data(self) -> None:
+        if self.accounting_only:
+            raise InvalidArgumentError("the cache is accounting-only: it keeps block tables but holds no K/V")
+
     def _check_kv(self, k, v) -> None:
+        self._check_data()
         check_kv(k, v, self.dtype, self.num_kv_heads, self.head_dim, self.device)

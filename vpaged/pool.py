@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from . import _C
-from .device import default_page_size, make_backend, normalize_device
+from .device import CUDA_PAGE_SIZE, default_page_size, make_backend, normalize_device
 from .errors import BackendUnavailableError, InvalidArgumentError
 
 
@@ -60,11 +60,19 @@ class PagePool:
     capacity_bytes / capacity_pages: the budget (one of them). page_size: bytes per page (default 64 KiB on
     the host, the VMM granularity, 2 MiB on current NVIDIA GPUs, on CUDA). reserve_pages: pages created
     up front (CUDA creates physical memory ahead of need; on the host every page exists at no cost).
+    accounting_only: count pages without mapping any memory (the accounting backend): caches on such a
+    pool allocate, extend, fork, share and free exactly as on real memory, at any scale, but refuse views
+    and kernels. What `vpaged simulate` uses; always on device "cpu" (give the page size to model a GPU).
     """
 
     def __init__(self, device="cpu", *, capacity_bytes: int | None = None, capacity_pages: int | None = None,
-                 page_size: int | None = None, reserve_pages: int = 0):
+                 page_size: int | None = None, reserve_pages: int = 0, accounting_only: bool = False):
         self.device = normalize_device(device)
+        self.accounting_only = bool(accounting_only)
+        if self.accounting_only and self.device.type != "cpu":
+            raise InvalidArgumentError(
+                "an accounting-only pool is a host object (caches on it run no kernels): use device='cpu' and "
+                f"page_size={CUDA_PAGE_SIZE} to count GPU-sized pages")
         self.page_size = int(page_size) if page_size is not None else default_page_size(self.device)
         if self.page_size <= 0:
             raise InvalidArgumentError(f"page_size must be positive, got {page_size}")
@@ -75,7 +83,10 @@ class PagePool:
         if capacity_pages <= 0:
             raise InvalidArgumentError(
                 f"a pool needs at least one page of {self.page_size} bytes (capacity {capacity_bytes} bytes)")
-        backend = make_backend(self.device, self.page_size, int(capacity_pages), int(reserve_pages))
+        if self.accounting_only:
+            backend = _C.accounting_backend(self.page_size, int(capacity_pages))
+        else:
+            backend = make_backend(self.device, self.page_size, int(capacity_pages), int(reserve_pages))
         self._pool = _C.PagePool(backend, int(reserve_pages))
         self._clients: weakref.WeakSet = weakref.WeakSet()
 
@@ -163,7 +174,8 @@ class PagePool:
 
     def __repr__(self) -> str:
         s = self.stats()
-        return (f"PagePool(device={s.device}, page_size={s.page_size}, used={s.used_pages}/{s.total_pages} pages)")
+        kind = ", accounting only" if self.accounting_only else ""
+        return (f"PagePool(device={s.device}{kind}, page_size={s.page_size}, used={s.used_pages}/{s.total_pages} pages)")
 
 
 _default_pools: dict[torch.device, PagePool] = {}

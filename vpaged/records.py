@@ -30,6 +30,17 @@ class CacheStats:
     prefix_cached_pages: int  # pages held by the prefix index
     swapped_sequences: int
     swapped_bytes: int  # bytes in swap space
+    # Where the mapped memory goes (see vpaged/accounting.py). Each physical page counts once, so with
+    # sharing stored_bytes <= live_bytes.
+    stored_bytes: int  # bytes of live sequences' tokens held in pages, each physical copy once
+    fragmentation_bytes: int  # bytes of live sequences' pages holding no token (partly filled pages)
+    reserved_bytes: int  # reserved for tokens not yet present (0: vpaged maps on demand)
+    dormant_bytes: int  # pages kept only for reuse: freed slots and the prefix cache (reclaimable)
+
+    @property
+    def waste_bytes(self) -> int:
+        """Memory that holds no live token and cannot be handed out: fragmentation plus reservation."""
+        return self.fragmentation_bytes + self.reserved_bytes
 
 
 @dataclass(frozen=True)
