@@ -3,8 +3,10 @@
 tests/fake_cuda/fake_libcuda.cpp is a libcuda.so.1 that implements the driver's VMM calls on host memory
 (allocations are memfds, reservations PROT_NONE mmaps, cuMemMap a MAP_SHARED|MAP_FIXED mmap) and enforces
 the driver's rules: a current context for memory calls, whole mappings for unmap and set-access,
-alignment, no access before cuMemSetAccess, entry points only through cuGetProcAddress. It counts calls,
-injects failures, limits device memory, and counts the API violations it refused.
+alignment, no access before cuMemSetAccess, entry points only through cuGetProcAddress. Copies on a
+(non-blocking) stream complete only when that stream is synchronized, and queued work whose memory is
+unmapped first is a sticky CUDA_ERROR_ILLEGAL_ADDRESS for the context. It counts calls, injects failures,
+limits device memory, and counts the API violations it refused.
 
 This module compiles it with g++ once per session, then runs the checks in one child process whose
 LD_LIBRARY_PATH finds the fake first (the loader reads LD_LIBRARY_PATH at process start only, so this
