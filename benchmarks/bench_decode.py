@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -40,7 +39,7 @@ from vpaged import PagedKVCache, VirtualKVCache, ops
 from vpaged.cache import BatchedKV
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK = 8, 32, 128, 16
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, write_json  # noqa: E402 - this folder is on sys.path when run as a script
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -212,6 +211,19 @@ def main() -> None:
         print(f"contiguous kernel on a plain tensor: {vpaged.backends()['cuda'].reason}")
 
     cells, skipped = [], []
+    out = Path(args.out) if args.out else RESULTS / f"decode_{device.type}.json"
+
+    def payload(complete: bool) -> dict:
+        return {
+            "benchmark": "decode_attention", "complete": complete, "machine": machine(device), "device": str(device),
+            "grid": "quick" if args.quick else "full", "repeats": repeats, "layout": args.layout, "clock": args.clock,
+            "geometry": {"kv_heads": KV_HEADS, "heads": HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK, "layers": 1},
+            "contiguous_on": "VirtualKVCache" if use_vmm else "plain tensor (per_layer strides)",
+            "copy_bandwidth_GBps": bw / 1e9,
+            "floor": "K/V bytes read / copy bandwidth; caches flushed before each repeat",
+            "cells": cells, "skipped": skipped,
+        }
+
     header = f"{'dtype':>8} {'batch':>5} {'context':>7} {'KV MiB':>7} {'floor ms':>9}"
     for name in ("contiguous", "paged", "sdpa"):
         header += f" {name + ' ms':>14} {'x floor':>7}"
@@ -230,21 +242,11 @@ def main() -> None:
                     k = c["kernels"][name]
                     row += f" {k['median_ms']:>14.3f} {k['x_floor']:>7.2f}"
                 print(row, flush=True)
+                write_json(out, payload(complete=False))  # partial results survive a run stopped part way
     if skipped:
         print(f"skipped {len(skipped)} cells above --max-tokens {cap} (batch*context)")
 
-    payload = {
-        "benchmark": "decode_attention", "machine": machine(device), "device": str(device),
-        "grid": "quick" if args.quick else "full", "repeats": repeats, "layout": args.layout, "clock": args.clock,
-        "geometry": {"kv_heads": KV_HEADS, "heads": HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK, "layers": 1},
-        "contiguous_on": "VirtualKVCache" if use_vmm else "plain tensor (per_layer strides)",
-        "copy_bandwidth_GBps": bw / 1e9,
-        "floor": "K/V bytes read / copy bandwidth; caches flushed before each repeat",
-        "cells": cells, "skipped": skipped,
-    }
-    out = Path(args.out) if args.out else RESULTS / f"decode_{device.type}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(out, payload(complete=True))
     print(f"wrote {out}")
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import subprocess
 import sys
@@ -397,8 +396,20 @@ def main() -> int:
         # As in an inference process: torch has made the device's primary context current on this thread,
         # so vpaged's driver calls need no context push.
         torch.zeros(1, device=f"cuda:{DEVICE}")
-    results = {"benchmark": "vmm_cuda", "machine": machine(), "gpu": gpu_facts(), "quick": args.quick, "parts": {}}
+    results = {"benchmark": "vmm_cuda", "complete": False, "machine": machine(), "gpu": gpu_facts(),
+               "quick": args.quick, "parts": {}}
     failed = []
+
+    def save() -> Path:  # after every part: a run stopped part way keeps the parts it finished
+        results["goals"] = {name: part.get("goal_met") for name, part in results["parts"].items()
+                            if "goal_met" in part}
+        if "map" in results["parts"] and "goal_met_map" in results["parts"]["map"]:
+            m = results["parts"]["map"]
+            results["goals"]["map"] = m["goal_met_map"]
+            results["goals"]["unmap"] = m["goal_met_unmap"]
+        results["failed_parts"] = failed
+        return write_json(args.out if args.out is not None else RESULT_NAME, results)
+
     for name in parts:
         print(f"\n== {name}", flush=True)
         t0 = time.perf_counter()
@@ -409,18 +420,9 @@ def main() -> int:
             results["parts"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             failed.append(name)
         results["parts"][name]["seconds"] = round(time.perf_counter() - t0, 2)
-    results["goals"] = {name: part.get("goal_met") for name, part in results["parts"].items() if "goal_met" in part}
-    if "map" in results["parts"] and "goal_met_map" in results["parts"]["map"]:
-        m = results["parts"]["map"]
-        results["goals"]["map"] = m["goal_met_map"]
-        results["goals"]["unmap"] = m["goal_met_unmap"]
-    results["failed_parts"] = failed
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
-        path = args.out
-    else:
-        path = write_json(RESULT_NAME, results)
+        save()
+    results["complete"] = True
+    path = save()
     print(f"\ngoals: {results['goals']}" + (f"; failed parts: {failed}" if failed else ""))
     print(f"wrote {path}")
     return 1 if failed else 0

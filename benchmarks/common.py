@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-# `vpaged bench` points every script at one results folder through VPAGED_RESULTS_DIR.
+# VPAGED_RESULTS_DIR redirects every benchmark's JSON (`vpaged bench` and scripts/gpu_check.sh point it at
+# their output folder).
 RESULTS = Path(os.environ.get("VPAGED_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 
 
@@ -43,10 +44,14 @@ def median_time(fn, repeats: int = 7, inner: int = 1) -> float:
     return statistics.median(samples)
 
 
-def write_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+def write_json(name: str | Path, payload: dict) -> Path:
+    """Write payload to RESULTS/name (or to a path). Atomic (a temporary file renamed over the old one), so
+    a benchmark may call it after every part: a run stopped part way leaves the last complete file."""
+    path = Path(name) if isinstance(name, Path) else RESULTS / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
     return path
 
 

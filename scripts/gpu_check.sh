@@ -1,38 +1,61 @@
 #!/usr/bin/env bash
-# The one-shot check for a lent GPU machine (an H200 with torch+CUDA, nvcc, pybind11, cuda-bindings and
-# no internet): build vpaged in place, show the GPU, run the GPU tests and the GPU benchmarks, and leave a
-# log and JSON behind. Finishes within ~6 minutes: every stage has a time limit, and a stage that fails
-# does not stop the later ones.
+# The one-shot check for a lent GPU machine (an H200 with torch+CUDA, nvcc, pybind11, cuda-bindings and no
+# internet): probe the environment, build vpaged in place, run each GPU test file and each GPU benchmark as
+# its own capped stage, and leave a log and JSON behind. The stage caps add up to less than the budget
+# (default 345 s), so the whole script ends within ~6 minutes; a stage that fails does not stop the others.
 #
-#   scripts/gpu_check.sh [OUT_DIR]
+#   scripts/gpu_check.sh [--dry-run] [OUT_DIR]
 #
-# OUT_DIR: the first argument, else $OUT, else benchmarks/results/gpu-<UTC date>. It receives:
+# OUT_DIR: the argument, else $OUT, else benchmarks/results/gpu-<UTC date>. It receives (few files: a lent
+# machine sends back at most 8):
 #   gpu_check.log   everything printed
-#   summary.json    each stage's status and time, every GPU test's outcome, each benchmark's goals
-#   <bench>.json    what each GPU benchmark wrote to benchmarks/results/ during the run
-# Exit status: 0 when every stage passed; 1 when a stage failed, timed out or had no time left.
+#   summary.json    the environment probe, each stage's status, cap, time and note, every GPU test's outcome
+#                   (one junit file per test file, merged), each benchmark's goals and whether it completed
+#   <bench>.json    what each benchmark wrote; benchmarks write after every part, so a stage stopped at its
+#                   cap still leaves the parts it finished
+# Exit status: 0 when every stage passed, or when nothing could run because this machine has no NVIDIA
+# driver or --dry-run was given (every stage is then marked skipped, with the reason); 1 otherwise.
 #
-# GPU tests: everything marked `gpu` under tests/ (pytest -m gpu). GPU benchmarks: benchmarks/bench_*cuda*.py,
-# benchmarks/bench_*gpu*.py and bench_decode.py (with --device cuda), each run as
-# `python FILE $GPU_BENCH_ARGS` (default --quick); a benchmark
-# writes its JSON with benchmarks/common.write_json, and the files it wrote are copied to OUT_DIR.
+# Stages run in the order of the `stage` lines below, each as its own process (an illegal address on the
+# GPU is sticky for the process: one bad test must not poison the next file). ADDING A STAGE is one line:
 #
-# Settings (environment): PYTHON (default python3), GPU_CHECK_BUDGET_S (total seconds, default 345),
-# GPU_BENCHES (space-separated benchmark files instead of the pattern), GPU_BENCH_ARGS, VPAGED_CUDA_ARCHS
-# (default 90: Hopper only, to save build time).
+#   stage NAME CAP_SECONDS NEEDS COMMAND
+#
+#   NEEDS    gpu    skipped unless the probe found a usable GPU (driver, device with VMM, torch with CUDA)
+#            build  also skipped when the build cannot run (no nvcc, no Python.h) or failed
+#   COMMAND  a bash string run from the repository root; helpers: `pytest_file FILE` (the file's tests
+#            marked gpu, in one pytest process with its own junit file) and `bench FILE ARGS...` (a
+#            benchmark writing its JSON into OUT_DIR through benchmarks/common.py)
+#
+# and its CAP comes out of the budget: the caps must add up to at most GPU_CHECK_BUDGET_S minus 15 s (the
+# report), which tests/test_gpu_check.py checks. Lower another cap or raise the budget only if the whole run
+# still fits the device time (README: "GPU check"). Every test file that uses the gpu mark must have a stage
+# (also checked there).
+#
+# Settings (environment): PYTHON (default python3), GPU_CHECK_BUDGET_S (default 345), GPU_CHECK_DRY_RUN=1
+# (same as --dry-run), VPAGED_CUDA_ARCHS (default 90: Hopper only, to save build time), VPAGED_BUILD_JOBS
+# (default: all cores), GPU_TEST_TIMEOUT_S (per test, default 60, with pytest-timeout).
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
+if [ "${1:-}" = "--dry-run" ]; then
+  DRY_RUN=1
+  shift
+fi
 START=$(date +%s)
 BUDGET=${GPU_CHECK_BUDGET_S:-345}
-DEADLINE=$((START + BUDGET - 20)) # the last 20 s are kept for the report
+REPORT_RESERVE=15
+DEADLINE=$((START + BUDGET - REPORT_RESERVE))
 PY=${PYTHON:-python3}
 OUT_DIR=${1:-${OUT:-$ROOT/benchmarks/results/gpu-$(date -u +%Y%m%d-%H%M%S)}}
 mkdir -p "$OUT_DIR" || { echo "gpu_check: cannot create $OUT_DIR" >&2; exit 1; }
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 WORK="$(mktemp -d)"
+mkdir -p "$WORK/junit"
 LOG="$OUT_DIR/gpu_check.log"
+: >"$LOG"
 
 # Everything printed from here on goes to the terminal and to the log.
 exec 3>&1 4>&2
@@ -42,132 +65,247 @@ TEE_PID=$!
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" # the in-place build, from any working directory
 export PYTHONUNBUFFERED=1
 export VPAGED_CUDA_ARCHS=${VPAGED_CUDA_ARCHS:-90}
+export VPAGED_BUILD_JOBS=${VPAGED_BUILD_JOBS:-$(nproc 2>/dev/null || echo 4)}
+export VPAGED_RESULTS_DIR="$OUT_DIR" # benchmarks/common.py writes the benchmarks' JSON here
 export PY ROOT OUT_DIR WORK
 
-STAGE_NAMES=()
-STAGE_STATUS=()
-STAGE_SECONDS=()
-STAGE_NOTES=()
-FAILED=0
+# ---------------------------------------------------------------------------------------------------
+# Helpers for stage commands (exported: each stage runs in its own bash).
 
-# run_stage NAME CAP_SECONDS COMMAND: run COMMAND (a bash string) for at most CAP_SECONDS, or what is left
-# of the budget, and record how it went.
-run_stage() {
-  local name=$1 cap=$2 cmd=$3
-  local left=$((DEADLINE - $(date +%s)))
-  local limit=$((cap < left ? cap : left))
-  local status note="" t0 t1 rc
-  echo
-  echo "=== [$name] $(date -u +%H:%M:%S), limit ${limit}s"
-  [[ $cmd == *$'\n'* ]] || echo "\$ $cmd"
-  if ((limit < 10)); then
-    status="no-time"
-    note="skipped: ${left}s of the budget left"
-    rc=124
-    t0=$(date +%s)
-  else
-    t0=$(date +%s)
-    timeout -k 10 "$limit" bash -c "$cmd"
-    rc=$?
-    if ((rc == 0)); then
-      status="ok"
-    elif ((rc == 124 || rc == 137)); then
-      status="timeout"
-      note="stopped after ${limit}s"
-    else
-      status="failed"
-      note="exit status $rc"
-    fi
+# The tests of FILE marked gpu, in one pytest process, with their own junit file.
+pytest_file() {
+  local file=$1 name
+  name=$(basename "$file" .py)
+  local args=(-m gpu -v -rs -p no:cacheprovider "--junitxml=$WORK/junit/$name.xml")
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    args+=("--timeout=${GPU_TEST_TIMEOUT_S:-60}")
   fi
-  t1=$(date +%s)
-  ((rc == 0)) || FAILED=$((FAILED + 1))
-  STAGE_NAMES+=("$name")
-  STAGE_STATUS+=("$status")
-  STAGE_SECONDS+=($((t1 - t0)))
-  STAGE_NOTES+=("$note")
-  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((t1 - t0))" "$note" >>"$WORK/stages.tsv"
-  echo "=== [$name] $status ($((t1 - t0))s)${note:+: $note}"
+  "$PY" -m pytest "${args[@]}" "$file"
+  local rc=$?
+  ((rc == 5)) && echo "gpu_check: $file has no tests marked gpu"
+  return $rc
 }
 
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "no git")
-echo "gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), repo $ROOT ($COMMIT), output $OUT_DIR"
+# A benchmark: FILE ARGS...; its JSON goes to OUT_DIR (VPAGED_RESULTS_DIR).
+bench() {
+  "$PY" "$@"
+}
 
-run_stage env 40 '
-  nvidia-smi --format=csv --query-gpu=index,name,driver_version,memory.total,memory.used,temperature.gpu,\
-utilization.gpu,clocks.sm,clocks.max.sm,power.draw
-  smi=$?
-  nvidia-smi -L
-  command -v nvcc >/dev/null && nvcc --version | tail -n 2
-  "$PY" - <<"EOF"
-import importlib.metadata as md, platform, torch
-gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-"
-print("python", platform.python_version(), "| torch", torch.__version__, "| torch CUDA", torch.version.cuda,
-      "| cuda available", torch.cuda.is_available(), "|", gpu)
-for name in ("pybind11", "setuptools", "cuda-bindings", "cuda-python", "numpy", "transformers", "pytest"):
-    try:
-        print(f"  {name} {md.version(name)}")
-    except md.PackageNotFoundError:
-        print(f"  {name} not installed")
-EOF
-  exit $smi'
+# The in-place build: C++ compiled in parallel, CUDA alongside, for VPAGED_CUDA_ARCHS.
+build_in_place() {
+  "$PY" setup.py build_ext --inplace || return 1
+  "$PY" -c "import sys, vpaged._C as C; print('built with CUDA:', C.built_with_cuda()); sys.exit(not C.built_with_cuda())"
+}
 
-# In place, without build isolation (no internet): the C++/CUDA extension lands next to the sources.
-run_stage build 200 '
-  "$PY" setup.py build_ext --inplace || exit 1
-  "$PY" -c "import sys, vpaged._C as C; print(\"CUDA:\", C.built_with_cuda()); sys.exit(not C.built_with_cuda())"'
-
-run_stage probe 60 '
+# vpaged's own view of the backends (after the build).
+vpaged_probe() {
   "$PY" - <<"EOF"
 import sys, torch, vpaged
 for name, info in vpaged.backends().items():
     print(f"  {name}: usable={info.usable} granularity={info.granularity} devices={info.devices} {info.reason}")
 cuda = vpaged.backends()["cuda"]
 if not (cuda.usable and torch.cuda.is_available()):
-    sys.exit("CUDA is not usable here: " + (cuda.reason or "torch has no CUDA"))
-EOF'
+    sys.exit("CUDA is not usable by vpaged here: " + (cuda.reason or "torch has no CUDA"))
+EOF
+}
+export -f pytest_file bench build_in_place vpaged_probe
 
-PYTEST_ARGS="-m gpu -v -rs -p no:cacheprovider --junitxml=$WORK/junit.xml"
-if "$PY" -c "import pytest_timeout" 2>/dev/null; then
-  PYTEST_ARGS="$PYTEST_ARGS --timeout=120"
+# ---------------------------------------------------------------------------------------------------
+# The stages: name, cap (s), needs, command. Caps add up to 330 s of the 345 s budget.
+STAGE_NAMES=() STAGE_CAPS=() STAGE_NEEDS=() STAGE_CMDS=()
+stage() {
+  STAGE_NAMES+=("$1")
+  STAGE_CAPS+=("$2")
+  STAGE_NEEDS+=("$3")
+  STAGE_CMDS+=("$4")
+}
+
+stage build 100 build build_in_place
+stage probe 15 build vpaged_probe
+stage test:cuda_backend 30 build 'pytest_file tests/test_cuda_backend.py'
+stage test:cuda_cache 45 build 'pytest_file tests/test_cuda_cache.py'
+stage test:decode_kernels 45 build 'pytest_file tests/test_decode_kernels.py'
+stage bench:vmm_cuda 40 build 'bench benchmarks/bench_vmm_cuda.py --quick'
+stage bench:decode 55 build 'bench benchmarks/bench_decode.py --quick --device cuda'
+
+# ---------------------------------------------------------------------------------------------------
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "no git")
+CAPS_TOTAL=0
+for cap in "${STAGE_CAPS[@]}"; do CAPS_TOTAL=$((CAPS_TOTAL + cap)); done
+echo "gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), repo $ROOT ($COMMIT), output $OUT_DIR"
+echo "gpu_check: ${#STAGE_NAMES[@]} stages, caps ${CAPS_TOTAL}s of a ${BUDGET}s budget (${REPORT_RESERVE}s kept for the report)"
+if ((CAPS_TOTAL > BUDGET - REPORT_RESERVE)); then
+  echo "gpu_check: WARNING: the stage caps exceed the budget: the last stages may get no time"
 fi
-run_stage tests 170 "\"\$PY\" -m pytest $PYTEST_ARGS tests/"
 
-if [ -n "${GPU_BENCHES:-}" ]; then
-  read -r -a BENCHES <<<"$GPU_BENCHES"
+# Environment probe (first, ~seconds): driver, device and VMM support, nvcc, Python.h, torch's CUDA. It
+# decides which stages can run, and says why not.
+echo
+echo "=== [environment] $(date -u +%H:%M:%S)"
+command -v nvidia-smi >/dev/null && timeout 15 nvidia-smi --format=csv \
+  --query-gpu=index,name,driver_version,memory.total,memory.used,temperature.gpu,clocks.sm,clocks.max.sm,power.draw
+timeout 60 "$PY" - "$WORK/env.json" "$DRY_RUN" <<'EOF' || echo "gpu_check: the environment probe failed"
+import ctypes, importlib.metadata as md, json, os, platform, shutil, subprocess, sys, sysconfig
+from pathlib import Path
+
+env = {"python": platform.python_version(), "python_executable": sys.executable}
+gpu_reason = build_reason = ""
+driver_present = False
+try:  # the driver itself, through the same library vpaged loads
+    cu = ctypes.CDLL("libcuda.so.1")
+    driver_present = True
+    version, count, vmm = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    rc = cu.cuInit(0)
+    if rc:
+        gpu_reason = f"cuInit failed with CUresult {rc}"
+    else:
+        cu.cuDriverGetVersion(ctypes.byref(version))
+        env["driver_cuda"] = f"{version.value // 1000}.{version.value % 1000 // 10}"
+        cu.cuDeviceGetCount(ctypes.byref(count))
+        env["devices"] = count.value
+        if count.value == 0:
+            gpu_reason = "the NVIDIA driver sees no device"
+        else:
+            name = ctypes.create_string_buffer(256)
+            cu.cuDeviceGetName(name, 256, 0)
+            env["device0"] = name.value.decode()
+            cu.cuDeviceGetAttribute(ctypes.byref(vmm), 102, 0)  # VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+            env["vmm_supported"] = bool(vmm.value)
+            if not vmm.value:
+                gpu_reason = "device 0 does not support virtual memory management"
+except OSError as e:
+    gpu_reason = f"no NVIDIA driver ({e})"
+try:
+    if driver_present and sys.argv[2] != "1":  # importing torch takes seconds: only where it can matter
+        import torch
+    else:
+        raise ImportError("not checked: no NVIDIA driver or a dry run")
+    env["torch"] = torch.__version__
+    env["torch_cuda"] = torch.version.cuda
+    env["torch_cuda_available"] = torch.cuda.is_available()
+    if not gpu_reason and not torch.cuda.is_available():
+        gpu_reason = f"torch {torch.__version__} cannot use CUDA (torch.version.cuda={torch.version.cuda})"
+except ImportError as e:
+    env["torch"] = str(e)
+    gpu_reason = gpu_reason or f"torch is not importable: {e}"
+nvcc = shutil.which("nvcc") or next((str(p) for p in (Path(os.environ.get("CUDA_HOME", "/nonexistent")) / "bin/nvcc",
+                                                      Path("/usr/local/cuda/bin/nvcc")) if p.is_file()), None)
+if nvcc:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    env["nvcc"] = out[-1] if out else nvcc
+else:
+    build_reason = "nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): the build would have no CUDA"
+header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+env["python_h"] = str(header) if header.is_file() else None
+if not header.is_file():
+    build_reason = build_reason or f"Python.h not found at {header} (install the Python development headers)"
+for name in ("pybind11", "setuptools", "numpy", "cuda-bindings", "transformers", "pytest", "pytest-timeout"):
+    try:
+        env[name] = md.version(name)
+    except md.PackageNotFoundError:
+        env[name] = None
+if sys.argv[2] == "1":
+    gpu_reason = "dry run (--dry-run): nothing was run on a GPU"
+dry = sys.argv[2] == "1" or not driver_present
+env.update(gpu_reason=gpu_reason, build_reason=build_reason, dry_run=dry)
+Path(sys.argv[1]).write_text(json.dumps(env, indent=2))
+for k, v in env.items():
+    print(f"  {k}: {v}")
+EOF
+read_env() { "$PY" -c "import json,sys; print(json.load(open('$WORK/env.json')).get(sys.argv[1]) or '')" "$1" 2>/dev/null; }
+if [ -s "$WORK/env.json" ]; then
+  GPU_REASON=$(read_env gpu_reason)
+  BUILD_REASON=$(read_env build_reason)
+  [ "$(read_env dry_run)" = "True" ] && DRY_RUN=1
 else
-  mapfile -t BENCHES < <(ls benchmarks/bench_*cuda*.py benchmarks/bench_*gpu*.py 2>/dev/null | sort -u)
-  BENCHES+=(benchmarks/bench_decode.py) # decode kernels: contiguous-on-VMM vs block table vs SDPA
+  GPU_REASON="the environment probe failed (see the log)"
+  BUILD_REASON=""
+  ((DRY_RUN)) || command -v nvidia-smi >/dev/null || DRY_RUN=1
 fi
-export GPU_BENCH_ARGS=${GPU_BENCH_ARGS:---quick}
-for bench in "${BENCHES[@]}"; do
-  touch "$WORK/before-bench"
-  sleep 1 # so that a file the benchmark writes is strictly newer than the marker
-  extra=""
-  [ "$(basename "$bench")" = bench_decode.py ] && extra="--device cuda"
-  run_stage "bench:$(basename "$bench" .py)" 150 "\"\$PY\" \"$bench\" \$GPU_BENCH_ARGS $extra"
-  find benchmarks/results -maxdepth 1 -name '*.json' -newer "$WORK/before-bench" -exec cp {} "$OUT_DIR/" \;
+
+# ---------------------------------------------------------------------------------------------------
+FAILED=0
+STAGE_STATUS=() STAGE_SECONDS=() STAGE_NOTES=()
+
+run_stage() {
+  local i=$1
+  local name=${STAGE_NAMES[$i]} cap=${STAGE_CAPS[$i]} needs=${STAGE_NEEDS[$i]} cmd=${STAGE_CMDS[$i]}
+  local left=$((DEADLINE - $(date +%s)))
+  local limit=$((cap < left ? cap : left))
+  local status note="" rc=0 t0 t1
+  t0=$(date +%s)
+  echo
+  echo "=== [$name] $(date -u +%H:%M:%S), cap ${cap}s, limit ${limit}s"
+  if [ "$needs" != "-" ] && [ -n "$GPU_REASON" ]; then
+    status=skipped note="no usable GPU: $GPU_REASON"
+  elif [ "$needs" = build ] && [ -n "$BUILD_REASON" ]; then
+    status=skipped note="no CUDA build: $BUILD_REASON"
+  elif ((limit < 5)); then
+    status=no-time note="${left}s of the budget left"
+    rc=124
+  else
+    echo "\$ $cmd"
+    timeout -k 5 "$limit" bash -c "$cmd"
+    rc=$?
+    if ((rc == 0)); then
+      status=ok
+    elif ((rc == 124 || rc == 137)); then
+      status=timeout note="stopped at ${limit}s"
+    else
+      status=failed note="exit status $rc"
+    fi
+  fi
+  t1=$(date +%s)
+  if [ "$status" != ok ] && [ "$status" != skipped ]; then
+    FAILED=$((FAILED + 1))
+    [ "$name" = build ] && BUILD_REASON="the build stage $status"
+  fi
+  STAGE_STATUS+=("$status")
+  STAGE_SECONDS+=($((t1 - t0)))
+  STAGE_NOTES+=("$note")
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((t1 - t0))" "$cap" "$note" >>"$WORK/stages.tsv"
+  echo "=== [$name] $status ($((t1 - t0))s)${note:+: $note}"
+}
+
+for i in "${!STAGE_NAMES[@]}"; do
+  run_stage "$i"
 done
-((${#BENCHES[@]})) || echo "gpu_check: no GPU benchmarks found (benchmarks/bench_*cuda*.py, bench_*gpu*.py)"
+SKIPPED=0
+for st in "${STAGE_STATUS[@]}"; do [ "$st" = skipped ] && SKIPPED=$((SKIPPED + 1)); done
+# Nothing ran on a GPU although this machine has one: that is a failure, not a dry run.
+((DRY_RUN == 0 && SKIPPED > 0)) && FAILED=$((FAILED + SKIPPED))
 
 # Report: summary.json, then the table of stages (last).
 echo
 echo "=== [report]"
+export BUDGET CAPS_TOTAL DRY_RUN COMMIT REPORT_RESERVE
 timeout 30 "$PY" - <<'EOF' || echo "gpu_check: the report step failed; summary.json holds the stages only"
-import json, os, socket, sys, time
+import json, os, socket, time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 out, work = Path(os.environ["OUT_DIR"]), Path(os.environ["WORK"])
 stages = []
 for line in (work / "stages.tsv").read_text().splitlines():
-    name, status, rc, seconds, note = (line.split("\t") + [""] * 5)[:5]
-    stages.append({"stage": name, "status": status, "exit": int(rc), "seconds": int(seconds), "note": note})
+    name, status, rc, seconds, cap, note = (line.split("\t") + [""] * 6)[:6]
+    stages.append({"stage": name, "status": status, "exit": int(rc), "seconds": int(seconds), "cap": int(cap),
+                   "note": note})
+env_file = work / "env.json"
+dry = os.environ["DRY_RUN"] == "1"
 summary = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": socket.gethostname(),
-           "stages": stages, "ok": all(s["status"] == "ok" for s in stages)}
-junit = work / "junit.xml"
-if junit.is_file():
-    tests, counts = {}, {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-    for case in ET.parse(junit).iter("testcase"):
+           "commit": os.environ["COMMIT"], "dry_run": dry, "budget_s": int(os.environ["BUDGET"]),
+           "report_reserve_s": int(os.environ["REPORT_RESERVE"]), "caps_total_s": int(os.environ["CAPS_TOTAL"]),
+           "environment": json.loads(env_file.read_text()) if env_file.is_file() else None, "stages": stages,
+           "ok": all(s["status"] == "ok" or (dry and s["status"] == "skipped") for s in stages)}
+tests, counts = {}, {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+for junit in sorted((work / "junit").glob("*.xml")):
+    try:
+        cases = list(ET.parse(junit).iter("testcase"))
+    except ET.ParseError as e:  # a process killed while writing
+        tests[junit.stem] = f"error: unreadable junit file ({e})"
+        counts["error"] += 1
+        continue
+    for case in cases:
         name = f"{case.get('classname')}::{case.get('name')}"
         outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
@@ -175,20 +313,18 @@ if junit.is_file():
             if el is not None:
                 outcome = {"failure": "failed"}.get(tag, tag)
                 message = (el.get("message") or "")[:300]
+                if tag != "skipped" and el.text:
+                    message += "\n" + el.text[-3000:]
                 break
         counts[outcome] += 1
         tests[name] = outcome if not message else f"{outcome}: {message}"
+if tests:
     summary["tests"] = {"counts": counts, "outcomes": tests}
     print(f"tests (-m gpu): {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
           f"{counts['skipped']} skipped")
-    skips = {}
     for name, outcome in tests.items():
-        if outcome.startswith("skipped"):
-            skips[outcome] = skips.get(outcome, 0) + 1
-        elif not outcome.startswith("passed"):
-            print(f"  {name}: {outcome}")
-    for reason, n in sorted(skips.items(), key=lambda kv: -kv[1]):
-        print(f"  {n} {reason}")
+        if not outcome.startswith(("passed", "skipped")):
+            print(f"  {name}: {outcome.splitlines()[0]}")
 benches = {}
 for path in sorted(out.glob("*.json")):
     if path.name == "summary.json":
@@ -198,16 +334,16 @@ for path in sorted(out.glob("*.json")):
     except ValueError as e:
         benches[path.name] = {"unreadable": str(e)}
         continue
-    benches[path.name] = {k: data[k] for k in ("goals", "failed_parts", "gpu") if k in data}
-    print(f"benchmark {path.name}: goals {data.get('goals', '-')}"
+    benches[path.name] = {k: data[k] for k in ("complete", "goals", "failed_parts") if k in data}
+    print(f"benchmark {path.name}: complete {data.get('complete', '-')}, goals {data.get('goals', '-')}"
           + (f", failed parts {data['failed_parts']}" if data.get("failed_parts") else ""))
 summary["benchmarks"] = benches
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 EOF
 if [ ! -s "$OUT_DIR/summary.json" ]; then # the report step failed: the stages, from bash
   {
-    printf '{"stages": ['
-    for i in "${!STAGE_NAMES[@]}"; do
+    printf '{"dry_run": %s, "stages": [' "$( ((DRY_RUN)) && echo true || echo false)"
+    for i in "${!STAGE_STATUS[@]}"; do
       ((i)) && printf ', '
       printf '{"stage": "%s", "status": "%s", "seconds": %s}' \
         "${STAGE_NAMES[$i]}" "${STAGE_STATUS[$i]}" "${STAGE_SECONDS[$i]}"
@@ -218,12 +354,15 @@ fi
 
 echo
 echo "=== gpu_check summary ($(($(date +%s) - START))s, output in $OUT_DIR)"
-printf '%-28s %-8s %7s  %s\n' stage status seconds note
-for i in "${!STAGE_NAMES[@]}"; do
-  printf '%-28s %-8s %7s  %s\n' "${STAGE_NAMES[$i]}" "${STAGE_STATUS[$i]}" "${STAGE_SECONDS[$i]}" "${STAGE_NOTES[$i]}"
+printf '%-24s %-8s %7s %5s  %s\n' stage status seconds cap note
+for i in "${!STAGE_STATUS[@]}"; do
+  printf '%-24s %-8s %7s %5s  %s\n' "${STAGE_NAMES[$i]}" "${STAGE_STATUS[$i]}" "${STAGE_SECONDS[$i]}" \
+    "${STAGE_CAPS[$i]}" "${STAGE_NOTES[$i]}"
 done
 if ((FAILED)); then
   echo "gpu_check: FAILED ($FAILED stage(s) not ok)"
+elif ((DRY_RUN)); then
+  echo "gpu_check: dry run: every stage skipped (${GPU_REASON:-no GPU})"
 else
   echo "gpu_check: all stages ok"
 fi

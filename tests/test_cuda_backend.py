@@ -101,15 +101,28 @@ def page_bytes(pool, page):
 @pytest.mark.gpu
 def test_granularity_matches_cuda_python(gran):
     driver = pytest.importorskip("cuda.bindings.driver")
+    ok = driver.CUresult.CUDA_SUCCESS
     (err,) = driver.cuInit(0)
-    assert err == driver.CUresult.CUDA_SUCCESS
-    prop = driver.CUmemAllocationProp()
-    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = DEVICE
-    err, expected = driver.cuMemGetAllocationGranularity(
-        prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
-    assert err == driver.CUresult.CUDA_SUCCESS
+    assert err == ok
+    # This may be the first test of the process: no context is current yet. Retain and push the device's
+    # primary context (as torch would have it) so the query runs as it does inside an inference process.
+    err, dev = driver.cuDeviceGet(DEVICE)
+    assert err == ok
+    err, ctx = driver.cuDevicePrimaryCtxRetain(dev)
+    assert err == ok
+    (err,) = driver.cuCtxPushCurrent(ctx)
+    assert err == ok
+    try:
+        prop = driver.CUmemAllocationProp()
+        prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = DEVICE
+        err, expected = driver.cuMemGetAllocationGranularity(
+            prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+    finally:
+        driver.cuCtxPopCurrent()
+        driver.cuDevicePrimaryCtxRelease(dev)
+    assert err == ok
     assert gran == expected
 
 

@@ -3,8 +3,10 @@
 tests/fake_cuda/fake_libcuda.cpp is a libcuda.so.1 that implements the driver's VMM calls on host memory
 (allocations are memfds, reservations PROT_NONE mmaps, cuMemMap a MAP_SHARED|MAP_FIXED mmap) and enforces
 the driver's rules: a current context for memory calls, whole mappings for unmap and set-access,
-alignment, no access before cuMemSetAccess, entry points only through cuGetProcAddress. It counts calls,
-injects failures, limits device memory, and counts the API violations it refused.
+alignment, no access before cuMemSetAccess, entry points only through cuGetProcAddress. Copies on a
+(non-blocking) stream complete only when that stream is synchronized, and queued work whose memory is
+unmapped first is a sticky CUDA_ERROR_ILLEGAL_ADDRESS for the context. It counts calls, injects failures,
+limits device memory, and counts the API violations it refused.
 
 This module compiles it with g++ once per session, then runs the checks in one child process whose
 LD_LIBRARY_PATH finds the fake first (the loader reads LD_LIBRARY_PATH at process start only, so this
@@ -52,6 +54,7 @@ CHECK_TIMEOUT_S = 30  # per check, in its child
 
 # CUresult and flag values (cuda.h).
 CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_ILLEGAL_ADDRESS = 700
 CUDA_ERROR_UNKNOWN = 999
 CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1
 KDL_UINT = 1
@@ -89,6 +92,14 @@ class FakeDriver:
         lib.fake_cuda_last_violation.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         lib.fake_cuda_proc_flags.restype = ctypes.c_ulonglong
         lib.fake_cuda_push_primary.argtypes = [ctypes.c_int]
+        lib.fake_cuda_stream_create.argtypes = [ctypes.c_int]
+        lib.fake_cuda_stream_create.restype = ctypes.c_void_p
+        lib.fake_cuda_launch_read.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+        lib.fake_cuda_pending.argtypes = [ctypes.c_void_p]
+        lib.fake_cuda_pending.restype = ctypes.c_long
+        lib.fake_cuda_stream_synchronize.argtypes = [ctypes.c_void_p]
+        lib.fake_cuda_sticky_error.argtypes = [ctypes.c_int]
+        lib.fake_cuda_clear_sticky_error.argtypes = [ctypes.c_int]
         self.lib = lib
         self.granularity = int(os.environ.get("FAKE_CUDA_GRANULARITY", 2 << 20))
 
@@ -136,6 +147,28 @@ class FakeDriver:
 
     def current_device(self) -> int:
         return self.lib.fake_cuda_current_device()
+
+    def stream(self, device: int = 0) -> int:
+        """A new non-blocking stream (as torch makes them); the handle as vpaged's calls take it."""
+        return self.lib.fake_cuda_stream_create(device)
+
+    def launch_read(self, stream: int, address: int, nbytes: int) -> int:
+        """Queue a kernel on `stream` reading nbytes at address; returns the context's sticky error (0: none)."""
+        return self.lib.fake_cuda_launch_read(stream, address, nbytes)
+
+    def pending(self, stream: int) -> int:
+        return self.lib.fake_cuda_pending(stream)
+
+    def sync_stream(self, stream: int) -> int:
+        return self.lib.fake_cuda_stream_synchronize(stream)
+
+    def sticky_error(self, device: int = 0) -> int:
+        return self.lib.fake_cuda_sticky_error(device)
+
+    def recover(self, device: int = 0) -> None:
+        """Forget a sticky error and the violations provoked on purpose (the real driver needs a new process)."""
+        self.lib.fake_cuda_clear_sticky_error(device)
+        self.lib.fake_cuda_clear_violations()
 
     def assert_clean(self) -> None:
         count, last = self.violations()
@@ -961,6 +994,128 @@ def test_failed_swap_in_waits_for_its_copies_before_unmapping(drv, rng):
     st = cache.stats()
     assert not cache.is_swapped(seq) and (st.swapped_sequences, st.live_tokens) == (0, cache.seq_len(seq))
     cache.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Streams: asynchronous copies, kernels still queued at unmap, sticky errors
+
+
+class FakeTorchStream:
+    """Stands in for a torch.cuda.Stream under the fake driver: a fake stream whose synchronize() waits
+    for the work queued on it."""
+
+    def __init__(self, drv):
+        self.drv = drv
+        self.handle = drv.stream()
+
+    def synchronize(self):
+        assert self.drv.sync_stream(self.handle) == 0, "the stream's queued work faulted"
+
+
+@fake_driver_check()
+def test_copies_on_a_stream_land_only_when_that_stream_is_synchronized(drv, rng):
+    """A copy on a caller's stream completes later than the call: the data is there after
+    backend.synchronize(that stream), not before and not after synchronizing the legacy stream."""
+    g = drv.granularity
+    backend, pool = make_pool(drv, 4, 4)
+    a, b = pool.acquire(2)
+    stream = drv.stream()
+    src = random_bytes(rng, g)
+    out = np.zeros(g, np.uint8)
+    old_a, old_b = page_contents(pool, a), page_contents(pool, b)  # legacy stream: done at the call
+    pool.copy_from_host(a, src.ctypes.data, stream)
+    pool.copy_page(b, a, stream)
+    pool.copy_to_host(b, out.ctypes.data, stream)
+    assert drv.pending(stream) == 3
+    backend.synchronize(0)  # the legacy stream does not wait for a non-blocking stream
+    assert drv.pending(stream) == 3 and not out.any()
+    assert np.array_equal(page_contents(pool, a), old_a) and np.array_equal(page_contents(pool, b), old_b)
+    backend.synchronize(stream)
+    assert drv.pending(stream) == 0
+    assert np.array_equal(out, src) and np.array_equal(page_contents(pool, b), src)
+
+
+@fake_driver_check()
+def test_unmapping_under_a_queued_kernel_is_a_sticky_illegal_address(drv, rng):
+    """A kernel still queued on a stream when its pages are unmapped faults; the error is sticky: every later
+    driver call of the context fails, and vpaged reports it as a BackendError that changes nothing."""
+    g = drv.granularity
+    backend, pool = make_pool(drv, 8, 8)
+    r = C.VirtualRange(pool, 4 * g)
+    r.map_new([0, 1])
+    stream = drv.stream()
+    assert drv.launch_read(stream, r.address, 2 * g) == 0
+    backend.synchronize(stream)  # waited for: unmapping afterwards is fine
+    r.unmap([1])
+    assert drv.sticky_error() == 0
+    assert drv.launch_read(stream, r.address, g) == 0
+    r.unmap([0])  # the kernel is still queued: it faults
+    assert drv.sticky_error() == CUDA_ERROR_ILLEGAL_ADDRESS
+    assert "illegal address" in drv.violations()[1]
+    before = (pool.stats().used_pages, r.mapped_slots, r.pages_at([0, 1, 2, 3]))
+    with pytest.raises(BackendError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+        r.map_new([2])
+    with pytest.raises(BackendError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+        backend.synchronize(0)
+    out = np.zeros(g, np.uint8)
+    with pytest.raises(BackendError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+        pool.copy_to_host(0, out.ctypes.data)
+    assert (pool.stats().used_pages, r.mapped_slots, r.pages_at([0, 1, 2, 3])) == before
+    drv.recover()
+    r.map_new([2])  # after a restart (modelled by recover) the driver works again
+
+
+@fake_driver_check()
+def test_cache_waits_for_its_streams_before_unmapping(drv, rng):
+    """VirtualKVCache's stream-safety protocol under a driver whose streams run late: kernels queued on the
+    current and a declared side stream still read the pages that truncate/free/reclaim unmap; the cache
+    waits for both streams first. Without that wait (the protocol switched off) the fake faults."""
+    g = drv.granularity
+    current, side = FakeTorchStream(drv), FakeTorchStream(drv)
+    torch.cuda.current_stream = lambda device=None: current  # this child process only
+    # interleaved: one run of pages per sequence, so a truncate is one cuMemUnmap
+    cache = vpaged.VirtualKVCache(1, 2, 128, dtype=torch.float32, max_seqs=4, max_seq_len=8192, device="cuda",
+                                  capacity_bytes=64 * g, layout="interleaved")
+    cache.use_stream(side)
+    lay = cache.layout
+    seqs = [cache.allocate() for _ in range(3)]
+    for s in seqs:
+        cache.extend(s, int(rng.integers(4100, 8000)))  # more than one page per region
+
+    def launch_reads(stream, seq):  # a decode kernel reading the sequence's K and V
+        address = cache._range.address + lay.offset(0, 0, cache._slot_of[seq])
+        assert drv.launch_read(stream.handle, address, cache.seq_len(seq) * lay.token_bytes) == 0
+
+    for s in seqs:
+        launch_reads(side, s)
+        launch_reads(current, s)
+    cache.truncate(seqs[1], 10)
+    cache.free(seqs[2])
+    cache.reclaim()
+    assert drv.sticky_error() == 0 and drv.pending(side.handle) == drv.pending(current.handle) == 0
+    assert drv.violations()[0] == 0
+
+    cache._quiesce = lambda: None  # what the protocol guards against: unmapping without waiting
+    launch_reads(side, seqs[0])
+    cache.truncate(seqs[0], 1)
+    assert drv.sticky_error() == CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(BackendError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+        cache.extend(seqs[1], 5000)
+    drv.recover()
+    del cache._quiesce
+    cache.close()
+
+
+@fake_driver_check()
+def test_gpu_cache_scenarios_keep_pool_and_cache_on_one_device(drv, rng):
+    """tests/test_cuda_cache.py's close scenario, run here without a GPU: the pool and the cache it builds
+    must both be on cuda:0 (a cache without device= is on the CPU and refuses a CUDA pool)."""
+    torch.cuda.current_stream = lambda device=None: RecordingStream(drv)  # this child process only
+    import test_cuda_cache  # tests/ is this runner's script folder
+
+    pool = test_cuda_cache.close_scenario(torch.device("cuda", 0))
+    assert pool.stats().created_pages >= 128 and pool.stats().used_pages == 0
+    del pool
 
 
 def _load_with_assertion_rewriting():

@@ -11,6 +11,8 @@ import torch
 import vpaged
 from vpaged import PagedKVCache, VirtualKVCache, _C, ops
 from vpaged.cache import BatchedKV
+from vpaged.device import default_page_size, normalize_device
+from vpaged.layout import Layout
 from vpaged.errors import BackendError, DTypeError, InvalidArgumentError, ShapeError
 
 HKV = 2
@@ -45,12 +47,17 @@ def poisoned(q):
     return torch.full_like(q, float("nan"))
 
 
-def build(kind, dtype, head_dim, lengths, device="cpu", layers=2, hkv=HKV):
-    """A cache of `kind` holding random K/V for sequences of `lengths`; returns (cache, seqs, K/V of layer 1)."""
+def build(kind, dtype, head_dim, lengths, device="cpu", layers=2, hkv=HKV, page_size=None):
+    """A cache of `kind` holding random K/V for sequences of `lengths`; returns (cache, seqs, K/V of layer 1).
+    A VirtualKVCache's pool is sized from its layout and page size (the device's default, e.g. 2 MiB on
+    CUDA, where head_major takes a page per head, layer and K/V even for short sequences)."""
     max_len = max(lengths)
     if kind in ("per_layer", "interleaved", "head_major"):
+        page = page_size or default_page_size(normalize_device(device))
+        lay = Layout(kind, layers, hkv, head_dim, dtype.itemsize, len(lengths) + 1, max_len, page)
+        needed = sum(lay.runs * lay.pages_for(n) for n in lengths) * page
         cache = VirtualKVCache(layers, hkv, head_dim, dtype, len(lengths) + 1, max_len, device=device,
-                               capacity_bytes=64 << 20, layout=kind)
+                               capacity_bytes=max(64 << 20, needed), layout=kind, page_size=page)
     else:
         bs = int(kind.removeprefix("paged"))
         blocks = sum(-(-n // bs) for n in lengths)
@@ -91,6 +98,16 @@ def test_decode_matches_reference(kind, group, head_dim, dtype):
         out = ops.decode_attention_paged(qs, cache.key_caches[1], cache.value_caches[1], cache.block_tables(sub),
                                          cache.lengths(sub), out=poisoned(qs))
     check(out, qs, *zip(*[kvs[i] for i in order]))
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "interleaved", "head_major"])
+def test_virtual_cache_sizing_with_two_mib_pages(layout):
+    """What test_cuda_virtual_cache builds, on the host backend with the CUDA page size (2 MiB): the pool
+    must hold every sequence of the batch (head_major takes 8 pages per sequence here)."""
+    cache, seqs, kvs = build(layout, torch.bfloat16, 128, LENGTHS, page_size=2 << 20)
+    assert cache.pool.page_size == 2 << 20
+    q = torch.randn(len(seqs), HKV * 4, 128).to(torch.bfloat16)
+    check(ops.decode_attention(q, cache, seqs, 1, out=poisoned(q)), q, *zip(*kvs))
 
 
 @pytest.mark.parametrize("kind", ["interleaved", "paged16"])

@@ -71,8 +71,13 @@ def cmd_demo(args) -> int:
 
 def cmd_info(_args) -> int:
     import vpaged
+    from .buildinfo import build_info, describe_build
 
-    rows = [("vpaged", vpaged.__version__), ("torch", torch.__version__)]
+    build = build_info()
+    rows = [("vpaged", vpaged.__version__), ("build", describe_build(build))]
+    if build.get("version") not in (None, vpaged.__version__):  # a stale extension next to newer sources
+        rows.append(("extension built from", f"vpaged {build['version']} (rebuild it)"))
+    rows.append(("torch", torch.__version__))
     for name, b in backends().items():
         rows.append((f"backend {name}", "usable" if b.usable else f"unavailable: {b.reason}"))
     from ._hf_compat import support_status  # reads the installed version; does not import transformers

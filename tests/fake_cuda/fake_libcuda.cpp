@@ -9,7 +9,17 @@
 //   mapping (cuMemMap)                    mmap(MAP_SHARED | MAP_FIXED) of the memfd, still PROT_NONE
 //   access (cuMemSetAccess)               mprotect(PROT_READ | PROT_WRITE)
 //   unmapping (cuMemUnmap)                the range goes back to a PROT_NONE anonymous mapping
-//   copies (cuMemcpy*Async)               memcpy, done before the call returns
+//   copies (cuMemcpy*Async)               on the NULL / legacy stream: memcpy before the call returns;
+//                                         on a stream of the tests (fake_cuda_stream_create): queued, and
+//                                         done only when that stream is synchronized
+//   kernels (fake_cuda_launch_read)       a queued read of a device range, done at the stream's sync
+//
+// Streams made by fake_cuda_stream_create behave like torch's (created non-blocking): work on them is
+// ordered neither with the legacy stream nor with each other, so a missing cuStreamSynchronize shows as
+// stale data. Queued work that touches memory unmapped before it ran is an illegal address: as on a GPU,
+// the error is sticky for the context, and every later call in that context returns
+// CUDA_ERROR_ILLEGAL_ADDRESS (fake_cuda_clear_sticky_error stands in for the process restart the real
+// driver needs).
 //
 // So a "device pointer" handed out by vpaged is a host address the tests can read and write (through
 // ctypes or numpy), two mappings of one allocation see the same bytes, and touching memory that the
@@ -22,6 +32,10 @@
 //
 // Only cuGetProcAddress_v2 and the fake_cuda_* test hooks are exported: vpaged must reach every other
 // entry point through cuGetProcAddress, as it does with the real driver.
+//
+// cuMemGetAllocationGranularity: the driver API reference lists no context error for it, so by default
+// the fake answers without a current context; FAKE_CUDA_GRANULARITY_NEEDS_CONTEXT=1 models a driver that
+// wants one anyway (vpaged then borrows the primary context).
 //
 // Configuration, read from the environment at first use (the tests start each check in a fresh process):
 //   FAKE_CUDA_NO_DEVICE=1            cuInit fails with CUDA_ERROR_NO_DEVICE (a driver but no GPU)
@@ -103,6 +117,19 @@ struct Mapping {  // one cuMemMap
   bool accessible;  // cuMemSetAccess has granted read/write
 };
 
+// A copy or kernel queued on a stream of the tests, run when the stream is synchronized.
+struct PendingOp {
+  enum Kind { kHtoD, kDtoH, kDtoD, kRead } kind;
+  uintptr_t dst;  // device address (kHtoD, kDtoD) or host address (kDtoH); unused for kRead
+  uintptr_t src;  // device address (kDtoH, kDtoD, kRead) or host address (kHtoD)
+  size_t bytes;
+};
+
+struct FakeStream {  // made by fake_cuda_stream_create; belongs to one device's primary context
+  int device;
+  std::vector<PendingOp> queue;
+};
+
 struct InjectedFailure {
   long skip;  // calls that still succeed before the failing one
   CUresult result;
@@ -125,11 +152,13 @@ struct State {
   std::map<uintptr_t, Mapping> mappings;      // start -> mapping
   std::map<std::string, long> calls;
   std::map<std::string, InjectedFailure> failures;
-  // Allocations an async copy touched since the last cuStreamSynchronize: on a real device that copy may
-  // still be running, so unmapping them then is a bug (see fake_cuMemUnmap).
+  // Allocations a legacy-stream async copy touched since that stream was last synchronized: on a real
+  // device that copy may still be running, so unmapping them then is a bug (see fake_cuMemUnmap).
   std::set<CUmemGenericAllocationHandle> copy_pending;
   long violations = 0;
   std::string last_violation;
+  std::map<CUstream, FakeStream*> streams;        // streams of the tests (never freed: handles stay unique)
+  CUresult sticky[kMaxDevices] = {};              // a context's sticky error (CUDA_SUCCESS: none)
   unsigned long long last_proc_flags = ~0ull;
   int last_proc_version = -1;
 };
@@ -201,6 +230,8 @@ CUresult violation(State& s, const char* call, CUresult result, const std::strin
       REFUSE(CUDA_ERROR_INVALID_CONTEXT, "no current context on the calling thread");           \
     if (s.primary_refs[context_stack.back()->device] <= 0)                                      \
       REFUSE(CUDA_ERROR_CONTEXT_IS_DESTROYED, "the current context was released");              \
+    if (s.sticky[context_stack.back()->device] != CUDA_SUCCESS)                                 \
+      return s.sticky[context_stack.back()->device];                                            \
   } while (0)
 
 bool valid_device(State& s, int ordinal) { return ordinal >= 0 && ordinal < config(s).devices; }
@@ -250,11 +281,69 @@ bool inside_one_reservation(State& s, uintptr_t p, size_t size) {
   return p >= it->first && p + size <= it->first + it->second;
 }
 
-// Rule (copies, synchronize): the fake has no streams of its own, only the NULL (legacy default)
-// stream; vpaged passes the caller's stream through, and the tests only pass 0.
-bool known_stream(CUstream stream) { return stream == nullptr || stream == CU_STREAM_LEGACY; }
+bool legacy_stream(CUstream stream) { return stream == nullptr || stream == CU_STREAM_LEGACY; }
 
-// The fake knows one stream (the legacy default one), so "pending" is one set for all copies.
+// Rule (copies, synchronize): a stream is the NULL / legacy one or one made by the tests and not yet
+// destroyed (vpaged passes the caller's stream through).
+bool known_stream(State& s, CUstream stream) { return legacy_stream(stream) || s.streams.count(stream) != 0; }
+
+// Queued work faulted: the context's error is sticky from now on (recorded as a violation: it means the
+// caller unmapped memory that work still queued on a stream was going to touch).
+void fault(State& s, FakeStream& st, const std::string& what) {
+  s.sticky[st.device] = CUDA_ERROR_ILLEGAL_ADDRESS;
+  st.queue.clear();
+  ++s.violations;
+  s.last_violation = "illegal address: " + what;
+}
+
+bool overlaps(uintptr_t a, size_t an, uintptr_t b, size_t bn) { return a < b + bn && b < a + an; }
+
+// Runs a stream's queued work in order. Device ranges are checked as the work runs, not as it was
+// queued: memory unmapped in between faults (sticky).
+void drain(State& s, FakeStream& st) {
+  for (const PendingOp& op : st.queue) {
+    const bool dst_device = op.kind == PendingOp::kHtoD || op.kind == PendingOp::kDtoD;
+    const bool src_device = op.kind != PendingOp::kHtoD;
+    if ((dst_device && !accessible(s, op.dst, op.bytes)) || (src_device && !accessible(s, op.src, op.bytes))) {
+      fault(s, st, "queued work ran on a device range that is no longer mapped");
+      return;
+    }
+    if (op.kind != PendingOp::kRead)
+      std::memmove(reinterpret_cast<void*>(op.dst), reinterpret_cast<const void*>(op.src), op.bytes);
+  }
+  st.queue.clear();
+}
+
+// Unmapping [ptr, ptr + size) while work queued on a stream still touches it: that work faults (on a
+// GPU it may already be running; the unmap itself succeeds, the error surfaces at later calls).
+void fault_queued_work_in(State& s, uintptr_t ptr, size_t size) {
+  for (auto& [handle, st] : s.streams) {
+    for (const PendingOp& op : st->queue) {
+      const bool dst_device = op.kind == PendingOp::kHtoD || op.kind == PendingOp::kDtoD;
+      const bool src_device = op.kind != PendingOp::kHtoD;
+      if ((dst_device && overlaps(op.dst, op.bytes, ptr, size)) || (src_device && overlaps(op.src, op.bytes, ptr, size))) {
+        fault(s, *st, "memory unmapped while work queued on a stream still used it");
+        break;
+      }
+    }
+  }
+}
+
+// A copy on the legacy stream runs now; on a test stream it is queued (checked now for mapped memory,
+// as the driver validates device pointers when the call is made, and again when it runs).
+CUresult submit_copy(State& s, CUstream stream, PendingOp op) {
+  if (legacy_stream(stream)) {
+    std::memmove(reinterpret_cast<void*>(op.dst), reinterpret_cast<const void*>(op.src), op.bytes);
+    return CUDA_SUCCESS;
+  }
+  FakeStream& st = *s.streams.at(stream);
+  if (s.sticky[st.device] != CUDA_SUCCESS) return s.sticky[st.device];
+  st.queue.push_back(op);
+  return CUDA_SUCCESS;
+}
+
+// Copies on the legacy stream run at once here but may still be running on a device until the legacy
+// stream is synchronized: "pending" is one set for them (test streams queue their copies instead).
 void mark_copy_pending(State& s, uintptr_t p, size_t size) {
   for (uintptr_t at = p; at < p + size;) {
     auto it = mapping_at(s, at);
@@ -531,6 +620,7 @@ CUresult fake_cuMemUnmap(CUdeviceptr ptr, size_t size) {
     }
     at += m.size;
   }
+  fault_queued_work_in(s, ptr, size);
   void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
                  -1, 0);
   if (p == MAP_FAILED) return CUDA_ERROR_UNKNOWN;
@@ -574,43 +664,50 @@ CUresult fake_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc
 CUresult fake_cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
   ENTER("cuMemcpyDtoDAsync");
   NEED_CONTEXT;
-  if (!known_stream(stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
+  if (!known_stream(s, stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
   if (!accessible(s, dst, bytes) || !accessible(s, src, bytes))
     REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
-  std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
-  mark_copy_pending(s, dst, bytes);
-  mark_copy_pending(s, src, bytes);
-  return CUDA_SUCCESS;
+  if (legacy_stream(stream)) {
+    mark_copy_pending(s, dst, bytes);
+    mark_copy_pending(s, src, bytes);
+  }
+  return submit_copy(s, stream, PendingOp{PendingOp::kDtoD, dst, src, bytes});
 }
 
 CUresult fake_cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
   ENTER("cuMemcpyDtoHAsync");
   NEED_CONTEXT;
-  if (!known_stream(stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
+  if (!known_stream(s, stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
   if (dst == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null host pointer");
   if (!accessible(s, src, bytes)) REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
-  std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
-  mark_copy_pending(s, src, bytes);
-  return CUDA_SUCCESS;
+  if (legacy_stream(stream)) mark_copy_pending(s, src, bytes);
+  return submit_copy(s, stream, PendingOp{PendingOp::kDtoH, reinterpret_cast<uintptr_t>(dst), src, bytes});
 }
 
 CUresult fake_cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
   ENTER("cuMemcpyHtoDAsync");
   NEED_CONTEXT;
-  if (!known_stream(stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
+  if (!known_stream(s, stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
   if (src == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null host pointer");
   if (!accessible(s, dst, bytes)) REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
-  std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
-  mark_copy_pending(s, dst, bytes);
-  return CUDA_SUCCESS;
+  if (legacy_stream(stream)) mark_copy_pending(s, dst, bytes);
+  return submit_copy(s, stream, PendingOp{PendingOp::kHtoD, dst, reinterpret_cast<uintptr_t>(src), bytes});
 }
 
 CUresult fake_cuStreamSynchronize(CUstream stream) {
   ENTER("cuStreamSynchronize");
   NEED_CONTEXT;
-  if (!known_stream(stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
-  s.copy_pending.clear();
-  return CUDA_SUCCESS;  // every copy is already complete
+  if (!known_stream(s, stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
+  if (legacy_stream(stream)) {
+    s.copy_pending.clear();  // the legacy stream's copies are complete now
+    return CUDA_SUCCESS;
+  }
+  // Waits for this stream only: the tests' streams are non-blocking, as torch's are.
+  FakeStream& st = *s.streams.at(stream);
+  if (st.device != context_stack.back()->device)
+    REFUSE(CUDA_ERROR_INVALID_HANDLE, "stream of another device's context");
+  drain(s, st);
+  return s.sticky[st.device];
 }
 
 // The entry points cuGetProcAddress hands out, with the CUDA version that introduced the signature
@@ -732,6 +829,70 @@ FAKE_EXPORT void fake_cuda_set_memory_limit(long long bytes) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   s.memory_limit = bytes;
+}
+
+// A stream of `device`, as torch.cuda.Stream() would make (non-blocking). The handle is what vpaged's
+// calls take as a stream (an integer on the Python side).
+FAKE_EXPORT CUstream fake_cuda_stream_create(int device) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto* st = new FakeStream{device, {}};
+  CUstream handle = reinterpret_cast<CUstream>(st);
+  s.streams[handle] = st;
+  return handle;
+}
+
+// Queue a "kernel" on `stream` that reads [ptr, ptr + bytes): it runs when the stream is synchronized,
+// and faults (sticky) if the range is unmapped before then. Returns the context's sticky error, if any.
+FAKE_EXPORT int fake_cuda_launch_read(CUstream stream, CUdeviceptr ptr, size_t bytes) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  FakeStream& st = *s.streams.at(stream);
+  if (s.sticky[st.device] != CUDA_SUCCESS) return s.sticky[st.device];
+  if (!accessible(s, ptr, bytes)) {
+    fault(s, st, "a kernel was launched on a device range that is not mapped");
+    return CUDA_ERROR_ILLEGAL_ADDRESS;
+  }
+  st.queue.push_back(PendingOp{PendingOp::kRead, 0, ptr, bytes});
+  return CUDA_SUCCESS;
+}
+
+// Work still queued on a stream (copies and kernels).
+FAKE_EXPORT long fake_cuda_pending(CUstream stream) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return static_cast<long>(s.streams.at(stream)->queue.size());
+}
+
+// Synchronize a stream as torch's stream.synchronize() would (without a current context on the thread).
+FAKE_EXPORT int fake_cuda_stream_synchronize(CUstream stream) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  FakeStream& st = *s.streams.at(stream);
+  drain(s, st);
+  return s.sticky[st.device];
+}
+
+// A context's sticky error (0: none). Clearing it stands in for restarting the process, so that a check
+// that provoked one on purpose can tear down cleanly.
+FAKE_EXPORT int fake_cuda_sticky_error(int device) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.sticky[device];
+}
+
+FAKE_EXPORT void fake_cuda_clear_sticky_error(int device) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.sticky[device] = CUDA_SUCCESS;
+}
+
+// Forget violations provoked on purpose (a check that shows the fake catches a bug).
+FAKE_EXPORT void fake_cuda_clear_violations() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.violations = 0;
+  s.last_violation.clear();
 }
 
 FAKE_EXPORT long fake_cuda_violations() {
