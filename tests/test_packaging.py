@@ -101,6 +101,8 @@ cache.write(1, seq, k, v)
 rk, rv = cache.kv(1, seq)
 assert torch.equal(rk, k) and torch.equal(rv, v)
 cache.close()
+import vpaged.sim  # subpackages ship too
+assert vpaged.sim.model_shape("Llama-3-8B").bytes_per_token == 128 << 10
 print("round trip ok", vpaged.__file__)
 """
 
