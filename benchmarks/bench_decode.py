@@ -212,6 +212,10 @@ def per_call_overhead(dtype, device, timer: Timer, layout: str, use_vmm: bool, r
     ps = paged.allocate()
     paged.extend(ps, 1)
     (kt, vt), desc = tensor_contiguous(1, 1, dtype, device)
+    # Real values everywhere (uninitialised memory may hold denormals, which make the arithmetic crawl).
+    kt.copy_(torch.randn(kt.shape, device=device).to(dtype))
+    vt.copy_(torch.randn(vt.shape, device=device).to(dtype))
+    paged.write(0, ps, kt[0], vt[0])
     fns = {"paged": lambda: ops.decode_attention(q, paged, [ps], 0, out=out),
            "tensors": lambda: ops.decode_attention_contiguous(q, desc, out=out, max_len=1),
            "tensors_checked": lambda: ops.decode_attention_contiguous(q, desc, out=out)}
@@ -220,6 +224,7 @@ def per_call_overhead(dtype, device, timer: Timer, layout: str, use_vmm: bool, r
                               capacity_bytes=8 << 20)
         vs = virt.allocate()
         virt.extend(vs, 1)
+        virt.write(0, vs, kt[0], vt[0])
         fns = {"contiguous": lambda: ops.decode_attention(q, virt, [vs], 0, out=out), **fns}
     q = torch.randn(1, HEADS, HEAD_DIM, device=device).to(dtype)
     out = torch.empty_like(q)
