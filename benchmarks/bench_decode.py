@@ -4,17 +4,22 @@ Every cell puts the same random K/V into both caches (one layer, Llama-3-8B geom
 heads, head_dim 128, block size 16 for the paged cache), runs
 
     contiguous  vpaged.ops.decode_attention on the VirtualKVCache (BatchedKV, per-sequence lengths)
+    tensors     the same contiguous kernel on ordinary [B, T, H, D] tensors holding the same K/V
+                (BatchedKV.from_tensors): what virtual memory itself costs
     paged       vpaged.ops.decode_attention on the PagedKVCache (block tables)
     sdpa        vpaged.ops.decode_attention_reference: torch SDPA per sequence over the cache views
 
 and reports median times next to the bandwidth floor: the bytes of K/V a decode step must read divided
-by the copy bandwidth of a large torch copy on the same device ((read + write bytes) / time). Caches are
-flushed between repeats (a write over a buffer larger than the last-level cache), so every repeat reads
-K/V from memory as a real decode step over many layers would.
+by the copy bandwidth of a large torch copy on the same device ((read + write bytes) / time), plus the
+ratios the kernels are judged by (contiguous / paged, contiguous / tensors). The kernels of a cell are
+timed round-robin (one call of each per round), so a burst of load from other processes lands on all of
+them alike. Caches are flushed before every call (a write over a buffer larger than the last-level cache),
+so every call reads K/V from memory as a real decode step over many layers would. A last table times a
+call on a 1-token context (fixed per-call cost: checks, descriptor, launch), without flushing.
 
-    python benchmarks/bench_decode.py --quick            # small grid, ~1-2 min on 2 cores
+    python benchmarks/bench_decode.py --quick --threads 2   # small grid, ~2-4 min on 2 cores
     python benchmarks/bench_decode.py                     # full grid: batch 1..64, context 512..16K
-    python benchmarks/bench_decode.py --device cuda
+    python benchmarks/bench_decode.py --device cuda        # on a GPU (the full grid fits an H200)
     python benchmarks/bench_decode.py --quick --threads 1 --clock cpu   # on a machine busy with other work
 
 Writes benchmarks/results/decode_<device>.json. On CUDA the contiguous kernel reads a VirtualKVCache on the
@@ -68,34 +73,56 @@ def machine(device: torch.device) -> dict:
     return info
 
 
+def last_level_cache_bytes() -> int:
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            text = f.read().strip()
+        return int(text[:-1]) << {"K": 10, "M": 20, "G": 30}[text[-1]] if text[-1] in "KMG" else int(text)
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 class Timer:
-    """Median seconds of fn over repeats, each after flushing the caches. On CUDA timed by events; on the
-    CPU by the wall clock, or with clock="cpu" by the calling thread's CPU time (single-threaded runs on a
-    machine shared with other work, where time slices taken by other processes would land in wall time)."""
+    """Median seconds of fns over repeats, each call after flushing the caches; the fns of one measurement
+    run round-robin. On CUDA timed by events; on the CPU by the wall clock, or with clock="cpu" by the
+    calling thread's CPU time (single-threaded runs on a machine shared with other work, where time slices
+    taken by other processes would land in wall time)."""
 
     def __init__(self, device: torch.device, clock: str = "wall"):
         self.device = device
         self.clock = time.thread_time if clock == "cpu" else time.perf_counter
-        # Larger than the last-level cache: 32 MiB L3 on the dev box, 50 MiB L2 on an H100/H200.
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+        # Larger than the last-level cache: 50 MiB L2 on an H100/H200; on the CPU twice the L3 (some server
+        # CPUs have hundreds of MiB), at least 256 MiB.
+        size = 256 << 20 if device.type == "cuda" else max(256 << 20, min(2 * last_level_cache_bytes(), 2 << 30))
+        self.flush = torch.empty(size, dtype=torch.uint8, device=device)
 
     def __call__(self, fn, repeats: int) -> float:
-        fn()  # warm-up: first-touch, lazy init, allocator
-        samples = []
-        for _ in range(repeats):
-            self.flush.fill_(1)
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = self.clock()
-                fn()
-                samples.append(self.clock() - t0)
-        return statistics.median(samples)
+        return self.many({"fn": fn}, repeats)["fn"]
+
+    def many(self, fns: dict, repeats: dict | int, flush: bool = True) -> dict:
+        if isinstance(repeats, int):
+            repeats = {name: repeats for name in fns}
+        for fn in fns.values():
+            fn()  # warm-up: first-touch, lazy init, allocator
+        samples = {name: [] for name in fns}
+        for r in range(max(repeats.values())):
+            for name, fn in fns.items():
+                if r >= repeats[name]:
+                    continue
+                if flush:
+                    self.flush.fill_(1)
+                if self.device.type == "cuda":
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    fn()
+                    end.record()
+                    end.synchronize()
+                    samples[name].append(start.elapsed_time(end) / 1e3)
+                else:
+                    t0 = self.clock()
+                    fn()
+                    samples[name].append(self.clock() - t0)
+        return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def copy_bandwidth(device: torch.device, timer: Timer) -> float:
@@ -107,12 +134,13 @@ def copy_bandwidth(device: torch.device, timer: Timer) -> float:
 
 
 def tensor_contiguous(batch: int, ctx: int, dtype, device):
-    """K/V as a plain [2, batch, ctx, kv_heads, head_dim] tensor and its BatchedKV (per_layer strides)."""
-    kv = torch.empty(2, batch, ctx, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
-    desc = BatchedKV(kv[0].data_ptr(), kv[1].data_ptr(), torch.arange(batch, dtype=torch.int32, device=device),
-                     torch.full((batch,), ctx, dtype=torch.int32, device=device), kv.stride(1), kv.stride(2),
-                     kv.stride(3), KV_HEADS, HEAD_DIM, dtype, device, "per_layer", kv)
-    return kv, desc
+    """K/V as plain [batch, ctx, kv_heads, head_dim] tensors and their BatchedKV (BatchedKV.from_tensors)."""
+    k = torch.empty(batch, ctx, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    v = torch.empty_like(k)
+    return (k, v), BatchedKV.from_tensors(k, v, ctx)
+
+
+KERNELS = ("contiguous", "tensors", "paged", "sdpa")
 
 
 def run_cell(batch: int, ctx: int, dtype, device, timer: Timer, repeats: int, bw: float, layout: str,
@@ -126,8 +154,7 @@ def run_cell(batch: int, ctx: int, dtype, device, timer: Timer, repeats: int, bw
         virt = VirtualKVCache(1, KV_HEADS, HEAD_DIM, dtype, batch, ctx, device=device, layout=layout,
                               capacity_bytes=2 * batch * (ctx * token_bytes + (2 << 20)))
         vseqs = virt.allocate_many(batch)
-    else:
-        kv_tensor, desc = tensor_contiguous(batch, ctx, dtype, device)
+    (kt, vt), desc = tensor_contiguous(batch, ctx, dtype, device)
     for i in range(batch):
         k = torch.randn(ctx, KV_HEADS, HEAD_DIM, device=device).to(dtype)
         v = torch.randn(ctx, KV_HEADS, HEAD_DIM, device=device).to(dtype)
@@ -136,15 +163,18 @@ def run_cell(batch: int, ctx: int, dtype, device, timer: Timer, repeats: int, bw
         if use_vmm:
             virt.extend(vseqs[i], ctx)
             virt.write(0, vseqs[i], k, v)
-        else:
-            kv_tensor[0, i], kv_tensor[1, i] = k, v
+        kt[i], vt[i] = k, v
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device).to(dtype)
-    outs = {name: torch.empty_like(q) for name in ("contiguous", "paged", "sdpa")}
+    outs = {name: torch.empty_like(q) for name in KERNELS}
+
     def contiguous():
         if use_vmm:
             ops.decode_attention(q, virt, vseqs, 0, out=outs["contiguous"])
         else:
             ops.decode_attention_contiguous(q, desc, out=outs["contiguous"], max_len=ctx)
+
+    def tensors():
+        ops.decode_attention_contiguous(q, desc, out=outs["tensors"], max_len=ctx)
 
     def block_table():
         ops.decode_attention(q, paged, pseqs, 0, out=outs["paged"])
@@ -155,22 +185,53 @@ def run_cell(batch: int, ctx: int, dtype, device, timer: Timer, repeats: int, bw
         else:
             ops.decode_attention_reference(q, paged, pseqs, 0, out=outs["sdpa"])
 
-    kernels = {"contiguous": contiguous, "paged": block_table, "sdpa": sdpa}
+    kernels = {"contiguous": contiguous, "tensors": tensors, "paged": block_table, "sdpa": sdpa}
     kv_bytes = 2 * batch * ctx * token_bytes
     floor = kv_bytes / bw
     cell = {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": ctx, "kv_bytes": kv_bytes,
             "floor_ms": floor * 1e3, "kernels": {}}
-    for name, fn in kernels.items():
-        # SDPA per sequence is 10-100x slower: fewer repeats keep the run short, the median stays honest.
-        t = timer(fn, repeats if name != "sdpa" else max(2, repeats // 3))
+    # SDPA per sequence is 10-100x slower: fewer repeats keep the run short, the median stays honest.
+    times = timer.many(kernels, {name: repeats if name != "sdpa" else max(2, repeats // 4) for name in kernels})
+    for name, t in times.items():
         cell["kernels"][name] = {"median_ms": t * 1e3, "x_floor": t / floor, "GBps": kv_bytes / t / 1e9}
+    cell["contiguous_vs_paged"] = times["contiguous"] / times["paged"]
+    cell["contiguous_vs_tensors"] = times["contiguous"] / times["tensors"]
     # Same data, so the kernels must agree with SDPA (bf16/fp16 outputs differ by rounding).
     cell["max_abs_diff_vs_sdpa"] = {n: (outs[n].float() - outs["sdpa"].float()).abs().max().item()
-                                    for n in ("contiguous", "paged")}
+                                    for n in ("contiguous", "tensors", "paged")}
     paged.close()
     if use_vmm:
         virt.close()
     return cell
+
+
+def per_call_overhead(dtype, device, timer: Timer, layout: str, use_vmm: bool, repeats: int = 301) -> dict:
+    """Median time of one decode call on a 1-token context (batch 1): the fixed cost of a call."""
+    paged = PagedKVCache(1, KV_HEADS, HEAD_DIM, dtype, 1, 16, device, num_blocks=1, block_size=BLOCK)
+    ps = paged.allocate()
+    paged.extend(ps, 1)
+    (kt, vt), desc = tensor_contiguous(1, 1, dtype, device)
+    # Real values everywhere (uninitialised memory may hold denormals, which make the arithmetic crawl).
+    kt.copy_(torch.randn(kt.shape, device=device).to(dtype))
+    vt.copy_(torch.randn(vt.shape, device=device).to(dtype))
+    paged.write(0, ps, kt[0], vt[0])
+    fns = {"paged": lambda: ops.decode_attention(q, paged, [ps], 0, out=out),
+           "tensors": lambda: ops.decode_attention_contiguous(q, desc, out=out, max_len=1),
+           "tensors_checked": lambda: ops.decode_attention_contiguous(q, desc, out=out)}
+    if use_vmm:
+        virt = VirtualKVCache(1, KV_HEADS, HEAD_DIM, dtype, 1, 16, device=device, layout=layout,
+                              capacity_bytes=8 << 20)
+        vs = virt.allocate()
+        virt.extend(vs, 1)
+        virt.write(0, vs, kt[0], vt[0])
+        fns = {"contiguous": lambda: ops.decode_attention(q, virt, [vs], 0, out=out), **fns}
+    q = torch.randn(1, HEADS, HEAD_DIM, device=device).to(dtype)
+    out = torch.empty_like(q)
+    times = timer.many(fns, repeats, flush=False)
+    paged.close()
+    if use_vmm:
+        virt.close()
+    return {name: t * 1e6 for name, t in times.items()}
 
 
 def main() -> None:
@@ -182,7 +243,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per kernel (default 5 quick, 9 full)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="skip cells with batch*context above this (memory: two caches of the cell live at once)")
-    ap.add_argument("--threads", type=int, default=None, help="torch (and vpaged kernel) threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch (and vpaged kernel) threads (default: torch's; the issue's table uses 2)")
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="cpu: time by the thread's CPU time (needs --threads 1; for machines shared with other work)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<device>.json)")
@@ -210,7 +272,7 @@ def main() -> None:
     if not use_vmm:
         print(f"contiguous kernel on a plain tensor: {vpaged.backends()['cuda'].reason}")
 
-    cells, skipped = [], []
+    cells, skipped, overhead = [], [], {}
     out = Path(args.out) if args.out else RESULTS / f"decode_{device.type}.json"
 
     def payload(complete: bool) -> dict:
@@ -220,13 +282,18 @@ def main() -> None:
             "geometry": {"kv_heads": KV_HEADS, "heads": HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK, "layers": 1},
             "contiguous_on": "VirtualKVCache" if use_vmm else "plain tensor (per_layer strides)",
             "copy_bandwidth_GBps": bw / 1e9,
-            "floor": "K/V bytes read / copy bandwidth; caches flushed before each repeat",
-            "cells": cells, "skipped": skipped,
+            "floor": "K/V bytes read / copy bandwidth; caches flushed before each call",
+            "cells": cells, "skipped": skipped, "one_token_call_us": overhead,
+            "one_token_call": "median of 301 calls, batch 1, 1-token context, no flush: contiguous = decode_attention "
+                              "on a VirtualKVCache, paged = on a PagedKVCache, tensors = decode_attention_contiguous "
+                              "on a from_tensors descriptor with max_len (tensors_checked: without, lengths checked)",
+            "cpu_code_path": (vpaged._C.decode_cpu_isas()[-1] if device.type == "cpu" else None),
         }
 
     header = f"{'dtype':>8} {'batch':>5} {'context':>7} {'KV MiB':>7} {'floor ms':>9}"
-    for name in ("contiguous", "paged", "sdpa"):
+    for name in KERNELS:
         header += f" {name + ' ms':>14} {'x floor':>7}"
+    header += f" {'contig/paged':>12} {'contig/tensors':>14}"
     print(header)
     for dname in args.dtypes.split(","):
         dtype = DTYPES[dname.strip()]
@@ -238,13 +305,18 @@ def main() -> None:
                 c = run_cell(batch, ctx, dtype, device, timer, repeats, bw, args.layout, use_vmm)
                 cells.append(c)
                 row = f"{dname:>8} {batch:>5} {ctx:>7} {c['kv_bytes'] / 2**20:>7.1f} {c['floor_ms']:>9.3f}"
-                for name in ("contiguous", "paged", "sdpa"):
+                for name in KERNELS:
                     k = c["kernels"][name]
                     row += f" {k['median_ms']:>14.3f} {k['x_floor']:>7.2f}"
+                row += f" {c['contiguous_vs_paged']:>12.3f} {c['contiguous_vs_tensors']:>14.3f}"
                 print(row, flush=True)
                 write_json(out, payload(complete=False))  # partial results survive a run stopped part way
     if skipped:
         print(f"skipped {len(skipped)} cells above --max-tokens {cap} (batch*context)")
+    for dname in args.dtypes.split(","):
+        overhead[dname.strip()] = per_call_overhead(DTYPES[dname.strip()], device, timer, args.layout, use_vmm)
+        print(f"1-token call, {dname.strip()}: " + ", ".join(f"{n} {us:.1f} us" for n, us in
+                                                             overhead[dname.strip()].items()), flush=True)
 
     write_json(out, payload(complete=True))
     print(f"wrote {out}")

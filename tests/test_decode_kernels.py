@@ -127,15 +127,59 @@ def test_any_head_dim_on_cpu(kind, head_dim):
     check(ops.decode_attention(q, cache, seqs, 1, out=poisoned(q)), q, *zip(*kvs))
 
 
-@pytest.mark.parametrize("kind", ["interleaved", "paged32"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_portable_code_path(kind, dtype, monkeypatch):
-    """The baseline-ISA build of the CPU kernels (what CPUs without AVX2 run)."""
+ISAS = _C.decode_cpu_isas()  # the CPU code paths this machine can run, "baseline" (the reference) first
+
+
+def force_isa(monkeypatch, isa):
     real = _C.decode_cpu
-    monkeypatch.setattr(_C, "decode_cpu", lambda p, n=0: real(p, n, True))
-    cache, seqs, kvs = build(kind, dtype, 128, LENGTHS)
-    q = torch.randn(len(seqs), HKV * 4, 128).to(dtype)
-    check(ops.decode_attention(q, cache, seqs, 1, out=poisoned(q)), q, *zip(*kvs))
+    monkeypatch.setattr(_C, "decode_cpu", lambda p, n=0, isa_=isa: real(p, n, isa_))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["interleaved", "head_major", "paged32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_cpu_code_path(isa, kind, head_dim, dtype, monkeypatch):
+    """Each code path the CPU has, forced (baseline: what CPUs without AVX2 run), on every dtype, compiled
+    head_dim and GQA group (3: not a multiple of the 4-head tiles; 8: two tiles)."""
+    force_isa(monkeypatch, isa)
+    cache, seqs, kvs = build(kind, dtype, head_dim, LENGTHS)
+    for group in (1, 3, 4, 8):
+        q = torch.randn(len(seqs), HKV * group, head_dim).to(dtype)
+        check(ops.decode_attention(q, cache, seqs, 1, out=poisoned(q)), q, *zip(*kvs))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_cpu_code_path_long_split(isa, threads, monkeypatch):
+    """Split contexts (partial results merged) and chunks cut at every offset, on each code path."""
+    force_isa(monkeypatch, isa)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cache, seqs, kvs = build("per_layer", torch.bfloat16, 128, [1500, 33, 1, 1023], layers=1)
+        q = torch.randn(4, HKV * 4, 128).to(torch.bfloat16)
+        check(ops.decode_attention(q, cache, seqs, 0, out=poisoned(q)), q, *zip(*kvs))
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_unknown_or_unsupported_code_path():
+    cache, seqs, _ = build("per_layer", torch.float32, 64, [5])
+    kv = cache.batch(1, seqs)
+    p = _C.DecodeParams()
+    p.num_seqs, p.num_heads, p.num_kv_heads, p.head_dim, p.dtype = 1, HKV, HKV, 64, 0
+    q = torch.randn(1, HKV, 64)
+    out = torch.empty_like(q)
+    p.q, p.out, p.k, p.v = q.data_ptr(), out.data_ptr(), kv.k_ptr, kv.v_ptr
+    p.lengths, p.slots, p.slot_stride, p.token_stride, p.max_tokens = (kv.lengths.data_ptr(), kv.slots.data_ptr(),
+                                                                       kv.slot_stride, kv.token_stride, 5)
+    with pytest.raises(InvalidArgumentError, match="isa"):
+        _C.decode_cpu(p, 1, "sse9")
+    for isa in ("avx2", "avx512"):
+        if isa not in ISAS:
+            with pytest.raises(InvalidArgumentError, match="cannot run"):
+                _C.decode_cpu(p, 1, isa)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -190,6 +234,70 @@ def run_descriptor_case(dtype, layout, lengths, device, head_dim=128, group=4):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_contiguous_descriptor_over_tensors(dtype, layout):
     run_descriptor_case(dtype, layout, [1, 77, 640, 5], "cpu")
+
+
+@pytest.mark.parametrize("layout", ["bthd", "bhtd"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_from_tensors(dtype, layout):
+    """Dense K/V tensors of a user's own cache, lengths below their capacity (a StaticCache-like buffer of
+    320 tokens, of which only the first 300 are viewed)."""
+    lengths = [1, 77, 300, 5]
+    full = (4, 320, HKV, 128) if layout == "bthd" else (4, HKV, 320, 128)
+    kbuf, vbuf = torch.randn(full).to(dtype), torch.randn(full).to(dtype)
+    k, v = (kbuf[:, :300], vbuf[:, :300]) if layout == "bthd" else (kbuf[:, :, :300], vbuf[:, :, :300])
+    bkv = BatchedKV.from_tensors(k, v, lengths, layout=layout)
+    assert bkv.owner == (k, v) and bkv.lengths.tolist() == lengths
+    kt, vt = (k, v) if layout == "bthd" else (k.transpose(1, 2), v.transpose(1, 2))
+    q = torch.randn(4, HKV * 4, 128).to(dtype)
+    out = ops.decode_attention_contiguous(q, bkv, out=poisoned(q))
+    check(out, q, [kt[i, :n] for i, n in enumerate(lengths)], [vt[i, :n] for i, n in enumerate(lengths)])
+    # Lengths as a tensor, and as one int for every row.
+    bkv = BatchedKV.from_tensors(k, v, torch.tensor(lengths), layout=layout)
+    torch.testing.assert_close(ops.decode_attention_contiguous(q, bkv), out, rtol=0, atol=0)
+    bkv = BatchedKV.from_tensors(k, v, 300, layout=layout)
+    check(ops.decode_attention_contiguous(q, bkv), q, list(kt), list(vt))
+
+
+def test_from_tensors_matches_virtual_cache():
+    """Identical K/V in a VirtualKVCache and in plain tensors: bit-identical outputs (same kernel, same order)."""
+    lengths = [3, 200, 64]
+    cache, seqs, _ = build("per_layer", torch.bfloat16, 128, lengths)
+    k = torch.zeros(3, max(lengths), HKV, 128, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    for i, (s, n) in enumerate(zip(seqs, lengths)):
+        k[i, :n], v[i, :n] = cache.kv(1, s)
+    q = torch.randn(3, HKV * 4, 128).to(torch.bfloat16)
+    a = ops.decode_attention(q, cache, seqs, 1)
+    b = ops.decode_attention_contiguous(q, BatchedKV.from_tensors(k, v, lengths))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_from_tensors_errors():
+    k = torch.randn(2, 16, HKV, 64)
+    with pytest.raises(InvalidArgumentError):
+        BatchedKV.from_tensors(k, k.numpy(), 4)
+    with pytest.raises(ShapeError):
+        BatchedKV.from_tensors(k, k[:, :8], 4)
+    with pytest.raises(ShapeError):
+        BatchedKV.from_tensors(k[0], k[0], 4)
+    with pytest.raises(DTypeError):
+        BatchedKV.from_tensors(k.double(), k.double(), 4)
+    with pytest.raises(InvalidArgumentError, match="layout"):
+        BatchedKV.from_tensors(k, k, 4, layout="tbhd")
+    with pytest.raises(InvalidArgumentError, match="strides"):
+        BatchedKV.from_tensors(k, k.transpose(1, 2).contiguous().transpose(1, 2), 4)
+    with pytest.raises(InvalidArgumentError, match="dense"):
+        BatchedKV.from_tensors(k[..., ::2], k[..., ::2], 4)
+    shared_heads = torch.randn(2, 16, 1, 64).expand(2, 16, HKV, 64)  # every head the same memory
+    with pytest.raises(InvalidArgumentError, match="head"):
+        BatchedKV.from_tensors(shared_heads, shared_heads, 4)
+    for bad in ([4, 17], [0, 3], [4, 2.0], 99):
+        with pytest.raises(InvalidArgumentError):
+            BatchedKV.from_tensors(k, k, bad)
+    with pytest.raises(ShapeError):
+        BatchedKV.from_tensors(k, k, [4, 4, 4])
+    with pytest.raises(InvalidArgumentError):
+        BatchedKV.from_tensors(k, k, torch.tensor([4, 17]))
 
 
 def test_noncontiguous_query_and_new_output():

@@ -84,7 +84,7 @@ def _decode(d: dict) -> list[Row]:
     rows = []
     for c in d.get("cells", []):
         k = c.get("kernels", {})
-        cont, paged = _get(k, "contiguous", "ms"), _get(k, "paged", "ms")
+        cont, paged = _get(k, "contiguous", "median_ms"), _get(k, "paged", "median_ms")
         if cont is None or paged is None:
             continue
         rows.append(Row("decode", f"{c.get('dtype')} {c.get('batch')} x {c.get('context')} tokens", cont, paged,

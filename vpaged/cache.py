@@ -49,6 +49,14 @@ from .views import SlotViews
 
 __all__ = ["BatchedKV", "CacheStats", "VirtualKVCache"]
 
+    @classmethod
+    def from_tensors(cls, k: torch.Tensor, v: torch.Tensor, lengths, layout: str = "bthd") -> "BatchedKV":
+        """A descriptor over ordinary dense K/V tensors, [B, T, H, D] ("bthd") or [B, H, T, D] ("bhtd"), e.g.
+        a StaticCache's, with lengths[i] valid tokens in row i. See vpaged.ops.batched_kv_from_tensors."""
+        from .ops import batched_kv_from_tensors  # ops imports this module
+
+        return batched_kv_from_tensors(k, v, lengths, layout)
+
 
 class VirtualKVCache:
     """KV cache with one contiguous virtual range per sequence slot.

@@ -4,6 +4,8 @@
     decode_attention_contiguous(q, batched_kv)         contiguous-with-lengths kernel (VirtualKVCache.batch())
     decode_attention_paged(q, key_cache, value_cache, block_tables, lengths)   block-table kernel
     decode_attention_reference(q, cache, seqs, layer)  torch SDPA per sequence (views / gathered blocks)
+    batched_kv_from_tensors(k, v, lengths)             BatchedKV over ordinary dense [B, T, H, D] / [B, H, T, D]
+                                                       tensors (BatchedKV.from_tensors), for the contiguous kernel
 
 q is [num_seqs, num_heads, head_dim] with num_heads a multiple of num_kv_heads (GQA); the result has q's
 shape and dtype (float32, float16 or bfloat16; scores and sums are float32 inside). scale defaults to
@@ -28,7 +30,7 @@ from .cache import BatchedKV, VirtualKVCache
 from .errors import DTypeError, InvalidArgumentError, ShapeError
 from .paged_cache import PagedKVCache
 
-__all__ = ["decode_attention", "decode_attention_contiguous", "decode_attention_paged",
+__all__ = ["batched_kv_from_tensors", "decode_attention", "decode_attention_contiguous", "decode_attention_paged",
            "decode_attention_reference"]
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -161,6 +163,63 @@ def decode_attention_reference(q: torch.Tensor, cache, seqs, layer: int, scale: 
     return out
 
 
+def batched_kv_from_tensors(k: torch.Tensor, v: torch.Tensor, lengths, layout: str = "bthd") -> BatchedKV:
+    """A BatchedKV over ordinary tensors (e.g. a StaticCache's), for decode_attention_contiguous.
+
+    k, v: [B, T, H, D] (layout="bthd") or [B, H, T, D] (layout="bhtd"), same shape, dtype, device and
+    strides, each head's row of D elements dense (views of a larger buffer, e.g. the first T tokens of a
+    longer cache, are fine). lengths: valid tokens of each of the B sequences (an int for all, a sequence
+    of ints, or an integer tensor), each in 1..T; sequence i is row i. The descriptor keeps k and v alive."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ShapeError(f"{name} must be 4-d ([B, T, H, D] or [B, H, T, D]), got {list(t.shape)}")
+    if layout not in ("bthd", "bhtd"):
+        raise InvalidArgumentError(f"layout must be 'bthd' ([B, T, H, D]) or 'bhtd' ([B, H, T, D]), got {layout!r}")
+    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+        raise ShapeError(f"k {list(k.shape)} {k.dtype} {k.device} and v {list(v.shape)} {v.dtype} {v.device} differ")
+    if k.stride() != v.stride():
+        raise InvalidArgumentError(f"k and v must have the same strides (the kernels find V at K's offsets), got "
+                                   f"{k.stride()} and {v.stride()}")
+    _check_dtype(k.dtype, "k")
+    if layout == "bthd":
+        batch, tokens, heads, dim = k.shape
+        slot_stride, token_stride, head_stride, row_stride = k.stride()
+    else:
+        batch, heads, tokens, dim = k.shape
+        slot_stride, head_stride, token_stride, row_stride = k.stride()
+    if min(k.shape) == 0:
+        raise ShapeError(f"k and v must not be empty, got {list(k.shape)}")
+    if (row_stride != 1 and dim > 1) or min(k.stride()) < 0:
+        raise InvalidArgumentError(f"each head's row of {dim} elements must be dense, got strides {k.stride()}")
+    if heads == 1:
+        head_stride = dim  # one head: its stride is never used
+    if tokens == 1:
+        token_stride = max(token_stride, heads * dim if head_stride == dim else dim)  # one token: likewise
+    if head_stride == dim:
+        if token_stride < heads * dim:
+            raise InvalidArgumentError(f"tokens overlap: token stride {token_stride} < {heads} heads x {dim}")
+    elif head_stride < tokens * token_stride or token_stride < dim:
+        raise InvalidArgumentError(f"the strides {k.stride()} do not give every head a run of {tokens} tokens")
+    if isinstance(lengths, torch.Tensor):
+        lengths = _index_tensor(lengths, "lengths", (batch,), k.device)
+        if k.device.type == "cpu":
+            _check_lengths(lengths, tokens)
+    else:
+        if isinstance(lengths, int) and not isinstance(lengths, bool):
+            lengths = [lengths] * batch
+        lengths = list(lengths)
+        if len(lengths) != batch:
+            raise ShapeError(f"lengths has {len(lengths)} entries for {batch} sequences")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= tokens for n in lengths):
+            raise InvalidArgumentError(f"lengths must be ints in 1..{tokens}, got {lengths}")
+        lengths = torch.tensor(lengths, dtype=torch.int32, device=k.device)
+    slots = torch.arange(batch, dtype=torch.int32, device=k.device)
+    return BatchedKV(k.data_ptr(), v.data_ptr(), slots, lengths, slot_stride, token_stride, head_stride, heads, dim,
+                     k.dtype, k.device, layout, (k, v))
+
+
 # --------------------------------------------------------------------------------------------- checks
 def _check_dtype(dtype: torch.dtype, what: str) -> None:
     if dtype not in _DTYPE_CODES:
@@ -244,16 +303,17 @@ def _check_max_len(max_len, capacity: int) -> int:
 
 def _check_extent(kv: BatchedKV, slots: list[int], lengths: list[int]) -> None:
     """The last row each sequence reaches must lie inside the memory that owns the descriptor."""
-    extent = _owner_extent(kv.owner)
-    if extent is None or not slots:
+    owners = kv.owner if isinstance(kv.owner, tuple) else (kv.owner, kv.owner)  # from_tensors: (k, v)
+    extents = [_owner_extent(o) for o in owners]
+    if None in extents or not slots:
         return
-    lo, hi = extent
     item = itemsize(kv.dtype)
     row = (kv.num_kv_heads - 1) * kv.head_stride + kv.head_dim  # first to one past the last element of a token
     first = min(slots) * kv.slot_stride
     last = max(s * kv.slot_stride + (n - 1) * kv.token_stride for s, n in zip(slots, lengths)) + row
-    for name, base in (("K", kv.k_ptr), ("V", kv.v_ptr)):
-        if min(slots) < 0 or base + first * item < lo or base + last * item > hi:
+    lo = extents[0][0]
+    for name, base, (elo, ehi) in (("K", kv.k_ptr, extents[0]), ("V", kv.v_ptr, extents[1])):
+        if min(slots) < 0 or base + first * item < elo or base + last * item > ehi:
             raise InvalidArgumentError(f"{name} rows of the descriptor's slots and lengths fall outside the "
                                        "cache's memory")
     if isinstance(kv.owner, _C.VirtualRange):

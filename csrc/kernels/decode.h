@@ -44,9 +44,15 @@ struct DecodeParams {
 // Throws InvalidArgument when the parameters are inconsistent (shared by the CPU and CUDA paths).
 void check_params(const DecodeParams& p);
 
-// CPU (OpenMP). num_threads <= 0: the OpenMP default. force_baseline: skip the AVX2 code path even where the
-// CPU has it (so tests cover the portable path too).
-void decode_cpu(const DecodeParams& p, int num_threads, bool force_baseline = false);
+// CPU code paths, chosen at run time: the portable x86-64 build (the reference), AVX2+FMA, AVX-512
+// (F/BW/VL/DQ; head_dim 64, 128 and 256, other head_dims run the AVX2 build).
+enum CpuIsa : int { kIsaAuto = -1, kIsaBaseline = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+// The best path this CPU (and OS) supports.
+int cpu_best_isa();
+
+// CPU (OpenMP). num_threads <= 0: the OpenMP default. isa: kIsaAuto (the best), or a path to force (tests
+// cover every path the CPU has); a path the CPU lacks raises InvalidArgument.
+void decode_cpu(const DecodeParams& p, int num_threads, int isa = kIsaAuto);
 
 // CUDA. The caller plans the split of long contexts (vpaged/ops.py):
 //   num_splits == 1: one pass, each block writes its heads' output directly;

@@ -20,6 +20,7 @@
 // Every helper is always_inline and the per-item entry points are compiled twice, for the baseline
 // x86-64 ISA and for AVX2+FMA, and picked at run time: the extension must run on any x86-64 (no -march),
 // yet decode at long contexts is bound by how fast rows are consumed, so 256-bit FMAs matter.
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -317,7 +318,28 @@ struct RowFinder {
 // Floats of per-thread workspace an item needs.
 size_t workspace_floats(const DecodeParams& p) {
   const size_t H = p.num_heads, D = p.head_dim;
-  return 2 * H * D + size_t(kChunk) * D + H * kChunk + 2 * H;
+  return 2 * H * D + size_t(kChunk) * std::max<size_t>(D, 64) + H * kChunk + 2 * H;
+}
+
+// Write an item's result: the normalised output when it covers its whole sequence, else its partial state.
+template <int DT>
+VP_INLINE void finish_item(const DecodeParams& p, const Item& it, const float* acc, const float* m, const float* l,
+                           float* part_acc, float* part_ml) {
+  using T = typename Elem<DT>::T;
+  const int H = p.num_heads, D = p.head_dim;
+  if (it.partial < 0) {
+    T* out = static_cast<T*>(p.out) + int64_t(it.b) * H * D;
+    for (int h = 0; h < H; ++h) {
+      const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // an empty sequence attends to nothing: zeros
+      for (int d = 0; d < D; ++d) out[h * D + d] = Elem<DT>::store(acc[h * D + d] * inv);
+    }
+  } else {
+    std::memcpy(part_acc + it.partial * H * D, acc, sizeof(float) * H * D);
+    for (int h = 0; h < H; ++h) {
+      part_ml[(it.partial * H + h) * 2] = m[h];
+      part_ml[(it.partial * H + h) * 2 + 1] = l[h];
+    }
+  }
 }
 
 template <int DT, int DC>
@@ -418,20 +440,224 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
     }
   }
 
-  if (it.partial < 0) {
-    T* out = static_cast<T*>(p.out) + int64_t(it.b) * H * D;
-    for (int h = 0; h < H; ++h) {
-      const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // an empty sequence attends to nothing: zeros
-      for (int d = 0; d < D; ++d) out[h * D + d] = Elem<DT>::store(acc[h * D + d] * inv);
-    }
+  finish_item<DT>(p, it, acc, m, l, part_acc, part_ml);
+}
+
+
+// ------------------------------------------------------------------------------------ AVX-512 path
+// Written with intrinsics because the generic loops above leave two costs GCC does not remove:
+//   * every score ends in a horizontal sum of a vector (at head_dim 128 as many shuffle/add steps as
+//     FMAs); here each (head, token) keeps a 16-lane partial sum and 16 tokens' partials are reduced
+//     together by a transpose tree (~3 operations per score instead of ~8);
+//   * 16-bit K/V rows were widened into a buffer and read back; here they are widened in registers as
+//     they are loaded (bf16: zero-extend and shift; fp16: vcvtph2ps).
+// Per chunk and kv head: scores 2 tokens x up to 4 heads of the GQA group at a time (8 independent FMA
+// chains, each K vector feeds 4 FMAs); P.V keeps a 4-head x 64-dim tile of accumulators (16 registers)
+// across the chunk's tokens. head_dim must be a multiple of 64 (64, 128 and 256 are compiled).
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* helpers.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define VP_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define VP_AVX512 VP_AVX512_TARGET VP_INLINE
+
+template <int DT>
+VP_AVX512 __m512 load16(const typename Elem<DT>::T* src) {
+  if constexpr (DT == kFloat32) {
+    return _mm512_loadu_ps(src);
+  } else if constexpr (DT == kBFloat16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else {
-    std::memcpy(part_acc + it.partial * H * D, acc, sizeof(float) * H * D);
-    for (int h = 0; h < H; ++h) {
-      part_ml[(it.partial * H + h) * 2] = m[h];
-      part_ml[(it.partial * H + h) * 2 + 1] = l[h];
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  }
+}
+
+// Lane j of the result = the sum of the 16 floats of row j (rows 16 floats apart).
+VP_AVX512 __m512 reduce_rows16(const float* rows) {
+  __m512 t[8];  // per 128-bit block: row 2j at positions 0 and 2, row 2j+1 at 1 and 3
+  for (int j = 0; j < 8; ++j) {
+    const __m512 a = _mm512_loadu_ps(rows + 32 * j), b = _mm512_loadu_ps(rows + 32 * j + 16);
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  __m512 u[4];  // block k: partial sums (elements 4k..4k+3) of rows 4j..4j+3
+  for (int j = 0; j < 4; ++j) {
+    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Sum the four 128-bit blocks of each u[j] into block j of the result.
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+// fast_exp of 16 lanes (same polynomial; 2^n applied by vscalefps).
+VP_AVX512 __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 e = _mm512_set1_ps(1.0f / 720.0f);
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 120.0f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24.0f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6.0f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(e, n);
+}
+
+// Partial score vectors of GB query heads (q rows D apart) against the n K rows at off[] + hoff, into
+// red[g][i][16]. ahead (or null): rows kAhead tokens on, whose K and V head slices are prefetched.
+template <int DT, int D, int GB>
+VP_AVX512 void scores_tile(const float* __restrict q, const typename Elem<DT>::T* K,
+                           const typename Elem<DT>::T* V, const int64_t* off, const int64_t* ahead, int64_t hoff,
+                           int n, float* __restrict red) {
+  using T = typename Elem<DT>::T;
+  for (int i = 0; i < n; i += 2) {
+    const int i1 = i + 1 < n ? i + 1 : i;  // an odd last token pairs with itself
+    if (ahead) {
+      for (int j = i; j <= i1; ++j) {
+        if (ahead[j] >= 0) {
+          prefetch_row(K + ahead[j] + hoff, D * int(sizeof(T)));
+          prefetch_row(V + ahead[j] + hoff, D * int(sizeof(T)));
+        }
+      }
+    }
+    const T* k0 = K + off[i] + hoff;
+    const T* k1 = K + off[i1] + hoff;
+    __m512 a[GB], b[GB];
+    for (int g = 0; g < GB; ++g) a[g] = b[g] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int c = 0; c < D; c += 16) {
+      const __m512 x = load16<DT>(k0 + c), y = load16<DT>(k1 + c);
+      for (int g = 0; g < GB; ++g) {
+        const __m512 qv = _mm512_loadu_ps(q + g * D + c);
+        a[g] = _mm512_fmadd_ps(qv, x, a[g]);
+        b[g] = _mm512_fmadd_ps(qv, y, b[g]);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      _mm512_storeu_ps(red + (g * kChunk + i) * 16, a[g]);
+      _mm512_storeu_ps(red + (g * kChunk + i1) * 16, b[g]);
     }
   }
 }
+
+// acc[g] (rows D apart) += sum_i ps[g][i] * V row i, for GB heads, 64 dims at a time held in registers.
+template <int DT, int D, int GB>
+VP_AVX512 void pv_tile(float* __restrict acc, const typename Elem<DT>::T* V, const int64_t* off, int64_t hoff,
+                       int n, const float* __restrict ps) {
+  static_assert(D % 64 == 0, "P.V tiles are 64 dims wide");
+  for (int d0 = 0; d0 < D; d0 += 64) {
+    __m512 a[GB][4];
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + d0 + 16 * j);
+    for (int i = 0; i < n; ++i) {
+      const typename Elem<DT>::T* vr = V + off[i] + hoff + d0;
+      const __m512 v0 = load16<DT>(vr), v1 = load16<DT>(vr + 16), v2 = load16<DT>(vr + 32),
+                   v3 = load16<DT>(vr + 48);
+      for (int g = 0; g < GB; ++g) {
+        const __m512 pg = _mm512_set1_ps(ps[g * kChunk + i]);
+        a[g][0] = _mm512_fmadd_ps(pg, v0, a[g][0]);
+        a[g][1] = _mm512_fmadd_ps(pg, v1, a[g][1]);
+        a[g][2] = _mm512_fmadd_ps(pg, v2, a[g][2]);
+        a[g][3] = _mm512_fmadd_ps(pg, v3, a[g][3]);
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + d0 + 16 * j, a[g][j]);
+  }
+}
+
+template <int DT, int D>
+VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, float* ws, float* part_acc,
+                                      float* part_ml) {
+  using T = typename Elem<DT>::T;
+  const int H = p.num_heads, HKV = p.num_kv_heads, G = H / HKV;
+  float* __restrict qf = ws;                 // [H][D] query, pre-scaled
+  float* __restrict acc = qf + H * D;        // [H][D] unnormalised output
+  float* __restrict red = acc + H * D;       // [4][kChunk][16] partial score vectors (kChunk * D >= 2048)
+  float* __restrict sc = red + kChunk * D;   // [H][kChunk] scores, then probabilities
+  float* __restrict m = sc + H * kChunk;     // [H] running max
+  float* __restrict l = m + H;               // [H] running sum of exp(score - max)
+
+  const T* q = static_cast<const T*>(p.q) + int64_t(it.b) * H * D;
+  for (int i = 0; i < H * D; ++i) qf[i] = Elem<DT>::load(q[i]) * p.scale;
+  std::fill(acc, acc + H * D, 0.0f);
+  std::fill(red, red + 4 * kChunk * 16, 0.0f);  // rows past a short chunk's end are summed, never used
+  std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + H, 0.0f);
+
+  const T* K = static_cast<const T*>(p.k);
+  const T* V = static_cast<const T*>(p.v);
+  const RowFinder row(p, it.b);
+  const int64_t HS = p.head_stride ? p.head_stride : D;
+  int64_t off[kChunk], ahead[kChunk];
+
+  for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
+    const int n = std::min(kChunk, it.t1 - c0);
+    for (int i = 0; i < n; ++i) {
+      off[i] = row(c0 + i);
+      ahead[i] = c0 + i + kAhead < it.t1 ? row(c0 + i + kAhead) : -1;
+    }
+    for (int kh = 0; kh < HKV; ++kh) {
+      for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gb = std::min(4, G - g0);
+        const float* qg = qf + (kh * G + g0) * D;
+        const int64_t* pf = g0 == 0 ? ahead : nullptr;
+        switch (gb) {
+          case 4: scores_tile<DT, D, 4>(qg, K, V, off, pf, kh * HS, n, red); break;
+          case 3: scores_tile<DT, D, 3>(qg, K, V, off, pf, kh * HS, n, red); break;
+          case 2: scores_tile<DT, D, 2>(qg, K, V, off, pf, kh * HS, n, red); break;
+          default: scores_tile<DT, D, 1>(qg, K, V, off, pf, kh * HS, n, red);
+        }
+        for (int g = 0; g < gb; ++g)
+          for (int i = 0; i < n; i += 16)
+            _mm512_storeu_ps(sc + (kh * G + g0 + g) * kChunk + i, reduce_rows16(red + (g * kChunk + i) * 16));
+      }
+    }
+
+    // Online softmax, once per chunk and head.
+    const __mmask16 m0 = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+    const __mmask16 m1 = n >= 32 ? __mmask16(0xffff) : n > 16 ? __mmask16((1u << (n - 16)) - 1) : __mmask16(0);
+    for (int h = 0; h < H; ++h) {
+      float* s = sc + h * kChunk;
+      const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+      const float mx = std::max(_mm512_mask_reduce_max_ps(m0, s0),
+                                m1 ? _mm512_mask_reduce_max_ps(m1, s1) : -std::numeric_limits<float>::infinity());
+      const float mn = mx > m[h] ? mx : m[h];
+      const float alpha = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : fast_exp(m[h] - mn);
+      const __m512 vmn = _mm512_set1_ps(mn);
+      const __m512 e0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, vmn)));
+      const __m512 e1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, vmn)));
+      _mm512_storeu_ps(s, e0);
+      _mm512_storeu_ps(s + 16, e1);
+      l[h] = l[h] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+      m[h] = mn;
+      if (alpha != 1.0f) {
+        const __m512 va = _mm512_set1_ps(alpha);
+        float* a = acc + h * D;
+        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), va));
+      }
+    }
+
+    for (int kh = 0; kh < HKV; ++kh) {
+      for (int g0 = 0; g0 < G; g0 += 4) {
+        float* a = acc + (kh * G + g0) * D;
+        const float* ps = sc + (kh * G + g0) * kChunk;
+        switch (std::min(4, G - g0)) {
+          case 4: pv_tile<DT, D, 4>(a, V, off, kh * HS, n, ps); break;
+          case 3: pv_tile<DT, D, 3>(a, V, off, kh * HS, n, ps); break;
+          case 2: pv_tile<DT, D, 2>(a, V, off, kh * HS, n, ps); break;
+          default: pv_tile<DT, D, 1>(a, V, off, kh * HS, n, ps);
+        }
+      }
+    }
+  }
+  finish_item<DT>(p, it, acc, m, l, part_acc, part_ml);
+}
+#pragma GCC diagnostic pop
 
 using ItemFn = void (*)(const DecodeParams&, const Item&, float*, float*, float*);
 
@@ -451,8 +677,29 @@ bool cpu_has_avx2() {
   return has;
 }
 
+bool cpu_has_avx512() {
+  // libgcc's cpu model also checks that the OS saves the zmm registers (XCR0).
+  static const bool has = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512dq");
+  return has;
+}
+
 template <int DT>
-ItemFn select_dim(int D, bool avx2) {
+ItemFn select_dim(int D, int isa) {
+  const bool avx2 = isa >= kIsaAvx2;
+  if (isa >= kIsaAvx512) {
+    switch (D) {
+      case 64:
+        return run_item_avx512<DT, 64>;
+      case 128:
+        return run_item_avx512<DT, 128>;
+      case 256:
+        return run_item_avx512<DT, 256>;
+      default:
+        break;  // other head_dims: the AVX2 build
+    }
+  }
   switch (D) {
     case 64:
       return avx2 ? run_item_avx2<DT, 64> : run_item_base<DT, 64>;
@@ -465,15 +712,14 @@ ItemFn select_dim(int D, bool avx2) {
   }
 }
 
-ItemFn select_item_fn(int dtype, int D, bool force_baseline) {
-  const bool avx2 = !force_baseline && cpu_has_avx2();
+ItemFn select_item_fn(int dtype, int D, int isa) {
   switch (dtype) {
     case kFloat32:
-      return select_dim<kFloat32>(D, avx2);
+      return select_dim<kFloat32>(D, isa);
     case kFloat16:
-      return select_dim<kFloat16>(D, avx2);
+      return select_dim<kFloat16>(D, isa);
     default:
-      return select_dim<kBFloat16>(D, avx2);
+      return select_dim<kBFloat16>(D, isa);
   }
 }
 
@@ -504,10 +750,18 @@ void merge_seq(const DecodeParams& p, int b, int64_t first, int count, const flo
 
 }  // namespace
 
-void decode_cpu(const DecodeParams& p, int num_threads, bool force_baseline) {
+int cpu_best_isa() { return cpu_has_avx512() ? kIsaAvx512 : cpu_has_avx2() ? kIsaAvx2 : kIsaBaseline; }
+
+void decode_cpu(const DecodeParams& p, int num_threads, int isa) {
   check_params(p);
+  if (isa == kIsaAuto) isa = cpu_best_isa();
+  if (isa < kIsaBaseline || isa > kIsaAvx512)
+    throw InvalidArgument("decode attention: unknown CPU code path " + std::to_string(isa));
+  if (isa > cpu_best_isa())
+    throw InvalidArgument("decode attention: this CPU cannot run the requested code path (" +
+                          std::string(isa == kIsaAvx512 ? "AVX-512" : "AVX2") + ")");
   if (p.num_seqs == 0) return;
-  const int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
+  int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
   const int B = p.num_seqs, H = p.num_heads, D = p.head_dim;
 
   std::vector<int> len(B);
@@ -516,9 +770,14 @@ void decode_cpu(const DecodeParams& p, int num_threads, bool force_baseline) {
     len[b] = std::clamp(p.lengths[b], 0, p.max_tokens);
     total += len[b];
   }
+  // Small calls (a few short sequences) run on the calling thread: waking a team costs more than their
+  // memory traffic (~256 KiB of K/V is ~20 us of one core), and on a busy machine far more.
+  const int64_t kv_bytes = 2 * total * int64_t(p.num_kv_heads) * D * (p.dtype == kFloat32 ? 4 : 2);
+  if (kv_bytes < (int64_t(1) << 18)) nt = 1;
   // Aim at >= 4 items per thread (dynamic scheduling evens out mixed lengths), but never below kMinSplit
   // tokens per item, where merging would cost more than it balances. Multiple of kChunk: full chunks.
   int64_t per_item = std::max<int64_t>(kMinSplit, (total + 4 * nt - 1) / (4 * nt));
+  if (nt == 1) per_item = std::max<int64_t>(per_item, p.max_tokens);  // one thread: nothing to balance
   per_item = (per_item + kChunk - 1) / kChunk * kChunk;
 
   std::vector<Item> items;
@@ -540,17 +799,22 @@ void decode_cpu(const DecodeParams& p, int num_threads, bool force_baseline) {
   }
   std::vector<float> part_acc(size_t(partials) * H * D), part_ml(size_t(partials) * H * 2);
 
-  const ItemFn fn = select_item_fn(p.dtype, D, force_baseline);
+  const ItemFn fn = select_item_fn(p.dtype, D, isa);
   const size_t ws_floats = workspace_floats(p);
   const int64_t n_items = int64_t(items.size());
-#pragma omp parallel num_threads(nt)
-  {
+  if (nt == 1 || n_items == 1) {
     std::vector<float> ws(ws_floats);
-#pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) fn(p, items[i], ws.data(), part_acc.data(), part_ml.data());
+  } else {
+#pragma omp parallel num_threads(int(std::min<int64_t>(nt, n_items)))
+    {
+      std::vector<float> ws(ws_floats);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < n_items; ++i) fn(p, items[i], ws.data(), part_acc.data(), part_ml.data());
+    }
   }
   if (partials == 0) return;
-#pragma omp parallel num_threads(nt)
+#pragma omp parallel num_threads(nt) if (nt > 1 && B > 1)
   {
     std::vector<float> tmp(D);
 #pragma omp for schedule(dynamic, 1)

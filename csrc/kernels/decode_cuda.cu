@@ -3,8 +3,8 @@
 // One thread block handles GT query heads that share one kv head (GQA: K/V are read once for all GT) of
 // one sequence, over one piece of its tokens (the whole sequence in the one-pass launch). Its 4 warps
 // take tokens round-robin; inside a warp, LPT lanes cooperate on one token (each lane holds 16 bytes of
-// the row, so a group's load is one coalesced 16-byte-per-lane access) and 32 / LPT tokens are in flight
-// per warp. Every lane group keeps its own online softmax (max, sum, output slice) in registers, so the
+// the row, so a group's load is one coalesced 16-byte-per-lane access) and 32 / LPT tokens are processed
+// per warp step, the next step's rows already loading (a two-stage register pipeline). Every lane group keeps its own online softmax (max, sum, output slice) in registers, so the
 // token loop has no barrier; groups merge by shuffles, warps through shared memory, at the end.
 //
 // Long contexts with few sequences would leave most SMs idle, so the host (vpaged/ops.py) then cuts each
@@ -59,17 +59,38 @@ struct Cvt<__nv_bfloat16> {
 };
 
 // N elements at src (16-byte aligned, N * sizeof(T) a multiple of 16) as floats, in 16-byte loads.
+// N elements at src (16-byte aligned, N * sizeof(T) a multiple of 16) as raw 16-byte vectors, and their
+// conversion to floats: loads are issued a token ahead of their use (see decode_kernel), so the raw form,
+// half the registers for 16-bit types, is what waits in flight.
 template <typename T, int N>
-__device__ __forceinline__ void load_f(const T* src, float (&f)[N]) {
+struct Raw {
   static_assert((N * sizeof(T)) % 16 == 0, "a lane loads whole 16-byte vectors");
+  static constexpr int kWords = int(N * sizeof(T) / 16);
+  uint4 w[kWords];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_raw(const T* src, Raw<T, N>& r) {
   const uint4* s = reinterpret_cast<const uint4*>(src);
 #pragma unroll
-  for (int i = 0; i < int(N * sizeof(T) / 16); ++i) {
-    const uint4 u = s[i];
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  for (int i = 0; i < Raw<T, N>::kWords; ++i) r.w[i] = __ldg(s + i);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void to_float(const Raw<T, N>& r, float (&f)[N]) {
+#pragma unroll
+  for (int i = 0; i < Raw<T, N>::kWords; ++i) {
+    const uint32_t w[4] = {r.w[i].x, r.w[i].y, r.w[i].z, r.w[i].w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) Cvt<T>::unpack(w[j], &f[(i * 4 + j) * Cvt<T>::kPerWord]);
   }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void load_f(const T* src, float (&f)[N]) {
+  Raw<T, N> r;
+  load_raw<T, N>(src, r);
+  to_float<T, N>(r, f);
 }
 
 // Weight of a partial state with max m once the common max is mn (an empty state weighs nothing; this
@@ -123,26 +144,40 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* bt = p.paged ? p.block_tables + int64_t(b) * p.bt_stride : nullptr;
   const int shift = p.paged ? __ffs(p.block_size) - 1 : 0;
 
-  // The loop bound is uniform across the warp (base, not t) so that every lane reaches the shuffles.
-#pragma unroll 2
-  for (int base = int(t0) + warp * TPW; base < t1; base += kWarps * TPW) {
+  // Element offset of token t (clamped to the piece's last token: loads never need a branch, and a clamped
+  // token's score is masked instead).
+  auto token_off = [&](int t) -> int64_t {
+    t = min(t, t1 - 1);
+    if (p.paged) {
+      int32_t blk = bt[t >> shift];
+      blk = min(max(blk, 0), p.num_blocks - 1);  // never read outside the pool
+      return ((int64_t(blk) << shift) + (t & (p.block_size - 1))) * p.token_stride;
+    }
+    return slot_base + int64_t(t) * p.token_stride;
+  };
+
+  // Software pipeline: the next step's K and V rows are loaded (raw) before this step's arithmetic, so each
+  // lane keeps two tokens' loads in flight through the dot products, shuffles and exponentials (HBM
+  // latency, not arithmetic, bounds a decode step). The loop bound is uniform across the warp (base, not
+  // t) so that every lane reaches the shuffles.
+  constexpr int kStep = kWarps * TPW;
+  int base = int(t0) + warp * TPW;
+  Raw<T, EPL> k_next, v_next;
+  if (base < t1) {
+    const int64_t off = token_off(base + grp);
+    load_raw<T, EPL>(K + off, k_next);
+    load_raw<T, EPL>(V + off, v_next);
+  }
+  for (; base < t1; base += kStep) {
     const int t = base + grp;
     const bool valid = t < t1;
     float k[EPL], v[EPL];
-    if (valid) {
-      int64_t off;
-      if (p.paged) {
-        int32_t blk = bt[t >> shift];
-        blk = min(max(blk, 0), p.num_blocks - 1);  // never read outside the pool
-        off = ((int64_t(blk) << shift) + (t & (p.block_size - 1))) * p.token_stride;
-      } else {
-        off = slot_base + int64_t(t) * p.token_stride;
-      }
-      load_f<T, EPL>(K + off, k);
-      load_f<T, EPL>(V + off, v);
-    } else {
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) k[e] = v[e] = 0.0f;
+    to_float<T, EPL>(k_next, k);
+    to_float<T, EPL>(v_next, v);
+    if (base + kStep < t1) {
+      const int64_t off = token_off(base + kStep + grp);
+      load_raw<T, EPL>(K + off, k_next);
+      load_raw<T, EPL>(V + off, v_next);
     }
     float s[GT];
 #pragma unroll
@@ -158,11 +193,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int g = 0; g < GT; ++g) {
         const float mn = fmaxf(m[g], s[g]);
-        const float a = exp2f(m[g] - mn);  // m = -inf at the first token: a = 0
+        // m = -inf at the first token: a = 0. The rescale is skipped (a = 1) unless the max grew.
+        const float a = mn == m[g] ? 1.0f : exp2f(m[g] - mn);
         const float pr = exp2f(s[g] - mn);
         l[g] = l[g] * a + pr;
 #pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[g][e] = acc[g][e] * a + pr * v[e];
+        for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(pr, v[e], acc[g][e] * a);
         m[g] = mn;
       }
     }

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <string>
 
 #include "../errors.h"
 #include "decode.h"
@@ -74,8 +75,28 @@ void register_kernels(py::module_& m) {
   address_field(launch, "partial_ml", &CudaLaunch::partial_ml);
 
   m.def("decode_check", &check_params, py::arg("params"), "Raise InvalidArgumentError if params are inconsistent.");
-  m.def("decode_cpu", &decode_cpu, py::arg("params"), py::arg("num_threads") = 0, py::arg("force_baseline") = false,
-        py::call_guard<py::gil_scoped_release>(), "Decode attention on the CPU (blocking).");
+  m.def(
+      "decode_cpu",
+      [](const DecodeParams& p, int num_threads, const std::string& isa) {
+        int code = kIsaAuto;
+        if (isa == "baseline") code = kIsaBaseline;
+        else if (isa == "avx2") code = kIsaAvx2;
+        else if (isa == "avx512") code = kIsaAvx512;
+        else if (isa != "auto") throw vpaged::InvalidArgument("isa must be auto, baseline, avx2 or avx512, got " + isa);
+        py::gil_scoped_release release;
+        decode_cpu(p, num_threads, code);
+      },
+      py::arg("params"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
+      "Decode attention on the CPU (blocking). isa: auto (the best this CPU has), baseline, avx2 or avx512.");
+  m.def(
+      "decode_cpu_isas",
+      [] {
+        py::list l;
+        const char* names[] = {"baseline", "avx2", "avx512"};
+        for (int i = 0; i <= cpu_best_isa(); ++i) l.append(names[i]);
+        return l;
+      },
+      "The CPU code paths of the decode kernels this CPU can run, portable first.");
   m.def("decode_cuda", &decode_cuda, py::arg("params"), py::arg("launch"),
         py::call_guard<py::gil_scoped_release>(), "Decode attention on CUDA (asynchronous on launch.stream).");
   m.def("kernels_built_with_cuda", &kernels_built_with_cuda);
