@@ -145,8 +145,7 @@ def gpu_latency(repeats, inner) -> dict:
 
 MODES = {
     "default": {},
-    "expandable_segments": {"PYTORCH_ALLOC_CONF": "expandable_segments:True",
-                            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "expandable_segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},  # read by every torch 2.x
     "vpaged_scope": {},
 }
 

@@ -10,9 +10,9 @@ vpaged._C's own file. They never take the GIL, so they cannot ask Python caches 
 keep for reuse: call `pool.ensure_free(n)` before a step that needs room.
 
 Why a MemPool scope and not `torch.cuda.memory.change_current_allocator`: that switch must happen before
-torch's first CUDA allocation in the process (order-sensitive), turns off torch's memory statistics for
-every tensor, and sends every segment free through the pluggable allocator, where vpaged must wait for the
-whole device before unmapping. In a MemPool the caching allocator keeps its stats and caching, and only
+torch's first CUDA allocation in the process (order-sensitive), makes torch.cuda.memory_stats() raise (the
+pluggable allocator keeps no stats), and sends every tensor's free, uncached, to vpaged, which must wait for
+the whole device before unmapping. In a MemPool the caching allocator keeps its stats and caching, and only
 segments of the scope reach vpaged, when the scope closes.
 """
 from __future__ import annotations
