@@ -218,6 +218,51 @@ def test_fake_malloc_from_a_thread_without_a_context(drv, rng):
     hook.close()
 
 
+@check()
+def test_fake_two_threads_allocate_and_free_at_once(drv, rng):
+    import threading
+
+    hook = Hook(drv, capacity_pages=16, reserve=16)
+    page = hook.page
+    errors = []
+    seeds = rng.integers(0, 2**32, 2)
+
+    def worker(seed):
+        r = np.random.default_rng(int(seed))
+        held = []
+        for _ in range(60):
+            if held and r.random() < 0.5:
+                ptr, size, data = held.pop()
+                if not np.array_equal(fake.host_bytes(ptr, 64), data):
+                    errors.append("bytes changed under another thread")
+                hook.free(ptr, size)
+                if hook.error():
+                    errors.append(hook.error())
+            else:
+                size = int(r.integers(1, 3 * page))
+                ptr = hook.malloc(size)
+                if ptr is None:  # two threads may hold up to 2 x 3 x 3 pages: more than 16 at times
+                    if "page pool exhausted" not in hook.error():
+                        errors.append(hook.error())
+                    continue
+                data = r.integers(0, 256, 64, dtype=np.uint8)
+                fake.host_bytes(ptr, 64)[:] = data
+                held.append((ptr, size, data))
+        for ptr, size, _ in held:
+            hook.free(ptr, size)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    s = hook.stats()
+    assert (s.segments, s.bytes, s.bad_frees) == (0, 0, 0) and s.mallocs == s.frees > 0
+    assert hook.pool.stats().used_pages == 0
+    hook.close()
+
+
 if __name__ == "__main__":  # the runner in the child process: python this_file RESULT_JSON CHECK...
     fake.CHECKS.update(CHECKS)
     fake._serve(sys.argv[1], sys.argv[2:])
