@@ -58,6 +58,10 @@ class Backend {
   virtual void copy_to_host(PageId src, void* host, uintptr_t stream) = 0;
   virtual void copy_from_host(PageId dst, const void* host, uintptr_t stream) = 0;
   virtual void synchronize(uintptr_t stream) = 0;
+  // Wait for all work queued on the device, on every stream (CUDA: cuCtxSynchronize in the device's
+  // primary context). Needed before unmapping memory whose users' streams are unknown. The host has
+  // no queued work: its copies and kernels finish before they return.
+  virtual void synchronize_device() {}
 
   // Backend-level call counters, for benchmarks (map/unmap calls issued to the OS or driver).
   size_t map_calls() const { return map_calls_; }

@@ -16,6 +16,7 @@ double raw_map_unmap_seconds_per_page(size_t page_size, size_t pages);
 using namespace vpaged;
 
 void register_kernels(py::module_& m);  // csrc/kernels/kernel_bindings.cpp
+void register_torch_allocator(py::module_& m);  // csrc/torch_allocator_bindings.cpp
 
 namespace {
 
@@ -86,14 +87,16 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("used_pages", &PoolStats::used_pages)
       .def_readonly("free_pages", &PoolStats::free_pages)
       .def_readonly("high_water_pages", &PoolStats::high_water_pages)
-      .def_readonly("created_pages", &PoolStats::created_pages);
+      .def_readonly("created_pages", &PoolStats::created_pages)
+      .def_readonly("kv_pages", &PoolStats::kv_pages)
+      .def_readonly("allocator_pages", &PoolStats::allocator_pages);
 
   py::class_<PagePool, std::shared_ptr<PagePool>>(m, "PagePool")
       .def(py::init<std::shared_ptr<Backend>, size_t, size_t>(), py::arg("backend"),
            py::arg("reserve_pages") = 0, py::arg("create_batch") = 64)
       .def_property_readonly("backend", &PagePool::backend_ptr)
       .def_property_readonly("page_size", &PagePool::page_size)
-      .def("acquire", &PagePool::acquire, py::arg("n"))
+      .def("acquire", [](PagePool& p, size_t n) { return p.acquire(n); }, py::arg("n"))
       .def("incref", &PagePool::incref)
       .def("decref", &PagePool::decref)
       .def("incref_all", &PagePool::incref_all, py::arg("pages"))
@@ -154,4 +157,5 @@ PYBIND11_MODULE(_C, m) {
           "A DLPack capsule of a tensor over mapped memory of this range (strides in elements).");
 
   register_kernels(m);
+  register_torch_allocator(m);
 }

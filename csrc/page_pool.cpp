@@ -21,6 +21,7 @@ void PagePool::grow_locked(size_t needed) {
     if (now > refcount_.size()) {
       const size_t old = refcount_.size();
       refcount_.resize(now, 0);
+      owner_.resize(now, PageOwner::kKVCache);
       // Freshly created pages go under the pages already free, in reverse, so that among them low ids
       // are handed out first (a run of consecutive ids maps in one host call).
       free_.insert(free_.begin(), now - old, 0);
@@ -37,7 +38,7 @@ void PagePool::grow_locked(size_t needed) {
   }
 }
 
-std::vector<PageId> PagePool::acquire(size_t n) {
+std::vector<PageId> PagePool::acquire(size_t n, PageOwner owner) {
   std::lock_guard<std::mutex> lock(mu_);
   if (free_.size() < n) grow_locked(n);
   if (free_.size() < n) {
@@ -49,7 +50,11 @@ std::vector<PageId> PagePool::acquire(size_t n) {
   std::vector<PageId> out(free_.end() - static_cast<ptrdiff_t>(n), free_.end());
   std::reverse(out.begin(), out.end());
   free_.resize(free_.size() - n);
-  for (PageId p : out) refcount_[p] = 1;
+  for (PageId p : out) {
+    refcount_[p] = 1;
+    owner_[p] = owner;
+  }
+  owned_[static_cast<size_t>(owner)] += n;
   used_ += n;
   high_water_ = std::max(high_water_, used_);
   return out;
@@ -84,6 +89,7 @@ void PagePool::decref(PageId page) {
   if (--refcount_[page] == 0) {
     free_.push_back(page);
     --used_;
+    --owned_[static_cast<size_t>(owner_[page])];
   }
 }
 
@@ -106,7 +112,8 @@ PoolStats PagePool::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   const size_t total = backend_->capacity_pages();
   return PoolStats{backend_->page_size(), total, used_, total - used_, high_water_,
-                   backend_->created_pages()};
+                   backend_->created_pages(), owned_[static_cast<size_t>(PageOwner::kKVCache)],
+                   owned_[static_cast<size_t>(PageOwner::kAllocator)]};
 }
 
 size_t PagePool::trim() {

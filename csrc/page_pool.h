@@ -11,6 +11,11 @@
 
 namespace vpaged {
 
+// Who took a page from the pool, so one budget can be read by owner. Set when the page is acquired and
+// kept while it is used (a KV page shared into other ranges still counts once, for its first owner).
+enum class PageOwner : uint8_t { kKVCache = 0, kAllocator = 1 };
+constexpr size_t kPageOwners = 2;
+
 struct PoolStats {
   size_t page_size;
   size_t total_pages;
@@ -18,6 +23,8 @@ struct PoolStats {
   size_t free_pages;
   size_t high_water_pages;
   size_t created_pages;
+  size_t kv_pages;         // used pages owned by KV caches (ranges, copy-on-write)
+  size_t allocator_pages;  // used pages owned by the torch allocator hook and vpaged.empty
 };
 
 class PagePool {
@@ -31,7 +38,7 @@ class PagePool {
 
   // n fresh pages, each with reference count 1 owned by the caller. All or nothing: throws OutOfPages
   // and changes nothing when fewer than n are free.
-  std::vector<PageId> acquire(size_t n);
+  std::vector<PageId> acquire(size_t n, PageOwner owner = PageOwner::kKVCache);
   void incref(PageId page);
   void incref_all(const std::vector<PageId>& pages);
   // Drops one reference; a page whose count reaches zero goes back on the free list.
@@ -52,6 +59,8 @@ class PagePool {
   size_t create_batch_;
   mutable std::mutex mu_;
   std::vector<int32_t> refcount_;
+  std::vector<PageOwner> owner_;  // valid while the page is used
+  size_t owned_[kPageOwners] = {};
   std::vector<PageId> free_;  // a stack: the most recently freed page is reused first (warm memory)
   size_t used_ = 0;
   size_t high_water_ = 0;

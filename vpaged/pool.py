@@ -28,6 +28,8 @@ class PoolStats:
     free_pages: int
     high_water_pages: int
     created_pages: int
+    kv_pages: int = 0  # used pages by owner: KV caches ...
+    allocator_pages: int = 0  # ... and torch tensors (vpaged.torch_allocator, vpaged.empty)
 
     @property
     def used_bytes(self) -> int:
@@ -104,7 +106,7 @@ class PagePool:
     def stats(self) -> PoolStats:
         s = self._pool.stats()
         return PoolStats(str(self.device), s.page_size, s.total_pages, s.used_pages, s.free_pages,
-                         s.high_water_pages, s.created_pages)
+                         s.high_water_pages, s.created_pages, s.kv_pages, s.allocator_pages)
 
     def trim(self) -> int:
         """Return the RAM of all free pages to the system (host); returns how many pages were free."""

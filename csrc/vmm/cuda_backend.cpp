@@ -78,7 +78,7 @@ constexpr int kDriverApi = 12000;
   X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuMemGetAllocationGranularity) X(cuMemCreate)              \
   X(cuMemRelease) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap)                \
   X(cuMemSetAccess) X(cuMemcpyDtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemcpyHtoDAsync)                    \
-  X(cuStreamSynchronize)
+  X(cuStreamSynchronize) X(cuCtxSynchronize)
 
 // The process-wide driver table: written once under std::call_once, read-only afterwards.
 struct Driver {
@@ -433,6 +433,12 @@ class CudaBackend final : public Backend {
   void synchronize(uintptr_t stream) override {
     ScopedContext current(context_->get());
     check(driver().cuStreamSynchronize(as_stream(stream)), "cuStreamSynchronize");
+  }
+
+  // Every stream of the primary context torch uses, including streams vpaged never saw.
+  void synchronize_device() override {
+    ScopedContext current(context_->get());
+    check(driver().cuCtxSynchronize(), "cuCtxSynchronize");
   }
 
  private:

@@ -710,6 +710,12 @@ CUresult fake_cuStreamSynchronize(CUstream stream) {
   return s.sticky[st.device];
 }
 
+CUresult fake_cuCtxSynchronize() {
+  ENTER("cuCtxSynchronize");
+  NEED_CONTEXT;
+  return CUDA_SUCCESS;  // no work is ever queued
+}
+
 // The entry points cuGetProcAddress hands out, with the CUDA version that introduced the signature
 // the fake implements (the _v2 variants that cuda.h maps the plain names to).
 struct EntryPoint {
@@ -743,6 +749,7 @@ const EntryPoint kEntryPoints[] = {
     ENTRY(cuMemcpyDtoHAsync, 3020),
     ENTRY(cuMemcpyHtoDAsync, 3020),
     ENTRY(cuStreamSynchronize, 2000),
+    ENTRY(cuCtxSynchronize, 2000),
 };
 #undef ENTRY
 

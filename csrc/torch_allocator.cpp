@@ -1,0 +1,341 @@
+// PoolAllocator and the C entry points torch's CUDAPluggableAllocator calls (see torch_allocator.h).
+//
+// Note on the order of a free. cuMemUnmap does not wait for kernels that still use the memory, and the
+// stream torch passes to free is only the one the segment was allocated on: a tensor of the segment may
+// have been used on any other stream since (record_stream, or side streams the caching allocator tracks
+// with events it has already retired). cudaFree, which torch's own segments go through, synchronizes the
+// whole device. So does this free: the device's queued work completes first (synchronize_device), then
+// the range is unmapped, then its pages go back to the pool, where a KV cache may hand them out at once.
+// This costs a device sync per free, which is why the hook is meant for a MemPool scope (segments are
+// freed only at scope exit or empty_cache), not as the process-wide allocator.
+//
+// Lock order: the registry's mutex, then an allocator's, then the pool's (inside acquire / decref). No
+// lock is held across a backend call except the pool's own, and no call takes the GIL.
+#include "torch_allocator.h"
+
+#include <algorithm>
+#include <exception>
+#include <limits>
+#include <map>
+#include <string>
+
+#include "errors.h"
+
+namespace vpaged {
+
+PoolAllocator::PoolAllocator(std::shared_ptr<PagePool> pool, size_t max_bytes)
+    : pool_(std::move(pool)), page_size_(pool_ ? pool_->page_size() : 0), max_bytes_(max_bytes) {
+  if (!pool_) throw InvalidArgument("a pool allocator needs a pool");
+}
+
+PoolAllocator::~PoolAllocator() {
+  // Only reached with live allocations when their owners are gone too (process exit, or a DLPack tensor
+  // freed through another path): give the pages back as a free would.
+  for (auto& [va, a] : live_) {
+    try {
+      pool_->backend().synchronize_device();
+      unmap_and_release(va, a);
+    } catch (...) {
+    }
+  }
+}
+
+void* PoolAllocator::allocate(size_t size) {
+  if (size == 0) throw InvalidArgument("allocation of 0 bytes");
+  if (size > std::numeric_limits<size_t>::max() - page_size_) {
+    throw InvalidArgument("allocation of " + std::to_string(size) + " bytes is too large");
+  }
+  const size_t pages = (size + page_size_ - 1) / page_size_;
+  {
+    // Claim the bytes under the cap first, so that two threads cannot both pass it.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (max_bytes_ != 0 && (size > max_bytes_ || bytes_ > max_bytes_ - size)) {
+      ++failures_;
+      throw OutOfPages("allocation of " + std::to_string(size) + " bytes would exceed the allocator's cap of " +
+                       std::to_string(max_bytes_) + " bytes (" + std::to_string(bytes_) + " in use)");
+    }
+    bytes_ += size;
+  }
+  auto give_back_claim = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    bytes_ -= size;
+    ++failures_;
+  };
+  Backend& backend = pool_->backend();
+  uintptr_t va = 0;
+  std::vector<PageId> ids;
+  try {
+    va = backend.reserve(pages * page_size_);
+    try {
+      ids = pool_->acquire(pages, PageOwner::kAllocator);
+      try {
+        backend.map(va, ids.data(), ids.size());  // all or nothing
+      } catch (...) {
+        for (PageId p : ids) pool_->decref(p);
+        throw;
+      }
+    } catch (...) {
+      try {
+        backend.release(va, pages * page_size_);
+      } catch (...) {
+      }
+      throw;
+    }
+  } catch (...) {
+    give_back_claim();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  live_.emplace(va, Allocation{size, pages, std::move(ids)});
+  mapped_bytes_ += pages * page_size_;
+  peak_bytes_ = std::max(peak_bytes_, bytes_);
+  ++mallocs_;
+  return reinterpret_cast<void*>(va);
+}
+
+void PoolAllocator::unmap_and_release(uintptr_t va, const Allocation& a) {
+  Backend& backend = pool_->backend();
+  backend.unmap(va, a.pages);
+  for (PageId p : a.page_ids) pool_->decref(p);
+  // The pages are back whatever happens now; a failed release leaks address space only.
+  backend.release(va, a.pages * page_size_);
+}
+
+void PoolAllocator::deallocate(void* ptr, size_t size) {
+  const uintptr_t va = reinterpret_cast<uintptr_t>(ptr);
+  Allocation a;
+  {
+    // Taken out of live_ before the slow part, so a concurrent second free of the pointer is refused.
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.find(va);
+    if (it == live_.end()) {
+      ++bad_frees_;
+      throw InvalidArgument("free of an unknown or already freed pointer " + std::to_string(va));
+    }
+    if (size != 0 && size != it->second.size) {
+      ++bad_frees_;
+      throw InvalidArgument("free of pointer " + std::to_string(va) + " with size " + std::to_string(size) +
+                            ", allocated with size " + std::to_string(it->second.size) + "; not freed");
+    }
+    a = std::move(it->second);
+    live_.erase(it);
+  }
+  auto put_back = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++bad_frees_;
+    live_.emplace(va, std::move(a));
+  };
+  // See the note at the top of the file: nothing may still use the pages when they are unmapped.
+  try {
+    pool_->backend().synchronize_device();
+    pool_->backend().unmap(va, a.pages);
+  } catch (...) {
+    put_back();  // still mapped, pages still held: a later free can retry
+    throw;
+  }
+  for (PageId p : a.page_ids) pool_->decref(p);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    bytes_ -= a.size;
+    mapped_bytes_ -= a.pages * page_size_;
+    ++frees_;
+  }
+  pool_->backend().release(va, a.pages * page_size_);  // the pages are back; only address space could leak
+}
+
+bool PoolAllocator::owns(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return live_.count(reinterpret_cast<uintptr_t>(ptr)) != 0;
+}
+
+bool PoolAllocator::contains(const void* ptr) const {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [va, a] : live_)
+    if (p >= va && p - va < a.pages * page_size_) return true;
+  return false;
+}
+
+size_t PoolAllocator::live_segments() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return live_.size();
+}
+
+void PoolAllocator::count_bad_free() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++bad_frees_;
+}
+
+AllocatorStats PoolAllocator::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t requested = 0;
+  for (const auto& kv : live_) requested += kv.second.size;
+  return AllocatorStats{page_size_, live_.size(), requested, mapped_bytes_, peak_bytes_, mallocs_,
+                        frees_,     failures_,    bad_frees_, max_bytes_};
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Per-device binding.
+
+namespace {
+
+struct DeviceSlot {
+  std::shared_ptr<PoolAllocator> current;                // takes new allocations
+  std::vector<std::shared_ptr<PoolAllocator>> retired;  // unbound, still holding live allocations
+};
+
+struct Registry {
+  std::mutex mu;
+  std::map<int, DeviceSlot> devices;
+};
+
+// Never destroyed: torch may free segments while the process exits, after static destructors ran.
+Registry& registry() {
+  static Registry* r = new Registry;
+  return *r;
+}
+
+void prune_locked(DeviceSlot& slot) {
+  auto& r = slot.retired;
+  r.erase(std::remove_if(r.begin(), r.end(), [](const auto& a) { return a->live_segments() == 0; }), r.end());
+}
+
+// Allocators of `device` that may own a pointer: the bound one first, then retired ones.
+std::vector<std::shared_ptr<PoolAllocator>> candidates(int device) {
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  std::vector<std::shared_ptr<PoolAllocator>> out;
+  auto it = reg.devices.find(device);
+  if (it == reg.devices.end()) return out;
+  if (it->second.current) out.push_back(it->second.current);
+  out.insert(out.end(), it->second.retired.begin(), it->second.retired.end());
+  return out;
+}
+
+}  // namespace
+
+void bind_device_allocator(int device, std::shared_ptr<PoolAllocator> allocator) {
+  if (!allocator) throw InvalidArgument("bind: no allocator");
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  DeviceSlot& slot = reg.devices[device];
+  if (slot.current == allocator) return;
+  if (slot.current) {
+    throw InvalidArgument("device " + std::to_string(device) +
+                          " already has a vpaged torch allocator bound; close that one first");
+  }
+  slot.retired.erase(std::remove(slot.retired.begin(), slot.retired.end(), allocator), slot.retired.end());
+  slot.current = std::move(allocator);
+}
+
+void unbind_device_allocator(int device, const PoolAllocator* allocator) {
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.devices.find(device);
+  if (it == reg.devices.end() || !it->second.current || it->second.current.get() != allocator) return;
+  it->second.retired.push_back(std::move(it->second.current));
+  it->second.current.reset();
+  prune_locked(it->second);
+}
+
+std::shared_ptr<PoolAllocator> device_allocator(int device) {
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.devices.find(device);
+  return it == reg.devices.end() ? nullptr : it->second.current;
+}
+
+}  // namespace vpaged
+
+// ---------------------------------------------------------------------------------------------------
+// C entry points.
+
+namespace {
+
+thread_local std::string last_error;
+
+void set_error(const std::string& what) noexcept {
+  try {
+    last_error = what;
+  } catch (...) {
+    // No memory for the message: leave the previous one rather than throw out of a noexcept function.
+  }
+}
+
+std::string no_allocator_reason(int device) {
+  if (device >= 0 && !vpaged::built_with_cuda()) {
+    return "vpaged was built without CUDA: no pool can serve CUDA device " + std::to_string(device);
+  }
+  return "no vpaged pool is bound to device " + std::to_string(device) +
+         " (vpaged.torch_allocator binds one; -1 is the host pool)";
+}
+
+}  // namespace
+
+extern "C" {
+
+void* vpaged_torch_malloc(size_t size, int device, void* /*stream: mapping is not stream-ordered*/) noexcept {
+  last_error.clear();
+  try {
+    std::shared_ptr<vpaged::PoolAllocator> a = vpaged::device_allocator(device);
+    if (!a) {
+      set_error(no_allocator_reason(device));
+      return nullptr;
+    }
+    return a->allocate(size);
+  } catch (const std::exception& e) {
+    set_error(std::string("vpaged_torch_malloc(") + std::to_string(size) + " bytes, device " +
+              std::to_string(device) + "): " + e.what());
+  } catch (...) {
+    set_error("vpaged_torch_malloc: unknown error");
+  }
+  return nullptr;
+}
+
+void vpaged_torch_free(void* ptr, size_t size, int device, void* /*stream: the whole device is waited for*/) noexcept {
+  last_error.clear();
+  try {
+    if (ptr == nullptr) return;  // as free(NULL)
+    auto all = vpaged::candidates(device);
+    for (const auto& a : all) {
+      if (!a->owns(ptr)) continue;
+      a->deallocate(ptr, size);  // throws on a concurrent double free or a failed wait / unmap
+      return;
+    }
+    if (!all.empty()) all.front()->count_bad_free();
+    set_error("vpaged_torch_free: pointer " + std::to_string(reinterpret_cast<uintptr_t>(ptr)) +
+              " was not allocated by vpaged on device " + std::to_string(device) + " or was freed already");
+  } catch (const std::exception& e) {
+    set_error(std::string("vpaged_torch_free: ") + e.what());
+  } catch (...) {
+    set_error("vpaged_torch_free: unknown error");
+  }
+}
+
+int vpaged_torch_stats(int device, vpaged_torch_stats_t* out) noexcept {
+  last_error.clear();
+  try {
+    if (out == nullptr) {
+      set_error("vpaged_torch_stats: out is NULL");
+      return -1;
+    }
+    std::shared_ptr<vpaged::PoolAllocator> a = vpaged::device_allocator(device);
+    if (!a) {
+      set_error(no_allocator_reason(device));
+      return -1;
+    }
+    const vpaged::AllocatorStats s = a->stats();
+    *out = vpaged_torch_stats_t{s.page_size, s.segments, s.bytes,    s.mapped_bytes, s.peak_bytes,
+                              s.mallocs,   s.frees,    s.failures, s.bad_frees,    s.max_bytes};
+    return 0;
+  } catch (const std::exception& e) {
+    set_error(std::string("vpaged_torch_stats: ") + e.what());
+  } catch (...) {
+    set_error("vpaged_torch_stats: unknown error");
+  }
+  return -1;
+}
+
+const char* vpaged_torch_last_error() noexcept { return last_error.c_str(); }
+
+}  // extern "C"
