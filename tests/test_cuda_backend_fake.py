@@ -1007,6 +1007,7 @@ class FakeTorchStream:
     def __init__(self, drv):
         self.drv = drv
         self.handle = drv.stream()
+        self.cuda_stream = self.handle  # what the cache hands to its range (torch.cuda.Stream's name)
 
     def synchronize(self):
         assert self.drv.sync_stream(self.handle) == 0, "the stream's queued work faulted"
@@ -1083,7 +1084,7 @@ def test_cache_waits_for_its_streams_before_unmapping(drv, rng):
         cache.extend(s, int(rng.integers(4100, 8000)))  # more than one page per region
 
     def launch_reads(stream, seq):  # a decode kernel reading the sequence's K and V
-        address = cache._range.address + lay.offset(0, 0, cache._slot_of[seq])
+        address = cache._range.address + lay.offset(0, 0, cache.slot(seq))
         assert drv.launch_read(stream.handle, address, cache.seq_len(seq) * lay.token_bytes) == 0
 
     for s in seqs:
@@ -1095,14 +1096,14 @@ def test_cache_waits_for_its_streams_before_unmapping(drv, rng):
     assert drv.sticky_error() == 0 and drv.pending(side.handle) == drv.pending(current.handle) == 0
     assert drv.violations()[0] == 0
 
-    cache._quiesce = lambda: None  # what the protocol guards against: unmapping without waiting
+    # What the protocol guards against: unmapping without waiting (the range forgets the side stream).
+    cache._range.remove_stream(side.handle)
     launch_reads(side, seqs[0])
     cache.truncate(seqs[0], 1)
     assert drv.sticky_error() == CUDA_ERROR_ILLEGAL_ADDRESS
     with pytest.raises(BackendError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
         cache.extend(seqs[1], 5000)
     drv.recover()
-    del cache._quiesce
     cache.close()
 
 
@@ -1110,7 +1111,7 @@ def test_cache_waits_for_its_streams_before_unmapping(drv, rng):
 def test_gpu_cache_scenarios_keep_pool_and_cache_on_one_device(drv, rng):
     """tests/test_cuda_cache.py's close scenario, run here without a GPU: the pool and the cache it builds
     must both be on cuda:0 (a cache without device= is on the CPU and refuses a CUDA pool)."""
-    torch.cuda.current_stream = lambda device=None: RecordingStream(drv)  # this child process only
+    torch.cuda.current_stream = lambda device=None: CurrentStream()  # this child process only
     import test_cuda_cache  # tests/ is this runner's script folder
 
     pool = test_cuda_cache.close_scenario(torch.device("cuda", 0))
