@@ -47,6 +47,13 @@ void VirtualRange::check_slot(int64_t slot) const {
   }
 }
 
+std::vector<PageId> VirtualRange::home_pages(const std::vector<int64_t>& slots) const {
+  std::vector<PageId> out;
+  out.reserve(slots.size());
+  for (int64_t s : slots) out.push_back(pool_->backend().home_page(va_ + static_cast<size_t>(s) * page_size_));
+  return out;
+}
+
 std::vector<std::pair<int64_t, int64_t>> VirtualRange::runs(std::vector<int64_t> slots) {
   std::sort(slots.begin(), slots.end());
   std::vector<std::pair<int64_t, int64_t>> out;
@@ -101,7 +108,8 @@ std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& slots) {
   std::sort(sorted.begin(), sorted.end());
   if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
     throw InvalidArgument("map_new: a slot is listed twice");
-  std::vector<PageId> pages = pool_->acquire(sorted.size());  // throws OutOfPages, nothing changed
+  // Each slot's home page where free: such pages need no mapping call on the host (host_backend.cpp).
+  std::vector<PageId> pages = pool_->acquire_preferring(home_pages(sorted));  // OutOfPages: nothing changed
   // pages[i] goes to sorted[i]: a run of slots that gets a run of consecutive page ids (the usual case
   // for a pool that is not fragmented) maps in one host call.
   map_runs_or_undo(runs(sorted), pages);
@@ -160,12 +168,10 @@ void VirtualRange::unmap_locked(const std::vector<int64_t>& slots) {
   // so a failure leaves table and pool consistent.
   for (auto [first, count] : runs(slots)) {
     pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
-    for (int64_t s = first; s < first + count; ++s) {
-      PageId p = table_[s];
-      table_[s] = -1;
-      --mapped_;
-      pool_->decref(p);
-    }
+    std::vector<PageId> pages(table_.begin() + first, table_.begin() + first + count);
+    std::fill(table_.begin() + first, table_.begin() + first + count, PageId{-1});
+    mapped_ -= static_cast<size_t>(count);
+    pool_->decref_all(pages);  // one call: the host returns the memory of a run of pages at once
   }
 }
 
@@ -174,7 +180,7 @@ PageId VirtualRange::copy_on_write(int64_t slot, uintptr_t stream) {
   check_slot(slot);
   const PageId old = table_[slot];
   if (old < 0) throw InvalidArgument("copy_on_write: page slot " + std::to_string(slot) + " is not mapped");
-  PageId fresh = pool_->acquire(1)[0];
+  PageId fresh = pool_->acquire_preferring(home_pages({slot}))[0];  // the slot's home page when free
   try {
     pool_->backend().copy_page(fresh, old, stream);
     // The copy reads `old`, which may go back to the pool below: it must be complete first.

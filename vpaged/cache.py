@@ -32,6 +32,7 @@ from .errors import (CacheClosedError, InvalidArgumentError, OutOfPagesError, Re
                      SequenceSwappedError, SequenceTooLongError, SlotsExhaustedError, SwapSpaceFullError,
                      ViewsAliveError)
 from .layout import Layout
+from .limits import check_cache
 from .pool import PagePool, default_pool
 from .prefix import HashFn, PrefixIndex
 from .swap import SwapSpace
@@ -136,6 +137,7 @@ class VirtualKVCache:
         self.max_seqs, self.max_seq_len = max_seqs, max_seq_len
         self.layout = Layout(layout, num_layers, num_kv_heads, head_dim, itemsize(dtype), max_seqs, max_seq_len,
                              pool.page_size)
+        check_cache(self.layout, self.device)  # address space and mapping limit, said now rather than mid-serving
         self._range = _C.VirtualRange(pool._pool, self.layout.total_bytes)
         self._slot_of: dict[int, int] = {}  # live sequence id -> slot
         self._len = [0] * max_seqs  # tokens held by the sequence in each slot
@@ -170,6 +172,7 @@ class VirtualKVCache:
         if tokens is None:
             if self._dormant:
                 slot, _ = self._dormant.popitem(last=True)  # most recently freed: its pages are warmest
+                slot = self._scrub_for_new_owner(slot)
             elif self._empty:
                 slot = self._empty.pop()
             else:
@@ -233,6 +236,9 @@ class VirtualKVCache:
                 run_start = s + 1
         if best is None:
             raise SlotsExhaustedError(f"no {n} consecutive free sequence slots (of {self.max_seqs})")
+        for slot in range(best, best + n):
+            if slot in self._dormant and self.pool.zero_on_reuse:
+                self._scrub_dormant(slot)  # before any is bound: an error here leaves every slot free
         ids = []
         for slot in range(best, best + n):
             if slot in self._dormant:
@@ -241,6 +247,34 @@ class VirtualKVCache:
                 self._empty.remove(slot)
             ids.append(self._bind(slot))
         return ids
+
+    def _scrub_for_new_owner(self, slot: int) -> int:
+        """A dormant slot just taken for a new sequence: with the pool's zero_on_reuse its pages are zeroed
+        first. Returns the slot to use (another, clean one if this one's pages could not be given up)."""
+        if not self.pool.zero_on_reuse:
+            return slot
+        self._dormant[slot] = None
+        try:
+            self._scrub_dormant(slot)
+        except ViewsAliveError:
+            return self._take_clean_slot()  # leaves `slot` dormant; unmaps another's pages, or an empty one
+        if slot in self._dormant:
+            del self._dormant[slot]
+        else:
+            self._empty.remove(slot)
+        return slot
+
+    def _scrub_dormant(self, slot: int) -> None:
+        """Zero a dormant slot's pages. Pages it still shares with others (free() kept them for a live view)
+        cannot be zeroed: the slot gives them all up instead (ViewsAliveError while a view still reads them)."""
+        idx = self.layout.page_slots(slot, 0, self._mapped[slot])
+        if any(c > 1 for c in self._range.refcounts_at(idx)):
+            self._unmap_slot(slot)
+            del self._dormant[slot]
+            self._empty.append(slot)
+            return
+        self._quiesce()  # kernels still writing the old sequence's K/V finish first
+        self.pool.zero_pages(self._range.pages_at(idx))
 
     def _bind(self, slot: int) -> int:
         seq = self._next_id

@@ -16,6 +16,7 @@ import torch
 from . import _C
 from .device import default_page_size, make_backend, normalize_device
 from .errors import BackendUnavailableError, InvalidArgumentError
+from .limits import check_host_capacity
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,15 @@ class PagePool:
     capacity_bytes / capacity_pages: the budget (one of them). page_size: bytes per page (default 64 KiB on
     the host, the VMM granularity, 2 MiB on current NVIDIA GPUs, on CUDA). reserve_pages: pages created
     up front (CUDA creates physical memory ahead of need; on the host every page exists at no cost).
+    overcommit: allow a host capacity above what the machine can back (RAM + swap, or its cgroup limit);
+    refused by default, since writing past physical memory ends the process (see limits.py).
+    zero_on_reuse: pages read as zeros whenever they change owner (handed out again, or a freed sequence's
+    pages given to a new one), so no request ever sees another's K/V. Off by default, like torch.empty.
     """
 
     def __init__(self, device="cpu", *, capacity_bytes: int | None = None, capacity_pages: int | None = None,
-                 page_size: int | None = None, reserve_pages: int = 0):
+                 page_size: int | None = None, reserve_pages: int = 0, overcommit: bool = False,
+                 zero_on_reuse: bool = False):
         self.device = normalize_device(device)
         self.page_size = int(page_size) if page_size is not None else default_page_size(self.device)
         if self.page_size <= 0:
@@ -62,8 +68,11 @@ class PagePool:
         if capacity_pages <= 0:
             raise InvalidArgumentError(
                 f"a pool needs at least one page of {self.page_size} bytes (capacity {capacity_bytes} bytes)")
+        if self.device.type == "cpu":
+            check_host_capacity(int(capacity_pages), self.page_size, overcommit)
         backend = make_backend(self.device, self.page_size, int(capacity_pages), int(reserve_pages))
         self._pool = _C.PagePool(backend, int(reserve_pages))
+        self._pool.zero_on_reuse = bool(zero_on_reuse)
         self._clients: weakref.WeakSet = weakref.WeakSet()
 
     @property
@@ -73,6 +82,15 @@ class PagePool:
     @property
     def backend(self):
         return self._pool.backend
+
+    @property
+    def zero_on_reuse(self) -> bool:
+        """Whether pages read as zeros when they change owner (see the constructor)."""
+        return self._pool.zero_on_reuse
+
+    def zero_pages(self, pages) -> None:
+        """Make pages (ids in use) read as zeros."""
+        self._pool.zero_pages(list(pages))
 
     def free_pages(self) -> int:
         return self._pool.free_pages()
