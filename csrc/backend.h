@@ -62,7 +62,8 @@ class Backend {
   virtual size_t page_ids() const { return created_pages(); }
   // The page that shows at `va` of a reserved range without a mapping call of its own, -1 if none. The
   // pool hands a slot its home page when it is free, so pages that stay where they were first mapped
-  // cost no mapping (host: a range is one mapping of its own stretch of the pool's file).
+  // cost no mapping (host: a range is one mapping of its own stretch of the pool's file). The home pages
+  // of one reservation are consecutive ids: home_page(va + k * page_size) == home_page(va) + k.
   virtual PageId home_page(uintptr_t va) const {
     (void)va;
     return -1;

@@ -223,8 +223,8 @@ class HostBackend final : public Backend {
   }
 
   void map(uintptr_t va, const PageId* pages, size_t n) override {
-    for (size_t i = 0; i < n; ++i) check_page(pages[i]);
     std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < n; ++i) check_page_locked(pages[i]);
     Region& r = region_of(va, n);
     const size_t first = (va - r.va) / page_size_;
     size_t done = 0;
@@ -302,6 +302,9 @@ class HostBackend final : public Backend {
 
   void check_page(PageId page) const {
     std::lock_guard<std::mutex> lock(mu_);
+    check_page_locked(page);
+  }
+  void check_page_locked(PageId page) const {
     if (page < 0 || page >= next_id_) throw InvalidArgument("page id " + std::to_string(page) + " out of range");
   }
 

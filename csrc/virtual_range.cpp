@@ -48,9 +48,11 @@ void VirtualRange::check_slot(int64_t slot) const {
 }
 
 std::vector<PageId> VirtualRange::home_pages(const std::vector<int64_t>& slots) const {
+  // A reservation's home pages are consecutive ids (Backend::home_page): one lookup serves every slot.
+  const PageId base = pool_->backend().home_page(va_);
   std::vector<PageId> out;
   out.reserve(slots.size());
-  for (int64_t s : slots) out.push_back(pool_->backend().home_page(va_ + static_cast<size_t>(s) * page_size_));
+  for (int64_t s : slots) out.push_back(base < 0 ? -1 : base + s);
   return out;
 }
 

@@ -2,7 +2,8 @@
 budget, 64 sequences growing together. The budget must bind (OutOfPagesError), never vm.max_map_count.
 
 K/V are never written, so no RAM is needed: pages are counted by the pool and backed only when written.
-VPAGED_SCALE_OPS=N runs N random operations per layout instead of 10,000 (a longer soak: 100000).
+The random-operation test runs 10,000 operations in all, 2,500 per layout (about a minute on a busy 2-core
+machine); VPAGED_SCALE_OPS=N runs N per layout (a longer soak: VPAGED_SCALE_OPS=100000).
 """
 import os
 import random
@@ -24,6 +25,18 @@ MAX_LEN = 4096
 STEP = 16  # tokens per extend
 
 
+def range_mappings(cache) -> int:
+    """Mappings (lines of /proc/self/maps) inside the cache's reserved range: what its pages cost."""
+    lo = cache._range.address
+    hi = lo + cache._range.bytes
+    n = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            a, b = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+            n += a < hi and b > lo
+    return n
+
+
 def make_cache(layout, page_size, max_len=MAX_LEN):
     pool = vpaged.PagePool("cpu", capacity_bytes=BUDGET, page_size=page_size, overcommit=True)
     with warnings.catch_warnings():
@@ -35,9 +48,8 @@ def make_cache(layout, page_size, max_len=MAX_LEN):
 @pytest.mark.parametrize("page_size", [64 * 1024, 2 * 2**20], ids=["64KiB", "2MiB"])
 @pytest.mark.parametrize("layout", ["per_layer", "head_major", "interleaved"])
 def test_sequences_growing_together_fill_the_budget_not_the_mapping_table(layout, page_size):
-    baseline = mapping_count()
     cache = make_cache(layout, page_size)
-    assert mapping_count() - baseline <= 1  # the whole cache range is one mapping
+    assert range_mappings(cache) == 1  # the whole cache range is one mapping
     seqs = [cache.allocate() for _ in range(SEQS)]
     peak, short = 0, None
     try:
@@ -54,15 +66,16 @@ def test_sequences_growing_together_fill_the_budget_not_the_mapping_table(layout
                         short = need * cache.layout.runs
                         assert short > cache.pool.free_pages()
                         raise
-                    peak = max(peak, mapping_count() - baseline)
+                    peak = max(peak, range_mappings(cache))
         stats = cache.pool.stats()
         lens = [cache.seq_len(s) for s in seqs]
         used = stats.used_pages * page_size
         print(f"\n{layout}, {page_size // 1024} KiB: OutOfPagesError at {used / GIB:.2f} GiB mapped, "
-              f"{min(lens)}..{max(lens)} tokens per sequence, {peak} mapping(s) added")
+              f"{min(lens)}..{max(lens)} tokens per sequence, {peak} mapping(s) in the range, "
+              f"{mapping_count()} in the process (vm.max_map_count {mapping_limit()})")
         # Filled to the budget, short of it only by less than the failed extend needed.
         assert BUDGET - short * page_size < used <= BUDGET
-        assert peak <= 1
+        assert peak == 1
         assert sum(lens) * cache.bytes_per_token <= used
     finally:
         cache.close()
@@ -99,14 +112,13 @@ def referenced_pages(cache) -> int:
     return len(pages)
 
 
-OPS = int(os.environ.get("VPAGED_SCALE_OPS", "10000"))
+OPS = int(os.environ.get("VPAGED_SCALE_OPS", "2500"))
 
 
 @pytest.mark.parametrize("layout,page_size", [("per_layer", 64 * 1024), ("head_major", 64 * 1024),
                                               ("interleaved", 64 * 1024), ("interleaved", 2 * 2**20)])
 def test_random_operations_at_scale_keep_mappings_bounded(layout, page_size):
-    """10,000 random operations (allocate with prefix hits, extend, fork, reorder, truncate, free) on the 7B
-    cache. Formula: mappings added by the cache <= 1 + 2 * S, where S is the number of runs of page slots
+    """Random operations (allocate with prefix hits, extend, fork, reorder, truncate, free) on the 7B cache. Formula: mappings added by the cache <= 1 + 2 * S, where S is the number of runs of page slots
     showing a page other than their home page (non_home_segments): private pages cost nothing, and S grows
     with shared runs, never with pages. The pool's count equals the distinct pages the cache holds."""
     seed = int.from_bytes(os.urandom(4), "little")
@@ -127,7 +139,7 @@ def test_random_operations_at_scale_keep_mappings_bounded(layout, page_size):
         nonlocal max_segments
         segs = non_home_segments(cache)
         max_segments = max(max_segments, segs)
-        added = mapping_count() - baseline
+        added = range_mappings(cache)
         assert added <= 1 + 2 * segs, (added, segs)
         assert cache.pool.stats().used_pages == referenced_pages(cache)
 
@@ -181,14 +193,16 @@ def test_random_operations_at_scale_keep_mappings_bounded(layout, page_size):
         except vpaged.OutOfPagesError:
             counts["oom"] += 1
         except vpaged.MappingLimitError:
-            # Only where sharing's worst case is past the limit (head_major: 2 per head per region).
+            # Only where sharing's worst case is past the limit (head_major: 2 per head and region of each
+            # sequence sharing pages): near the limit, with the pool as it was (the op changed nothing).
             counts["maps"] += 1
-            assert mapping_count() > mapping_limit() - 2 * cache.layout.runs - 64
-        if i % 250 == 249:
+            assert mapping_count() > mapping_limit() - 8 * cache.layout.runs
+            assert cache.pool.stats().used_pages == referenced_pages(cache)
+        if i % 500 == 499:
             check()
     check()
     print(f"\n{layout} {page_size // 1024} KiB: {OPS} ops in {time.time() - t0:.1f}s, live {len(live)}, "
           f"pool {cache.pool.stats().used_pages * page_size / GIB:.2f} GiB, max non-home runs {max_segments}, "
           f"out-of-pages {counts['oom']}, mapping-limit {counts['maps']}")
     cache.close()
-    assert mapping_count() - baseline <= 0
+    assert mapping_count() <= baseline + 16  # the range is gone (allocator arenas may come and go)
