@@ -94,7 +94,7 @@ def design_mappings(page_size: int, pages: int, backend: str) -> int:
 
 
 def cache_on(backend: str, page_size: int, capacity_bytes: int, **kw) -> vpaged.VirtualKVCache:
-    pool = vpaged.PagePool("cpu", capacity_bytes=capacity_bytes, page_size=page_size)
+    pool = vpaged.PagePool("cpu", capacity_bytes=capacity_bytes, page_size=page_size, overcommit=True)  # never written
     if backend != "home":  # the same pool and cache code over the reference backend
         pool._pool = _C.PagePool(BACKENDS[backend](page_size, pool.capacity_pages))
     with warnings.catch_warnings():  # sharing's worst case; these benchmarks share nothing
