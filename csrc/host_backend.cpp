@@ -200,6 +200,10 @@ class HostBackend final : public Backend {
     }
     if (p == MAP_FAILED) {
       give_back_block(base, slots);
+      // ENOMEM is either limit: the mapping count decides which one this is.
+      if (err == ENOMEM && mapping_count() + 2 >= static_cast<size_t>(read_max_map_count())) {
+        throw_mmap_error("mmap(reserve)", err);
+      }
       if (err == ENOMEM) throw AddressSpace(address_space_report(bytes));
       throw BackendFailure(errno_text("mmap(reserve)", err));
     }

@@ -118,7 +118,8 @@ OPS = int(os.environ.get("VPAGED_SCALE_OPS", "2500"))
 @pytest.mark.parametrize("layout,page_size", [("per_layer", 64 * 1024), ("head_major", 64 * 1024),
                                               ("interleaved", 64 * 1024), ("interleaved", 2 * 2**20)])
 def test_random_operations_at_scale_keep_mappings_bounded(layout, page_size):
-    """Random operations (allocate with prefix hits, extend, fork, reorder, truncate, free) on the 7B cache. Formula: mappings added by the cache <= 1 + 2 * S, where S is the number of runs of page slots
+    """Random operations (allocate with prefix hits, extend, fork, reorder, truncate, free) on the 7B cache.
+    Formula: mappings in the cache's range <= 1 + 2 * S, where S is the number of runs of page slots
     showing a page other than their home page (non_home_segments): private pages cost nothing, and S grows
     with shared runs, never with pages. The pool's count equals the distinct pages the cache holds."""
     seed = int.from_bytes(os.urandom(4), "little")
@@ -126,12 +127,20 @@ def test_random_operations_at_scale_keep_mappings_bounded(layout, page_size):
     rng = random.Random(seed)
     baseline = mapping_count()
     cache = make_cache(layout, page_size, max_len=1024)
+    try:
+        run_random_operations(cache, rng, layout, page_size)
+    finally:
+        cache.close()
+    assert mapping_count() <= baseline + 16  # the range is gone (allocator arenas may come and go)
+
+
+def run_random_operations(cache, rng, layout, page_size):
     prefix = cache._prefix is not None
     block = cache._prefix.block_tokens if prefix else 0
     prompts = [[rng.randrange(32000) for _ in range(max(block, 1) * 3)] for _ in range(4)]
     live: list[int] = []
     tokens: dict[int, list[int]] = {}
-    counts = {"oom": 0, "maps": 0}
+    counts = {"oom": 0}
     max_segments = 0
     t0 = time.time()
 
@@ -143,9 +152,15 @@ def test_random_operations_at_scale_keep_mappings_bounded(layout, page_size):
         assert added <= 1 + 2 * segs, (added, segs)
         assert cache.pool.stats().used_pages == referenced_pages(cache)
 
+    # Sharing ops stop short of vm.max_map_count (head_major: up to 2 mappings per head and region of each
+    # sharing sequence); reaching the limit itself is tested in test_cache.py, in a child process.
+    room = 16 * cache.layout.runs + 1024
+
     for i in range(OPS):
         op = rng.choice(["alloc", "alloc", "extend", "extend", "extend", "fork", "reorder", "truncate", "free",
                          "cache_prefix"])
+        if op in ("alloc", "fork", "reorder") and mapping_count() + room > mapping_limit():
+            op = "free"
         try:
             if op == "alloc" and len(live) < SEQS:
                 if prefix and rng.random() < 0.7:
@@ -192,17 +207,9 @@ def test_random_operations_at_scale_keep_mappings_bounded(layout, page_size):
                 cache.cache_prefix(s, tokens[s])
         except vpaged.OutOfPagesError:
             counts["oom"] += 1
-        except vpaged.MappingLimitError:
-            # Only where sharing's worst case is past the limit (head_major: 2 per head and region of each
-            # sequence sharing pages): near the limit, with the pool as it was (the op changed nothing).
-            counts["maps"] += 1
-            assert mapping_count() > mapping_limit() - 8 * cache.layout.runs
-            assert cache.pool.stats().used_pages == referenced_pages(cache)
         if i % 500 == 499:
             check()
     check()
     print(f"\n{layout} {page_size // 1024} KiB: {OPS} ops in {time.time() - t0:.1f}s, live {len(live)}, "
           f"pool {cache.pool.stats().used_pages * page_size / GIB:.2f} GiB, max non-home runs {max_segments}, "
-          f"out-of-pages {counts['oom']}, mapping-limit {counts['maps']}")
-    cache.close()
-    assert mapping_count() <= baseline + 16  # the range is gone (allocator arenas may come and go)
+          f"out-of-pages {counts['oom']}")
