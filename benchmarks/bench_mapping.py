@@ -2,11 +2,16 @@
 
   python benchmarks/bench_mapping.py [--quick]
 
-1. Per page, map + unmap: raw mmap(MAP_FIXED) of a memfd page then mmap(PROT_NONE) over it, called through
-   ctypes and in a C++ loop (the floor); versus VirtualRange.map_new / unmap (pool bookkeeping + the same two syscalls), one page per call
-   and 64 scattered pages per call. Page sizes 64 KiB and 2 MiB. Goal: vpaged within 1.3x of raw.
-2. Bookkeeping of a decode step: extend 256 sequences by one token when no page is needed, as
-   extend_many (one call) and as 256 extend calls. Goal: negligible next to a decode step (µs).
+1. Host designs side by side, bare system calls in a C++ loop per page (scattered pages), untouched and
+   written once (touch): per_page (a mapping per page: the backend before home pages), anon (anonymous
+   mapping + MADV_DONTNEED), home (a range-long memfd mapping; unmap punches the page's hole: the backend
+   now). Mappings held with 256 scattered pages mapped.
+2. Per page, map + unmap through vpaged (VirtualRange.map_new / unmap: pool bookkeeping + the backend),
+   one page per call and 64 scattered pages per call, against the C++ floor of the design it uses, for
+   the current backend and the per-page reference backend. Page sizes 64 KiB and 2 MiB. Goal: within 1.3x.
+3. Bookkeeping of a decode step: extend 256 sequences by one token when no page is needed (extend_many and
+   256 extend calls), and a step where every sequence crosses a page (maps a page per region), on both
+   backends. Goal: no slower than before.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import ctypes
 import mmap
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median_time, print_table, write_json  # noqa: E402
 
 import vpaged  # noqa: E402
+from vpaged.limits import mapping_count  # noqa: E402
 from vpaged import _C  # noqa: E402
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -55,13 +62,17 @@ def raw_map_unmap(page_size: int, pages: int, repeats: int) -> float:
     return t
 
 
-def raw_c_map_unmap(page_size: int, pages: int, repeats: int) -> float:
-    """The same two syscalls per page in a C++ loop: the floor."""
-    return sorted(_C._raw_map_unmap_seconds_per_page(page_size, pages) for _ in range(repeats))[repeats // 2]
+def raw_c_map_unmap(page_size: int, pages: int, repeats: int, design: str = "home", touch: bool = False) -> float:
+    """The bare syscalls of one design per page in a C++ loop: the floor."""
+    return sorted(_C._raw_map_unmap_seconds_per_page(page_size, pages, design, touch)
+                  for _ in range(repeats))[repeats // 2]
 
 
-def vpaged_map_unmap(page_size: int, pages: int, batch: int, repeats: int) -> float:
-    pool = _C.PagePool(_C.host_backend(page_size, pages))
+BACKENDS = {"home": _C.host_backend, "per_page": _C._per_page_host_backend}
+
+
+def vpaged_map_unmap(page_size: int, pages: int, batch: int, repeats: int, backend: str = "home") -> float:
+    pool = _C.PagePool(BACKENDS[backend](page_size, pages))
     r = _C.VirtualRange(pool, 2 * pages * page_size)
     groups = [[2 * i for i in range(g, min(g + batch, pages))] for g in range(0, pages, batch)]
 
@@ -73,10 +84,43 @@ def vpaged_map_unmap(page_size: int, pages: int, batch: int, repeats: int) -> fl
     return median_time(once, repeats) / pages
 
 
-def extend_bookkeeping(num_seqs: int, repeats: int) -> dict:
+def design_mappings(page_size: int, pages: int, backend: str) -> int:
+    """Mappings the process gains with `pages` scattered pages mapped through vpaged."""
+    pool = _C.PagePool(BACKENDS[backend](page_size, pages))
+    r = _C.VirtualRange(pool, 2 * pages * page_size)
+    before = mapping_count()
+    r.map_new([2 * i for i in range(pages)])
+    return mapping_count() - before + 1  # + the reservation itself
+
+
+def cache_on(backend: str, page_size: int, capacity_bytes: int, **kw) -> vpaged.VirtualKVCache:
+    pool = vpaged.PagePool("cpu", capacity_bytes=capacity_bytes, page_size=page_size, overcommit=True)  # never written
+    if backend != "home":  # the same pool and cache code over the reference backend
+        pool._pool = _C.PagePool(BACKENDS[backend](page_size, pool.capacity_pages))
+    with warnings.catch_warnings():  # sharing's worst case; these benchmarks share nothing
+        warnings.simplefilter("ignore", vpaged.MappingLimitWarning)
+        return vpaged.VirtualKVCache(32, 8, 128, dtype=torch.bfloat16, pool=pool, layout="per_layer", **kw)
+
+
+def crossing_step(num_seqs: int, repeats: int, backend: str) -> float:
+    """A decode step in which every sequence crosses into a new page (64 KiB: every 32 tokens): extend_many
+    maps num_seqs * 64 pages; then truncate them away again (not timed separately: map + unmap per step).
+    128 sequences: 256 would pass vm.max_map_count on the per-page backend."""
+    cache = cache_on(backend, 64 * 1024, num_seqs * 64 * 2 * 2**16, max_seqs=num_seqs, max_seq_len=64)
+    seqs = [cache.allocate() for _ in range(num_seqs)]
+    cache.extend_many(seqs, 32)  # one full page per region
+
+    def step():
+        cache.extend_many(seqs, 1)  # maps the second page of every region
+        for s in seqs:
+            cache.truncate(s, 32)
+
+    return median_time(step, repeats)
+
+
+def extend_bookkeeping(num_seqs: int, repeats: int, backend: str = "home") -> dict:
     # 2 MiB pages hold 1024 tokens per region: the timed steps never need a page.
-    cache = vpaged.VirtualKVCache(32, 8, 128, dtype=torch.bfloat16, max_seqs=num_seqs, max_seq_len=4096,
-                                  capacity_bytes=num_seqs * 64 * 2**21, layout="per_layer", page_size=2**21)
+    cache = cache_on(backend, 2**21, num_seqs * 64 * 2**21, max_seqs=num_seqs, max_seq_len=4096)
     seqs = [cache.allocate() for _ in range(num_seqs)]
     cache.extend_many(seqs, 1)  # maps one page per region; the next 255 tokens need none
     steps = 0
@@ -106,28 +150,50 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     repeats = 5 if args.quick else 11
-    results = {"machine": machine(), "mapping": [], "goal_ratio": 1.3}
+    pages = 256
+    results = {"machine": machine(), "designs": [], "mapping": [], "goal_ratio": 1.3}
     rows = []
     for page_size in (64 * 1024, 2 * 1024 * 1024):
-        pages = 256
-        raw = raw_map_unmap(page_size, pages, repeats)
-        floor = raw_c_map_unmap(page_size, pages, repeats)
-        one = vpaged_map_unmap(page_size, pages, 1, repeats)
-        batched = vpaged_map_unmap(page_size, pages, 64, repeats)
-        entry = {"page_size": page_size, "raw_c_us": floor * 1e6, "raw_ctypes_us": raw * 1e6,
-                 "vpaged_1_us": one * 1e6, "vpaged_64_us": batched * 1e6, "ratio_1_vs_c": one / floor,
-                 "ratio_64_vs_c": batched / floor, "ratio_1_vs_ctypes": one / raw}
-        results["mapping"].append(entry)
-        rows.append([f"{page_size // 1024} KiB", f"{floor * 1e6:.2f}", f"{raw * 1e6:.2f}", f"{one * 1e6:.2f}",
-                     f"{one / floor:.2f}x", f"{batched * 1e6:.2f}", f"{batched / floor:.2f}x"])
-    print("map + unmap, per page (median µs; ratios against the C++ loop)")
-    print_table(["page", "raw C++", "raw ctypes", "vpaged 1/call", "ratio", "vpaged 64/call", "ratio"], rows)
-    book = extend_bookkeeping(256, repeats)
-    results["extend_256"] = book
+        for design in ("per_page", "anon", "home"):
+            e = {"page_size": page_size, "design": design,
+                 "raw_us": raw_c_map_unmap(page_size, pages, repeats, design) * 1e6,
+                 "raw_touch_us": raw_c_map_unmap(page_size, pages, repeats, design, True) * 1e6,
+                 "mappings_for_256_pages": {"per_page": 2 * pages + 1, "anon": 1, "home": 1}[design]}
+            if design != "anon":
+                e["vpaged_mappings_for_256_pages"] = design_mappings(page_size, pages, design)
+            results["designs"].append(e)
+            rows.append([f"{page_size // 1024} KiB", design, f"{e['raw_us']:.2f}", f"{e['raw_touch_us']:.2f}",
+                         str(e.get("vpaged_mappings_for_256_pages", e["mappings_for_256_pages"]))])
+    print("host designs: bare syscalls per page, C++ loop (median µs); mappings with 256 scattered pages")
+    print_table(["page", "design", "map+unmap", "with touch", "mappings"], rows)
+    rows = []
+    for page_size in (64 * 1024, 2 * 1024 * 1024):
+        for backend in ("home", "per_page"):
+            floor = raw_c_map_unmap(page_size, pages, repeats, backend)
+            one = vpaged_map_unmap(page_size, pages, 1, repeats, backend)
+            batched = vpaged_map_unmap(page_size, pages, 64, repeats, backend)
+            entry = {"page_size": page_size, "backend": backend, "raw_c_us": floor * 1e6,
+                     "vpaged_1_us": one * 1e6, "vpaged_64_us": batched * 1e6, "ratio_1_vs_c": one / floor,
+                     "ratio_64_vs_c": batched / floor}
+            if backend == "per_page":
+                entry["raw_ctypes_us"] = raw_map_unmap(page_size, pages, repeats) * 1e6
+            results["mapping"].append(entry)
+            rows.append([f"{page_size // 1024} KiB", backend, f"{floor * 1e6:.2f}", f"{one * 1e6:.2f}",
+                         f"{one / floor:.2f}x", f"{batched * 1e6:.2f}", f"{batched / floor:.2f}x"])
+    print("\nmap + unmap through vpaged, per page (median µs; ratios against the C++ floor of the same design)")
+    print_table(["page", "backend", "floor", "1/call", "ratio", "64/call", "ratio"], rows)
+    rows = []
+    for backend in ("home", "per_page"):
+        book = extend_bookkeeping(256, repeats, backend)
+        book["page_crossing_step_128_us"] = crossing_step(128, repeats, backend) * 1e6
+        results[f"extend_256_{backend}"] = book
+        rows.append([backend, f"{book['extend_many_us']:.1f}", f"{book['extend_loop_us']:.1f}",
+                     f"{book['per_sequence_us']:.3f}", f"{book['page_crossing_step_128_us']:.0f}"])
+    results["extend_256"] = results["extend_256_home"]
     print()
-    print("decode-step bookkeeping: extend 256 sequences by 1 token, no page needed (median µs)")
-    print_table(["extend_many", "256 x extend", "per sequence"],
-                [[f"{book['extend_many_us']:.1f}", f"{book['extend_loop_us']:.1f}", f"{book['per_sequence_us']:.3f}"]])
+    print("decode-step bookkeeping (median µs): 256 sequences +1 token with no page needed; 128 sequences each "
+          "mapping a page per region (64 regions) and truncating it again")
+    print_table(["backend", "extend_many", "256 x extend", "per sequence", "page-crossing step (128)"], rows)
     path = write_json("mapping_cpu.json", results)
     print(f"\nwrote {path}")
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace vpaged {
 
@@ -40,6 +41,37 @@ class Backend {
   // Give a free page's memory back to the system where the backend can (host: punch a hole; the page
   // then reads as zeros). The page id stays valid.
   virtual void discard_page(PageId page) = 0;
+  // discard_page for pages no one references any more; the pool calls it whenever pages go free. Never
+  // throws: a page whose memory could not be returned is still free.
+  virtual void discard_pages(const PageId* pages, size_t n) noexcept {
+    for (size_t i = 0; i < n; ++i) {
+      try {
+        discard_page(pages[i]);
+      } catch (...) {
+      }
+    }
+  }
+  // Make pages read as zeros (the pool's zero_on_reuse option). Default: copy a zero page into each.
+  virtual void zero_pages(const PageId* pages, size_t n, uintptr_t stream) {
+    const std::vector<char> zeros(page_size(), 0);
+    for (size_t i = 0; i < n; ++i) copy_from_host(pages[i], zeros.data(), stream);
+    synchronize(stream);
+  }
+
+  // True when a page freed (discard_pages) and handed out again reads as zeros with no further work.
+  virtual bool freed_pages_read_zero() const { return false; }
+
+  // Page ids that exist: 0..page_ids()-1. Ids below capacity_pages() are "general" pages, the pool's free
+  // list. The host backend adds a block of "home" ids per reserved range (home_page); CUDA has none.
+  virtual size_t page_ids() const { return created_pages(); }
+  // The page that shows at `va` of a reserved range without a mapping call of its own, -1 if none. The
+  // pool hands a slot its home page when it is free, so pages that stay where they were first mapped
+  // cost no mapping (host: a range is one mapping of its own stretch of the pool's file). The home pages
+  // of one reservation are consecutive ids: home_page(va + k * page_size) == home_page(va) + k.
+  virtual PageId home_page(uintptr_t va) const {
+    (void)va;
+    return -1;
+  }
 
   // Virtual address space: reserve returns a page-aligned address of `bytes` (a multiple of page_size)
   // with nothing mapped. Reading unmapped reserved memory faults.
@@ -73,7 +105,7 @@ class Backend {
   std::atomic<size_t> unmap_calls_{0};
 };
 
-// Host backend: a sparse memfd of capacity_pages * page_size bytes is the physical memory.
+// Host backend: a sparse memfd is the physical memory; capacity_pages is the budget the pool enforces.
 std::shared_ptr<Backend> make_host_backend(size_t page_size, size_t capacity_pages);
 
 // Accounting backend (csrc/accounting_backend.cpp): pages and reservations are counted, no memory is

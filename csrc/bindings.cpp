@@ -11,7 +11,8 @@
 namespace py = pybind11;
 
 namespace vpaged {
-double raw_map_unmap_seconds_per_page(size_t page_size, size_t pages);
+std::shared_ptr<Backend> make_per_page_host_backend(size_t page_size, size_t capacity_pages);
+double raw_map_unmap_seconds_per_page(size_t page_size, size_t pages, const std::string& design, bool touch);
 }
 using namespace vpaged;
 
@@ -45,6 +46,8 @@ PYBIND11_MODULE(_C, m) {
       if (p) std::rethrow_exception(p);
     } catch (const OutOfPages& e) {
       raise_as("OutOfPagesError", e.what());
+    } catch (const AddressSpace& e) {
+      raise_as("AddressSpaceError", e.what());
     } catch (const MappingLimit& e) {
       raise_as("MappingLimitError", e.what());
     } catch (const BackendUnavailable& e) {
@@ -66,12 +69,16 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("map_calls", &Backend::map_calls)
       .def_property_readonly("unmap_calls", &Backend::unmap_calls)
       .def_property_readonly("addressable", &Backend::addressable)
+      .def_property_readonly("page_ids", &Backend::page_ids)
+      .def("home_page", &Backend::home_page, py::arg("va"))
       .def("reserve", &Backend::reserve, py::arg("bytes"))
       .def("release", &Backend::release, py::arg("va"), py::arg("bytes"))
       .def("synchronize", &Backend::synchronize, py::arg("stream") = 0);
 
   m.def("host_backend", &make_host_backend, py::arg("page_size"), py::arg("capacity_pages"));
   m.def("accounting_backend", &make_accounting_backend, py::arg("page_size"), py::arg("capacity_pages"));
+  m.def("_per_page_host_backend", &make_per_page_host_backend, py::arg("page_size"), py::arg("capacity_pages"),
+        "Benchmark reference: the host backend that maps every page on its own (bench_mapping.py).");
   m.def("cuda_backend", &make_cuda_backend, py::arg("device"), py::arg("page_size"),
         py::arg("capacity_pages"), py::arg("reserve_pages") = 0);
   m.def("cuda_unavailable_reason", &cuda_unavailable_reason, py::arg("device") = 0);
@@ -79,7 +86,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_count", &cuda_device_count);
   m.def("built_with_cuda", &built_with_cuda);
   m.def("_raw_map_unmap_seconds_per_page", &raw_map_unmap_seconds_per_page, py::arg("page_size"),
-        py::arg("pages"), "Benchmark floor: bare mmap map + unmap of one page, in C++.");
+        py::arg("pages"), py::arg("design") = "home", py::arg("touch") = false,
+        "Benchmark floor: the bare system calls that map + unmap one page, in C++, for one host design "
+        "('per_page': mmap of a memfd page + PROT_NONE over it; 'anon': MADV_DONTNEED in an anonymous "
+        "mapping; 'home': punch the page's hole in a range-long memfd mapping). touch: write each page once.");
 
   py::class_<PoolStats>(m, "PoolStats")
       .def_readonly("page_size", &PoolStats::page_size)
@@ -97,6 +107,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("backend", &PagePool::backend_ptr)
       .def_property_readonly("page_size", &PagePool::page_size)
       .def("acquire", [](PagePool& p, size_t n) { return p.acquire(n); }, py::arg("n"))
+      .def("acquire_preferring", [](PagePool& p, const std::vector<PageId>& w) { return p.acquire_preferring(w); },
+           py::arg("wanted"))
+      .def_property("zero_on_reuse", &PagePool::zero_on_reuse, &PagePool::set_zero_on_reuse)
+      .def("zero_pages", &PagePool::zero_pages, py::arg("pages"), py::arg("stream") = 0)
       .def("incref", &PagePool::incref)
       .def("decref", &PagePool::decref)
       .def("incref_all", &PagePool::incref_all, py::arg("pages"))

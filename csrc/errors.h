@@ -13,6 +13,11 @@ struct OutOfPages : std::runtime_error {
 struct MappingLimit : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// The process cannot reserve that much virtual address space (a subclass: code catching MappingLimit
+// still catches it).
+struct AddressSpace : MappingLimit {
+  using MappingLimit::MappingLimit;
+};
 // A backend (OS or driver) call failed; the message names the call and the reason.
 struct BackendFailure : std::runtime_error {
   using std::runtime_error::runtime_error;

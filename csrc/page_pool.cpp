@@ -18,14 +18,15 @@ PagePool::PagePool(std::shared_ptr<Backend> backend, size_t reserve_pages, size_
 void PagePool::grow_locked(size_t needed) {
   auto absorb = [this] {
     const size_t now = backend_->created_pages();
-    if (now > refcount_.size()) {
-      const size_t old = refcount_.size();
-      refcount_.resize(now, 0);
-      owner_.resize(now, PageOwner::kKVCache);
+    if (now > general_ids_) {
+      const size_t old = general_ids_;
+      if (refcount_.size() < now) refcount_.resize(now, 0);
+      if (owner_.size() < now) owner_.resize(now, PageOwner::kKVCache);
       // Freshly created pages go under the pages already free, in reverse, so that among them low ids
       // are handed out first (a run of consecutive ids maps in one host call).
       free_.insert(free_.begin(), now - old, 0);
       for (size_t i = 0; i < now - old; ++i) free_[i] = static_cast<PageId>(now - 1 - i);
+      general_ids_ = now;
     }
   };
   absorb();
@@ -38,18 +39,68 @@ void PagePool::grow_locked(size_t needed) {
   }
 }
 
-std::vector<PageId> PagePool::acquire(size_t n, PageOwner owner) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (free_.size() < n) grow_locked(n);
-  if (free_.size() < n) {
+void PagePool::absorb_ids_locked() {
+  const size_t ids = backend_->page_ids();
+  if (ids > refcount_.size()) refcount_.resize(ids, 0);
+  if (ids > owner_.size()) owner_.resize(ids, PageOwner::kKVCache);
+}
+
+// Every page counts against the capacity, home or general; general ones must also exist (CUDA creates
+// them ahead of need, and creation can fall short of capacity).
+void PagePool::check_budget_locked(size_t n, size_t general_needed) {
+  const size_t cap = backend_->capacity_pages();
+  if (used_ + n > cap || free_.size() < general_needed) {
+    const size_t avail = std::min(cap - used_, free_.size() + (n - general_needed));
     throw OutOfPages("page pool exhausted: " + std::to_string(n) + " page(s) of " +
-                     std::to_string(backend_->page_size()) + " bytes requested, " +
-                     std::to_string(free_.size()) + " free of " +
-                     std::to_string(backend_->capacity_pages()));
+                     std::to_string(backend_->page_size()) + " bytes requested, " + std::to_string(avail) +
+                     " free of " + std::to_string(cap));
   }
-  std::vector<PageId> out(free_.end() - static_cast<ptrdiff_t>(n), free_.end());
-  std::reverse(out.begin(), out.end());
-  free_.resize(free_.size() - n);
+}
+
+std::vector<PageId> PagePool::acquire(size_t n, PageOwner owner) {
+  return acquire_preferring(std::vector<PageId>(n, -1), owner);
+}
+
+std::vector<PageId> PagePool::acquire_preferring(const std::vector<PageId>& wanted, PageOwner owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t n = wanted.size();
+  const PageId first_home = static_cast<PageId>(general_ids_);
+  std::vector<PageId> out(n, -1);
+  std::vector<size_t> general;  // positions that take a general page
+  for (size_t i = 0; i < n; ++i) {
+    const PageId w = wanted[i];
+    if (w >= first_home && static_cast<size_t>(w) >= refcount_.size()) absorb_ids_locked();
+    if (w >= first_home && static_cast<size_t>(w) < refcount_.size() && refcount_[w] == 0) {
+      out[i] = w;
+      refcount_[w] = 1;  // taken (so a slot listed twice cannot take it twice)
+    } else {
+      general.push_back(i);
+    }
+  }
+  auto undo_homes = [&] {
+    for (PageId p : out)
+      if (p >= first_home) refcount_[p] = 0;
+  };
+  try {
+    if (free_.size() < general.size()) grow_locked(general.size());
+    check_budget_locked(n, general.size());
+  } catch (...) {
+    undo_homes();
+    throw;
+  }
+  // The top of the stack, lowest id first (consecutive ids map as one run).
+  const size_t k = general.size();
+  for (size_t j = 0; j < k; ++j) out[general[j]] = free_[free_.size() - 1 - j];
+  free_.resize(free_.size() - k);
+  if (zero_on_reuse_ && !backend_->freed_pages_read_zero()) {
+    try {
+      backend_->zero_pages(out.data(), n, 0);
+    } catch (...) {
+      for (size_t j = k; j-- > 0;) free_.push_back(out[general[j]]);
+      undo_homes();
+      throw;
+    }
+  }
   for (PageId p : out) {
     refcount_[p] = 1;
     owner_[p] = owner;
@@ -58,6 +109,27 @@ std::vector<PageId> PagePool::acquire(size_t n, PageOwner owner) {
   used_ += n;
   high_water_ = std::max(high_water_, used_);
   return out;
+}
+
+void PagePool::set_zero_on_reuse(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  zero_on_reuse_ = on;
+}
+
+bool PagePool::zero_on_reuse() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return zero_on_reuse_;
+}
+
+void PagePool::zero_pages(const std::vector<PageId>& pages, uintptr_t stream) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (PageId p : pages) {
+      check(p);
+      if (refcount_[p] <= 0) throw InvalidArgument("zero_pages of free page " + std::to_string(p));
+    }
+  }
+  backend_->zero_pages(pages.data(), pages.size(), stream);
 }
 
 void PagePool::check(PageId page) const {
@@ -82,19 +154,28 @@ void PagePool::incref_all(const std::vector<PageId>& pages) {
   for (PageId p : pages) ++refcount_[p];
 }
 
-void PagePool::decref(PageId page) {
-  std::lock_guard<std::mutex> lock(mu_);
-  check(page);
-  if (refcount_[page] <= 0) throw InvalidArgument("decref of free page " + std::to_string(page));
-  if (--refcount_[page] == 0) {
-    free_.push_back(page);
-    --used_;
-    --owned_[static_cast<size_t>(owner_[page])];
-  }
+void PagePool::release_locked(PageId page) {
+  if (page < static_cast<PageId>(general_ids_)) free_.push_back(page);  // home ids are free at count 0
+  --used_;
+  --owned_[static_cast<size_t>(owner_[page])];
 }
 
+void PagePool::decref(PageId page) { decref_all({page}); }
+
 void PagePool::decref_all(const std::vector<PageId>& pages) {
-  for (PageId p : pages) decref(p);
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<PageId> freed;
+  for (PageId p : pages) {
+    check(p);
+    if (refcount_[p] <= 0) throw InvalidArgument("decref of free page " + std::to_string(p));
+    if (--refcount_[p] == 0) {
+      release_locked(p);
+      freed.push_back(p);
+    }
+  }
+  // The memory of a free page goes back at once (host: one punched hole per run of ids), so the process
+  // never holds more RAM than its pages in use, however many different home pages it has touched.
+  if (!freed.empty()) backend_->discard_pages(freed.data(), freed.size());
 }
 
 int32_t PagePool::refcount(PageId page) const {
@@ -118,8 +199,8 @@ PoolStats PagePool::stats() const {
 
 size_t PagePool::trim() {
   std::lock_guard<std::mutex> lock(mu_);
-  for (PageId p : free_) backend_->discard_page(p);
-  return free_.size();
+  backend_->discard_pages(free_.data(), free_.size());
+  return std::min(free_.size(), backend_->capacity_pages() - used_);
 }
 
 void PagePool::reset_high_water() {

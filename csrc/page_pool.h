@@ -39,6 +39,15 @@ class PagePool {
   // n fresh pages, each with reference count 1 owned by the caller. All or nothing: throws OutOfPages
   // and changes nothing when fewer than n are free.
   std::vector<PageId> acquire(size_t n, PageOwner owner = PageOwner::kKVCache);
+  // Like acquire(wanted.size()), but page i is wanted[i] where that is a free home page (see
+  // Backend::home_page; -1: no preference), else a general page. Every page counts against capacity.
+  std::vector<PageId> acquire_preferring(const std::vector<PageId>& wanted, PageOwner owner = PageOwner::kKVCache);
+  // Option: pages read as zeros when they change owner (handed out again by acquire*, or re-zeroed with
+  // zero_pages when a cache gives a freed sequence's pages to a new one). Off by default.
+  void set_zero_on_reuse(bool on);
+  bool zero_on_reuse() const;
+  // Make pages read as zeros now (through the backend: a punched hole on the host, a copy on CUDA).
+  void zero_pages(const std::vector<PageId>& pages, uintptr_t stream = 0);
   void incref(PageId page);
   void incref_all(const std::vector<PageId>& pages);
   // Drops one reference; a page whose count reaches zero goes back on the free list.
@@ -54,6 +63,12 @@ class PagePool {
  private:
   void check(PageId page) const;
   void grow_locked(size_t needed);
+  // Size the reference counts to every id the backend has (home ids appear as ranges are reserved).
+  void absorb_ids_locked();
+  void check_budget_locked(size_t n, size_t general_needed);
+  // A page's last reference went: back on the free list (general ids) and its memory to the system.
+  void release_locked(PageId page);
+  void zero_acquired_locked(const std::vector<PageId>& pages);
 
   std::shared_ptr<Backend> backend_;
   size_t create_batch_;
@@ -61,7 +76,9 @@ class PagePool {
   std::vector<int32_t> refcount_;
   std::vector<PageOwner> owner_;  // valid while the page is used
   size_t owned_[kPageOwners] = {};
-  std::vector<PageId> free_;  // a stack: the most recently freed page is reused first (warm memory)
+  std::vector<PageId> free_;  // general ids only; a stack: the most recently freed page is reused first
+  size_t general_ids_ = 0;    // ids below this are general (capacity); above: home ids (free at count 0)
+  bool zero_on_reuse_ = false;
   size_t used_ = 0;
   size_t high_water_ = 0;
 };

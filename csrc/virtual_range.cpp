@@ -49,6 +49,15 @@ void VirtualRange::check_slot(int64_t slot) const {
   }
 }
 
+std::vector<PageId> VirtualRange::home_pages(const std::vector<int64_t>& slots) const {
+  // A reservation's home pages are consecutive ids (Backend::home_page): one lookup serves every slot.
+  const PageId base = pool_->backend().home_page(va_);
+  std::vector<PageId> out;
+  out.reserve(slots.size());
+  for (int64_t s : slots) out.push_back(base < 0 ? -1 : base + s);
+  return out;
+}
+
 std::vector<std::pair<int64_t, int64_t>> VirtualRange::runs(std::vector<int64_t> slots) {
   std::sort(slots.begin(), slots.end());
   std::vector<std::pair<int64_t, int64_t>> out;
@@ -103,7 +112,8 @@ std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& slots) {
   std::sort(sorted.begin(), sorted.end());
   if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
     throw InvalidArgument("map_new: a slot is listed twice");
-  std::vector<PageId> pages = pool_->acquire(sorted.size());  // throws OutOfPages, nothing changed
+  // Each slot's home page where free: such pages need no mapping call on the host (host_backend.cpp).
+  std::vector<PageId> pages = pool_->acquire_preferring(home_pages(sorted));  // OutOfPages: nothing changed
   // pages[i] goes to sorted[i]: a run of slots that gets a run of consecutive page ids (the usual case
   // for a pool that is not fragmented) maps in one host call.
   map_runs_or_undo(runs(sorted), pages);
@@ -201,12 +211,10 @@ void VirtualRange::unmap_locked(const std::vector<int64_t>& slots) {
   // so a failure leaves table and pool consistent.
   for (auto [first, count] : runs(slots)) {
     pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
-    for (int64_t s = first; s < first + count; ++s) {
-      PageId p = table_[s];
-      table_[s] = -1;
-      --mapped_;
-      pool_->decref(p);
-    }
+    std::vector<PageId> pages(table_.begin() + first, table_.begin() + first + count);
+    std::fill(table_.begin() + first, table_.begin() + first + count, PageId{-1});
+    mapped_ -= static_cast<size_t>(count);
+    pool_->decref_all(pages);  // one call: the host returns the memory of a run of pages at once
   }
 }
 
@@ -215,7 +223,7 @@ PageId VirtualRange::copy_on_write(int64_t slot, uintptr_t stream) {
   check_slot(slot);
   if (table_[slot] < 0)
     throw InvalidArgument("copy_on_write: page slot " + std::to_string(slot) + " is not mapped");
-  PageId fresh = pool_->acquire(1)[0];
+  PageId fresh = pool_->acquire_preferring(home_pages({slot}))[0];  // the slot's home page when free
   copy_into_locked(slot, fresh, stream);
   return fresh;
 }

@@ -107,6 +107,8 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   // Map pages (in order) over runs of slots; on failure unmap what was mapped, drop the caller's page
   // references and rethrow.
   void map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& slot_runs, const std::vector<PageId>& pages);
+  // The backend's home page of each slot (-1 where it has none): what the pool hands out when free.
+  std::vector<PageId> home_pages(const std::vector<int64_t>& slots) const;
   // Group sorted slots into runs of consecutive slots: (first, count) pairs.
   static std::vector<std::pair<int64_t, int64_t>> runs(std::vector<int64_t> slots);
 

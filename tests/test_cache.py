@@ -282,30 +282,34 @@ def test_views_keep_their_pages_when_the_pool_reclaims(rng):
 
 
 def test_hitting_the_host_mapping_limit_is_a_clean_error():
-    # Each extend maps one page into each of 128 regions: 128 separate mappings per sequence, so a few
-    # hundred sequences exhaust vm.max_map_count. Run in a child process to keep this one's map count.
+    # Private pages cost no mapping (host_backend.cpp); a fork maps the parent's pages into the child's slot
+    # with a mapping per region (2 with the gap after it), so a few hundred forks of a 64-layer cache exhaust
+    # vm.max_map_count. Run in a child process to keep this one's map count.
     code = textwrap.dedent("""
+        import warnings
         import torch, vpaged
+        warnings.simplefilter("ignore", vpaged.MappingLimitWarning)
         cache = vpaged.VirtualKVCache(64, 1, 16, dtype=torch.float32, max_seqs=1200, max_seq_len=128,
                                       capacity_bytes=1200 * 128 * 4096, page_size=4096)
-        seqs = []
+        parent = cache.allocate()
+        cache.extend(parent, 1)
+        forks = []
         try:
             while True:
-                s = cache.allocate()
-                seqs.append(s)
-                before = (cache.pool.stats().used_pages, cache.stats().mapped_pages)
-                cache.extend(s, 1)
+                before = (cache.pool.stats().used_pages, cache.stats().mapped_pages, len(cache.sequences))
+                forks.append(cache.fork(parent))
         except vpaged.MappingLimitError as e:
             assert isinstance(e, OSError) and "max_map_count" in str(e), e
-            assert cache.seq_len(s) == 0
-            assert (cache.pool.stats().used_pages, cache.stats().mapped_pages) == before
-            for t in seqs[:-1]:
+            assert (cache.pool.stats().used_pages, cache.stats().mapped_pages, len(cache.sequences)) == before
+            for t in forks:
                 assert cache.seq_len(t) == 1
-            cache.free(seqs[0])
+            for t in forks[:10]:
+                cache.free(t)
             cache.reclaim()
-            cache.extend(s, 1)  # works again once mappings are returned
-            print("OK", len(seqs))
+            cache.fork(parent)  # works again once mappings are returned
+            print("OK", len(forks))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("OK")
+    assert 100 < int(out.stdout.split()[1]) < 1200  # forks, not private pages, ran into the limit

@@ -40,6 +40,7 @@ from .errors import (
 )
 from .geometry import KVGeometry
 from .layout import Layout
+from .limits import check_cache
 from .pool import PagePool, default_pool
 from .prefix import HashFn, PrefixIndex
 from .records import BatchedKV, CacheStats
@@ -48,14 +49,6 @@ from .swap import SwapSpace
 from .views import SlotViews
 
 __all__ = ["BatchedKV", "CacheStats", "VirtualKVCache"]
-
-    @classmethod
-    def from_tensors(cls, k: torch.Tensor, v: torch.Tensor, lengths, layout: str = "bthd") -> "BatchedKV":
-        """A descriptor over ordinary dense K/V tensors, [B, T, H, D] ("bthd") or [B, H, T, D] ("bhtd"), e.g.
-        a StaticCache's, with lengths[i] valid tokens in row i. See vpaged.ops.batched_kv_from_tensors."""
-        from .ops import batched_kv_from_tensors  # ops imports this module
-
-        return batched_kv_from_tensors(k, v, lengths, layout)
 
 
 class VirtualKVCache:
@@ -90,6 +83,8 @@ class VirtualKVCache:
         self.max_seqs, self.max_seq_len = max_seqs, max_seq_len
         self.layout = Layout(layout, num_layers, num_kv_heads, head_dim, self.geometry.itemsize, max_seqs,
                              max_seq_len, pool.page_size)
+        if not pool.accounting_only:  # address space and mapping limit: said now, not mid-serving
+            check_cache(self.layout, self.device)
         self._range = pool.new_range(self.layout.total_bytes)
         self._views = SlotViews(self._range, self.layout, dtype, self.device)
         self._slots = SlotTable(max_seqs)
@@ -136,7 +131,7 @@ class VirtualKVCache:
             slot = t.take_reusable()
             if slot is None:
                 raise self._slots_exhausted("a free sequence slot")
-            return t.bind(slot)
+            return t.bind(self._scrub_for_new_owner(slot))
         index = self._prefix_index()
         hits = index.match(tokens)
         slot = self._take_clean_slot()
@@ -197,9 +192,39 @@ class VirtualKVCache:
         first = self._slots.free_run(n)
         if first is None:
             raise self._slots_exhausted("consecutive free sequence slots", n)
+        if self.pool.zero_on_reuse:
+            for slot in range(first, first + n):  # before any is taken: an error here leaves every slot free
+                if self._slots.is_dormant(slot):
+                    self._scrub_dormant(slot)
         for slot in range(first, first + n):
             self._slots.take(slot)
         return [self._slots.bind(slot) for slot in range(first, first + n)]
+
+    def _scrub_for_new_owner(self, slot: int) -> int:
+        """A slot just taken for a new sequence: with the pool's zero_on_reuse, a freed sequence's pages in it
+        are zeroed first. Returns the slot to use (another, clean one if this one's pages cannot be given up
+        while a view still reads them)."""
+        t = self._slots
+        if not self.pool.zero_on_reuse or not t.mapped_pages[slot]:
+            return slot
+        t.release(slot)  # dormant again until it is clean
+        try:
+            self._scrub_dormant(slot)
+        except ViewsAliveError:
+            return self._take_clean_slot()
+        t.take(slot)
+        return slot
+
+    def _scrub_dormant(self, slot: int) -> None:
+        """Zero a dormant slot's pages. Pages it still shares with others (free() kept them for a live view)
+        cannot be zeroed: the slot gives them all up instead (ViewsAliveError while a view still reads them)."""
+        idx = self._page_slots_of(slot)
+        if any(c > 1 for c in self._range.refcounts_at(idx)):
+            if not self._unmap_slot(slot):
+                raise ViewsAliveError(f"slot {slot}'s pages are still read through a live view")
+            return
+        self._range.wait_for_streams()  # kernels still writing the old sequence's K/V finish first
+        self.pool.zero_pages(self._range.pages_at(idx))
 
     def free(self, seq: int) -> None:
         """End a sequence. Its private pages stay mapped for the next allocate() until the pool needs them;

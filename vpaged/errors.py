@@ -14,6 +14,14 @@ class MappingLimitError(VPagedError, OSError):
     """The host refused another memory mapping (vm.max_map_count); nothing was changed."""
 
 
+class AddressSpaceError(MappingLimitError):
+    """The process cannot reserve the virtual address space asked for; the message says how much it can."""
+
+
+class MappingLimitWarning(UserWarning):
+    """A cache whose worst case (every sequence sharing pages) could exceed vm.max_map_count."""
+
+
 class BackendError(VPagedError, RuntimeError):
     """An OS or driver call failed; the message names the call and the reason."""
 

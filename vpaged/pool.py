@@ -17,6 +17,7 @@ import torch
 from . import _C
 from .device import CUDA_PAGE_SIZE, default_page_size, make_backend, normalize_device
 from .errors import BackendUnavailableError, InvalidArgumentError
+from .limits import check_host_capacity
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,15 @@ class PagePool:
     accounting_only: count pages without mapping any memory (the accounting backend): caches on such a
     pool allocate, extend, fork, share and free exactly as on real memory, at any scale, but refuse views
     and kernels. What `vpaged simulate` uses; always on device "cpu" (give the page size to model a GPU).
+    overcommit: allow a host capacity above what the machine can back (RAM + swap, or its cgroup limit);
+    refused by default, since writing past physical memory ends the process (see limits.py).
+    zero_on_reuse: pages read as zeros whenever they change owner (handed out again, or a freed sequence's
+    pages given to a new one), so no request ever sees another's K/V. Off by default, like torch.empty.
     """
 
     def __init__(self, device="cpu", *, capacity_bytes: int | None = None, capacity_pages: int | None = None,
-                 page_size: int | None = None, reserve_pages: int = 0, accounting_only: bool = False):
+                 page_size: int | None = None, reserve_pages: int = 0, overcommit: bool = False,
+                 zero_on_reuse: bool = False, accounting_only: bool = False):
         self.device = normalize_device(device)
         self.accounting_only = bool(accounting_only)
         if self.accounting_only and self.device.type != "cpu":
@@ -88,8 +94,11 @@ class PagePool:
         if self.accounting_only:
             backend = _C.accounting_backend(self.page_size, int(capacity_pages))
         else:
+            if self.device.type == "cpu":
+                check_host_capacity(int(capacity_pages), self.page_size, overcommit)
             backend = make_backend(self.device, self.page_size, int(capacity_pages), int(reserve_pages))
         self._pool = _C.PagePool(backend, int(reserve_pages))
+        self._pool.zero_on_reuse = bool(zero_on_reuse)
         self._clients: weakref.WeakSet = weakref.WeakSet()
 
     @property
@@ -99,6 +108,15 @@ class PagePool:
     @property
     def backend(self):
         return self._pool.backend
+
+    @property
+    def zero_on_reuse(self) -> bool:
+        """Whether pages read as zeros when they change owner (see the constructor)."""
+        return self._pool.zero_on_reuse
+
+    def zero_pages(self, pages) -> None:
+        """Make pages (ids in use) read as zeros."""
+        self._pool.zero_pages(list(pages))
 
     def free_pages(self) -> int:
         return self._pool.free_pages()

@@ -66,3 +66,11 @@ class BatchedKV:
     device: torch.device
     layout: str
     owner: object  # the cache's range: keeps the memory reserved while this descriptor lives
+
+    @classmethod
+    def from_tensors(cls, k: torch.Tensor, v: torch.Tensor, lengths, layout: str = "bthd") -> BatchedKV:
+        """A descriptor over ordinary dense K/V tensors, [B, T, H, D] ("bthd") or [B, H, T, D] ("bhtd"), e.g.
+        a StaticCache's, with lengths[i] valid tokens in row i. See vpaged.ops.batched_kv_from_tensors."""
+        from .ops import batched_kv_from_tensors  # ops imports the caches, which import this module
+
+        return batched_kv_from_tensors(k, v, lengths, layout)
