@@ -2,7 +2,7 @@
 # The one-shot check for a lent GPU machine (an H200 with torch+CUDA, nvcc, pybind11, cuda-bindings and no
 # internet): probe the environment, build vpaged in place, run each GPU test file and each GPU benchmark as
 # its own capped stage, and leave a log and JSON behind. The stage caps add up to less than the budget
-# (default 420 s), so the whole script ends within 7 minutes; a stage that fails does not stop the others.
+# (default 360 s), so the whole script ends within 6 minutes; a stage that fails does not stop the others.
 #
 #   scripts/gpu_check.sh [--dry-run] [OUT_DIR]
 #
@@ -32,7 +32,7 @@
 # still fits the device time (README: "GPU check"). Every test file that uses the gpu mark must have a stage
 # (also checked there).
 #
-# Settings (environment): PYTHON (default python3), GPU_CHECK_BUDGET_S (default 420), GPU_CHECK_DRY_RUN=1
+# Settings (environment): PYTHON (default python3), GPU_CHECK_BUDGET_S (default 360), GPU_CHECK_DRY_RUN=1
 # (same as --dry-run), VPAGED_CUDA_ARCHS (default 90: Hopper only, to save build time), VPAGED_BUILD_JOBS
 # (default: all cores), GPU_TEST_TIMEOUT_S (per test, default 60, with pytest-timeout).
 set -u -o pipefail
@@ -45,7 +45,7 @@ if [ "${1:-}" = "--dry-run" ]; then
   shift
 fi
 START=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET_S:-420}
+BUDGET=${GPU_CHECK_BUDGET_S:-360}
 REPORT_RESERVE=15
 DEADLINE=$((START + BUDGET - REPORT_RESERVE))
 PY=${PYTHON:-python3}
@@ -111,7 +111,7 @@ EOF
 export -f pytest_file bench build_in_place vpaged_probe
 
 # ---------------------------------------------------------------------------------------------------
-# The stages: name, cap (s), needs, command. Caps add up to 400 s of the 420 s budget.
+# The stages: name, cap (s), needs, command. Caps add up to 340 s of the 360 s budget.
 STAGE_NAMES=() STAGE_CAPS=() STAGE_NEEDS=() STAGE_CMDS=()
 stage() {
   STAGE_NAMES+=("$1")
@@ -120,15 +120,16 @@ stage() {
   STAGE_CMDS+=("$4")
 }
 
-stage build 100 build build_in_place
-stage probe 15 build vpaged_probe
-stage test:cuda_backend 30 build 'pytest_file tests/test_cuda_backend.py'
-stage test:cuda_cache 45 build 'pytest_file tests/test_cuda_cache.py'
-stage test:decode_kernels 45 build 'pytest_file tests/test_decode_kernels.py'
-stage bench:vmm_cuda 40 build 'bench benchmarks/bench_vmm_cuda.py --quick'
-stage bench:decode 55 build 'bench benchmarks/bench_decode.py --quick --device cuda'
-stage test:torch_allocator 40 build 'pytest_file tests/test_torch_allocator_gpu.py'
-stage bench:allocator 30 build 'bench benchmarks/bench_allocator.py --quick'
+stage build 90 build build_in_place
+stage probe 10 build vpaged_probe
+stage test:cuda_backend 25 build 'pytest_file tests/test_cuda_backend.py'
+stage test:cuda_cache 35 build 'pytest_file tests/test_cuda_cache.py'
+stage test:decode_kernels 40 build 'pytest_file tests/test_decode_kernels.py'
+stage test:torch_allocator 30 build 'pytest_file tests/test_torch_allocator_gpu.py'
+stage test:serve_engine 25 build 'pytest_file tests/test_serve_engine_gpu.py'
+stage bench:vmm_cuda 30 build 'bench benchmarks/bench_vmm_cuda.py --quick'
+stage bench:decode 35 build 'bench benchmarks/bench_decode.py --quick --device cuda'
+stage bench:allocator 20 build 'bench benchmarks/bench_allocator.py --quick'
 
 # ---------------------------------------------------------------------------------------------------
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "no git")

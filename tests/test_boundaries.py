@@ -11,8 +11,12 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vpaged"
-MODULES = sorted(PACKAGE.glob("*.py"))
-PRIVATE_MODULES = {"_C", "_checks", "_dtypes"}
+MODULES = sorted(PACKAGE.rglob("*.py"))
+PRIVATE_MODULES = {"_C", "_checks", "_dtypes", "_hf_compat"}
+# Private names of other libraries that vpaged must use, each with the reason.
+THIRD_PARTY = {
+    "_global_mapping": "transformers' AttentionInterface registry has no public way to unregister a function",
+}
 
 
 def private(name: str) -> bool:
@@ -43,7 +47,7 @@ def foreign_private_uses(path: Path) -> list[str]:
             base = node.value
             if isinstance(base, ast.Name) and base.id in ("self", "cls"):
                 continue
-            if node.attr not in own:
+            if node.attr not in own and node.attr not in THIRD_PARTY:
                 found.append(f"{path.name}:{node.lineno}: .{node.attr}")
         elif isinstance(node, ast.ImportFrom):
             for alias in node.names:
@@ -56,7 +60,7 @@ def test_the_package_has_modules_to_check():
     assert {"cache.py", "pool.py", "slot_table.py", "prefix.py", "ops.py"} <= {p.name for p in MODULES}
 
 
-@pytest.mark.parametrize("path", MODULES, ids=[p.name for p in MODULES])
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PACKAGE)) for p in MODULES])
 def test_no_module_touches_another_modules_private_names(path):
     assert foreign_private_uses(path) == []
 

@@ -87,7 +87,7 @@ def non_home_segments(cache) -> int:
     r = cache._range
     home0 = cache.pool.backend.home_page(r.address)
     lay = cache.layout
-    slots = [ps for slot in range(cache.max_seqs) for ps in lay.page_slots(slot, 0, cache._mapped[slot])]
+    slots = [ps for slot in range(cache.max_seqs) for ps in lay.page_slots(slot, 0, cache._slots.mapped_pages[slot])]
     pages = r.pages_at(slots)
     segs, prev_slot, prev_page = 0, -2, -2
     for s, p in zip(slots, pages):
@@ -104,7 +104,7 @@ def referenced_pages(cache) -> int:
     """Distinct pages the cache holds (mapped slots, swapped aside, and the prefix index): what the pool must
     count as used."""
     lay = cache.layout
-    slots = [ps for slot in range(cache.max_seqs) for ps in lay.page_slots(slot, 0, cache._mapped[slot])]
+    slots = [ps for slot in range(cache.max_seqs) for ps in lay.page_slots(slot, 0, cache._slots.mapped_pages[slot])]
     pages = {p for p in cache._range.pages_at(slots) if p >= 0}
     if cache._prefix:
         for block in cache._prefix.eviction_order():

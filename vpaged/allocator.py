@@ -75,7 +75,7 @@ class TorchAllocator:
         self.pool = pool
         self.device = device
         self.max_bytes = max_bytes
-        self._allocator = _C.PoolAllocator(pool._pool, max_bytes)
+        self._allocator = pool.new_allocator(max_bytes)
         _C.bind_device_allocator(device.index, self._allocator)
         try:
             self._pluggable = torch.cuda.memory.CUDAPluggableAllocator(library_path(), MALLOC_SYMBOL, FREE_SYMBOL)
@@ -221,6 +221,6 @@ def empty(shape, dtype: torch.dtype = torch.float32, pool: PagePool | None = Non
         return torch.empty(dims, dtype=dtype)
     allocator = _host_allocators.get(pool)
     if allocator is None:
-        allocator = _host_allocators[pool] = _C.PoolAllocator(pool._pool, 0)
+        allocator = _host_allocators[pool] = pool.new_allocator(0)
     raw = torch.from_dlpack(allocator.tensor(nbytes))  # uint8 [nbytes]; the allocation dies with its storage
     return raw.view(dtype).view(dims)

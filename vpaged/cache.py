@@ -99,6 +99,7 @@ class VirtualKVCache:
         if self._on_cuda:
             self._range.add_stream(0)  # the legacy default stream: torch's default, and vpaged's own copies
         self._closed = False
+        self._growing: set[int] = set()  # slots an extend in progress plans on: their spare pages stay
         pool.register(self)
 
     def _resolve_pool(self, pool, capacity_bytes, page_size, device) -> PagePool:
@@ -283,17 +284,22 @@ class VirtualKVCache:
                 fresh += lay.page_slots(slot, t.mapped_pages[slot], need)
                 grown.append((slot, need))
         copies = self._range.copies_needed(to_privatize) if to_privatize else 0
-        if fresh or copies:
-            self._ensure_free(len(fresh) + copies)
-        if fresh:
-            self._with_reclaim(lambda: self._range.map_new(fresh), len(fresh))
-        if copies:
-            try:  # copy-on-write takes its pages first: out of pages (or device memory) changes nothing
-                self._cow_copies += self._with_reclaim(lambda: self._range.make_private(to_privatize), copies)
-            except BaseException:
-                if fresh:
-                    self._range.unmap(fresh)  # nothing reads pages mapped a moment ago
-                raise
+        # Reclaim must not take the spare pages of the sequences this plan counts on (see _spare_tails).
+        self._growing = set(slots)
+        try:
+            if fresh or copies:
+                self._ensure_free(len(fresh) + copies)
+            if fresh:
+                self._with_reclaim(lambda: self._range.map_new(fresh), len(fresh))
+            if copies:
+                try:  # copy-on-write takes its pages first: out of pages (or device memory) changes nothing
+                    self._cow_copies += self._with_reclaim(lambda: self._range.make_private(to_privatize), copies)
+                except BaseException:
+                    if fresh:
+                        self._range.unmap(fresh)  # nothing reads pages mapped a moment ago
+                    raise
+        finally:
+            self._growing = set()
         if fresh:
             self._pages_mapped += len(fresh)
             self._map_calls += 1
@@ -626,6 +632,8 @@ class VirtualKVCache:
         They are kept for the sequence to grow into, and given back when the pool runs short."""
         t, out = self._slots, []
         for slot in t.live_slots():
+            if slot in self._growing:
+                continue
             first = max(self.layout.pages_for(t.length_tokens[slot]), t.shared_below_page[slot])
             if first < t.mapped_pages[slot] and slot not in self._swapped:
                 if not self._range.pinned_count(self._page_slots_of(slot, first)):

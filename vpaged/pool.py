@@ -134,6 +134,10 @@ class PagePool:
         self._pool.reset_high_water()
 
     # Page references and copies, for the ranges' users (prefix index, swap space).
+    def new_allocator(self, max_bytes: int = 0):
+        """A C++ allocator handing out whole-page allocations from this pool (vpaged/allocator.py; 0: no cap)."""
+        return _C.PoolAllocator(self._pool, int(max_bytes))
+
     def new_range(self, nbytes: int):
         """A VirtualRange (vpaged._C) of nbytes of address space whose pages come from this pool."""
         return _C.VirtualRange(self._pool, int(nbytes))
