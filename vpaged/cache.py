@@ -356,6 +356,69 @@ class VirtualKVCache:
                 f"out of pages: {pages} page(s) of {s.page_size} bytes needed, {s.free_pages} free "
                 f"of {s.total_pages} (+{self.pool.reclaimable_pages()} reclaimable); nothing was changed")
 
+    # ----------------------------------------------------------------------------------------- planning
+    def pages_needed(self, seqs, n: int = 1) -> int:
+        """Pages that extend_many(seqs, n) would take from the pool: new pages plus the copy-on-write copies
+        of shared pages the new tokens land in; for a swapped-out sequence also the pages swap_in() maps back.
+        Changes nothing: a scheduler compares it with pages_available() before it extends, and preempts
+        instead of catching OutOfPagesError. Kept in step with extend_many()'s own planning."""
+        self._check_open()
+        check_token_count(n)
+        lay = self.layout
+        total = 0
+        to_privatize: list[int] = []
+        for seq in seqs:
+            slot = self._slot(seq)
+            swapped = self._swapped.get(slot)
+            if swapped is not None:
+                total += len(swapped[0])
+            old_len = self._len[slot]
+            if old_len + n > self.max_seq_len:
+                raise SequenceTooLongError(
+                    f"sequence {seq} would hold {old_len + n} tokens, more than max_seq_len={self.max_seq_len}")
+            need = lay.pages_for(old_len + n)
+            if need > self._mapped[slot]:
+                total += (need - self._mapped[slot]) * lay.runs
+            if n and self._shared_upto[slot]:
+                first = old_len * lay.token_bytes // lay.page_size
+                stop = min(self._mapped[slot], self._shared_upto[slot])
+                if first < stop:
+                    to_privatize += lay.page_slots(slot, first, stop)
+        if to_privatize:
+            total += sum(1 for c in self._range.refcounts_at(to_privatize) if c > 1)
+        return total
+
+    def pages_available(self) -> int:
+        """Pages an extend could take now: the pool's free pages plus those freed slots and unused prefix
+        pages would give back (shared with the other caches on the same pool)."""
+        self._check_open()
+        return self.pool.free_pages() + self.pool.reclaimable_pages()
+
+    def kv_layers(self, seq: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """K/V of tokens start..stop-1 (default: all present) in every layer, as one zero-copy view of shape
+        [num_layers, 2, stop - start, num_kv_heads, head_dim] ([:, 0] is K, [:, 1] is V). One view per
+        sequence and step instead of two per layer. For reading; the tokens of writable_range() may also be
+        written through it (after extend(), the tokens it added)."""
+        slot = self._live_slot(seq)
+        length = self._len[slot]
+        stop = length if stop is None else stop
+        for name, value in (("start", start), ("stop", stop)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
+        if not 0 <= start <= stop <= length:
+            raise InvalidArgumentError(f"tokens {start}..{stop - 1} outside the sequence's 0..{length - 1}")
+        lay = self.layout
+        shape, strides, perm = lay.view_dims(stop - start)
+        # K and V of layer l start at base_offset(l, 0) and base_offset(l, 1): whole regions apart (per_layer,
+        # head_major) or columns of one token row (interleaved); kv_stride apart in every layout.
+        kv_stride = (lay.base_offset(0, 1) - lay.base_offset(0, 0)) // lay.itemsize
+        dims = [(2 * kv_stride, self.num_layers, 0), (kv_stride, 2, 1)]
+        dims += [(strides[i], shape[i], 2 + perm.index(i)) for i in range(len(shape))]
+        dims.sort(key=lambda d: -d[0])  # the core takes dims in memory order, largest stride first
+        view = self._make_view(lay.offset(0, 0, slot, start), [d[1] for d in dims], [d[0] for d in dims])
+        order = [d[2] for d in dims]
+        return view.permute([order.index(j) for j in range(len(order))])
+
     # ----------------------------------------------------------------------------------------- sharing
     def fork(self, seq: int) -> int:
         """A new sequence with the same tokens, sharing every page of `seq` (no KV data is copied). Whichever
