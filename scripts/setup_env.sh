@@ -16,6 +16,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "${PIP[@]}" "torch==${VPAGED_TORCH_VERSION:-2.13.0}"
 fi
 echo "==> installing build and test dependencies"
-"${PIP[@]}" numpy pybind11 "setuptools>=64" wheel pytest hypothesis rich "transformers>=5,<6"
+"${PIP[@]}" numpy pybind11 "setuptools>=64" wheel pytest hypothesis rich "transformers>=5,<6" \
+  fastapi uvicorn openai httpx
 echo "==> building vpaged"
 "${PIP[@]}" --no-build-isolation --no-deps -e "$ROOT"

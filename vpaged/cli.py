@@ -1,4 +1,5 @@
-"""The `vpaged` command: `vpaged demo` (a mixed workload on the CPU) and `vpaged info` (backends)."""
+"""The `vpaged` command: `vpaged demo` (a mixed workload on the CPU), `vpaged info` (backends), and the
+serving commands `generate`, `serve` and `bench-serve` (vpaged/cli_serve.py)."""
 from __future__ import annotations
 
 import argparse
@@ -92,6 +93,9 @@ def main(argv=None) -> int:
     demo.set_defaults(func=cmd_demo)
     info = sub.add_parser("info", help="show which backends are usable here and why not")
     info.set_defaults(func=cmd_info)
+    from .cli_serve import add_serve_commands  # generate, serve, bench-serve
+
+    add_serve_commands(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
