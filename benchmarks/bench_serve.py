@@ -15,7 +15,8 @@ intermediate 2816, vocab 32000), fp32, 2 threads. Sections:
    p50/p99.
 3. shared-prefix: every prompt starts with the same system prompt: prefix-hit tokens, peak KV bytes,
    throughput, with prefix caching on and off.
-4. static-slots: a KV budget that holds exactly 16 requests of the maximum length (512 + 128 tokens):
+4. static-slots: a KV budget that holds exactly 16 requests of the maximum length (512 + 128 tokens)
+   (--static-slots):
    concurrency (peak running requests) and makespan of kv=vpaged against kv=static.
 5. step-breakdown: decode steps at batch 32 (after every prefill is done): the step's time inside the model's
    forward (attention included) and outside it (scheduling, bookkeeping, sampling).
@@ -43,12 +44,12 @@ from vpaged.serve.bench import Workload, percentile, poisson_arrivals, random_pr
 MIB = 2**20
 
 FULL = dict(model="random:bench-llama", requests=64, min_prompt=64, max_prompt=512, max_tokens=128,
-            budget_mib=1024, max_num_seqs=64, max_batched=512,
+            budget_mib=1024, max_num_seqs=64, max_batched=512, page_size=None,
             poisson_requests=32, poisson_rate=0.5,
             prefix_requests=32, prefix_len=384, prefix_min=32, prefix_max=128, prefix_tokens=64,
             breakdown_batch=32, breakdown_prompt=256, breakdown_tokens=24)
 QUICK = dict(model="random:llama-tiny", requests=12, min_prompt=8, max_prompt=48, max_tokens=12,
-             budget_mib=64, max_num_seqs=16, max_batched=64,
+             budget_mib=64, max_num_seqs=16, max_batched=64, page_size=4096,
              poisson_requests=8, poisson_rate=20.0,
              prefix_requests=8, prefix_len=64, prefix_min=4, prefix_max=16, prefix_tokens=8,
              breakdown_batch=8, breakdown_prompt=32, breakdown_tokens=8)
@@ -69,7 +70,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def engine_row(model, workload, kv: str, budget: int, cfg: dict, **kw) -> dict:
     engine = LLMEngine(model, None, kv_budget_bytes=budget, max_num_seqs=cfg["max_num_seqs"],
-                       max_num_batched_tokens=cfg["max_batched"], kv=kv, **kw)
+                       max_num_batched_tokens=cfg["max_batched"], kv=kv, page_size=cfg["page_size"], **kw)
     try:
         r = run_workload(engine, workload, greedy(workload.max_tokens), kv=kv, keep_outputs=True)
     finally:
@@ -91,6 +92,7 @@ def generate_batch_row(model, workload, budget: int) -> dict:
     num_blocks = max(1, budget // block_bytes)
     gen = GenerationConfig(max_new_tokens=workload.max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=512, page_size=page)
+    model.set_attn_implementation("sdpa")  # an engine switched it to "vpaged"; generate_batch picks its paged one
     t0 = time.perf_counter()
     with warnings_quiet():
         outs = model.generate_batch([list(p) for p in workload.prompts], generation_config=gen,
@@ -126,19 +128,18 @@ def warnings_quiet():
 
 def same_tokens(rows: list[dict], ref: dict) -> None:
     """Mark each row with how many requests produced exactly the reference row's tokens."""
+    expected = ref["outputs"]
     for row in rows:
         outs = row.pop("outputs", None)
-        if outs is None or row is ref:
-            continue
-        row["same_tokens_as_vpaged"] = sum(a == b for a, b in zip(outs, ref["outputs"]))
-    ref.pop("outputs", None)
+        if outs is not None and row is not ref:
+            row["same_tokens_as_vpaged"] = sum(a == b for a, b in zip(outs, expected))
 
 
 def fmt_row(r: dict) -> list:
     def f(x, spec):
         return "-" if x is None else format(x, spec)
     return [r["kv"], f(r["seconds"], ".1f"), f(r["output_tokens_per_s"], ".1f"), f(r["total_tokens_per_s"], ".1f"),
-            f(r["peak_kv_bytes"] / MIB if r["peak_kv_bytes"] is not None else None, ".0f"),
+            f(r["peak_kv_bytes"] / MIB if r["peak_kv_bytes"] is not None else None, ".1f"),
             f(r.get("peak_running"), "d"),
             "-" if r.get("preemptions_swap") is None else f"{r['preemptions_swap']}/{r['preemptions_recompute']}",
             r.get("same_tokens_as_vpaged", "ref")]
@@ -212,7 +213,7 @@ def section_shared_prefix(model, cfg, vocab, kvs, log) -> dict:
 
 def section_static_slots(model, cfg, vocab, log) -> dict:
     per_request = (cfg["max_prompt"] + cfg["max_tokens"]) * kv_bytes_per_token(model)
-    budget = 16 * per_request
+    budget = cfg["static_slots"] * per_request
     prompts = random_prompts(cfg["requests"], cfg["min_prompt"], cfg["max_prompt"], vocab, seed=0)
     wl = Workload(prompts, [0.0] * len(prompts), cfg["max_tokens"], "static-slots")
     rows = []
@@ -222,7 +223,7 @@ def section_static_slots(model, cfg, vocab, log) -> dict:
     same_tokens(rows, rows[0])
     print_table(HEAD, [fmt_row(r) for r in rows])
     by = {r["kv"]: r for r in rows}
-    out = {"budget_bytes": budget, "static_slots": 16, "rows": rows,
+    out = {"budget_bytes": budget, "static_slots": cfg["static_slots"], "rows": rows,
            "concurrency_ratio": by["vpaged"]["peak_running"] / max(1, by["static"]["peak_running"]),
            "makespan_ratio_static_over_vpaged": by["static"]["seconds"] / by["vpaged"]["seconds"]}
     print(f"budget {budget / MIB:.0f} MiB: peak running vpaged/static = {out['concurrency_ratio']:.2f}x, "
@@ -276,7 +277,8 @@ def section_breakdown(model, cfg, vocab, log) -> dict:
     b = cfg["breakdown_batch"]
     prompts = random_prompts(b, cfg["breakdown_prompt"], cfg["breakdown_prompt"], vocab, seed=3)
     engine = LLMEngine(model, None, kv_budget_bytes=cfg["budget_mib"] * MIB, max_num_seqs=max(b, cfg["max_num_seqs"]),
-                       max_num_batched_tokens=max(cfg["max_batched"], b), kv="vpaged")
+                       max_num_batched_tokens=max(cfg["max_batched"], b), kv="vpaged", page_size=cfg["page_size"],
+                       record_steps=True)
     timer = ForwardTimer(model)
     steps, forwards = [], []
     try:
@@ -296,6 +298,8 @@ def section_breakdown(model, cfg, vocab, log) -> dict:
             if all_decoding:
                 steps.append(dt)
                 forwards.append(timer.seconds)
+        # the engine's own split of the same steps: forward vs schedule + prepare + sample + output
+        log_steps = [e for e in engine.step_log if e["decodes"] == b and e["prefill_tokens"] == 0]
     finally:
         timer.close()
         with contextlib.suppress(Exception):
@@ -309,6 +313,9 @@ def section_breakdown(model, cfg, vocab, log) -> dict:
            "outside_ms_p50": statistics.median(outside) * 1e3,
            "outside_fraction_p50": statistics.median(o / s for o, s in zip(outside, steps)),
            "step_ms_p90": percentile(steps, 90) * 1e3}
+    if log_steps:
+        parts = ("schedule", "prepare", "forward", "sample", "output")
+        res["engine_split_ms_p50"] = {k: statistics.median(e[k] for e in log_steps) * 1e3 for k in parts}
     print(f"decode step at batch {b}: {res['step_ms_p50']:.1f} ms, forward {res['forward_ms_p50']:.1f} ms, "
           f"outside {res['outside_ms_p50']:.2f} ms ({res['outside_fraction_p50']:.1%})")
     return res
@@ -320,12 +327,31 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sections", default="throughput,poisson,shared-prefix,static-slots,step-breakdown")
     ap.add_argument("--rows", default="vpaged,paged,static,generate_batch", help="rows of the throughput section")
-    ap.add_argument("--requests", type=int, default=None, help="override the number of requests of section 1/4")
+    ap.add_argument("--requests", type=int, default=None, help="override: requests of sections 1 and 4")
+    ap.add_argument("--max-tokens", type=int, default=None, help="override: output tokens of sections 1, 2, 4")
+    ap.add_argument("--min-prompt", type=int, default=None, help="override: shortest prompt of sections 1, 2, 4")
+    ap.add_argument("--max-prompt", type=int, default=None, help="override: longest prompt of sections 1, 2, 4")
+    ap.add_argument("--static-slots", type=int, default=16, help="section 4: the budget holds this many "
+                    "maximum-length requests")
+    ap.add_argument("--poisson-requests", type=int, default=None)
+    ap.add_argument("--poisson-rate", type=float, default=None)
+    ap.add_argument("--prefix-requests", type=int, default=None)
+    ap.add_argument("--breakdown-tokens", type=int, default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override any workload setting (see FULL), e.g. --set breakdown_prompt=64")
     ap.add_argument("--output", default=None, help="JSON file name under benchmarks/results/")
     args = ap.parse_args(argv)
     cfg = dict(QUICK if args.quick else FULL)
-    if args.requests:
-        cfg["requests"] = args.requests
+    for key in ("requests", "max_tokens", "min_prompt", "max_prompt", "poisson_requests", "poisson_rate",
+                "prefix_requests", "breakdown_tokens"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    cfg["static_slots"] = args.static_slots
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in cfg:
+            ap.error(f"--set: unknown setting {key!r}; settings: {sorted(cfg)}")
+        cfg[key] = type(cfg[key])(value) if cfg[key] is not None else int(value)
     torch.set_num_threads(args.threads)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     rows_wanted = {s.strip() for s in args.rows.split(",")}
@@ -340,20 +366,20 @@ def main(argv=None) -> int:
         load_before = f.read().split()[:3]
     report = {"machine": machine(), "threads": torch.get_num_threads(), "quick": args.quick, "config": cfg,
               "load_average_before": load_before, "kv_bytes_per_token": kv_bytes_per_token(model)}
-    if "throughput" in sections:
-        report["throughput"] = section_throughput(model, cfg, vocab, rows_wanted, log)
-    if "poisson" in sections:
-        report["poisson"] = section_poisson(model, cfg, vocab, ["vpaged", "paged"], log)
-    if "shared-prefix" in sections:
-        report["shared_prefix"] = section_shared_prefix(model, cfg, vocab, [("vpaged", True), ("vpaged", False)], log)
-    if "static-slots" in sections:
-        report["static_slots"] = section_static_slots(model, cfg, vocab, log)
-    if "step-breakdown" in sections:
-        report["step_breakdown"] = section_breakdown(model, cfg, vocab, log)
-    with open("/proc/loadavg") as f:
-        report["load_average_after"] = f.read().split()[:3]
-    report["seconds"] = time.perf_counter() - t_start
-    path = write_json(args.output or ("serve_cpu_quick.json" if args.quick else "serve_cpu.json"), report)
+    name = args.output or ("serve_cpu_quick.json" if args.quick else "serve_cpu.json")
+    runs = {
+        "throughput": lambda: section_throughput(model, cfg, vocab, rows_wanted, log),
+        "poisson": lambda: section_poisson(model, cfg, vocab, ["vpaged", "paged"], log),
+        "shared-prefix": lambda: section_shared_prefix(model, cfg, vocab, [("vpaged", True), ("vpaged", False)], log),
+        "static-slots": lambda: section_static_slots(model, cfg, vocab, log),
+        "step-breakdown": lambda: section_breakdown(model, cfg, vocab, log),
+    }
+    for section in sections:
+        report[section.replace("-", "_")] = runs[section]()
+        with open("/proc/loadavg") as f:
+            report["load_average_after"] = f.read().split()[:3]
+        report["seconds"] = time.perf_counter() - t_start
+        path = write_json(name, report)  # after every section: a long run keeps what it finished
     print(f"wrote {path}")
     return 0
 
