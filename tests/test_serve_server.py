@@ -406,3 +406,37 @@ def test_parse_request_reports_the_field():
         parse_request(CompletionRequest, {"model": "m", "prompt": "x", "frequency_penalty": 0.5})
     req = parse_request(CompletionRequest, {"model": "m", "prompt": [[1, 2], [3]], "unknown_field": 1})
     assert req.prompts() == [[1, 2], [3]]
+
+
+class FailingStepEngine:
+    """An engine whose next step() raises (before touching the real engine) when `fail` is set."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.fail = False
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("injected failure")
+        return self._engine.step()
+
+
+def test_a_failed_step_ends_the_requests_in_flight_and_the_server_goes_on():
+    model, _ = load_model("random:llama-tiny", dtype=torch.float32)
+    engine = FailingStepEngine(LLMEngine(model, None, kv_budget_bytes=8 << 20, max_num_seqs=4,
+                                         max_num_batched_tokens=32))
+    body = {"model": "m", "prompt": [4, 5, 6], "max_tokens": 4, "ignore_eos": True}
+    with ServerThread(engine, model_name="m") as srv, httpx.Client(base_url=srv.url, timeout=TIMEOUT) as h:
+        engine.fail = True
+        r = h.post("/v1/completions", json=body)
+        assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+        r = h.post("/v1/completions", json=body)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
+        st = wait_idle(srv, engine)
+        assert st.live_kv_tokens == 0
+        m = parse_metrics(h.get("/metrics").text)
+        assert m["vpaged_engine_step_failures_total"] == 1
