@@ -152,18 +152,18 @@ HEAD = ["row", "seconds", "out tok/s", "total tok/s", "peak KV MiB", "peak runni
 # ------------------------------------------------------------------------------------------------ sections
 
 
-def section_throughput(model, cfg, vocab, rows_wanted, log) -> dict:
+def section_throughput(model, cfg, vocab, rows_wanted, log, save) -> dict:
     prompts = random_prompts(cfg["requests"], cfg["min_prompt"], cfg["max_prompt"], vocab, seed=0)
     wl = Workload(prompts, [0.0] * len(prompts), cfg["max_tokens"], "throughput")
     budget = cfg["budget_mib"] * MIB
     rows = []
-    for kv in ("vpaged", "paged", "static"):
+    for kv in ("vpaged", "paged", "generate_batch", "static"):
         if kv in rows_wanted:
-            log(f"throughput: kv={kv}")
-            rows.append(engine_row(model, wl, kv, budget, cfg))
-    if "generate_batch" in rows_wanted:
-        log("throughput: generate_batch")
-        rows.append(generate_batch_row(model, wl, budget))
+            log(f"throughput: {kv}")
+            rows.append(generate_batch_row(model, wl, budget) if kv == "generate_batch"
+                        else engine_row(model, wl, kv, budget, cfg))
+            log(f"  {fmt_row(rows[-1])}")
+            save({"partial_rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]})
     ref = next((r for r in rows if r["kv"] == "vpaged"), None)
     if ref is not None:
         same_tokens(rows, ref)
@@ -367,8 +367,14 @@ def main(argv=None) -> int:
     report = {"machine": machine(), "threads": torch.get_num_threads(), "quick": args.quick, "config": cfg,
               "load_average_before": load_before, "kv_bytes_per_token": kv_bytes_per_token(model)}
     name = args.output or ("serve_cpu_quick.json" if args.quick else "serve_cpu.json")
+    def saver(section):
+        def save(partial):
+            report[section] = partial
+            write_json(name, report)
+        return save
+
     runs = {
-        "throughput": lambda: section_throughput(model, cfg, vocab, rows_wanted, log),
+        "throughput": lambda: section_throughput(model, cfg, vocab, rows_wanted, log, saver("throughput")),
         "poisson": lambda: section_poisson(model, cfg, vocab, ["vpaged", "paged"], log),
         "shared-prefix": lambda: section_shared_prefix(model, cfg, vocab, [("vpaged", True), ("vpaged", False)], log),
         "static-slots": lambda: section_static_slots(model, cfg, vocab, log),

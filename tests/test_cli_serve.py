@@ -113,6 +113,14 @@ def test_serve_subprocess_answers_openai_client(model_dir):
                 extra_body={"ignore_eos": True}) if c.choices)
             assert text == client.completions.create(model="tiny", prompt="a dog", max_tokens=5, temperature=0,
                                                      extra_body={"ignore_eos": True}).choices[0].text
+        # bench-serve against the running server, over HTTP
+        bench = subprocess.run([sys.executable, "-m", "vpaged.cli", "bench-serve", "--url", url, "--num-requests", "5",
+                                "--min-prompt", "3", "--max-prompt", "20", "--max-tokens", "4", "--vocab", "100",
+                                "--json", "--no-progress"], capture_output=True, text=True, timeout=TIMEOUT)
+        assert bench.returncode == 0, bench.stderr
+        r = json.loads(bench.stdout)["result"]
+        assert r["requests"] == 5 and r["output_tokens"] == 20 and r["finish_reasons"] == {"length": 5}
+        assert r["peak_kv_bytes"] > 0 and r["ttft_p50"] is not None and r["ttft_p50"] <= r["ttft_p99"]
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -19,8 +19,9 @@ from .errors import VPagedError
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="model directory, or random:NAME (a random-weight model from a named config)")
+def _engine_args(p: argparse.ArgumentParser, model_optional: bool = False) -> None:
+    p.add_argument("model", nargs="?" if model_optional else None,
+                   help="model directory, or random:NAME (a random-weight model from a named config)")
     p.add_argument("--kv", choices=["vpaged", "paged", "static"], default="vpaged", help="KV cache backend")
     p.add_argument("--kv-budget-mib", type=int, default=1024, help="KV cache budget (MiB)")
     p.add_argument("--swap-mib", type=int, default=0, help="host swap space for preempted requests (MiB)")
@@ -198,10 +199,12 @@ def cmd_serve(args) -> int:
 
 def cmd_bench_serve(args) -> int:
     from .serve import SamplingParams
-    from .serve.bench import Workload, poisson_arrivals, random_prompts, run_workload
+    from .serve.bench import Workload, poisson_arrivals, random_prompts, run_http_workload, run_workload
 
-    engine = _make_engine(args)
-    cfg = engine.model.config if hasattr(engine, "model") else None
+    if args.url is None and args.model is None:
+        raise SystemExit("bench-serve needs MODEL (served in process) or --url (a running vpaged serve)")
+    engine = _make_engine(args) if args.url is None else None
+    cfg = engine.model.config if engine is not None else None
     vocab = args.vocab or getattr(cfg, "vocab_size", None) or 32000
     prompts = random_prompts(args.num_requests, args.min_prompt, args.max_prompt, vocab, seed=args.seed,
                              shared_prefix=args.shared_prefix)
@@ -211,15 +214,20 @@ def cmd_bench_serve(args) -> int:
         arrivals = poisson_arrivals(len(prompts), args.request_rate, seed=args.seed)
     workload = Workload(prompts, arrivals, args.max_tokens, name="bench-serve")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    bar = None if args.no_progress else _progress(len(prompts), f"kv={args.kv}")
+    def run(progress=None):
+        if args.url is not None:
+            return run_http_workload(args.url, workload, progress=progress)
+        return run_workload(engine, workload, params, kv=args.kv, progress=progress)
+
+    bar = None if args.no_progress else _progress(len(prompts), args.url or f"kv={args.kv}")
     if bar is None:
-        result = run_workload(engine, workload, params, kv=args.kv)
+        result = run()
     else:
         progress, task = bar
         with progress:
-            result = run_workload(engine, workload, params, kv=args.kv,
-                                  progress=lambda k: progress.advance(task, k))
-    report = {"command": "bench-serve", "model": args.model, "kv": args.kv, "dtype": args.dtype,
+            result = run(lambda k: progress.advance(task, k))
+    report = {"command": "bench-serve", "model": args.model, "url": args.url,
+              "kv": None if args.url else args.kv, "dtype": args.dtype,
               "threads": torch.get_num_threads(), "num_requests": args.num_requests,
               "prompt_len": [args.min_prompt, args.max_prompt], "shared_prefix": args.shared_prefix,
               "max_tokens": args.max_tokens, "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
@@ -237,14 +245,14 @@ def cmd_bench_serve(args) -> int:
             ("output tokens/s", f"{r.output_tokens_per_s:.1f}"),
             ("total tokens/s", f"{r.total_tokens_per_s:.1f}"),
             ("peak KV bytes", f"{r.peak_kv_bytes / 2**20:,.1f} MiB"),
-            ("peak running requests", str(r.peak_running)),
+            ("peak running requests", "-" if r.peak_running is None else str(r.peak_running)),
             ("preemptions swap / recompute", f"{r.preemptions_swap} / {r.preemptions_recompute}"),
             ("prefix-hit tokens", str(r.prefix_hit_tokens)),
             ("TTFT p50 / p99", f"{r.ttft_p50:.3f} / {r.ttft_p99:.3f} s" if r.ttft_p50 is not None else "-"),
             ("TPOT p50 / p99", f"{r.tpot_p50 * 1e3:.1f} / {r.tpot_p99 * 1e3:.1f} ms" if r.tpot_p50 is not None else "-"),
         ]
         width = max(len(k) for k, _ in lines)
-        print(f"vpaged bench-serve: {args.model}, kv={args.kv}")
+        print(f"vpaged bench-serve: {args.url or args.model}, " + ("over HTTP" if args.url else f"kv={args.kv}"))
         for k, v in lines:
             print(f"  {k:<{width}}  {v}")
     return 0
@@ -288,8 +296,11 @@ def add_serve_commands(sub) -> None:
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=_reporting_errors(cmd_serve))
 
-    bench = sub.add_parser("bench-serve", help="serve a random-prompt workload in process and measure it")
-    _engine_args(bench)
+    bench = sub.add_parser("bench-serve", help="serve a random-prompt workload (in process, or to a running "
+                           "server with --url) and measure it")
+    _engine_args(bench, model_optional=True)
+    bench.add_argument("--url", default=None, help="benchmark a running `vpaged serve` at this URL instead "
+                       "(streamed /v1/completions; peak KV and preemptions from its /metrics)")
     bench.add_argument("--num-requests", type=int, default=64)
     bench.add_argument("--min-prompt", type=int, default=64)
     bench.add_argument("--max-prompt", type=int, default=512)

@@ -66,7 +66,7 @@ class RunResult:
     output_tokens_per_s: float
     total_tokens_per_s: float
     peak_kv_bytes: int
-    peak_running: int
+    peak_running: int | None
     preemptions_swap: int
     preemptions_recompute: int
     prefix_hit_tokens: int
@@ -151,3 +151,92 @@ def run_workload(engine, workload: Workload, params, kv: str = "", progress: Cal
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+async def _http_request(client, url: str, model: str, prompt: list[int], max_tokens: int, delay: float,
+                        t0: float) -> dict:
+    import asyncio
+    import json as _json
+
+    await asyncio.sleep(max(0.0, delay - (time.perf_counter() - t0)))
+    start = time.perf_counter()
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    first = None
+    tokens: list[int] = []
+    finish = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = _json.loads(line[6:])
+            for c in chunk.get("choices", []):
+                if c.get("token_ids") and first is None:
+                    first = time.perf_counter()
+                tokens += c.get("token_ids", [])
+                finish = c.get("finish_reason") or finish
+    return {"start": start - t0, "first": None if first is None else first - t0, "end": time.perf_counter() - t0,
+            "tokens": tokens, "finish_reason": finish}
+
+
+def _scrape(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def run_http_workload(url: str, workload: Workload, progress: Callable[[int], None] | None = None,
+                      timeout_s: float = 3600.0) -> RunResult:
+    """Send `workload` to a running `vpaged serve` at `url` (streamed completions, token-id prompts, greedy,
+    EOS ignored) and measure it from the client's side; peak KV bytes and preemptions come from /metrics."""
+    import asyncio
+
+    import httpx
+
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+
+    async def main():
+        limits = httpx.Limits(max_connections=len(workload.prompts) + 4)
+        async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+            model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+            before = _scrape((await client.get(url + "/metrics")).text)
+            t0 = time.perf_counter()
+
+            async def one(i):
+                r = await _http_request(client, url, model, workload.prompts[i], workload.max_tokens,
+                                        workload.arrivals[i], t0)
+                if progress is not None:
+                    progress(1)
+                return r
+            results = await asyncio.gather(*(one(i) for i in range(len(workload.prompts))))
+            seconds = time.perf_counter() - t0
+            after = _scrape((await client.get(url + "/metrics")).text)
+            return results, seconds, before, after
+
+    results, seconds, before, after = asyncio.run(main())
+
+    def delta(name):
+        return int(after.get(name, 0) - before.get(name, 0))
+    out_tokens = sum(len(r["tokens"]) for r in results)
+    ttft = [r["first"] - workload.arrivals[i] for i, r in enumerate(results) if r["first"] is not None]
+    tpot = [(r["end"] - r["first"]) / (len(r["tokens"]) - 1) for r in results
+            if r["first"] is not None and len(r["tokens"]) > 1]
+    reasons: dict[str, int] = {}
+    for r in results:
+        reasons[r["finish_reason"]] = reasons.get(r["finish_reason"], 0) + 1
+    return RunResult(
+        kv="http", requests=len(results), seconds=seconds, prompt_tokens=workload.prompt_tokens,
+        output_tokens=out_tokens, output_tokens_per_s=out_tokens / seconds,
+        total_tokens_per_s=(out_tokens + workload.prompt_tokens) / seconds,
+        peak_kv_bytes=int(after.get("vpaged_kv_high_water_bytes", 0)), peak_running=None,
+        preemptions_swap=delta("vpaged_preemptions_swap"), preemptions_recompute=delta("vpaged_preemptions_recompute"),
+        prefix_hit_tokens=delta("vpaged_prefix_hit_tokens"), steps=delta("vpaged_steps"),
+        ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99), tpot_p50=percentile(tpot, 50),
+        tpot_p99=percentile(tpot, 99), finish_reasons=reasons)

@@ -182,16 +182,18 @@ class _Generation:
 
     async def start(self) -> None:
         aloop = asyncio.get_running_loop()
-        started = []
+        queued = []
         try:
             for i, (rid, prompt) in enumerate(zip(self.ids, self.prompts)):
                 def sink(item, i=i):
                     with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody is listening
                         aloop.call_soon_threadsafe(self.queue.put_nowait, (i, item))
+                queued.append(rid)
                 await asyncio.wrap_future(self.loop.add(prompt, self.params, rid, sink))
-                started.append(rid)
         except BaseException:
-            for rid in started:
+            # A refused prompt, or the client left while waiting: withdraw what was queued. Commands run in
+            # order on the engine thread, so an abort queued after an add sees its request (or nothing).
+            for rid in queued:
                 self.loop.abort(rid)
             raise
 
