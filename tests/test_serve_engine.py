@@ -340,3 +340,30 @@ def test_stream_deltas_concatenate_to_the_final_output(model, prng):
     stream.close()
     assert not llm.engine.has_unfinished() or not [o for o in llm.engine.step() if not o.finished]
     assert llm.stats().running == 0 and llm.stats().live_kv_tokens == 0
+
+
+# ------------------------------------------------------------------------------------------ attention
+@pytest.mark.parametrize("layout", ["head_major", "per_layer"])
+def test_generate_with_vpaged_cache_and_vpaged_attention(reference, prng, monkeypatch, layout):
+    """model.generate(cache=VPagedCache) with attn_implementation="vpaged": decode steps go through the
+    contiguous kernel on the cache's views; tokens equal DynamicCache + SDPA (batch of 2 without padding)."""
+    from transformers import DynamicCache
+
+    from vpaged.hf import VPagedCache
+    from vpaged.serve import attention
+
+    model = load_model("random:llama-tiny", attn_implementation="vpaged")[0]
+    calls = []
+    kernel = attention.decode_attention_contiguous
+    monkeypatch.setattr(attention, "decode_attention_contiguous",
+                        lambda *a, **k: calls.append(a[1].lengths.tolist()) or kernel(*a, **k))
+    prompt = torch.tensor([random_prompt(prng, 20, 20), random_prompt(prng, 20, 20)])
+    with torch.no_grad():
+        expected = reference.generate(prompt, cache=DynamicCache(config=reference.config), max_new_tokens=8,
+                                      do_sample=False, eos_token_id=None, pad_token_id=0)
+        got = model.generate(prompt, cache=VPagedCache(model.config, max_cache_len=64, capacity_bytes=4 << 20,
+                                                       layout=layout), max_new_tokens=8, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    assert torch.equal(got, expected)
+    # 7 decode steps x 2 layers through the kernel, at lengths 21..27 for both rows.
+    assert len(calls) == 7 * 2 and calls[0] == [21, 21] and calls[-1] == [27, 27]
