@@ -49,17 +49,21 @@ def save_model_with_tokenizer(path, spec: str = "random:llama-tiny", chat_templa
 
 @torch.no_grad()
 def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens of single-request transformers generate() (EOS ignored), and the top-2 logit gap at each
-    step (a mismatch where the gap is tiny is a tie that float rounding may break either way)."""
+    """Greedy tokens of the plain transformers forward with its DynamicCache, one request, EOS neither stopping
+    nor suppressed (as with ignore_eos); and the top-2 logit gap at each step (a mismatch where the gap is
+    tiny is a tie that float rounding may break either way)."""
+    from transformers import DynamicCache
+
+    model.set_attn_implementation("sdpa")  # the reference never runs the engine's attention
+    cache = DynamicCache(config=model.config)
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0, output_scores=True,
-                         return_dict_in_generate=True, output_logits=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    gaps = []
-    for logits in out.logits:
-        top = torch.topk(logits[0].float(), 2).values
-        gaps.append(float(top[0] - top[1]))
+    tokens, gaps = [], []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
+        top = torch.topk(logits, 2)
+        tokens.append(int(top.indices[0]))
+        gaps.append(float(top.values[0] - top.values[1]))
+        ids = top.indices[:1].view(1, 1)
     return tokens, gaps
 
 

@@ -1,12 +1,15 @@
 """`vpaged generate`, `vpaged serve` and `vpaged bench-serve` end to end (tiny random-weight models, fp32)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -96,12 +99,15 @@ def test_serve_subprocess_answers_openai_client(model_dir):
     proc = subprocess.Popen([sys.executable, "-m", "vpaged.cli", "serve", str(path), "--port", "0",
                              "--served-model-name", "tiny", "--kv-budget-mib", "16", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
     try:
         deadline = time.monotonic() + TIMEOUT
         line = ""
         while "serving" not in line:
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else line
-            line = proc.stdout.readline()
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not come up"
+            with contextlib.suppress(queue.Empty):
+                line = lines.get(timeout=1)
         url = line.split(" at ")[1].split()[0]
         assert url.startswith("http://127.0.0.1:")
         with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=TIMEOUT) as client:
