@@ -80,6 +80,9 @@ class LLMEngine:
             model = model.to(self.device)
         model.eval()
         model.set_attn_implementation(ATTN_NAME)
+        if model.config._attn_implementation != ATTN_NAME:
+            raise InvalidArgumentError(f"{type(model).__name__} does not dispatch attention through transformers' "
+                                       "AttentionInterface; the engine cannot serve it")
         self.model = model
         config = model.config
         self.model_name = getattr(config, "name_or_path", None) or type(model).__name__

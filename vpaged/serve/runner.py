@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attention  # noqa: F401  (registers attn_implementation="vpaged")
+from .attention import NAME as ATTN_NAME  # importing it registers attn_implementation="vpaged"
 from .scheduler import StepPlan
 
 
@@ -54,6 +54,10 @@ class ModelRunner:
         return self._run(inputs, step)
 
     def _run(self, inputs: dict, step) -> torch.Tensor:
+        if self.model.config._attn_implementation != ATTN_NAME:
+            # Someone switched the model to another implementation (e.g. to run model.generate on it with
+            # SDPA): the packed step needs ours, which serves plain generate() calls just as well.
+            self.model.set_attn_implementation(ATTN_NAME)
         with torch.inference_mode():
             out = self.model(**inputs, attention_mask=self._mask_placeholder, use_cache=False, vpaged_step=step)
         return out.logits[0]
