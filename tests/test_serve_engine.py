@@ -367,3 +367,24 @@ def test_generate_with_vpaged_cache_and_vpaged_attention(reference, prng, monkey
     assert torch.equal(got, expected)
     # 7 decode steps x 2 layers through the kernel, at lengths 21..27 for both rows.
     assert len(calls) == 7 * 2 and calls[0] == [21, 21] and calls[-1] == [27, 27]
+
+
+def test_a_failed_forward_leaves_the_engine_consistent(model, prng, monkeypatch):
+    """A step whose forward raises gives its sequences' pages back; they are recomputed, outputs unchanged."""
+    prompts = [random_prompt(prng, 5, 40) for _ in range(3)]
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    expected = [o.token_ids for o in LLM(model, kv_budget_bytes=4 << 20, page_size=PAGE).generate(prompts, params)]
+    eng = engine(model, max_num_batched_tokens=16)
+    ids = [eng.add_request(p, params) for p in prompts]
+    eng.step()
+    eng.step()
+    runner_forward = eng.runner.forward
+    monkeypatch.setattr(eng.runner, "forward", lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    assert eng.store.cache.stats().sequences == eng.stats().running  # the failed step's sequences hold nothing
+    assert eng.stats().waiting >= 1
+    monkeypatch.setattr(eng.runner, "forward", runner_forward)
+    final = run_all(eng)
+    assert [final[i].token_ids for i in ids] == expected
+    assert eng.stats().live_kv_tokens == 0

@@ -203,9 +203,16 @@ class LLMEngine:
         if not plan:
             self._times["schedule"] += t1 - t0
             return outputs
-        inputs, step_attention, samplers = self.runner.prepare(plan)
-        t2 = time.perf_counter()
-        logits = self.runner.forward(inputs, step_attention)
+        try:
+            inputs, step_attention, samplers = self.runner.prepare(plan)
+            t2 = time.perf_counter()
+            logits = self.runner.forward(inputs, step_attention)
+        except BaseException:
+            # The cache grew for tokens whose K/V may be half written: the step's sequences give their pages
+            # back and are recomputed later (the caller may abort them instead); other requests go on.
+            step_attention = None
+            self.scheduler.requeue(plan)
+            raise
         del step_attention  # its views pin pages: gone before anything is swapped or freed
         t3 = time.perf_counter()
         for seq in plan.decodes:

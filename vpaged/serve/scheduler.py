@@ -173,6 +173,18 @@ class Scheduler:
             seats += need_seats
             budget -= n
 
+    def requeue(self, plan: StepPlan) -> None:
+        """Undo a step whose forward failed: its sequences free their pages and wait to be recomputed."""
+        seqs = list(plan.decodes) + [seq for seq, _, _ in plan.prefills]
+        for seq in reversed(seqs):
+            if seq.status is Status.RUNNING:
+                self.running.remove(seq)
+                self.store.free(seq.handle)
+                seq.handle, seq.slot, seq.num_computed = None, -1, 0
+                seq.prefix_offered = False
+                seq.status = Status.WAITING
+                self.waiting.appendleft(seq)
+
     # ------------------------------------------------------------------------------------------ preempt
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
