@@ -22,6 +22,16 @@ from vpaged.cli import main
 TIMEOUT = 180
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread: on a loaded machine OpenMP threads waiting on each other make tiny models many
+    times slower, and nothing here measures speed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama-cli")
@@ -97,7 +107,8 @@ def test_serve_subprocess_answers_openai_client(model_dir):
     path, model, tok = model_dir
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "vpaged.cli", "serve", str(path), "--port", "0",
-                             "--served-model-name", "tiny", "--kv-budget-mib", "16", "--log-level", "warning"],
+                             "--served-model-name", "tiny", "--kv-budget-mib", "16", "--log-level", "warning",
+                             "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()

@@ -25,6 +25,16 @@ from vpaged.serve.openai_protocol import ChoiceText, RequestError, parse_request
 from vpaged.serve.server import ServerThread, prometheus_text  # noqa: E402
 
 MODEL_NAME = "tiny"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread: on a loaded machine OpenMP threads waiting on each other make tiny models many
+    times slower, and nothing here measures speed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 MAX_MODEL_LEN = 256
 TIMEOUT = 120
 
