@@ -319,7 +319,7 @@ class LLMEngine:
         if self.kv == "static":
             # The cache holds each reservation in full; the tokens computed so far are the live ones.
             live = sum(s.num_computed for s in sched.running)
-            live_bytes = live * (mem["live_bytes"] // mem["live_tokens"] if mem["live_tokens"] else 0)
+            live_bytes = live * self.store.cache.bytes_per_token
         else:
             live, live_bytes = mem["live_tokens"], mem["live_bytes"]
         return EngineStats(

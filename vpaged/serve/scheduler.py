@@ -49,6 +49,7 @@ class Scheduler:
         self.preemptions_swap = 0
         self.preemptions_recompute = 0
         self.prefix_hit_tokens = 0
+        self.watermark_pages = store.total_pages() // 100
 
     # ------------------------------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -158,7 +159,10 @@ class Scheduler:
                 hit = len(seq.tokens) - 1
                 store.truncate(handle, hit)
             n = min(len(seq.tokens) - hit, budget)
-            if not store.pages_available(store.pages_needed([handle], n)):
+            # A little headroom (vLLM's watermark) so that an admission does not force the next decode step
+            # to preempt at once; not needed when nothing runs.
+            headroom = self.watermark_pages if self.running else 0
+            if not store.pages_available(store.pages_needed([handle], n) + headroom):
                 store.free(handle)
                 break
             store.extend([handle], n)
