@@ -59,7 +59,7 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[lis
     ids = torch.tensor([prompt])
     tokens, gaps = [], []
     for _ in range(max_new_tokens):
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
         top = torch.topk(logits, 2)
         tokens.append(int(top.indices[0]))
         gaps.append(float(top.values[0] - top.values[1]))
