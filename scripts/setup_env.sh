@@ -41,7 +41,8 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "${PIP[@]}" "torch==${VPAGED_TORCH_VERSION:-2.13.0}"
 fi
 echo "==> installing build and test dependencies"
-"${PIP[@]}" numpy pybind11 "setuptools>=64" wheel pytest hypothesis rich matplotlib "transformers>=5.17,<6"
+"${PIP[@]}" numpy pybind11 "setuptools>=64" wheel pytest hypothesis rich matplotlib "transformers>=5.17,<6" \
+  fastapi uvicorn openai httpx
 echo "==> building vpaged"
 "${PIP[@]}" --no-build-isolation --no-deps -e "$ROOT"
 setup_fingerprint >"$STAMP"

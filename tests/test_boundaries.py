@@ -16,6 +16,7 @@ PRIVATE_MODULES = {"_C", "_checks", "_dtypes", "_hf_compat"}
 # Private names of other libraries that vpaged must use, each with the reason.
 THIRD_PARTY = {
     "_global_mapping": "transformers' AttentionInterface registry has no public way to unregister a function",
+    "_attn_implementation": "transformers' config records the attention implementation a model runs there",
 }
 
 

@@ -99,7 +99,7 @@ class VirtualKVCache:
         if self._on_cuda:
             self._range.add_stream(0)  # the legacy default stream: torch's default, and vpaged's own copies
         self._closed = False
-        self._growing: set[int] = set()  # slots an extend in progress plans on: their spare pages stay
+        self._growing: dict[int, int] = {}  # slot -> length an extend in progress grows it to (see _spare_tails)
         pool.register(self)
 
     def _resolve_pool(self, pool, capacity_bytes, page_size, device) -> PagePool:
@@ -285,7 +285,7 @@ class VirtualKVCache:
                 grown.append((slot, need))
         copies = self._range.copies_needed(to_privatize) if to_privatize else 0
         # Reclaim must not take the spare pages of the sequences this plan counts on (see _spare_tails).
-        self._growing = set(slots)
+        self._growing = {slot: t.length_tokens[slot] + n for slot in slots}
         try:
             if fresh or copies:
                 self._ensure_free(len(fresh) + copies)
@@ -299,7 +299,7 @@ class VirtualKVCache:
                         self._range.unmap(fresh)  # nothing reads pages mapped a moment ago
                     raise
         finally:
-            self._growing = set()
+            self._growing = {}
         if fresh:
             self._pages_mapped += len(fresh)
             self._map_calls += 1
@@ -331,6 +331,69 @@ class VirtualKVCache:
             raise OutOfPagesError(
                 f"out of pages: {pages} page(s) of {s.page_size} bytes needed, {s.free_pages} free "
                 f"of {s.total_pages} (+{self.pool.reclaimable_pages()} reclaimable); nothing was changed")
+
+    # ----------------------------------------------------------------------------------------- planning
+    def pages_needed(self, seqs, n: int = 1) -> int:
+        """Pages that extend_many(seqs, n) would take from the pool: new pages plus the copy-on-write copies
+        of shared pages the new tokens land in; for a swapped-out sequence also the pages swap_in() maps back.
+        Changes nothing: a scheduler compares it with pages_available() before it extends, and preempts
+        instead of catching OutOfPagesError. Kept in step with extend_many()'s own planning."""
+        self._check_open()
+        check_token_count(n)
+        t, lay = self._slots, self.layout
+        total = 0
+        to_privatize: list[int] = []
+        for seq in seqs:
+            slot = t.slot_of(seq)
+            swapped = self._swapped.get(slot)
+            if swapped is not None:
+                total += len(swapped[0])
+            old_len = t.length_tokens[slot]
+            if old_len + n > self.max_seq_len:
+                raise SequenceTooLongError(
+                    f"sequence {seq} would hold {old_len + n} tokens, more than max_seq_len={self.max_seq_len}")
+            need = lay.pages_for(old_len + n)
+            if need > t.mapped_pages[slot]:
+                total += (need - t.mapped_pages[slot]) * lay.runs
+            if n and t.shared_below_page[slot]:
+                first = self._page_of_next_token(slot)
+                stop = min(t.mapped_pages[slot], t.shared_below_page[slot])
+                if first < stop:
+                    to_privatize += lay.page_slots(slot, first, stop)
+        if to_privatize:
+            total += self._range.copies_needed(to_privatize)
+        return total
+
+    def pages_available(self) -> int:
+        """Pages an extend could take now: the pool's free pages plus those freed slots and unused prefix
+        pages would give back (shared with the other caches on the same pool)."""
+        self._check_open()
+        return self.pool.free_pages() + self.pool.reclaimable_pages()
+
+    def kv_layers(self, seq: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """K/V of tokens start..stop-1 (default: all present) in every layer, as one zero-copy view of shape
+        [num_layers, 2, stop - start, num_kv_heads, head_dim] ([:, 0] is K, [:, 1] is V). One view per
+        sequence and step instead of two per layer. For reading; the tokens of writable_range() may also be
+        written through it (after extend(), the tokens it added)."""
+        slot = self._live_slot(seq)
+        length = self._slots.length_tokens[slot]
+        stop = length if stop is None else stop
+        for name, value in (("start", start), ("stop", stop)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
+        if not 0 <= start <= stop <= length:
+            raise InvalidArgumentError(f"tokens {start}..{stop - 1} outside the sequence's 0..{length - 1}")
+        lay = self.layout
+        shape, strides, perm = lay.view_dims(stop - start)
+        # K and V of layer l start at base_offset(l, 0) and base_offset(l, 1): whole regions apart (per_layer,
+        # head_major) or columns of one token row (interleaved); kv_stride apart in every layout.
+        kv_stride = (lay.base_offset(0, 1) - lay.base_offset(0, 0)) // lay.itemsize
+        dims = [(2 * kv_stride, self.num_layers, 0), (kv_stride, 2, 1)]
+        dims += [(strides[i], shape[i], 2 + perm.index(i)) for i in range(len(shape))]
+        dims.sort(key=lambda d: -d[0])  # the core takes dims in memory order, largest stride first
+        view = self._views.raw(lay.offset(0, 0, slot, start), [d[1] for d in dims], [d[0] for d in dims])
+        order = [d[2] for d in dims]
+        return view.permute([order.index(j) for j in range(len(order))])
 
     # ----------------------------------------------------------------------------------------- sharing
     def fork(self, seq: int) -> int:
@@ -632,9 +695,8 @@ class VirtualKVCache:
         They are kept for the sequence to grow into, and given back when the pool runs short."""
         t, out = self._slots, []
         for slot in t.live_slots():
-            if slot in self._growing:
-                continue
-            first = max(self.layout.pages_for(t.length_tokens[slot]), t.shared_below_page[slot])
+            length = max(t.length_tokens[slot], self._growing.get(slot, 0))  # an extend in progress: its new length
+            first = max(self.layout.pages_for(length), t.shared_below_page[slot])
             if first < t.mapped_pages[slot] and slot not in self._swapped:
                 if not self._range.pinned_count(self._page_slots_of(slot, first)):
                     out.append((slot, first))

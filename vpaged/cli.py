@@ -1,6 +1,7 @@
-"""The `vpaged` command: `vpaged demo` (a mixed workload on the CPU), `vpaged info` (backends) and
-`vpaged simulate` (KV memory of serving policies at production scale, vpaged/sim/cli.py) and `vpaged bench`
-(the benchmark suite, vpaged/benchsuite_cli.py)."""
+"""The `vpaged` command: `vpaged demo` (a mixed workload on the CPU), `vpaged info` (backends),
+`vpaged simulate` (KV memory of serving policies at production scale, vpaged/sim/cli.py), `vpaged bench`
+(the benchmark suite, vpaged/benchsuite_cli.py) and the serving commands `generate`, `serve` and
+`bench-serve` (vpaged/cli_serve.py)."""
 from __future__ import annotations
 
 import argparse
@@ -108,6 +109,9 @@ def main(argv=None) -> int:
 
     add_simulate(sub)
     add_bench(sub)
+    from .cli_serve import add_serve_commands  # generate, serve, bench-serve
+
+    add_serve_commands(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -76,3 +76,11 @@ class SequenceSwappedError(VPagedError, RuntimeError):
 
 class ReadOnlyTokensError(VPagedError, ValueError):
     """A write to tokens outside the sequence's writable window (they may share pages with others)."""
+
+
+class PromptTooLongError(VPagedError, ValueError):
+    """A prompt longer than the model (max_model_len) or the KV budget allows; only that request is refused."""
+
+
+class UnknownRequestError(VPagedError, LookupError):
+    """No request with this id is known to the engine (never added, or already finished)."""

@@ -204,6 +204,28 @@ class PagedKVCache:
             table.extend(self._take(grow))
             self._len[seq] += n
 
+    def pages_needed(self, seqs, n: int = 1) -> int:
+        """Blocks that extend_many(seqs, n) would take: new blocks plus copy-on-write copies of a shared
+        partly filled last block. Changes nothing (a scheduler plans with it and pages_available())."""
+        self._check_open()
+        check_token_count(n)
+        needed = 0
+        for seq in seqs:
+            table = self._table(seq)
+            old = self._len[seq]
+            if old + n > self.max_seq_len:
+                raise SequenceTooLongError(
+                    f"sequence {seq} would hold {old + n} tokens, more than max_seq_len={self.max_seq_len}")
+            if n:
+                needed += -(-(old + n) // self.block_size) - len(table)
+                needed += old % self.block_size != 0 and self._ref[table[-1]] > 1
+        return needed
+
+    def pages_available(self) -> int:
+        """Free blocks."""
+        self._check_open()
+        return len(self._free)
+
     def seq_len(self, seq: int) -> int:
         self._table(seq)
         return self._len[seq]

@@ -53,5 +53,9 @@ class SlotViews:
             num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim, dtype=self.dtype, device=self.device,
             layout=lay.kind, owner=self.range)
 
+    def raw(self, offset: int, shape, strides) -> torch.Tensor:
+        """A view of any shape over mapped bytes of the range (dims in memory order, largest stride first)."""
+        return self._make(offset, shape, strides)
+
     def _make(self, offset: int, shape, strides) -> torch.Tensor:
         return torch.from_dlpack(self.range.view(offset, shape, strides, self._dl_code, self._dl_bits))

@@ -1,0 +1,394 @@
+"""Serving benchmark: the continuous-batching engine on kv=vpaged / paged / static, and transformers' own
+continuous batching (`model.generate_batch`, paged cache), on the same requests.
+
+  python benchmarks/bench_serve.py            # full: the workload below (tens of minutes on 2 cores)
+  python benchmarks/bench_serve.py --quick    # CI smoke: a tiny model and workload, seconds
+
+Model: random-weight Llama "bench-llama" (hidden 1024, 8 layers, 16 heads, 8 KV heads, head_dim 64,
+intermediate 2816, vocab 32000), fp32, 2 threads. Sections:
+
+1. throughput: 64 requests, prompts of 64..512 random token ids, 128 greedy output tokens each (EOS
+   ignored), all at t=0, KV budget 1 GiB. Rows kv=vpaged / paged / static and generate_batch (cache sized to
+   the same budget). Output and total tokens/s, peak KV bytes, preemptions, peak running requests, and
+   whether each row's tokens equal the vpaged row's.
+2. poisson: the same kind of requests arriving as a Poisson process: TTFT and time per output token (TPOT)
+   p50/p99.
+3. shared-prefix: every prompt starts with the same system prompt: prefix-hit tokens, peak KV bytes,
+   throughput, with prefix caching on and off.
+4. static-slots: a KV budget that holds exactly 16 requests of the maximum length (512 + 128 tokens)
+   (--static-slots):
+   concurrency (peak running requests) and makespan of kv=vpaged against kv=static.
+5. step-breakdown: decode steps at batch 32 (after every prefill is done): the step's time inside the model's
+   forward (attention included) and outside it (scheduling, bookkeeping, sampling).
+
+JSON to benchmarks/results/serve_cpu.json (serve_cpu_quick.json with --quick).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, print_table, write_json  # noqa: E402
+
+from vpaged.serve import LLMEngine, SamplingParams, load_model  # noqa: E402
+from vpaged.serve.bench import Workload, percentile, poisson_arrivals, random_prompts, run_workload  # noqa: E402
+
+MIB = 2**20
+
+FULL = dict(model="random:bench-llama", requests=64, min_prompt=64, max_prompt=512, max_tokens=128,
+            budget_mib=1024, max_num_seqs=64, max_batched=512, page_size=None,
+            poisson_requests=32, poisson_rate=0.5,
+            prefix_requests=32, prefix_len=384, prefix_min=32, prefix_max=128, prefix_tokens=64,
+            breakdown_batch=32, breakdown_prompt=256, breakdown_tokens=24)
+QUICK = dict(model="random:llama-tiny", requests=12, min_prompt=8, max_prompt=48, max_tokens=12,
+             budget_mib=64, max_num_seqs=16, max_batched=64, page_size=4096,
+             poisson_requests=8, poisson_rate=20.0,
+             prefix_requests=8, prefix_len=64, prefix_min=4, prefix_max=16, prefix_tokens=8,
+             breakdown_batch=8, breakdown_prompt=32, breakdown_tokens=8)
+
+
+def kv_bytes_per_token(model) -> int:
+    cfg = model.config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    itemsize = next(model.parameters()).element_size()
+    return cfg.num_hidden_layers * 2 * kv_heads * head_dim * itemsize
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def engine_row(model, workload, kv: str, budget: int, cfg: dict, **kw) -> dict:
+    engine = LLMEngine(model, None, kv_budget_bytes=budget, max_num_seqs=cfg["max_num_seqs"],
+                       max_num_batched_tokens=cfg["max_batched"], kv=kv, page_size=cfg["page_size"], **kw)
+    try:
+        r = run_workload(engine, workload, greedy(workload.max_tokens), kv=kv, keep_outputs=True)
+    finally:
+        with contextlib.suppress(Exception):
+            engine.close()
+        del engine
+        gc.collect()
+    return r.as_dict(with_outputs=True)
+
+
+def generate_batch_row(model, workload, budget: int) -> dict:
+    """transformers' continuous batching with its paged cache sized to the same KV budget (its pages hold 256
+    tokens of every layer; the cache is allocated whole up front, so its peak KV bytes are its size)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page = 256
+    block_bytes = kv_bytes_per_token(model) * page
+    num_blocks = max(1, budget // block_bytes)
+    gen = GenerationConfig(max_new_tokens=workload.max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=512, page_size=page)
+    model.set_attn_implementation("sdpa")  # an engine switched it to "vpaged"; generate_batch picks its paged one
+    t0 = time.perf_counter()
+    with warnings_quiet():
+        outs = model.generate_batch([list(p) for p in workload.prompts], generation_config=gen,
+                                    continuous_batching_config=cb)
+    seconds = time.perf_counter() - t0
+    ordered = list(outs.values())
+    tokens = [list(o.generated_tokens) for o in ordered]
+    out_tokens = sum(map(len, tokens))
+    return {"kv": "generate_batch", "requests": len(tokens), "seconds": seconds, "prompt_tokens": workload.prompt_tokens,
+            "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / seconds,
+            "total_tokens_per_s": (out_tokens + workload.prompt_tokens) / seconds,
+            "peak_kv_bytes": num_blocks * block_bytes, "peak_running": None, "preemptions_swap": None,
+            "preemptions_recompute": None, "prefix_hit_tokens": None, "outputs": tokens}
+
+
+@contextlib.contextmanager
+def warnings_quiet():
+    import logging
+    import warnings
+
+    loggers = [logging.getLogger(n) for n in ("ContinuousBatchingLogger", "transformers")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            yield
+        finally:
+            for lg, lv in zip(loggers, levels):
+                lg.setLevel(lv)
+
+
+def same_tokens(rows: list[dict], ref: dict) -> None:
+    """Mark each row with how many requests produced exactly the reference row's tokens."""
+    expected = ref["outputs"]
+    for row in rows:
+        outs = row.pop("outputs", None)
+        if outs is not None and row is not ref:
+            row["same_tokens_as_vpaged"] = sum(a == b for a, b in zip(outs, expected))
+
+
+def fmt_row(r: dict) -> list:
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+    return [r["kv"], f(r["seconds"], ".1f"), f(r["output_tokens_per_s"], ".1f"), f(r["total_tokens_per_s"], ".1f"),
+            f(r["peak_kv_bytes"] / MIB if r["peak_kv_bytes"] is not None else None, ".1f"),
+            f(r.get("peak_running"), "d"),
+            "-" if r.get("preemptions_swap") is None else f"{r['preemptions_swap']}/{r['preemptions_recompute']}",
+            r.get("same_tokens_as_vpaged", "ref")]
+
+
+HEAD = ["row", "seconds", "out tok/s", "total tok/s", "peak KV MiB", "peak running", "preempt swap/recomp",
+        "same tokens"]
+
+
+# ------------------------------------------------------------------------------------------------ sections
+
+
+def section_throughput(model, cfg, vocab, rows_wanted, log, save) -> dict:
+    prompts = random_prompts(cfg["requests"], cfg["min_prompt"], cfg["max_prompt"], vocab, seed=0)
+    wl = Workload(prompts, [0.0] * len(prompts), cfg["max_tokens"], "throughput")
+    budget = cfg["budget_mib"] * MIB
+    rows = []
+    for kv in ("vpaged", "paged", "generate_batch", "static"):
+        if kv in rows_wanted:
+            log(f"throughput: {kv}")
+            rows.append(generate_batch_row(model, wl, budget) if kv == "generate_batch"
+                        else engine_row(model, wl, kv, budget, cfg))
+            log(f"  {fmt_row(rows[-1])}")
+            save({"partial_rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]})
+    ref = next((r for r in rows if r["kv"] == "vpaged"), None)
+    if ref is not None:
+        same_tokens(rows, ref)
+    print_table(HEAD, [fmt_row(r) for r in rows])
+    by = {r["kv"]: r for r in rows}
+    ratios = {}
+    if "vpaged" in by and "generate_batch" in by:
+        ratios["vpaged_over_generate_batch"] = by["vpaged"]["output_tokens_per_s"] / by["generate_batch"]["output_tokens_per_s"]
+    if "vpaged" in by and "paged" in by:
+        ratios["vpaged_over_paged"] = by["vpaged"]["output_tokens_per_s"] / by["paged"]["output_tokens_per_s"]
+    if "vpaged" in by and "static" in by:
+        ratios["vpaged_over_static"] = by["vpaged"]["output_tokens_per_s"] / by["static"]["output_tokens_per_s"]
+    print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
+    return {"budget_bytes": budget, "requests": len(prompts), "prompt_tokens": wl.prompt_tokens, "rows": rows,
+            "ratios": ratios}
+
+
+def section_poisson(model, cfg, vocab, kvs, log) -> dict:
+    prompts = random_prompts(cfg["poisson_requests"], cfg["min_prompt"], cfg["max_prompt"], vocab, seed=1)
+    wl = Workload(prompts, poisson_arrivals(len(prompts), cfg["poisson_rate"], seed=1), cfg["max_tokens"], "poisson")
+    rows = []
+    for kv in kvs:
+        log(f"poisson: kv={kv}")
+        r = engine_row(model, wl, kv, cfg["budget_mib"] * MIB, cfg)
+        r.pop("outputs", None)
+        rows.append(r)
+    print_table(["row", "seconds", "out tok/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms"],
+                [[r["kv"], f"{r['seconds']:.1f}", f"{r['output_tokens_per_s']:.1f}", f"{r['ttft_p50']:.2f}",
+                  f"{r['ttft_p99']:.2f}", f"{r['tpot_p50'] * 1e3:.0f}", f"{r['tpot_p99'] * 1e3:.0f}"] for r in rows])
+    return {"rate_per_s": cfg["poisson_rate"], "requests": len(prompts), "rows": rows}
+
+
+def section_shared_prefix(model, cfg, vocab, kvs, log) -> dict:
+    prompts = random_prompts(cfg["prefix_requests"], cfg["prefix_min"], cfg["prefix_max"], vocab, seed=2,
+                             shared_prefix=cfg["prefix_len"])
+    wl = Workload(prompts, [0.0] * len(prompts), cfg["prefix_tokens"], "shared-prefix")
+    rows = []
+    for kv, caching in kvs:
+        log(f"shared-prefix: kv={kv} prefix caching {'on' if caching else 'off'}")
+        r = engine_row(model, wl, kv, cfg["budget_mib"] * MIB, cfg, enable_prefix_caching=caching)
+        r["kv"] = f"{kv}{'' if caching else ' (no prefix caching)'}"
+        rows.append(r)
+    same_tokens(rows, rows[0])
+    print_table(HEAD + ["prefix-hit tokens"], [fmt_row(r) + [r["prefix_hit_tokens"]] for r in rows])
+    return {"prefix_len": cfg["prefix_len"], "requests": len(prompts), "rows": rows}
+
+
+def section_static_slots(model, cfg, vocab, log) -> dict:
+    per_request = (cfg["max_prompt"] + cfg["max_tokens"]) * kv_bytes_per_token(model)
+    budget = cfg["static_slots"] * per_request
+    prompts = random_prompts(cfg["requests"], cfg["min_prompt"], cfg["max_prompt"], vocab, seed=0)
+    wl = Workload(prompts, [0.0] * len(prompts), cfg["max_tokens"], "static-slots")
+    rows = []
+    for kv in ("vpaged", "static"):
+        log(f"static-slots: kv={kv}")
+        rows.append(engine_row(model, wl, kv, budget, cfg, swap_bytes=budget // 2))
+    same_tokens(rows, rows[0])
+    print_table(HEAD, [fmt_row(r) for r in rows])
+    by = {r["kv"]: r for r in rows}
+    out = {"budget_bytes": budget, "static_slots": cfg["static_slots"], "rows": rows,
+           "concurrency_ratio": by["vpaged"]["peak_running"] / max(1, by["static"]["peak_running"]),
+           "makespan_ratio_static_over_vpaged": by["static"]["seconds"] / by["vpaged"]["seconds"]}
+    print(f"budget {budget / MIB:.0f} MiB: peak running vpaged/static = {out['concurrency_ratio']:.2f}x, "
+          f"makespan static/vpaged = {out['makespan_ratio_static_over_vpaged']:.2f}x")
+    return out
+
+
+class ForwardTimer:
+    """Times the model's forward passes (outermost call only) by wrapping the forward of the model, its decoder
+    and its LM head on the instance: whichever the engine calls, each step's model time is counted once."""
+
+    def __init__(self, model):
+        self.model = model
+        self.depth = 0
+        self.t0 = 0.0
+        self.seconds = 0.0
+        self.patched = []
+        mods = [model]
+        for name in ("model", "lm_head"):
+            m = getattr(model, name, None)
+            if isinstance(m, torch.nn.Module):
+                mods.append(m)
+        for m in mods:
+            self._wrap(m)
+
+    def _wrap(self, module):
+        original = module.forward
+
+        def forward(*a, **k):
+            if self.depth == 0:
+                self.t0 = time.perf_counter()
+            self.depth += 1
+            try:
+                return original(*a, **k)
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.seconds += time.perf_counter() - self.t0
+        module.forward = forward
+        self.patched.append(module)
+
+    def close(self):
+        for m in self.patched:
+            del m.forward  # back to the class's forward
+
+
+def section_breakdown(model, cfg, vocab, log) -> dict:
+    """Decode steps at batch `breakdown_batch`: every request's prompt is prefilled first (steps that carry a
+    prefill chunk are not counted), then each step decodes one token for each of the requests."""
+    log(f"step-breakdown: batch {cfg['breakdown_batch']}")
+    b = cfg["breakdown_batch"]
+    prompts = random_prompts(b, cfg["breakdown_prompt"], cfg["breakdown_prompt"], vocab, seed=3)
+    engine = LLMEngine(model, None, kv_budget_bytes=cfg["budget_mib"] * MIB, max_num_seqs=max(b, cfg["max_num_seqs"]),
+                       max_num_batched_tokens=max(cfg["max_batched"], b), kv="vpaged", page_size=cfg["page_size"],
+                       record_steps=True)
+    timer = ForwardTimer(model)
+    steps, forwards = [], []
+    try:
+        params = greedy(cfg["breakdown_tokens"])
+        for p in prompts:
+            engine.add_request(p, params)
+        produced = {}
+        while engine.has_unfinished():
+            timer.seconds = 0.0
+            t0 = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t0
+            all_decoding = len(produced) == b and all(len(o.outputs[0].new_token_ids) == 1 for o in outs) \
+                and len(outs) == b and not any(o.finished for o in outs)
+            for o in outs:
+                produced[o.request_id] = len(o.outputs[0].token_ids)
+            if all_decoding:
+                steps.append(dt)
+                forwards.append(timer.seconds)
+        # the engine's own split of the same steps: forward vs schedule + prepare + sample + output
+        log_steps = [e for e in engine.step_log if e["decodes"] == b and e["prefill_tokens"] == 0]
+    finally:
+        timer.close()
+        with contextlib.suppress(Exception):
+            engine.close()
+    if not steps:
+        return {"batch": b, "error": "no pure decode step at this batch"}
+    step = statistics.median(steps)
+    fwd = statistics.median(forwards)
+    outside = [s - f for s, f in zip(steps, forwards)]
+    res = {"batch": b, "decode_steps": len(steps), "step_ms_p50": step * 1e3, "forward_ms_p50": fwd * 1e3,
+           "outside_ms_p50": statistics.median(outside) * 1e3,
+           "outside_fraction_p50": statistics.median(o / s for o, s in zip(outside, steps)),
+           "step_ms_p90": percentile(steps, 90) * 1e3}
+    if log_steps:
+        parts = ("schedule", "prepare", "forward", "sample", "output")
+        res["engine_split_ms_p50"] = {k: statistics.median(e[k] for e in log_steps) * 1e3 for k in parts}
+    print(f"decode step at batch {b}: {res['step_ms_p50']:.1f} ms, forward {res['forward_ms_p50']:.1f} ms, "
+          f"outside {res['outside_ms_p50']:.2f} ms ({res['outside_fraction_p50']:.1%})")
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model and workload (CI smoke, seconds)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sections", default="throughput,poisson,shared-prefix,static-slots,step-breakdown")
+    ap.add_argument("--rows", default="vpaged,paged,static,generate_batch", help="rows of the throughput section")
+    ap.add_argument("--requests", type=int, default=None, help="override: requests of sections 1 and 4")
+    ap.add_argument("--max-tokens", type=int, default=None, help="override: output tokens of sections 1, 2, 4")
+    ap.add_argument("--min-prompt", type=int, default=None, help="override: shortest prompt of sections 1, 2, 4")
+    ap.add_argument("--max-prompt", type=int, default=None, help="override: longest prompt of sections 1, 2, 4")
+    ap.add_argument("--static-slots", type=int, default=16, help="section 4: the budget holds this many "
+                    "maximum-length requests")
+    ap.add_argument("--poisson-requests", type=int, default=None)
+    ap.add_argument("--poisson-rate", type=float, default=None)
+    ap.add_argument("--prefix-requests", type=int, default=None)
+    ap.add_argument("--breakdown-tokens", type=int, default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override any workload setting (see FULL), e.g. --set breakdown_prompt=64")
+    ap.add_argument("--output", default=None, help="JSON file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+    cfg = dict(QUICK if args.quick else FULL)
+    for key in ("requests", "max_tokens", "min_prompt", "max_prompt", "poisson_requests", "poisson_rate",
+                "prefix_requests", "breakdown_tokens"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    cfg["static_slots"] = args.static_slots
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in cfg:
+            ap.error(f"--set: unknown setting {key!r}; settings: {sorted(cfg)}")
+        cfg[key] = type(cfg[key])(value) if cfg[key] is not None else int(value)
+    torch.set_num_threads(args.threads)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    rows_wanted = {s.strip() for s in args.rows.split(",")}
+    t_start = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t_start:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    model, _ = load_model(cfg["model"], dtype=torch.float32)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    with open("/proc/loadavg") as f:
+        load_before = f.read().split()[:3]
+    report = {"machine": machine(), "threads": torch.get_num_threads(), "quick": args.quick, "config": cfg,
+              "load_average_before": load_before, "kv_bytes_per_token": kv_bytes_per_token(model)}
+    name = args.output or ("serve_cpu_quick.json" if args.quick else "serve_cpu.json")
+    def saver(section):
+        def save(partial):
+            report[section] = partial
+            write_json(name, report)
+        return save
+
+    runs = {
+        "throughput": lambda: section_throughput(model, cfg, vocab, rows_wanted, log, saver("throughput")),
+        "poisson": lambda: section_poisson(model, cfg, vocab, ["vpaged", "paged"], log),
+        "shared-prefix": lambda: section_shared_prefix(model, cfg, vocab, [("vpaged", True), ("vpaged", False)], log),
+        "static-slots": lambda: section_static_slots(model, cfg, vocab, log),
+        "step-breakdown": lambda: section_breakdown(model, cfg, vocab, log),
+    }
+    for section in sections:
+        report[section.replace("-", "_")] = runs[section]()
+        with open("/proc/loadavg") as f:
+            report["load_average_after"] = f.read().split()[:3]
+        report["seconds"] = time.perf_counter() - t_start
+        path = write_json(name, report)  # after every section: a long run keeps what it finished
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Helpers of the server and CLI tests: a random-weight model saved with a small local tokenizer (no network),
+and a greedy reference from transformers' own generate()."""
+from __future__ import annotations
+
+import torch
+
+WORDS = ("the a an of to in on with and or but if then so because cat dog bird fish tree house river stone "
+         "light dark red blue green small large quick slow old new runs jumps sees eats finds makes holds "
+         "gives takes sleeps sings over under near far here there now later today always never").split()
+
+# Renders a conversation as plain words the word-level tokenizer knows ("user : hello dog assistant :").
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant :{% endif %}")
+
+
+def word_tokenizer(vocab_size: int, chat_template: str | None = CHAT_TEMPLATE):
+    """A word-level PreTrainedTokenizerFast with exactly `vocab_size` ids, so that every id a random model
+    can generate decodes to a word: special tokens, punctuation, WORDS, then filler words w0, w1, ..."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = ["<pad>", "<s>", "</s>", "<unk>", ":", ".", ",", "?", "system", "user", "assistant", *WORDS]
+    names = list(dict.fromkeys(names))
+    names += [f"w{i}" for i in range(vocab_size - len(names))]
+    assert len(names) >= vocab_size, "vocab too small for the fixed words"
+    names = names[:vocab_size]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(names)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                  pad_token="<pad>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    return fast
+
+
+def save_model_with_tokenizer(path, spec: str = "random:llama-tiny", chat_template: str | None = CHAT_TEMPLATE):
+    """Save a random-weight model and a word tokenizer matching its vocabulary to `path`; returns the model."""
+    from vpaged.serve import load_model
+
+    model, _ = load_model(spec, dtype=torch.float32)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    tok = word_tokenizer(vocab, chat_template)
+    model.config.eos_token_id = tok.eos_token_id
+    model.config.bos_token_id = tok.bos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, tok
+
+
+@torch.no_grad()
+def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens of the plain transformers forward with its DynamicCache, one request, EOS neither stopping
+    nor suppressed (as with ignore_eos); and the top-2 logit gap at each step (a mismatch where the gap is
+    tiny is a tie that float rounding may break either way)."""
+    from transformers import DynamicCache
+
+    model.set_attn_implementation("sdpa")  # the reference never runs the engine's attention
+    cache = DynamicCache(config=model.config)
+    ids = torch.tensor([prompt])
+    tokens, gaps = [], []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
+        top = torch.topk(logits, 2)
+        tokens.append(int(top.indices[0]))
+        gaps.append(float(top.values[0] - top.values[1]))
+        ids = top.indices[:1].view(1, 1)
+    return tokens, gaps
+
+
+def assert_greedy_matches(got: list[int], prompt: list[int], model, max_new_tokens: int, tol: float = 1e-4):
+    ref, gaps = greedy_reference(model, prompt, max_new_tokens)
+    assert len(got) == len(ref), (got, ref)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        if a != b:
+            assert gaps[i] < tol, f"token {i}: got {a}, reference {b} (top-2 gap {gaps[i]:.2e})"
+            return  # past a tie the sequences legitimately diverge

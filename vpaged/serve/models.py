@@ -1,0 +1,108 @@
+"""load_model: a transformers causal LM (and its tokenizer) from an object, a local directory, or a named
+random-weight config ("random:<name>[:seed]"), so every entry point runs on a machine without a checkpoint.
+
+Nothing is downloaded: directories load with local_files_only.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+# Geometry of the random-weight models. "bench-llama" is the serving benchmark's model; the tiny ones keep
+# tests fast while covering each attention class the engine supports (GQA, QKV bias, q/k norms, fused QKV).
+RANDOM_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama-tiny": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)),
+    "bench-llama": ("llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                  num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000)),
+    "qwen2-tiny": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                 use_sliding_window=False)),
+    "qwen3-tiny": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                                 use_sliding_window=False)),
+    "mistral-tiny": ("mistral", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                                     sliding_window=None)),
+    "phi3-tiny": ("phi3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=512)),
+}
+_COMMON = dict(max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+               tie_word_embeddings=False)
+
+
+def random_config(name: str):
+    """The transformers config of a named random-weight model."""
+    from transformers import AutoConfig
+
+    if name not in RANDOM_CONFIGS:
+        raise InvalidArgumentError(f"unknown random model {name!r}; choose one of {sorted(RANDOM_CONFIGS)}")
+    model_type, fields = RANDOM_CONFIGS[name]
+    return AutoConfig.for_model(model_type, **_COMMON, **fields)
+
+
+def load_model(spec, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+    """(model, tokenizer or None) in eval mode.
+
+    spec: a transformers PreTrainedModel (returned as is, tokenizer None); a local model directory (its
+    tokenizer too when the directory has one); or "random:<name>" / "random:<name>:<seed>" with a name of
+    RANDOM_CONFIGS (weights drawn from a generator seeded with <seed>, default 0; no tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+    if isinstance(spec, PreTrainedModel):
+        return spec, None
+    if not isinstance(spec, (str, os.PathLike)):
+        raise InvalidArgumentError(f"model must be a PreTrainedModel, a directory or 'random:<name>', got {spec!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgumentError(f"dtype must be a torch.dtype, got {dtype!r}")
+    spec = os.fspath(spec)
+    if spec.startswith("random:"):
+        name, _, seed = spec[len("random:"):].partition(":")
+        try:
+            seed = int(seed) if seed else 0
+        except ValueError:
+            raise InvalidArgumentError(f"random model seed must be an int, got {seed!r} in {spec!r}") from None
+        config = random_config(name)
+        config._attn_implementation = attn_implementation
+        # The global RNG is left as it was: a model spec must not change other code's random streams.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model.eval(), None
+    if not os.path.isdir(spec):
+        raise InvalidArgumentError(f"no model directory {spec!r} (and not 'random:<name>'; names: "
+                                   f"{sorted(RANDOM_CONFIGS)})")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=True,
+                                                     attn_implementation=attn_implementation)
+    except (OSError, ValueError) as e:
+        raise InvalidArgumentError(f"cannot load a causal LM from {spec!r}: {e}") from e
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None  # a directory without tokenizer files: token ids only
+    return model.eval(), tokenizer
+
+
+def model_geometry(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a decoder config."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return int(text.num_hidden_layers), kv_heads, head_dim
+
+
+def attention_window(config) -> int | None:
+    """The sliding-window length when the model's attention layers use one, else None."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if not window or getattr(text, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)

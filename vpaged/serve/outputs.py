@@ -1,0 +1,79 @@
+"""What the engine hands back: per-request outputs (with this step's delta) and engine statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]  # all generated so far
+    new_token_ids: list[int]  # generated in this step (the streaming delta)
+    text: str | None = None  # None without a tokenizer
+    finish_reason: str | None = None  # None while running, else "stop" | "length" | "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return self.outputs[0].new_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int  # sequences scheduled in the last step's batch or waiting for their next token
+    waiting: int  # requests not admitted yet (including those preempted by recompute)
+    swapped: int  # sequences whose KV sits in host swap space
+    live_kv_tokens: int  # tokens whose K/V are held (shared tokens count once per sequence)
+    kv_mapped_bytes: int  # KV memory held now (pages mapped / blocks taken / slots reserved)
+    kv_high_water_bytes: int  # most KV memory held at once
+    kv_budget_bytes: int
+    kv_utilization: float  # bytes of live tokens / bytes held (> 1 when pages are shared)
+    prefix_hit_tokens: int  # prompt tokens served from the prefix cache, all requests
+    preemptions_swap: int
+    preemptions_recompute: int
+    requests_finished: int
+    requests_aborted: int
+    prompt_tokens_total: int  # prompt tokens computed (recomputation included)
+    generation_tokens_total: int
+    steps: int
+    kv: str  # "vpaged" | "paged" | "static"
+    # Seconds spent in each phase of step(), summed over all steps.
+    time_schedule_s: float = 0.0
+    time_prepare_s: float = 0.0
+    time_forward_s: float = 0.0
+    time_sample_s: float = 0.0
+    time_output_s: float = 0.0
+    extra: dict = field(default_factory=dict)

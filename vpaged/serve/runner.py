@@ -1,0 +1,63 @@
+"""ModelRunner: one packed forward per step.
+
+All scheduled tokens - one per decoding sequence, then each prefill chunk - form a single batch row with
+their position_ids. The model runs with attn_implementation="vpaged" and gets the step's StepAttention as
+the `vpaged_step` forward kwarg (transformers passes it through every decoder layer to the attention
+function), plus a placeholder 4D mask so that transformers builds no [T, T] mask. Logits are computed only
+for the rows that sample (logits_to_keep), i.e. the last token of each sequence that reaches its end.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import NAME as ATTN_NAME  # importing it registers attn_implementation="vpaged"
+from .scheduler import StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model, store, device: torch.device):
+        self.model = model
+        self.store = store
+        self.device = device
+        # Handed to the model as a prepared 4D mask: transformers returns such a mask untouched instead of
+        # building one, and the vpaged attention function ignores it in a packed step.
+        self._mask_placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+
+    def prepare(self, plan: StepPlan):
+        """Inputs of the packed forward and the sequences whose next token it yields (in logits order)."""
+        ids = [seq.tokens[seq.num_computed] for seq in plan.decodes]
+        positions = [seq.num_computed for seq in plan.decodes]
+        keep = list(range(len(plan.decodes)))
+        samplers = list(plan.decodes)
+        row_offsets = []
+        row = len(ids)
+        for seq, start, n in plan.prefills:
+            ids += seq.tokens[start:start + n]
+            positions += range(start, start + n)
+            row_offsets.append(row)
+            row += n
+            if start + n == len(seq.tokens):
+                keep.append(row - 1)
+                samplers.append(seq)
+        step = self.store.step_attention(plan.decodes, plan.prefills, row_offsets, row)
+        dev = self.device
+        inputs = dict(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([positions], device=dev),
+                      logits_to_keep=torch.tensor(keep, device=dev))
+        return inputs, step, samplers
+
+    def forward(self, inputs: dict, step) -> torch.Tensor:
+        """Logits [len(keep), vocab] of the packed step."""
+        if inputs["logits_to_keep"].numel() == 0:
+            inputs = dict(inputs, logits_to_keep=torch.zeros(1, dtype=torch.long, device=self.device))
+            self._run(inputs, step)
+            return torch.empty((0, 0), device=self.device)
+        return self._run(inputs, step)
+
+    def _run(self, inputs: dict, step) -> torch.Tensor:
+        if self.model.config._attn_implementation != ATTN_NAME:
+            # Someone switched the model to another implementation (e.g. to run model.generate on it with
+            # SDPA): the packed step needs ours, which serves plain generate() calls just as well.
+            self.model.set_attn_implementation(ATTN_NAME)
+        with torch.inference_mode():
+            out = self.model(**inputs, attention_mask=self._mask_placeholder, use_cache=False, vpaged_step=step)
+        return out.logits[0]

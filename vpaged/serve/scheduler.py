@@ -1,0 +1,208 @@
+"""Scheduler: which sequences compute which tokens in the next step, within a token budget.
+
+Order of each step (continuous batching with chunked prefill):
+  1. running sequences that decode (one token each), oldest first;
+  2. running sequences still in their prompt, a chunk each, oldest first;
+  3. swapped-out sequences, oldest first (they resume before anything new is admitted);
+  4. waiting requests, first come first served, while the token budget, max_num_seqs and pages allow.
+A step never takes more than max_num_batched_tokens tokens.
+
+Pages are planned, not caught: before every extension the scheduler asks the store how many pages it would
+take (the caches' pages_needed probe, copy-on-write copies included) and whether they are available. When
+running sequences cannot grow, it preempts the newest running sequence: swap out while swap space lasts,
+otherwise free it and recompute it later (it goes back to the head of the queue, its generated tokens kept).
+New requests never preempt running ones, so the oldest always progress: no starvation.
+
+Admission uses prefix caching: allocating with the prompt's tokens maps the cached full pages, and only the
+rest is computed. The scheduler changes the store as it decides (allocate, extend, swap, free), the way
+nano-vllm's block manager does; the runner then fills the K/V of exactly what was scheduled.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .sequence import Sequence, Status
+
+
+@dataclass
+class StepPlan:
+    decodes: list[Sequence] = field(default_factory=list)  # one token each
+    prefills: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (sequence, start, tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, _, n in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+class Scheduler:
+    def __init__(self, store, max_num_seqs: int, max_num_batched_tokens: int):
+        self.store = store
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.swapped: list[Sequence] = []  # oldest first
+        self.preemptions_swap = 0
+        self.preemptions_recompute = 0
+        self.prefix_hit_tokens = 0
+        self.watermark_pages = store.total_pages() // 100
+
+    # ------------------------------------------------------------------------------------------ queues
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds its cache handle (a fork)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and give its pages back (finish or abort)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.SWAPPED:
+            self.swapped.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        if seq.handle is not None:
+            self.store.free(seq.handle)
+            seq.handle = None
+        seq.status = Status.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ------------------------------------------------------------------------------------------ schedule
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        budget -= self._schedule_decodes(plan, budget)
+        scheduled = set(plan.decodes)
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq in scheduled or seq.status is not Status.RUNNING:
+                continue
+            n = min(seq.remaining, budget)
+            if not self._make_room(seq, n, scheduled):
+                continue
+            self.store.extend([seq.handle], n)
+            plan.prefills.append((seq, seq.num_computed, n))
+            scheduled.add(seq)
+            budget -= n
+        budget = self._resume_swapped(plan, budget)
+        if not self.swapped:
+            self._admit_waiting(plan, budget)
+        return plan
+
+    def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
+        decodes = [s for s in self.running if s.remaining == 1][:budget]
+        while decodes:
+            if self.store.pages_available(self.store.pages_needed([s.handle for s in decodes], 1)):
+                break
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim in decodes:
+                decodes.remove(victim)
+        self.store.extend([s.handle for s in decodes], 1)
+        plan.decodes = decodes
+        return len(decodes)
+
+    def _make_room(self, seq: Sequence, n: int, scheduled: set) -> bool:
+        """Pages for seq to compute n more tokens, preempting newer unscheduled running sequences (or seq
+        itself when it is the newest). False when seq was preempted."""
+        while not self.store.pages_available(self.store.pages_needed([seq.handle], n)):
+            victim = next(s for s in reversed(self.running) if s not in scheduled)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _resume_swapped(self, plan: StepPlan, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.remaining, budget)
+            if not self.store.pages_available(self.store.pages_needed([seq.handle], n)):
+                break
+            self.swapped.pop(0)
+            self.store.swap_in(seq.handle)
+            self.store.extend([seq.handle], n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            if seq.remaining == 1:
+                plan.decodes.append(seq)
+            else:
+                plan.prefills.append((seq, seq.num_computed, n))
+            budget -= n
+        return budget
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        store = self.store
+        seats = sum(1 if s.request.forked else s.request.seats for s in self.running)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            req = seq.request
+            need_seats = 1 if req.forked else req.seats
+            if seats + need_seats > self.max_num_seqs or store.free_slots() < need_seats:
+                break
+            reserve = req.prompt_len + req.max_tokens  # the static store maps this much up front
+            if store.static and not store.pages_available(store.pages_for_tokens(reserve) * need_seats):
+                break
+            handle, hit = store.allocate(seq.tokens, reserve, need_seats)
+            if hit >= len(seq.tokens):
+                # Every token is cached, but the last one's logits are still needed: compute it again.
+                hit = len(seq.tokens) - 1
+                store.truncate(handle, hit)
+            n = min(len(seq.tokens) - hit, budget)
+            # A little headroom (vLLM's watermark) so that an admission does not force the next decode step
+            # to preempt at once; not needed when nothing runs.
+            headroom = self.watermark_pages if self.running else 0
+            if not store.pages_available(store.pages_needed([handle], n) + headroom):
+                store.free(handle)
+                break
+            store.extend([handle], n)
+            self.waiting.popleft()
+            seq.handle, seq.slot, seq.num_computed = handle, store.slot(handle), hit
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            if seq.index == 0 and not req.forked:
+                req.metrics.prefix_hit_tokens = hit
+            self.prefix_hit_tokens += hit
+            plan.prefills.append((seq, hit, n))
+            seats += need_seats
+            budget -= n
+
+    def requeue(self, plan: StepPlan) -> None:
+        """Undo a step whose forward failed: its sequences free their pages and wait to be recomputed."""
+        seqs = list(plan.decodes) + [seq for seq, _, _ in plan.prefills]
+        for seq in reversed(seqs):
+            if seq.status is Status.RUNNING:
+                self.running.remove(seq)
+                self.store.free(seq.handle)
+                seq.handle, seq.slot, seq.num_computed = None, -1, 0
+                seq.prefix_offered = False
+                seq.status = Status.WAITING
+                self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------------------------------ preempt
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.request.metrics.num_preemptions += 1
+        if self.store.can_swap_out(seq.handle):
+            self.store.swap_out(seq.handle)
+            seq.status = Status.SWAPPED
+            self.swapped.append(seq)
+            self.swapped.sort(key=lambda s: (s.request.metrics.arrival_time, s.index))
+            self.preemptions_swap += 1
+            return
+        self.store.free(seq.handle)
+        seq.handle, seq.slot, seq.num_computed = None, -1, 0
+        seq.prefix_offered = False
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions_recompute += 1

@@ -1,0 +1,70 @@
+"""Requests and their sequences as the engine tracks them (plain records; the scheduler moves them)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .outputs import RequestMetrics
+from .params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not in the cache (new, or preempted by recompute)
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion: the prompt plus its generated tokens. The K/V of tokens[:num_computed] are in the
+    cache; the step that computes the last token's K/V also yields the logits of the next token."""
+
+    request: Request
+    index: int  # completion index within the request
+    tokens: list[int]
+    generator: torch.Generator | None  # None for greedy requests
+    num_computed: int = 0
+    handle: int | None = None  # the cache's sequence id while it has one
+    slot: int = -1  # the cache slot (contiguous stores)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    delta_from: int = 0  # index in tokens of the first token not yet reported
+    prefix_offered: bool = False  # prompt pages handed to the prefix cache
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.request.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose K/V are still to be computed (1 for a decoding sequence)."""
+        return len(self.tokens) - self.num_computed
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    max_tokens: int  # params.max_tokens capped by the model length
+    seqs: list[Sequence] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)  # one per completion
+    forked: bool = False  # n > 1: the completions exist (after the prompt's prefill)
+    finished: bool = False
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def seats(self) -> int:
+        """Running places the request takes at admission: all n completions once its prompt is computed."""
+        return 1 if self.forked else self.params.n
