@@ -61,7 +61,8 @@ for src in "${TODO[@]}"; do echo "$src"; done |
 EXT="$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
 "$CXX" -shared "${SAN[@]}" -fopenmp "${OBJECTS[@]}" -ldl -o "$OUT/pkg/vpaged/_C$EXT"
 # A package of the sources (links) and the instrumented extension, found before the normal build.
-for f in vpaged/*.py; do ln -sf "$ROOT/$f" "$OUT/pkg/vpaged/"; done
+for f in vpaged/*.py vpaged/*.pyi; do ln -sf "$ROOT/$f" "$OUT/pkg/vpaged/"; done
+for d in vpaged/*/; do [ "$(basename "$d")" = __pycache__ ] || ln -sfn "$ROOT/${d%/}" "$OUT/pkg/${d%/}"; done
 echo "==> built in $(($(date +%s) - START)) s"
 
 # libstdc++ is preloaded too: python does not link it, and ASan must find the real __cxa_throw at start-up

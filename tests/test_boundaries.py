@@ -17,6 +17,7 @@ PRIVATE_MODULES = {"_C", "_checks", "_dtypes", "_hf_compat"}
 THIRD_PARTY = {
     "_global_mapping": "transformers' AttentionInterface registry has no public way to unregister a function",
     "_attn_implementation": "transformers' config records the attention implementation a model runs there",
+    "_foreach_copy_": "torch's multi-tensor copy: one call writes a step's K/V into every layer",
 }
 
 
