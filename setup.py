@@ -14,6 +14,7 @@ Settings (environment):
 The build writes what it did (version, CUDA on or off, architectures, compilers) into the extension itself:
 vpaged.build_info() and `vpaged info` report it.
 """
+
 import glob
 import importlib.util
 import json
@@ -23,7 +24,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -138,10 +138,19 @@ class BuildExt(build_ext):
         time), then wait for the CUDA objects, so that the link that follows has every object."""
         compiler = self.compiler
 
-        def compile_all(sources, output_dir=None, macros=None, include_dirs=None, debug=0, extra_preargs=None,
-                        extra_postargs=None, depends=None):
+        def compile_all(
+            sources,
+            output_dir=None,
+            macros=None,
+            include_dirs=None,
+            debug=0,
+            extra_preargs=None,
+            extra_postargs=None,
+            depends=None,
+        ):
             macros, objects, extra, pp_opts, build = compiler._setup_compile(
-                output_dir, macros, include_dirs, sources, depends, extra_postargs)
+                output_dir, macros, include_dirs, sources, depends, extra_postargs
+            )
             cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
 
             def one(obj):
@@ -165,8 +174,21 @@ class BuildExt(build_ext):
         out = self.nvcc_object(src)
         out.parent.mkdir(parents=True, exist_ok=True)
         gencode = nvcc_gencode(archs)
-        cmd = [str(cuda_home / "bin" / "nvcc"), "-c", src, "-o", str(out), "-O3", "-std=c++17",
-               "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", "-Icsrc", "-DVPAGED_WITH_CUDA=1", *gencode]
+        cmd = [
+            str(cuda_home / "bin" / "nvcc"),
+            "-c",
+            src,
+            "-o",
+            str(out),
+            "-O3",
+            "-std=c++17",
+            "-Xcompiler",
+            "-fPIC",
+            "--expt-relaxed-constexpr",
+            "-Icsrc",
+            "-DVPAGED_WITH_CUDA=1",
+            *gencode,
+        ]
         if not (out.exists() and out.stat().st_mtime > max(Path(src).stat().st_mtime, newest_header())):
             print(" ".join(cmd))
             subprocess.check_call(cmd, cwd=ROOT)
@@ -247,8 +269,13 @@ ext = Extension(
     # Headers and CUDA sources: a change to any of them rebuilds and relinks the extension.
     depends=sorted(str(p.relative_to(ROOT)) for pattern in ("*.h", "*.cu") for p in (ROOT / "csrc").rglob(pattern)),
     language="c++",
-    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-fopenmp",
-                        *shlex.split(os.environ.get("VPAGED_CXXFLAGS", ""))],
+    extra_compile_args=[
+        "-std=c++17",
+        "-O3",
+        "-fvisibility=hidden",
+        "-fopenmp",
+        *shlex.split(os.environ.get("VPAGED_CXXFLAGS", "")),
+    ],
     extra_link_args=["-fopenmp"],
 )
 

@@ -15,6 +15,7 @@ GPU (when torch and vpaged can use CUDA):
 
 Writes benchmarks/results/allocator_cpu.json (no GPU) or allocator_gpu.json. Runs in well under a minute.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,14 +70,30 @@ def host_part(repeats, inner) -> dict:
     try:
         rows, out = [], {}
         for size in SIZES:
-            hook = pair_us(lambda n: lib.vpaged_torch_malloc(n, -1, None),
-                           lambda p, n: lib.vpaged_torch_free(p, n, -1, None), size, repeats, inner)
+            hook = pair_us(
+                lambda n: lib.vpaged_torch_malloc(n, -1, None),
+                lambda p, n: lib.vpaged_torch_free(p, n, -1, None),
+                size,
+                repeats,
+                inner,
+            )
             empty = median_time(lambda: vpaged.empty(size, torch.uint8, pool=pool), repeats, inner) * 1e6
             torch_empty = median_time(lambda: torch.empty(size, dtype=torch.uint8), repeats, inner) * 1e6
-            out[str(size)] = {"hook_malloc_free_us": hook, "vpaged_empty_us": empty, "torch_empty_us": torch_empty,
-                              "vpaged_empty_over_torch_empty": empty / torch_empty}
-            rows.append([f"{size // MiB} MiB", f"{hook:.1f}", f"{empty:.1f}", f"{torch_empty:.1f}",
-                         f"{empty / torch_empty:.1f}x"])
+            out[str(size)] = {
+                "hook_malloc_free_us": hook,
+                "vpaged_empty_us": empty,
+                "torch_empty_us": torch_empty,
+                "vpaged_empty_over_torch_empty": empty / torch_empty,
+            }
+            rows.append(
+                [
+                    f"{size // MiB} MiB",
+                    f"{hook:.1f}",
+                    f"{empty:.1f}",
+                    f"{torch_empty:.1f}",
+                    f"{empty / torch_empty:.1f}x",
+                ]
+            )
         print("host (2 MiB pages): one allocation + free, median µs")
         print_table(["size", "hook C calls", "vpaged.empty", "torch.empty", "empty ratio"], rows)
         assert pool.stats().used_pages == 0
@@ -112,27 +129,45 @@ def gpu_latency(repeats, inner) -> dict:
     try:
         for size in SIZES:
             torch.cuda.synchronize()
-            r = {"hook_malloc_free_us": pair_us(lambda n: lib.vpaged_torch_malloc(n, 0, None),
-                                                lambda p, n: lib.vpaged_torch_free(p, n, 0, None), size, repeats, inner)}
+            r = {
+                "hook_malloc_free_us": pair_us(
+                    lambda n: lib.vpaged_torch_malloc(n, 0, None),
+                    lambda p, n: lib.vpaged_torch_free(p, n, 0, None),
+                    size,
+                    repeats,
+                    inner,
+                )
+            }
             if rt is not None:
+
                 def rt_malloc(n):
                     p = ctypes.c_void_p()
                     return p.value if rt.cudaMalloc(ctypes.byref(p), n) == 0 else None
 
-                r["cudaMalloc_free_us"] = pair_us(rt_malloc, lambda p, n: rt.cudaFree(ctypes.c_void_p(p)), size,
-                                                  repeats, inner)
-            r["caching_allocator_us"] = median_time(lambda: torch.empty(size, dtype=torch.uint8, device=dev),
-                                                    repeats, inner * 10) * 1e6
+                r["cudaMalloc_free_us"] = pair_us(
+                    rt_malloc, lambda p, n: rt.cudaFree(ctypes.c_void_p(p)), size, repeats, inner
+                )
+            r["caching_allocator_us"] = (
+                median_time(lambda: torch.empty(size, dtype=torch.uint8, device=dev), repeats, inner * 10) * 1e6
+            )
             with hook.scope():
-                r["hook_scope_cached_us"] = median_time(lambda: torch.empty(size, dtype=torch.uint8, device=dev),
-                                                        repeats, inner * 10) * 1e6
+                r["hook_scope_cached_us"] = (
+                    median_time(lambda: torch.empty(size, dtype=torch.uint8, device=dev), repeats, inner * 10) * 1e6
+                )
             out[str(size)] = r
-            rows.append([f"{size // MiB} MiB", f"{r['hook_malloc_free_us']:.0f}",
-                         f"{r.get('cudaMalloc_free_us', float('nan')):.0f}", f"{r['caching_allocator_us']:.1f}",
-                         f"{r['hook_scope_cached_us']:.1f}"])
+            rows.append(
+                [
+                    f"{size // MiB} MiB",
+                    f"{r['hook_malloc_free_us']:.0f}",
+                    f"{r.get('cudaMalloc_free_us', float('nan')):.0f}",
+                    f"{r['caching_allocator_us']:.1f}",
+                    f"{r['hook_scope_cached_us']:.1f}",
+                ]
+            )
         print("GPU: one allocation + free, median µs")
-        print_table(["size", "vpaged hook C calls", "cudaMalloc+cudaFree", "torch cached", "in hook scope, cached"],
-                    rows)
+        print_table(
+            ["size", "vpaged hook C calls", "cudaMalloc+cudaFree", "torch cached", "in hook scope, cached"], rows
+        )
         if rt is None:
             out["note"] = "libcudart not found in the process mappings: no cudaMalloc row"
     finally:
@@ -182,8 +217,14 @@ def workload(mode: str, steps: int, seed: int) -> dict:
         elapsed = time.perf_counter() - t0
         peak_alloc = torch.cuda.max_memory_allocated(dev) - base_alloc
         live.clear()
-    out = {"mode": mode, "steps": steps, "seconds": elapsed, "gap_mean_mib": sum(gaps) / len(gaps) / MiB,
-           "gap_max_mib": max(gaps) / MiB, "peak_allocated_mib": peak_alloc / MiB}
+    out = {
+        "mode": mode,
+        "steps": steps,
+        "seconds": elapsed,
+        "gap_mean_mib": sum(gaps) / len(gaps) / MiB,
+        "gap_max_mib": max(gaps) / MiB,
+        "peak_allocated_mib": peak_alloc / MiB,
+    }
     if hook is not None:
         out["pool_peak_mib"] = pool.stats().high_water_pages * pool.page_size / MiB
         hook.close()
@@ -195,16 +236,28 @@ def run_workloads(steps: int, seed: int) -> dict:
     for mode, env_extra in MODES.items():
         env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
         env.update(env_extra)
-        proc = subprocess.run([sys.executable, __file__, "--worker", mode, "--steps", str(steps), "--seed", str(seed)],
-                              env=env, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", mode, "--steps", str(steps), "--seed", str(seed)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if proc.returncode != 0:
             results[mode] = {"error": proc.stderr[-2000:]}
             rows.append([mode, "error", "", "", ""])
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         results[mode] = r
-        rows.append([mode, f"{r['gap_mean_mib']:.1f}", f"{r['gap_max_mib']:.1f}", f"{r['peak_allocated_mib']:.0f}",
-                     f"{r['seconds'] * 1e3:.0f}"])
+        rows.append(
+            [
+                mode,
+                f"{r['gap_mean_mib']:.1f}",
+                f"{r['gap_max_mib']:.1f}",
+                f"{r['peak_allocated_mib']:.0f}",
+                f"{r['seconds'] * 1e3:.0f}",
+            ]
+        )
     print(f"GPU mixed-size workload ({steps} steps, seed {seed}): reserved - allocated")
     print_table(["mode", "mean MiB", "max MiB", "peak allocated MiB", "ms"], rows)
     return results
@@ -228,8 +281,9 @@ def main() -> None:
         payload["gpu_latency"] = gpu_latency(repeats, inner)
         payload["gpu_workload"] = run_workloads(400 if args.quick else 1000, seed=1234)
     else:
-        payload["gpu_skipped"] = ("torch has no CUDA device" if not torch.cuda.is_available()
-                                  else C.cuda_unavailable_reason(0))
+        payload["gpu_skipped"] = (
+            "torch has no CUDA device" if not torch.cuda.is_available() else C.cuda_unavailable_reason(0)
+        )
         print(f"GPU part skipped: {payload['gpu_skipped']}")
     path = write_json("allocator_gpu.json" if gpu else "allocator_cpu.json", payload)
     print(f"wrote {path}")

@@ -26,6 +26,7 @@ Writes benchmarks/results/decode_<device>.json. On CUDA the contiguous kernel re
 CUDA VMM backend; where that backend is unusable (vpaged.backends() says why) it runs on a plain tensor with
 the per_layer layout's strides instead, and the JSON says so.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,6 +46,7 @@ from vpaged.cache import BatchedKV
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK = 8, 32, 128, 16
 from common import RESULTS, write_json  # noqa: E402 - this folder is on sys.path when run as a script
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -55,19 +57,28 @@ def machine(device: torch.device) -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
+
     def git(*cmd):
         try:
-            return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=Path(__file__).parent,
-                                  check=False).stdout.strip()
+            return subprocess.run(
+                ["git", *cmd], capture_output=True, text=True, cwd=Path(__file__).parent, check=False
+            ).stdout.strip()
         except OSError:
             return ""
+
     commit = git("rev-parse", "--short", "HEAD")
     if commit and git("status", "--porcelain", "--untracked-files=no", "--", "csrc", "vpaged"):
         commit += "+modified"  # the kernels measured are not exactly the commit's
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__, "vpaged_commit": commit,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "load_average": os.getloadavg()}
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vpaged_commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average": os.getloadavg(),
+    }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -143,16 +154,27 @@ def tensor_contiguous(batch: int, ctx: int, dtype, device):
 KERNELS = ("contiguous", "tensors", "paged", "sdpa")
 
 
-def run_cell(batch: int, ctx: int, dtype, device, timer: Timer, repeats: int, bw: float, layout: str,
-             use_vmm: bool) -> dict:
+def run_cell(
+    batch: int, ctx: int, dtype, device, timer: Timer, repeats: int, bw: float, layout: str, use_vmm: bool
+) -> dict:
     itemsize = torch.empty((), dtype=dtype).element_size()
     token_bytes = KV_HEADS * HEAD_DIM * itemsize
-    paged = PagedKVCache(1, KV_HEADS, HEAD_DIM, dtype, batch, ctx, device, num_blocks=batch * -(-ctx // BLOCK),
-                         block_size=BLOCK)
+    paged = PagedKVCache(
+        1, KV_HEADS, HEAD_DIM, dtype, batch, ctx, device, num_blocks=batch * -(-ctx // BLOCK), block_size=BLOCK
+    )
     pseqs = paged.allocate_many(batch)
     if use_vmm:
-        virt = VirtualKVCache(1, KV_HEADS, HEAD_DIM, dtype, batch, ctx, device=device, layout=layout,
-                              capacity_bytes=2 * batch * (ctx * token_bytes + (2 << 20)))
+        virt = VirtualKVCache(
+            1,
+            KV_HEADS,
+            HEAD_DIM,
+            dtype,
+            batch,
+            ctx,
+            device=device,
+            layout=layout,
+            capacity_bytes=2 * batch * (ctx * token_bytes + (2 << 20)),
+        )
         vseqs = virt.allocate_many(batch)
     (kt, vt), desc = tensor_contiguous(batch, ctx, dtype, device)
     for i in range(batch):
@@ -188,8 +210,14 @@ def run_cell(batch: int, ctx: int, dtype, device, timer: Timer, repeats: int, bw
     kernels = {"contiguous": contiguous, "tensors": tensors, "paged": block_table, "sdpa": sdpa}
     kv_bytes = 2 * batch * ctx * token_bytes
     floor = kv_bytes / bw
-    cell = {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": ctx, "kv_bytes": kv_bytes,
-            "floor_ms": floor * 1e3, "kernels": {}}
+    cell = {
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch": batch,
+        "context": ctx,
+        "kv_bytes": kv_bytes,
+        "floor_ms": floor * 1e3,
+        "kernels": {},
+    }
     # SDPA per sequence is 10-100x slower: fewer repeats keep the run short, the median stays honest.
     times = timer.many(kernels, {name: repeats if name != "sdpa" else max(2, repeats // 4) for name in kernels})
     for name, t in times.items():
@@ -197,8 +225,9 @@ def run_cell(batch: int, ctx: int, dtype, device, timer: Timer, repeats: int, bw
     cell["contiguous_vs_paged"] = times["contiguous"] / times["paged"]
     cell["contiguous_vs_tensors"] = times["contiguous"] / times["tensors"]
     # Same data, so the kernels must agree with SDPA (bf16/fp16 outputs differ by rounding).
-    cell["max_abs_diff_vs_sdpa"] = {n: (outs[n].float() - outs["sdpa"].float()).abs().max().item()
-                                    for n in ("contiguous", "tensors", "paged")}
+    cell["max_abs_diff_vs_sdpa"] = {
+        n: (outs[n].float() - outs["sdpa"].float()).abs().max().item() for n in ("contiguous", "tensors", "paged")
+    }
     paged.close()
     if use_vmm:
         virt.close()
@@ -215,12 +244,13 @@ def per_call_overhead(dtype, device, timer: Timer, layout: str, use_vmm: bool, r
     kt.copy_(torch.randn(kt.shape, device=device).to(dtype))
     vt.copy_(torch.randn(vt.shape, device=device).to(dtype))
     paged.write(0, ps, kt[0], vt[0])
-    fns = {"paged": lambda: ops.decode_attention(q, paged, [ps], 0, out=out),
-           "tensors": lambda: ops.decode_attention_contiguous(q, desc, out=out, max_len=1),
-           "tensors_checked": lambda: ops.decode_attention_contiguous(q, desc, out=out)}
+    fns = {
+        "paged": lambda: ops.decode_attention(q, paged, [ps], 0, out=out),
+        "tensors": lambda: ops.decode_attention_contiguous(q, desc, out=out, max_len=1),
+        "tensors_checked": lambda: ops.decode_attention_contiguous(q, desc, out=out),
+    }
     if use_vmm:
-        virt = VirtualKVCache(1, KV_HEADS, HEAD_DIM, dtype, 1, 16, device=device, layout=layout,
-                              capacity_bytes=8 << 20)
+        virt = VirtualKVCache(1, KV_HEADS, HEAD_DIM, dtype, 1, 16, device=device, layout=layout, capacity_bytes=8 << 20)
         vs = virt.allocate()
         virt.extend(vs, 1)
         virt.write(0, vs, kt[0], vt[0])
@@ -241,12 +271,24 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
     ap.add_argument("--layout", default="per_layer", choices=["per_layer", "interleaved", "head_major"])
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per kernel (default 5 quick, 9 full)")
-    ap.add_argument("--max-tokens", type=int, default=None,
-                    help="skip cells with batch*context above this (memory: two caches of the cell live at once)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch (and vpaged kernel) threads (default: torch's; the issue's table uses 2)")
-    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
-                    help="cpu: time by the thread's CPU time (needs --threads 1; for machines shared with other work)")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="skip cells with batch*context above this (memory: two caches of the cell live at once)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch (and vpaged kernel) threads (default: torch's; the issue's table uses 2)",
+    )
+    ap.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="cpu: time by the thread's CPU time (needs --threads 1; for machines shared with other work)",
+    )
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<device>.json)")
     args = ap.parse_args()
 
@@ -277,16 +319,24 @@ def main() -> None:
 
     def payload(complete: bool) -> dict:
         return {
-            "benchmark": "decode_attention", "complete": complete, "machine": machine(device), "device": str(device),
-            "grid": "quick" if args.quick else "full", "repeats": repeats, "layout": args.layout, "clock": args.clock,
+            "benchmark": "decode_attention",
+            "complete": complete,
+            "machine": machine(device),
+            "device": str(device),
+            "grid": "quick" if args.quick else "full",
+            "repeats": repeats,
+            "layout": args.layout,
+            "clock": args.clock,
             "geometry": {"kv_heads": KV_HEADS, "heads": HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK, "layers": 1},
             "contiguous_on": "VirtualKVCache" if use_vmm else "plain tensor (per_layer strides)",
             "copy_bandwidth_GBps": bw / 1e9,
             "floor": "K/V bytes read / copy bandwidth; caches flushed before each call",
-            "cells": cells, "skipped": skipped, "one_token_call_us": overhead,
+            "cells": cells,
+            "skipped": skipped,
+            "one_token_call_us": overhead,
             "one_token_call": "median of 301 calls, batch 1, 1-token context, no flush: contiguous = decode_attention "
-                              "on a VirtualKVCache, paged = on a PagedKVCache, tensors = decode_attention_contiguous "
-                              "on a from_tensors descriptor with max_len (tensors_checked: without, lengths checked)",
+            "on a VirtualKVCache, paged = on a PagedKVCache, tensors = decode_attention_contiguous "
+            "on a from_tensors descriptor with max_len (tensors_checked: without, lengths checked)",
             "cpu_code_path": (vpaged._C.decode_cpu_isas()[-1] if device.type == "cpu" else None),
         }
 
@@ -315,8 +365,11 @@ def main() -> None:
         print(f"skipped {len(skipped)} cells above --max-tokens {cap} (batch*context)")
     for dname in args.dtypes.split(","):
         overhead[dname.strip()] = per_call_overhead(DTYPES[dname.strip()], device, timer, args.layout, use_vmm)
-        print(f"1-token call, {dname.strip()}: " + ", ".join(f"{n} {us:.1f} us" for n, us in
-                                                             overhead[dname.strip()].items()), flush=True)
+        print(
+            f"1-token call, {dname.strip()}: "
+            + ", ".join(f"{n} {us:.1f} us" for n, us in overhead[dname.strip()].items()),
+            flush=True,
+        )
 
     write_json(out, payload(complete=True))
     print(f"wrote {out}")

@@ -19,6 +19,7 @@
 3. One layer's decode attention at 8K on a dense tensor and on a vpaged view, in the two ways transformers
    calls SDPA for grouped-query attention (explains the decode-step differences of part 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, print_table, write_json  # noqa: E402
-
 import transformers  # noqa: E402
+from common import machine, print_table, write_json  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
 
 import vpaged  # noqa: E402
@@ -47,9 +47,18 @@ MIB = 2**20
 
 def build_model():
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
-                         num_key_value_heads=4, vocab_size=16384, max_position_embeddings=40000,
-                         pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=16384,
+        max_position_embeddings=40000,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return config, LlamaForCausalLM(config).eval()
 
 
@@ -71,8 +80,7 @@ def make(kind: str, config, context: int, steps: int, rows: int):
     if kind == "static":
         return StaticCache(config=config, max_cache_len=context + steps + 1)  # + the warm-up step
     pool = vpaged.PagePool("cpu", capacity_bytes=4 << 30)  # sparse: RAM is used only by mapped pages
-    return VPagedCache(config, max_cache_len=32768, pool=pool, max_batch_size=rows, dtype=torch.float32,
-                       layout=LAYOUT)
+    return VPagedCache(config, max_cache_len=32768, pool=pool, max_batch_size=rows, dtype=torch.float32, layout=LAYOUT)
 
 
 def fill(cache, config, base_k, base_v, rows: int) -> None:
@@ -99,7 +107,9 @@ def check_vpaged_attention_tokens(model, config) -> bool:
         use_attention(model, kind)
         cache = make(kind, config, 40, 12, rows=1)
         with torch.no_grad():
-            outs[kind] = model.generate(prompt, **cache_kwargs(cache), max_new_tokens=12, do_sample=False)[0, 40:].tolist()
+            outs[kind] = model.generate(prompt, **cache_kwargs(cache), max_new_tokens=12, do_sample=False)[
+                0, 40:
+            ].tolist()
     use_attention(model, "dynamic")
     return outs["dynamic"] == outs["vpaged_attn"]
 
@@ -128,7 +138,7 @@ def bench_decode(model, config, context: int, steps: int, kinds) -> list[dict]:
     times = {kind: [] for kind in kinds}
     peak = dict.fromkeys(kinds, 0)
     for i in range(steps):
-        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:  # rotate who goes first
+        for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:  # rotate who goes first
             cache = caches[kind]
             t0 = time.perf_counter()
             decode_step(model, cache, 1, context + 1 + i, gen, kind)
@@ -141,8 +151,12 @@ def bench_decode(model, config, context: int, steps: int, kinds) -> list[dict]:
             peak[kind] = kv_bytes(cache)
         elif kind.startswith("vpaged"):
             peak[kind] = cache.pool.stats().high_water_bytes
-        row = {"kind": kind, "context": context, "step_ms": 1e3 * statistics.median(times[kind]),
-               "peak_kv_mib": peak[kind] / MIB}
+        row = {
+            "kind": kind,
+            "context": context,
+            "step_ms": 1e3 * statistics.median(times[kind]),
+            "peak_kv_mib": peak[kind] / MIB,
+        }
         if kind.startswith("vpaged"):
             row["static_32k_mib"] = cache.static_bytes(batch_size=1, max_cache_len=32768) / MIB
             cache.close()
@@ -169,7 +183,7 @@ def bench_beam(model, config, context: int, beams: int, steps: int, kinds) -> li
     peak = dict.fromkeys(kinds, 0)
     for i in range(steps):
         beam_idx = torch.randint(0, beams, (beams,), generator=order)
-        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+        for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
             cache = caches[kind]
             t0 = time.perf_counter()
             decode_step(model, cache, beams, context + i, gen)
@@ -186,9 +200,16 @@ def bench_beam(model, config, context: int, beams: int, steps: int, kinds) -> li
         if kind == "vpaged":
             peak[kind] = cache.pool.stats().high_water_bytes
             cache.close()
-        out.append({"kind": kind, "context": context, "beams": beams,
-                    "reorder_ms": 1e3 * statistics.median(reorder_t[kind]),
-                    "step_ms": 1e3 * statistics.median(step_t[kind]), "peak_kv_mib": peak[kind] / MIB})
+        out.append(
+            {
+                "kind": kind,
+                "context": context,
+                "beams": beams,
+                "reorder_ms": 1e3 * statistics.median(reorder_t[kind]),
+                "step_ms": 1e3 * statistics.median(step_t[kind]),
+                "peak_kv_mib": peak[kind] / MIB,
+            }
+        )
     del caches, cache
     gc.collect()
     return out
@@ -207,8 +228,9 @@ def bench_sdpa(config, context: int) -> dict:
     dim = config.hidden_size // heads
     q = torch.randn(1, heads, 1, dim)
     dense_k, dense_v = torch.randn(1, kv_heads, context, dim), torch.randn(1, kv_heads, context, dim)
-    cache = vpaged.VirtualKVCache(1, kv_heads, dim, dtype=torch.float32, max_seqs=1, max_seq_len=context,
-                                  capacity_bytes=64 << 20, layout=LAYOUT)
+    cache = vpaged.VirtualKVCache(
+        1, kv_heads, dim, dtype=torch.float32, max_seqs=1, max_seq_len=context, capacity_bytes=64 << 20, layout=LAYOUT
+    )
     seq = cache.allocate()
     cache.extend(seq, context)
     cache.write(0, seq, dense_k[0].transpose(0, 1), dense_v[0].transpose(0, 1))
@@ -218,9 +240,11 @@ def bench_sdpa(config, context: int) -> dict:
     out = {}
     for name, k, v in (("dense", dense_k, dense_v), ("vpaged_view", view_k, view_v)):
         out[f"{name}_gqa_ms"] = 1e3 * median_time(
-            lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), repeats=15)
+            lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), repeats=15
+        )
         out[f"{name}_packed_ms"] = 1e3 * median_time(
-            lambda: F.scaled_dot_product_attention(packed, k, v, attn_mask=mask), repeats=15)
+            lambda: F.scaled_dot_product_attention(packed, k, v, attn_mask=mask), repeats=15
+        )
     del view_k, view_v
     cache.close()
     return out
@@ -229,8 +253,12 @@ def bench_sdpa(config, context: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer steps (a few minutes on 2 cores)")
-    ap.add_argument("--layout", default="head_major", choices=["per_layer", "interleaved", "head_major"],
-                    help="VirtualKVCache layout of the VPagedCache (results go to hf_cpu[_LAYOUT].json)")
+    ap.add_argument(
+        "--layout",
+        default="head_major",
+        choices=["per_layer", "interleaved", "head_major"],
+        help="VirtualKVCache layout of the VPagedCache (results go to hf_cpu[_LAYOUT].json)",
+    )
     args = ap.parse_args()
     global LAYOUT
     LAYOUT = args.layout
@@ -245,8 +273,10 @@ def main() -> None:
     decode = []
     for context in (1024, 4096, 8192):
         decode += bench_decode(model, config, context, steps, ["dynamic", "static", "vpaged", "vpaged_attn"])
-        print(f"  decode at {context}: " + ", ".join(f"{r['kind']} {r['step_ms']:.1f} ms" for r in decode[-4:]),
-              flush=True)
+        print(
+            f"  decode at {context}: " + ", ".join(f"{r['kind']} {r['step_ms']:.1f} ms" for r in decode[-4:]),
+            flush=True,
+        )
     beam = bench_beam(model, config, 4096, 8, beam_steps, ["dynamic", "vpaged"])
     sdpa = bench_sdpa(config, 8192)
 
@@ -255,27 +285,57 @@ def main() -> None:
     for context in (1024, 4096, 8192):
         d, s, v = by["dynamic", context], by["static", context], by["vpaged", context]
         a = by["vpaged_attn", context]
-        rows.append([context, f"{d['step_ms']:.1f}", f"{s['step_ms']:.1f}", f"{v['step_ms']:.1f}",
-                     f"{a['step_ms']:.1f}", f"{v['step_ms'] / d['step_ms']:.2f}", f"{a['step_ms'] / s['step_ms']:.2f}",
-                     f"{d['peak_kv_mib']:.0f}", f"{s['peak_kv_mib']:.0f}",
-                     f"{v['peak_kv_mib']:.0f}", f"{v['peak_kv_mib'] / v['static_32k_mib']:.3f}"])
+        rows.append(
+            [
+                context,
+                f"{d['step_ms']:.1f}",
+                f"{s['step_ms']:.1f}",
+                f"{v['step_ms']:.1f}",
+                f"{a['step_ms']:.1f}",
+                f"{v['step_ms'] / d['step_ms']:.2f}",
+                f"{a['step_ms'] / s['step_ms']:.2f}",
+                f"{d['peak_kv_mib']:.0f}",
+                f"{s['peak_kv_mib']:.0f}",
+                f"{v['peak_kv_mib']:.0f}",
+                f"{v['peak_kv_mib'] / v['static_32k_mib']:.3f}",
+            ]
+        )
     print("\ndecode step, batch 1 (ms; peak KV MiB)")
-    print_table(["context", "dynamic", "static", "vpaged", "vpaged+attn", "vp/dyn", "vp+attn/static", "dyn MiB",
-                 "static MiB", "vp MiB", "vp/static32K"], rows)
+    print_table(
+        [
+            "context",
+            "dynamic",
+            "static",
+            "vpaged",
+            "vpaged+attn",
+            "vp/dyn",
+            "vp+attn/static",
+            "dyn MiB",
+            "static MiB",
+            "vp MiB",
+            "vp/static32K",
+        ],
+        rows,
+    )
     d, v = beam
     print("\none layer's decode attention at 8192 tokens (ms)")
-    print_table(["K/V", "enable_gqa (no mask)", "packed query (mask)"],
-                [[n, f"{sdpa[n + '_gqa_ms']:.2f}", f"{sdpa[n + '_packed_ms']:.2f}"] for n in ("dense", "vpaged_view")])
+    print_table(
+        ["K/V", "enable_gqa (no mask)", "packed query (mask)"],
+        [[n, f"{sdpa[n + '_gqa_ms']:.2f}", f"{sdpa[n + '_packed_ms']:.2f}"] for n in ("dense", "vpaged_view")],
+    )
     print(f"\nbeam search, {d['beams']} beams at {d['context']} tokens (ms; peak KV MiB)")
-    print_table(["cache", "reorder", "step+reorder", "peak MiB"],
-                [[r["kind"], f"{r['reorder_ms']:.2f}", f"{r['step_ms']:.1f}", f"{r['peak_kv_mib']:.0f}"]
-                 for r in beam])
+    print_table(
+        ["cache", "reorder", "step+reorder", "peak MiB"],
+        [[r["kind"], f"{r['reorder_ms']:.2f}", f"{r['step_ms']:.1f}", f"{r['peak_kv_mib']:.0f}"] for r in beam],
+    )
 
     at8k = by["vpaged", 8192]
     goals = {
         "decode_8k_vs_dynamic": {"goal": "<= 0.7", "measured": at8k["step_ms"] / by["dynamic", 8192]["step_ms"]},
-        "decode_8k_vpaged_attn_vs_static": {"goal": "<= 1.0", "measured": by["vpaged_attn", 8192]["step_ms"]
-                                            / by["static", 8192]["step_ms"]},
+        "decode_8k_vpaged_attn_vs_static": {
+            "goal": "<= 1.0",
+            "measured": by["vpaged_attn", 8192]["step_ms"] / by["static", 8192]["step_ms"],
+        },
         "vpaged_attn_tokens_identical": {"goal": "== 1", "measured": float(attn_tokens_identical)},
         "peak_kv_8k_vs_static_32k": {"goal": "<= 0.3", "measured": at8k["peak_kv_mib"] / at8k["static_32k_mib"]},
         "beam_reorder_speedup": {"goal": ">= 2", "measured": d["reorder_ms"] / v["reorder_ms"]},
@@ -284,21 +344,37 @@ def main() -> None:
     }
     print("\ngoals")
     print_table(["goal", "target", "measured"], [[k, g["goal"], f"{g['measured']:.3f}"] for k, g in goals.items()])
-    path = write_json("hf_cpu.json" if LAYOUT == "head_major" else f"hf_cpu_{LAYOUT}.json", {
-        "machine": machine(),
-        "versions": {"transformers": transformers.__version__, "vpaged": vpaged.__version__},
-        "mode": "quick" if args.quick else "full",
-        # The box is shared with other work: its load average tells how much the timings were disturbed.
-        "load_average_1min": {"start": load_start[0], "end": os.getloadavg()[0]},
-        "model": {"arch": "llama", "hidden": config.hidden_size, "layers": config.num_hidden_layers,
-                  "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
-                  "head_dim": config.hidden_size // config.num_attention_heads, "dtype": "float32",
-                  "kv_bytes_per_token": 2 * config.num_hidden_layers * config.num_key_value_heads
-                  * (config.hidden_size // config.num_attention_heads) * 4},
-        "vpaged": {"layout": LAYOUT, "page_size": vpaged.PagePool("cpu", capacity_pages=1).page_size},
-        "decode_steps": steps, "beam_steps": beam_steps, "decode": decode, "beam": beam, "sdpa_8k": sdpa,
-        "goals": goals,
-    })
+    path = write_json(
+        "hf_cpu.json" if LAYOUT == "head_major" else f"hf_cpu_{LAYOUT}.json",
+        {
+            "machine": machine(),
+            "versions": {"transformers": transformers.__version__, "vpaged": vpaged.__version__},
+            "mode": "quick" if args.quick else "full",
+            # The box is shared with other work: its load average tells how much the timings were disturbed.
+            "load_average_1min": {"start": load_start[0], "end": os.getloadavg()[0]},
+            "model": {
+                "arch": "llama",
+                "hidden": config.hidden_size,
+                "layers": config.num_hidden_layers,
+                "heads": config.num_attention_heads,
+                "kv_heads": config.num_key_value_heads,
+                "head_dim": config.hidden_size // config.num_attention_heads,
+                "dtype": "float32",
+                "kv_bytes_per_token": 2
+                * config.num_hidden_layers
+                * config.num_key_value_heads
+                * (config.hidden_size // config.num_attention_heads)
+                * 4,
+            },
+            "vpaged": {"layout": LAYOUT, "page_size": vpaged.PagePool("cpu", capacity_pages=1).page_size},
+            "decode_steps": steps,
+            "beam_steps": beam_steps,
+            "decode": decode,
+            "beam": beam,
+            "sdpa_8k": sdpa,
+            "goals": goals,
+        },
+    )
     print(f"\nwrote {path}")
 
 

@@ -13,6 +13,7 @@
    256 extend calls), and a step where every sequence crosses a page (maps a page per region), on both
    backends. Goal: no slower than before.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median_time, print_table, write_json  # noqa: E402
 
 import vpaged  # noqa: E402
-from vpaged.limits import mapping_count  # noqa: E402
 from vpaged import _C  # noqa: E402
+from vpaged.limits import mapping_count  # noqa: E402
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -64,8 +65,9 @@ def raw_map_unmap(page_size: int, pages: int, repeats: int) -> float:
 
 def raw_c_map_unmap(page_size: int, pages: int, repeats: int, design: str = "home", touch: bool = False) -> float:
     """The bare syscalls of one design per page in a C++ loop: the floor."""
-    return sorted(_C._raw_map_unmap_seconds_per_page(page_size, pages, design, touch)
-                  for _ in range(repeats))[repeats // 2]
+    return sorted(_C._raw_map_unmap_seconds_per_page(page_size, pages, design, touch) for _ in range(repeats))[
+        repeats // 2
+    ]
 
 
 BACKENDS = {"home": _C.host_backend, "per_page": _C._per_page_host_backend}
@@ -141,8 +143,11 @@ def extend_bookkeeping(num_seqs: int, repeats: int, backend: str = "home") -> di
     t_single = median_time(single, repeats, inner=2)
     assert cache.stats().pages_mapped_total == maps_before, "the benchmark must not cross a page"
     assert steps < 1023
-    return {"extend_many_us": t_many * 1e6, "extend_loop_us": t_single * 1e6,
-            "per_sequence_us": t_many * 1e6 / num_seqs}
+    return {
+        "extend_many_us": t_many * 1e6,
+        "extend_loop_us": t_single * 1e6,
+        "per_sequence_us": t_many * 1e6 / num_seqs,
+    }
 
 
 def main() -> None:
@@ -155,15 +160,25 @@ def main() -> None:
     rows = []
     for page_size in (64 * 1024, 2 * 1024 * 1024):
         for design in ("per_page", "anon", "home"):
-            e = {"page_size": page_size, "design": design,
-                 "raw_us": raw_c_map_unmap(page_size, pages, repeats, design) * 1e6,
-                 "raw_touch_us": raw_c_map_unmap(page_size, pages, repeats, design, True) * 1e6,
-                 "mappings_for_256_pages": {"per_page": 2 * pages + 1, "anon": 1, "home": 1}[design]}
+            e = {
+                "page_size": page_size,
+                "design": design,
+                "raw_us": raw_c_map_unmap(page_size, pages, repeats, design) * 1e6,
+                "raw_touch_us": raw_c_map_unmap(page_size, pages, repeats, design, True) * 1e6,
+                "mappings_for_256_pages": {"per_page": 2 * pages + 1, "anon": 1, "home": 1}[design],
+            }
             if design != "anon":
                 e["vpaged_mappings_for_256_pages"] = design_mappings(page_size, pages, design)
             results["designs"].append(e)
-            rows.append([f"{page_size // 1024} KiB", design, f"{e['raw_us']:.2f}", f"{e['raw_touch_us']:.2f}",
-                         str(e.get("vpaged_mappings_for_256_pages", e["mappings_for_256_pages"]))])
+            rows.append(
+                [
+                    f"{page_size // 1024} KiB",
+                    design,
+                    f"{e['raw_us']:.2f}",
+                    f"{e['raw_touch_us']:.2f}",
+                    str(e.get("vpaged_mappings_for_256_pages", e["mappings_for_256_pages"])),
+                ]
+            )
     print("host designs: bare syscalls per page, C++ loop (median µs); mappings with 256 scattered pages")
     print_table(["page", "design", "map+unmap", "with touch", "mappings"], rows)
     rows = []
@@ -172,14 +187,29 @@ def main() -> None:
             floor = raw_c_map_unmap(page_size, pages, repeats, backend)
             one = vpaged_map_unmap(page_size, pages, 1, repeats, backend)
             batched = vpaged_map_unmap(page_size, pages, 64, repeats, backend)
-            entry = {"page_size": page_size, "backend": backend, "raw_c_us": floor * 1e6,
-                     "vpaged_1_us": one * 1e6, "vpaged_64_us": batched * 1e6, "ratio_1_vs_c": one / floor,
-                     "ratio_64_vs_c": batched / floor}
+            entry = {
+                "page_size": page_size,
+                "backend": backend,
+                "raw_c_us": floor * 1e6,
+                "vpaged_1_us": one * 1e6,
+                "vpaged_64_us": batched * 1e6,
+                "ratio_1_vs_c": one / floor,
+                "ratio_64_vs_c": batched / floor,
+            }
             if backend == "per_page":
                 entry["raw_ctypes_us"] = raw_map_unmap(page_size, pages, repeats) * 1e6
             results["mapping"].append(entry)
-            rows.append([f"{page_size // 1024} KiB", backend, f"{floor * 1e6:.2f}", f"{one * 1e6:.2f}",
-                         f"{one / floor:.2f}x", f"{batched * 1e6:.2f}", f"{batched / floor:.2f}x"])
+            rows.append(
+                [
+                    f"{page_size // 1024} KiB",
+                    backend,
+                    f"{floor * 1e6:.2f}",
+                    f"{one * 1e6:.2f}",
+                    f"{one / floor:.2f}x",
+                    f"{batched * 1e6:.2f}",
+                    f"{batched / floor:.2f}x",
+                ]
+            )
     print("\nmap + unmap through vpaged, per page (median µs; ratios against the C++ floor of the same design)")
     print_table(["page", "backend", "floor", "1/call", "ratio", "64/call", "ratio"], rows)
     rows = []
@@ -187,12 +217,21 @@ def main() -> None:
         book = extend_bookkeeping(256, repeats, backend)
         book["page_crossing_step_128_us"] = crossing_step(128, repeats, backend) * 1e6
         results[f"extend_256_{backend}"] = book
-        rows.append([backend, f"{book['extend_many_us']:.1f}", f"{book['extend_loop_us']:.1f}",
-                     f"{book['per_sequence_us']:.3f}", f"{book['page_crossing_step_128_us']:.0f}"])
+        rows.append(
+            [
+                backend,
+                f"{book['extend_many_us']:.1f}",
+                f"{book['extend_loop_us']:.1f}",
+                f"{book['per_sequence_us']:.3f}",
+                f"{book['page_crossing_step_128_us']:.0f}",
+            ]
+        )
     results["extend_256"] = results["extend_256_home"]
     print()
-    print("decode-step bookkeeping (median µs): 256 sequences +1 token with no page needed; 128 sequences each "
-          "mapping a page per region (64 regions) and truncating it again")
+    print(
+        "decode-step bookkeeping (median µs): 256 sequences +1 token with no page needed; 128 sequences each "
+        "mapping a page per region (64 regions) and truncating it again"
+    )
     print_table(["backend", "extend_many", "256 x extend", "per sequence", "page-crossing step (128)"], rows)
     path = write_json("mapping_cpu.json", results)
     print(f"\nwrote {path}")

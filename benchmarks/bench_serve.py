@@ -23,6 +23,7 @@ intermediate 2816, vocab 32000), fp32, 2 threads. Sections:
 
 JSON to benchmarks/results/serve_cpu.json (serve_cpu_quick.json with --quick).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,16 +44,48 @@ from vpaged.serve.bench import Workload, percentile, poisson_arrivals, random_pr
 
 MIB = 2**20
 
-FULL = dict(model="random:bench-llama", requests=64, min_prompt=64, max_prompt=512, max_tokens=128,
-            budget_mib=1024, max_num_seqs=64, max_batched=512, page_size=None,
-            poisson_requests=32, poisson_rate=0.5,
-            prefix_requests=32, prefix_len=384, prefix_min=32, prefix_max=128, prefix_tokens=64,
-            breakdown_batch=32, breakdown_prompt=256, breakdown_tokens=24)
-QUICK = dict(model="random:llama-tiny", requests=12, min_prompt=8, max_prompt=48, max_tokens=12,
-             budget_mib=64, max_num_seqs=16, max_batched=64, page_size=4096,
-             poisson_requests=8, poisson_rate=20.0,
-             prefix_requests=8, prefix_len=64, prefix_min=4, prefix_max=16, prefix_tokens=8,
-             breakdown_batch=8, breakdown_prompt=32, breakdown_tokens=8)
+FULL = dict(
+    model="random:bench-llama",
+    requests=64,
+    min_prompt=64,
+    max_prompt=512,
+    max_tokens=128,
+    budget_mib=1024,
+    max_num_seqs=64,
+    max_batched=512,
+    page_size=None,
+    poisson_requests=32,
+    poisson_rate=0.5,
+    prefix_requests=32,
+    prefix_len=384,
+    prefix_min=32,
+    prefix_max=128,
+    prefix_tokens=64,
+    breakdown_batch=32,
+    breakdown_prompt=256,
+    breakdown_tokens=24,
+)
+QUICK = dict(
+    model="random:llama-tiny",
+    requests=12,
+    min_prompt=8,
+    max_prompt=48,
+    max_tokens=12,
+    budget_mib=64,
+    max_num_seqs=16,
+    max_batched=64,
+    page_size=4096,
+    poisson_requests=8,
+    poisson_rate=20.0,
+    prefix_requests=8,
+    prefix_len=64,
+    prefix_min=4,
+    prefix_max=16,
+    prefix_tokens=8,
+    breakdown_batch=8,
+    breakdown_prompt=32,
+    breakdown_tokens=8,
+)
 
 
 def kv_bytes_per_token(model) -> int:
@@ -69,8 +102,16 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def engine_row(model, workload, kv: str, budget: int, cfg: dict, **kw) -> dict:
-    engine = LLMEngine(model, None, kv_budget_bytes=budget, max_num_seqs=cfg["max_num_seqs"],
-                       max_num_batched_tokens=cfg["max_batched"], kv=kv, page_size=cfg["page_size"], **kw)
+    engine = LLMEngine(
+        model,
+        None,
+        kv_budget_bytes=budget,
+        max_num_seqs=cfg["max_num_seqs"],
+        max_num_batched_tokens=cfg["max_batched"],
+        kv=kv,
+        page_size=cfg["page_size"],
+        **kw,
+    )
     try:
         r = run_workload(engine, workload, greedy(workload.max_tokens), kv=kv, keep_outputs=True)
     finally:
@@ -95,17 +136,28 @@ def generate_batch_row(model, workload, budget: int) -> dict:
     model.set_attn_implementation("sdpa")  # an engine switched it to "vpaged"; generate_batch picks its paged one
     t0 = time.perf_counter()
     with warnings_quiet():
-        outs = model.generate_batch([list(p) for p in workload.prompts], generation_config=gen,
-                                    continuous_batching_config=cb)
+        outs = model.generate_batch(
+            [list(p) for p in workload.prompts], generation_config=gen, continuous_batching_config=cb
+        )
     seconds = time.perf_counter() - t0
     ordered = list(outs.values())
     tokens = [list(o.generated_tokens) for o in ordered]
     out_tokens = sum(map(len, tokens))
-    return {"kv": "generate_batch", "requests": len(tokens), "seconds": seconds, "prompt_tokens": workload.prompt_tokens,
-            "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / seconds,
-            "total_tokens_per_s": (out_tokens + workload.prompt_tokens) / seconds,
-            "peak_kv_bytes": num_blocks * block_bytes, "peak_running": None, "preemptions_swap": None,
-            "preemptions_recompute": None, "prefix_hit_tokens": None, "outputs": tokens}
+    return {
+        "kv": "generate_batch",
+        "requests": len(tokens),
+        "seconds": seconds,
+        "prompt_tokens": workload.prompt_tokens,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / seconds,
+        "total_tokens_per_s": (out_tokens + workload.prompt_tokens) / seconds,
+        "peak_kv_bytes": num_blocks * block_bytes,
+        "peak_running": None,
+        "preemptions_swap": None,
+        "preemptions_recompute": None,
+        "prefix_hit_tokens": None,
+        "outputs": tokens,
+    }
 
 
 @contextlib.contextmanager
@@ -138,15 +190,29 @@ def same_tokens(rows: list[dict], ref: dict) -> None:
 def fmt_row(r: dict) -> list:
     def f(x, spec):
         return "-" if x is None else format(x, spec)
-    return [r["kv"], f(r["seconds"], ".1f"), f(r["output_tokens_per_s"], ".1f"), f(r["total_tokens_per_s"], ".1f"),
-            f(r["peak_kv_bytes"] / MIB if r["peak_kv_bytes"] is not None else None, ".1f"),
-            f(r.get("peak_running"), "d"),
-            "-" if r.get("preemptions_swap") is None else f"{r['preemptions_swap']}/{r['preemptions_recompute']}",
-            r.get("same_tokens_as_vpaged", "ref")]
+
+    return [
+        r["kv"],
+        f(r["seconds"], ".1f"),
+        f(r["output_tokens_per_s"], ".1f"),
+        f(r["total_tokens_per_s"], ".1f"),
+        f(r["peak_kv_bytes"] / MIB if r["peak_kv_bytes"] is not None else None, ".1f"),
+        f(r.get("peak_running"), "d"),
+        "-" if r.get("preemptions_swap") is None else f"{r['preemptions_swap']}/{r['preemptions_recompute']}",
+        r.get("same_tokens_as_vpaged", "ref"),
+    ]
 
 
-HEAD = ["row", "seconds", "out tok/s", "total tok/s", "peak KV MiB", "peak running", "preempt swap/recomp",
-        "same tokens"]
+HEAD = [
+    "row",
+    "seconds",
+    "out tok/s",
+    "total tok/s",
+    "peak KV MiB",
+    "peak running",
+    "preempt swap/recomp",
+    "same tokens",
+]
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -160,8 +226,11 @@ def section_throughput(model, cfg, vocab, rows_wanted, log, save) -> dict:
     for kv in ("vpaged", "paged", "generate_batch", "static"):
         if kv in rows_wanted:
             log(f"throughput: {kv}")
-            rows.append(generate_batch_row(model, wl, budget) if kv == "generate_batch"
-                        else engine_row(model, wl, kv, budget, cfg))
+            rows.append(
+                generate_batch_row(model, wl, budget)
+                if kv == "generate_batch"
+                else engine_row(model, wl, kv, budget, cfg)
+            )
             log(f"  {fmt_row(rows[-1])}")
             save({"partial_rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]})
     ref = next((r for r in rows if r["kv"] == "vpaged"), None)
@@ -171,14 +240,21 @@ def section_throughput(model, cfg, vocab, rows_wanted, log, save) -> dict:
     by = {r["kv"]: r for r in rows}
     ratios = {}
     if "vpaged" in by and "generate_batch" in by:
-        ratios["vpaged_over_generate_batch"] = by["vpaged"]["output_tokens_per_s"] / by["generate_batch"]["output_tokens_per_s"]
+        ratios["vpaged_over_generate_batch"] = (
+            by["vpaged"]["output_tokens_per_s"] / by["generate_batch"]["output_tokens_per_s"]
+        )
     if "vpaged" in by and "paged" in by:
         ratios["vpaged_over_paged"] = by["vpaged"]["output_tokens_per_s"] / by["paged"]["output_tokens_per_s"]
     if "vpaged" in by and "static" in by:
         ratios["vpaged_over_static"] = by["vpaged"]["output_tokens_per_s"] / by["static"]["output_tokens_per_s"]
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
-    return {"budget_bytes": budget, "requests": len(prompts), "prompt_tokens": wl.prompt_tokens, "rows": rows,
-            "ratios": ratios}
+    return {
+        "budget_bytes": budget,
+        "requests": len(prompts),
+        "prompt_tokens": wl.prompt_tokens,
+        "rows": rows,
+        "ratios": ratios,
+    }
 
 
 def section_poisson(model, cfg, vocab, kvs, log) -> dict:
@@ -190,15 +266,28 @@ def section_poisson(model, cfg, vocab, kvs, log) -> dict:
         r = engine_row(model, wl, kv, cfg["budget_mib"] * MIB, cfg)
         r.pop("outputs", None)
         rows.append(r)
-    print_table(["row", "seconds", "out tok/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms"],
-                [[r["kv"], f"{r['seconds']:.1f}", f"{r['output_tokens_per_s']:.1f}", f"{r['ttft_p50']:.2f}",
-                  f"{r['ttft_p99']:.2f}", f"{r['tpot_p50'] * 1e3:.0f}", f"{r['tpot_p99'] * 1e3:.0f}"] for r in rows])
+    print_table(
+        ["row", "seconds", "out tok/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms"],
+        [
+            [
+                r["kv"],
+                f"{r['seconds']:.1f}",
+                f"{r['output_tokens_per_s']:.1f}",
+                f"{r['ttft_p50']:.2f}",
+                f"{r['ttft_p99']:.2f}",
+                f"{r['tpot_p50'] * 1e3:.0f}",
+                f"{r['tpot_p99'] * 1e3:.0f}",
+            ]
+            for r in rows
+        ],
+    )
     return {"rate_per_s": cfg["poisson_rate"], "requests": len(prompts), "rows": rows}
 
 
 def section_shared_prefix(model, cfg, vocab, kvs, log) -> dict:
-    prompts = random_prompts(cfg["prefix_requests"], cfg["prefix_min"], cfg["prefix_max"], vocab, seed=2,
-                             shared_prefix=cfg["prefix_len"])
+    prompts = random_prompts(
+        cfg["prefix_requests"], cfg["prefix_min"], cfg["prefix_max"], vocab, seed=2, shared_prefix=cfg["prefix_len"]
+    )
     wl = Workload(prompts, [0.0] * len(prompts), cfg["prefix_tokens"], "shared-prefix")
     rows = []
     for kv, caching in kvs:
@@ -223,11 +312,17 @@ def section_static_slots(model, cfg, vocab, log) -> dict:
     same_tokens(rows, rows[0])
     print_table(HEAD, [fmt_row(r) for r in rows])
     by = {r["kv"]: r for r in rows}
-    out = {"budget_bytes": budget, "static_slots": cfg["static_slots"], "rows": rows,
-           "concurrency_ratio": by["vpaged"]["peak_running"] / max(1, by["static"]["peak_running"]),
-           "makespan_ratio_static_over_vpaged": by["static"]["seconds"] / by["vpaged"]["seconds"]}
-    print(f"budget {budget / MIB:.0f} MiB: peak running vpaged/static = {out['concurrency_ratio']:.2f}x, "
-          f"makespan static/vpaged = {out['makespan_ratio_static_over_vpaged']:.2f}x")
+    out = {
+        "budget_bytes": budget,
+        "static_slots": cfg["static_slots"],
+        "rows": rows,
+        "concurrency_ratio": by["vpaged"]["peak_running"] / max(1, by["static"]["peak_running"]),
+        "makespan_ratio_static_over_vpaged": by["static"]["seconds"] / by["vpaged"]["seconds"],
+    }
+    print(
+        f"budget {budget / MIB:.0f} MiB: peak running vpaged/static = {out['concurrency_ratio']:.2f}x, "
+        f"makespan static/vpaged = {out['makespan_ratio_static_over_vpaged']:.2f}x"
+    )
     return out
 
 
@@ -262,6 +357,7 @@ class ForwardTimer:
                 self.depth -= 1
                 if self.depth == 0:
                     self.seconds += time.perf_counter() - self.t0
+
         module.forward = forward
         self.patched.append(module)
 
@@ -276,9 +372,16 @@ def section_breakdown(model, cfg, vocab, log) -> dict:
     log(f"step-breakdown: batch {cfg['breakdown_batch']}")
     b = cfg["breakdown_batch"]
     prompts = random_prompts(b, cfg["breakdown_prompt"], cfg["breakdown_prompt"], vocab, seed=3)
-    engine = LLMEngine(model, None, kv_budget_bytes=cfg["budget_mib"] * MIB, max_num_seqs=max(b, cfg["max_num_seqs"]),
-                       max_num_batched_tokens=max(cfg["max_batched"], b), kv="vpaged", page_size=cfg["page_size"],
-                       record_steps=True)
+    engine = LLMEngine(
+        model,
+        None,
+        kv_budget_bytes=cfg["budget_mib"] * MIB,
+        max_num_seqs=max(b, cfg["max_num_seqs"]),
+        max_num_batched_tokens=max(cfg["max_batched"], b),
+        kv="vpaged",
+        page_size=cfg["page_size"],
+        record_steps=True,
+    )
     timer = ForwardTimer(model)
     steps, forwards = [], []
     try:
@@ -291,8 +394,12 @@ def section_breakdown(model, cfg, vocab, log) -> dict:
             t0 = time.perf_counter()
             outs = engine.step()
             dt = time.perf_counter() - t0
-            all_decoding = len(produced) == b and all(len(o.outputs[0].new_token_ids) == 1 for o in outs) \
-                and len(outs) == b and not any(o.finished for o in outs)
+            all_decoding = (
+                len(produced) == b
+                and all(len(o.outputs[0].new_token_ids) == 1 for o in outs)
+                and len(outs) == b
+                and not any(o.finished for o in outs)
+            )
             for o in outs:
                 produced[o.request_id] = len(o.outputs[0].token_ids)
             if all_decoding:
@@ -309,15 +416,22 @@ def section_breakdown(model, cfg, vocab, log) -> dict:
     step = statistics.median(steps)
     fwd = statistics.median(forwards)
     outside = [s - f for s, f in zip(steps, forwards)]
-    res = {"batch": b, "decode_steps": len(steps), "step_ms_p50": step * 1e3, "forward_ms_p50": fwd * 1e3,
-           "outside_ms_p50": statistics.median(outside) * 1e3,
-           "outside_fraction_p50": statistics.median(o / s for o, s in zip(outside, steps)),
-           "step_ms_p90": percentile(steps, 90) * 1e3}
+    res = {
+        "batch": b,
+        "decode_steps": len(steps),
+        "step_ms_p50": step * 1e3,
+        "forward_ms_p50": fwd * 1e3,
+        "outside_ms_p50": statistics.median(outside) * 1e3,
+        "outside_fraction_p50": statistics.median(o / s for o, s in zip(outside, steps)),
+        "step_ms_p90": percentile(steps, 90) * 1e3,
+    }
     if log_steps:
         parts = ("schedule", "prepare", "forward", "sample", "output")
         res["engine_split_ms_p50"] = {k: statistics.median(e[k] for e in log_steps) * 1e3 for k in parts}
-    print(f"decode step at batch {b}: {res['step_ms_p50']:.1f} ms, forward {res['forward_ms_p50']:.1f} ms, "
-          f"outside {res['outside_ms_p50']:.2f} ms ({res['outside_fraction_p50']:.1%})")
+    print(
+        f"decode step at batch {b}: {res['step_ms_p50']:.1f} ms, forward {res['forward_ms_p50']:.1f} ms, "
+        f"outside {res['outside_ms_p50']:.2f} ms ({res['outside_fraction_p50']:.1%})"
+    )
     return res
 
 
@@ -331,19 +445,33 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="override: output tokens of sections 1, 2, 4")
     ap.add_argument("--min-prompt", type=int, default=None, help="override: shortest prompt of sections 1, 2, 4")
     ap.add_argument("--max-prompt", type=int, default=None, help="override: longest prompt of sections 1, 2, 4")
-    ap.add_argument("--static-slots", type=int, default=16, help="section 4: the budget holds this many "
-                    "maximum-length requests")
+    ap.add_argument(
+        "--static-slots", type=int, default=16, help="section 4: the budget holds this many maximum-length requests"
+    )
     ap.add_argument("--poisson-requests", type=int, default=None)
     ap.add_argument("--poisson-rate", type=float, default=None)
     ap.add_argument("--prefix-requests", type=int, default=None)
     ap.add_argument("--breakdown-tokens", type=int, default=None)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override any workload setting (see FULL), e.g. --set breakdown_prompt=64")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any workload setting (see FULL), e.g. --set breakdown_prompt=64",
+    )
     ap.add_argument("--output", default=None, help="JSON file name under benchmarks/results/")
     args = ap.parse_args(argv)
     cfg = dict(QUICK if args.quick else FULL)
-    for key in ("requests", "max_tokens", "min_prompt", "max_prompt", "poisson_requests", "poisson_rate",
-                "prefix_requests", "breakdown_tokens"):
+    for key in (
+        "requests",
+        "max_tokens",
+        "min_prompt",
+        "max_prompt",
+        "poisson_requests",
+        "poisson_rate",
+        "prefix_requests",
+        "breakdown_tokens",
+    ):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     cfg["static_slots"] = args.static_slots
@@ -364,13 +492,21 @@ def main(argv=None) -> int:
     vocab = model.config.get_text_config(decoder=True).vocab_size
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
-    report = {"machine": machine(), "threads": torch.get_num_threads(), "quick": args.quick, "config": cfg,
-              "load_average_before": load_before, "kv_bytes_per_token": kv_bytes_per_token(model)}
+    report = {
+        "machine": machine(),
+        "threads": torch.get_num_threads(),
+        "quick": args.quick,
+        "config": cfg,
+        "load_average_before": load_before,
+        "kv_bytes_per_token": kv_bytes_per_token(model),
+    }
     name = args.output or ("serve_cpu_quick.json" if args.quick else "serve_cpu.json")
+
     def saver(section):
         def save(partial):
             report[section] = partial
             write_json(name, report)
+
         return save
 
     runs = {

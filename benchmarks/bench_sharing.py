@@ -8,6 +8,7 @@
 4. memory saved: parallel sampling with n = 2..16 samples of a 2,000-token prompt generating 200 tokens, and
    32 requests sharing a 1,000-token system prompt, against the same workloads without sharing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ GEOM = dict(num_layers=8, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)  # 
 
 
 def make(max_seqs=64, max_len=8192, pages=4096, layout="per_layer", **kw):
-    return vpaged.VirtualKVCache(**GEOM, max_seqs=max_seqs, max_seq_len=max_len, capacity_bytes=pages * 65536,
-                                 layout=layout, **kw)
+    return vpaged.VirtualKVCache(
+        **GEOM, max_seqs=max_seqs, max_seq_len=max_len, capacity_bytes=pages * 65536, layout=layout, **kw
+    )
 
 
 def fork_cost(lengths, repeats):
@@ -45,8 +47,9 @@ def fork_cost(lengths, repeats):
                 cache.free(child)  # shared pages are unmapped at once: the slot comes back clean
 
             t = median_time(once, repeats, inner=5)
-            rows.append({"layout": layout, "tokens": n, "pages": pages, "fork_free_us": t * 1e6,
-                         "us_per_page": t * 1e6 / pages})
+            rows.append(
+                {"layout": layout, "tokens": n, "pages": pages, "fork_free_us": t * 1e6, "us_per_page": t * 1e6 / pages}
+            )
             cache.close()
     return rows
 
@@ -94,8 +97,12 @@ def swap_bandwidth(tokens, repeats):
     dst = torch.empty(nbytes, dtype=torch.uint8)
     t_copy = median_time(lambda: dst.copy_(src), repeats)
     gb = nbytes / 1e9
-    return {"bytes": nbytes, "swap_out_GBps": gb / out_t[len(out_t) // 2], "swap_in_GBps": gb / in_t[len(in_t) // 2],
-            "plain_copy_GBps": gb / t_copy}
+    return {
+        "bytes": nbytes,
+        "swap_out_GBps": gb / out_t[len(out_t) // 2],
+        "swap_in_GBps": gb / in_t[len(in_t) // 2],
+        "plain_copy_GBps": gb / t_copy,
+    }
 
 
 def parallel_sampling(ns, prompt=2000, gen=200):
@@ -116,8 +123,14 @@ def parallel_sampling(ns, prompt=2000, gen=200):
                 cache.extend_many(seqs, 1)
             used[share] = cache.pool.stats().high_water_bytes
             cache.close()
-        rows.append({"n": n, "shared_MiB": used[True] / 2**20, "unshared_MiB": used[False] / 2**20,
-                     "saved": 1 - used[True] / used[False]})
+        rows.append(
+            {
+                "n": n,
+                "shared_MiB": used[True] / 2**20,
+                "unshared_MiB": used[False] / 2**20,
+                "saved": 1 - used[True] / used[False],
+            }
+        )
     return rows
 
 
@@ -142,8 +155,14 @@ def system_prompt(requests=32, system=1024, user=200, gen=100):
         if share:
             hits = cache.stats().prefix_hit_tokens
         cache.close()
-    return {"requests": requests, "system_tokens": system, "shared_MiB": used[True] / 2**20,
-            "unshared_MiB": used[False] / 2**20, "saved": 1 - used[True] / used[False], "prefix_hit_tokens": hits}
+    return {
+        "requests": requests,
+        "system_tokens": system,
+        "shared_MiB": used[True] / 2**20,
+        "unshared_MiB": used[False] / 2**20,
+        "saved": 1 - used[True] / used[False],
+        "prefix_hit_tokens": hits,
+    }
 
 
 def main():
@@ -154,25 +173,39 @@ def main():
     res = {"machine": machine(), "geometry": {k: str(v) for k, v in GEOM.items()}, "page_size": 65536}
     res["fork"] = fork_cost([64, 1000, 2000, 4000, 8000] if not args.quick else [64, 1000, 4000], repeats)
     print("fork + free of a sequence (median)")
-    print_table(["layout", "tokens", "pages", "µs", "µs/page"],
-                [[r["layout"], r["tokens"], r["pages"], f"{r['fork_free_us']:.0f}", f"{r['us_per_page']:.2f}"]
-                 for r in res["fork"]])
+    print_table(
+        ["layout", "tokens", "pages", "µs", "µs/page"],
+        [
+            [r["layout"], r["tokens"], r["pages"], f"{r['fork_free_us']:.0f}", f"{r['us_per_page']:.2f}"]
+            for r in res["fork"]
+        ],
+    )
     res["cow"] = cow_cost(repeats * 2)
-    print(f"\ncopy-on-write: {res['cow']['cow_us_per_page']:.1f} µs per 64 KiB page "
-          f"(plain memcpy of a page: {res['cow']['plain_copy_us_per_page']:.1f} µs)")
+    print(
+        f"\ncopy-on-write: {res['cow']['cow_us_per_page']:.1f} µs per 64 KiB page "
+        f"(plain memcpy of a page: {res['cow']['plain_copy_us_per_page']:.1f} µs)"
+    )
     res["swap"] = swap_bandwidth(4000, repeats)
     s = res["swap"]
-    print(f"\nswap {s['bytes'] / 2**20:.0f} MiB: out {s['swap_out_GBps']:.2f} GB/s, in {s['swap_in_GBps']:.2f} GB/s, "
-          f"plain copy {s['plain_copy_GBps']:.2f} GB/s")
+    print(
+        f"\nswap {s['bytes'] / 2**20:.0f} MiB: out {s['swap_out_GBps']:.2f} GB/s, in {s['swap_in_GBps']:.2f} GB/s, "
+        f"plain copy {s['plain_copy_GBps']:.2f} GB/s"
+    )
     res["parallel_sampling"] = parallel_sampling([2, 4, 8, 16])
     print("\nparallel sampling, 2000-token prompt + 200 generated (peak pool bytes)")
-    print_table(["n", "shared MiB", "unshared MiB", "saved"],
-                [[r["n"], f"{r['shared_MiB']:.0f}", f"{r['unshared_MiB']:.0f}", f"{r['saved']:.0%}"]
-                 for r in res["parallel_sampling"]])
+    print_table(
+        ["n", "shared MiB", "unshared MiB", "saved"],
+        [
+            [r["n"], f"{r['shared_MiB']:.0f}", f"{r['unshared_MiB']:.0f}", f"{r['saved']:.0%}"]
+            for r in res["parallel_sampling"]
+        ],
+    )
     res["system_prompt"] = system_prompt()
     r = res["system_prompt"]
-    print(f"\n{r['requests']} requests sharing a {r['system_tokens']}-token system prompt: {r['shared_MiB']:.0f} MiB "
-          f"vs {r['unshared_MiB']:.0f} MiB unshared ({r['saved']:.0%} saved, {r['prefix_hit_tokens']} tokens reused)")
+    print(
+        f"\n{r['requests']} requests sharing a {r['system_tokens']}-token system prompt: {r['shared_MiB']:.0f} MiB "
+        f"vs {r['unshared_MiB']:.0f} MiB unshared ({r['saved']:.0%} saved, {r['prefix_hit_tokens']} tokens reused)"
+    )
     print(f"\nwrote {write_json('sharing_cpu.json', res)}")
 
 

@@ -19,6 +19,7 @@ Runs only where vpaged's CUDA backend is usable; elsewhere it prints why and exi
    a VirtualKVCache versus the same call on ordinary CUDA tensors with the same strides and data (and on
    dense copies), at several context lengths; medians of CUDA-event timings. Goal: <= 1.03x.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,16 +87,28 @@ def bench_driver(quick: bool) -> dict:
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = DEVICE
-        gran = call("cuMemGetAllocationGranularity", prop,
-                    cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        gran = call(
+            "cuMemGetAllocationGranularity", prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        )
         access = cu.CUmemAccessDesc()
         access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = DEVICE
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         pages = 32 if quick else 64
         rounds = 2 if quick else 4
-        s = {k: [] for k in ("binding_overhead", "cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap",
-                             "cuMemRelease", "cuMemSetAccess_run", "cuMemUnmap_run")}
+        s = {
+            k: []
+            for k in (
+                "binding_overhead",
+                "cuMemCreate",
+                "cuMemMap",
+                "cuMemSetAccess",
+                "cuMemUnmap",
+                "cuMemRelease",
+                "cuMemSetAccess_run",
+                "cuMemUnmap_run",
+            )
+        }
         run_unmap_error = None
         for _ in range(rounds):
             for _ in range(pages):
@@ -125,19 +138,28 @@ def bench_driver(quick: bool) -> dict:
     finally:
         call("cuCtxPopCurrent")
         call("cuDevicePrimaryCtxRelease", dev)
-    per_call = {k: {"median_us": us(median(v)), "p90_us": us(p90(v)), "samples": len(v)}
-                for k, v in s.items() if v}
+    per_call = {k: {"median_us": us(median(v)), "p90_us": us(p90(v)), "samples": len(v)} for k, v in s.items() if v}
     for k in ("cuMemSetAccess_run", "cuMemUnmap_run"):
         if k in per_call:
             per_call[k]["per_page_us"] = per_call[k]["median_us"] / pages
     print(f"driver calls through cuda-python, {gran >> 20} MiB pages, {pages} pages x {rounds} rounds (µs)")
-    print_table(["call", "median", "p90", "per page"],
-                [[k, f"{v['median_us']:.2f}", f"{v['p90_us']:.2f}", f"{v.get('per_page_us', v['median_us']):.2f}"]
-                 for k, v in per_call.items()])
+    print_table(
+        ["call", "median", "p90", "per page"],
+        [
+            [k, f"{v['median_us']:.2f}", f"{v['p90_us']:.2f}", f"{v.get('per_page_us', v['median_us']):.2f}"]
+            for k, v in per_call.items()
+        ],
+    )
     if run_unmap_error:
         print(f"  cuMemUnmap over a run of mappings was refused: {run_unmap_error}")
-    return {"granularity": gran, "pages": pages, "rounds": rounds, "per_call": per_call,
-            "unmap_run_supported": run_unmap_error is None, "unmap_run_error": run_unmap_error}
+    return {
+        "granularity": gran,
+        "pages": pages,
+        "rounds": rounds,
+        "per_call": per_call,
+        "unmap_run_supported": run_unmap_error is None,
+        "unmap_run_error": run_unmap_error,
+    }
 
 
 # --------------------------------------------------------------------------------------------------- 2
@@ -165,22 +187,38 @@ def bench_map(quick: bool) -> dict:
             t2 = time.perf_counter_ns()
             maps.append((t1 - t0) / run)
             unmaps.append((t2 - t1) / run)
-        entry = {"map_us_per_page": us(median(maps)), "unmap_us_per_page": us(median(unmaps)),
-                 "map_p90_us_per_page": us(p90(maps)), "unmap_p90_us_per_page": us(p90(unmaps)),
-                 "driver_map_calls_per_run": (backend.map_calls - m0) / repeats,
-                 "driver_unmap_calls_per_run": (backend.unmap_calls - u0) / repeats}
+        entry = {
+            "map_us_per_page": us(median(maps)),
+            "unmap_us_per_page": us(median(unmaps)),
+            "map_p90_us_per_page": us(p90(maps)),
+            "unmap_p90_us_per_page": us(p90(unmaps)),
+            "driver_map_calls_per_run": (backend.map_calls - m0) / repeats,
+            "driver_unmap_calls_per_run": (backend.unmap_calls - u0) / repeats,
+        }
         out[str(run)] = entry
-        rows.append([run, f"{entry['map_us_per_page']:.2f}", f"{entry['unmap_us_per_page']:.2f}",
-                     f"{entry['map_us_per_page'] + entry['unmap_us_per_page']:.2f}",
-                     f"{entry['driver_map_calls_per_run']:.0f}", f"{entry['driver_unmap_calls_per_run']:.0f}"])
+        rows.append(
+            [
+                run,
+                f"{entry['map_us_per_page']:.2f}",
+                f"{entry['unmap_us_per_page']:.2f}",
+                f"{entry['map_us_per_page'] + entry['unmap_us_per_page']:.2f}",
+                f"{entry['driver_map_calls_per_run']:.0f}",
+                f"{entry['driver_unmap_calls_per_run']:.0f}",
+            ]
+        )
     del r, pool, backend
     gc.collect()
     best = out[str(max(runs))]
     print(f"vpaged map_new / unmap of a run of slots, {gran >> 20} MiB pages created ahead (median µs per page)")
     print_table(["run", "map", "unmap", "map+unmap", "driver maps/run", "driver unmaps/run"], rows)
-    return {"granularity": gran, "repeats": repeats, "runs": out, "goal_us_per_page": GOAL_US_PER_PAGE,
-            "goal_met_map": best["map_us_per_page"] <= GOAL_US_PER_PAGE,
-            "goal_met_unmap": best["unmap_us_per_page"] <= GOAL_US_PER_PAGE}
+    return {
+        "granularity": gran,
+        "repeats": repeats,
+        "runs": out,
+        "goal_us_per_page": GOAL_US_PER_PAGE,
+        "goal_met_map": best["map_us_per_page"] <= GOAL_US_PER_PAGE,
+        "goal_met_unmap": best["unmap_us_per_page"] <= GOAL_US_PER_PAGE,
+    }
 
 
 # --------------------------------------------------------------------------------------------------- 3
@@ -223,9 +261,16 @@ def steady_workload(cache, batch: int, steps: int, prompt, decode, seed: int) ->
         return {"warm": False, "steps": steps, "note": "some slot was not reused twice: run longer"}
     measured = steps - warm_at
     maps, unmaps = backend.map_calls - counts[0], backend.unmap_calls - counts[1]
-    return {"warm": True, "warm_after_steps": warm_at, "measured_steps": measured, "map_calls": maps,
-            "unmap_calls": unmaps, "driver_calls_per_step": (maps + unmaps) / measured,
-            "host_us_per_step_median": us(median(step_ns)), "host_us_per_step_p90": us(p90(step_ns))}
+    return {
+        "warm": True,
+        "warm_after_steps": warm_at,
+        "measured_steps": measured,
+        "map_calls": maps,
+        "unmap_calls": unmaps,
+        "driver_calls_per_step": (maps + unmaps) / measured,
+        "host_us_per_step_median": us(median(step_ns)),
+        "host_us_per_step_p90": us(p90(step_ns)),
+    }
 
 
 def bench_steady(quick: bool) -> dict:
@@ -243,23 +288,42 @@ def bench_steady(quick: bool) -> dict:
     }
     rows = []
     for name, (prompt, decode) in scenarios.items():
-        cache = vpaged.VirtualKVCache(layers, heads, dim, dtype=torch.bfloat16, max_seqs=batch, max_seq_len=max_len,
-                                      device=f"cuda:{DEVICE}", capacity_bytes=cap_pages * gran)
+        cache = vpaged.VirtualKVCache(
+            layers,
+            heads,
+            dim,
+            dtype=torch.bfloat16,
+            max_seqs=batch,
+            max_seq_len=max_len,
+            device=f"cuda:{DEVICE}",
+            capacity_bytes=cap_pages * gran,
+        )
         res = steady_workload(cache, batch, steps, prompt, decode, seed=1234)
         cache.close()
         del cache
         gc.collect()
         out[name] = res
         if res["warm"]:
-            rows.append([name, res["measured_steps"], res["map_calls"], res["unmap_calls"],
-                         f"{res['driver_calls_per_step']:.3f}", f"{res['host_us_per_step_median']:.1f}"])
+            rows.append(
+                [
+                    name,
+                    res["measured_steps"],
+                    res["map_calls"],
+                    res["unmap_calls"],
+                    f"{res['driver_calls_per_step']:.3f}",
+                    f"{res['host_us_per_step_median']:.1f}",
+                ]
+            )
         else:
             rows.append([name, "-", "-", "-", "-", res["note"]])
     print(f"steady decode, {batch} sequences, {layers} layers x {heads} KV heads x {dim}, bf16, per_layer layout")
     print_table(["workload", "steps", "map calls", "unmap calls", "calls/step", "host µs/step"], rows)
     fixed = out["fixed_lengths"]
-    return {"scenarios": out, "goal_driver_calls_per_step": 0,
-            "goal_met": bool(fixed.get("warm")) and fixed["driver_calls_per_step"] == 0}
+    return {
+        "scenarios": out,
+        "goal_driver_calls_per_step": 0,
+        "goal_met": bool(fixed.get("warm")) and fixed["driver_calls_per_step"] == 0,
+    }
 
 
 # --------------------------------------------------------------------------------------------------- 4
@@ -296,8 +360,16 @@ def bench_sdpa(quick: bool) -> dict:
     for ctx in contexts:
         per_seq_bytes = 2 * ctx * kv_heads * dim * 2  # K and V, bf16
         pages = batch * 2 * -(-(ctx * kv_heads * dim * 2) // gran)  # K and V regions, whole pages each
-        cache = vpaged.VirtualKVCache(1, kv_heads, dim, dtype=torch.bfloat16, max_seqs=batch, max_seq_len=ctx,
-                                      device=dev, capacity_bytes=pages * gran)
+        cache = vpaged.VirtualKVCache(
+            1,
+            kv_heads,
+            dim,
+            dtype=torch.bfloat16,
+            max_seqs=batch,
+            max_seq_len=ctx,
+            device=dev,
+            capacity_bytes=pages * gran,
+        )
         seqs = cache.allocate_many(batch)
         cache.extend_many(seqs, ctx)
         for s in seqs:
@@ -307,8 +379,11 @@ def bench_sdpa(quick: bool) -> dict:
         kv_k, kv_v = cache.kv_batch(0, seqs)  # [B, ctx, H, D], batch stride = slot stride
 
         def same_strides(t):
-            base = torch.empty(t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1,
-                               dtype=t.dtype, device=dev)
+            base = torch.empty(
+                t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1,
+                dtype=t.dtype,
+                device=dev,
+            )
             return base.as_strided(t.shape, t.stride()).copy_(t)
 
         ord_k, ord_v = same_strides(kv_k), same_strides(kv_v)
@@ -322,28 +397,61 @@ def bench_sdpa(quick: bool) -> dict:
         identical = bool(torch.equal(a, b))
         max_diff = float((a.float() - b.float()).abs().max())
         max_diff_dense = float((a.float() - c.float()).abs().max())
-        t = cuda_median_ms({"vmm": lambda: attend(kv_k, kv_v), "ordinary": lambda: attend(ord_k, ord_v),
-                            "dense": lambda: attend(dense_k, dense_v)}, inner, repeats)
-        entry = {"context": ctx, "batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": dim,
-                 "vmm_ms": t["vmm"], "ordinary_same_strides_ms": t["ordinary"], "dense_ms": t["dense"],
-                 "ratio_vs_same_strides": t["vmm"] / t["ordinary"], "ratio_vs_dense": t["vmm"] / t["dense"],
-                 "outputs_identical": identical, "max_abs_diff": max_diff, "max_abs_diff_vs_dense": max_diff_dense,
-                 "kv_bytes": batch * per_seq_bytes}
+        t = cuda_median_ms(
+            {
+                "vmm": lambda: attend(kv_k, kv_v),
+                "ordinary": lambda: attend(ord_k, ord_v),
+                "dense": lambda: attend(dense_k, dense_v),
+            },
+            inner,
+            repeats,
+        )
+        entry = {
+            "context": ctx,
+            "batch": batch,
+            "q_heads": q_heads,
+            "kv_heads": kv_heads,
+            "head_dim": dim,
+            "vmm_ms": t["vmm"],
+            "ordinary_same_strides_ms": t["ordinary"],
+            "dense_ms": t["dense"],
+            "ratio_vs_same_strides": t["vmm"] / t["ordinary"],
+            "ratio_vs_dense": t["vmm"] / t["dense"],
+            "outputs_identical": identical,
+            "max_abs_diff": max_diff,
+            "max_abs_diff_vs_dense": max_diff_dense,
+            "kv_bytes": batch * per_seq_bytes,
+        }
         out[str(ctx)] = entry
-        rows.append([ctx, f"{t['vmm'] * 1e3:.1f}", f"{t['ordinary'] * 1e3:.1f}", f"{t['dense'] * 1e3:.1f}",
-                     f"{entry['ratio_vs_same_strides']:.3f}x", f"{entry['ratio_vs_dense']:.3f}x",
-                     "yes" if identical else f"no ({max_diff:.2g})"])
+        rows.append(
+            [
+                ctx,
+                f"{t['vmm'] * 1e3:.1f}",
+                f"{t['ordinary'] * 1e3:.1f}",
+                f"{t['dense'] * 1e3:.1f}",
+                f"{entry['ratio_vs_same_strides']:.3f}x",
+                f"{entry['ratio_vs_dense']:.3f}x",
+                "yes" if identical else f"no ({max_diff:.2g})",
+            ]
+        )
         del kv_k, kv_v, a, b, c  # the views pin the cache's pages
         cache.close()
         del cache, ord_k, ord_v, dense_k, dense_v
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"SDPA decode (1 query token), bf16, batch {batch}, {q_heads} query / {kv_heads} KV heads x {dim} "
-          f"(median µs per call, CUDA events)")
+    print(
+        f"SDPA decode (1 query token), bf16, batch {batch}, {q_heads} query / {kv_heads} KV heads x {dim} "
+        f"(median µs per call, CUDA events)"
+    )
     print_table(["context", "VMM views", "ordinary", "dense", "VMM/ordinary", "VMM/dense", "identical"], rows)
     worst = max(e["ratio_vs_same_strides"] for e in out.values())
-    return {"contexts": out, "goal_ratio": GOAL_SDPA_RATIO, "worst_ratio": worst, "goal_met": worst <= GOAL_SDPA_RATIO,
-            "all_identical": all(e["outputs_identical"] for e in out.values())}
+    return {
+        "contexts": out,
+        "goal_ratio": GOAL_SDPA_RATIO,
+        "worst_ratio": worst,
+        "goal_met": worst <= GOAL_SDPA_RATIO,
+        "all_identical": all(e["outputs_identical"] for e in out.values()),
+    }
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -353,8 +461,12 @@ PARTS = {"driver": bench_driver, "map": bench_map, "steady": bench_steady, "sdpa
 def gpu_facts() -> dict:
     facts = {"device": DEVICE}
     try:
-        line = subprocess.run(["nvidia-smi", f"--id={DEVICE}", "--query-gpu=name,driver_version,memory.total",
-                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+        line = subprocess.run(
+            ["nvidia-smi", f"--id={DEVICE}", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
         if line:
             name, driver, memory = (x.strip() for x in line.split(",", 2))
             facts.update(gpu=name, driver_version=driver, gpu_memory=memory)
@@ -396,13 +508,18 @@ def main() -> int:
         # As in an inference process: torch has made the device's primary context current on this thread,
         # so vpaged's driver calls need no context push.
         torch.zeros(1, device=f"cuda:{DEVICE}")
-    results = {"benchmark": "vmm_cuda", "complete": False, "machine": machine(), "gpu": gpu_facts(),
-               "quick": args.quick, "parts": {}}
+    results = {
+        "benchmark": "vmm_cuda",
+        "complete": False,
+        "machine": machine(),
+        "gpu": gpu_facts(),
+        "quick": args.quick,
+        "parts": {},
+    }
     failed = []
 
     def save() -> Path:  # after every part: a run stopped part way keeps the parts it finished
-        results["goals"] = {name: part.get("goal_met") for name, part in results["parts"].items()
-                            if "goal_met" in part}
+        results["goals"] = {name: part.get("goal_met") for name, part in results["parts"].items() if "goal_met" in part}
         if "map" in results["parts"] and "goal_met_map" in results["parts"]["map"]:
             m = results["parts"]["map"]
             results["goals"]["map"] = m["goal_met_map"]

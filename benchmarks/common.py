@@ -1,4 +1,5 @@
 """Shared helpers of the benchmark scripts: machine facts, medians, JSON output."""
+
 from __future__ import annotations
 
 import datetime
@@ -26,8 +27,13 @@ def machine() -> dict:
                     break
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

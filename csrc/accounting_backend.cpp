@@ -17,8 +17,7 @@ namespace {
 
 class AccountingBackend final : public Backend {
  public:
-  AccountingBackend(size_t page_size, size_t capacity_pages)
-      : page_size_(page_size), capacity_pages_(capacity_pages) {
+  AccountingBackend(size_t page_size, size_t capacity_pages) : page_size_(page_size), capacity_pages_(capacity_pages) {
     if (page_size == 0 || page_size % 4096 != 0) {
       throw InvalidArgument("page_size must be a positive multiple of 4096 bytes, got " + std::to_string(page_size));
     }

@@ -114,8 +114,7 @@ std::shared_ptr<Backend> make_accounting_backend(size_t page_size, size_t capaci
 
 // CUDA backend (csrc/vmm/cuda_backend.cpp). Throws BackendUnavailable with the reason when CUDA cannot
 // be used (built without CUDA, no driver, no such device).
-std::shared_ptr<Backend> make_cuda_backend(int device, size_t page_size, size_t capacity_pages,
-                                           size_t reserve_pages);
+std::shared_ptr<Backend> make_cuda_backend(int device, size_t page_size, size_t capacity_pages, size_t reserve_pages);
 // Why CUDA is unusable ("" when it is usable), and the VMM granularity of a device (0 if unusable).
 std::string cuda_unavailable_reason(int device);
 size_t cuda_granularity(int device);

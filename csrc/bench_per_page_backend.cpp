@@ -18,9 +18,7 @@
 namespace vpaged {
 namespace {
 
-std::string errno_text(const char* call, int err) {
-  return std::string(call) + " failed: " + std::strerror(err);
-}
+std::string errno_text(const char* call, int err) { return std::string(call) + " failed: " + std::strerror(err); }
 
 long read_max_map_count() {
   std::ifstream f("/proc/sys/vm/max_map_count");
@@ -33,8 +31,7 @@ long read_max_map_count() {
 // its address-space limit): a resource limit the caller can act on, not a crash.
 [[noreturn]] void throw_mmap_error(const char* call, int err) {
   if (err == ENOMEM) {
-    throw MappingLimit(std::string(call) +
-                       " failed: the process ran out of memory mappings (vm.max_map_count = " +
+    throw MappingLimit(std::string(call) + " failed: the process ran out of memory mappings (vm.max_map_count = " +
                        std::to_string(read_max_map_count()) +
                        "); use larger pages or fewer sequences, or raise vm.max_map_count");
   }
@@ -43,12 +40,11 @@ long read_max_map_count() {
 
 class PerPageHostBackend final : public Backend {
  public:
-  PerPageHostBackend(size_t page_size, size_t capacity_pages)
-      : page_size_(page_size), capacity_pages_(capacity_pages) {
+  PerPageHostBackend(size_t page_size, size_t capacity_pages) : page_size_(page_size), capacity_pages_(capacity_pages) {
     const long os_page = sysconf(_SC_PAGESIZE);
     if (page_size == 0 || page_size % static_cast<size_t>(os_page) != 0) {
-      throw InvalidArgument("page_size must be a positive multiple of the OS page size (" +
-                            std::to_string(os_page) + " bytes), got " + std::to_string(page_size));
+      throw InvalidArgument("page_size must be a positive multiple of the OS page size (" + std::to_string(os_page) +
+                            " bytes), got " + std::to_string(page_size));
     }
     if (capacity_pages == 0) throw InvalidArgument("a page pool needs a capacity of at least one page");
     fd_ = memfd_create("vpaged-pool", MFD_CLOEXEC);
@@ -84,8 +80,7 @@ class PerPageHostBackend final : public Backend {
 
   void discard_page(PageId page) override {
     check_page(page);
-    if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset(page),
-                  static_cast<off_t>(page_size_)) != 0) {
+    if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset(page), static_cast<off_t>(page_size_)) != 0) {
       throw BackendFailure(errno_text("fallocate(PUNCH_HOLE)", errno));
     }
   }
@@ -116,8 +111,8 @@ class PerPageHostBackend final : public Backend {
       size_t run = 1;
       while (done + run < n && pages[done + run] == pages[done] + static_cast<PageId>(run)) ++run;
       void* want = reinterpret_cast<void*>(va + done * page_size_);
-      void* got = mmap(want, run * page_size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd_,
-                       offset(pages[done]));
+      void* got =
+          mmap(want, run * page_size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd_, offset(pages[done]));
       ++map_calls_;
       if (got == MAP_FAILED) {
         int err = errno;

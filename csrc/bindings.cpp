@@ -13,10 +13,10 @@ namespace py = pybind11;
 namespace vpaged {
 std::shared_ptr<Backend> make_per_page_host_backend(size_t page_size, size_t capacity_pages);
 double raw_map_unmap_seconds_per_page(size_t page_size, size_t pages, const std::string& design, bool touch);
-}
+}  // namespace vpaged
 using namespace vpaged;
 
-void register_kernels(py::module_& m);  // csrc/kernels/kernel_bindings.cpp
+void register_kernels(py::module_& m);          // csrc/kernels/kernel_bindings.cpp
 void register_torch_allocator(py::module_& m);  // csrc/torch_allocator_bindings.cpp
 
 namespace {
@@ -79,14 +79,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("accounting_backend", &make_accounting_backend, py::arg("page_size"), py::arg("capacity_pages"));
   m.def("_per_page_host_backend", &make_per_page_host_backend, py::arg("page_size"), py::arg("capacity_pages"),
         "Benchmark reference: the host backend that maps every page on its own (bench_mapping.py).");
-  m.def("cuda_backend", &make_cuda_backend, py::arg("device"), py::arg("page_size"),
-        py::arg("capacity_pages"), py::arg("reserve_pages") = 0);
+  m.def("cuda_backend", &make_cuda_backend, py::arg("device"), py::arg("page_size"), py::arg("capacity_pages"),
+        py::arg("reserve_pages") = 0);
   m.def("cuda_unavailable_reason", &cuda_unavailable_reason, py::arg("device") = 0);
   m.def("cuda_granularity", &cuda_granularity, py::arg("device") = 0);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("built_with_cuda", &built_with_cuda);
-  m.def("_raw_map_unmap_seconds_per_page", &raw_map_unmap_seconds_per_page, py::arg("page_size"),
-        py::arg("pages"), py::arg("design") = "home", py::arg("touch") = false,
+  m.def("_raw_map_unmap_seconds_per_page", &raw_map_unmap_seconds_per_page, py::arg("page_size"), py::arg("pages"),
+        py::arg("design") = "home", py::arg("touch") = false,
         "Benchmark floor: the bare system calls that map + unmap one page, in C++, for one host design "
         "('per_page': mmap of a memfd page + PROT_NONE over it; 'anon': MADV_DONTNEED in an anonymous "
         "mapping; 'home': punch the page's hole in a range-long memfd mapping). touch: write each page once.");
@@ -102,13 +102,15 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("allocator_pages", &PoolStats::allocator_pages);
 
   py::class_<PagePool, std::shared_ptr<PagePool>>(m, "PagePool")
-      .def(py::init<std::shared_ptr<Backend>, size_t, size_t>(), py::arg("backend"),
-           py::arg("reserve_pages") = 0, py::arg("create_batch") = 64)
+      .def(py::init<std::shared_ptr<Backend>, size_t, size_t>(), py::arg("backend"), py::arg("reserve_pages") = 0,
+           py::arg("create_batch") = 64)
       .def_property_readonly("backend", &PagePool::backend_ptr)
       .def_property_readonly("page_size", &PagePool::page_size)
-      .def("acquire", [](PagePool& p, size_t n) { return p.acquire(n); }, py::arg("n"))
-      .def("acquire_preferring", [](PagePool& p, const std::vector<PageId>& w) { return p.acquire_preferring(w); },
-           py::arg("wanted"))
+      .def(
+          "acquire", [](PagePool& p, size_t n) { return p.acquire(n); }, py::arg("n"))
+      .def(
+          "acquire_preferring", [](PagePool& p, const std::vector<PageId>& w) { return p.acquire_preferring(w); },
+          py::arg("wanted"))
       .def_property("zero_on_reuse", &PagePool::zero_on_reuse, &PagePool::set_zero_on_reuse)
       .def("zero_pages", &PagePool::zero_pages, py::arg("pages"), py::arg("stream") = 0)
       .def("incref", &PagePool::incref)
@@ -120,19 +122,22 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", &PagePool::stats)
       .def("trim", &PagePool::trim)
       .def("reset_high_water", &PagePool::reset_high_water)
-      .def("copy_page",
-           [](PagePool& p, PageId dst, PageId src, uintptr_t stream) { p.backend().copy_page(dst, src, stream); },
-           py::arg("dst"), py::arg("src"), py::arg("stream") = 0)
-      .def("copy_to_host",
-           [](PagePool& p, PageId src, uintptr_t host, uintptr_t stream) {
-             p.backend().copy_to_host(src, reinterpret_cast<void*>(host), stream);
-           },
-           py::arg("src"), py::arg("host_ptr"), py::arg("stream") = 0)
-      .def("copy_from_host",
-           [](PagePool& p, PageId dst, uintptr_t host, uintptr_t stream) {
-             p.backend().copy_from_host(dst, reinterpret_cast<const void*>(host), stream);
-           },
-           py::arg("dst"), py::arg("host_ptr"), py::arg("stream") = 0);
+      .def(
+          "copy_page",
+          [](PagePool& p, PageId dst, PageId src, uintptr_t stream) { p.backend().copy_page(dst, src, stream); },
+          py::arg("dst"), py::arg("src"), py::arg("stream") = 0)
+      .def(
+          "copy_to_host",
+          [](PagePool& p, PageId src, uintptr_t host, uintptr_t stream) {
+            p.backend().copy_to_host(src, reinterpret_cast<void*>(host), stream);
+          },
+          py::arg("src"), py::arg("host_ptr"), py::arg("stream") = 0)
+      .def(
+          "copy_from_host",
+          [](PagePool& p, PageId dst, uintptr_t host, uintptr_t stream) {
+            p.backend().copy_from_host(dst, reinterpret_cast<const void*>(host), stream);
+          },
+          py::arg("dst"), py::arg("host_ptr"), py::arg("stream") = 0);
 
   py::class_<VirtualRange, std::shared_ptr<VirtualRange>>(m, "VirtualRange")
       .def(py::init<std::shared_ptr<PagePool>, size_t>(), py::arg("pool"), py::arg("bytes"))
@@ -161,13 +166,12 @@ PYBIND11_MODULE(_C, m) {
       .def("pinned_count", &VirtualRange::pinned_count, py::arg("slots"))
       .def(
           "view",
-          [](VirtualRange& r, size_t offset, std::vector<int64_t> shape, std::vector<int64_t> strides,
-             int code, int bits) {
+          [](VirtualRange& r, size_t offset, std::vector<int64_t> shape, std::vector<int64_t> strides, int code,
+             int bits) {
             void* managed = r.make_dlpack(offset, shape, strides, code, bits);
             return py::capsule(managed, "dltensor", &capsule_destructor);
           },
-          py::arg("offset"), py::arg("shape"), py::arg("strides"), py::arg("dtype_code"),
-          py::arg("dtype_bits"),
+          py::arg("offset"), py::arg("shape"), py::arg("strides"), py::arg("dtype_code"), py::arg("dtype_bits"),
           "A DLPack capsule of a tensor over mapped memory of this range (strides in elements).");
 
   register_kernels(m);

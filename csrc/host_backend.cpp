@@ -46,9 +46,7 @@
 namespace vpaged {
 namespace {
 
-std::string errno_text(const char* call, int err) {
-  return std::string(call) + " failed: " + std::strerror(err);
-}
+std::string errno_text(const char* call, int err) { return std::string(call) + " failed: " + std::strerror(err); }
 
 long read_max_map_count() {
   std::ifstream f("/proc/sys/vm/max_map_count");
@@ -79,15 +77,16 @@ std::string address_space_report(size_t asked) {
     prev_end = std::max(prev_end, hi);
   }
   if (top > prev_end) largest = std::max(largest, top - prev_end);
-  std::string out = "reserving " + gib(double(asked)) + " of virtual address space failed: the process can reserve at most " +
-                    gib(double(largest)) + " in one piece (user address space 128 TiB, " + gib(double(mapped)) +
-                    " already mapped";
+  std::string out = "reserving " + gib(double(asked)) +
+                    " of virtual address space failed: the process can reserve at most " + gib(double(largest)) +
+                    " in one piece (user address space 128 TiB, " + gib(double(mapped)) + " already mapped";
   rlimit rl{};
   if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
     out += ", RLIMIT_AS " + gib(double(rl.rlim_cur));
   }
-  return out + "); a cache reserves max_seqs * max_seq_len tokens of every layer up front: lower max_seqs or "
-               "max_seq_len";
+  return out +
+         "); a cache reserves max_seqs * max_seq_len tokens of every layer up front: lower max_seqs or "
+         "max_seq_len";
 }
 
 size_t mapping_count() {
@@ -120,8 +119,8 @@ class HostBackend final : public Backend {
       : page_size_(page_size), capacity_pages_(capacity_pages), next_id_(capacity_pages) {
     const long os_page = sysconf(_SC_PAGESIZE);
     if (page_size == 0 || page_size % static_cast<size_t>(os_page) != 0) {
-      throw InvalidArgument("page_size must be a positive multiple of the OS page size (" +
-                            std::to_string(os_page) + " bytes), got " + std::to_string(page_size));
+      throw InvalidArgument("page_size must be a positive multiple of the OS page size (" + std::to_string(os_page) +
+                            " bytes), got " + std::to_string(page_size));
     }
     if (capacity_pages == 0) throw InvalidArgument("a page pool needs a capacity of at least one page");
     fd_ = memfd_create("vpaged-pool", MFD_CLOEXEC);
@@ -298,7 +297,7 @@ class HostBackend final : public Backend {
   struct Region {
     uintptr_t va;
     size_t slots;
-    PageId base;                  // home page of slot 0
+    PageId base;                   // home page of slot 0
     std::vector<uint8_t> foreign;  // 1 where the slot shows a page other than its home (its own mapping)
   };
 

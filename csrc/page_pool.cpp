@@ -192,8 +192,13 @@ size_t PagePool::free_pages() const {
 PoolStats PagePool::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   const size_t total = backend_->capacity_pages();
-  return PoolStats{backend_->page_size(), total, used_, total - used_, high_water_,
-                   backend_->created_pages(), owned_[static_cast<size_t>(PageOwner::kKVCache)],
+  return PoolStats{backend_->page_size(),
+                   total,
+                   used_,
+                   total - used_,
+                   high_water_,
+                   backend_->created_pages(),
+                   owned_[static_cast<size_t>(PageOwner::kKVCache)],
                    owned_[static_cast<size_t>(PageOwner::kAllocator)]};
 }
 

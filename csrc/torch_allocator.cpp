@@ -170,8 +170,8 @@ AllocatorStats PoolAllocator::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   size_t requested = 0;
   for (const auto& kv : live_) requested += kv.second.size;
-  return AllocatorStats{page_size_, live_.size(), requested, mapped_bytes_, peak_bytes_, mallocs_,
-                        frees_,     failures_,    bad_frees_, max_bytes_};
+  return AllocatorStats{page_size_, live_.size(), requested, mapped_bytes_, peak_bytes_,
+                        mallocs_,   frees_,       failures_, bad_frees_,    max_bytes_};
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ AllocatorStats PoolAllocator::stats() const {
 namespace {
 
 struct DeviceSlot {
-  std::shared_ptr<PoolAllocator> current;                // takes new allocations
+  std::shared_ptr<PoolAllocator> current;               // takes new allocations
   std::vector<std::shared_ptr<PoolAllocator>> retired;  // unbound, still holding live allocations
 };
 
@@ -284,8 +284,8 @@ void* vpaged_torch_malloc(size_t size, int device, void* /*stream: mapping is no
     }
     return a->allocate(size);
   } catch (const std::exception& e) {
-    set_error(std::string("vpaged_torch_malloc(") + std::to_string(size) + " bytes, device " +
-              std::to_string(device) + "): " + e.what());
+    set_error(std::string("vpaged_torch_malloc(") + std::to_string(size) + " bytes, device " + std::to_string(device) +
+              "): " + e.what());
   } catch (...) {
     set_error("vpaged_torch_malloc: unknown error");
   }
@@ -326,7 +326,7 @@ int vpaged_torch_stats(int device, vpaged_torch_stats_t* out) noexcept {
     }
     const vpaged::AllocatorStats s = a->stats();
     *out = vpaged_torch_stats_t{s.page_size, s.segments, s.bytes,    s.mapped_bytes, s.peak_bytes,
-                              s.mallocs,   s.frees,    s.failures, s.bad_frees,    s.max_bytes};
+                                s.mallocs,   s.frees,    s.failures, s.bad_frees,    s.max_bytes};
     return 0;
   } catch (const std::exception& e) {
     set_error(std::string("vpaged_torch_stats: ") + e.what());

@@ -23,15 +23,15 @@ namespace vpaged {
 
 struct AllocatorStats {
   size_t page_size;
-  size_t segments;        // live allocations
-  size_t bytes;           // their requested sizes, summed (what torch counts as reserved)
-  size_t mapped_bytes;    // their pages, summed (bytes rounded up to pages)
-  size_t peak_bytes;      // highest `bytes` since creation
-  size_t mallocs;         // successful allocations
-  size_t frees;           // successful frees
-  size_t failures;        // allocations refused (cap, out of pages, driver failure)
-  size_t bad_frees;       // frees of unknown or already freed pointers, or that failed
-  size_t max_bytes;       // cap on `bytes` (0: none)
+  size_t segments;      // live allocations
+  size_t bytes;         // their requested sizes, summed (what torch counts as reserved)
+  size_t mapped_bytes;  // their pages, summed (bytes rounded up to pages)
+  size_t peak_bytes;    // highest `bytes` since creation
+  size_t mallocs;       // successful allocations
+  size_t frees;         // successful frees
+  size_t failures;      // allocations refused (cap, out of pages, driver failure)
+  size_t bad_frees;     // frees of unknown or already freed pointers, or that failed
+  size_t max_bytes;     // cap on `bytes` (0: none)
 };
 
 class PoolAllocator {
@@ -49,7 +49,7 @@ class PoolAllocator {
   // size given to allocate. An unknown or already freed pointer throws InvalidArgument and is counted;
   // a failed wait or unmap throws and keeps the allocation (it may be freed again later).
   void deallocate(void* ptr, size_t size = 0);
-  bool owns(const void* ptr) const;  // ptr is the start of a live allocation
+  bool owns(const void* ptr) const;      // ptr is the start of a live allocation
   bool contains(const void* ptr) const;  // ptr lies inside a live allocation
   AllocatorStats stats() const;
   size_t live_segments() const;

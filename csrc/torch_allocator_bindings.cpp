@@ -88,11 +88,11 @@ void register_torch_allocator(py::module_& m) {
           "allocate", [](PoolAllocator& a, size_t size) { return reinterpret_cast<uintptr_t>(a.allocate(size)); },
           py::arg("size"), py::call_guard<py::gil_scoped_release>())
       .def(
-          "free", [](PoolAllocator& a, uintptr_t ptr, size_t size) { a.deallocate(reinterpret_cast<void*>(ptr), size); },
+          "free",
+          [](PoolAllocator& a, uintptr_t ptr, size_t size) { a.deallocate(reinterpret_cast<void*>(ptr), size); },
           py::arg("ptr"), py::arg("size") = 0, py::call_guard<py::gil_scoped_release>())
       .def("owns", [](const PoolAllocator& a, uintptr_t ptr) { return a.owns(reinterpret_cast<void*>(ptr)); })
-      .def("contains",
-           [](const PoolAllocator& a, uintptr_t ptr) { return a.contains(reinterpret_cast<void*>(ptr)); })
+      .def("contains", [](const PoolAllocator& a, uintptr_t ptr) { return a.contains(reinterpret_cast<void*>(ptr)); })
       .def("stats", &PoolAllocator::stats)
       .def_property_readonly("live_segments", &PoolAllocator::live_segments)
       .def_property_readonly("max_bytes", &PoolAllocator::max_bytes)

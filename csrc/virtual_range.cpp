@@ -44,8 +44,8 @@ size_t VirtualRange::mapped_slots() const {
 
 void VirtualRange::check_slot(int64_t slot) const {
   if (slot < 0 || static_cast<size_t>(slot) >= slots_) {
-    throw InvalidArgument("page slot " + std::to_string(slot) + " outside the range (" +
-                          std::to_string(slots_) + " slots)");
+    throw InvalidArgument("page slot " + std::to_string(slot) + " outside the range (" + std::to_string(slots_) +
+                          " slots)");
   }
 }
 
@@ -221,8 +221,7 @@ void VirtualRange::unmap_locked(const std::vector<int64_t>& slots) {
 PageId VirtualRange::copy_on_write(int64_t slot, uintptr_t stream) {
   std::lock_guard<std::mutex> lock(mu_);
   check_slot(slot);
-  if (table_[slot] < 0)
-    throw InvalidArgument("copy_on_write: page slot " + std::to_string(slot) + " is not mapped");
+  if (table_[slot] < 0) throw InvalidArgument("copy_on_write: page slot " + std::to_string(slot) + " is not mapped");
   PageId fresh = pool_->acquire_preferring(home_pages({slot}))[0];  // the slot's home page when free
   copy_into_locked(slot, fresh, stream);
   return fresh;
@@ -443,9 +442,8 @@ void delete_view(DLManagedTensor* self) {
 // blocks is shorter than a page no page can fall into it, so the union of the blocks is exactly the pages
 // touched; otherwise (a view over several sequence slots, or heads stored apart) each block is split
 // further. Views over unmapped gaps are thus allowed, and only the pages really read are checked.
-void VirtualRange::collect_spans(size_t offset, const std::vector<int64_t>& shape,
-                                 const std::vector<int64_t>& strides, size_t dim, size_t itemsize,
-                                 std::vector<std::pair<size_t, size_t>>& out) const {
+void VirtualRange::collect_spans(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                                 size_t dim, size_t itemsize, std::vector<std::pair<size_t, size_t>>& out) const {
   // Every product and sum is checked: a view is refused, never wrapped around, whatever shape it asks for.
   auto mul = [](size_t a, size_t b) {
     size_t r;
@@ -471,13 +469,14 @@ void VirtualRange::collect_spans(size_t offset, const std::vector<int64_t>& shap
   for (size_t b = 0; b < blocks; ++b) collect_spans(offset + b * step, shape, strides, dim + 1, itemsize, out);
 }
 
-void* VirtualRange::make_dlpack(size_t offset, const std::vector<int64_t>& shape,
-                                const std::vector<int64_t>& strides, int dtype_code, int dtype_bits) {
+void* VirtualRange::make_dlpack(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                                int dtype_code, int dtype_bits) {
   if (shape.size() != strides.size()) throw InvalidArgument("view: shape and strides differ in length");
   if (shape.empty()) throw InvalidArgument("view: at least one dimension is needed");
   if (!pool_->backend().addressable()) {
-    throw InvalidArgument("view: this range is on the accounting backend, which counts pages but holds no "
-                          "memory; use a host or CUDA pool to read or write K/V");
+    throw InvalidArgument(
+        "view: this range is on the accounting backend, which counts pages but holds no "
+        "memory; use a host or CUDA pool to read or write K/V");
   }
   const size_t itemsize = static_cast<size_t>(dtype_bits) / 8;
   if (itemsize == 0 || dtype_bits % 8 != 0) throw InvalidArgument("view: unsupported dtype width");

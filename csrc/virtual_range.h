@@ -64,7 +64,7 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   // Reference counts of the pages behind the slots (0 where unmapped).
   std::vector<int32_t> refcounts_at(const std::vector<int64_t>& slots) const;
 
-  PageId page_at(int64_t slot) const;           // -1 when unmapped
+  PageId page_at(int64_t slot) const;  // -1 when unmapped
   std::vector<PageId> pages_at(const std::vector<int64_t>& slots) const;
   int32_t pins_at(int64_t slot) const;
   // True when every byte of [offset, offset + len) lies in mapped slots.
@@ -91,8 +91,8 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
 
  private:
   void check_slot(int64_t slot) const;
-  void collect_spans(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
-                     size_t dim, size_t itemsize, std::vector<std::pair<size_t, size_t>>& out) const;
+  void collect_spans(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides, size_t dim,
+                     size_t itemsize, std::vector<std::pair<size_t, size_t>>& out) const;
   void unmap_locked(const std::vector<int64_t>& slots);
   // The listed slots whose page is shared, and (in *copies) how many copies make_private needs for them.
   std::vector<int64_t> shared_slots_locked(const std::vector<int64_t>& slots, size_t* copies) const;

@@ -5,7 +5,8 @@
 #   scripts/lint.sh          check
 #   scripts/lint.sh --fix    apply ruff's fixes and both formatters instead
 #
-# ruff and clang-format come from PyPI into the venv (.venv, or $VPAGED_VENV) when they are missing there.
+# ruff and clang-format (pinned: formatting must not change with a new release) come from PyPI into the venv
+# (.venv, or $VPAGED_VENV) when they are missing there.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VPAGED_VENV:-$ROOT/.venv}"
@@ -15,7 +16,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 if [ ! -x "$VENV/bin/ruff" ] || [ ! -x "$VENV/bin/clang-format" ]; then
   echo "==> installing ruff and clang-format into $VENV"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check ruff clang-format
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "ruff==0.17.6" "clang-format==23.1.5"
 fi
 RUFF="$VENV/bin/ruff"
 CLANG_FORMAT="$VENV/bin/clang-format"

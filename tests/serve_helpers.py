@@ -1,16 +1,21 @@
 """Helpers of the server and CLI tests: a random-weight model saved with a small local tokenizer (no network),
 and a greedy reference from transformers' own generate()."""
+
 from __future__ import annotations
 
 import torch
 
-WORDS = ("the a an of to in on with and or but if then so because cat dog bird fish tree house river stone "
-         "light dark red blue green small large quick slow old new runs jumps sees eats finds makes holds "
-         "gives takes sleeps sings over under near far here there now later today always never").split()
+WORDS = (
+    "the a an of to in on with and or but if then so because cat dog bird fish tree house river stone "
+    "light dark red blue green small large quick slow old new runs jumps sees eats finds makes holds "
+    "gives takes sleeps sings over under near far here there now later today always never"
+).split()
 
 # Renders a conversation as plain words the word-level tokenizer knows ("user : hello dog assistant :").
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}assistant :{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
 
 
 def word_tokenizer(vocab_size: int, chat_template: str | None = CHAT_TEMPLATE):
@@ -26,8 +31,9 @@ def word_tokenizer(vocab_size: int, chat_template: str | None = CHAT_TEMPLATE):
     names = names[:vocab_size]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(names)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                  pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
     if chat_template is not None:
         fast.chat_template = chat_template
     return fast

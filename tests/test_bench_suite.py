@@ -1,4 +1,5 @@
 """`vpaged bench`: runs the benchmark scripts, reads their JSON back, compares against the baselines."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,8 @@ def _fake_suite(tmp_path, mapping_us, fail_sharing=False):
     bench.mkdir(parents=True)
     (bench / "common.py").write_text("")
     raw, vp = mapping_us
-    (bench / "bench_mapping.py").write_text(textwrap.dedent(f"""
+    (bench / "bench_mapping.py").write_text(
+        textwrap.dedent(f"""
         import json, os, sys
         assert sys.argv[1:] == ["--quick"], sys.argv
         out = os.environ["VPAGED_RESULTS_DIR"]
@@ -25,9 +27,11 @@ def _fake_suite(tmp_path, mapping_us, fail_sharing=False):
                  "extend_256": {{"extend_many_us": 90.0, "extend_loop_us": 270.0}}}}
         open(os.path.join(out, "mapping_cpu.json"), "w").write(json.dumps(data))
         print("mapping done")
-    """))
-    (bench / "bench_sharing.py").write_text("import sys; print('boom'); sys.exit(3)\n" if fail_sharing else
-                                            "print('no json written')\n")
+    """)
+    )
+    (bench / "bench_sharing.py").write_text(
+        "import sys; print('boom'); sys.exit(3)\n" if fail_sharing else "print('no json written')\n"
+    )
     return bench
 
 
@@ -39,8 +43,14 @@ def test_bench_runs_scripts_and_compares(tmp_path, capsys):
     assert rc == 0
     data = json.loads((out / "bench.json").read_text())
     assert data["machine"]["cores"] >= 1 and "torch" in data["machine"]
-    assert data["benchmarks"] == [{"name": "mapping", "status": "ok", "seconds": data["benchmarks"][0]["seconds"],
-                                   "log": str(out / "logs" / "mapping.log")}]
+    assert data["benchmarks"] == [
+        {
+            "name": "mapping",
+            "status": "ok",
+            "seconds": data["benchmarks"][0]["seconds"],
+            "log": str(out / "logs" / "mapping.log"),
+        }
+    ]
     first = data["comparisons"][0]
     assert first["vpaged"] == pytest.approx(vp) and first["baseline"] == pytest.approx(raw)
     assert first["ratio"] == pytest.approx(vp / raw)
@@ -53,22 +63,28 @@ def test_bench_runs_scripts_and_compares(tmp_path, capsys):
 def test_bench_reports_failed_and_silent_scripts(tmp_path):
     bench = _fake_suite(tmp_path, (1.0, 1.2), fail_sharing=True)
     out = tmp_path / "out"
-    assert cli_main(["bench", "--only", "mapping,sharing", "--benchmarks", str(bench), "--out", str(out),
-                     "--quick"]) == 1
+    assert (
+        cli_main(["bench", "--only", "mapping,sharing", "--benchmarks", str(bench), "--out", str(out), "--quick"]) == 1
+    )
     status = {b["name"]: b["status"] for b in json.loads((out / "bench.json").read_text())["benchmarks"]}
     assert status == {"mapping": "ok", "sharing": "failed (exit 3)"}
     bench2 = _fake_suite(tmp_path / "b", (1.0, 1.2))
-    assert cli_main(["bench", "--only", "sharing", "--benchmarks", str(bench2), "--out", str(tmp_path / "o2"),
-                     "--quick"]) == 1
+    assert (
+        cli_main(["bench", "--only", "sharing", "--benchmarks", str(bench2), "--out", str(tmp_path / "o2"), "--quick"])
+        == 1
+    )
     status = json.loads((tmp_path / "o2" / "bench.json").read_text())["benchmarks"][0]["status"]
     assert status.startswith("no results")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--only", "mapping,warp"], "unknown benchmark(s) warp"),
-    (["--benchmarks", "/nonexistent"], "no benchmark scripts at /nonexistent"),
-    (["--timeout", "0"], "--timeout must be positive"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--only", "mapping,warp"], "unknown benchmark(s) warp"),
+        (["--benchmarks", "/nonexistent"], "no benchmark scripts at /nonexistent"),
+        (["--timeout", "0"], "--timeout must be positive"),
+    ],
+)
 def test_bench_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["bench", *argv])

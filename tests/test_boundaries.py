@@ -5,6 +5,7 @@ methods (PagePool.incref, PagePool.register, ...) instead. Checked on the source
 is not self/cls, and every `from .module import _name`, must name something the same module defines.
 Private modules (vpaged._C, vpaged._checks, vpaged._dtypes) are package-internal and may be imported.
 """
+
 import ast
 from pathlib import Path
 
@@ -69,11 +70,18 @@ def test_no_module_touches_another_modules_private_names(path):
 
 def test_the_check_finds_a_reach_into_another_module(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f(cache, pool):\n    cache._check_layer(0)\n    return pool._pool.incref(1)\n"
-                   "from .pool import _default_pools\n")
-    assert sorted(foreign_private_uses(bad)) == ["bad.py:2: ._check_layer", "bad.py:3: ._pool",
-                                                 "bad.py:4: import _default_pools"]
+    bad.write_text(
+        "def f(cache, pool):\n    cache._check_layer(0)\n    return pool._pool.incref(1)\n"
+        "from .pool import _default_pools\n"
+    )
+    assert sorted(foreign_private_uses(bad)) == [
+        "bad.py:2: ._check_layer",
+        "bad.py:3: ._pool",
+        "bad.py:4: import _default_pools",
+    ]
     good = tmp_path / "good.py"
-    good.write_text("class A:\n    def __init__(self):\n        self._x = 1\n\n    def same(self, other):\n"
-                    "        return other._x + self._x\n")
+    good.write_text(
+        "class A:\n    def __init__(self):\n        self._x = 1\n\n    def same(self, other):\n"
+        "        return other._x + self._x\n"
+    )
     assert foreign_private_uses(good) == []

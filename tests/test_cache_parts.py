@@ -1,5 +1,6 @@
 """The pieces VirtualKVCache is built from, each on its own: SlotTable, PrefixIndex (page references),
 SwapSpace.save/restore, KVGeometry, the PagePool's page operations and the Reclaimable protocol."""
+
 import random
 
 import pytest
@@ -96,7 +97,7 @@ def test_prefix_index_owns_the_references_of_its_pages(rng):
     tokens = torch.randint(0, 1000, (12,), generator=rng).tolist()
     keys = index.keys(tokens)
     for depth, (key, block) in enumerate(keys):
-        assert index.insert(key, depth, block, pages[2 * depth:2 * depth + 2])
+        assert index.insert(key, depth, block, pages[2 * depth : 2 * depth + 2])
     assert not index.insert(keys[0][0], 0, keys[0][1], pages[:2])  # taken: no reference taken
     assert [pool.refcount(p) for p in pages] == [2] * 6 and index.pages == 6
     assert [b.depth for b in index.match(tokens + [1, 2])] == [0, 1, 2]

@@ -1,4 +1,5 @@
 """The `vpaged` command."""
+
 import json
 import subprocess
 import sys
@@ -23,8 +24,9 @@ def test_demo_under_a_tight_budget_defers_instead_of_failing():
 
 
 def test_console_entry_point_runs_the_demo_table():
-    out = subprocess.run([sys.executable, "-m", "vpaged.cli", "demo", "--steps", "100"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "vpaged.cli", "demo", "--steps", "100"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "static" in out.stdout and "utilization" in out.stdout
 

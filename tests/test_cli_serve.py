@@ -1,4 +1,5 @@
 """`vpaged generate`, `vpaged serve` and `vpaged bench-serve` end to end (tiny random-weight models, fp32)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,6 @@ import time
 
 import pytest
 import torch
-
 from serve_helpers import WORDS, assert_greedy_matches, save_model_with_tokenizer
 
 from vpaged.cli import main
@@ -84,9 +84,29 @@ def test_generate_bad_input_is_a_clear_error(capsys):
 
 def test_bench_serve_json(tmp_path, capsys):
     out_file = tmp_path / "bench.json"
-    assert main(["bench-serve", "random:llama-tiny", "--num-requests", "6", "--min-prompt", "4", "--max-prompt", "40",
-                 "--max-tokens", "5", "--kv-budget-mib", "16", "--json", "--no-progress",
-                 "--output", str(out_file)]) == 0
+    assert (
+        main(
+            [
+                "bench-serve",
+                "random:llama-tiny",
+                "--num-requests",
+                "6",
+                "--min-prompt",
+                "4",
+                "--max-prompt",
+                "40",
+                "--max-tokens",
+                "5",
+                "--kv-budget-mib",
+                "16",
+                "--json",
+                "--no-progress",
+                "--output",
+                str(out_file),
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert json.loads(out_file.read_text()) == report
     r = report["result"]
@@ -95,9 +115,29 @@ def test_bench_serve_json(tmp_path, capsys):
     assert r["output_tokens_per_s"] > 0 and r["peak_kv_bytes"] > 0 and 1 <= r["peak_running"] <= 6
     assert r["ttft_p50"] <= r["ttft_p99"]
     # Poisson arrivals and a shared prefix
-    assert main(["bench-serve", "random:llama-tiny", "--num-requests", "4", "--min-prompt", "4", "--max-prompt", "8",
-                 "--shared-prefix", "64", "--max-tokens", "3", "--request-rate", "50", "--json",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "bench-serve",
+                "random:llama-tiny",
+                "--num-requests",
+                "4",
+                "--min-prompt",
+                "4",
+                "--max-prompt",
+                "8",
+                "--shared-prefix",
+                "64",
+                "--max-tokens",
+                "3",
+                "--request-rate",
+                "50",
+                "--json",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     r = json.loads(capsys.readouterr().out)["result"]
     assert r["output_tokens"] == 12 and r["prompt_tokens"] >= 4 * 68
 
@@ -106,10 +146,29 @@ def test_serve_subprocess_answers_openai_client(model_dir):
     openai = pytest.importorskip("openai")
     path, model, tok = model_dir
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "vpaged.cli", "serve", str(path), "--port", "0",
-                             "--served-model-name", "tiny", "--kv-budget-mib", "16", "--log-level", "warning",
-                             "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vpaged.cli",
+            "serve",
+            str(path),
+            "--port",
+            "0",
+            "--served-model-name",
+            "tiny",
+            "--kv-budget-mib",
+            "16",
+            "--log-level",
+            "warning",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
     try:
@@ -122,18 +181,60 @@ def test_serve_subprocess_answers_openai_client(model_dir):
         url = line.split(" at ")[1].split()[0]
         assert url.startswith("http://127.0.0.1:")
         with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=TIMEOUT) as client:
-            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the cat"}],
-                                               max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+            r = client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "the cat"}],
+                max_tokens=5,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
-            text = "".join(c.choices[0].text for c in client.completions.create(
-                model="tiny", prompt="a dog", max_tokens=5, temperature=0, stream=True,
-                extra_body={"ignore_eos": True}) if c.choices)
-            assert text == client.completions.create(model="tiny", prompt="a dog", max_tokens=5, temperature=0,
-                                                     extra_body={"ignore_eos": True}).choices[0].text
+            text = "".join(
+                c.choices[0].text
+                for c in client.completions.create(
+                    model="tiny",
+                    prompt="a dog",
+                    max_tokens=5,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                if c.choices
+            )
+            assert (
+                text
+                == client.completions.create(
+                    model="tiny", prompt="a dog", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+                )
+                .choices[0]
+                .text
+            )
         # bench-serve against the running server, over HTTP
-        bench = subprocess.run([sys.executable, "-m", "vpaged.cli", "bench-serve", "--url", url, "--num-requests", "5",
-                                "--min-prompt", "3", "--max-prompt", "20", "--max-tokens", "4", "--vocab", "100",
-                                "--json", "--no-progress"], capture_output=True, text=True, timeout=TIMEOUT)
+        bench = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "vpaged.cli",
+                "bench-serve",
+                "--url",
+                url,
+                "--num-requests",
+                "5",
+                "--min-prompt",
+                "3",
+                "--max-prompt",
+                "20",
+                "--max-tokens",
+                "4",
+                "--vocab",
+                "100",
+                "--json",
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
         assert bench.returncode == 0, bench.stderr
         r = json.loads(bench.stdout)["result"]
         assert r["requests"] == 5 and r["output_tokens"] == 20 and r["finish_reasons"] == {"length": 5}

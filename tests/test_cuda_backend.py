@@ -6,6 +6,7 @@ unmarked tests run everywhere and check that a machine without CUDA gets a clean
 Independent oracles on a GPU: cuda-python's driver bindings (granularity) and torch (reads and writes
 through DLPack views), each skipped when not installed.
 """
+
 import ast
 import gc
 import glob
@@ -118,7 +119,8 @@ def test_granularity_matches_cuda_python(gran):
         prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = DEVICE
         err, expected = driver.cuMemGetAllocationGranularity(
-            prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+            prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        )
     finally:
         driver.cuCtxPopCurrent()
         driver.cuDevicePrimaryCtxRelease(dev)
@@ -205,7 +207,7 @@ def test_kernel_reads_across_page_boundaries(torch_cuda):
     assert torch.equal(t.clone(), data)
     per_page = gran // 4
     for i, p in enumerate(pages):
-        expect = data[i * per_page:(i + 1) * per_page].cpu().numpy().view(np.uint8)
+        expect = data[i * per_page : (i + 1) * per_page].cpu().numpy().view(np.uint8)
         assert np.array_equal(page_bytes(pool, p), expect)
 
 

@@ -22,6 +22,7 @@ Device pointers under the fake are host addresses, so checks read and write page
 (DLPack kDLCUDA) need a CUDA build of torch, so VirtualKVCache is checked here for its bookkeeping and
 driver calls only; tests/test_cuda_backend.py (marked gpu) covers data through torch on a real device.
 """
+
 import ast
 import ctypes
 import faulthandler
@@ -45,8 +46,13 @@ import torch
 
 import vpaged
 import vpaged._C as C
-from vpaged.errors import (BackendError, BackendUnavailableError, InvalidArgumentError, MappingLimitError,
-                           OutOfPagesError)
+from vpaged.errors import (
+    BackendError,
+    BackendUnavailableError,
+    InvalidArgumentError,
+    MappingLimitError,
+    OutOfPagesError,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_SOURCE = Path(__file__).resolve().parent / "fake_cuda" / "fake_libcuda.cpp"
@@ -60,13 +66,40 @@ CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1
 KDL_UINT = 1
 
 ENTRY_POINTS = (
-    "cuGetProcAddress", "cuGetErrorName", "cuGetErrorString", "cuInit", "cuDeviceGetCount", "cuDeviceGet",
-    "cuDeviceGetAttribute", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease", "cuCtxGetCurrent",
-    "cuCtxPushCurrent", "cuCtxPopCurrent", "cuMemGetAllocationGranularity", "cuMemCreate", "cuMemRelease",
-    "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
-    "cuMemcpyDtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync", "cuStreamSynchronize")
-VMM_CALLS = ("cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap", "cuMemUnmap",
-             "cuMemSetAccess")
+    "cuGetProcAddress",
+    "cuGetErrorName",
+    "cuGetErrorString",
+    "cuInit",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetAttribute",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease",
+    "cuCtxGetCurrent",
+    "cuCtxPushCurrent",
+    "cuCtxPopCurrent",
+    "cuMemGetAllocationGranularity",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuMemcpyDtoDAsync",
+    "cuMemcpyDtoHAsync",
+    "cuMemcpyHtoDAsync",
+    "cuStreamSynchronize",
+)
+VMM_CALLS = (
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+)
 COPY_CALLS = ("cuMemcpyDtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync", "cuStreamSynchronize")
 LIVE_OBJECTS = ("allocations", "mappings", "reservations", "primary_refs", "context_depth")
 
@@ -284,7 +317,7 @@ def _run_check_in_child(name: str) -> dict:
             sys.stderr.flush()
             data = json.dumps(outcome).encode()
             while data:
-                data = data[os.write(write_end, data):]
+                data = data[os.write(write_end, data) :]
             os._exit(0)
         os.close(write_end)
         chunks = []
@@ -298,8 +331,11 @@ def _run_check_in_child(name: str) -> dict:
         result = json.loads(b"".join(chunks))
     elif os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        what = (f"timed out after {CHECK_TIMEOUT_S} s" if sig == signal.SIGALRM
-                else f"was killed by {signal.Signals(sig).name}")
+        what = (
+            f"timed out after {CHECK_TIMEOUT_S} s"
+            if sig == signal.SIGALRM
+            else f"was killed by {signal.Signals(sig).name}"
+        )
         result = {"status": "crashed", "error": f"the check's process {what}"}
     else:
         code = os.waitstatus_to_exitcode(status)
@@ -340,15 +376,29 @@ def fake_driver_dir(tmp_path_factory) -> Path:
         pytest.skip("vpaged._C was built without CUDA: there is no CUDA backend to check")
     home = cuda_home_found_by_setup()
     if home is None or not (Path(home) / "include" / "cuda.h").is_file():
-        pytest.skip("no CUDA home with bin/nvcc and include/cuda.h (found as setup.py finds it): "
-                    "cannot compile the fake driver")
+        pytest.skip(
+            "no CUDA home with bin/nvcc and include/cuda.h (found as setup.py finds it): cannot compile the fake driver"
+        )
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("g++ not found: cannot compile the fake driver")
     out = tmp_path_factory.mktemp("fake_cuda")
-    cmd = [cxx, "-std=c++17", "-O0", "-g", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra",
-           f"-I{Path(home) / 'include'}", str(FAKE_SOURCE), "-Wl,-soname,libcuda.so.1", "-o",
-           str(out / "libcuda.so.1")]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-O0",
+        "-g",
+        "-shared",
+        "-fPIC",
+        "-fvisibility=hidden",
+        "-Wall",
+        "-Wextra",
+        f"-I{Path(home) / 'include'}",
+        str(FAKE_SOURCE),
+        "-Wl,-soname,libcuda.so.1",
+        "-o",
+        str(out / "libcuda.so.1"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
         pytest.fail(f"compiling the fake driver failed:\n{' '.join(cmd)}\n{proc.stderr}", pytrace=False)
@@ -359,8 +409,11 @@ def fake_driver_dir(tmp_path_factory) -> Path:
 def fake_driver_results(request, fake_driver_dir) -> dict:
     """Outcome of every selected check: {name: {status, error?, output}}."""
     this_file = Path(__file__).resolve()
-    names = [item.name for item in request.session.items
-             if item.name in CHECKS and Path(str(item.fspath)).resolve() == this_file]
+    names = [
+        item.name
+        for item in request.session.items
+        if item.name in CHECKS and Path(str(item.fspath)).resolve() == this_file
+    ]
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(fake_driver_dir), env.get("LD_LIBRARY_PATH")) if p)
     # The child imports the same vpaged as this process.
@@ -369,11 +422,18 @@ def fake_driver_results(request, fake_driver_dir) -> dict:
     env.pop("CUDA_VISIBLE_DEVICES", None)
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "results.json"
-        proc = subprocess.run([sys.executable, str(this_file), str(result_path), *names], env=env, cwd=str(ROOT),
-                              capture_output=True, text=True, timeout=60 + 5 * len(names))
+        proc = subprocess.run(
+            [sys.executable, str(this_file), str(result_path), *names],
+            env=env,
+            cwd=str(ROOT),
+            capture_output=True,
+            text=True,
+            timeout=60 + 5 * len(names),
+        )
         if proc.returncode != 0 or not result_path.is_file():
-            pytest.fail(f"the fake-driver runner failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}",
-                        pytrace=False)
+            pytest.fail(
+                f"the fake-driver runner failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}", pytrace=False
+            )
         return json.loads(result_path.read_text())
 
 
@@ -496,7 +556,10 @@ def test_pool_creates_pages_ahead_in_batches(drv, rng):
     r.map_new([0, 1, 2, 3])  # 3 pages exist: the pool creates a batch of 4
     assert backend.created_pages == 7
     assert drv.calls_since(before, "cuMemCreate", "cuMemMap", "cuMemSetAccess") == {
-        "cuMemCreate": 4, "cuMemMap": 4 + 4, "cuMemSetAccess": 1 + 1}  # window batch, then the range's run
+        "cuMemCreate": 4,
+        "cuMemMap": 4 + 4,
+        "cuMemSetAccess": 1 + 1,
+    }  # window batch, then the range's run
     r.map_new([4, 5, 6, 7])  # 3 free: a batch of 4 would pass the capacity, so 3
     assert backend.created_pages == 10
     before = drv.snapshot()
@@ -556,7 +619,11 @@ def test_copies_round_trip_through_the_pool_window(drv, rng):
     backend.synchronize(0)
     assert np.array_equal(out, src)
     assert drv.calls_since(before, *COPY_CALLS) == {
-        "cuMemcpyHtoDAsync": 1, "cuMemcpyDtoDAsync": 1, "cuMemcpyDtoHAsync": 1, "cuStreamSynchronize": 1}
+        "cuMemcpyHtoDAsync": 1,
+        "cuMemcpyDtoDAsync": 1,
+        "cuMemcpyDtoHAsync": 1,
+        "cuStreamSynchronize": 1,
+    }
     r = C.VirtualRange(pool, g)
     r.map_shared([0], [b])  # the copy landed in the page: seen at a range's address too
     assert np.array_equal(host_bytes(r.address, g), src)
@@ -593,7 +660,11 @@ def test_copy_on_write_gives_the_slot_a_private_copy(drv, rng):
     assert (pool.refcount(page), pool.refcount(fresh), pool.stats().used_pages) == (1, 1, used + 1)
     assert (backend.map_calls - m, backend.unmap_calls - u) == (2, 1)
     assert drv.calls_since(before, "cuMemcpyDtoDAsync", "cuMemUnmap", "cuMemMap", "cuMemSetAccess") == {
-        "cuMemcpyDtoDAsync": 1, "cuMemUnmap": 1, "cuMemMap": 1, "cuMemSetAccess": 1}
+        "cuMemcpyDtoDAsync": 1,
+        "cuMemUnmap": 1,
+        "cuMemMap": 1,
+        "cuMemSetAccess": 1,
+    }
     slot0, slot1 = host_bytes(r.address, g), host_bytes(r.address + g, g)
     assert np.array_equal(slot1, data)
     slot1[:] = random_bytes(rng, g)  # writing the copy leaves the original alone
@@ -638,8 +709,13 @@ def test_map_new_is_all_or_nothing(drv, rng):
     r = C.VirtualRange(pool, 8 * g)
 
     def state():
-        return (pool.stats().used_pages, r.mapped_slots, r.pages_at(list(range(8))), drv.live("mappings"),
-                [protection(r.address + s * g) for s in range(8)])
+        return (
+            pool.stats().used_pages,
+            r.mapped_slots,
+            r.pages_at(list(range(8))),
+            drv.live("mappings"),
+            [protection(r.address + s * g) for s in range(8)],
+        )
 
     before = state()
     drv.fail("cuMemMap", skip=2)  # the third page of the run
@@ -658,7 +734,7 @@ def test_map_new_is_all_or_nothing(drv, rng):
     data = random_bytes(rng, 4 * g)
     host_bytes(r.address, 4 * g)[:] = data
     for i, p in enumerate(pages):
-        assert np.array_equal(page_contents(pool, p), data[i * g:(i + 1) * g])
+        assert np.array_equal(page_contents(pool, p), data[i * g : (i + 1) * g])
     assert drv.live("mappings") == 8 + 4
 
 
@@ -696,8 +772,15 @@ def test_out_of_device_memory_raises_out_of_pages_and_changes_nothing(drv, rng):
 
     def state():
         s = pool.stats()
-        return (s.used_pages, s.free_pages, s.created_pages, r.mapped_slots, r.pages_at(list(range(16))),
-                drv.live("mappings"), drv.live("allocations"))
+        return (
+            s.used_pages,
+            s.free_pages,
+            s.created_pages,
+            r.mapped_slots,
+            r.pages_at(list(range(16))),
+            drv.live("mappings"),
+            drv.live("allocations"),
+        )
 
     before = state()
     with pytest.raises(OutOfPagesError, match="no memory for another page"):
@@ -751,7 +834,11 @@ def test_one_set_access_per_run_and_one_unmap_per_run(drv, rng):
     m0, u0 = backend.map_calls, backend.unmap_calls
     r.map_new([0, 1, 2, 3, 4])
     assert drv.calls_since(before, *VMM_CALLS) == {
-        "cuMemAddressReserve": 2, "cuMemCreate": 8, "cuMemMap": 8 + 5, "cuMemSetAccess": 1 + 1}
+        "cuMemAddressReserve": 2,
+        "cuMemCreate": 8,
+        "cuMemMap": 8 + 5,
+        "cuMemSetAccess": 1 + 1,
+    }
     assert backend.map_calls - m0 == 5 + 1  # pool-window mappings are not counted
     before = drv.snapshot()
     r.map_new([8, 9, 11])  # two runs: 8-9 and 11
@@ -844,8 +931,13 @@ def test_teardown_releases_every_driver_object(drv, rng):
     r2.map_shared([1, 3], [pages[0], pages[2]])
     r2.map_new([0])
     view = r2.view(0, [g], [1], KDL_UINT, 8)  # a DLPack capsule: keeps r2 alive
-    assert drv.live_objects() == {"allocations": 4, "mappings": 4 + 3 + 3, "reservations": 3, "primary_refs": 1,
-                                  "context_depth": 0}
+    assert drv.live_objects() == {
+        "allocations": 4,
+        "mappings": 4 + 3 + 3,
+        "reservations": 3,
+        "primary_refs": 1,
+        "context_depth": 0,
+    }
     del backend, pool  # the ranges keep pool and backend alive
     gc.collect()
     assert drv.live("allocations") == 4 and drv.live("primary_refs") == 1
@@ -860,8 +952,14 @@ def test_teardown_releases_every_driver_object(drv, rng):
     assert drv.live_objects() == dict.fromkeys(LIVE_OBJECTS, 0)
 
     # A backend whose construction fails part way leaves nothing behind either.
-    for call, skip in (("cuDevicePrimaryCtxRetain", 0), ("cuMemGetAllocationGranularity", 0),
-                       ("cuMemAddressReserve", 0), ("cuMemCreate", 1), ("cuMemMap", 1), ("cuMemSetAccess", 0)):
+    for call, skip in (
+        ("cuDevicePrimaryCtxRetain", 0),
+        ("cuMemGetAllocationGranularity", 0),
+        ("cuMemAddressReserve", 0),
+        ("cuMemCreate", 1),
+        ("cuMemMap", 1),
+        ("cuMemSetAccess", 0),
+    ):
         drv.fail(call, skip)
         with pytest.raises(BackendError, match=call):
             C.cuda_backend(0, g, 8, 3)
@@ -888,8 +986,9 @@ def test_virtual_kv_cache_steady_state_makes_no_driver_calls(drv, rng):
     g = drv.granularity
     torch.cuda.current_stream = lambda device=None: CurrentStream()  # this child process only
     # 8 heads x 128 x bf16: 1,024 tokens per page and region; 2 layers x K/V = 4 regions.
-    cache = vpaged.VirtualKVCache(2, 8, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=4096, device="cuda",
-                                  capacity_bytes=64 * g)
+    cache = vpaged.VirtualKVCache(
+        2, 8, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=4096, device="cuda", capacity_bytes=64 * g
+    )
     assert cache.layout.tokens_per_page == 1024
     backend = cache.pool.backend
     prefill = int(rng.integers(925, 1000))  # + 100 decode steps crosses 1,024 tokens
@@ -914,8 +1013,9 @@ def test_virtual_kv_cache_steady_state_makes_no_driver_calls(drv, rng):
 
     # A second cache on the same pool takes the first one's dormant pages back (waiting on the stream
     # before the first unmap), then runs out cleanly.
-    other = vpaged.VirtualKVCache(2, 8, 128, dtype=torch.bfloat16, max_seqs=5, max_seq_len=4096, device="cuda",
-                                  pool=cache.pool)
+    other = vpaged.VirtualKVCache(
+        2, 8, 128, dtype=torch.bfloat16, max_seqs=5, max_seq_len=4096, device="cuda", pool=cache.pool
+    )
     seqs = [other.allocate() for _ in range(4)]
     unmaps = drv.calls("cuMemUnmap")
     drv.fail("cuStreamSynchronize")  # the wait comes first: when it fails, nothing has been unmapped
@@ -944,8 +1044,10 @@ def test_device_out_of_memory_reclaims_dormant_pages_first(drv, rng):
     torch.cuda.current_stream = lambda device=None: CurrentStream()  # this child process only
     drv.set_memory_limit(32 * g)  # the device holds half of what the pool may use
     pool = vpaged.PagePool("cuda", capacity_pages=64)
-    first, second = (vpaged.VirtualKVCache(2, 8, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=4096,
-                                           device="cuda", pool=pool) for _ in range(2))
+    first, second = (
+        vpaged.VirtualKVCache(2, 8, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=4096, device="cuda", pool=pool)
+        for _ in range(2)
+    )
     seqs = [first.allocate() for _ in range(4)]
     first.extend_many(seqs, 2048)  # 4 sequences x 4 regions x 2 pages: all the device memory
     for s in seqs:
@@ -979,8 +1081,17 @@ def test_failed_swap_in_waits_for_its_copies_before_unmapping(drv, rng):
     copy as a violation, which the runner refuses)."""
     g = drv.granularity
     torch.cuda.current_stream = lambda device=None: CurrentStream()  # this child process only
-    cache = vpaged.VirtualKVCache(1, 8, 128, dtype=torch.bfloat16, max_seqs=2, max_seq_len=4096, device="cuda",
-                                  capacity_bytes=16 * g, swap_bytes=8 * g)
+    cache = vpaged.VirtualKVCache(
+        1,
+        8,
+        128,
+        dtype=torch.bfloat16,
+        max_seqs=2,
+        max_seq_len=4096,
+        device="cuda",
+        capacity_bytes=16 * g,
+        swap_bytes=8 * g,
+    )
     seq = cache.allocate()
     cache.extend(seq, int(rng.integers(1025, 4096)))  # 2 to 4 pages in each of the 2 regions
     swapped = cache.swap_out(seq) // g
@@ -1075,8 +1186,17 @@ def test_cache_waits_for_its_streams_before_unmapping(drv, rng):
     current, side = FakeTorchStream(drv), FakeTorchStream(drv)
     torch.cuda.current_stream = lambda device=None: current  # this child process only
     # interleaved: one run of pages per sequence, so a truncate is one cuMemUnmap
-    cache = vpaged.VirtualKVCache(1, 2, 128, dtype=torch.float32, max_seqs=4, max_seq_len=8192, device="cuda",
-                                  capacity_bytes=64 * g, layout="interleaved")
+    cache = vpaged.VirtualKVCache(
+        1,
+        2,
+        128,
+        dtype=torch.float32,
+        max_seqs=4,
+        max_seq_len=8192,
+        device="cuda",
+        capacity_bytes=64 * g,
+        layout="interleaved",
+    )
     cache.use_stream(side)
     lay = cache.layout
     seqs = [cache.allocate() for _ in range(3)]

@@ -4,6 +4,7 @@ They skip with the reason where CUDA is unusable (no driver, no device, built wi
 CUDA); scripts/gpu_check.sh runs them on a lent GPU. The references are ordinary torch CUDA tensors holding
 the same data, cloned out of the cache before anything changes it.
 """
+
 import gc
 import os
 
@@ -30,10 +31,21 @@ def gen():
     return g
 
 
-def make(layout="per_layer", dtype=torch.bfloat16, pages=64, layers=2, heads=2, dim=128, max_seqs=8,
-         max_len=16384, **kw):
-    return vpaged.VirtualKVCache(layers, heads, dim, dtype=dtype, max_seqs=max_seqs, max_seq_len=max_len,
-                                 device=DEV, capacity_bytes=pages * GRAN, layout=layout, **kw)
+def make(
+    layout="per_layer", dtype=torch.bfloat16, pages=64, layers=2, heads=2, dim=128, max_seqs=8, max_len=16384, **kw
+):
+    return vpaged.VirtualKVCache(
+        layers,
+        heads,
+        dim,
+        dtype=dtype,
+        max_seqs=max_seqs,
+        max_seq_len=max_len,
+        device=DEV,
+        capacity_bytes=pages * GRAN,
+        layout=layout,
+        **kw,
+    )
 
 
 def fill(cache, seq, n, gen):
@@ -65,10 +77,10 @@ def test_sdpa_on_views_equals_sdpa_on_ordinary_tensors(layout, dtype, gen):
         k, v = cache.kv(layer, seq)
         assert k.device == DEV and k.shape == (4001, 2, 128)
         dense_k, dense_v = k.clone(), v.clone()
-        out_view = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                                  enable_gqa=True)
-        out_dense = F.scaled_dot_product_attention(q, dense_k.transpose(0, 1)[None],
-                                                   dense_v.transpose(0, 1)[None], enable_gqa=True)
+        out_view = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], enable_gqa=True)
+        out_dense = F.scaled_dot_product_attention(
+            q, dense_k.transpose(0, 1)[None], dense_v.transpose(0, 1)[None], enable_gqa=True
+        )
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out_view, out_dense, rtol=tol, atol=tol)
     cache.close()
@@ -86,8 +98,9 @@ def test_growth_and_unmapping_wait_for_kernels_in_flight_on_a_side_stream(gen):
     outs = []
     for s in seqs:
         k, v = cache.kv(0, s)
-        expect.append(F.scaled_dot_product_attention(q, k.transpose(0, 1)[None].clone(),
-                                                     v.transpose(0, 1)[None].clone()))
+        expect.append(
+            F.scaled_dot_product_attention(q, k.transpose(0, 1)[None].clone(), v.transpose(0, 1)[None].clone())
+        )
     torch.cuda.synchronize()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -150,8 +163,9 @@ def close_scenario(device):
     tokens and closed. Also run under the fake driver (tests/test_cuda_backend_fake.py), where the pool
     and cache device arguments are checked without a GPU."""
     pool = vpaged.PagePool(device, capacity_pages=256, reserve_pages=128)
-    cache = vpaged.VirtualKVCache(2, 2, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=65536, device=device,
-                                  pool=pool)
+    cache = vpaged.VirtualKVCache(
+        2, 2, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=65536, device=device, pool=pool
+    )
     s = cache.allocate()
     cache.extend(s, 60000)
     assert pool.stats().used_pages > 0
@@ -176,8 +190,14 @@ def test_transformers_generate_on_cuda_matches_dynamic_cache():
     transformers = pytest.importorskip("transformers")
     from vpaged.hf import VPagedCache, cache_kwargs
 
-    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(DEV).eval()
     ids = torch.randint(1, 256, (2, 12), device=DEV)  # no pad token (0) inside the prompts

@@ -3,22 +3,26 @@
 Outputs are poisoned with NaN before each call and must come back fully written. Lengths are mixed in a
 batch, include 1 and the cache's maximum, and are not multiples of pages or blocks.
 """
+
 import math
 
 import pytest
 import torch
 
 import vpaged
-from vpaged import PagedKVCache, VirtualKVCache, _C, ops
+from vpaged import _C, PagedKVCache, VirtualKVCache, ops
 from vpaged.cache import BatchedKV
 from vpaged.device import default_page_size, normalize_device
-from vpaged.layout import Layout
 from vpaged.errors import BackendError, DTypeError, InvalidArgumentError, ShapeError
+from vpaged.layout import Layout
 
 HKV = 2
 LENGTHS = [1, 37, 300, 129, 17]  # 300 is max_seq_len
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2),
-       torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=1e-2, atol=1e-2),
+    torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
+}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 KINDS = ["per_layer", "interleaved", "head_major", "paged8", "paged16", "paged32"]
 HAS_CUDA = torch.cuda.is_available()
@@ -56,13 +60,24 @@ def build(kind, dtype, head_dim, lengths, device="cpu", layers=2, hkv=HKV, page_
         page = page_size or default_page_size(normalize_device(device))
         lay = Layout(kind, layers, hkv, head_dim, dtype.itemsize, len(lengths) + 1, max_len, page)
         needed = sum(lay.runs * lay.pages_for(n) for n in lengths) * page
-        cache = VirtualKVCache(layers, hkv, head_dim, dtype, len(lengths) + 1, max_len, device=device,
-                               capacity_bytes=max(64 << 20, needed), layout=kind, page_size=page)
+        cache = VirtualKVCache(
+            layers,
+            hkv,
+            head_dim,
+            dtype,
+            len(lengths) + 1,
+            max_len,
+            device=device,
+            capacity_bytes=max(64 << 20, needed),
+            layout=kind,
+            page_size=page,
+        )
     else:
         bs = int(kind.removeprefix("paged"))
         blocks = sum(-(-n // bs) for n in lengths)
-        cache = PagedKVCache(layers, hkv, head_dim, dtype, len(lengths) + 1, max_len, device, num_blocks=blocks + 3,
-                             block_size=bs)
+        cache = PagedKVCache(
+            layers, hkv, head_dim, dtype, len(lengths) + 1, max_len, device, num_blocks=blocks + 3, block_size=bs
+        )
     seqs = [cache.allocate() for _ in lengths]
     # Two rounds of extends interleave the blocks of different sequences in a PagedKVCache.
     for s, n in zip(seqs, lengths):
@@ -95,8 +110,14 @@ def test_decode_matches_reference(kind, group, head_dim, dtype):
         out = ops.decode_attention_contiguous(qs, cache.batch(1, [seqs[i] for i in order]), out=poisoned(qs))
     else:
         sub = [seqs[i] for i in order]
-        out = ops.decode_attention_paged(qs, cache.key_caches[1], cache.value_caches[1], cache.block_tables(sub),
-                                         cache.lengths(sub), out=poisoned(qs))
+        out = ops.decode_attention_paged(
+            qs,
+            cache.key_caches[1],
+            cache.value_caches[1],
+            cache.block_tables(sub),
+            cache.lengths(sub),
+            out=poisoned(qs),
+        )
     check(out, qs, *zip(*[kvs[i] for i in order]))
 
 
@@ -172,8 +193,13 @@ def test_unknown_or_unsupported_code_path():
     q = torch.randn(1, HKV, 64)
     out = torch.empty_like(q)
     p.q, p.out, p.k, p.v = q.data_ptr(), out.data_ptr(), kv.k_ptr, kv.v_ptr
-    p.lengths, p.slots, p.slot_stride, p.token_stride, p.max_tokens = (kv.lengths.data_ptr(), kv.slots.data_ptr(),
-                                                                       kv.slot_stride, kv.token_stride, 5)
+    p.lengths, p.slots, p.slot_stride, p.token_stride, p.max_tokens = (
+        kv.lengths.data_ptr(),
+        kv.slots.data_ptr(),
+        kv.slot_stride,
+        kv.token_stride,
+        5,
+    )
     with pytest.raises(InvalidArgumentError, match="isa"):
         _C.decode_cpu(p, 1, "sse9")
     for isa in ("avx2", "avx512"):
@@ -210,17 +236,35 @@ def descriptor(kv, lengths, slots, layout):
         k, v = kv[0], kv[1]
         slot_stride, token_stride, head_stride = kv.stride(1), kv.stride(2), kv.stride(3)
     dev = kv.device
-    return BatchedKV(k.data_ptr(), v.data_ptr(), torch.tensor(slots, dtype=torch.int32, device=dev),
-                     torch.tensor(lengths, dtype=torch.int32, device=dev), slot_stride, token_stride, head_stride,
-                     kv.shape[-2] if layout != "head_major" else kv.shape[2], kv.shape[-1], kv.dtype, dev, layout,
-                     kv), k, v
+    return (
+        BatchedKV(
+            k.data_ptr(),
+            v.data_ptr(),
+            torch.tensor(slots, dtype=torch.int32, device=dev),
+            torch.tensor(lengths, dtype=torch.int32, device=dev),
+            slot_stride,
+            token_stride,
+            head_stride,
+            kv.shape[-2] if layout != "head_major" else kv.shape[2],
+            kv.shape[-1],
+            kv.dtype,
+            dev,
+            layout,
+            kv,
+        ),
+        k,
+        v,
+    )
 
 
 def run_descriptor_case(dtype, layout, lengths, device, head_dim=128, group=4):
-    slots = [3, 0, 2, 1][:len(lengths)]
+    slots = [3, 0, 2, 1][: len(lengths)]
     max_len = max(lengths)
-    shape = {"interleaved": (4, max_len, 2, HKV, head_dim), "per_layer": (2, 4, max_len, HKV, head_dim),
-             "head_major": (2, 4, HKV, max_len, head_dim)}[layout]
+    shape = {
+        "interleaved": (4, max_len, 2, HKV, head_dim),
+        "per_layer": (2, 4, max_len, HKV, head_dim),
+        "head_major": (2, 4, HKV, max_len, head_dim),
+    }[layout]
     kv = torch.randn(shape, device=device).to(dtype)
     bkv, k, v = descriptor(kv, lengths, slots, layout)
     q = torch.randn(len(lengths), HKV * group, head_dim, device=device).to(dtype)
@@ -315,28 +359,35 @@ def paged():
 
 
 def paged_args(cache, seqs, **over):
-    args = dict(q=torch.randn(len(seqs), HKV * 2, 64), key_cache=cache.key_caches[0],
-                value_cache=cache.value_caches[0], block_tables=cache.block_tables(seqs),
-                lengths=cache.lengths(seqs))
+    args = dict(
+        q=torch.randn(len(seqs), HKV * 2, 64),
+        key_cache=cache.key_caches[0],
+        value_cache=cache.value_caches[0],
+        block_tables=cache.block_tables(seqs),
+        lengths=cache.lengths(seqs),
+    )
     args.update(over)
     return args
 
 
-@pytest.mark.parametrize("change, error", [
-    (dict(q=torch.randn(2, 4, 32)), ShapeError),              # head_dim differs
-    (dict(q=torch.randn(2, 3, 64)), ShapeError),              # heads not a multiple of kv heads
-    (dict(q=torch.randn(2, 4, 64).double()), DTypeError),
-    (dict(q=torch.randn(2, 4, 64).half()), DTypeError),       # differs from the cache
-    (dict(lengths=torch.tensor([9, 0])), InvalidArgumentError),
-    (dict(lengths=torch.tensor([9, 10**6])), InvalidArgumentError),
-    (dict(lengths=torch.tensor([9])), ShapeError),
-    (dict(lengths=torch.tensor([9.0, 4.0])), DTypeError),
-    (dict(block_tables=torch.full((2, 4), 999, dtype=torch.int32)), InvalidArgumentError),
-    (dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), ShapeError),
-    (dict(out=torch.empty(2, 4, 63)), ShapeError),
-    (dict(out=torch.empty(4, 2, 64).transpose(0, 1)), InvalidArgumentError),
-    (dict(max_len=0), InvalidArgumentError),
-])
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (dict(q=torch.randn(2, 4, 32)), ShapeError),  # head_dim differs
+        (dict(q=torch.randn(2, 3, 64)), ShapeError),  # heads not a multiple of kv heads
+        (dict(q=torch.randn(2, 4, 64).double()), DTypeError),
+        (dict(q=torch.randn(2, 4, 64).half()), DTypeError),  # differs from the cache
+        (dict(lengths=torch.tensor([9, 0])), InvalidArgumentError),
+        (dict(lengths=torch.tensor([9, 10**6])), InvalidArgumentError),
+        (dict(lengths=torch.tensor([9])), ShapeError),
+        (dict(lengths=torch.tensor([9.0, 4.0])), DTypeError),
+        (dict(block_tables=torch.full((2, 4), 999, dtype=torch.int32)), InvalidArgumentError),
+        (dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), ShapeError),
+        (dict(out=torch.empty(2, 4, 63)), ShapeError),
+        (dict(out=torch.empty(4, 2, 64).transpose(0, 1)), InvalidArgumentError),
+        (dict(max_len=0), InvalidArgumentError),
+    ],
+)
 def test_paged_argument_errors(paged, change, error):
     cache, seqs = paged
     with pytest.raises(error):
@@ -358,11 +409,17 @@ def test_cache_argument_errors(paged):
     with pytest.raises(InvalidArgumentError):
         ops.decode_attention(q, object(), seqs, 0)
     with pytest.raises(ShapeError):
-        ops.decode_attention_paged(q, cache.key_caches[0], cache.value_caches[0][:, :8].contiguous(),
-                                   cache.block_tables(seqs), cache.lengths(seqs))
+        ops.decode_attention_paged(
+            q,
+            cache.key_caches[0],
+            cache.value_caches[0][:, :8].contiguous(),
+            cache.block_tables(seqs),
+            cache.lengths(seqs),
+        )
     with pytest.raises(InvalidArgumentError):
-        ops.decode_attention_paged(q, cache.key_caches[0][:, :8], cache.value_caches[0][:, :8],
-                                   cache.block_tables(seqs), cache.lengths(seqs))  # not a dense pool
+        ops.decode_attention_paged(
+            q, cache.key_caches[0][:, :8], cache.value_caches[0][:, :8], cache.block_tables(seqs), cache.lengths(seqs)
+        )  # not a dense pool
     f64 = VirtualKVCache(1, HKV, 64, torch.float64, 2, 16, capacity_bytes=4 << 20)
     s = f64.allocate()
     f64.extend(s, 3)
@@ -414,8 +471,9 @@ def test_cuda_paged(dtype, head_dim, group, lengths):
     q = torch.randn(len(seqs), HKV * group, head_dim, device="cuda").to(dtype)
     out = ops.decode_attention(q, cache, seqs, 0, out=poisoned(q))
     check(out, q, *zip(*kvs))
-    out = ops.decode_attention_paged(q, cache.key_caches[0], cache.value_caches[0], cache.block_tables(seqs),
-                                     cache.lengths(seqs), out=poisoned(q))
+    out = ops.decode_attention_paged(
+        q, cache.key_caches[0], cache.value_caches[0], cache.block_tables(seqs), cache.lengths(seqs), out=poisoned(q)
+    )
     check(out, q, *zip(*kvs))
 
 

@@ -1,4 +1,5 @@
 """Backends and devices: what is usable here, and clear errors where CUDA is not."""
+
 import pytest
 import torch
 
@@ -67,8 +68,9 @@ def test_default_pool_is_per_device_and_replaceable():
 
 
 def test_steady_workload_makes_no_map_calls_after_warm_up():
-    cache = vpaged.VirtualKVCache(2, 2, 64, dtype=torch.float32, max_seqs=8, max_seq_len=512,
-                                  capacity_bytes=128 * 65536)
+    cache = vpaged.VirtualKVCache(
+        2, 2, 64, dtype=torch.float32, max_seqs=8, max_seq_len=512, capacity_bytes=128 * 65536
+    )
     for _round in range(2):
         seqs = [cache.allocate() for _ in range(6)]
         for step in range(300):
@@ -76,7 +78,5 @@ def test_steady_workload_makes_no_map_calls_after_warm_up():
         for s in seqs:
             cache.free(s)
         if _round == 0:
-            warm = (cache.stats().pages_mapped_total, cache.pool.backend.map_calls,
-                    cache.pool.backend.unmap_calls)
-    assert (cache.stats().pages_mapped_total, cache.pool.backend.map_calls,
-            cache.pool.backend.unmap_calls) == warm
+            warm = (cache.stats().pages_mapped_total, cache.pool.backend.map_calls, cache.pool.backend.unmap_calls)
+    assert (cache.stats().pages_mapped_total, cache.pool.backend.map_calls, cache.pool.backend.unmap_calls) == warm

@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh without a GPU: the dry run finishes in seconds, marks every stage skipped with the
 reason, writes summary.json and exits 0; its stage caps fit its budget; every GPU test file has a stage."""
+
 import json
 import os
 import re
@@ -27,8 +28,13 @@ def stages():
 def run_dry(tmp_path, *args, **env):
     out = tmp_path / "out"
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(SCRIPT), *args, str(out)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHON": sys.executable, **env})
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), *args, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable, **env},
+    )
     return proc, time.monotonic() - t0, out
 
 

@@ -1,4 +1,5 @@
 """VPagedCache against transformers' DynamicCache on tiny random-weight models (no download)."""
+
 import gc
 import warnings
 
@@ -14,8 +15,17 @@ from vpaged.hf import VPagedCache, cache_kwargs  # noqa: E402
 
 VOCAB = 128
 PAD = 0
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
-              max_position_embeddings=512, pad_token_id=PAD, eos_token_id=None, bos_token_id=None)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    pad_token_id=PAD,
+    eos_token_id=None,
+    bos_token_id=None,
+)
 
 
 def _configs():
@@ -67,8 +77,9 @@ def generate(model, cache, ids, mask, seed=None, **kw):
         torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # generation-config chatter of random models
-        return model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=kw.pop("max_new_tokens", 16),
-                              **kw)
+        return model.generate(
+            ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=kw.pop("max_new_tokens", 16), **kw
+        )
 
 
 # --------------------------------------------------------------------------------------------- generate()

@@ -1,6 +1,7 @@
 """vpaged/_hf_compat.py: the supported transformers range, the cache keyword, and attention registration,
 on whichever transformers release is installed (scripts/test_transformers_versions.sh runs this file on the
 oldest supported release and the newest)."""
+
 import warnings
 
 import pytest
@@ -18,15 +19,18 @@ from vpaged.hf import VPagedCache, cache_kwargs, register_attention  # noqa: E40
 VOCAB = 128
 
 
-@pytest.mark.parametrize("version, supported, words", [
-    ("5.16.1", False, "too old"),
-    ("5.17.0", True, "supported"),
-    ("5.17.0.dev0", True, "supported"),
-    ("5.24.0", True, "supported"),
-    ("5.31.2", True, "newer than the newest tested"),
-    ("6.0.0", False, "untested"),
-    ("4.57.6", False, "too old"),
-])
+@pytest.mark.parametrize(
+    "version, supported, words",
+    [
+        ("5.16.1", False, "too old"),
+        ("5.17.0", True, "supported"),
+        ("5.17.0.dev0", True, "supported"),
+        ("5.24.0", True, "supported"),
+        ("5.31.2", True, "newer than the newest tested"),
+        ("6.0.0", False, "untested"),
+        ("4.57.6", False, "too old"),
+    ],
+)
 def test_support_status_of_versions(version, supported, words):
     got_version, got_supported, why = _hf_compat.support_status(version)
     assert (got_version, got_supported) == (version, supported)
@@ -40,9 +44,19 @@ def test_installed_release_is_supported():
 
 
 def _model(seed=0, **kw):
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=0,
-                         bos_token_id=None, eos_token_id=None, **kw)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        **kw,
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
 
@@ -74,8 +88,9 @@ def test_cache_keyword_is_the_one_this_release_takes(rng):
     if keyword == "past_key_values":
         # The newer spelling is refused by this release: the keyword really depends on the release.
         with pytest.raises(ValueError, match="cache"):
-            model.generate(ids, attention_mask=mask, cache=VPagedCache(model.config, max_cache_len=64),
-                           max_new_tokens=2)
+            model.generate(
+                ids, attention_mask=mask, cache=VPagedCache(model.config, max_cache_len=64), max_new_tokens=2
+            )
     else:
         assert _hf_compat._parse(transformers.__version__) >= (5, 24)
 
@@ -104,8 +119,9 @@ def _sdpa_equivalent(calls):
         is_causal = bool(is_causal and attention_mask is None and query.shape[2] > 1)
         if attention_mask is not None:
             attention_mask = attention_mask[:, :, :, : key.shape[-2]]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                             scale=scaling, is_causal=is_causal)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal
+        )
         return out.transpose(1, 2).contiguous(), None
 
     return attention
@@ -134,8 +150,10 @@ def test_registered_attention_gives_the_default_tokens(registered, rng, kind):
     ids, mask = _left_padded(rng, [11, 5, 8])
     kw = dict(do_sample=False) if kind == "greedy" else dict(do_sample=False, num_beams=3)
     ref = _generate(reference, ids, mask, DynamicCache(config=reference.config), **kw)
-    for cache in (DynamicCache(config=custom.config),
-                  VPagedCache(custom.config, max_cache_len=64, capacity_bytes=4 << 20, page_size=4096)):
+    for cache in (
+        DynamicCache(config=custom.config),
+        VPagedCache(custom.config, max_cache_len=64, capacity_bytes=4 << 20, page_size=4096),
+    ):
         calls.clear()
         out = _generate(custom, ids, mask, cache, **kw)
         assert torch.equal(out, ref), type(cache).__name__
@@ -164,8 +182,9 @@ def test_registered_attention_without_mask_gets_none(registered, rng):
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         masks.append(attention_mask)
-        out = F.scaled_dot_product_attention(query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1),
-                                             is_causal=query.shape[2] > 1)
+        out = F.scaled_dot_product_attention(
+            query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), is_causal=query.shape[2] > 1
+        )
         return out.transpose(1, 2).contiguous(), None
 
     registered("vpaged_test_nomask", attention, mask=None)

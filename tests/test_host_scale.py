@@ -5,6 +5,7 @@ K/V are never written, so no RAM is needed: pages are counted by the pool and ba
 The random-operation test runs 10,000 operations in all, 2,500 per layout (about a minute on a busy 2-core
 machine); VPAGED_SCALE_OPS=N runs N per layout (a longer soak: VPAGED_SCALE_OPS=100000).
 """
+
 import os
 import random
 import time
@@ -41,8 +42,9 @@ def make_cache(layout, page_size, max_len=MAX_LEN):
     pool = vpaged.PagePool("cpu", capacity_bytes=BUDGET, page_size=page_size, overcommit=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MappingLimitWarning)  # sharing's worst case; this fill shares nothing
-        return vpaged.VirtualKVCache(LAYERS, HEADS, DIM, dtype=torch.bfloat16, max_seqs=SEQS, max_seq_len=max_len,
-                                     pool=pool, layout=layout)
+        return vpaged.VirtualKVCache(
+            LAYERS, HEADS, DIM, dtype=torch.bfloat16, max_seqs=SEQS, max_seq_len=max_len, pool=pool, layout=layout
+        )
 
 
 @pytest.mark.parametrize("page_size", [64 * 1024, 2 * 2**20], ids=["64KiB", "2MiB"])
@@ -70,9 +72,11 @@ def test_sequences_growing_together_fill_the_budget_not_the_mapping_table(layout
         stats = cache.pool.stats()
         lens = [cache.seq_len(s) for s in seqs]
         used = stats.used_pages * page_size
-        print(f"\n{layout}, {page_size // 1024} KiB: OutOfPagesError at {used / GIB:.2f} GiB mapped, "
-              f"{min(lens)}..{max(lens)} tokens per sequence, {peak} mapping(s) in the range, "
-              f"{mapping_count()} in the process (vm.max_map_count {mapping_limit()})")
+        print(
+            f"\n{layout}, {page_size // 1024} KiB: OutOfPagesError at {used / GIB:.2f} GiB mapped, "
+            f"{min(lens)}..{max(lens)} tokens per sequence, {peak} mapping(s) in the range, "
+            f"{mapping_count()} in the process (vm.max_map_count {mapping_limit()})"
+        )
         # Filled to the budget, short of it only by less than the failed extend needed.
         assert BUDGET - short * page_size < used <= BUDGET
         assert peak == 1
@@ -115,8 +119,10 @@ def referenced_pages(cache) -> int:
 OPS = int(os.environ.get("VPAGED_SCALE_OPS", "2500"))
 
 
-@pytest.mark.parametrize("layout,page_size", [("per_layer", 64 * 1024), ("head_major", 64 * 1024),
-                                              ("interleaved", 64 * 1024), ("interleaved", 2 * 2**20)])
+@pytest.mark.parametrize(
+    "layout,page_size",
+    [("per_layer", 64 * 1024), ("head_major", 64 * 1024), ("interleaved", 64 * 1024), ("interleaved", 2 * 2**20)],
+)
 def test_random_operations_at_scale_keep_mappings_bounded(layout, page_size):
     """Random operations (allocate with prefix hits, extend, fork, reorder, truncate, free) on the 7B cache.
     Formula: mappings in the cache's range <= 1 + 2 * S, where S is the number of runs of page slots
@@ -157,8 +163,9 @@ def run_random_operations(cache, rng, layout, page_size):
     room = 16 * cache.layout.runs + 1024
 
     for i in range(OPS):
-        op = rng.choice(["alloc", "alloc", "extend", "extend", "extend", "fork", "reorder", "truncate", "free",
-                         "cache_prefix"])
+        op = rng.choice(
+            ["alloc", "alloc", "extend", "extend", "extend", "fork", "reorder", "truncate", "free", "cache_prefix"]
+        )
         if op in ("alloc", "fork", "reorder") and mapping_count() + room > mapping_limit():
             op = "free"
         try:
@@ -167,7 +174,7 @@ def run_random_operations(cache, rng, layout, page_size):
                     t = list(rng.choice(prompts))
                     s = cache.allocate(t)  # maps the cached blocks of the prompt in shared
                     live.append(s)
-                    tokens[s] = t[:cache.seq_len(s)]
+                    tokens[s] = t[: cache.seq_len(s)]
                     cache.extend(s, len(t) - cache.seq_len(s))  # "prefill" the rest
                     tokens[s] = t
                     continue
@@ -210,6 +217,8 @@ def run_random_operations(cache, rng, layout, page_size):
         if i % 500 == 499:
             check()
     check()
-    print(f"\n{layout} {page_size // 1024} KiB: {OPS} ops in {time.time() - t0:.1f}s, live {len(live)}, "
-          f"pool {cache.pool.stats().used_pages * page_size / GIB:.2f} GiB, max non-home runs {max_segments}, "
-          f"out-of-pages {counts['oom']}")
+    print(
+        f"\n{layout} {page_size // 1024} KiB: {OPS} ops in {time.time() - t0:.1f}s, live {len(live)}, "
+        f"pool {cache.pool.stats().used_pages * page_size / GIB:.2f} GiB, max non-home runs {max_segments}, "
+        f"out-of-pages {counts['oom']}"
+    )

@@ -1,5 +1,6 @@
 """The limits a user hits first, said when a pool or cache is created: memory the machine can back, address
 space, the mapping limit; and zeroing pages that change owner (PagePool(zero_on_reuse=True))."""
+
 import gc
 import re
 import warnings
@@ -66,21 +67,22 @@ def test_oversized_reservation_names_address_space():
 def test_head_major_sharing_worst_case_warns_at_creation():
     pool = vpaged.PagePool("cpu", capacity_bytes=GIB)
     with pytest.warns(vpaged.MappingLimitWarning, match=r"4,096 host mappings .* 262,145") as w:
-        c = vpaged.VirtualKVCache(32, 32, 128, dtype=torch.bfloat16, max_seqs=64, max_seq_len=4096, pool=pool,
-                                  layout="head_major")
+        c = vpaged.VirtualKVCache(
+            32, 32, 128, dtype=torch.bfloat16, max_seqs=64, max_seq_len=4096, pool=pool, layout="head_major"
+        )
     assert "max_map_count" in str(w[0].message) and "per_layer" in str(w[0].message)
     c.close()
     with warnings.catch_warnings():
         warnings.simplefilter("error", vpaged.MappingLimitWarning)
-        vpaged.VirtualKVCache(32, 32, 128, dtype=torch.bfloat16, max_seqs=64, max_seq_len=4096, pool=pool,
-                              layout="per_layer").close()
+        vpaged.VirtualKVCache(
+            32, 32, 128, dtype=torch.bfloat16, max_seqs=64, max_seq_len=4096, pool=pool, layout="per_layer"
+        ).close()
 
 
 def written_cache(zero: bool, rng, layout):
     pool = vpaged.PagePool("cpu", capacity_bytes=64 * 2**16, page_size=2**16, zero_on_reuse=zero)
     assert pool.zero_on_reuse is zero
-    cache = vpaged.VirtualKVCache(2, 2, 64, dtype=torch.float32, max_seqs=4, max_seq_len=256, pool=pool,
-                                  layout=layout)
+    cache = vpaged.VirtualKVCache(2, 2, 64, dtype=torch.float32, max_seqs=4, max_seq_len=256, pool=pool, layout=layout)
     a = cache.allocate()
     cache.extend(a, 100)
     data = {}
@@ -150,7 +152,7 @@ def test_zero_pages_on_the_pool_reads_back_zeros(rng):
     view = torch.from_dlpack(r.view(2**16, [2 * 2**14], [1], 2, 32))
     view.copy_(torch.randn(2 * 2**14, generator=rng) + 1)
     pool.zero_pages(pages[:1])
-    assert torch.count_nonzero(view[:2**14]) == 0 and torch.count_nonzero(view[2**14:]) == 2**14
+    assert torch.count_nonzero(view[: 2**14]) == 0 and torch.count_nonzero(view[2**14 :]) == 2**14
     with pytest.raises(vpaged.InvalidArgumentError, match="free page"):
         pool.zero_pages([pool.backend.home_page(r.address)])  # slot 0 is not mapped: its page is free
     del view

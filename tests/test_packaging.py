@@ -8,6 +8,7 @@ by the suite's own build. The fresh environments see torch and numpy through a .
 environment's site-packages, instead of downloading them again; vpaged itself comes only from the
 installed archive.
 """
+
 import ast
 import json
 import os
@@ -21,7 +22,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import torch
 
 import vpaged
 from vpaged import _C
@@ -37,8 +37,12 @@ def setup_functions(*names):
     if not setup_py.is_file():
         pytest.skip("setup.py not found next to the tests (installed package)")
     tree = ast.parse(setup_py.read_text())
-    nodes = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name in names)
-             or (isinstance(n, ast.Assign) and n.targets[0].id == "DEFAULT_CUDA_ARCHS")]
+    nodes = [
+        n
+        for n in tree.body
+        if (isinstance(n, ast.FunctionDef) and n.name in names)
+        or (isinstance(n, ast.Assign) and n.targets[0].id == "DEFAULT_CUDA_ARCHS")
+    ]
     ns = {"os": os, "re": re, "ROOT": ROOT}
     exec(compile(ast.Module(body=nodes, type_ignores=[]), str(setup_py), "exec"), ns)
     return ns
@@ -72,10 +76,19 @@ def test_cuda_architectures_default_and_override(monkeypatch):
     monkeypatch.delenv("VPAGED_CUDA_ARCHS", raising=False)
     assert ns["cuda_archs"]() == ["80", "90"]  # A100, H100/H200
     assert ns["nvcc_gencode"](["80", "90"]) == [
-        "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-        "-gencode", "arch=compute_90,code=compute_90"]  # + PTX for newer GPUs
-    for raw, expect in (("90", ["90"]), ("8.0, 9.0", ["80", "90"]), ("sm_80;sm_90a", ["80", "90a"]),
-                        ("100 90 90", ["100", "90"])):
+        "-gencode",
+        "arch=compute_80,code=sm_80",
+        "-gencode",
+        "arch=compute_90,code=sm_90",
+        "-gencode",
+        "arch=compute_90,code=compute_90",
+    ]  # + PTX for newer GPUs
+    for raw, expect in (
+        ("90", ["90"]),
+        ("8.0, 9.0", ["80", "90"]),
+        ("sm_80;sm_90a", ["80", "90a"]),
+        ("100 90 90", ["100", "90"]),
+    ):
         monkeypatch.setenv("VPAGED_CUDA_ARCHS", raw)
         assert ns["cuda_archs"]() == expect, raw
     assert ns["nvcc_gencode"](["100", "90"])[-1] == "arch=compute_100,code=compute_100"  # PTX of the newest
@@ -116,11 +129,15 @@ def run(cmd, cwd, env=None, timeout=900):
 def checkout_copy(dest: Path) -> Path:
     """The files of the checkout (tracked ones where git knows them), without builds or environments."""
     try:
-        files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.splitlines()
+        files = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.splitlines()
     except (OSError, subprocess.CalledProcessError):
-        files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
-                 and not {".git", ".venv", "build", "dist"} & set(p.relative_to(ROOT).parts)]
+        files = [
+            str(p.relative_to(ROOT))
+            for p in ROOT.rglob("*")
+            if p.is_file() and not {".git", ".venv", "build", "dist"} & set(p.relative_to(ROOT).parts)
+        ]
     for f in files:
         if (ROOT / f).is_file():
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
@@ -145,8 +162,9 @@ def dists(tmp_path_factory):
     src = checkout_copy(tmp / "src")
     dist = tmp / "dist"
     env = {**os.environ, "VPAGED_CUDA": "0", "VPAGED_CXXFLAGS": "-O0"}
-    run([sys.executable, "-c", f"from setuptools import build_meta as b; print(b.build_sdist({str(dist)!r}))"],
-        src, env)
+    run(
+        [sys.executable, "-c", f"from setuptools import build_meta as b; print(b.build_sdist({str(dist)!r}))"], src, env
+    )
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(dist), str(src)], tmp, env)
     (sdist,) = dist.glob("vpaged-*.tar.gz")
     (wheel,) = dist.glob("vpaged-*.whl")
@@ -157,10 +175,24 @@ def test_sdist_holds_what_building_and_testing_need(dists):
     sdist, _ = dists
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    for need in ("LICENSE", "README.md", "setup.py", "pyproject.toml", "csrc/backend.h", "csrc/dlpack.h",
-                 "csrc/errors.h", "csrc/kernels/decode.h", "csrc/kernels/decode_cuda.cu", "csrc/build_info.cpp",
-                 "csrc/vmm/cuda_backend.cpp", "tests/conftest.py", "tests/fake_cuda/fake_libcuda.cpp",
-                 "examples/hf_generate.py", "scripts/gpu_check.sh", "vpaged/__init__.py"):
+    for need in (
+        "LICENSE",
+        "README.md",
+        "setup.py",
+        "pyproject.toml",
+        "csrc/backend.h",
+        "csrc/dlpack.h",
+        "csrc/errors.h",
+        "csrc/kernels/decode.h",
+        "csrc/kernels/decode_cuda.cu",
+        "csrc/build_info.cpp",
+        "csrc/vmm/cuda_backend.cpp",
+        "tests/conftest.py",
+        "tests/fake_cuda/fake_libcuda.cpp",
+        "examples/hf_generate.py",
+        "scripts/gpu_check.sh",
+        "vpaged/__init__.py",
+    ):
         assert need in names, need
     assert not [n for n in names if n.endswith((".so", ".o"))]
     with tarfile.open(sdist) as tar:
@@ -206,6 +238,7 @@ def test_installed_package_works_in_a_fresh_environment(dists, kind, tmp_path):
     assert "round trip ok" in out and str(ROOT) not in out
     info = run([str(tmp_path / "venv" / "bin" / "vpaged"), "info"], tmp_path, env)
     assert vpaged.__version__ in info and "CUDA off" in info and "backend cpu" in info
-    built = json.loads(run([str(py), "-c", "import json, vpaged; print(json.dumps(vpaged.build_info()))"],
-                           tmp_path, env))
+    built = json.loads(
+        run([str(py), "-c", "import json, vpaged; print(json.dumps(vpaged.build_info()))"], tmp_path, env)
+    )
     assert built["version"] == vpaged.__version__ and built["cuda"] is False and "-O0" in built["cxxflags"]

@@ -1,4 +1,5 @@
 """PagedKVCache: lifecycle, block accounting, copy-on-write after fork, all-or-nothing errors."""
+
 import pytest
 import torch
 from hypothesis import settings
@@ -6,8 +7,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from vpaged import PagedKVCache
-from vpaged.errors import (DTypeError, InvalidArgumentError, LayerIndexError, OutOfPagesError, SequenceTooLongError,
-                           ShapeError, SlotsExhaustedError, UnknownSequenceError)
+from vpaged.errors import (
+    DTypeError,
+    InvalidArgumentError,
+    LayerIndexError,
+    OutOfPagesError,
+    SequenceTooLongError,
+    ShapeError,
+    SlotsExhaustedError,
+    UnknownSequenceError,
+)
 
 L, HKV, D = 2, 2, 8
 
@@ -24,8 +33,13 @@ def snapshot(cache):
     """Everything an all-or-nothing call must leave unchanged."""
     seqs = cache.sequences
     data = {(layer, s): cache.kv(layer, s) for layer in range(cache.num_layers) for s in seqs}
-    return (seqs, {s: cache.blocks(s) for s in seqs}, {s: cache.seq_len(s) for s in seqs}, cache.stats(),
-            {k: (a.clone(), b.clone()) for k, (a, b) in data.items()})
+    return (
+        seqs,
+        {s: cache.blocks(s) for s in seqs},
+        {s: cache.seq_len(s) for s in seqs},
+        cache.stats(),
+        {k: (a.clone(), b.clone()) for k, (a, b) in data.items()},
+    )
 
 
 def bits(t):
@@ -51,13 +65,16 @@ def test_construction_and_geometry():
     assert (s.used_blocks, s.free_blocks, s.pool_bytes, s.utilization) == (0, 10, 10 * c.block_bytes, 1.0)
 
 
-@pytest.mark.parametrize("kwargs, error", [
-    (dict(block_size=12, num_blocks=4), InvalidArgumentError),
-    (dict(block_size=16), InvalidArgumentError),  # neither num_blocks nor capacity_bytes
-    (dict(block_size=16, num_blocks=4, capacity_bytes=1 << 20), InvalidArgumentError),
-    (dict(block_size=16, capacity_bytes=10), InvalidArgumentError),  # less than one block
-    (dict(block_size=16, num_blocks=4, dtype=torch.int32), DTypeError),
-])
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(block_size=12, num_blocks=4), InvalidArgumentError),
+        (dict(block_size=16), InvalidArgumentError),  # neither num_blocks nor capacity_bytes
+        (dict(block_size=16, num_blocks=4, capacity_bytes=1 << 20), InvalidArgumentError),
+        (dict(block_size=16, capacity_bytes=10), InvalidArgumentError),  # less than one block
+        (dict(block_size=16, num_blocks=4, dtype=torch.int32), DTypeError),
+    ],
+)
 def test_construction_errors(kwargs, error):
     dtype = kwargs.pop("dtype", torch.float32)
     with pytest.raises(error):
@@ -68,9 +85,9 @@ def test_lifecycle_blocks_and_stats():
     c = make(num_blocks=16, block_size=8)
     a, b = c.allocate(), c.allocate()
     c.extend(a, 13)  # 2 blocks, the second 5/8 full
-    c.extend(b, 8)   # exactly 1 block
+    c.extend(b, 8)  # exactly 1 block
     assert (c.seq_len(a), len(c.blocks(a)), len(c.blocks(b))) == (13, 2, 1)
-    c.extend(a, 3)   # fills the second block: no new block
+    c.extend(a, 3)  # fills the second block: no new block
     assert len(c.blocks(a)) == 2
     c.extend(a, 1)
     assert len(c.blocks(a)) == 3
@@ -183,8 +200,8 @@ def test_fork_copy_on_write():
 
     # Extending at a block boundary needs no copy.
     q = c.fork(child)  # 14 tokens
-    c.extend(q, 2)     # fills the shared block 1 of child/q: copy
-    c.extend(q, 1)     # new block
+    c.extend(q, 2)  # fills the shared block 1 of child/q: copy
+    c.extend(q, 1)  # new block
     assert c.stats().cow_copies == 3
 
     # Blocks return to the free list only when the last sequence holding them is freed.
@@ -212,7 +229,7 @@ def test_out_of_blocks_changes_nothing():
     child = c.fork(a)
     c.free(b)
     c.extend(child, 4)  # copies the half-full block: uses the 3rd block
-    c.extend(a, 4)      # a's block 1 is private again (refcount 1): no copy, no new block
+    c.extend(a, 4)  # a's block 1 is private again (refcount 1): no copy, no new block
     fill = c.allocate()
     c.extend(fill, 16)  # takes the last two free blocks
     before = snapshot(c)
@@ -233,7 +250,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def _write(self, seq, start, values):
         k = torch.tensor(values, dtype=torch.float32).reshape(-1, 1, 1).expand(-1, 1, 2).contiguous()
         self.cache.write(0, seq, k, -k, start=start)
-        self.model[seq][start:start + len(values)] = values
+        self.model[seq][start : start + len(values)] = values
 
     @rule()
     def allocate(self):

@@ -5,6 +5,7 @@ that attends over the cached prefix plus itself. The continuation's mask is caus
 sits at position P + i and sees keys 0..P+i. (SDPA's is_causal aligns the mask to the top-left corner when
 queries are fewer than keys, which would hide most of the prefix, so the mask is spelled out.)
 """
+
 import math
 
 import pytest
@@ -28,8 +29,9 @@ def dense_causal(q, k, v):
 
 def sdpa(q, k, v, mask=None, causal=False):
     """SDPA on [T, heads, D]-shaped tensors (cache views included), result [T, heads, D]."""
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                       is_causal=causal, enable_gqa=True)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal, enable_gqa=True
+    )
     return o.transpose(0, 1)
 
 
@@ -51,8 +53,9 @@ def test_prefill_with_cached_prefix(layout, prefix, rest):
         cache.write(layer, seq, k[layer, :prefix], v[layer, :prefix])
         kc, vc = cache.kv(layer, seq)
         out = sdpa(q[:prefix], kc, vc, causal=True)
-        torch.testing.assert_close(out.double(), dense_causal(q[:prefix], k[layer, :prefix], v[layer, :prefix]),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            out.double(), dense_causal(q[:prefix], k[layer, :prefix], v[layer, :prefix]), rtol=1e-5, atol=1e-5
+        )
 
     # Part 2: extend, write the new tokens' K/V, attend the new queries over every cached key.
     cache.extend(seq, rest)

@@ -1,12 +1,13 @@
 """The C++ core: host backend, page pool, virtual ranges, DLPack views."""
+
 import gc
 
 import pytest
 import torch
+from conftest import address_is_mapped, open_fds
 
 import vpaged
 from vpaged import _C
-from conftest import address_is_mapped, open_fds
 
 PAGE = 64 * 1024
 F32 = (2, 32)

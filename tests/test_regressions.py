@@ -1,5 +1,6 @@
 """Regressions found in review: copy-on-write after view-blocked unmaps, new_kv over shared pages, free() of a
 swapped sequence pinned by a view, reclaim through a closed cache, stale BatchedKV descriptors."""
+
 import pytest
 import torch
 
@@ -149,8 +150,9 @@ def test_stale_batched_descriptor_is_refused_not_read():
 
 @pytest.mark.parametrize("layout", ["per_layer", "interleaved", "head_major"])
 def test_fresh_batched_descriptor_passes_the_mapping_check(layout):
-    cache = VirtualKVCache(2, 2, 8, dtype=torch.float32, max_seqs=3, max_seq_len=512, layout=layout,
-                           capacity_bytes=PS * 256, page_size=PS)
+    cache = VirtualKVCache(
+        2, 2, 8, dtype=torch.float32, max_seqs=3, max_seq_len=512, layout=layout, capacity_bytes=PS * 256, page_size=PS
+    )
     seqs = [cache.allocate() for _ in range(3)]
     for i, s in enumerate(seqs):
         cache.extend(s, 50 + 100 * i)

@@ -1,6 +1,7 @@
 """Errors that tell the cause and calls that stay all-or-nothing: the slot-exhaustion message, extend_many when
 copy-on-write fails after mapping, reclaim counts that leave out pages pinned by views, swap_out without swap
 space, and a cache's device taken from its pool."""
+
 import gc
 
 import pytest
@@ -35,8 +36,11 @@ def test_slots_exhausted_says_how_many_slots_views_of_freed_sequences_hold(rng):
     views = [cache.kv(0, s) for s in seqs[1:3]]
     for s in seqs[1:3]:
         cache.free(s)  # dormant, pinned by the views
-    with pytest.raises(SlotsExhaustedError, match=r"2 of 4 slots hold live sequences, 2 are free, 2 of them held "
-                                                  r"by live tensor views of freed sequences"):
+    with pytest.raises(
+        SlotsExhaustedError,
+        match=r"2 of 4 slots hold live sequences, 2 are free, 2 of them held "
+        r"by live tensor views of freed sequences",
+    ):
         cache.fork_many(parent, 1)  # a fork needs a slot with nothing mapped
     del views
     gc.collect()

@@ -1,6 +1,7 @@
 """The serving engine against independent references: single-request model.generate for greedy tokens, the
 same engine with other batch compositions / budgets / caches for everything that must not change, and the
 caches' own stats for memory. Tiny random-weight fp32 models; pages of 32 tokens (4 KiB at 128 B/token)."""
+
 import random
 
 import pytest
@@ -67,10 +68,16 @@ def check_greedy_against_generate(reference, prompt, tokens, max_new):
     """tokens must equal model.generate's greedy tokens; where the reference's top-2 logit gap is below 1e-5
     a mismatch is tolerated (returns 1) and the rest is not compared (the continuations differ)."""
     with torch.no_grad():
-        ref = reference.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                                 output_scores=True, return_dict_in_generate=True, eos_token_id=None,
-                                 pad_token_id=0)
-    ref_tokens = ref.sequences[0, len(prompt):].tolist()
+        ref = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    ref_tokens = ref.sequences[0, len(prompt) :].tolist()
     assert len(tokens) == len(ref_tokens)
     for i, (a, b) in enumerate(zip(tokens, ref_tokens)):
         if a != b:
@@ -94,8 +101,9 @@ def test_greedy_equals_generate_with_staggered_arrivals_and_chunked_prefill(mode
                 if out.finished:
                     final[out.request_id] = out
     final.update(run_all(eng))
-    tolerated = sum(check_greedy_against_generate(reference, p, final[i].token_ids, n)
-                    for i, p, n in zip(ids, prompts, max_new))
+    tolerated = sum(
+        check_greedy_against_generate(reference, p, final[i].token_ids, n) for i, p, n in zip(ids, prompts, max_new)
+    )
     assert tolerated <= 1
     assert all(final[i].finish_reason == "length" for i in ids)
     assert eng.stats().live_kv_tokens == 0 and eng.stats().running == 0
@@ -116,14 +124,19 @@ def test_greedy_equals_generate_for_each_model_class(name, prng):
 def test_same_tokens_alone_and_among_fifteen_others(model, prng, budget):
     target = random_prompt(prng, 20, 90)
     params = SamplingParams(max_tokens=10, **GREEDY)
-    alone = LLM(model, kv_budget_bytes=4 << 20, page_size=PAGE, max_num_batched_tokens=budget).generate(
-        [target], params)[0].token_ids
+    alone = (
+        LLM(model, kv_budget_bytes=4 << 20, page_size=PAGE, max_num_batched_tokens=budget)
+        .generate([target], params)[0]
+        .token_ids
+    )
     others = [random_prompt(prng, 1, 120) for _ in range(15)]
     batch = others[:7] + [target] + others[7:]
-    outs = LLM(model, kv_budget_bytes=4 << 20, page_size=PAGE, max_num_batched_tokens=budget,
-               max_num_seqs=16).generate(batch, [SamplingParams(max_tokens=prng.randint(1, 14), **GREEDY)
-                                                 for _ in range(7)] + [params] +
-                                         [SamplingParams(max_tokens=prng.randint(1, 14), **GREEDY) for _ in range(8)])
+    outs = LLM(model, kv_budget_bytes=4 << 20, page_size=PAGE, max_num_batched_tokens=budget, max_num_seqs=16).generate(
+        batch,
+        [SamplingParams(max_tokens=prng.randint(1, 14), **GREEDY) for _ in range(7)]
+        + [params]
+        + [SamplingParams(max_tokens=prng.randint(1, 14), **GREEDY) for _ in range(8)],
+    )
     assert outs[7].token_ids == alone
 
 
@@ -135,8 +148,14 @@ def test_preemption_changes_no_output(model, prng, kv, swap_seqs):
     params = SamplingParams(max_tokens=40, **GREEDY)
     roomy = LLM(model, kv=kv, kv_budget_bytes=8 << 20, page_size=PAGE).generate(prompts, params)
     seq_bytes = 5 * 4 * PAGE  # up to 130 tokens: 5 pages in each of 4 regions
-    tight = LLM(model, kv=kv, kv_budget_bytes=3 * seq_bytes, page_size=PAGE, swap_bytes=swap_seqs * seq_bytes,
-                max_num_batched_tokens=64)
+    tight = LLM(
+        model,
+        kv=kv,
+        kv_budget_bytes=3 * seq_bytes,
+        page_size=PAGE,
+        swap_bytes=swap_seqs * seq_bytes,
+        max_num_batched_tokens=64,
+    )
     outs = tight.generate(prompts, params)
     stats = tight.stats()
     assert stats.preemptions_swap + stats.preemptions_recompute > 0
@@ -165,8 +184,11 @@ def test_prefix_caching_hits_map_fewer_bytes_same_outputs(model, prng):
             final.update({o.request_id: o for o in eng.step() if o.finished})
         ids = [first] + [eng.add_request(p, params) for p in prompts[1:]]
         final.update(run_all(eng))
-        results[caching] = ([final[i].token_ids for i in ids], [final[i].metrics.prefix_hit_tokens for i in ids],
-                            eng.stats())
+        results[caching] = (
+            [final[i].token_ids for i in ids],
+            [final[i].metrics.prefix_hit_tokens for i in ids],
+            eng.stats(),
+        )
     (tok_on, hits_on, stats_on), (tok_off, hits_off, stats_off) = results[True], results[False]
     assert tok_on == tok_off
     assert hits_on[0] == 0 and all(h == 2 * TOKENS_PER_PAGE for h in hits_on[1:])
@@ -213,27 +235,42 @@ def test_n_completions_share_the_prompt_pages(model, prng):
 
 def test_seeded_sampling_does_not_depend_on_the_batch(model, prng):
     target = random_prompt(prng, 10, 60)
-    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=prng.randrange(1 << 30),
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=prng.randrange(1 << 30), ignore_eos=True
+    )
     alone = LLM(model, kv_budget_bytes=4 << 20, page_size=PAGE).generate([target], params)[0].token_ids
     crowd = [random_prompt(prng, 1, 80) for _ in range(10)]
-    crowd_params = [SamplingParams(max_tokens=prng.randint(1, 15), temperature=prng.choice([0.0, 0.7, 1.3]),
-                                   top_k=prng.choice([-1, 5]), ignore_eos=True) for _ in crowd]
+    crowd_params = [
+        SamplingParams(
+            max_tokens=prng.randint(1, 15),
+            temperature=prng.choice([0.0, 0.7, 1.3]),
+            top_k=prng.choice([-1, 5]),
+            ignore_eos=True,
+        )
+        for _ in crowd
+    ]
     outs = LLM(model, kv_budget_bytes=4 << 20, page_size=PAGE, max_num_batched_tokens=32).generate(
-        crowd[:4] + [target] + crowd[4:], crowd_params[:4] + [params] + crowd_params[4:])
+        crowd[:4] + [target] + crowd[4:], crowd_params[:4] + [params] + crowd_params[4:]
+    )
     assert outs[4].token_ids == alone
     unseeded = LLM(model, kv_budget_bytes=4 << 20, page_size=PAGE).generate(
-        [target], SamplingParams(max_tokens=12, temperature=0.9, ignore_eos=True))[0]
+        [target], SamplingParams(max_tokens=12, temperature=0.9, ignore_eos=True)
+    )[0]
     assert len(unseeded.token_ids) == 12
 
 
 def test_sampling_respects_top_k_and_top_p(model, prng):
     """top_k=1 and a tiny top_p both reduce sampling to the argmax."""
     prompt = random_prompt(prng, 5, 40)
-    greedy = LLM(model, kv_budget_bytes=4 << 20, page_size=PAGE).generate(
-        [prompt], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids
-    for p in (SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=1, ignore_eos=True),
-              SamplingParams(max_tokens=8, temperature=1.5, top_p=1e-6, seed=2, ignore_eos=True)):
+    greedy = (
+        LLM(model, kv_budget_bytes=4 << 20, page_size=PAGE)
+        .generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0]
+        .token_ids
+    )
+    for p in (
+        SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1.5, top_p=1e-6, seed=2, ignore_eos=True),
+    ):
         assert LLM(model, kv_budget_bytes=4 << 20, page_size=PAGE).generate([prompt], p)[0].token_ids == greedy
 
 
@@ -279,14 +316,16 @@ def test_stop_tokens_max_tokens_and_eos(model, prng):
     stop = free_run.token_ids[4]
     first = free_run.token_ids.index(stop)
     stopped = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop]))[0]
-    assert stopped.finish_reason == "stop" and stopped.token_ids == free_run.token_ids[:first + 1]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free_run.token_ids[: first + 1]
     short = llm.generate([prompt], SamplingParams(max_tokens=3, **GREEDY))[0]
     assert short.finish_reason == "length" and short.token_ids == free_run.token_ids[:3]
     # The model's EOS ends a request unless ignore_eos.
     eng = llm.engine
     eng.eos_token_ids = frozenset([stop])
-    assert llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].token_ids == \
-        free_run.token_ids[:first + 1]
+    assert (
+        llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].token_ids
+        == free_run.token_ids[: first + 1]
+    )
     assert llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY))[0].token_ids == free_run.token_ids
     assert llm.stats().live_kv_tokens == 0
 
@@ -311,9 +350,18 @@ def test_bad_requests_are_refused_alone(model, prng):
         eng.add_request([1, 2], {"max_tokens": 3})
     with pytest.raises(InvalidArgumentError):
         eng.add_request([1, 2], SamplingParams(), request_id=good)
-    for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0),
-                dict(top_p=1.5), dict(top_k=-2), dict(n=0), dict(seed=1.5), dict(stop_token_ids=[-1]),
-                dict(ignore_eos=1)):
+    for bad in (
+        dict(max_tokens=0),
+        dict(temperature=-1.0),
+        dict(temperature=float("nan")),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(n=0),
+        dict(seed=1.5),
+        dict(stop_token_ids=[-1]),
+        dict(ignore_eos=1),
+    ):
         with pytest.raises(InvalidArgumentError):
             SamplingParams(**bad)
     final = run_all(eng)
@@ -355,15 +403,27 @@ def test_generate_with_vpaged_cache_and_vpaged_attention(reference, prng, monkey
     model = load_model("random:llama-tiny", attn_implementation="vpaged")[0]
     calls = []
     kernel = attention.decode_attention_contiguous
-    monkeypatch.setattr(attention, "decode_attention_contiguous",
-                        lambda *a, **k: calls.append(a[1].lengths.tolist()) or kernel(*a, **k))
+    monkeypatch.setattr(
+        attention, "decode_attention_contiguous", lambda *a, **k: calls.append(a[1].lengths.tolist()) or kernel(*a, **k)
+    )
     prompt = torch.tensor([random_prompt(prng, 20, 20), random_prompt(prng, 20, 20)])
     with torch.no_grad():
-        expected = reference.generate(prompt, cache=DynamicCache(config=reference.config), max_new_tokens=8,
-                                      do_sample=False, eos_token_id=None, pad_token_id=0)
-        got = model.generate(prompt, cache=VPagedCache(model.config, max_cache_len=64, capacity_bytes=4 << 20,
-                                                       layout=layout), max_new_tokens=8, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
+        expected = reference.generate(
+            prompt,
+            cache=DynamicCache(config=reference.config),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        got = model.generate(
+            prompt,
+            cache=VPagedCache(model.config, max_cache_len=64, capacity_bytes=4 << 20, layout=layout),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     assert torch.equal(got, expected)
     # 7 decode steps x 2 layers through the kernel, at lengths 21..27 for both rows.
     assert len(calls) == 7 * 2 and calls[0] == [21, 21] and calls[-1] == [27, 27]

@@ -3,6 +3,7 @@ equal single-request model.generate, and swap / recompute preemption change no o
 
 CUDA pages are 2 MiB, so the model has wide K/V (16 heads x 128, fp32) and the cache the interleaved layout:
 32 KiB a token, 64 tokens a page, so that sequences of a hundred tokens cross pages."""
+
 import os
 import random
 
@@ -27,9 +28,19 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def wide_model(seed: int = 0):
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=16,
-                         num_key_value_heads=16, head_dim=128, vocab_size=512, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        vocab_size=512,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
@@ -55,16 +66,29 @@ def test_greedy_equals_generate_on_cuda(models, prng, kv):
     model, reference = models
     prompts = prompts_for(prng, 5, 1, 150)
     max_new = [prng.randint(1, 12) for _ in prompts]
-    llm = LLM(model, kv=kv, device="cuda", kv_budget_bytes=64 * PAGE, layout="interleaved", max_model_len=256,
-              max_num_batched_tokens=48)
+    llm = LLM(
+        model,
+        kv=kv,
+        device="cuda",
+        kv_budget_bytes=64 * PAGE,
+        layout="interleaved",
+        max_model_len=256,
+        max_num_batched_tokens=48,
+    )
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in max_new])
     tolerated = 0
     for prompt, n, out in zip(prompts, max_new, outs):
         with torch.no_grad():
-            ref = reference.generate(torch.tensor([prompt], device=DEV), max_new_tokens=n, do_sample=False,
-                                     output_scores=True, return_dict_in_generate=True, eos_token_id=None,
-                                     pad_token_id=0)
-        expected = ref.sequences[0, len(prompt):].tolist()
+            ref = reference.generate(
+                torch.tensor([prompt], device=DEV),
+                max_new_tokens=n,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        expected = ref.sequences[0, len(prompt) :].tolist()
         for i, (a, b) in enumerate(zip(out.token_ids, expected)):
             if a != b:
                 top2 = ref.scores[i][0].topk(2).values

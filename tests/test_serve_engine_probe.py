@@ -1,6 +1,7 @@
 """The caches' planning probes the serving scheduler relies on: pages_needed() predicts exactly what
 extend_many() then takes (copy-on-write copies and swap-in included), and VirtualKVCache.kv_layers() is the
 same memory as kv() of every layer."""
+
 import random
 
 import pytest
@@ -42,11 +43,22 @@ def test_virtual_pages_needed_is_exactly_what_extend_takes(prng, layout):
     """With one page fewer than pages_needed() free, growing fails (OutOfPagesError); with exactly that many
     it succeeds: the probe is the pool's real requirement, copy-on-write copies and swap-ins included."""
     # 2 layers x 2 heads x 16 dims x 4 bytes: 32 tokens per page (per_layer), 8 (interleaved), 64 (head_major).
-    cache = VirtualKVCache(2, 2, 16, dtype=torch.float32, max_seqs=16, max_seq_len=512, capacity_bytes=8 << 20,
-                           page_size=PAGE, layout=layout, swap_bytes=4 << 20)
+    cache = VirtualKVCache(
+        2,
+        2,
+        16,
+        dtype=torch.float32,
+        max_seqs=16,
+        max_seq_len=512,
+        capacity_bytes=8 << 20,
+        page_size=PAGE,
+        layout=layout,
+        swap_bytes=4 << 20,
+    )
     # One layer, one head, interleaved: 128 bytes a token, so 32 tokens take exactly one page.
-    filler = VirtualKVCache(1, 1, 16, dtype=torch.float32, max_seqs=1, max_seq_len=1 << 17, pool=cache.pool,
-                            layout="interleaved")
+    filler = VirtualKVCache(
+        1, 1, 16, dtype=torch.float32, max_seqs=1, max_seq_len=1 << 17, pool=cache.pool, layout="interleaved"
+    )
     holder = filler.allocate()
     seqs = []
     for _ in range(40):
@@ -135,8 +147,17 @@ def test_paged_pages_needed_is_exactly_what_extend_takes(prng):
 
 @pytest.mark.parametrize("layout", ["per_layer", "interleaved", "head_major"])
 def test_kv_layers_is_every_layers_kv(rng, layout):
-    cache = VirtualKVCache(3, 2, 16, dtype=torch.float32, max_seqs=4, max_seq_len=256, capacity_bytes=8 << 20,
-                           page_size=PAGE, layout=layout)
+    cache = VirtualKVCache(
+        3,
+        2,
+        16,
+        dtype=torch.float32,
+        max_seqs=4,
+        max_seq_len=256,
+        capacity_bytes=8 << 20,
+        page_size=PAGE,
+        layout=layout,
+    )
     a, b = cache.allocate(), cache.allocate()
     cache.extend(a, 70)
     cache.extend(b, 5)

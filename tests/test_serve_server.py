@@ -3,6 +3,7 @@ streaming and not, /metrics against stats(), HTTP 400 for bad requests while oth
 
 Tiny random-weight models in fp32 with a word-level tokenizer built here (no network). Every request is
 bounded (max_tokens, client timeouts, no retries); the server runs on a thread and stops at the end."""
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 from serve_helpers import assert_greedy_matches, save_model_with_tokenizer  # noqa: E402
 
 from vpaged.serve import LLMEngine, load_model  # noqa: E402
-from vpaged.serve.openai_protocol import ChoiceText, RequestError, parse_request, CompletionRequest  # noqa: E402
+from vpaged.serve.openai_protocol import ChoiceText, CompletionRequest, RequestError, parse_request  # noqa: E402
 from vpaged.serve.server import ServerThread, prometheus_text  # noqa: E402
 
 MODEL_NAME = "tiny"
@@ -35,6 +36,8 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
 MAX_MODEL_LEN = 256
 TIMEOUT = 120
 
@@ -51,8 +54,9 @@ def served(model_dir):
     """One server for the module: (ServerThread, engine, reference model, tokenizer)."""
     model, tok = load_model(str(model_dir), dtype=torch.float32)
     assert tok is not None
-    engine = LLMEngine(model, tok, kv_budget_bytes=16 << 20, max_num_seqs=16, max_num_batched_tokens=64,
-                       max_model_len=MAX_MODEL_LEN)
+    engine = LLMEngine(
+        model, tok, kv_budget_bytes=16 << 20, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN
+    )
     ref, _ = load_model(str(model_dir), dtype=torch.float32)
     with ServerThread(engine, model_name=MODEL_NAME) as srv:
         yield srv, engine, ref, tok
@@ -93,8 +97,9 @@ def test_completion_text_prompt_is_greedy_generate(served, client):
     srv, engine, ref, tok = served
     rng = random.Random()
     prompt = words(rng, rng.randint(3, 20))
-    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     choice = r.choices[0]
     ids = tok.encode(prompt)
     assert r.usage.prompt_tokens == len(ids)
@@ -109,15 +114,23 @@ def test_completion_token_ids_batch_and_n(served, client):
     srv, engine, ref, tok = served
     rng = random.Random()
     prompts = [[rng.randrange(8, 500) for _ in range(rng.randint(1, 40))] for _ in range(3)]
-    r = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
     for p, c in zip(prompts, r.choices):
         assert_greedy_matches(c.model_extra["token_ids"], p, ref, 6)
     assert r.usage.prompt_tokens == sum(map(len, prompts))
     # n > 1 with a seed: two choices per prompt, reproducible whatever else runs
-    kw = dict(model=MODEL_NAME, prompt=prompts[:2], max_tokens=5, temperature=1.0, n=2, seed=1234,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL_NAME,
+        prompt=prompts[:2],
+        max_tokens=5,
+        temperature=1.0,
+        n=2,
+        seed=1234,
+        extra_body={"ignore_eos": True},
+    )
     a = client.completions.create(**kw)
     b = client.completions.create(**kw)
     assert [c.index for c in a.choices] == [0, 1, 2, 3]
@@ -153,15 +166,21 @@ def test_stop_strings_end_the_text_streamed_or_not(served, client):
     srv, engine, ref, tok = served
     rng = random.Random()
     prompt = words(rng, 5)
-    base = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    base = (
+        client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     pieces = base.split(" ")
     if len(pieces) < 4:
         pytest.skip("the random model produced too little text")
     stop = pieces[len(pieces) // 2]
     expected = base[: base.find(stop)]
-    kw = dict(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
     r = client.completions.create(**kw)
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
     streamed, finish = "", None
@@ -225,10 +244,23 @@ def test_models_health_and_metrics_agree_with_stats(served, client):
     st = engine_stats(srv, engine)  # idle: nothing changes between the two reads
     from dataclasses import fields
 
-    numeric = {f.name: getattr(st, f.name) for f in fields(st)
-               if isinstance(getattr(st, f.name), (int, float)) and not isinstance(getattr(st, f.name), bool)}
-    for name in ("running", "waiting", "swapped", "live_kv_tokens", "kv_mapped_bytes", "kv_high_water_bytes",
-                 "kv_utilization", "prefix_hit_tokens", "preemptions_swap", "preemptions_recompute"):
+    numeric = {
+        f.name: getattr(st, f.name)
+        for f in fields(st)
+        if isinstance(getattr(st, f.name), (int, float)) and not isinstance(getattr(st, f.name), bool)
+    }
+    for name in (
+        "running",
+        "waiting",
+        "swapped",
+        "live_kv_tokens",
+        "kv_mapped_bytes",
+        "kv_high_water_bytes",
+        "kv_utilization",
+        "prefix_hit_tokens",
+        "preemptions_swap",
+        "preemptions_recompute",
+    ):
         assert name in numeric, f"stats() lacks {name}"
     for name, value in numeric.items():
         assert m[f"vpaged_{name}"] == pytest.approx(float(value)), name
@@ -237,8 +269,8 @@ def test_models_health_and_metrics_agree_with_stats(served, client):
 
 
 def test_prometheus_text_format():
-    from dataclasses import dataclass
     from collections import Counter
+    from dataclasses import dataclass
 
     @dataclass
     class S:
@@ -285,8 +317,14 @@ def test_bad_requests_get_400_while_others_are_served(served, client):
 
     def long_request():
         ids = []
-        for chunk in client.completions.create(model=MODEL_NAME, prompt=[3, 4, 5, 6], max_tokens=40, stream=True,
-                                               temperature=0, extra_body={"ignore_eos": True}):
+        for chunk in client.completions.create(
+            model=MODEL_NAME,
+            prompt=[3, 4, 5, 6],
+            max_tokens=40,
+            stream=True,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        ):
             for c in chunk.choices:
                 ids += c.model_extra["token_ids"]
         result["ids"] = ids
@@ -295,8 +333,11 @@ def test_bad_requests_get_400_while_others_are_served(served, client):
     t.start()
     with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as h:
         for body, word in BAD_COMPLETIONS:
-            kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+            kw = (
+                {"content": body, "headers": {"content-type": "application/json"}}
+                if isinstance(body, bytes)
                 else {"json": body}
+            )
             resp = h.post("/v1/completions", **kw)
             assert resp.status_code == 400, (body, resp.text)
             err = resp.json()["error"]
@@ -319,8 +360,13 @@ def test_bad_requests_get_400_while_others_are_served(served, client):
 
 def test_client_disconnect_aborts_the_request(served):
     srv, engine, ref, tok = served
-    body = {"model": MODEL_NAME, "prompt": [7, 8, 9], "max_tokens": MAX_MODEL_LEN - 10, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": [7, 8, 9],
+        "max_tokens": MAX_MODEL_LEN - 10,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as h:
         with h.stream("POST", "/v1/completions", json=body) as resp:
             assert resp.status_code == 200
@@ -352,16 +398,28 @@ def test_model_without_tokenizer_takes_token_ids_only():
         assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
         r = h.post("/v1/chat/completions", json={"model": "ids-only", "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
-        r = h.post("/v1/completions", json={"model": "ids-only", "prompt": [4, 5, 6], "max_tokens": 4,
-                                            "temperature": 0, "ignore_eos": True})
+        r = h.post(
+            "/v1/completions",
+            json={"model": "ids-only", "prompt": [4, 5, 6], "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        )
         assert r.status_code == 200
         c = r.json()["choices"][0]
         assert c["text"] == "" and len(c["token_ids"]) == 4
         assert_greedy_matches(c["token_ids"], [4, 5, 6], ref, 4)
         # SSE by hand: data lines, JSON chunks, [DONE] last
         lines = []
-        with h.stream("POST", "/v1/completions", json={"model": "ids-only", "prompt": [4, 5, 6], "max_tokens": 4,
-                                                        "temperature": 0, "ignore_eos": True, "stream": True}) as s:
+        with h.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": "ids-only",
+                "prompt": [4, 5, 6],
+                "max_tokens": 4,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as s:
             assert s.headers["content-type"].startswith("text/event-stream")
             lines = [x for x in s.iter_lines() if x]
         assert lines[-1] == "data: [DONE]"
@@ -437,8 +495,9 @@ class FailingStepEngine:
 
 def test_a_failed_step_ends_the_requests_in_flight_and_the_server_goes_on():
     model, _ = load_model("random:llama-tiny", dtype=torch.float32)
-    engine = FailingStepEngine(LLMEngine(model, None, kv_budget_bytes=8 << 20, max_num_seqs=4,
-                                         max_num_batched_tokens=32))
+    engine = FailingStepEngine(
+        LLMEngine(model, None, kv_budget_bytes=8 << 20, max_num_seqs=4, max_num_batched_tokens=32)
+    )
     body = {"model": "m", "prompt": [4, 5, 6], "max_tokens": 4, "ignore_eos": True}
     with ServerThread(engine, model_name="m") as srv, httpx.Client(base_url=srv.url, timeout=TIMEOUT) as h:
         engine.fail = True

@@ -1,12 +1,13 @@
 """Sharing on the host backend: fork with copy-on-write, truncate, reorder, prefix caching, swap."""
+
 import gc
 
 import pytest
 import torch
+from test_cache import assert_same, fill, snapshot
 
 import vpaged
 from vpaged import VirtualKVCache
-from test_cache import assert_same, fill, snapshot
 
 PAGE = 64 * 1024
 LAYOUTS = ["per_layer", "interleaved", "head_major"]
@@ -14,8 +15,17 @@ LAYOUTS = ["per_layer", "interleaved", "head_major"]
 
 def make(layout="per_layer", layers=2, capacity_pages=200, max_seqs=16, max_len=1200, **kw):
     # 2 heads x 64 dims fp32: 512 B per token per region, 128 tokens per page (per_layer), 32 (interleaved)
-    return VirtualKVCache(layers, 2, 64, dtype=torch.float32, max_seqs=max_seqs, max_seq_len=max_len,
-                          capacity_bytes=capacity_pages * PAGE, layout=layout, **kw)
+    return VirtualKVCache(
+        layers,
+        2,
+        64,
+        dtype=torch.float32,
+        max_seqs=max_seqs,
+        max_seq_len=max_len,
+        capacity_bytes=capacity_pages * PAGE,
+        layout=layout,
+        **kw,
+    )
 
 
 def data(cache, seq):
@@ -124,7 +134,7 @@ def test_reorder_remaps_beams(rng):
     assert cache.pool.stats().used_pages < used  # beam 3's old pages are gone, the rest shared
     fill(cache, beams[0], 1, rng)
     fill(cache, beams[1], 1, rng)
-    assert same([(k[:lens[2]], v[:lens[2]]) for k, v in data(cache, beams[0])], before[2])
+    assert same([(k[: lens[2]], v[: lens[2]]) for k, v in data(cache, beams[0])], before[2])
     assert not torch.equal(cache.kv(0, beams[0])[0][-1], cache.kv(0, beams[1])[0][-1])
     with pytest.raises(vpaged.InvalidArgumentError):
         cache.reorder(beams, [0, 1])
@@ -146,12 +156,12 @@ def test_prefix_hit_maps_shared_pages_and_saves_tokens(layout, rng):
     fill(cache, a, len(prompt), rng)
     assert cache.cache_prefix(a, prompt) == 3 * tpp
     used = cache.pool.stats().used_pages
-    other = prompt[:2 * tpp] + [t + 1 for t in prompt[2 * tpp:]]
+    other = prompt[: 2 * tpp] + [t + 1 for t in prompt[2 * tpp :]]
     b = cache.allocate(tokens=other)  # shares the first two pages only
     assert cache.seq_len(b) == 2 * tpp
     assert cache.pool.stats().used_pages == used
     for layer in range(cache.num_layers):
-        assert torch.equal(cache.kv(layer, b)[0], cache.kv(layer, a)[0][:2 * tpp])
+        assert torch.equal(cache.kv(layer, b)[0], cache.kv(layer, a)[0][: 2 * tpp])
     fill(cache, b, len(other) - 2 * tpp, rng)
     assert cache.stats().prefix_hit_tokens == 2 * tpp
     cache.free(a)
@@ -263,7 +273,8 @@ def test_fork_without_free_slots_changes_nothing(rng):
 
 
 def test_prefix_caching_needs_whole_tokens_per_page():
-    cache = VirtualKVCache(3, 2, 64, dtype=torch.float32, max_seqs=2, max_seq_len=100, capacity_bytes=16 * PAGE,
-                           layout="interleaved")  # 3 KiB per token: 21.3 tokens per page
+    cache = VirtualKVCache(
+        3, 2, 64, dtype=torch.float32, max_seqs=2, max_seq_len=100, capacity_bytes=16 * PAGE, layout="interleaved"
+    )  # 3 KiB per token: 21.3 tokens per page
     with pytest.raises(vpaged.InvalidArgumentError, match="whole number"):
         cache.allocate(tokens=[1, 2, 3])

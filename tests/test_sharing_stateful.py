@@ -5,6 +5,7 @@ The model keeps each sequence's token ids. The K/V of a token is a function of i
 predicts. After every step: each live sequence's views hold the model's data (no write ever shows in
 another sequence) and page accounting matches (each page's reference count = the slots mapping it plus the
 prefix index's hold; pool use = distinct pages)."""
+
 import os
 from collections import Counter
 
@@ -37,8 +38,18 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize(layout=st.sampled_from(["per_layer", "interleaved", "head_major"]))
     def make_cache(self, layout):
-        self.cache = VirtualKVCache(LAYERS, HEADS, DIM, dtype=torch.float32, max_seqs=8, max_seq_len=self.max_len,
-                                    capacity_bytes=40 * PAGE, page_size=PAGE, layout=layout, swap_bytes=24 * PAGE)
+        self.cache = VirtualKVCache(
+            LAYERS,
+            HEADS,
+            DIM,
+            dtype=torch.float32,
+            max_seqs=8,
+            max_seq_len=self.max_len,
+            capacity_bytes=40 * PAGE,
+            page_size=PAGE,
+            layout=layout,
+            swap_bytes=24 * PAGE,
+        )
 
     def kv_of(self, layer, kv, ids, start=0):
         pos = torch.arange(start, start + len(ids))
@@ -185,7 +196,10 @@ class CacheMachine(RuleBasedStateMachine):
         assert pool.stats().used_pages == 0
 
 
-CacheMachine.TestCase.settings = settings(max_examples=int(os.environ.get("VPAGED_STATEFUL_EXAMPLES", "60")),
-                                          stateful_step_count=50, deadline=None,
-                                          suppress_health_check=list(HealthCheck))
+CacheMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("VPAGED_STATEFUL_EXAMPLES", "60")),
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
 TestCacheMachine = CacheMachine.TestCase

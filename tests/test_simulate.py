@@ -1,4 +1,5 @@
 """Memory accounting (stats breakdown), the accounting backend, and `vpaged simulate`."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,9 @@ import pytest
 import torch
 
 import vpaged
-from vpaged.cli import main as cli_main
-from vpaged import PagePool, PagedKVCache, VirtualKVCache
+from vpaged import PagedKVCache, PagePool, VirtualKVCache
 from vpaged.accounting import page_fill
+from vpaged.cli import main as cli_main
 from vpaged.errors import InvalidArgumentError, OutOfPagesError
 from vpaged.sim import SimConfig, SimRequest, TraceError, builtin_trace, load_csv, make_policy, model_shape, simulate
 from vpaged.sim.policies import StaticSlots
@@ -39,7 +40,11 @@ def test_breakdown_by_hand_private_forked_and_dormant():
         c.extend(s, 40)  # 2 pages in each of 4 regions; the second holds 8 of 32 tokens
         st = c.stats()
         assert (st.stored_bytes, st.fragmentation_bytes, st.reserved_bytes, st.dormant_bytes) == (
-            40 * BPT, 8 * PAGE - 40 * BPT, 0, 0)
+            40 * BPT,
+            8 * PAGE - 40 * BPT,
+            0,
+            0,
+        )
         assert st.waste_bytes == 8 * PAGE - 40 * BPT
         child = c.fork(s)  # shares all 8 pages: nothing new is stored
         st = c.stats()
@@ -75,8 +80,7 @@ def test_paged_cache_breakdown_by_hand():
     s = c.allocate()
     c.extend(s, 40)
     st = c.stats()
-    assert (st.stored_bytes, st.fragmentation_bytes, st.reserved_bytes, st.dormant_bytes) == (
-        40 * BPT, 8 * BPT, 0, 0)
+    assert (st.stored_bytes, st.fragmentation_bytes, st.reserved_bytes, st.dormant_bytes) == (40 * BPT, 8 * BPT, 0, 0)
     assert st.waste_bytes == 8 * BPT
 
 
@@ -97,8 +101,12 @@ def test_accounting_backend_refuses_views_kernels_and_data():
     with _cache(accounting=True) as c:
         s = c.allocate()
         c.extend(s, 10)
-        for call in (lambda: c.kv(0, s), lambda: c.new_kv(0, s), lambda: c.batch(0, [s]),
-                     lambda: c.write(0, s, torch.zeros(10, 2, 16), torch.zeros(10, 2, 16))):
+        for call in (
+            lambda: c.kv(0, s),
+            lambda: c.new_kv(0, s),
+            lambda: c.batch(0, [s]),
+            lambda: c.write(0, s, torch.zeros(10, 2, 16), torch.zeros(10, 2, 16)),
+        ):
             with pytest.raises(InvalidArgumentError, match="accounting"):
                 call()
         assert c.seq_len(s) == 10  # nothing changed
@@ -116,8 +124,9 @@ def test_accounting_backend_runs_at_gpu_scale():
     pool = PagePool("cpu", capacity_bytes=80 << 30, page_size=2 << 20, accounting_only=True)
     with pytest.raises(InvalidArgumentError, match="host object"):
         PagePool("cuda", capacity_bytes=1 << 30, accounting_only=True)
-    with VirtualKVCache(32, 8, 128, dtype=torch.bfloat16, max_seqs=1024, max_seq_len=4096, pool=pool,
-                        layout="interleaved") as c:
+    with VirtualKVCache(
+        32, 8, 128, dtype=torch.bfloat16, max_seqs=1024, max_seq_len=4096, pool=pool, layout="interleaved"
+    ) as c:
         seqs = c.allocate_many(600)
         c.extend_many(seqs, 1000)  # 600 x 1000 tokens x 128 KiB = 73 GiB
         st = c.stats()
@@ -193,13 +202,17 @@ def test_csv_trace_errors_name_the_row(tmp_path):
     good.write_text("arrival,prompt_len,output_len,prefix_id,n\n0.5,10,4,,1\n0,20,3,7,2\n")
     trace = load_csv(good, 64, default_prefix_len=8)
     assert [(r.arrival, r.prompt_len, r.prefix_id, r.prefix_len, r.n) for r in trace] == [
-        (0.0, 20, 7, 8, 2), (0.5, 10, None, 0, 1)]
-    cases = {"arrival,prompt_len\n1,2\n": "missing output_len",
-             "arrival,prompt_len,output_len,colour\n0,1,1,red\n": "unknown column",
-             "arrival,prompt_len,output_len\n0,ten,1\n": ":2: prompt_len must be an integer",
-             "arrival,prompt_len,output_len\n0,1,1\n-1,1,1\n": ":3: arrival must be",
-             "arrival,prompt_len,output_len\n0,60,10\n": "exceeds max_seq_len",
-             "arrival,prompt_len,output_len\n": "no requests"}
+        (0.0, 20, 7, 8, 2),
+        (0.5, 10, None, 0, 1),
+    ]
+    cases = {
+        "arrival,prompt_len\n1,2\n": "missing output_len",
+        "arrival,prompt_len,output_len,colour\n0,1,1,red\n": "unknown column",
+        "arrival,prompt_len,output_len\n0,ten,1\n": ":2: prompt_len must be an integer",
+        "arrival,prompt_len,output_len\n0,1,1\n-1,1,1\n": ":3: arrival must be",
+        "arrival,prompt_len,output_len\n0,60,10\n": "exceeds max_seq_len",
+        "arrival,prompt_len,output_len\n": "no requests",
+    }
     for text, message in cases.items():
         bad = tmp_path / "bad.csv"
         bad.write_text(text)
@@ -255,9 +268,29 @@ def test_unknown_policy_is_a_clear_error():
 def test_cli_simulate_end_to_end(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "sim.json"
-    rc = cli_main(["simulate", "--model", "2x2x16:fp32", "--budget-gib", "0.001", "--requests", "30",
-                          "--trace", "alpaca", "--max-seq-len", "256", "--rate", "inf", "--json", str(out),
-                          "--plot", str(tmp_path / "plots"), "--policies", "static,block 16,vpaged per_layer 4 KiB"])
+    rc = cli_main(
+        [
+            "simulate",
+            "--model",
+            "2x2x16:fp32",
+            "--budget-gib",
+            "0.001",
+            "--requests",
+            "30",
+            "--trace",
+            "alpaca",
+            "--max-seq-len",
+            "256",
+            "--rate",
+            "inf",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "plots"),
+            "--policies",
+            "static,block 16,vpaged per_layer 4 KiB",
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     assert [p["policy"] for p in data["policies"]] == ["static", "block 16", "vpaged per_layer 4 KiB"]
@@ -268,12 +301,15 @@ def test_cli_simulate_end_to_end(tmp_path, capsys):
         assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "gpt-9"], "unknown model shape"),
-    (["--budget-gib", "-1"], "--budget-gib must be a positive number"),
-    (["--policies", "block 64"], "block_size must be one of"),
-    (["--trace", "missing.csv"], "cannot read trace"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "gpt-9"], "unknown model shape"),
+        (["--budget-gib", "-1"], "--budget-gib must be a positive number"),
+        (["--policies", "block 64"], "block_size must be one of"),
+        (["--trace", "missing.csv"], "cannot read trace"),
+    ],
+)
 def test_cli_simulate_bad_arguments_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["simulate", *argv])

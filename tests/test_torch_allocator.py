@@ -3,6 +3,7 @@ path torch's CUDAPluggableAllocator takes), vpaged.empty, and one budget shared 
 
 Device -1 is the host pool, so everything but the CUDA driver calls runs here; tests/test_torch_allocator_fake.py
 covers those through the fake driver, tests/test_torch_allocator_gpu.py on a GPU."""
+
 import ctypes
 import gc
 import math
@@ -14,10 +15,10 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import address_is_mapped, mapping_count, open_fds
 
 import vpaged
 import vpaged._C as C
-from conftest import address_is_mapped, mapping_count, open_fds
 from vpaged import VirtualKVCache
 from vpaged.allocator import _expandable_segments_requested
 from vpaged.errors import BackendUnavailableError, InvalidArgumentError, OutOfPagesError
@@ -29,9 +30,21 @@ SYMBOLS = ("vpaged_torch_malloc", "vpaged_torch_free", "vpaged_torch_stats", "vp
 
 
 class CStats(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in (
-        "page_size", "segments", "bytes", "mapped_bytes", "peak_bytes", "mallocs", "frees", "failures", "bad_frees",
-        "max_bytes")]
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "page_size",
+            "segments",
+            "bytes",
+            "mapped_bytes",
+            "peak_bytes",
+            "mallocs",
+            "frees",
+            "failures",
+            "bad_frees",
+            "max_bytes",
+        )
+    ]
 
 
 def load_library():
@@ -127,7 +140,9 @@ def test_entry_points_are_exported_with_c_linkage():
 def test_nothing_bound_returns_null_with_the_reason():
     assert C.device_allocator(HOST) is None
     assert malloc(4096) is None
-    assert last_error() == "no vpaged pool is bound to device -1 (vpaged.torch_allocator binds one; -1 is the host pool)"
+    assert (
+        last_error() == "no vpaged pool is bound to device -1 (vpaged.torch_allocator binds one; -1 is the host pool)"
+    )
     assert malloc(4096, 3) is None
     if C.built_with_cuda():
         assert "no vpaged pool is bound to device 3" in last_error()
@@ -157,7 +172,12 @@ def test_host_allocations_are_writable_memory_of_the_requested_size(hook, nprng)
     assert (st.allocator_pages, st.kv_pages, st.used_pages) == (pages, 0, pages)
     cs = c_stats()
     assert (cs.segments, cs.bytes, cs.mapped_bytes, cs.mallocs, cs.frees) == (
-        len(live), sum(live.values()), pages * PAGE, len(live), 0)
+        len(live),
+        sum(live.values()),
+        pages * PAGE,
+        len(live),
+        0,
+    )
     assert cs.peak_bytes == sum(live.values()) and cs.page_size == PAGE
     # Every allocation still holds what was written last (no two overlap).
     contents = {}
@@ -374,8 +394,17 @@ def test_allocator_pages_are_taken_back_by_kv_caches(hook):
 # vpaged.empty
 
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.uint8, torch.bool,
-          torch.float64, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float64,
+    torch.complex64,
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -4,6 +4,7 @@ pool, driven through the fake driver (tests/fake_cuda), with failures injected i
 The checks run as test_cuda_backend_fake.py runs its own (one child process whose LD_LIBRARY_PATH finds
 the fake driver, a fresh fork per check, no driver object left behind afterwards); this module only adds
 its checks to that runner's table."""
+
 import ctypes
 import gc
 import json
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 import test_cuda_backend_fake as fake
 from test_cuda_backend_fake import fake_driver_dir  # noqa: F401 - the fixture, compiled once per session
 from test_torch_allocator import CStats, load_library
@@ -50,8 +50,11 @@ def check(**env):
 
 @pytest.fixture(scope="module")
 def allocator_fake_results(request, fake_driver_dir) -> dict:  # noqa: F811 - the imported fixture
-    names = [item.name for item in request.session.items
-             if item.name in CHECKS and Path(str(item.fspath)).resolve() == THIS_FILE]
+    names = [
+        item.name
+        for item in request.session.items
+        if item.name in CHECKS and Path(str(item.fspath)).resolve() == THIS_FILE
+    ]
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(fake_driver_dir), env.get("LD_LIBRARY_PATH")) if p)
     package_root = str(Path(vpaged.__file__).resolve().parent.parent)
@@ -59,11 +62,18 @@ def allocator_fake_results(request, fake_driver_dir) -> dict:  # noqa: F811 - th
     env.pop("CUDA_VISIBLE_DEVICES", None)
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "results.json"
-        proc = subprocess.run([sys.executable, str(THIS_FILE), str(result_path), *names], env=env,
-                              cwd=str(fake.ROOT), capture_output=True, text=True, timeout=60 + 5 * len(names))
+        proc = subprocess.run(
+            [sys.executable, str(THIS_FILE), str(result_path), *names],
+            env=env,
+            cwd=str(fake.ROOT),
+            capture_output=True,
+            text=True,
+            timeout=60 + 5 * len(names),
+        )
         if proc.returncode != 0 or not result_path.is_file():
-            pytest.fail(f"the fake-driver runner failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}",
-                        pytrace=False)
+            pytest.fail(
+                f"the fake-driver runner failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}", pytrace=False
+            )
         return json.loads(result_path.read_text())
 
 
@@ -77,8 +87,9 @@ class Hook:
     def __init__(self, drv, capacity_pages, reserve=0, max_bytes=0):
         self.lib = load_library()
         self.page = drv.granularity
-        self.pool = vpaged.PagePool(f"cuda:{DEVICE}", capacity_pages=capacity_pages, page_size=self.page,
-                                    reserve_pages=reserve)
+        self.pool = vpaged.PagePool(
+            f"cuda:{DEVICE}", capacity_pages=capacity_pages, page_size=self.page, reserve_pages=reserve
+        )
         self.allocator = C.PoolAllocator(self.pool._pool, max_bytes)
         C.bind_device_allocator(DEVICE, self.allocator)
 
@@ -107,8 +118,15 @@ def state(drv, hook):
     """Everything a failed call must leave as it was: pool, allocator and driver objects."""
     s, p = hook.stats(), hook.pool.stats()
     # Not the pool's high-water mark: it records that the pages were taken for a moment.
-    return ((p.used_pages, p.free_pages, p.kv_pages, p.allocator_pages, p.created_pages), s.segments, s.bytes,
-            s.mapped_bytes, drv.live("allocations"), drv.live("mappings"), drv.live("reservations"))
+    return (
+        (p.used_pages, p.free_pages, p.kv_pages, p.allocator_pages, p.created_pages),
+        s.segments,
+        s.bytes,
+        s.mapped_bytes,
+        drv.live("allocations"),
+        drv.live("mappings"),
+        drv.live("reservations"),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ cuBLAS keeps a workspace per handle and stream, allocated on first use through t
 module fixture warms it up outside any scope, so that no scope ever holds it (a scope's pages then all go
 back on exit). Kernels on side streams here are elementwise for the same reason.
 """
+
 import gc
 
 import pytest

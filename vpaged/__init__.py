@@ -4,6 +4,7 @@ Each sequence's keys and values sit in one contiguous virtual address range; phy
 into it on demand, so the KV of a sequence is an ordinary strided torch tensor that standard attention
 kernels read unchanged.
 """
+
 from .allocator import AllocatorStats, TorchAllocator, empty, torch_allocator
 from .buildinfo import build_info
 from .cache import BatchedKV, CacheStats, VirtualKVCache

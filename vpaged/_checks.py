@@ -1,4 +1,5 @@
 """Argument checks shared by the KV caches."""
+
 from __future__ import annotations
 
 import torch

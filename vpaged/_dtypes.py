@@ -1,4 +1,5 @@
 """torch dtype <-> DLPack (code, bits) for the dtypes a KV cache holds."""
+
 import torch
 
 from .errors import DTypeError

@@ -19,11 +19,12 @@ identical tokens; 5.0-5.4 call `get_mask_sizes(cache_position, layer_idx)` inste
 
 transformers is imported only by the functions and the module `vpaged.hf` that use it.
 """
+
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 
 MIN_VERSION = (5, 17)
 NEXT_MAJOR = (6, 0)  # 6.x may change the Cache API again: not claimed until tested
@@ -60,11 +61,15 @@ def support_status(version: str | None = None) -> tuple[str | None, bool, str]:
     if v >= NEXT_MAJOR:
         return version, False, f"newer than the supported range (>= {lo}, < {hi}); untested"
     if v > TESTED_NEWEST:
-        return version, True, f"supported (>= {lo}, < {hi}); newer than the newest tested, {TESTED_NEWEST[0]}.{TESTED_NEWEST[1]}"
+        return (
+            version,
+            True,
+            f"supported (>= {lo}, < {hi}); newer than the newest tested, {TESTED_NEWEST[0]}.{TESTED_NEWEST[1]}",
+        )
     return version, True, f"supported (>= {lo}, < {hi})"
 
 
-@lru_cache(maxsize=None)
+@cache
 def cache_keyword() -> str:
     """The keyword that hands a cache to `generate()` and to a model's `forward()`: "cache" from transformers
     5.24, "past_key_values" before. Read from generate()'s input preparation rather than from the version

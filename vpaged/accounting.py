@@ -8,6 +8,7 @@ Four causes, kept apart because they call for different fixes:
   takes them back on demand, so they are reported beside the waste, not in it.
 Waste = fragmentation + reserved.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -61,7 +62,8 @@ def virtual_cache_breakdown(layout, slots, pages_at, prefix_pages, swapped) -> t
 
     A page of a live sequence holds bytes up to the sequence's length in its run; a page shared by several
     sequences counts once, with its fullest use. Dormant: pages of freed slots, of the prefix index that no
-    live sequence maps, and live sequences' spare private pages past their tokens (all reclaimable). Pages at or past a slot's shared watermark are private to it, so they are counted
+    live sequence maps, and live sequences' spare private pages past their tokens (all reclaimable).
+    Pages at or past a slot's shared watermark are private to it, so they are counted
     by arithmetic; only the pages below it are looked up and deduplicated (this runs at simulator scale,
     10^5-10^6 pages)."""
     ps, runs = layout.page_size, layout.runs
@@ -91,7 +93,11 @@ def virtual_cache_breakdown(layout, slots, pages_at, prefix_pages, swapped) -> t
     fragmentation += len(fill) * ps - sum(fill.values())
     dormant_slots = slots.dormant_slots()
     dormant = sum(slots.mapped_pages[s] for s in dormant_slots if not slots.shared_below_page[s]) * runs
-    kept = {p for s in dormant_slots if slots.shared_below_page[s]
-            for p in pages_at(layout.page_slots(s, 0, slots.mapped_pages[s]))}
+    kept = {
+        p
+        for s in dormant_slots
+        if slots.shared_below_page[s]
+        for p in pages_at(layout.page_slots(s, 0, slots.mapped_pages[s]))
+    }
     kept.update(prefix_pages)
     return stored, fragmentation, (dormant + spare + len(kept - fill.keys())) * ps

@@ -15,6 +15,7 @@ pluggable allocator keeps no stats), and sends every tensor's free, uncached, to
 the whole device before unmapping. In a MemPool the caching allocator keeps its stats and caching, and only
 segments of the scope reach vpaged, when the scope closes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,18 @@ class AllocatorStats:
 
 
 def _stats(s) -> AllocatorStats:
-    return AllocatorStats(s.segments, s.bytes, s.mapped_bytes, s.peak_bytes, s.mallocs, s.frees, s.failures,
-                          s.bad_frees, s.max_bytes, s.page_size)
+    return AllocatorStats(
+        s.segments,
+        s.bytes,
+        s.mapped_bytes,
+        s.peak_bytes,
+        s.mallocs,
+        s.frees,
+        s.failures,
+        s.bad_frees,
+        s.max_bytes,
+        s.page_size,
+    )
 
 
 def library_path() -> str:
@@ -140,8 +151,7 @@ class TorchAllocator:
 
     def __repr__(self) -> str:
         s = self.stats()
-        return (f"TorchAllocator(device={self.device}, segments={s.segments}, bytes={s.bytes}, "
-                f"closed={self.closed})")
+        return f"TorchAllocator(device={self.device}, segments={s.segments}, bytes={s.bytes}, closed={self.closed})"
 
 
 _hooks: dict[torch.device, TorchAllocator] = {}
@@ -159,19 +169,22 @@ def torch_allocator(pool: PagePool | None = None, device="cuda:0", max_bytes: in
     if dev.type != "cuda":
         raise InvalidArgumentError(
             f"torch's pluggable allocator serves CUDA devices, not {dev}; for host tensors from a pool use "
-            "vpaged.empty(shape, dtype, pool=...)")
+            "vpaged.empty(shape, dtype, pool=...)"
+        )
     if torch.version.cuda is None:
         raise BackendUnavailableError(
             f"this torch ({torch.__version__}) was built without CUDA: torch.cuda.MemPool and "
-            "CUDAPluggableAllocator are unavailable")
+            "CUDAPluggableAllocator are unavailable"
+        )
     if not torch.cuda.is_available():
         raise BackendUnavailableError(f"torch {torch.__version__} sees no CUDA device")
     if _expandable_segments_requested():
         raise InvalidArgumentError(
             "torch's expandable_segments is on (PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF): depending on "
             "the version, torch then refuses a MemPool with a custom allocator (\"MemPool doesn't currently "
-            "support expandable_segments\") or serves only the default pool from expandable segments; turn it "
-            "off to give torch memory from a vpaged pool")
+            'support expandable_segments") or serves only the default pool from expandable segments; turn it '
+            "off to give torch memory from a vpaged pool"
+        )
     if pool is None:
         pool = default_pool(dev)
     if not isinstance(pool, PagePool):
@@ -185,8 +198,10 @@ def torch_allocator(pool: PagePool | None = None, device="cuda:0", max_bytes: in
     if hook is not None and not hook.closed:
         if hook.pool is pool and hook.max_bytes == cap:
             return hook
-        raise InvalidArgumentError(f"{dev} already has a vpaged torch allocator (on {hook.pool!r}, "
-                                   f"max_bytes={hook.max_bytes or None}); close() it first")
+        raise InvalidArgumentError(
+            f"{dev} already has a vpaged torch allocator (on {hook.pool!r}, "
+            f"max_bytes={hook.max_bytes or None}); close() it first"
+        )
     hook = TorchAllocator(pool, dev, cap)
     _hooks[dev] = hook
     return hook
@@ -209,7 +224,8 @@ def empty(shape, dtype: torch.dtype = torch.float32, pool: PagePool | None = Non
     if pool.device.type != "cpu":
         raise InvalidArgumentError(
             f"vpaged.empty makes host tensors; the pool lives on {pool.device} (CUDA tensors come from "
-            "vpaged.torch_allocator(pool).scope())")
+            "vpaged.torch_allocator(pool).scope())"
+        )
     if not isinstance(dtype, torch.dtype):
         raise InvalidArgumentError(f"dtype must be a torch.dtype, got {dtype!r}")
     dims = (shape,) if isinstance(shape, int) else tuple(shape)

@@ -5,6 +5,7 @@ measures beside it (bare system calls, plain copies, block tables, transformers'
 The scripts stay the source of truth (each runs alone too); this module only runs them and reads the
 numbers back. A script that fails or is missing is reported as such; the others still run.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,9 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .errors import InvalidArgumentError
 
@@ -51,12 +52,30 @@ def _mapping(d: dict) -> list[Row]:
     rows = []
     for m in d.get("mapping", []):
         size = f"{m['page_size'] // 1024} KiB" if m["page_size"] < 1 << 20 else f"{m['page_size'] >> 20} MiB"
-        rows.append(Row("mapping", f"map + unmap one {size} page", m["vpaged_1_us"], m["raw_c_us"],
-                        "bare syscalls (C++)", "µs", "lower"))
+        rows.append(
+            Row(
+                "mapping",
+                f"map + unmap one {size} page",
+                m["vpaged_1_us"],
+                m["raw_c_us"],
+                "bare syscalls (C++)",
+                "µs",
+                "lower",
+            )
+        )
     ext = d.get("extend_256")
     if ext:
-        rows.append(Row("mapping", "decode-step bookkeeping, 256 sequences", ext["extend_many_us"],
-                        ext["extend_loop_us"], "256 extend() calls", "µs", "lower"))
+        rows.append(
+            Row(
+                "mapping",
+                "decode-step bookkeeping, 256 sequences",
+                ext["extend_many_us"],
+                ext["extend_loop_us"],
+                "256 extend() calls",
+                "µs",
+                "lower",
+            )
+        )
     return rows
 
 
@@ -64,19 +83,47 @@ def _sharing(d: dict) -> list[Row]:
     rows = []
     cow = d.get("cow")
     if cow:
-        rows.append(Row("sharing", "copy-on-write of one page", cow["cow_us_per_page"], cow["plain_copy_us_per_page"],
-                        "memcpy of the page", "µs", "lower"))
+        rows.append(
+            Row(
+                "sharing",
+                "copy-on-write of one page",
+                cow["cow_us_per_page"],
+                cow["plain_copy_us_per_page"],
+                "memcpy of the page",
+                "µs",
+                "lower",
+            )
+        )
     swap = d.get("swap")
     if swap:
-        rows.append(Row("sharing", "swap out", swap["swap_out_GBps"], swap["plain_copy_GBps"], "plain copy", "GB/s",
-                        "higher"))
+        rows.append(
+            Row("sharing", "swap out", swap["swap_out_GBps"], swap["plain_copy_GBps"], "plain copy", "GB/s", "higher")
+        )
     for p in d.get("parallel_sampling", []):
-        rows.append(Row("sharing", f"parallel sampling n={p['n']}: KV memory", p["shared_MiB"], p["unshared_MiB"],
-                        "without sharing", "MiB", "lower"))
+        rows.append(
+            Row(
+                "sharing",
+                f"parallel sampling n={p['n']}: KV memory",
+                p["shared_MiB"],
+                p["unshared_MiB"],
+                "without sharing",
+                "MiB",
+                "lower",
+            )
+        )
     sp = d.get("system_prompt")
     if sp:
-        rows.append(Row("sharing", f"{sp['requests']} requests, shared system prompt: KV memory", sp["shared_MiB"],
-                        sp["unshared_MiB"], "without prefix cache", "MiB", "lower"))
+        rows.append(
+            Row(
+                "sharing",
+                f"{sp['requests']} requests, shared system prompt: KV memory",
+                sp["shared_MiB"],
+                sp["unshared_MiB"],
+                "without prefix cache",
+                "MiB",
+                "lower",
+            )
+        )
     return rows
 
 
@@ -87,8 +134,17 @@ def _decode(d: dict) -> list[Row]:
         cont, paged = _get(k, "contiguous", "median_ms"), _get(k, "paged", "median_ms")
         if cont is None or paged is None:
             continue
-        rows.append(Row("decode", f"{c.get('dtype')} {c.get('batch')} x {c.get('context')} tokens", cont, paged,
-                        "block-table kernel", "ms", "lower"))
+        rows.append(
+            Row(
+                "decode",
+                f"{c.get('dtype')} {c.get('batch')} x {c.get('context')} tokens",
+                cont,
+                paged,
+                "block-table kernel",
+                "ms",
+                "lower",
+            )
+        )
     return rows
 
 
@@ -100,15 +156,42 @@ def _hf(d: dict) -> list[Row]:
         for base in ("dynamic", "static"):
             b = by.get((base, ctx))
             if v and b:
-                rows.append(Row("transformers", f"decode step at {ctx} tokens", v["step_ms"], b["step_ms"],
-                                f"{base.capitalize()}Cache", "ms", "lower"))
+                rows.append(
+                    Row(
+                        "transformers",
+                        f"decode step at {ctx} tokens",
+                        v["step_ms"],
+                        b["step_ms"],
+                        f"{base.capitalize()}Cache",
+                        "ms",
+                        "lower",
+                    )
+                )
     beam = {r["kind"]: r for r in d.get("beam", [])}
     if "vpaged" in beam and "dynamic" in beam:
         v, b = beam["vpaged"], beam["dynamic"]
-        rows.append(Row("transformers", f"beam search {v['beams']}x{v['context']}: reorder", v["reorder_ms"],
-                        b["reorder_ms"], "DynamicCache", "ms", "lower"))
-        rows.append(Row("transformers", f"beam search {v['beams']}x{v['context']}: peak KV", v["peak_kv_mib"],
-                        b["peak_kv_mib"], "DynamicCache", "MiB", "lower"))
+        rows.append(
+            Row(
+                "transformers",
+                f"beam search {v['beams']}x{v['context']}: reorder",
+                v["reorder_ms"],
+                b["reorder_ms"],
+                "DynamicCache",
+                "ms",
+                "lower",
+            )
+        )
+        rows.append(
+            Row(
+                "transformers",
+                f"beam search {v['beams']}x{v['context']}: peak KV",
+                v["peak_kv_mib"],
+                b["peak_kv_mib"],
+                "DynamicCache",
+                "MiB",
+                "lower",
+            )
+        )
     return rows
 
 
@@ -157,7 +240,8 @@ def find_benchmarks(explicit: str | None) -> Path:
     if not (path / "common.py").is_file():
         raise InvalidArgumentError(
             f"no benchmark scripts at {path}: `vpaged bench` runs the scripts of a source checkout's benchmarks/ "
-            "folder; pass --benchmarks DIR")
+            "folder; pass --benchmarks DIR"
+        )
     return path
 
 
@@ -170,9 +254,15 @@ def machine_facts() -> dict:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    facts = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-             "platform": platform.platform(), "load_average": list(os.getloadavg()),
-             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    facts = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "load_average": list(os.getloadavg()),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name()
     return facts
@@ -200,8 +290,14 @@ def run_one(bench: Bench, bench_dir: Path, out_dir: Path, quick: bool, timeout: 
     t0 = time.perf_counter()
     with log.open("w") as f:
         try:
-            rc = subprocess.run([sys.executable, str(script), *args], cwd=bench_dir, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(
+                [sys.executable, str(script), *args],
+                cwd=bench_dir,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            ).returncode
         except subprocess.TimeoutExpired:
             return Outcome(bench, "timed out", time.perf_counter() - t0, [], log)
     seconds = time.perf_counter() - t0
@@ -233,8 +329,10 @@ def plot_ratios(rows: list[Row], path: Path) -> None:
 
     # Speed-up (> 1 favours vpaged) whichever direction a metric improves in.
     labels = [f"{r.benchmark}: {r.comparison} vs {r.baseline_name}" for r in rows]
-    gains = [(r.baseline / r.vpaged if r.better == "lower" else r.vpaged / r.baseline) if r.vpaged and r.baseline
-             else 0.0 for r in rows]
+    gains = [
+        (r.baseline / r.vpaged if r.better == "lower" else r.vpaged / r.baseline) if r.vpaged and r.baseline else 0.0
+        for r in rows
+    ]
     fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1.5))
     ax.barh(labels, gains, color=["#4c9a2a" if g >= 1 else "#d1495b" for g in gains])
     ax.axvline(1.0, color="black", linewidth=0.8)

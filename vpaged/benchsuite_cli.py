@@ -1,4 +1,5 @@
 """`vpaged bench`: argument parsing and output for vpaged/benchsuite.py."""
+
 from __future__ import annotations
 
 import json
@@ -10,12 +11,17 @@ from .errors import InvalidArgumentError
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "bench", help="run the benchmark suite and print one comparison table",
+        "bench",
+        help="run the benchmark suite and print one comparison table",
         description="Runs the scripts in benchmarks/ (mapping, sharing, decode kernels, transformers, serving), "
-                    "each writing JSON into one results folder, then prints vpaged against the baseline each one "
-                    "measures beside it, and writes bench.json (with the machine's facts) and bench_ratios.png.")
-    p.add_argument("--quick", action="store_true",
-                   help="short settings, without the transformers and serving benchmarks (about 2 minutes)")
+        "each writing JSON into one results folder, then prints vpaged against the baseline each one "
+        "measures beside it, and writes bench.json (with the machine's facts) and bench_ratios.png.",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="short settings, without the transformers and serving benchmarks (about 2 minutes)",
+    )
     p.add_argument("--only", metavar="NAMES", help="comma-separated: mapping, sharing, decode, transformers, serving")
     p.add_argument("--out", metavar="DIR", help="results folder (default: vpaged-bench-<UTC time>)")
     p.add_argument("--benchmarks", metavar="DIR", help="the benchmark scripts (default: the checkout's benchmarks/)")
@@ -52,12 +58,32 @@ def run(args) -> int:
             outcomes.append(bs.run_one(bench, bench_dir, out, args.quick, args.timeout))
     rows = [r for o in outcomes for r in o.rows]
     _print(facts, outcomes, rows)
-    payload = {"machine": facts, "mode": "quick" if args.quick else "full",
-               "benchmarks": [{"name": o.bench.name, "status": o.status, "seconds": round(o.seconds, 1),
-                               "log": str(o.log) if o.log else None} for o in outcomes],
-               "comparisons": [{"benchmark": r.benchmark, "comparison": r.comparison, "vpaged": r.vpaged,
-                                "baseline": r.baseline, "baseline_name": r.baseline_name, "unit": r.unit,
-                                "better": r.better, "ratio": r.ratio} for r in rows]}
+    payload = {
+        "machine": facts,
+        "mode": "quick" if args.quick else "full",
+        "benchmarks": [
+            {
+                "name": o.bench.name,
+                "status": o.status,
+                "seconds": round(o.seconds, 1),
+                "log": str(o.log) if o.log else None,
+            }
+            for o in outcomes
+        ],
+        "comparisons": [
+            {
+                "benchmark": r.benchmark,
+                "comparison": r.comparison,
+                "vpaged": r.vpaged,
+                "baseline": r.baseline,
+                "baseline_name": r.baseline_name,
+                "unit": r.unit,
+                "better": r.better,
+                "ratio": r.ratio,
+            }
+            for r in rows
+        ],
+    }
     (out / "bench.json").write_text(json.dumps(payload, indent=2) + "\n")
     print(f"results: {out / 'bench.json'}")
     if rows:
@@ -71,10 +97,21 @@ def run(args) -> int:
 
 def _print(facts: dict, outcomes, rows) -> None:
     head = f"{facts['cpu']}, {facts['cores']} cores, torch {facts['torch']}" + (
-        f", {facts['gpu']}" if "gpu" in facts else "")
+        f", {facts['gpu']}" if "gpu" in facts else ""
+    )
     status = [[o.bench.name, o.status, f"{o.seconds:.0f} s"] for o in outcomes]
-    table = [[r.benchmark, r.comparison, f"{r.vpaged:,.3g} {r.unit}", f"{r.baseline:,.3g} {r.unit}",
-              r.baseline_name, f"{r.ratio:.2f}×", "lower" if r.better == "lower" else "higher"] for r in rows]
+    table = [
+        [
+            r.benchmark,
+            r.comparison,
+            f"{r.vpaged:,.3g} {r.unit}",
+            f"{r.baseline:,.3g} {r.unit}",
+            r.baseline_name,
+            f"{r.ratio:.2f}×",
+            "lower" if r.better == "lower" else "higher",
+        ]
+        for r in rows
+    ]
     headers = ["benchmark", "comparison", "vpaged", "baseline", "baseline is", "ratio", "better"]
     try:
         from rich.console import Console

@@ -3,6 +3,7 @@
 setup.py compiles this description into vpaged._C (csrc/build_info.cpp); it is read from that very binary,
 so it describes the build that is loaded, whichever way it was installed.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -13,7 +14,7 @@ import re
 from . import _C
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build_info() -> dict:
     """{"version", "cuda", "cuda_archs", "ptx", "nvcc", "cxx", "cxxflags", "python", "platform"}; for a build
     made without setup.py only "cuda" (from the extension) is known."""

@@ -21,6 +21,7 @@ the wait for streams before any unmap in the C++ VirtualRange. Sharing and copy-
 
 Not thread-safe: one cache belongs to one scheduler thread. The pool under it is thread-safe.
 """
+
 from __future__ import annotations
 
 import torch
@@ -69,10 +70,22 @@ class VirtualKVCache:
         prefix_hash: hash(parent_key, block_token_ids) -> bytes for the prefix index (default: blake2b chain).
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                 max_seqs: int = 64, max_seq_len: int = 4096, device=None, pool: PagePool | None = None,
-                 capacity_bytes: int | None = None, layout: str = "per_layer", page_size: int | None = None,
-                 swap_bytes: int = 0, prefix_hash: HashFn | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        max_seqs: int = 64,
+        max_seq_len: int = 4096,
+        device=None,
+        pool: PagePool | None = None,
+        capacity_bytes: int | None = None,
+        layout: str = "per_layer",
+        page_size: int | None = None,
+        swap_bytes: int = 0,
+        prefix_hash: HashFn | None = None,
+    ):
         self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype)
         check_positive_int("max_seqs", max_seqs)
         check_positive_int("max_seq_len", max_seq_len)
@@ -81,8 +94,9 @@ class VirtualKVCache:
         self.pool = pool = self._resolve_pool(pool, capacity_bytes, page_size, device)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_seqs, self.max_seq_len = max_seqs, max_seq_len
-        self.layout = Layout(layout, num_layers, num_kv_heads, head_dim, self.geometry.itemsize, max_seqs,
-                             max_seq_len, pool.page_size)
+        self.layout = Layout(
+            layout, num_layers, num_kv_heads, head_dim, self.geometry.itemsize, max_seqs, max_seq_len, pool.page_size
+        )
         if not pool.accounting_only:  # address space and mapping limit: said now, not mid-serving
             check_cache(self.layout, self.device)
         self._range = pool.new_range(self.layout.total_bytes)
@@ -92,8 +106,11 @@ class VirtualKVCache:
         self._pages_mapped = self._pages_unmapped = self._map_calls = self._cow_copies = self._prefix_hits = 0
         tpp = self.layout.page_size / self.layout.token_bytes
         self._prefix = PrefixIndex(int(tpp), pool, prefix_hash) if tpp == int(tpp) else None
-        self._swap = (SwapSpace(swap_bytes, pool.page_size, pin=self.device.type == "cuda"
-                                and torch.cuda.is_available()) if swap_bytes else None)
+        self._swap = (
+            SwapSpace(swap_bytes, pool.page_size, pin=self.device.type == "cuda" and torch.cuda.is_available())
+            if swap_bytes
+            else None
+        )
         self._streams: list = []  # stream objects given to use_stream(), kept alive while registered
         self._on_cuda = self.device.type == "cuda"
         if self._on_cuda:
@@ -115,8 +132,10 @@ class VirtualKVCache:
             return PagePool(self.device, capacity_bytes=capacity_bytes, page_size=page_size)
         pool = default_pool(self.device)
         if page_size is not None and page_size != pool.page_size:
-            raise InvalidArgumentError(f"page_size {page_size} differs from the default pool's {pool.page_size}; "
-                                       "pass capacity_bytes or a pool of that page size")
+            raise InvalidArgumentError(
+                f"page_size {page_size} differs from the default pool's {pool.page_size}; "
+                "pass capacity_bytes or a pool of that page size"
+            )
         return pool
 
     # ----------------------------------------------------------------------------------------- lifecycle
@@ -170,7 +189,8 @@ class VirtualKVCache:
         return SlotsExhaustedError(
             f"no room for {what if n == 1 else f'{n} {what}'}: {len(t.sequences)} of {self.max_seqs} slots hold "
             f"live sequences, {t.free_count} are free, {viewed} of them held by live tensor views of freed "
-            "sequences (drop those views to reuse them)")
+            "sequences (drop those views to reuse them)"
+        )
 
     def _page_slots_of(self, slot: int, first: int = 0, stop: int | None = None) -> list[int]:
         return self.layout.page_slots(slot, first, self._slots.mapped_pages[slot] if stop is None else stop)
@@ -270,7 +290,8 @@ class VirtualKVCache:
             new_len = t.length_tokens[slot] + n
             if new_len > self.max_seq_len:
                 raise SequenceTooLongError(
-                    f"sequence {seq} would hold {new_len} tokens, more than max_seq_len={self.max_seq_len}")
+                    f"sequence {seq} would hold {new_len} tokens, more than max_seq_len={self.max_seq_len}"
+                )
             need = lay.pages_for(new_len)
             if n and t.shared_below_page[slot]:
                 # Every mapped page from the first new token's up to the watermark, not just those below
@@ -330,7 +351,8 @@ class VirtualKVCache:
             s = self.pool.stats()
             raise OutOfPagesError(
                 f"out of pages: {pages} page(s) of {s.page_size} bytes needed, {s.free_pages} free "
-                f"of {s.total_pages} (+{self.pool.reclaimable_pages()} reclaimable); nothing was changed")
+                f"of {s.total_pages} (+{self.pool.reclaimable_pages()} reclaimable); nothing was changed"
+            )
 
     # ----------------------------------------------------------------------------------------- planning
     def pages_needed(self, seqs, n: int = 1) -> int:
@@ -351,7 +373,8 @@ class VirtualKVCache:
             old_len = t.length_tokens[slot]
             if old_len + n > self.max_seq_len:
                 raise SequenceTooLongError(
-                    f"sequence {seq} would hold {old_len + n} tokens, more than max_seq_len={self.max_seq_len}")
+                    f"sequence {seq} would hold {old_len + n} tokens, more than max_seq_len={self.max_seq_len}"
+                )
             need = lay.pages_for(old_len + n)
             if need > t.mapped_pages[slot]:
                 total += (need - t.mapped_pages[slot]) * lay.runs
@@ -474,7 +497,7 @@ class VirtualKVCache:
             src_pages, src_mapped = old_pages[src], t.mapped_pages[src]
             assign_slots += lay.page_slots(dst, 0, span)
             for r in range(lay.runs):
-                assign_pages += src_pages[r * src_mapped:r * src_mapped + src_n]
+                assign_pages += src_pages[r * src_mapped : r * src_mapped + src_n]
                 assign_pages += [-1] * (span - src_n)
             moves.append((dst, src, src_n, lens[i]))
         if assign_slots:
@@ -492,7 +515,7 @@ class VirtualKVCache:
         index = self._prefix_index()
         tokens = list(tokens)
         nblocks = min(len(tokens), self._slots.length_tokens[slot]) // index.block_tokens
-        for depth, (key, block) in enumerate(index.keys(tokens[:nblocks * index.block_tokens])):
+        for depth, (key, block) in enumerate(index.keys(tokens[: nblocks * index.block_tokens])):
             found = index.lookup(key)
             if found is not None:
                 if found.tokens != block or found.depth != depth:
@@ -507,7 +530,8 @@ class VirtualKVCache:
             raise InvalidArgumentError(
                 f"prefix caching needs pages that hold a whole number of tokens; a page of {self.layout.page_size} "
                 f"bytes holds {self.layout.tokens_per_page:.3f} (choose a page size that is a multiple of "
-                f"{self.layout.token_bytes} bytes)")
+                f"{self.layout.token_bytes} bytes)"
+            )
         return self._prefix
 
     # ----------------------------------------------------------------------------------------- swapping
@@ -614,8 +638,9 @@ class VirtualKVCache:
         """Descriptor of one layer's K/V of `seqs` for decode kernels with per-sequence lengths."""
         check_layer(layer, self.num_layers)
         if self.pool.accounting_only:
-            raise InvalidArgumentError("batch(): the cache is on an accounting-only pool, which holds no K/V "
-                                       "for kernels to read")
+            raise InvalidArgumentError(
+                "batch(): the cache is on an accounting-only pool, which holds no K/V for kernels to read"
+            )
         slots = [self._live_slot(s) for s in seqs]
         return self._views.descriptor(layer, slots, [self._slots.length_tokens[s] for s in slots])
 
@@ -630,12 +655,14 @@ class VirtualKVCache:
         if start is None:
             start = length - n
         if start < 0 or start + n > length:
-            raise InvalidArgumentError(f"tokens {start}..{start + n - 1} outside the sequence's 0..{length - 1}; "
-                                       "extend() first")
+            raise InvalidArgumentError(
+                f"tokens {start}..{start + n - 1} outside the sequence's 0..{length - 1}; extend() first"
+            )
         if start < self._first_writable(slot):
             raise ReadOnlyTokensError(
                 f"tokens before {self._first_writable(slot)} are read-only (they may share pages with other "
-                f"sequences); write the tokens the last extend() added, or truncate() and extend() again")
+                f"sequences); write the tokens the last extend() added, or truncate() and extend() again"
+            )
         self._views.tokens(layer, 0, slot, start, n).copy_(k)
         self._views.tokens(layer, 1, slot, start, n).copy_(v)
 
@@ -659,26 +686,47 @@ class VirtualKVCache:
         live_bytes = live_tokens * self.bytes_per_token
         pool = self.pool.stats()
         # Only pages below a slot's shared watermark can be shared: count just those (unmapped ones read 0).
-        maybe = [ps for slot, upto in enumerate(t.shared_below_page) if upto
-                 for ps in self._page_slots_of(slot, 0, min(upto, t.mapped_pages[slot]))]
+        maybe = [
+            ps
+            for slot, upto in enumerate(t.shared_below_page)
+            if upto
+            for ps in self._page_slots_of(slot, 0, min(upto, t.mapped_pages[slot]))
+        ]
         shared = sum(1 for c in self._range.refcounts_at(maybe) if c > 1) if maybe else 0
         swapped_pages = sum(len(p) for p, _ in self._swapped.values())
         mapped -= swapped_pages
         mapped_bytes = mapped * self.layout.page_size
         prefix_pages = [p for b in self._prefix.blocks() for p in b.pages] if self._prefix else []
         stored, fragmentation, dormant_bytes = virtual_cache_breakdown(
-            self.layout, t, self._range.pages_at, prefix_pages, self._swapped)
+            self.layout, t, self._range.pages_at, prefix_pages, self._swapped
+        )
         return CacheStats(
-            layout=self.layout.kind, page_size=self.layout.page_size, sequences=len(t.sequences),
-            live_tokens=live_tokens, live_bytes=live_bytes, mapped_pages=mapped, mapped_bytes=mapped_bytes,
-            dormant_pages=dormant, utilization=live_bytes / mapped_bytes if mapped_bytes else 1.0,
-            tokens_per_page=self.layout.tokens_per_page, pool_free_pages=pool.free_pages,
-            pool_used_pages=pool.used_pages, pages_mapped_total=self._pages_mapped,
-            pages_unmapped_total=self._pages_unmapped, map_calls=self._map_calls, shared_pages=shared,
-            cow_copies=self._cow_copies, prefix_hit_tokens=self._prefix_hits,
+            layout=self.layout.kind,
+            page_size=self.layout.page_size,
+            sequences=len(t.sequences),
+            live_tokens=live_tokens,
+            live_bytes=live_bytes,
+            mapped_pages=mapped,
+            mapped_bytes=mapped_bytes,
+            dormant_pages=dormant,
+            utilization=live_bytes / mapped_bytes if mapped_bytes else 1.0,
+            tokens_per_page=self.layout.tokens_per_page,
+            pool_free_pages=pool.free_pages,
+            pool_used_pages=pool.used_pages,
+            pages_mapped_total=self._pages_mapped,
+            pages_unmapped_total=self._pages_unmapped,
+            map_calls=self._map_calls,
+            shared_pages=shared,
+            cow_copies=self._cow_copies,
+            prefix_hit_tokens=self._prefix_hits,
             prefix_cached_pages=self._prefix.pages if self._prefix else 0,
-            swapped_sequences=len(self._swapped), swapped_bytes=swapped_pages * self.layout.page_size,
-            stored_bytes=stored, fragmentation_bytes=fragmentation, reserved_bytes=0, dormant_bytes=dormant_bytes)
+            swapped_sequences=len(self._swapped),
+            swapped_bytes=swapped_pages * self.layout.page_size,
+            stored_bytes=stored,
+            fragmentation_bytes=fragmentation,
+            reserved_bytes=0,
+            dormant_bytes=dormant_bytes,
+        )
 
     def reclaim(self) -> int:
         """Unmap the pages of every freed slot now; returns pages returned to the pool."""
@@ -710,7 +758,8 @@ class VirtualKVCache:
         dormant = self._unpinned_dormant_slots()
         spare = sum(self._slots.mapped_pages[s] - first for s, first in self._spare_tails())
         return (self._slots.total_mapped_pages(dormant) + spare) * self.layout.runs + sum(
-            len(b.pages) for b in self._evictable_blocks(dormant))
+            len(b.pages) for b in self._evictable_blocks(dormant)
+        )
 
     def _evictable_blocks(self, dormant: list[int]):
         """Prefix blocks whose pages only the index holds once the given dormant slots let go of theirs."""
@@ -770,8 +819,10 @@ class VirtualKVCache:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._slots.sequences)} sequences"
-        return (f"VirtualKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"dtype={self.dtype}, layout={self.layout.kind}, device={self.device}, {state})")
+        return (
+            f"VirtualKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, layout={self.layout.kind}, device={self.device}, {state})"
+        )
 
     # ----------------------------------------------------------------------------------------- streams
     def use_stream(self, stream) -> None:

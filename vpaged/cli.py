@@ -2,6 +2,7 @@
 `vpaged simulate` (KV memory of serving policies at production scale, vpaged/sim/cli.py), `vpaged bench`
 (the benchmark suite, vpaged/benchsuite_cli.py) and the serving commands `generate`, `serve` and
 `bench-serve` (vpaged/cli_serve.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,15 @@ def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
 
 
 def cmd_demo(args) -> int:
-    cfg = DemoConfig(layout=args.layout, steps=args.steps, seed=args.seed, budget_bytes=args.budget_mib << 20,
-                     max_seqs=args.max_seqs, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype])
+    cfg = DemoConfig(
+        layout=args.layout,
+        steps=args.steps,
+        seed=args.seed,
+        budget_bytes=args.budget_mib << 20,
+        max_seqs=args.max_seqs,
+        max_seq_len=args.max_seq_len,
+        dtype=DTYPES[args.dtype],
+    )
     r = run_demo(cfg)
     if args.json:
         d = asdict(r)
@@ -50,7 +58,10 @@ def cmd_demo(args) -> int:
         print()
         return 0
     rows = [
-        ("model (layers × kv heads × head dim)", f"{cfg.num_layers} × {cfg.num_kv_heads} × {cfg.head_dim}, {args.dtype}"),
+        (
+            "model (layers × kv heads × head dim)",
+            f"{cfg.num_layers} × {cfg.num_kv_heads} × {cfg.head_dim}, {args.dtype}",
+        ),
         ("layout / page size", f"{cfg.layout} / {r.page_size // 1024} KiB"),
         ("budget", _mib(cfg.budget_bytes)),
         ("steps / finished / deferred", f"{r.steps} / {r.finished} / {r.deferred}"),
@@ -72,6 +83,7 @@ def cmd_demo(args) -> int:
 
 def cmd_info(_args) -> int:
     import vpaged
+
     from .buildinfo import build_info, describe_build
 
     build = build_info()

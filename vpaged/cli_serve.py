@@ -4,6 +4,7 @@ MODEL is a local model directory (model and tokenizer, no network) or `random:NA
 from a named config (e.g. `random:llama-tiny`, `random:bench-llama`), so every command runs on a fresh
 machine without a checkpoint. Random-weight models have no tokenizer: give prompts as token ids.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,11 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def _engine_args(p: argparse.ArgumentParser, model_optional: bool = False) -> None:
-    p.add_argument("model", nargs="?" if model_optional else None,
-                   help="model directory, or random:NAME (a random-weight model from a named config)")
+    p.add_argument(
+        "model",
+        nargs="?" if model_optional else None,
+        help="model directory, or random:NAME (a random-weight model from a named config)",
+    )
     p.add_argument("--kv", choices=["vpaged", "paged", "static"], default="vpaged", help="KV cache backend")
     p.add_argument("--kv-budget-mib", type=int, default=1024, help="KV cache budget (MiB)")
     p.add_argument("--swap-mib", type=int, default=0, help="host swap space for preempted requests (MiB)")
@@ -50,10 +54,17 @@ def _build_engine(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
-    return LLMEngine(model, tokenizer, kv_budget_bytes=args.kv_budget_mib << 20, swap_bytes=args.swap_mib << 20,
-                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     kv=args.kv, enable_prefix_caching=not args.no_prefix_caching,
-                     max_model_len=args.max_model_len)
+    return LLMEngine(
+        model,
+        tokenizer,
+        kv_budget_bytes=args.kv_budget_mib << 20,
+        swap_bytes=args.swap_mib << 20,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv=args.kv,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_model_len=args.max_model_len,
+    )
 
 
 def _token_ids(text: str) -> list[int]:
@@ -73,8 +84,14 @@ def _progress(total: int, description: str):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     except ImportError:
         return None
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=Console(stderr=True), transient=False)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
     return progress, progress.add_task(description, total=total)
 
 
@@ -88,9 +105,16 @@ def cmd_generate(args) -> int:
     if not prompts:
         raise SystemExit("give at least one prompt (text) or --prompt-ids")
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, n=args.n,
-                                stop_token_ids=tuple(args.stop_token_id))
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            n=args.n,
+            stop_token_ids=tuple(args.stop_token_id),
+        )
     except VPagedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -118,16 +142,24 @@ def cmd_generate(args) -> int:
     results = []
     for p, rid in zip(prompts, ids):
         out = finals[rid]
-        results.append({
-            "prompt": p if isinstance(p, str) else None, "prompt_token_ids": list(out.prompt_token_ids),
-            "outputs": [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
-                         "finish_reason": c.finish_reason} for c in out.outputs],
-            "num_preemptions": getattr(out.metrics, "num_preemptions", 0),
-        })
+        results.append(
+            {
+                "prompt": p if isinstance(p, str) else None,
+                "prompt_token_ids": list(out.prompt_token_ids),
+                "outputs": [
+                    {"index": c.index, "text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+                    for c in out.outputs
+                ],
+                "num_preemptions": getattr(out.metrics, "num_preemptions", 0),
+            }
+        )
     if args.json:
         stats = engine.stats()
-        json.dump({"model": args.model, "kv": args.kv, "seconds": seconds, "results": results,
-                   "stats": _as_dict(stats)}, sys.stdout, indent=2)
+        json.dump(
+            {"model": args.model, "kv": args.kv, "seconds": seconds, "results": results, "stats": _as_dict(stats)},
+            sys.stdout,
+            indent=2,
+        )
         print()
         return 0
     for r in results:
@@ -157,7 +189,7 @@ def _generate_stream(engine, prompt, params, args) -> int:
             if text_mode:
                 text = engine.tokenizer.decode(list(c.token_ids), skip_special_tokens=True)
                 if text.startswith(sent) and (out.finished or not text.endswith("\ufffd")):
-                    sys.stdout.write(text[len(sent):])
+                    sys.stdout.write(text[len(sent) :])
                     sent = text
             elif args.json:
                 print(json.dumps({"new_token_ids": list(c.new_token_ids), "finish_reason": c.finish_reason}))
@@ -186,11 +218,21 @@ def cmd_serve(args) -> int:
     engine = _make_engine(args)
 
     def ready(url: str) -> None:
-        print(f"vpaged: serving {args.served_model_name or engine.model_name} at {url}/v1 "
-              f"(kv={args.kv}, budget {args.kv_budget_mib} MiB)", flush=True)
+        print(
+            f"vpaged: serving {args.served_model_name or engine.model_name} at {url}/v1 "
+            f"(kv={args.kv}, budget {args.kv_budget_mib} MiB)",
+            flush=True,
+        )
 
-    serve(engine, host=args.host, port=args.port, model_name=args.served_model_name, log_level=args.log_level,
-          default_max_tokens=args.default_max_tokens, on_ready=ready)
+    serve(
+        engine,
+        host=args.host,
+        port=args.port,
+        model_name=args.served_model_name,
+        log_level=args.log_level,
+        default_max_tokens=args.default_max_tokens,
+        on_ready=ready,
+    )
     return 0
 
 
@@ -206,14 +248,16 @@ def cmd_bench_serve(args) -> int:
     engine = _make_engine(args) if args.url is None else None
     cfg = engine.model.config if engine is not None else None
     vocab = args.vocab or getattr(cfg, "vocab_size", None) or 32000
-    prompts = random_prompts(args.num_requests, args.min_prompt, args.max_prompt, vocab, seed=args.seed,
-                             shared_prefix=args.shared_prefix)
+    prompts = random_prompts(
+        args.num_requests, args.min_prompt, args.max_prompt, vocab, seed=args.seed, shared_prefix=args.shared_prefix
+    )
     if math.isinf(args.request_rate):
         arrivals = [0.0] * len(prompts)
     else:
         arrivals = poisson_arrivals(len(prompts), args.request_rate, seed=args.seed)
     workload = Workload(prompts, arrivals, args.max_tokens, name="bench-serve")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
     def run(progress=None):
         if args.url is not None:
             return run_http_workload(args.url, workload, progress=progress)
@@ -226,12 +270,21 @@ def cmd_bench_serve(args) -> int:
         progress, task = bar
         with progress:
             result = run(lambda k: progress.advance(task, k))
-    report = {"command": "bench-serve", "model": args.model, "url": args.url,
-              "kv": None if args.url else args.kv, "dtype": args.dtype,
-              "threads": torch.get_num_threads(), "num_requests": args.num_requests,
-              "prompt_len": [args.min_prompt, args.max_prompt], "shared_prefix": args.shared_prefix,
-              "max_tokens": args.max_tokens, "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
-              "kv_budget_bytes": args.kv_budget_mib << 20, "result": result.as_dict()}
+    report = {
+        "command": "bench-serve",
+        "model": args.model,
+        "url": args.url,
+        "kv": None if args.url else args.kv,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "num_requests": args.num_requests,
+        "prompt_len": [args.min_prompt, args.max_prompt],
+        "shared_prefix": args.shared_prefix,
+        "max_tokens": args.max_tokens,
+        "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+        "kv_budget_bytes": args.kv_budget_mib << 20,
+        "result": result.as_dict(),
+    }
     text = json.dumps(report, indent=2)
     if args.output:
         with open(args.output, "w") as f:
@@ -249,7 +302,10 @@ def cmd_bench_serve(args) -> int:
             ("preemptions swap / recompute", f"{r.preemptions_swap} / {r.preemptions_recompute}"),
             ("prefix-hit tokens", str(r.prefix_hit_tokens)),
             ("TTFT p50 / p99", f"{r.ttft_p50:.3f} / {r.ttft_p99:.3f} s" if r.ttft_p50 is not None else "-"),
-            ("TPOT p50 / p99", f"{r.tpot_p50 * 1e3:.1f} / {r.tpot_p99 * 1e3:.1f} ms" if r.tpot_p50 is not None else "-"),
+            (
+                "TPOT p50 / p99",
+                f"{r.tpot_p50 * 1e3:.1f} / {r.tpot_p99 * 1e3:.1f} ms" if r.tpot_p50 is not None else "-",
+            ),
         ]
         width = max(len(k) for k, _ in lines)
         print(f"vpaged bench-serve: {args.url or args.model}, " + ("over HTTP" if args.url else f"kv={args.kv}"))
@@ -265,6 +321,7 @@ def _reporting_errors(fn):
         except _EngineError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+
     return run
 
 
@@ -272,8 +329,13 @@ def add_serve_commands(sub) -> None:
     gen = sub.add_parser("generate", help="generate from prompts with the serving engine")
     _engine_args(gen)
     gen.add_argument("prompt", nargs="*", help="text prompts (need the model's tokenizer)")
-    gen.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
-                     help="a prompt as token ids, e.g. '1,2,3' (repeatable)")
+    gen.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=[],
+        metavar="IDS",
+        help="a prompt as token ids, e.g. '1,2,3' (repeatable)",
+    )
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=-1)
@@ -291,23 +353,32 @@ def add_serve_commands(sub) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000, help="0 = a free port (printed when ready)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
-    srv.add_argument("--default-max-tokens", type=int, default=256,
-                     help="max_tokens of chat requests that give none")
+    srv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of chat requests that give none")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=_reporting_errors(cmd_serve))
 
-    bench = sub.add_parser("bench-serve", help="serve a random-prompt workload (in process, or to a running "
-                           "server with --url) and measure it")
+    bench = sub.add_parser(
+        "bench-serve",
+        help="serve a random-prompt workload (in process, or to a running server with --url) and measure it",
+    )
     _engine_args(bench, model_optional=True)
-    bench.add_argument("--url", default=None, help="benchmark a running `vpaged serve` at this URL instead "
-                       "(streamed /v1/completions; peak KV and preemptions from its /metrics)")
+    bench.add_argument(
+        "--url",
+        default=None,
+        help="benchmark a running `vpaged serve` at this URL instead "
+        "(streamed /v1/completions; peak KV and preemptions from its /metrics)",
+    )
     bench.add_argument("--num-requests", type=int, default=64)
     bench.add_argument("--min-prompt", type=int, default=64)
     bench.add_argument("--max-prompt", type=int, default=512)
     bench.add_argument("--shared-prefix", type=int, default=0, help="tokens of a system prompt all requests share")
     bench.add_argument("--max-tokens", type=int, default=128, help="greedy output tokens per request (EOS ignored)")
-    bench.add_argument("--request-rate", type=float, default=math.inf,
-                       help="Poisson arrivals per second (default: all requests at t=0)")
+    bench.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (default: all requests at t=0)",
+    )
     bench.add_argument("--vocab", type=int, default=None, help="draw prompt ids below this (default: the model's)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -1,6 +1,7 @@
 """A mixed serving workload on a VirtualKVCache: sequences arrive with random prompt and output lengths,
 decode one token per step, and leave. Measures what the cache maps against what reserving max_seq_len
 per sequence (static allocation) would need for the same sequences."""
+
 from __future__ import annotations
 
 import random
@@ -54,8 +55,16 @@ class DemoResult:
 def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
     cfg = cfg or DemoConfig()
     rnd = random.Random(cfg.seed)
-    cache = VirtualKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, max_seqs=cfg.max_seqs,
-                           max_seq_len=cfg.max_seq_len, capacity_bytes=cfg.budget_bytes, layout=cfg.layout)
+    cache = VirtualKVCache(
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        dtype=cfg.dtype,
+        max_seqs=cfg.max_seqs,
+        max_seq_len=cfg.max_seq_len,
+        capacity_bytes=cfg.budget_bytes,
+        layout=cfg.layout,
+    )
     shape = (cfg.num_kv_heads, cfg.head_dim)
     waiting: list[tuple[int, int]] = []
     running: dict[int, int] = {}  # seq -> tokens still to generate
@@ -82,8 +91,9 @@ def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
                     deferred += 1
                     break
                 if cfg.write_kv:
-                    cache.write(0, seq, torch.ones(prompt, *shape, dtype=cfg.dtype),
-                                torch.ones(prompt, *shape, dtype=cfg.dtype))
+                    cache.write(
+                        0, seq, torch.ones(prompt, *shape, dtype=cfg.dtype), torch.ones(prompt, *shape, dtype=cfg.dtype)
+                    )
                 waiting.pop(0)
                 running[seq] = out
             # Decode: one token for every running sequence, as one all-or-nothing step.
@@ -118,9 +128,20 @@ def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
             peak["mapped"] = max(peak["mapped"], st.mapped_bytes)
         st = cache.stats()
     return DemoResult(
-        config=cfg, steps=cfg.steps, finished=finished, deferred=deferred, peak_sequences=peak["seqs"],
-        peak_live_tokens=peak["tokens"], peak_live_bytes=peak["live"], peak_mapped_bytes=peak["mapped"],
-        utilization_at_peak=peak["util"], mean_utilization=util_sum / cfg.steps,
+        config=cfg,
+        steps=cfg.steps,
+        finished=finished,
+        deferred=deferred,
+        peak_sequences=peak["seqs"],
+        peak_live_tokens=peak["tokens"],
+        peak_live_bytes=peak["live"],
+        peak_mapped_bytes=peak["mapped"],
+        utilization_at_peak=peak["util"],
+        mean_utilization=util_sum / cfg.steps,
         static_bytes_for_peak=peak["seqs"] * cfg.max_seq_len * cache.bytes_per_token,
-        pages_mapped=st.pages_mapped_total, pages_unmapped=st.pages_unmapped_total, map_calls=st.map_calls,
-        seconds=time.perf_counter() - t0, page_size=cache.layout.page_size)
+        pages_mapped=st.pages_mapped_total,
+        pages_unmapped=st.pages_unmapped_total,
+        map_calls=st.map_calls,
+        seconds=time.perf_counter() - t0,
+        page_size=cache.layout.page_size,
+    )

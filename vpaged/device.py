@@ -1,4 +1,5 @@
 """Devices and backends: which backends are usable here, and why CUDA is not when it is not."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
 One place computes what a token costs and what a static cache of the same model would reserve, so the two
 caches and the transformers integration agree on it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

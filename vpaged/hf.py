@@ -23,6 +23,7 @@ or remapped. Inference only: K/V are written without autograd.
 
 transformers is imported here only; `import vpaged` does not need it (extra `vpaged[hf]`).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -51,8 +52,9 @@ def _geometry(config) -> tuple[int, int, int]:
         layers = int(text.num_hidden_layers)
         heads = int(text.num_attention_heads)
     except AttributeError as e:
-        raise InvalidArgumentError(f"config {type(config).__name__} lacks {e.name}: pass num_layers, "
-                                   "num_kv_heads and head_dim explicitly") from e
+        raise InvalidArgumentError(
+            f"config {type(config).__name__} lacks {e.name}: pass num_layers, num_kv_heads and head_dim explicitly"
+        ) from e
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     layer_types = getattr(text, "layer_types", None) or []
@@ -177,11 +179,23 @@ class VPagedCache(CacheBase):
     released by reset() / close() or when the cache is dropped.
     """
 
-    def __init__(self, config=None, *, max_cache_len: int, max_batch_size: int | None = None,
-                 capacity_bytes: int | None = None, pool: PagePool | None = None, layout: str = "head_major",
-                 dtype: torch.dtype | None = None, device=None, page_size: int | None = None,
-                 num_layers: int | None = None, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 share_prefill: bool = True):
+    def __init__(
+        self,
+        config=None,
+        *,
+        max_cache_len: int,
+        max_batch_size: int | None = None,
+        capacity_bytes: int | None = None,
+        pool: PagePool | None = None,
+        layout: str = "head_major",
+        dtype: torch.dtype | None = None,
+        device=None,
+        page_size: int | None = None,
+        num_layers: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        share_prefill: bool = True,
+    ):
         if config is not None:
             geo = _geometry(config)
             num_layers = num_layers if num_layers is not None else geo[0]
@@ -190,8 +204,12 @@ class VPagedCache(CacheBase):
             dtype = dtype if dtype is not None else _config_dtype(config)
         elif None in (num_layers, num_kv_heads, head_dim):
             raise InvalidArgumentError("give a model config, or num_layers, num_kv_heads and head_dim")
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("max_cache_len", max_cache_len)):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("max_cache_len", max_cache_len),
+        ):
             check_positive_int(name, value)
         if max_batch_size is not None:
             check_positive_int("max_batch_size", max_batch_size)
@@ -254,8 +272,10 @@ class VPagedCache(CacheBase):
             raise ShapeError(f"key states must be [batch, kv_heads, tokens, head_dim], got {list(key_states.shape)}")
         batch, heads, _, dim = key_states.shape
         if (heads, dim) != (self.num_kv_heads, self.head_dim):
-            raise ShapeError(f"the model gives K/V of {heads} heads x {dim}; the cache was built for "
-                             f"{self.num_kv_heads} x {self.head_dim} (check num_key_value_heads / head_dim)")
+            raise ShapeError(
+                f"the model gives K/V of {heads} heads x {dim}; the cache was built for "
+                f"{self.num_kv_heads} x {self.head_dim} (check num_key_value_heads / head_dim)"
+            )
         if self.dtype is not None and key_states.dtype != self.dtype:
             raise DTypeError(f"the model gives K/V in {key_states.dtype}; the cache was built for {self.dtype}")
         device = normalize_device(key_states.device)
@@ -267,9 +287,18 @@ class VPagedCache(CacheBase):
         if self._pool is None and self._capacity_bytes is not None:
             # The pool outlives reset(): it is this cache's budget, not one generation's.
             self._pool = PagePool(device, capacity_bytes=self._capacity_bytes, page_size=self.page_size)
-        kv = VirtualKVCache(self.num_layers, self.num_kv_heads, self.head_dim, dtype=key_states.dtype,
-                            max_seqs=max_seqs, max_seq_len=self.max_cache_len, device=device, pool=self._pool,
-                            layout=self.layout, page_size=None if self._pool is not None else self.page_size)
+        kv = VirtualKVCache(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype=key_states.dtype,
+            max_seqs=max_seqs,
+            max_seq_len=self.max_cache_len,
+            device=device,
+            pool=self._pool,
+            layout=self.layout,
+            page_size=None if self._pool is not None else self.page_size,
+        )
         self._rows = kv.allocate_many(batch)
         self.kv = kv
         self._length = 0
@@ -282,12 +311,16 @@ class VPagedCache(CacheBase):
             self._open(key_states)
         kv = self.kv
         if key_states.shape != value_states.shape:
-            raise ShapeError(f"key states {list(key_states.shape)} and value states {list(value_states.shape)} "
-                             "differ in shape (models with different K and V head sizes are not supported)")
+            raise ShapeError(
+                f"key states {list(key_states.shape)} and value states {list(value_states.shape)} "
+                "differ in shape (models with different K and V head sizes are not supported)"
+            )
         batch, heads, n, dim = key_states.shape
         if batch != len(self._rows) or (heads, dim) != (self.num_kv_heads, self.head_dim):
-            raise ShapeError(f"K/V of shape {list(key_states.shape)} for a cache of {len(self._rows)} rows x "
-                             f"{self.num_kv_heads} heads x {self.head_dim} (reset() it to start a new batch)")
+            raise ShapeError(
+                f"K/V of shape {list(key_states.shape)} for a cache of {len(self._rows)} rows x "
+                f"{self.num_kv_heads} heads x {self.head_dim} (reset() it to start a new batch)"
+            )
         if key_states.dtype != kv.dtype:
             raise DTypeError(f"K/V in {key_states.dtype}, the cache holds {kv.dtype}")
         past = self._written[layer]
@@ -298,7 +331,8 @@ class VPagedCache(CacheBase):
             raise InvalidArgumentError(
                 f"layer {layer} got {n} new tokens after {past}, but this forward grew the cache to {self._length} "
                 "tokens: a layer was updated twice, or an earlier forward stopped before its last layer "
-                "(reset() the cache then)")
+                "(reset() the cache then)"
+            )
         out = None
         with torch.no_grad():
             if self._dup_of:  # only in a prefill, where past == 0
@@ -435,8 +469,10 @@ class VPagedCache(CacheBase):
         try:
             extra = kv.allocate_many(new - old)
         except SlotsExhaustedError as e:
-            raise SlotsExhaustedError(f"{new} rows do not fit a cache of max_batch_size={kv.max_seqs}; "
-                                      "build the cache with a larger max_batch_size") from e
+            raise SlotsExhaustedError(
+                f"{new} rows do not fit a cache of max_batch_size={kv.max_seqs}; "
+                "build the cache with a larger max_batch_size"
+            ) from e
         if kv.slot(extra[0]) != kv.slot(rows[-1]) + 1:
             # The new rows do not continue ours: move the whole batch to a fresh run of slots.
             for seq in extra:
@@ -444,8 +480,10 @@ class VPagedCache(CacheBase):
             try:
                 fresh = kv.allocate_many(new)
             except SlotsExhaustedError as e:
-                raise SlotsExhaustedError(f"no run of {new} free slots next to the current {old} rows; build the "
-                                          "cache with a larger max_batch_size") from e
+                raise SlotsExhaustedError(
+                    f"no run of {new} free slots next to the current {old} rows; build the "
+                    "cache with a larger max_batch_size"
+                ) from e
             self._reorder_or_free(rows + fresh, list(range(old)) + sources, fresh)
             for seq in rows:
                 kv.free(seq)

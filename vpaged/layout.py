@@ -12,6 +12,7 @@ A slot is cut into `runs_per_slot` runs of pages (one per head for head_major, e
 on a page boundary, so the pages of different sequences (and heads) never overlap. Page-slot lists are
 run-major: for each region, for each run, the pages in order.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -101,8 +102,12 @@ class Layout:
     def page_slots(self, slot: int, first: int, stop: int) -> list[int]:
         """Range page-slot indices of pages first..stop-1 of every run of `slot` (run-major)."""
         ppr, rps, seqs = self.pages_per_run, self.runs_per_slot, self.max_seqs
-        return [((r * seqs + slot) * rps + h) * ppr + p
-                for r in range(self.regions) for h in range(rps) for p in range(first, stop)]
+        return [
+            ((r * seqs + slot) * rps + h) * ppr + p
+            for r in range(self.regions)
+            for h in range(rps)
+            for p in range(first, stop)
+        ]
 
     def base_offset(self, layer: int, kv: int) -> int:
         """Byte offset of slot 0, head 0, token 0 of layer's K (kv=0) or V (kv=1)."""

@@ -11,6 +11,7 @@
    (a run: the pages of one region, and of one head for head_major). check_mappings warns when max_seqs
    sequences sharing at once could exceed the limit.
 """
+
 from __future__ import annotations
 
 import os
@@ -86,7 +87,8 @@ def check_host_capacity(capacity_pages: int, page_size: int, overcommit: bool) -
             f"a host pool of {gib(capacity)} ({capacity_pages:,} pages of {page_size // 1024} KiB) is more than this "
             f"machine can back: {how} = {gib(limit)}. Its pages are sparse, so nothing would fail until tokens are "
             f"written past physical memory, and then the kernel's OOM killer ends the process instead of an "
-            f"OutOfPagesError. Give capacity_bytes <= {limit:,}, or overcommit=True to accept that risk.")
+            f"OutOfPagesError. Give capacity_bytes <= {limit:,}, or overcommit=True to accept that risk."
+        )
 
 
 def mapping_limit() -> int:
@@ -141,7 +143,8 @@ def check_address_space(layout: Layout) -> None:
         f"{layout.max_seq_len:,} tokens, {gib(per_seq)} reserved per sequence) but this process can reserve at most "
         f"{gib(can)} in one piece (128 TiB of user address space). Address space is reserved up front, memory is "
         f"not: lower max_seqs or max_seq_len so that max_seqs * max_seq_len <= "
-        f"{can // max(1, per_seq // layout.max_seq_len):,} tokens.")
+        f"{can // max(1, per_seq // layout.max_seq_len):,} tokens."
+    )
 
 
 def worst_case_mappings(layout: Layout) -> int:
@@ -157,13 +160,18 @@ def check_mappings(layout: Layout) -> None:
     if worst <= room:
         return
     sharers = max(0, (room - 1) // (2 * layout.runs))
-    warnings.warn(MappingLimitWarning(
-        f"with the {layout.kind} layout a sequence that shares pages (fork, prefix hit, reorder) takes up to "
-        f"{2 * layout.runs:,} host mappings (2 per page run; {layout.runs:,} runs per sequence), so {layout.max_seqs:,} "
-        f"sharing sequences could take {worst:,} but vm.max_map_count leaves {room:,} ({limit:,}, {used:,} in use): "
-        f"about {sharers:,} sequences can share pages at once. Pages that are not shared take none. To share more: "
-        f"a layout with fewer runs (per_layer: {2 * layout.num_layers:,}, interleaved: 1), fewer max_seqs, or "
-        f"sysctl vm.max_map_count={worst + used:,}."), stacklevel=3)
+    warnings.warn(
+        MappingLimitWarning(
+            f"with the {layout.kind} layout a sequence that shares pages (fork, prefix hit, reorder) takes up to "
+            f"{2 * layout.runs:,} host mappings (2 per page run; {layout.runs:,} runs per sequence), "
+            f"so {layout.max_seqs:,} sharing sequences could take {worst:,} but vm.max_map_count leaves "
+            f"{room:,} ({limit:,}, {used:,} in use): "
+            f"about {sharers:,} sequences can share pages at once. Pages that are not shared take none. To share more: "
+            f"a layout with fewer runs (per_layer: {2 * layout.num_layers:,}, interleaved: 1), fewer max_seqs, or "
+            f"sysctl vm.max_map_count={worst + used:,}."
+        ),
+        stacklevel=3,
+    )
 
 
 def check_cache(layout: Layout, device) -> None:

@@ -17,6 +17,7 @@ max_len=..., which skips the read-back: lengths are then clamped to max_len insi
 hint gives wrong numbers but never a read outside the cache. CUDA kernels run asynchronously on
 torch.cuda.current_stream().
 """
+
 from __future__ import annotations
 
 import math
@@ -30,15 +31,26 @@ from .cache import BatchedKV, VirtualKVCache
 from .errors import DTypeError, InvalidArgumentError, ShapeError
 from .paged_cache import PagedKVCache
 
-__all__ = ["batched_kv_from_tensors", "decode_attention", "decode_attention_contiguous", "decode_attention_paged",
-           "decode_attention_reference"]
+__all__ = [
+    "batched_kv_from_tensors",
+    "decode_attention",
+    "decode_attention_contiguous",
+    "decode_attention_paged",
+    "decode_attention_reference",
+]
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 # --------------------------------------------------------------------------------------------- entry points
-def decode_attention_contiguous(q: torch.Tensor, batched_kv: BatchedKV, scale: float | None = None,
-                                out: torch.Tensor | None = None, *, max_len: int | None = None) -> torch.Tensor:
+def decode_attention_contiguous(
+    q: torch.Tensor,
+    batched_kv: BatchedKV,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    max_len: int | None = None,
+) -> torch.Tensor:
     """Decode attention over a BatchedKV descriptor (VirtualKVCache.batch(layer, seqs)): sequence i reads
     tokens 0..lengths[i]-1 of its slot, never past them. Every cache layout (they differ in token_stride and
     head_stride)."""
@@ -54,8 +66,10 @@ def decode_attention_contiguous(q: torch.Tensor, batched_kv: BatchedKV, scale: f
     heads_apart = kv.head_stride != kv.head_dim  # head_major: each head has its own run of tokens
     row = kv.head_dim if heads_apart else kv.num_kv_heads * kv.head_dim
     if kv.head_stride < kv.head_dim or kv.token_stride < row or kv.slot_stride < 0:
-        raise InvalidArgumentError(f"token_stride {kv.token_stride} / head_stride {kv.head_stride} / slot_stride "
-                                   f"{kv.slot_stride} cannot hold {kv.num_kv_heads} heads of {kv.head_dim}")
+        raise InvalidArgumentError(
+            f"token_stride {kv.token_stride} / head_stride {kv.head_stride} / slot_stride "
+            f"{kv.slot_stride} cannot hold {kv.num_kv_heads} heads of {kv.head_dim}"
+        )
     span = kv.head_stride if heads_apart else kv.slot_stride  # elements one token run may fill
     capacity = span // kv.token_stride if span else 2**31 - 1
     if max_len is None:
@@ -74,9 +88,17 @@ def decode_attention_contiguous(q: torch.Tensor, batched_kv: BatchedKV, scale: f
     return out
 
 
-def decode_attention_paged(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, lengths: torch.Tensor, scale: float | None = None,
-                           out: torch.Tensor | None = None, *, max_len: int | None = None) -> torch.Tensor:
+def decode_attention_paged(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    max_len: int | None = None,
+) -> torch.Tensor:
     """Decode attention over block pools key_cache / value_cache [num_blocks, block_size, num_kv_heads,
     head_dim] (dense; block_size a power of two) through block_tables [num_seqs, width] (block ids) and
     lengths [num_seqs]; token t of sequence i is row t % block_size of block block_tables[i, t // block_size]."""
@@ -87,10 +109,15 @@ def decode_attention_paged(q: torch.Tensor, key_cache: torch.Tensor, value_cache
             raise ShapeError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], got {list(t.shape)}")
         if not t.is_contiguous():
             raise InvalidArgumentError(f"{name} must be contiguous (a block pool, not a view into one)")
-    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype \
-            or key_cache.device != value_cache.device:
-        raise ShapeError(f"key_cache {list(key_cache.shape)} {key_cache.dtype} {key_cache.device} and value_cache "
-                         f"{list(value_cache.shape)} {value_cache.dtype} {value_cache.device} differ")
+    if (
+        key_cache.shape != value_cache.shape
+        or key_cache.dtype != value_cache.dtype
+        or key_cache.device != value_cache.device
+    ):
+        raise ShapeError(
+            f"key_cache {list(key_cache.shape)} {key_cache.dtype} {key_cache.device} and value_cache "
+            f"{list(value_cache.shape)} {value_cache.dtype} {value_cache.device} differ"
+        )
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     if block_size <= 0 or block_size & (block_size - 1):
         raise ShapeError(f"block_size (dim 1 of the caches) must be a power of two, got {block_size}")
@@ -101,8 +128,10 @@ def decode_attention_paged(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     out = _check_out(out, q)
     num_seqs = q.shape[0]
     if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ShapeError(f"block_tables must be a [{num_seqs}, width] tensor, got "
-                         f"{list(block_tables.shape) if isinstance(block_tables, torch.Tensor) else type(block_tables)}")
+        raise ShapeError(
+            f"block_tables must be a [{num_seqs}, width] tensor, got "
+            f"{list(block_tables.shape) if isinstance(block_tables, torch.Tensor) else type(block_tables)}"
+        )
     tables = _index_tensor(block_tables, "block_tables", tuple(block_tables.shape), q.device)
     lengths = _index_tensor(lengths, "lengths", (num_seqs,), q.device)
     capacity = tables.shape[1] * block_size
@@ -112,8 +141,17 @@ def decode_attention_paged(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         max_len = _check_max_len(max_len, capacity)
     if num_seqs == 0:
         return out
-    p = _params(q, out, key_cache.data_ptr(), value_cache.data_ptr(), num_kv_heads, num_kv_heads * head_dim,
-                lengths, max_len, scale)
+    p = _params(
+        q,
+        out,
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        num_kv_heads,
+        num_kv_heads * head_dim,
+        lengths,
+        max_len,
+        scale,
+    )
     p.paged = True
     p.block_tables = tables.data_ptr()
     p.bt_stride = tables.stride(0)
@@ -123,8 +161,9 @@ def decode_attention_paged(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     return out
 
 
-def decode_attention(q: torch.Tensor, cache, seqs, layer: int, scale: float | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, cache, seqs, layer: int, scale: float | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Decode attention of q (row i for seqs[i]) over one layer of a VirtualKVCache (contiguous kernel)
     or a PagedKVCache (block-table kernel). Lengths come from the cache (no device read-back)."""
     seqs = list(seqs)
@@ -138,13 +177,22 @@ def decode_attention(q: torch.Tensor, cache, seqs, layer: int, scale: float | No
         if cache.accounting_only:
             raise InvalidArgumentError("the cache is accounting-only: it keeps block tables but holds no K/V")
         max_len = _cache_max_len(cache, seqs)
-        return decode_attention_paged(q, cache.key_caches[layer], cache.value_caches[layer],
-                                      cache.block_tables(seqs), cache.lengths(seqs), scale, out, max_len=max_len)
+        return decode_attention_paged(
+            q,
+            cache.key_caches[layer],
+            cache.value_caches[layer],
+            cache.block_tables(seqs),
+            cache.lengths(seqs),
+            scale,
+            out,
+            max_len=max_len,
+        )
     raise InvalidArgumentError(f"cache must be a VirtualKVCache or a PagedKVCache, got {type(cache).__name__}")
 
 
-def decode_attention_reference(q: torch.Tensor, cache, seqs, layer: int, scale: float | None = None,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention_reference(
+    q: torch.Tensor, cache, seqs, layer: int, scale: float | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The same result by torch's scaled_dot_product_attention, one sequence at a time, over cache.kv()
     (zero-copy views of a VirtualKVCache, blocks gathered into copies for a PagedKVCache)."""
     if not isinstance(cache, (VirtualKVCache, PagedKVCache)):
@@ -158,7 +206,8 @@ def decode_attention_reference(q: torch.Tensor, cache, seqs, layer: int, scale: 
     for i, seq in enumerate(seqs):
         k, v = cache.kv(layer, seq)  # [T, kv_heads, D]
         o = torch.nn.functional.scaled_dot_product_attention(
-            q[i].unsqueeze(1), k.transpose(0, 1), v.transpose(0, 1), scale=scale, enable_gqa=True)
+            q[i].unsqueeze(1), k.transpose(0, 1), v.transpose(0, 1), scale=scale, enable_gqa=True
+        )
         out[i].copy_(o.squeeze(1))
     return out
 
@@ -180,8 +229,9 @@ def batched_kv_from_tensors(k: torch.Tensor, v: torch.Tensor, lengths, layout: s
     if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
         raise ShapeError(f"k {list(k.shape)} {k.dtype} {k.device} and v {list(v.shape)} {v.dtype} {v.device} differ")
     if k.stride() != v.stride():
-        raise InvalidArgumentError(f"k and v must have the same strides (the kernels find V at K's offsets), got "
-                                   f"{k.stride()} and {v.stride()}")
+        raise InvalidArgumentError(
+            f"k and v must have the same strides (the kernels find V at K's offsets), got {k.stride()} and {v.stride()}"
+        )
     _check_dtype(k.dtype, "k")
     if layout == "bthd":
         batch, tokens, heads, dim = k.shape
@@ -216,8 +266,21 @@ def batched_kv_from_tensors(k: torch.Tensor, v: torch.Tensor, lengths, layout: s
             raise InvalidArgumentError(f"lengths must be ints in 1..{tokens}, got {lengths}")
         lengths = torch.tensor(lengths, dtype=torch.int32, device=k.device)
     slots = torch.arange(batch, dtype=torch.int32, device=k.device)
-    return BatchedKV(k.data_ptr(), v.data_ptr(), slots, lengths, slot_stride, token_stride, head_stride, heads, dim,
-                     k.dtype, k.device, layout, (k, v))
+    return BatchedKV(
+        k.data_ptr(),
+        v.data_ptr(),
+        slots,
+        lengths,
+        slot_stride,
+        token_stride,
+        head_stride,
+        heads,
+        dim,
+        k.dtype,
+        k.device,
+        layout,
+        (k, v),
+    )
 
 
 # --------------------------------------------------------------------------------------------- checks
@@ -230,8 +293,10 @@ def _check_q(q, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: to
     if not isinstance(q, torch.Tensor):
         raise InvalidArgumentError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] == 0 or q.shape[1] % num_kv_heads:
-        raise ShapeError(f"q must be [num_seqs, num_heads, {head_dim}] with num_heads a positive multiple of "
-                         f"num_kv_heads={num_kv_heads}, got {list(q.shape)}")
+        raise ShapeError(
+            f"q must be [num_seqs, num_heads, {head_dim}] with num_heads a positive multiple of "
+            f"num_kv_heads={num_kv_heads}, got {list(q.shape)}"
+        )
     if q.dtype != dtype:
         raise DTypeError(f"q has dtype {q.dtype}, the cache holds {dtype}")
     if q.device != device:
@@ -266,14 +331,15 @@ def _index_tensor(t, name: str, shape: tuple, device: torch.device) -> torch.Ten
     if t.device != device:
         raise InvalidArgumentError(f"{name} is on {t.device}, q on {device}")
     if t.dtype != torch.int32:
-        if t.numel() and (int(t.min()) < -2**31 or int(t.max()) >= 2**31):
+        if t.numel() and (int(t.min()) < -(2**31) or int(t.max()) >= 2**31):
             raise InvalidArgumentError(f"{name} holds values outside int32")
         t = t.to(torch.int32)
     return t.contiguous()
 
 
-def _check_lengths(lengths: torch.Tensor, capacity: int, tables: torch.Tensor | None = None,
-                   block_size: int = 0, num_blocks: int = 0) -> int:
+def _check_lengths(
+    lengths: torch.Tensor, capacity: int, tables: torch.Tensor | None = None, block_size: int = 0, num_blocks: int = 0
+) -> int:
     """Every length in 1..capacity and, for block tables, every block a length reaches a valid id. One
     read-back to the host. Returns the longest length."""
     if lengths.numel() == 0:
@@ -281,7 +347,9 @@ def _check_lengths(lengths: torch.Tensor, capacity: int, tables: torch.Tensor | 
     checks = [lengths.min(), lengths.max()]
     if tables is not None:
         used = (lengths.to(torch.int64) + block_size - 1) // block_size  # blocks each sequence reaches
-        reached = torch.arange(tables.shape[1], device=tables.device)[None, :] < used.clamp(max=tables.shape[1])[:, None]
+        reached = (
+            torch.arange(tables.shape[1], device=tables.device)[None, :] < used.clamp(max=tables.shape[1])[:, None]
+        )
         bad = reached & ((tables < 0) | (tables >= num_blocks))
         checks.append(bad.sum())
     lo, hi, *bad_blocks = torch.stack([c.to(torch.int64) for c in checks]).tolist()
@@ -290,8 +358,9 @@ def _check_lengths(lengths: torch.Tensor, capacity: int, tables: torch.Tensor | 
     if hi > capacity:
         raise InvalidArgumentError(f"a length of {hi} exceeds the capacity of {capacity} tokens per sequence")
     if bad_blocks and bad_blocks[0]:
-        raise InvalidArgumentError(f"{bad_blocks[0]} block table entries below the lengths are outside "
-                                   f"0..{num_blocks - 1}")
+        raise InvalidArgumentError(
+            f"{bad_blocks[0]} block table entries below the lengths are outside 0..{num_blocks - 1}"
+        )
     return hi
 
 
@@ -314,8 +383,9 @@ def _check_extent(kv: BatchedKV, slots: list[int], lengths: list[int]) -> None:
     lo = extents[0][0]
     for name, base, (elo, ehi) in (("K", kv.k_ptr, extents[0]), ("V", kv.v_ptr, extents[1])):
         if min(slots) < 0 or base + first * item < elo or base + last * item > ehi:
-            raise InvalidArgumentError(f"{name} rows of the descriptor's slots and lengths fall outside the "
-                                       "cache's memory")
+            raise InvalidArgumentError(
+                f"{name} rows of the descriptor's slots and lengths fall outside the cache's memory"
+            )
     if isinstance(kv.owner, _C.VirtualRange):
         # Inside the reservation is not enough: a descriptor kept past free() + reclaim, truncate() or close()
         # (or lengths edited by hand) would make the kernel read unmapped pages, a SIGSEGV on the host.
@@ -329,7 +399,8 @@ def _check_extent(kv: BatchedKV, slots: list[int], lengths: list[int]) -> None:
                     if not kv.owner.is_mapped(base - lo + (s * kv.slot_stride + h) * item, nbytes):
                         raise InvalidArgumentError(
                             f"the descriptor reaches unmapped memory (slot {s}, length {n}): it is stale; take "
-                            "a fresh one with VirtualKVCache.batch() after free(), truncate() or swap_out()")
+                            "a fresh one with VirtualKVCache.batch() after free(), truncate() or swap_out()"
+                        )
 
 
 def _owner_extent(owner) -> tuple[int, int] | None:
@@ -350,8 +421,9 @@ def _cache_max_len(cache, seqs: list) -> int:
 
 
 # --------------------------------------------------------------------------------------------- launch
-def _params(q, out, k_ptr: int, v_ptr: int, num_kv_heads: int, token_stride: int, lengths, max_len: int,
-            scale) -> _C.DecodeParams:
+def _params(
+    q, out, k_ptr: int, v_ptr: int, num_kv_heads: int, token_stride: int, lengths, max_len: int, scale
+) -> _C.DecodeParams:
     p = _C.DecodeParams()
     p.dtype = _DTYPE_CODES[q.dtype]
     p.num_seqs, p.num_heads, p.head_dim = q.shape
@@ -375,8 +447,9 @@ def _launch(p: _C.DecodeParams, q: torch.Tensor) -> None:
     if launch.num_splits > 1:
         # Freed tensors return to torch's caching allocator for this stream: later work on the same stream
         # runs after the kernels, so reuse is safe without a sync.
-        acc = torch.empty((p.num_seqs, p.num_heads, launch.num_splits, p.head_dim), dtype=torch.float32,
-                          device=q.device)
+        acc = torch.empty(
+            (p.num_seqs, p.num_heads, launch.num_splits, p.head_dim), dtype=torch.float32, device=q.device
+        )
         ml = torch.empty((p.num_seqs, p.num_heads, launch.num_splits, 2), dtype=torch.float32, device=q.device)
         launch.partial_acc, launch.partial_ml = acc.data_ptr(), ml.data_ptr()
     _C.decode_cuda(p, launch)

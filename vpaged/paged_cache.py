@@ -12,6 +12,7 @@ first copies it (copy-on-write), so the other sequence never sees the change.
 
 Lifecycle and errors mirror VirtualKVCache (allocate, extend, write, free, fork, stats); not thread-safe.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,9 +78,21 @@ class PagedKVCache:
             any scale on any host); write(), kv() and kernels then raise InvalidArgumentError.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                 max_seqs: int = 64, max_seq_len: int = 4096, device="cpu", *, num_blocks: int | None = None,
-                 capacity_bytes: int | None = None, block_size: int = 16, accounting_only: bool = False):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        max_seqs: int = 64,
+        max_seq_len: int = 4096,
+        device="cpu",
+        *,
+        num_blocks: int | None = None,
+        capacity_bytes: int | None = None,
+        block_size: int = 16,
+        accounting_only: bool = False,
+    ):
         self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype)  # checks them; DTypeError
         check_positive_int("max_seqs", max_seqs)
         check_positive_int("max_seq_len", max_seq_len)
@@ -96,7 +109,8 @@ class PagedKVCache:
         if not is_int(num_blocks) or num_blocks <= 0:
             raise InvalidArgumentError(
                 f"the pool needs at least one block of {self.block_bytes} bytes, got num_blocks={num_blocks!r} "
-                f"(capacity_bytes={capacity_bytes!r})")
+                f"(capacity_bytes={capacity_bytes!r})"
+            )
         self.num_blocks = num_blocks
         self.accounting_only = bool(accounting_only)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -142,7 +156,8 @@ class PagedKVCache:
         check_positive_int("n", n)
         if len(self._blocks) + n > self.max_seqs:
             raise SlotsExhaustedError(
-                f"{n} more sequence(s) would exceed max_seqs={self.max_seqs} ({len(self._blocks)} live)")
+                f"{n} more sequence(s) would exceed max_seqs={self.max_seqs} ({len(self._blocks)} live)"
+            )
         ids = list(range(self._next_id, self._next_id + n))
         self._next_id += n
         for seq in ids:
@@ -191,7 +206,8 @@ class PagedKVCache:
             new_len = old + n
             if new_len > self.max_seq_len:
                 raise SequenceTooLongError(
-                    f"sequence {seq} would hold {new_len} tokens, more than max_seq_len={self.max_seq_len}")
+                    f"sequence {seq} would hold {new_len} tokens, more than max_seq_len={self.max_seq_len}"
+                )
             grow = -(-new_len // bs) - len(table)
             cow = old % bs != 0 and self._ref[table[-1]] > 1  # new tokens land in a shared block
             plan.append((seq, grow, cow))
@@ -215,7 +231,8 @@ class PagedKVCache:
             old = self._len[seq]
             if old + n > self.max_seq_len:
                 raise SequenceTooLongError(
-                    f"sequence {seq} would hold {old + n} tokens, more than max_seq_len={self.max_seq_len}")
+                    f"sequence {seq} would hold {old + n} tokens, more than max_seq_len={self.max_seq_len}"
+                )
             if n:
                 needed += -(-(old + n) // self.block_size) - len(table)
                 needed += old % self.block_size != 0 and self._ref[table[-1]] > 1
@@ -258,8 +275,9 @@ class PagedKVCache:
         if start is None:
             start = length - n
         if not is_int(start) or start < 0 or start + n > length:
-            raise InvalidArgumentError(f"tokens {start}..{start + n - 1} outside the sequence's 0..{length - 1}; "
-                                       "extend() first")
+            raise InvalidArgumentError(
+                f"tokens {start}..{start + n - 1} outside the sequence's 0..{length - 1}; extend() first"
+            )
         if n == 0:
             return
         bs = self.block_size
@@ -269,7 +287,7 @@ class PagedKVCache:
         for i in shared:
             table[i] = self._copy_on_write(table[i])
         tokens = torch.arange(start, start + n)
-        blocks = torch.tensor(table[first:last + 1], dtype=torch.int64)[tokens // bs - first]
+        blocks = torch.tensor(table[first : last + 1], dtype=torch.int64)[tokens // bs - first]
         self._write_slots(layer, (blocks * bs + tokens % bs).to(self.device), k, v)
 
     def write_many(self, layer: int, seqs, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -310,8 +328,10 @@ class PagedKVCache:
         n = self._len[seq]
         idx = torch.tensor(table, dtype=torch.int64, device=self.device)
         rows = (-1, self.num_kv_heads, self.head_dim)
-        return (self.key_caches[layer].index_select(0, idx).view(rows)[:n],
-                self.value_caches[layer].index_select(0, idx).view(rows)[:n])
+        return (
+            self.key_caches[layer].index_select(0, idx).view(rows)[:n],
+            self.value_caches[layer].index_select(0, idx).view(rows)[:n],
+        )
 
     def block_tables(self, seqs, width: int | None = None) -> torch.Tensor:
         """int32 [len(seqs), width] block tables on the cache's device, padded with 0 (kernels read only the
@@ -344,12 +364,25 @@ class PagedKVCache:
         live_bytes = stored * self.bytes_per_token
         allocated = used * self.block_bytes
         return PagedCacheStats(
-            block_size=bs, block_bytes=self.block_bytes, num_blocks=self.num_blocks, used_blocks=used,
-            free_blocks=len(self._free), shared_blocks=sum(1 for r in self._ref if r > 1),
-            sequences=len(self._blocks), live_tokens=sum(self._len.values()), stored_tokens=stored,
-            live_bytes=live_bytes, allocated_bytes=allocated, pool_bytes=self.num_blocks * self.block_bytes,
-            utilization=live_bytes / allocated if allocated else 1.0, cow_copies=self._cow_copies,
-            stored_bytes=live_bytes, fragmentation_bytes=allocated - live_bytes, reserved_bytes=0, dormant_bytes=0)
+            block_size=bs,
+            block_bytes=self.block_bytes,
+            num_blocks=self.num_blocks,
+            used_blocks=used,
+            free_blocks=len(self._free),
+            shared_blocks=sum(1 for r in self._ref if r > 1),
+            sequences=len(self._blocks),
+            live_tokens=sum(self._len.values()),
+            stored_tokens=stored,
+            live_bytes=live_bytes,
+            allocated_bytes=allocated,
+            pool_bytes=self.num_blocks * self.block_bytes,
+            utilization=live_bytes / allocated if allocated else 1.0,
+            cow_copies=self._cow_copies,
+            stored_bytes=live_bytes,
+            fragmentation_bytes=allocated - live_bytes,
+            reserved_bytes=0,
+            dormant_bytes=0,
+        )
 
     def close(self) -> None:
         """Free every sequence and drop the block pools."""
@@ -368,16 +401,19 @@ class PagedKVCache:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._blocks)} sequences, {len(self._free)} free blocks"
-        return (f"PagedKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"dtype={self.dtype}, block_size={self.block_size}, num_blocks={self.num_blocks}, "
-                f"device={self.device}, {state})")
+        return (
+            f"PagedKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, block_size={self.block_size}, num_blocks={self.num_blocks}, "
+            f"device={self.device}, {state})"
+        )
 
     # ----------------------------------------------------------------------------------------- blocks
     def _check_free(self, needed: int) -> None:
         if needed > len(self._free):
             raise OutOfPagesError(
                 f"out of blocks: {needed} block(s) of {self.block_bytes} bytes needed, {len(self._free)} free "
-                f"of {self.num_blocks}; nothing was changed")
+                f"of {self.num_blocks}; nothing was changed"
+            )
 
     def _take(self, n: int) -> list[int]:
         taken = [self._free.pop() for _ in range(n)]

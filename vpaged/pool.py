@@ -5,6 +5,7 @@ A pool is an object, not global state; `default_pool(device)` creates one per de
 pages, the pool can take back pages other caches keep only for reuse (deferred reclamation) before
 anybody sees an OutOfPagesError.
 """
+
 from __future__ import annotations
 
 import os
@@ -72,15 +73,25 @@ class PagePool:
     pages given to a new one), so no request ever sees another's K/V. Off by default, like torch.empty.
     """
 
-    def __init__(self, device="cpu", *, capacity_bytes: int | None = None, capacity_pages: int | None = None,
-                 page_size: int | None = None, reserve_pages: int = 0, overcommit: bool = False,
-                 zero_on_reuse: bool = False, accounting_only: bool = False):
+    def __init__(
+        self,
+        device="cpu",
+        *,
+        capacity_bytes: int | None = None,
+        capacity_pages: int | None = None,
+        page_size: int | None = None,
+        reserve_pages: int = 0,
+        overcommit: bool = False,
+        zero_on_reuse: bool = False,
+        accounting_only: bool = False,
+    ):
         self.device = normalize_device(device)
         self.accounting_only = bool(accounting_only)
         if self.accounting_only and self.device.type != "cpu":
             raise InvalidArgumentError(
                 "an accounting-only pool is a host object (caches on it run no kernels): use device='cpu' and "
-                f"page_size={CUDA_PAGE_SIZE} to count GPU-sized pages")
+                f"page_size={CUDA_PAGE_SIZE} to count GPU-sized pages"
+            )
         self.page_size = int(page_size) if page_size is not None else default_page_size(self.device)
         if self.page_size <= 0:
             raise InvalidArgumentError(f"page_size must be positive, got {page_size}")
@@ -90,7 +101,8 @@ class PagePool:
             capacity_pages = int(capacity_bytes) // self.page_size
         if capacity_pages <= 0:
             raise InvalidArgumentError(
-                f"a pool needs at least one page of {self.page_size} bytes (capacity {capacity_bytes} bytes)")
+                f"a pool needs at least one page of {self.page_size} bytes (capacity {capacity_bytes} bytes)"
+            )
         if self.accounting_only:
             backend = _C.accounting_backend(self.page_size, int(capacity_pages))
         else:
@@ -123,8 +135,17 @@ class PagePool:
 
     def stats(self) -> PoolStats:
         s = self._pool.stats()
-        return PoolStats(str(self.device), s.page_size, s.total_pages, s.used_pages, s.free_pages,
-                         s.high_water_pages, s.created_pages, s.kv_pages, s.allocator_pages)
+        return PoolStats(
+            str(self.device),
+            s.page_size,
+            s.total_pages,
+            s.used_pages,
+            s.free_pages,
+            s.high_water_pages,
+            s.created_pages,
+            s.kv_pages,
+            s.allocator_pages,
+        )
 
     def trim(self) -> int:
         """Return the RAM of all free pages to the system (host); returns how many pages were free."""
@@ -199,7 +220,7 @@ class PagePool:
     def __repr__(self) -> str:
         s = self.stats()
         kind = ", accounting only" if self.accounting_only else ""
-        return (f"PagePool(device={s.device}{kind}, page_size={s.page_size}, used={s.used_pages}/{s.total_pages} pages)")
+        return f"PagePool(device={s.device}{kind}, page_size={s.page_size}, used={s.used_pages}/{s.total_pages} pages)"
 
 
 _default_pools: dict[torch.device, PagePool] = {}

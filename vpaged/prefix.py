@@ -6,6 +6,7 @@ compared too, so a hash collision is never taken for a hit. The index owns one p
 page of a block: insert() takes them, evict() and clear() drop them. Blocks that nothing else maps are
 evicted least recently used first when the pool runs low.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,7 +55,7 @@ class PrefixIndex:
         """(key, token ids) of each full block of `tokens`."""
         out, parent, b = [], b"", self.block_tokens
         for start in range(0, len(tokens) - b + 1, b):
-            block = tuple(int(t) for t in tokens[start:start + b])
+            block = tuple(int(t) for t in tokens[start : start + b])
             parent = self.hash_fn(parent, block)
             out.append((parent, block))
         return out

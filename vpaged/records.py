@@ -1,5 +1,6 @@
 """Plain records the KV caches hand out: CacheStats (what a VirtualKVCache holds) and BatchedKV (one layer
 of several sequences, for decode kernels). Both are re-exported by vpaged.cache."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -15,6 +15,7 @@ A slot without a live sequence is either empty (nothing mapped) or dormant (a fr
 mapped for reuse, oldest first). The table knows nothing of pages or the range: the cache maps and unmaps,
 then records the result here.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

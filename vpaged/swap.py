@@ -2,6 +2,7 @@
 
 One arena of fixed-size chunks (one page each); pinned on CUDA so page copies run at full bandwidth.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -35,9 +36,10 @@ class SwapSpace:
         if n > len(self._free):
             raise SwapSpaceFullError(
                 f"swap space full: {n} page(s) of {self.page_size} bytes needed, {len(self._free)} free of "
-                f"{self.capacity_chunks}")
-        out = self._free[len(self._free) - n:]
-        del self._free[len(self._free) - n:]
+                f"{self.capacity_chunks}"
+            )
+        out = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
         return out
 
     def release(self, chunks: list[int]) -> None:

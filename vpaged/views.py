@@ -4,6 +4,7 @@ Stateless beyond what it is built with (the range, the layout, dtype and device)
 tokens may be viewed (lengths, the write contract), this module turns slots and token spans into tensors.
 The C++ range refuses any view that would reach unmapped memory and pins the pages of each view it makes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,12 +47,20 @@ class SlotViews:
         lay = self.layout
         base = self.range.address
         return BatchedKV(
-            k_ptr=base + lay.base_offset(layer, 0), v_ptr=base + lay.base_offset(layer, 1),
+            k_ptr=base + lay.base_offset(layer, 0),
+            v_ptr=base + lay.base_offset(layer, 1),
             slots=torch.tensor(slots, dtype=torch.int32, device=self.device),
             lengths=torch.tensor(lengths, dtype=torch.int32, device=self.device),
-            slot_stride=lay.slot_stride, token_stride=lay.token_stride, head_stride=lay.head_stride,
-            num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim, dtype=self.dtype, device=self.device,
-            layout=lay.kind, owner=self.range)
+            slot_stride=lay.slot_stride,
+            token_stride=lay.token_stride,
+            head_stride=lay.head_stride,
+            num_kv_heads=lay.num_kv_heads,
+            head_dim=lay.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            layout=lay.kind,
+            owner=self.range,
+        )
 
     def raw(self, offset: int, shape, strides) -> torch.Tensor:
         """A view of any shape over mapped bytes of the range (dims in memory order, largest stride first)."""

@@ -27,18 +27,18 @@ struct DecodeParams {
   void* out = nullptr;      // [num_seqs, num_heads, head_dim], dense
   const void* k = nullptr;
   const void* v = nullptr;
-  int64_t token_stride = 0;             // elements from one token's row to the next
-  int64_t head_stride = 0;              // elements from one kv head to the next (0: head_dim)
-  const int32_t* lengths = nullptr;     // [num_seqs] valid tokens per sequence
-  int32_t max_tokens = 0;               // capacity per sequence; lengths are clamped to it (no stray reads)
+  int64_t token_stride = 0;          // elements from one token's row to the next
+  int64_t head_stride = 0;           // elements from one kv head to the next (0: head_dim)
+  const int32_t* lengths = nullptr;  // [num_seqs] valid tokens per sequence
+  int32_t max_tokens = 0;            // capacity per sequence; lengths are clamped to it (no stray reads)
   bool paged = false;
-  const int32_t* slots = nullptr;       // contiguous: [num_seqs] slot of each sequence
-  int64_t slot_stride = 0;              // contiguous: elements between slots
+  const int32_t* slots = nullptr;         // contiguous: [num_seqs] slot of each sequence
+  int64_t slot_stride = 0;                // contiguous: elements between slots
   const int32_t* block_tables = nullptr;  // paged: [num_seqs, bt_stride] block ids
   int64_t bt_stride = 0;
-  int block_size = 0;                   // paged: a power of two
-  int32_t num_blocks = 0;               // paged: block ids are clamped to 0..num_blocks-1
-  float scale = 1.0f;                   // softmax scale (usually 1/sqrt(head_dim))
+  int block_size = 0;      // paged: a power of two
+  int32_t num_blocks = 0;  // paged: block ids are clamped to 0..num_blocks-1
+  float scale = 1.0f;      // softmax scale (usually 1/sqrt(head_dim))
 };
 
 // Throws InvalidArgument when the parameters are inconsistent (shared by the CPU and CUDA paths).

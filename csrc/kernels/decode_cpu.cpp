@@ -183,8 +183,8 @@ VP_INLINE float dot1(const float* __restrict q, const float* __restrict k, int D
 // busy through the 4-cycle FMA latency, each K and q load feeds 4 and 2 FMAs, and each of the 8 results
 // costs one horizontal sum (the part of a dot product that does not vectorise).
 template <int DC>
-VP_INLINE void dot4x2(const float* __restrict q, int qs, const float* __restrict k0, const float* __restrict k1,
-                      int D, float* __restrict s, int ss) {
+VP_INLINE void dot4x2(const float* __restrict q, int qs, const float* __restrict k0, const float* __restrict k1, int D,
+                      float* __restrict s, int ss) {
   const int n = DC ? DC : D;
   const float* __restrict q0 = q;
   const float* __restrict q1 = q + qs;
@@ -290,8 +290,8 @@ VP_INLINE void prefetch_row(const T* row, int bytes) {
 // ------------------------------------------------------------------------------------ items
 struct Item {
   int b;
-  int t0, t1;        // tokens [t0, t1) of sequence b
-  int64_t partial;   // index of its partial result, or -1: the item covers the whole sequence
+  int t0, t1;       // tokens [t0, t1) of sequence b
+  int64_t partial;  // index of its partial result, or -1: the item covers the whole sequence
 };
 
 // Where token t's row starts (elements from k / v).
@@ -347,12 +347,12 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
   using T = typename Elem<DT>::T;
   const int D = DC ? DC : p.head_dim;
   const int H = p.num_heads, HKV = p.num_kv_heads, G = H / HKV;
-  float* __restrict qf = ws;               // [H][D] query, pre-scaled
-  float* __restrict acc = qf + H * D;      // [H][D] unnormalised output
-  float* __restrict rows = acc + H * D;    // [kChunk][D] widened K or V rows of one kv head
+  float* __restrict qf = ws;                 // [H][D] query, pre-scaled
+  float* __restrict acc = qf + H * D;        // [H][D] unnormalised output
+  float* __restrict rows = acc + H * D;      // [kChunk][D] widened K or V rows of one kv head
   float* __restrict sc = rows + kChunk * D;  // [H][kChunk] scores, then probabilities
-  float* __restrict m = sc + H * kChunk;   // [H] running max
-  float* __restrict l = m + H;             // [H] running sum of exp(score - max)
+  float* __restrict m = sc + H * kChunk;     // [H] running max
+  float* __restrict l = m + H;               // [H] running sum of exp(score - max)
 
   const T* q = static_cast<const T*>(p.q) + int64_t(it.b) * H * D;
   for (int i = 0; i < H * D; ++i) qf[i] = Elem<DT>::load(q[i]) * p.scale;
@@ -443,7 +443,6 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
   finish_item<DT>(p, it, acc, m, l, part_acc, part_ml);
 }
 
-
 // ------------------------------------------------------------------------------------ AVX-512 path
 // Written with intrinsics because the generic loops above leave two costs GCC does not remove:
 //   * every score ends in a horizontal sum of a vector (at head_dim 128 as many shuffle/add steps as
@@ -510,9 +509,8 @@ VP_AVX512 __m512 exp16(__m512 x) {
 // Partial score vectors of GB query heads (q rows D apart) against the n K rows at off[] + hoff, into
 // red[g][i][16]. ahead (or null): rows kAhead tokens on, whose K and V head slices are prefetched.
 template <int DT, int D, int GB>
-VP_AVX512 void scores_tile(const float* __restrict q, const typename Elem<DT>::T* K,
-                           const typename Elem<DT>::T* V, const int64_t* off, const int64_t* ahead, int64_t hoff,
-                           int n, float* __restrict red) {
+VP_AVX512 void scores_tile(const float* __restrict q, const typename Elem<DT>::T* K, const typename Elem<DT>::T* V,
+                           const int64_t* off, const int64_t* ahead, int64_t hoff, int n, float* __restrict red) {
   using T = typename Elem<DT>::T;
   for (int i = 0; i < n; i += 2) {
     const int i1 = i + 1 < n ? i + 1 : i;  // an odd last token pairs with itself
@@ -546,8 +544,8 @@ VP_AVX512 void scores_tile(const float* __restrict q, const typename Elem<DT>::T
 
 // acc[g] (rows D apart) += sum_i ps[g][i] * V row i, for GB heads, 64 dims at a time held in registers.
 template <int DT, int D, int GB>
-VP_AVX512 void pv_tile(float* __restrict acc, const typename Elem<DT>::T* V, const int64_t* off, int64_t hoff,
-                       int n, const float* __restrict ps) {
+VP_AVX512 void pv_tile(float* __restrict acc, const typename Elem<DT>::T* V, const int64_t* off, int64_t hoff, int n,
+                       const float* __restrict ps) {
   static_assert(D % 64 == 0, "P.V tiles are 64 dims wide");
   for (int d0 = 0; d0 < D; d0 += 64) {
     __m512 a[GB][4];
@@ -555,8 +553,7 @@ VP_AVX512 void pv_tile(float* __restrict acc, const typename Elem<DT>::T* V, con
       for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + d0 + 16 * j);
     for (int i = 0; i < n; ++i) {
       const typename Elem<DT>::T* vr = V + off[i] + hoff + d0;
-      const __m512 v0 = load16<DT>(vr), v1 = load16<DT>(vr + 16), v2 = load16<DT>(vr + 32),
-                   v3 = load16<DT>(vr + 48);
+      const __m512 v0 = load16<DT>(vr), v1 = load16<DT>(vr + 16), v2 = load16<DT>(vr + 32), v3 = load16<DT>(vr + 48);
       for (int g = 0; g < GB; ++g) {
         const __m512 pg = _mm512_set1_ps(ps[g * kChunk + i]);
         a[g][0] = _mm512_fmadd_ps(pg, v0, a[g][0]);
@@ -575,12 +572,12 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
                                       float* part_ml) {
   using T = typename Elem<DT>::T;
   const int H = p.num_heads, HKV = p.num_kv_heads, G = H / HKV;
-  float* __restrict qf = ws;                 // [H][D] query, pre-scaled
-  float* __restrict acc = qf + H * D;        // [H][D] unnormalised output
-  float* __restrict red = acc + H * D;       // [4][kChunk][16] partial score vectors (kChunk * D >= 2048)
-  float* __restrict sc = red + kChunk * D;   // [H][kChunk] scores, then probabilities
-  float* __restrict m = sc + H * kChunk;     // [H] running max
-  float* __restrict l = m + H;               // [H] running sum of exp(score - max)
+  float* __restrict qf = ws;                // [H][D] query, pre-scaled
+  float* __restrict acc = qf + H * D;       // [H][D] unnormalised output
+  float* __restrict red = acc + H * D;      // [4][kChunk][16] partial score vectors (kChunk * D >= 2048)
+  float* __restrict sc = red + kChunk * D;  // [H][kChunk] scores, then probabilities
+  float* __restrict m = sc + H * kChunk;    // [H] running max
+  float* __restrict l = m + H;              // [H] running sum of exp(score - max)
 
   const T* q = static_cast<const T*>(p.q) + int64_t(it.b) * H * D;
   for (int i = 0; i < H * D; ++i) qf[i] = Elem<DT>::load(q[i]) * p.scale;
@@ -607,10 +604,17 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
         const float* qg = qf + (kh * G + g0) * D;
         const int64_t* pf = g0 == 0 ? ahead : nullptr;
         switch (gb) {
-          case 4: scores_tile<DT, D, 4>(qg, K, V, off, pf, kh * HS, n, red); break;
-          case 3: scores_tile<DT, D, 3>(qg, K, V, off, pf, kh * HS, n, red); break;
-          case 2: scores_tile<DT, D, 2>(qg, K, V, off, pf, kh * HS, n, red); break;
-          default: scores_tile<DT, D, 1>(qg, K, V, off, pf, kh * HS, n, red);
+          case 4:
+            scores_tile<DT, D, 4>(qg, K, V, off, pf, kh * HS, n, red);
+            break;
+          case 3:
+            scores_tile<DT, D, 3>(qg, K, V, off, pf, kh * HS, n, red);
+            break;
+          case 2:
+            scores_tile<DT, D, 2>(qg, K, V, off, pf, kh * HS, n, red);
+            break;
+          default:
+            scores_tile<DT, D, 1>(qg, K, V, off, pf, kh * HS, n, red);
         }
         for (int g = 0; g < gb; ++g)
           for (int i = 0; i < n; i += 16)
@@ -647,10 +651,17 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
         float* a = acc + (kh * G + g0) * D;
         const float* ps = sc + (kh * G + g0) * kChunk;
         switch (std::min(4, G - g0)) {
-          case 4: pv_tile<DT, D, 4>(a, V, off, kh * HS, n, ps); break;
-          case 3: pv_tile<DT, D, 3>(a, V, off, kh * HS, n, ps); break;
-          case 2: pv_tile<DT, D, 2>(a, V, off, kh * HS, n, ps); break;
-          default: pv_tile<DT, D, 1>(a, V, off, kh * HS, n, ps);
+          case 4:
+            pv_tile<DT, D, 4>(a, V, off, kh * HS, n, ps);
+            break;
+          case 3:
+            pv_tile<DT, D, 3>(a, V, off, kh * HS, n, ps);
+            break;
+          case 2:
+            pv_tile<DT, D, 2>(a, V, off, kh * HS, n, ps);
+            break;
+          default:
+            pv_tile<DT, D, 1>(a, V, off, kh * HS, n, ps);
         }
       }
     }
@@ -668,7 +679,7 @@ void run_item_base(const DecodeParams& p, const Item& it, float* ws, float* pa, 
 
 template <int DT, int DC>
 __attribute__((target("avx2,fma"))) void run_item_avx2(const DecodeParams& p, const Item& it, float* ws, float* pa,
-                                                        float* pm) {
+                                                       float* pm) {
   run_item_impl<DT, DC>(p, it, ws, pa, pm);
 }
 
@@ -679,9 +690,8 @@ bool cpu_has_avx2() {
 
 bool cpu_has_avx512() {
   // libgcc's cpu model also checks that the OS saves the zmm registers (XCR0).
-  static const bool has = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512dq");
+  static const bool has = cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   return has;
 }
 
@@ -725,8 +735,8 @@ ItemFn select_item_fn(int dtype, int D, int isa) {
 
 // Merge the partial results of one sequence's splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
 template <int DT>
-void merge_seq(const DecodeParams& p, int b, int64_t first, int count, const float* part_acc,
-               const float* part_ml, float* tmp) {
+void merge_seq(const DecodeParams& p, int b, int64_t first, int count, const float* part_acc, const float* part_ml,
+               float* tmp) {
   using T = typename Elem<DT>::T;
   const int H = p.num_heads, D = p.head_dim;
   T* out = static_cast<T*>(p.out) + int64_t(b) * H * D;

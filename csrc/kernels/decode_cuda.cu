@@ -4,8 +4,9 @@
 // one sequence, over one piece of its tokens (the whole sequence in the one-pass launch). Its 4 warps
 // take tokens round-robin; inside a warp, LPT lanes cooperate on one token (each lane holds 16 bytes of
 // the row, so a group's load is one coalesced 16-byte-per-lane access) and 32 / LPT tokens are processed
-// per warp step, the next step's rows already loading (a two-stage register pipeline). Every lane group keeps its own online softmax (max, sum, output slice) in registers, so the
-// token loop has no barrier; groups merge by shuffles, warps through shared memory, at the end.
+// per warp step, the next step's rows already loading (a two-stage register pipeline). Every lane group keeps its own
+// online softmax (max, sum, output slice) in registers, so the token loop has no barrier; groups merge by shuffles,
+// warps through shared memory, at the end.
 //
 // Long contexts with few sequences would leave most SMs idle, so the host (vpaged/ops.py) then cuts each
 // sequence into pieces of split_tokens: pass 1 writes each piece's (max, sum, unnormalised output),
@@ -104,10 +105,10 @@ __device__ __forceinline__ int clamp_len(const DecodeParams& p, int b) {
 template <typename T, int D, int GT>
 __global__ void __launch_bounds__(kThreads)
     decode_kernel(const DecodeParams p, int num_splits, int split_tokens, float* part_acc, float* part_ml) {
-  constexpr int kVec = 16 / int(sizeof(T));                // elements in 16 bytes
-  constexpr int LPT = (D / kVec) < 32 ? (D / kVec) : 32;   // lanes per token
-  constexpr int EPL = D / LPT;                              // elements per lane
-  constexpr int TPW = 32 / LPT;                             // tokens per warp step
+  constexpr int kVec = 16 / int(sizeof(T));               // elements in 16 bytes
+  constexpr int LPT = (D / kVec) < 32 ? (D / kVec) : 32;  // lanes per token
+  constexpr int EPL = D / LPT;                            // elements per lane
+  constexpr int TPW = 32 / LPT;                           // tokens per warp step
   static_assert(D % LPT == 0 && 32 % LPT == 0, "head_dim must split evenly over a lane group");
 
   const int b = blockIdx.z;
@@ -281,8 +282,7 @@ __device__ float block_reduce(float x, bool is_max, float* scratch) {
 // One block per (sequence, head): combine the pieces' partial results into the output.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    merge_kernel(const DecodeParams p, int num_splits, int split_tokens, const float* part_acc,
-                 const float* part_ml) {
+    merge_kernel(const DecodeParams p, int num_splits, int split_tokens, const float* part_acc, const float* part_ml) {
   extern __shared__ float weight[];  // [num_splits]
   __shared__ float scratch[kWarps];
   const int64_t bh = blockIdx.x;
@@ -331,8 +331,7 @@ struct DeviceGuard {
 template <typename T, int D, int GT>
 void launch_gt(const DecodeParams& p, const CudaLaunch& L, cudaStream_t stream) {
   const dim3 grid(L.num_splits, p.num_heads / GT, p.num_seqs);
-  decode_kernel<T, D, GT><<<grid, kThreads, 0, stream>>>(p, L.num_splits, L.split_tokens, L.partial_acc,
-                                                         L.partial_ml);
+  decode_kernel<T, D, GT><<<grid, kThreads, 0, stream>>>(p, L.num_splits, L.split_tokens, L.partial_acc, L.partial_ml);
 }
 
 template <typename T, int D>
@@ -389,15 +388,16 @@ void decode_cuda(const DecodeParams& p, const CudaLaunch& L) {
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
     fail("head_dim must be 64, 128 or 256, got " + std::to_string(p.head_dim));
   if (p.num_seqs > 65535) fail("at most 65535 sequences per launch");
-  if (L.num_splits < 1 || L.num_splits > kMaxSplits)
-    fail("num_splits must be in 1.." + std::to_string(kMaxSplits));
+  if (L.num_splits < 1 || L.num_splits > kMaxSplits) fail("num_splits must be in 1.." + std::to_string(kMaxSplits));
   if (L.split_tokens < 1) fail("split_tokens must be positive");
   if (L.num_splits > 1 && (!L.partial_acc || !L.partial_ml)) fail("split launch without partial buffers");
   if (int64_t(L.num_splits) * L.split_tokens < p.max_tokens) fail("splits do not cover max_tokens");
   const int64_t item = p.dtype == kFloat32 ? 4 : 2;
   // Lanes load 16-byte vectors: every row must start on a 16-byte boundary.
   const bool aligned = (reinterpret_cast<uintptr_t>(p.q) | reinterpret_cast<uintptr_t>(p.out) |
-                        reinterpret_cast<uintptr_t>(p.k) | reinterpret_cast<uintptr_t>(p.v)) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(p.k) | reinterpret_cast<uintptr_t>(p.v)) %
+                               16 ==
+                           0 &&
                        (p.token_stride * item) % 16 == 0 && (p.head_stride * item) % 16 == 0 &&
                        (p.paged || (p.slot_stride * item) % 16 == 0);
   if (!aligned) fail("q, out, K and V rows must be 16-byte aligned");

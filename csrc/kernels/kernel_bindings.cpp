@@ -30,7 +30,7 @@ namespace {
 
 // An address field exposed to Python as an int.
 template <typename C, typename P>
-void address_field(py::class_<C>& cls, const char* name, P C::*field) {
+void address_field(py::class_<C>& cls, const char* name, P C::* field) {
   cls.def_property(
       name, [field](const C& c) { return reinterpret_cast<uintptr_t>(c.*field); },
       [field](C& c, uintptr_t v) { c.*field = reinterpret_cast<P>(v); });
@@ -79,10 +79,14 @@ void register_kernels(py::module_& m) {
       "decode_cpu",
       [](const DecodeParams& p, int num_threads, const std::string& isa) {
         int code = kIsaAuto;
-        if (isa == "baseline") code = kIsaBaseline;
-        else if (isa == "avx2") code = kIsaAvx2;
-        else if (isa == "avx512") code = kIsaAvx512;
-        else if (isa != "auto") throw vpaged::InvalidArgument("isa must be auto, baseline, avx2 or avx512, got " + isa);
+        if (isa == "baseline")
+          code = kIsaBaseline;
+        else if (isa == "avx2")
+          code = kIsaAvx2;
+        else if (isa == "avx512")
+          code = kIsaAvx512;
+        else if (isa != "auto")
+          throw vpaged::InvalidArgument("isa must be auto, baseline, avx2 or avx512, got " + isa);
         py::gil_scoped_release release;
         decode_cpu(p, num_threads, code);
       },
@@ -97,7 +101,7 @@ void register_kernels(py::module_& m) {
         return l;
       },
       "The CPU code paths of the decode kernels this CPU can run, portable first.");
-  m.def("decode_cuda", &decode_cuda, py::arg("params"), py::arg("launch"),
-        py::call_guard<py::gil_scoped_release>(), "Decode attention on CUDA (asynchronous on launch.stream).");
+  m.def("decode_cuda", &decode_cuda, py::arg("params"), py::arg("launch"), py::call_guard<py::gil_scoped_release>(),
+        "Decode attention on CUDA (asynchronous on launch.stream).");
   m.def("kernels_built_with_cuda", &kernels_built_with_cuda);
 }

@@ -72,13 +72,17 @@ constexpr int kDriverApi = 12000;
 // cuCtxPushCurrent_v2, cuMemcpyDtoHAsync -> cuMemcpyDtoHAsync_v2, ...): `#name` below stringizes the
 // plain name (what cuGetProcAddress wants), while `decltype(&::name)` and the member name expand to the
 // versioned declaration, consistently with every use of the member in this file.
-#define VPAGED_CU_FUNCTIONS(X)                                                                        \
-  X(cuGetErrorName) X(cuGetErrorString) X(cuInit) X(cuDeviceGetCount) X(cuDeviceGet)                  \
-  X(cuDeviceGetAttribute) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxGetCurrent) \
-  X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuMemGetAllocationGranularity) X(cuMemCreate)              \
-  X(cuMemRelease) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap)                \
-  X(cuMemSetAccess) X(cuMemcpyDtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemcpyHtoDAsync)                    \
-  X(cuStreamSynchronize) X(cuCtxSynchronize)
+// The formatter re-indents this list differently on each pass: it is kept as written.
+// clang-format off
+#define VPAGED_CU_FUNCTIONS(X)                                                                     \
+  X(cuGetErrorName) X(cuGetErrorString) X(cuInit)                                                  \
+  X(cuDeviceGetCount) X(cuDeviceGet) X(cuDeviceGetAttribute)                                       \
+  X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease)                                         \
+  X(cuCtxGetCurrent) X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuCtxSynchronize)                    \
+  X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease)                                  \
+  X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)           \
+  X(cuMemcpyDtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemcpyHtoDAsync) X(cuStreamSynchronize)
+// clang-format on
 
 // The process-wide driver table: written once under std::call_once, read-only afterwards.
 struct Driver {
@@ -111,8 +115,9 @@ void load_driver(Driver& d) {
   // older than 12.0 lack it.
   auto get_proc = reinterpret_cast<decltype(&::cuGetProcAddress)>(dlsym(lib, "cuGetProcAddress_v2"));
   if (get_proc == nullptr) {
-    d.unavailable = "the NVIDIA driver is too old: libcuda.so.1 has no cuGetProcAddress_v2 "
-                    "(a CUDA 12.0 or newer driver is needed)";
+    d.unavailable =
+        "the NVIDIA driver is too old: libcuda.so.1 has no cuGetProcAddress_v2 "
+        "(a CUDA 12.0 or newer driver is needed)";
     return;
   }
   auto resolve = [&](const char* symbol, void** slot) {
@@ -135,11 +140,11 @@ void load_driver(Driver& d) {
                     std::to_string(static_cast<int>(status)) + ")";
     return false;
   };
-#define VPAGED_CU_RESOLVE(name)                                     \
-  {                                                                 \
-    void* fn = nullptr;                                             \
-    if (!resolve(#name, &fn)) return;                               \
-    d.name = reinterpret_cast<decltype(&::name)>(fn);               \
+#define VPAGED_CU_RESOLVE(name)                       \
+  {                                                   \
+    void* fn = nullptr;                               \
+    if (!resolve(#name, &fn)) return;                 \
+    d.name = reinterpret_cast<decltype(&::name)>(fn); \
   }
   VPAGED_CU_FUNCTIONS(VPAGED_CU_RESOLVE)
 #undef VPAGED_CU_RESOLVE
@@ -333,8 +338,8 @@ class CudaBackend final : public Backend {
     if (failed == nullptr) return;
     if (err == CUDA_ERROR_OUT_OF_MEMORY) {
       if (made > 0) return;
-      throw OutOfPages(device() + " has no memory for another page of " + std::to_string(page_size_) +
-                       " bytes (" + std::to_string(first) + " of " + std::to_string(capacity_pages_) +
+      throw OutOfPages(device() + " has no memory for another page of " + std::to_string(page_size_) + " bytes (" +
+                       std::to_string(first) + " of " + std::to_string(capacity_pages_) +
                        " pages created): " + call_error(failed, err));
     }
     throw BackendFailure(call_error(failed, err));
@@ -419,15 +424,13 @@ class CudaBackend final : public Backend {
   void copy_to_host(PageId src, void* host, uintptr_t stream) override {
     check_page(src);
     ScopedContext current(context_->get());
-    check(driver().cuMemcpyDtoHAsync(host, window_address(src), page_size_, as_stream(stream)),
-          "cuMemcpyDtoHAsync");
+    check(driver().cuMemcpyDtoHAsync(host, window_address(src), page_size_, as_stream(stream)), "cuMemcpyDtoHAsync");
   }
 
   void copy_from_host(PageId dst, const void* host, uintptr_t stream) override {
     check_page(dst);
     ScopedContext current(context_->get());
-    check(driver().cuMemcpyHtoDAsync(window_address(dst), host, page_size_, as_stream(stream)),
-          "cuMemcpyHtoDAsync");
+    check(driver().cuMemcpyHtoDAsync(window_address(dst), host, page_size_, as_stream(stream)), "cuMemcpyHtoDAsync");
   }
 
   void synchronize(uintptr_t stream) override {
@@ -443,15 +446,13 @@ class CudaBackend final : public Backend {
 
  private:
   static CUstream as_stream(uintptr_t stream) { return reinterpret_cast<CUstream>(stream); }
-  CUdeviceptr window_address(PageId page) const {
-    return window_ + static_cast<CUdeviceptr>(page) * page_size_;
-  }
+  CUdeviceptr window_address(PageId page) const { return window_ + static_cast<CUdeviceptr>(page) * page_size_; }
 
   // Only created pages have a handle and a window mapping.
   void check_page(PageId page) const {
     if (page < 0 || static_cast<size_t>(page) >= created_.load(std::memory_order_acquire)) {
-      throw InvalidArgument("page id " + std::to_string(page) + " out of range (" +
-                            std::to_string(created_pages()) + " pages created)");
+      throw InvalidArgument("page id " + std::to_string(page) + " out of range (" + std::to_string(created_pages()) +
+                            " pages created)");
     }
   }
 
@@ -535,8 +536,7 @@ size_t cuda_granularity(int device) {
   return r == CUDA_SUCCESS ? granularity : 0;
 }
 
-std::shared_ptr<Backend> make_cuda_backend(int device, size_t page_size, size_t capacity_pages,
-                                           size_t reserve_pages) {
+std::shared_ptr<Backend> make_cuda_backend(int device, size_t page_size, size_t capacity_pages, size_t reserve_pages) {
   return std::make_shared<CudaBackend>(device, page_size, capacity_pages, reserve_pages);
 }
 

@@ -147,9 +147,9 @@ struct State {
   std::map<CUmemGenericAllocationHandle, Allocation> allocations;
   CUmemGenericAllocationHandle next_handle = 1;
   size_t bytes_allocated = 0;
-  long long memory_limit = -1;  // bytes of allocations the "device" holds; < 0: no limit
+  long long memory_limit = -1;               // bytes of allocations the "device" holds; < 0: no limit
   std::map<uintptr_t, size_t> reservations;  // start -> size
-  std::map<uintptr_t, Mapping> mappings;      // start -> mapping
+  std::map<uintptr_t, Mapping> mappings;     // start -> mapping
   std::map<std::string, long> calls;
   std::map<std::string, InjectedFailure> failures;
   // Allocations a legacy-stream async copy touched since that stream was last synchronized: on a real
@@ -157,8 +157,8 @@ struct State {
   std::set<CUmemGenericAllocationHandle> copy_pending;
   long violations = 0;
   std::string last_violation;
-  std::map<CUstream, FakeStream*> streams;        // streams of the tests (never freed: handles stay unique)
-  CUresult sticky[kMaxDevices] = {};              // a context's sticky error (CUDA_SUCCESS: none)
+  std::map<CUstream, FakeStream*> streams;  // streams of the tests (never freed: handles stay unique)
+  CUresult sticky[kMaxDevices] = {};        // a context's sticky error (CUDA_SUCCESS: none)
   unsigned long long last_proc_flags = ~0ull;
   int last_proc_version = -1;
 };
@@ -207,31 +207,30 @@ CUresult violation(State& s, const char* call, CUresult result, const std::strin
 
 // Every entry point begins with ENTER (lock, count, injected failure) and refuses a bad call with
 // REFUSE(result, rule), which records the violation.
-#define ENTER(name)                                      \
-  State& s = state();                                    \
-  std::lock_guard<std::mutex> lock(s.mu);                \
-  [[maybe_unused]] const char* const call_name = name;   \
+#define ENTER(name)                                    \
+  State& s = state();                                  \
+  std::lock_guard<std::mutex> lock(s.mu);              \
+  [[maybe_unused]] const char* const call_name = name; \
   if (CUresult injected = enter(s, call_name)) return injected
 
 #define REFUSE(result, rule) return violation(s, call_name, result, rule)
 
 // Rule: every call other than cuInit, cuGetErrorName/String and cuGetProcAddress needs cuInit first.
-#define NEED_INIT                                                                               \
-  do {                                                                                          \
-    if (!s.initialized) REFUSE(CUDA_ERROR_NOT_INITIALIZED, "called before cuInit succeeded");   \
+#define NEED_INIT                                                                             \
+  do {                                                                                        \
+    if (!s.initialized) REFUSE(CUDA_ERROR_NOT_INITIALIZED, "called before cuInit succeeded"); \
   } while (0)
 
 // Rule: memory and stream calls act on the calling thread's current context; without one they return
 // CUDA_ERROR_INVALID_CONTEXT. A primary context whose last reference was released is no longer active.
-#define NEED_CONTEXT                                                                            \
-  do {                                                                                          \
-    NEED_INIT;                                                                                  \
-    if (context_stack.empty() || context_stack.back() == nullptr)                               \
-      REFUSE(CUDA_ERROR_INVALID_CONTEXT, "no current context on the calling thread");           \
-    if (s.primary_refs[context_stack.back()->device] <= 0)                                      \
-      REFUSE(CUDA_ERROR_CONTEXT_IS_DESTROYED, "the current context was released");              \
-    if (s.sticky[context_stack.back()->device] != CUDA_SUCCESS)                                 \
-      return s.sticky[context_stack.back()->device];                                            \
+#define NEED_CONTEXT                                                                                           \
+  do {                                                                                                         \
+    NEED_INIT;                                                                                                 \
+    if (context_stack.empty() || context_stack.back() == nullptr)                                              \
+      REFUSE(CUDA_ERROR_INVALID_CONTEXT, "no current context on the calling thread");                          \
+    if (s.primary_refs[context_stack.back()->device] <= 0)                                                     \
+      REFUSE(CUDA_ERROR_CONTEXT_IS_DESTROYED, "the current context was released");                             \
+    if (s.sticky[context_stack.back()->device] != CUDA_SUCCESS) return s.sticky[context_stack.back()->device]; \
   } while (0)
 
 bool valid_device(State& s, int ordinal) { return ordinal >= 0 && ordinal < config(s).devices; }
@@ -321,7 +320,8 @@ void fault_queued_work_in(State& s, uintptr_t ptr, size_t size) {
     for (const PendingOp& op : st->queue) {
       const bool dst_device = op.kind == PendingOp::kHtoD || op.kind == PendingOp::kDtoD;
       const bool src_device = op.kind != PendingOp::kHtoD;
-      if ((dst_device && overlaps(op.dst, op.bytes, ptr, size)) || (src_device && overlaps(op.src, op.bytes, ptr, size))) {
+      if ((dst_device && overlaps(op.dst, op.bytes, ptr, size)) ||
+          (src_device && overlaps(op.src, op.bytes, ptr, size))) {
         fault(s, *st, "memory unmapped while work queued on a stream still used it");
         break;
       }

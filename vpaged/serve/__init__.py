@@ -6,10 +6,20 @@
 
 Needs transformers (the `hf` extra). Importing this package registers attn_implementation="vpaged".
 """
+
 from .engine import LLM, LLMEngine
 from .models import RANDOM_CONFIGS, load_model
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from .params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "EngineStats", "load_model", "RANDOM_CONFIGS"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "EngineStats",
+    "load_model",
+    "RANDOM_CONFIGS",
+]

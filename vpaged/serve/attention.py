@@ -17,6 +17,7 @@ Masks: for "vpaged" transformers builds the same masks as for "sdpa" (None when 
 enough). The engine passes a prebuilt placeholder 4D mask, which transformers hands on untouched, so no
 [T, T] mask is built for a packed step: the StepAttention knows each sequence's extent.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,16 @@ NAME = "vpaged"
 _DECODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def vpaged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                     dropout: float = 0.0, scaling: float | None = None, **kwargs):
+def vpaged_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+):
     """transformers attention function: query [B, H, Tq, D], key/value [B, KVH, Tk, D] -> ([B, Tq, H, D], None)."""
     step = kwargs.get("vpaged_step")
     if step is not None:
@@ -38,18 +47,27 @@ def vpaged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         return _decode_on_tensors(query, key, value, scaling), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _kernel_decodes(query, key, value, attention_mask, dropout, kwargs) -> bool:
     """A plain decode step the kernel computes exactly like SDPA: one query token, no mask (no padding, no
     window), no dropout or softcap, K and V laid out alike with dense head rows."""
-    return (query.shape[2] == 1 and attention_mask is None and not dropout and kwargs.get("softcap") is None
-            and key.dtype in _DECODE_DTYPES and query.dtype == key.dtype == value.dtype
-            and key.device == query.device and key.shape == value.shape and key.stride() == value.stride()
-            and key.stride(-1) == 1 and key.shape[2] > 0 and query.shape[1] % key.shape[1] == 0
-            and _kernel_layout_ok(key))
+    return (
+        query.shape[2] == 1
+        and attention_mask is None
+        and not dropout
+        and kwargs.get("softcap") is None
+        and key.dtype in _DECODE_DTYPES
+        and query.dtype == key.dtype == value.dtype
+        and key.device == query.device
+        and key.shape == value.shape
+        and key.stride() == value.stride()
+        and key.stride(-1) == 1
+        and key.shape[2] > 0
+        and query.shape[1] % key.shape[1] == 0
+        and _kernel_layout_ok(key)
+    )
 
 
 def _kernel_layout_ok(key: torch.Tensor) -> bool:
@@ -70,11 +88,21 @@ def _decode_on_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     slot/token/head strides are the tensors' own, every row T tokens long."""
     batch, kv_heads, length, head_dim = key.shape
     rows = torch.arange(batch, dtype=torch.int32, device=key.device)
-    kv = BatchedKV(k_ptr=key.data_ptr(), v_ptr=value.data_ptr(), slots=rows,
-                   lengths=torch.full((batch,), length, dtype=torch.int32, device=key.device),
-                   slot_stride=key.stride(0), token_stride=key.stride(2), head_stride=key.stride(1),
-                   num_kv_heads=kv_heads, head_dim=head_dim, dtype=key.dtype, device=key.device,
-                   layout="tensor", owner=key)
+    kv = BatchedKV(
+        k_ptr=key.data_ptr(),
+        v_ptr=value.data_ptr(),
+        slots=rows,
+        lengths=torch.full((batch,), length, dtype=torch.int32, device=key.device),
+        slot_stride=key.stride(0),
+        token_stride=key.stride(2),
+        head_stride=key.stride(1),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=key.dtype,
+        device=key.device,
+        layout="tensor",
+        owner=key,
+    )
     out = decode_attention_contiguous(query[:, :, 0, :], kv, scaling, max_len=length)
     return out.unsqueeze(1)  # [B, 1, H, D], what transformers expects from an attention function
 

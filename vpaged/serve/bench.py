@@ -5,13 +5,14 @@ parameters. `run_workload` drives an LLMEngine the way a server does (adds reque
 while work is pending) and reports throughput, time to first token (TTFT), time per output token (TPOT),
 peak KV bytes, preemptions and peak concurrency.
 """
+
 from __future__ import annotations
 
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 
 @dataclass
@@ -26,8 +27,9 @@ class Workload:
         return sum(len(p) for p in self.prompts)
 
 
-def random_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int = 0,
-                   shared_prefix: int = 0) -> list[list[int]]:
+def random_prompts(
+    num: int, min_len: int, max_len: int, vocab: int, seed: int = 0, shared_prefix: int = 0
+) -> list[list[int]]:
     """`num` prompts of uniform random length in [min_len, max_len] (token ids drawn from [10, vocab), away from
     the special ids at the low end); with `shared_prefix`, every prompt starts with the same that many tokens
     (a system prompt) followed by its own min_len..max_len tokens."""
@@ -40,7 +42,7 @@ def poisson_arrivals(num: int, rate: float, seed: int = 0) -> list[float]:
     """Arrival times of a Poisson process of `rate` requests per second, the first at t=0."""
     rng = random.Random(seed + 1)
     t, out = 0.0, []
-    for i in range(num):
+    for _ in range(num):
         out.append(t)
         t += rng.expovariate(rate)
     return out
@@ -85,8 +87,14 @@ class RunResult:
         return d
 
 
-def run_workload(engine, workload: Workload, params, kv: str = "", progress: Callable[[int], None] | None = None,
-                 keep_outputs: bool = False) -> RunResult:
+def run_workload(
+    engine,
+    workload: Workload,
+    params,
+    kv: str = "",
+    progress: Callable[[int], None] | None = None,
+    keep_outputs: bool = False,
+) -> RunResult:
     """Serve `workload` on `engine` (requests added at their arrival times) and measure it.
 
     `progress(n)` is called with the number of requests that finished in a step. The engine's stats are read
@@ -138,30 +146,48 @@ def run_workload(engine, workload: Workload, params, kv: str = "", progress: Cal
     ttft = [first[i] - workload.arrivals[i] for i in first]
     tpot = [(finish[i] - first[i]) / (len(tokens[i]) - 1) for i in tokens if len(tokens[i]) > 1 and i in first]
     return RunResult(
-        kv=kv, requests=n, seconds=seconds, prompt_tokens=workload.prompt_tokens, output_tokens=out_tokens,
-        output_tokens_per_s=out_tokens / seconds, total_tokens_per_s=(out_tokens + workload.prompt_tokens) / seconds,
-        peak_kv_bytes=int(st.kv_high_water_bytes), peak_running=peak_running,
+        kv=kv,
+        requests=n,
+        seconds=seconds,
+        prompt_tokens=workload.prompt_tokens,
+        output_tokens=out_tokens,
+        output_tokens_per_s=out_tokens / seconds,
+        total_tokens_per_s=(out_tokens + workload.prompt_tokens) / seconds,
+        peak_kv_bytes=int(st.kv_high_water_bytes),
+        peak_running=peak_running,
         preemptions_swap=int(st.preemptions_swap - base.preemptions_swap),
         preemptions_recompute=int(st.preemptions_recompute - base.preemptions_recompute),
-        prefix_hit_tokens=int(st.prefix_hit_tokens - base.prefix_hit_tokens), steps=steps,
-        ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
-        tpot_p50=percentile(tpot, 50), tpot_p99=percentile(tpot, 99), finish_reasons=reasons,
-        outputs=[tokens.get(i, []) for i in range(n)] if keep_outputs else None)
+        prefix_hit_tokens=int(st.prefix_hit_tokens - base.prefix_hit_tokens),
+        steps=steps,
+        ttft_p50=percentile(ttft, 50),
+        ttft_p99=percentile(ttft, 99),
+        tpot_p50=percentile(tpot, 50),
+        tpot_p99=percentile(tpot, 99),
+        finish_reasons=reasons,
+        outputs=[tokens.get(i, []) for i in range(n)] if keep_outputs else None,
+    )
 
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-async def _http_request(client, url: str, model: str, prompt: list[int], max_tokens: int, delay: float,
-                        t0: float) -> dict:
+async def _http_request(
+    client, url: str, model: str, prompt: list[int], max_tokens: int, delay: float, t0: float
+) -> dict:
     import asyncio
     import json as _json
 
     await asyncio.sleep(max(0.0, delay - (time.perf_counter() - t0)))
     start = time.perf_counter()
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     first = None
     tokens: list[int] = []
     finish = None
@@ -177,8 +203,13 @@ async def _http_request(client, url: str, model: str, prompt: list[int], max_tok
                     first = time.perf_counter()
                 tokens += c.get("token_ids", [])
                 finish = c.get("finish_reason") or finish
-    return {"start": start - t0, "first": None if first is None else first - t0, "end": time.perf_counter() - t0,
-            "tokens": tokens, "finish_reason": finish}
+    return {
+        "start": start - t0,
+        "first": None if first is None else first - t0,
+        "end": time.perf_counter() - t0,
+        "tokens": tokens,
+        "finish_reason": finish,
+    }
 
 
 def _scrape(text: str) -> dict[str, float]:
@@ -190,8 +221,9 @@ def _scrape(text: str) -> dict[str, float]:
     return out
 
 
-def run_http_workload(url: str, workload: Workload, progress: Callable[[int], None] | None = None,
-                      timeout_s: float = 3600.0) -> RunResult:
+def run_http_workload(
+    url: str, workload: Workload, progress: Callable[[int], None] | None = None, timeout_s: float = 3600.0
+) -> RunResult:
     """Send `workload` to a running `vpaged serve` at `url` (streamed completions, token-id prompts, greedy,
     EOS ignored) and measure it from the client's side; peak KV bytes and preemptions come from /metrics."""
     import asyncio
@@ -210,11 +242,13 @@ def run_http_workload(url: str, workload: Workload, progress: Callable[[int], No
             t0 = time.perf_counter()
 
             async def one(i):
-                r = await _http_request(client, url, model, workload.prompts[i], workload.max_tokens,
-                                        workload.arrivals[i], t0)
+                r = await _http_request(
+                    client, url, model, workload.prompts[i], workload.max_tokens, workload.arrivals[i], t0
+                )
                 if progress is not None:
                     progress(1)
                 return r
+
             results = await asyncio.gather(*(one(i) for i in range(len(workload.prompts))))
             seconds = time.perf_counter() - t0
             after = _scrape((await client.get(url + "/metrics")).text)
@@ -224,19 +258,34 @@ def run_http_workload(url: str, workload: Workload, progress: Callable[[int], No
 
     def delta(name):
         return int(after.get(name, 0) - before.get(name, 0))
+
     out_tokens = sum(len(r["tokens"]) for r in results)
     ttft = [r["first"] - workload.arrivals[i] for i, r in enumerate(results) if r["first"] is not None]
-    tpot = [(r["end"] - r["first"]) / (len(r["tokens"]) - 1) for r in results
-            if r["first"] is not None and len(r["tokens"]) > 1]
+    tpot = [
+        (r["end"] - r["first"]) / (len(r["tokens"]) - 1)
+        for r in results
+        if r["first"] is not None and len(r["tokens"]) > 1
+    ]
     reasons: dict[str, int] = {}
     for r in results:
         reasons[r["finish_reason"]] = reasons.get(r["finish_reason"], 0) + 1
     return RunResult(
-        kv="http", requests=len(results), seconds=seconds, prompt_tokens=workload.prompt_tokens,
-        output_tokens=out_tokens, output_tokens_per_s=out_tokens / seconds,
+        kv="http",
+        requests=len(results),
+        seconds=seconds,
+        prompt_tokens=workload.prompt_tokens,
+        output_tokens=out_tokens,
+        output_tokens_per_s=out_tokens / seconds,
         total_tokens_per_s=(out_tokens + workload.prompt_tokens) / seconds,
-        peak_kv_bytes=int(after.get("vpaged_kv_high_water_bytes", 0)), peak_running=None,
-        preemptions_swap=delta("vpaged_preemptions_swap"), preemptions_recompute=delta("vpaged_preemptions_recompute"),
-        prefix_hit_tokens=delta("vpaged_prefix_hit_tokens"), steps=delta("vpaged_steps"),
-        ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99), tpot_p50=percentile(tpot, 50),
-        tpot_p99=percentile(tpot, 99), finish_reasons=reasons)
+        peak_kv_bytes=int(after.get("vpaged_kv_high_water_bytes", 0)),
+        peak_running=None,
+        preemptions_swap=delta("vpaged_preemptions_swap"),
+        preemptions_recompute=delta("vpaged_preemptions_recompute"),
+        prefix_hit_tokens=delta("vpaged_prefix_hit_tokens"),
+        steps=delta("vpaged_steps"),
+        ttft_p50=percentile(ttft, 50),
+        ttft_p99=percentile(ttft, 99),
+        tpot_p50=percentile(tpot, 50),
+        tpot_p99=percentile(tpot, 99),
+        finish_reasons=reasons,
+    )

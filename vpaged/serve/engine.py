@@ -7,17 +7,19 @@
 A step: schedule (scheduler.py) -> one packed forward (runner.py) -> sample (sampler.py) -> outputs for
 the requests that changed. Not thread-safe: one thread drives an engine.
 """
+
 from __future__ import annotations
 
 import itertools
 import random
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from ..device import normalize_device
 from ..errors import InvalidArgumentError, PromptTooLongError, UnknownRequestError
+from .attention import NAME as ATTN_NAME
 from .kv import KV_KINDS, PagedStore, VirtualStore
 from .models import attention_window, load_model, model_geometry
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
@@ -26,7 +28,6 @@ from .runner import ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
-from .attention import NAME as ATTN_NAME
 
 
 def _positive_int(name: str, value) -> int:
@@ -57,11 +58,26 @@ class LLMEngine:
         record_steps: keep a per-step timing record in .step_log (for benchmarks).
     """
 
-    def __init__(self, model, tokenizer=None, *, kv_budget_bytes: int, swap_bytes: int = 0, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, kv: str = "vpaged", enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, dtype: torch.dtype | None = None, device="cpu",
-                 page_size: int | None = None, layout: str = "per_layer", block_size: int = 16, seed: int = 0,
-                 record_steps: bool = False):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        kv_budget_bytes: int,
+        swap_bytes: int = 0,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        kv: str = "vpaged",
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        dtype: torch.dtype | None = None,
+        device="cpu",
+        page_size: int | None = None,
+        layout: str = "per_layer",
+        block_size: int = 16,
+        seed: int = 0,
+        record_steps: bool = False,
+    ):
         if kv not in KV_KINDS:
             raise InvalidArgumentError(f"kv must be one of {KV_KINDS}, got {kv!r}")
         _positive_int("kv_budget_bytes", kv_budget_bytes)
@@ -81,8 +97,10 @@ class LLMEngine:
         model.eval()
         model.set_attn_implementation(ATTN_NAME)
         if model.config._attn_implementation != ATTN_NAME:
-            raise InvalidArgumentError(f"{type(model).__name__} does not dispatch attention through transformers' "
-                                       "AttentionInterface; the engine cannot serve it")
+            raise InvalidArgumentError(
+                f"{type(model).__name__} does not dispatch attention through transformers' "
+                "AttentionInterface; the engine cannot serve it"
+            )
         self.model = model
         config = model.config
         self.model_name = getattr(config, "name_or_path", None) or type(model).__name__
@@ -98,12 +116,33 @@ class LLMEngine:
         self.kv = kv
         slots = 2 * max_num_seqs  # running plus swapped sequences (addresses only: no memory behind them)
         if kv == "paged":
-            self.store = PagedStore(layers, kv_heads, head_dim, model.dtype, budget_bytes=kv_budget_bytes,
-                                    max_seqs=slots, max_seq_len=limit, device=self.device, block_size=block_size)
+            self.store = PagedStore(
+                layers,
+                kv_heads,
+                head_dim,
+                model.dtype,
+                budget_bytes=kv_budget_bytes,
+                max_seqs=slots,
+                max_seq_len=limit,
+                device=self.device,
+                block_size=block_size,
+            )
         else:
-            self.store = VirtualStore(kv, layers, kv_heads, head_dim, model.dtype, budget_bytes=kv_budget_bytes,
-                                      swap_bytes=swap_bytes, max_seqs=slots, max_seq_len=limit, device=self.device,
-                                      page_size=page_size, layout=layout, prefix_caching=enable_prefix_caching)
+            self.store = VirtualStore(
+                kv,
+                layers,
+                kv_heads,
+                head_dim,
+                model.dtype,
+                budget_bytes=kv_budget_bytes,
+                swap_bytes=swap_bytes,
+                max_seqs=slots,
+                max_seq_len=limit,
+                device=self.device,
+                page_size=page_size,
+                layout=layout,
+                prefix_caching=enable_prefix_caching,
+            )
         self.scheduler = Scheduler(self.store, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(model, self.store, self.device)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -114,8 +153,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, handed out by the next step()
-        self._counters = dict(requests_finished=0, requests_aborted=0, prompt_tokens_total=0,
-                              generation_tokens_total=0, steps=0)
+        self._counters = dict(
+            requests_finished=0, requests_aborted=0, prompt_tokens_total=0, generation_tokens_total=0, steps=0
+        )
         self._times = dict(schedule=0.0, prepare=0.0, forward=0.0, sample=0.0, output=0.0)
         self.step_log: list[dict] | None = [] if record_steps else None
 
@@ -137,14 +177,16 @@ class LLMEngine:
         elif request_id in self._requests:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         if len(tokens) >= self.max_model_len:
-            raise PromptTooLongError(f"prompt of {len(tokens)} tokens leaves no room to generate within "
-                                     f"max_model_len={self.max_model_len}")
+            raise PromptTooLongError(
+                f"prompt of {len(tokens)} tokens leaves no room to generate within max_model_len={self.max_model_len}"
+            )
         max_tokens = min(params.max_tokens, self.max_model_len - len(tokens))
         need = self.store.pages_for_tokens(len(tokens) + max_tokens) * (params.n if self.kv == "static" else 1)
         if need > self.store.total_pages():
             raise PromptTooLongError(
                 f"prompt of {len(tokens)} tokens plus {max_tokens} to generate needs {need} pages of "
-                f"{self.store.page_bytes} bytes; the KV budget holds {self.store.total_pages()}")
+                f"{self.store.page_bytes} bytes; the KV budget holds {self.store.total_pages()}"
+            )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, tokens, params, RequestMetrics(arrival_time=time.time()), max_tokens)
         req.seeds = [seed] if params.n == 1 else [(seed * 1_000_003 + i) % (1 << 63) for i in range(params.n)]
@@ -167,7 +209,9 @@ class LLMEngine:
             try:
                 tokens = [t for t in prompt]
             except TypeError:
-                raise InvalidArgumentError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+                raise InvalidArgumentError(
+                    f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+                ) from None
             if isinstance(prompt, torch.Tensor):
                 tokens = prompt.flatten().tolist()
         if not tokens:
@@ -256,13 +300,26 @@ class LLMEngine:
                 del self._requests[req.request_id]
         t5 = time.perf_counter()
         self._counters["steps"] += 1
-        for key, dt in (("schedule", t1 - t0), ("prepare", t2 - t1), ("forward", t3 - t2), ("sample", t4 - t3),
-                        ("output", t5 - t4)):
+        for key, dt in (
+            ("schedule", t1 - t0),
+            ("prepare", t2 - t1),
+            ("forward", t3 - t2),
+            ("sample", t4 - t3),
+            ("output", t5 - t4),
+        ):
             self._times[key] += dt
         if self.step_log is not None:
-            self.step_log.append(dict(decodes=len(plan.decodes), prefill_tokens=plan.num_tokens - len(plan.decodes),
-                                      schedule=t1 - t0, prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3,
-                                      output=t5 - t4))
+            self.step_log.append(
+                dict(
+                    decodes=len(plan.decodes),
+                    prefill_tokens=plan.num_tokens - len(plan.decodes),
+                    schedule=t1 - t0,
+                    prepare=t2 - t1,
+                    forward=t3 - t2,
+                    sample=t4 - t3,
+                    output=t5 - t4,
+                )
+            )
         return outputs
 
     def _fork(self, parent: Sequence, drawn: list) -> None:
@@ -270,8 +327,16 @@ class LLMEngine:
         req = parent.request
         handles = self.store.fork(parent.handle, len(drawn), parent.num_computed)
         for k, (handle, (token, generator)) in enumerate(zip(handles, drawn), start=1):
-            child = Sequence(req, k, list(parent.tokens), generator, num_computed=parent.num_computed,
-                             handle=handle, slot=self.store.slot(handle), prefix_offered=True)
+            child = Sequence(
+                req,
+                k,
+                list(parent.tokens),
+                generator,
+                num_computed=parent.num_computed,
+                handle=handle,
+                slot=self.store.slot(handle),
+                prefix_offered=True,
+            )
             child.delta_from = len(child.tokens)
             req.seqs.append(child)
             self.scheduler.add_running(child)
@@ -304,8 +369,8 @@ class LLMEngine:
     def _output(self, req: Request) -> RequestOutput:
         completions = []
         for seq in req.seqs:
-            ids = seq.tokens[req.prompt_len:]
-            new = seq.tokens[max(seq.delta_from, req.prompt_len):]
+            ids = seq.tokens[req.prompt_len :]
+            new = seq.tokens[max(seq.delta_from, req.prompt_len) :]
             seq.delta_from = len(seq.tokens)
             text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
             completions.append(CompletionOutput(seq.index, ids, new, text, seq.finish_reason))
@@ -323,14 +388,25 @@ class LLMEngine:
         else:
             live, live_bytes = mem["live_tokens"], mem["live_bytes"]
         return EngineStats(
-            running=len(sched.running), waiting=len(sched.waiting), swapped=len(sched.swapped),
-            live_kv_tokens=live, kv_mapped_bytes=held, kv_high_water_bytes=mem["high_water_bytes"],
-            kv_budget_bytes=mem["budget_bytes"], kv_utilization=live_bytes / held if held else 1.0,
-            prefix_hit_tokens=sched.prefix_hit_tokens, preemptions_swap=sched.preemptions_swap,
-            preemptions_recompute=sched.preemptions_recompute, kv=self.kv,
-            time_schedule_s=self._times["schedule"], time_prepare_s=self._times["prepare"],
-            time_forward_s=self._times["forward"], time_sample_s=self._times["sample"],
-            time_output_s=self._times["output"], **self._counters)
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            swapped=len(sched.swapped),
+            live_kv_tokens=live,
+            kv_mapped_bytes=held,
+            kv_high_water_bytes=mem["high_water_bytes"],
+            kv_budget_bytes=mem["budget_bytes"],
+            kv_utilization=live_bytes / held if held else 1.0,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            preemptions_swap=sched.preemptions_swap,
+            preemptions_recompute=sched.preemptions_recompute,
+            kv=self.kv,
+            time_schedule_s=self._times["schedule"],
+            time_prepare_s=self._times["prepare"],
+            time_forward_s=self._times["forward"],
+            time_sample_s=self._times["sample"],
+            time_output_s=self._times["output"],
+            **self._counters,
+        )
 
     def close(self) -> None:
         """Abort everything and release the cache."""

@@ -12,6 +12,7 @@ Each step the runner asks for a StepAttention (plan once, run per layer): the pe
 lengths, block tables, views of the tokens to write) is built once, and every layer's attention call reads
 it. Views of the cache live only for one step: a view pins pages, and pinned pages cannot be swapped out.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,13 +44,18 @@ class StepAttention:
         nd = self.num_decodes
         if nd:
             self.decode(layer, qt[:nd], scale, out[:nd])
-        for i, (row, start, n) in enumerate(self.prefills):
+        for i, (row, _start, n) in enumerate(self.prefills):
             k, v = self.prefill_kv(layer, i)  # [start + n, KVH, D]
             o = F.scaled_dot_product_attention(
-                qt[row:row + n].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                attn_mask=self.causal_masks[i], is_causal=self.causal_masks[i] is None and n > 1, scale=scale,
-                enable_gqa=True)
-            out[row:row + n] = o.transpose(0, 1)
+                qt[row : row + n].transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=self.causal_masks[i],
+                is_causal=self.causal_masks[i] is None and n > 1,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[row : row + n] = o.transpose(0, 1)
         return out.unsqueeze(0)
 
     # Filled in by each store.
@@ -91,8 +97,7 @@ class _VirtualStep(StepAttention):
         self._counts = [1] * len(decodes) + [n for _, _, n in prefills]
         if decodes:
             slots = torch.tensor([seq.slot for seq in decodes], dtype=torch.int32, device=store.device)
-            lengths = torch.tensor([seq.num_computed + 1 for seq in decodes], dtype=torch.int32,
-                                   device=store.device)
+            lengths = torch.tensor([seq.num_computed + 1 for seq in decodes], dtype=torch.int32, device=store.device)
             self._max_len = max(seq.num_computed + 1 for seq in decodes)
             self._batched = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
 
@@ -113,14 +118,38 @@ class _VirtualStep(StepAttention):
 class VirtualStore:
     """vpaged and static: a VirtualKVCache (static: each sequence maps its whole reservation up front)."""
 
-    def __init__(self, kind: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype, *, budget_bytes: int,
-                 swap_bytes: int, max_seqs: int, max_seq_len: int, device, page_size: int | None,
-                 layout: str, prefix_caching: bool):
+    def __init__(
+        self,
+        kind: str,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype,
+        *,
+        budget_bytes: int,
+        swap_bytes: int,
+        max_seqs: int,
+        max_seq_len: int,
+        device,
+        page_size: int | None,
+        layout: str,
+        prefix_caching: bool,
+    ):
         self.kind = kind
         self.static = kind == "static"
-        self.cache = VirtualKVCache(num_layers, num_kv_heads, head_dim, dtype=dtype, max_seqs=max_seqs,
-                                    max_seq_len=max_seq_len, device=device, capacity_bytes=budget_bytes,
-                                    page_size=page_size, layout=layout, swap_bytes=0 if self.static else swap_bytes)
+        self.cache = VirtualKVCache(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            dtype=dtype,
+            max_seqs=max_seqs,
+            max_seq_len=max_seq_len,
+            device=device,
+            capacity_bytes=budget_bytes,
+            page_size=page_size,
+            layout=layout,
+            swap_bytes=0 if self.static else swap_bytes,
+        )
         self.device = self.cache.device
         self.page_bytes = self.cache.pool.page_size
         lay = self.cache.layout
@@ -228,9 +257,15 @@ class VirtualStore:
     def memory(self) -> dict:
         s = self.cache.stats()
         pool = self.cache.pool.stats()
-        return dict(live_tokens=s.live_tokens, live_bytes=s.live_bytes, held_bytes=s.mapped_bytes,
-                    high_water_bytes=pool.high_water_bytes, budget_bytes=pool.total_bytes,
-                    prefix_hit_tokens=s.prefix_hit_tokens, swapped_bytes=s.swapped_bytes)
+        return dict(
+            live_tokens=s.live_tokens,
+            live_bytes=s.live_bytes,
+            held_bytes=s.mapped_bytes,
+            high_water_bytes=pool.high_water_bytes,
+            budget_bytes=pool.total_bytes,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            swapped_bytes=s.swapped_bytes,
+        )
 
     def close(self) -> None:
         self.cache.close()
@@ -260,8 +295,9 @@ class _PagedStep(StepAttention):
             self._max_len = max(seq.num_computed + 1 for seq in decodes)
             width = -(-self._max_len // bs)
             self._tables = cache.block_tables(handles, width)
-            self._lengths = torch.tensor([seq.num_computed + 1 for seq in decodes], dtype=torch.int32,
-                                         device=store.device)
+            self._lengths = torch.tensor(
+                [seq.num_computed + 1 for seq in decodes], dtype=torch.int32, device=store.device
+            )
 
     def write(self, layer, k, v):
         shape = (-1, k.shape[1], k.shape[2])
@@ -269,8 +305,16 @@ class _PagedStep(StepAttention):
         self._cache.value_caches[layer].view(shape).index_copy_(0, self._rows, v)
 
     def decode(self, layer, q, scale, out):
-        decode_attention_paged(q, self._cache.key_caches[layer], self._cache.value_caches[layer], self._tables,
-                               self._lengths, scale, out, max_len=self._max_len)
+        decode_attention_paged(
+            q,
+            self._cache.key_caches[layer],
+            self._cache.value_caches[layer],
+            self._tables,
+            self._lengths,
+            scale,
+            out,
+            max_len=self._max_len,
+        )
 
     def prefill_kv(self, layer, i):
         rows = self._prefill_rows[i]
@@ -287,11 +331,30 @@ class PagedStore:
     static = False
     swap_capacity = 0
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, *, budget_bytes: int,
-                 max_seqs: int, max_seq_len: int, device, block_size: int = 16):
-        self.cache = PagedKVCache(num_layers, num_kv_heads, head_dim, dtype=dtype, max_seqs=max_seqs,
-                                  max_seq_len=max_seq_len, device=device, capacity_bytes=budget_bytes,
-                                  block_size=block_size)
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype,
+        *,
+        budget_bytes: int,
+        max_seqs: int,
+        max_seq_len: int,
+        device,
+        block_size: int = 16,
+    ):
+        self.cache = PagedKVCache(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            dtype=dtype,
+            max_seqs=max_seqs,
+            max_seq_len=max_seq_len,
+            device=device,
+            capacity_bytes=budget_bytes,
+            block_size=block_size,
+        )
         self.device = self.cache.device
         self.page_bytes = self.cache.block_bytes
         self._high_water_blocks = 0
@@ -349,9 +412,15 @@ class PagedStore:
         used = c.num_blocks - c.pages_available()
         live = sum(c.seq_len(s) for s in c.sequences)
         held = used * c.block_bytes
-        return dict(live_tokens=live, live_bytes=live * c.bytes_per_token, held_bytes=held,
-                    high_water_bytes=self._high_water_blocks * c.block_bytes,
-                    budget_bytes=c.num_blocks * c.block_bytes, prefix_hit_tokens=0, swapped_bytes=0)
+        return dict(
+            live_tokens=live,
+            live_bytes=live * c.bytes_per_token,
+            held_bytes=held,
+            high_water_bytes=self._high_water_blocks * c.block_bytes,
+            budget_bytes=c.num_blocks * c.block_bytes,
+            prefix_hit_tokens=0,
+            swapped_bytes=0,
+        )
 
     def close(self) -> None:
         self.cache.close()

@@ -3,6 +3,7 @@ random-weight config ("random:<name>[:seed]"), so every entry point runs on a ma
 
 Nothing is downloaded: directories load with local_files_only.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,24 +15,81 @@ from ..errors import InvalidArgumentError
 # Geometry of the random-weight models. "bench-llama" is the serving benchmark's model; the tiny ones keep
 # tests fast while covering each attention class the engine supports (GQA, QKV bias, q/k norms, fused QKV).
 RANDOM_CONFIGS: dict[str, tuple[str, dict]] = {
-    "llama-tiny": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)),
-    "bench-llama": ("llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                                  num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000)),
-    "qwen2-tiny": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                                 use_sliding_window=False)),
-    "qwen3-tiny": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
-                                 use_sliding_window=False)),
-    "mistral-tiny": ("mistral", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
-                                     sliding_window=None)),
-    "phi3-tiny": ("phi3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, vocab_size=512)),
+    "llama-tiny": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=512,
+        ),
+    ),
+    "bench-llama": (
+        "llama",
+        dict(
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=32000,
+        ),
+    ),
+    "qwen2-tiny": (
+        "qwen2",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            use_sliding_window=False,
+        ),
+    ),
+    "qwen3-tiny": (
+        "qwen3",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=512,
+            use_sliding_window=False,
+        ),
+    ),
+    "mistral-tiny": (
+        "mistral",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=512,
+            sliding_window=None,
+        ),
+    ),
+    "phi3-tiny": (
+        "phi3",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        ),
+    ),
 }
-_COMMON = dict(max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-               tie_word_embeddings=False)
+_COMMON = dict(max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
 
 def random_config(name: str):
@@ -60,7 +118,7 @@ def load_model(spec, dtype: torch.dtype = torch.float32, attn_implementation: st
         raise InvalidArgumentError(f"dtype must be a torch.dtype, got {dtype!r}")
     spec = os.fspath(spec)
     if spec.startswith("random:"):
-        name, _, seed = spec[len("random:"):].partition(":")
+        name, _, seed = spec[len("random:") :].partition(":")
         try:
             seed = int(seed) if seed else 0
         except ValueError:
@@ -73,11 +131,13 @@ def load_model(spec, dtype: torch.dtype = torch.float32, attn_implementation: st
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         return model.eval(), None
     if not os.path.isdir(spec):
-        raise InvalidArgumentError(f"no model directory {spec!r} (and not 'random:<name>'; names: "
-                                   f"{sorted(RANDOM_CONFIGS)})")
+        raise InvalidArgumentError(
+            f"no model directory {spec!r} (and not 'random:<name>'; names: {sorted(RANDOM_CONFIGS)})"
+        )
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=True,
-                                                     attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(
+            spec, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+        )
     except (OSError, ValueError) as e:
         raise InvalidArgumentError(f"cannot load a causal LM from {spec!r}: {e}") from e
     try:

@@ -5,12 +5,13 @@ Kept apart from server.py so that what a request means is testable without HTTP 
 OpenAI API that the engine cannot honour (logprobs, penalties, logit bias, tools, ...) are refused with a
 clear message rather than silently ignored; unknown extra fields are ignored, as OpenAI-compatible servers do.
 """
+
 from __future__ import annotations
 
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -27,8 +28,9 @@ class RequestError(InvalidArgumentError):
         self.code = code
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -88,7 +90,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     # A string, a list of token ids, or a batch of either: each prompt becomes its own engine request.
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
 
@@ -160,8 +162,9 @@ def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first.get("loc", ()))
-        raise RequestError(f"{where}: {first.get('msg')}" if where else str(first.get("msg")),
-                           param=where or None) from None
+        raise RequestError(
+            f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None
+        ) from None
     bad = req.unsupported()
     if bad:
         raise RequestError(f"not supported by this server: {', '.join(bad)}", param=bad[0])
@@ -228,7 +231,7 @@ class ChoiceText:
 
     def delta(self) -> tuple[str, list[int]]:
         """Text and token ids not sent yet that are safe to send; marks them sent."""
-        new_tokens = self.token_ids[self.sent_tokens:]
+        new_tokens = self.token_ids[self.sent_tokens :]
         self.sent_tokens = len(self.token_ids)
         if self.done:
             safe = self.text
@@ -243,7 +246,7 @@ class ChoiceText:
             # the text is final; the remainder goes out then.
             if not self.done:
                 return "", new_tokens
-        out = safe[len(self.sent):]
+        out = safe[len(self.sent) :]
         self.sent = safe
         return out, new_tokens
 
@@ -257,20 +260,28 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion_body(rid: str, model: str, created: int, choices: list[dict], use: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": use}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }
 
 
 def completion_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
     # token_ids is an extension (OpenAI clients keep unknown fields): models without a tokenizer answer
     # with token ids only, and clients can check exactly what was generated.
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
-            "token_ids": token_ids}
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
 
 
 def completion_chunk(rid: str, model: str, created: int, choices: list[dict], use: dict | None = None) -> dict:
@@ -281,13 +292,24 @@ def completion_chunk(rid: str, model: str, created: int, choices: list[dict], us
 
 
 def chat_body(rid: str, model: str, created: int, choices: list[dict], use: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": use}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }
 
 
 def chat_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": finish_reason, "token_ids": token_ids}
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "token_ids": token_ids,
+    }
 
 
 def chat_chunk(rid: str, model: str, created: int, choices: list[dict], use: dict | None = None) -> dict:
@@ -298,13 +320,11 @@ def chat_chunk(rid: str, model: str, created: int, choices: list[dict], use: dic
 
 
 def chat_delta_choice(index: int, delta: dict, token_ids: list[int], finish_reason: str | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
-            "token_ids": token_ids}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
 
 
 def model_list(name: str, created: int) -> dict:
-    return {"object": "list",
-            "data": [{"id": name, "object": "model", "created": created, "owned_by": "vpaged"}]}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "vpaged"}]}
 
 
 def now() -> int:

@@ -1,4 +1,5 @@
 """What the engine hands back: per-request outputs (with this step's delta) and engine statistics."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,5 @@
 """SamplingParams: how one request is decoded, validated when it is built."""
+
 from __future__ import annotations
 
 import math
@@ -37,20 +38,25 @@ class SamplingParams:
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidArgumentError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidArgumentError(f"top_k must be -1 (all tokens) or an int >= 1, got {self.top_k!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
-                or not 0.0 < self.top_p <= 1.0:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidArgumentError(f"seed must be an int or None, got {self.seed!r}")
         try:
             stops = tuple(self.stop_token_ids)
         except TypeError:
-            raise InvalidArgumentError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
+            raise InvalidArgumentError(
+                f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}"
+            ) from None
         if any(not _is_int(t) or t < 0 for t in stops):
             raise InvalidArgumentError(f"stop_token_ids must be ints >= 0, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", stops)

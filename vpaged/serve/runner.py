@@ -6,6 +6,7 @@ the `vpaged_step` forward kwarg (transformers passes it through every decoder la
 function), plus a placeholder 4D mask so that transformers builds no [T, T] mask. Logits are computed only
 for the rows that sample (logits_to_keep), i.e. the last token of each sequence that reaches its end.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,7 @@ class ModelRunner:
         row_offsets = []
         row = len(ids)
         for seq, start, n in plan.prefills:
-            ids += seq.tokens[start:start + n]
+            ids += seq.tokens[start : start + n]
             positions += range(start, start + n)
             row_offsets.append(row)
             row += n
@@ -41,8 +42,11 @@ class ModelRunner:
                 samplers.append(seq)
         step = self.store.step_attention(plan.decodes, plan.prefills, row_offsets, row)
         dev = self.device
-        inputs = dict(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([positions], device=dev),
-                      logits_to_keep=torch.tensor(keep, device=dev))
+        inputs = dict(
+            input_ids=torch.tensor([ids], device=dev),
+            position_ids=torch.tensor([positions], device=dev),
+            logits_to_keep=torch.tensor(keep, device=dev),
+        )
         return inputs, step, samplers
 
     def forward(self, inputs: dict, step) -> torch.Tensor:

@@ -4,6 +4,7 @@ Greedy rows take the argmax. Sampled rows are scaled by their temperature, cut t
 sets, and drawn by inverse CDF with one uniform number from the sequence's own generator: a sequence's
 tokens depend only on its logits and its seed, never on which other sequences share the batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         idx = torch.tensor(sampled, device=logits.device)
-        picked = _sample_rows(logits.index_select(0, idx).float(), [params[i] for i in sampled],
-                              [generators[i] for i in sampled])
+        picked = _sample_rows(
+            logits.index_select(0, idx).float(), [params[i] for i in sampled], [generators[i] for i in sampled]
+        )
         tokens = tokens.index_copy(0, idx, picked)
     return tokens.tolist()
 

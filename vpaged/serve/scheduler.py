@@ -17,6 +17,7 @@ Admission uses prefix caching: allocating with the prompt's tokens maps the cach
 rest is computed. The scheduler changes the store as it decides (allocate, extend, swap, free), the way
 nano-vllm's block manager does; the runner then fills the K/V of exactly what was scheduled.
 """
+
 from __future__ import annotations
 
 from collections import deque

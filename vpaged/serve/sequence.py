@@ -1,4 +1,5 @@
 """Requests and their sequences as the engine tracks them (plain records; the scheduler moves them)."""
+
 from __future__ import annotations
 
 import enum

@@ -15,6 +15,7 @@ steps, and hands each step's outputs to the asyncio queue of the request they be
 engine refuses (prompt too long, bad sampling parameters) gets HTTP 400 and changes nothing for the others;
 a client that disconnects has its request aborted, so its pages go back at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,9 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import fields, is_dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from ..errors import VPagedError
 from . import openai_protocol as proto
@@ -67,7 +69,7 @@ class EngineLoop:
         self.step_failures = 0
 
     # ---- any thread
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 
@@ -89,10 +91,12 @@ class EngineLoop:
     def add(self, prompt, params, request_id: str, sink: Callable[[Any], None]) -> concurrent.futures.Future:
         """Queue a request; `sink` receives each RequestOutput of it (or an EngineFailure) on the engine thread.
         The future raises what engine.add_request raised."""
+
         def add():
             rid = self.engine.add_request(prompt, params, request_id=request_id)
             self._sinks[rid] = sink
             return rid
+
         return self.call(add)
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
@@ -100,6 +104,7 @@ class EngineLoop:
             self._sinks.pop(request_id, None)
             with contextlib.suppress(VPagedError, LookupError):  # finished meanwhile: nothing to abort
                 self.engine.abort(request_id)
+
         return self.call(abort)
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -168,8 +173,9 @@ class EngineLoop:
 
 
 class _Generation:
-    def __init__(self, loop: EngineLoop, tokenizer, prompts: list[list[int]], params, n: int,
-                 stops: tuple[str, ...], prefix: str):
+    def __init__(
+        self, loop: EngineLoop, tokenizer, prompts: list[list[int]], params, n: int, stops: tuple[str, ...], prefix: str
+    ):
         self.loop = loop
         self.prompts = prompts
         self.params = params
@@ -185,9 +191,11 @@ class _Generation:
         queued = []
         try:
             for i, (rid, prompt) in enumerate(zip(self.ids, self.prompts)):
+
                 def sink(item, i=i):
                     with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody is listening
                         aloop.call_soon_threadsafe(self.queue.put_nowait, (i, item))
+
                 queued.append(rid)
                 await asyncio.wrap_future(self.loop.add(prompt, self.params, rid, sink))
         except BaseException:
@@ -221,7 +229,7 @@ class _Generation:
             self.first_token_time = time.perf_counter()
         if out.finished:
             self.finished[i] = True
-        elif all(ch.done for ch in self.choices[i * self.n:(i + 1) * self.n]):
+        elif all(ch.done for ch in self.choices[i * self.n : (i + 1) * self.n]):
             # every choice met a stop string: the engine need not go on
             self.finished[i] = True
             self.loop.abort(self.ids[i])
@@ -241,8 +249,17 @@ class _Generation:
 # Metrics
 
 # EngineStats fields that only ever grow (Prometheus counters); every other numeric field is a gauge.
-_COUNTERS = {"prefix_hit_tokens", "preemptions_swap", "preemptions_recompute", "requests_finished",
-             "prompt_tokens_total", "generation_tokens_total", "steps", "requests_aborted", "requests_added"}
+_COUNTERS = {
+    "prefix_hit_tokens",
+    "preemptions_swap",
+    "preemptions_recompute",
+    "requests_finished",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "steps",
+    "requests_aborted",
+    "requests_added",
+}
 
 
 def _stats_items(stats) -> list[tuple[str, float]]:
@@ -262,8 +279,10 @@ def prometheus_text(stats, http_counts: Counter, extra: dict[str, float] | None 
         lines += [f"# HELP {metric} LLMEngine.stats().{name}", f"# TYPE {metric} {kind}", f"{metric} {value!r}"]
     for name, value in (extra or {}).items():
         lines += [f"# TYPE vpaged_{name} counter", f"vpaged_{name} {float(value)!r}"]
-    lines += ["# HELP vpaged_http_requests_total HTTP requests by path and status",
-              "# TYPE vpaged_http_requests_total counter"]
+    lines += [
+        "# HELP vpaged_http_requests_total HTTP requests by path and status",
+        "# TYPE vpaged_http_requests_total counter",
+    ]
     for (path, status), count in sorted(http_counts.items()):
         lines.append(f'vpaged_http_requests_total{{path="{path}",status="{status}"}} {float(count)!r}')
     return "\n".join(lines) + "\n"
@@ -277,8 +296,9 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-           code: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse(proto.error_body(message, type_, param, code), status_code=status)
 
 
@@ -297,8 +317,11 @@ class _Server:
     # ---- helpers
     def _check_model(self, req) -> None:
         if req.model != self.model_name:
-            raise RequestError(f"model {req.model!r} is not served here; this server serves {self.model_name!r}",
-                               param="model", code="model_not_found")
+            raise RequestError(
+                f"model {req.model!r} is not served here; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -335,8 +358,9 @@ class _Server:
         try:
             await gen.start()
         except VPagedError as e:  # the engine refused this request (too long, bad parameters, ...)
-            raise RequestError(str(e), param="prompt" if "prompt" in type(e).__name__.lower() else None,
-                               code=type(e).__name__) from None
+            raise RequestError(
+                str(e), param="prompt" if "prompt" in type(e).__name__.lower() else None, code=type(e).__name__
+            ) from None
         return gen
 
     async def _collect(self, request: Request, gen: _Generation) -> None:
@@ -360,11 +384,15 @@ class _Server:
         rid, created = proto.new_id("cmpl"), proto.now()
         gen = await self._start(req, prompts, req.max_tokens if req.max_tokens is not None else 16, rid)
         if req.stream:
+
             def chunk(k, text, toks, finish):
-                return proto.completion_chunk(rid, self.model_name, created,
-                                              [proto.completion_choice(k, text, toks, finish)])
-            return self._sse_response(gen, chunk, [], req,
-                                      lambda u: proto.completion_chunk(rid, self.model_name, created, [], u))
+                return proto.completion_chunk(
+                    rid, self.model_name, created, [proto.completion_choice(k, text, toks, finish)]
+                )
+
+            return self._sse_response(
+                gen, chunk, [], req, lambda u: proto.completion_chunk(rid, self.model_name, created, [], u)
+            )
         await self._collect(request, gen)
         choices = [proto.completion_choice(k, c.text, c.token_ids, c.finish_reason) for k, c in enumerate(gen.choices)]
         return proto.completion_body(rid, self.model_name, created, choices, gen.usage())
@@ -373,8 +401,9 @@ class _Server:
         req = proto.parse_request(proto.ChatCompletionRequest, await _json_body(request))
         self._check_model(req)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError("this model's tokenizer has no chat template: use /v1/completions",
-                               code="no_chat_template")
+            raise RequestError(
+                "this model's tokenizer has no chat template: use /v1/completions", code="no_chat_template"
+            )
         try:
             text = self.tokenizer.apply_chat_template(req.conversation(), tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. role order)
@@ -384,23 +413,34 @@ class _Server:
         rid, created = proto.new_id("chatcmpl"), proto.now()
         gen = await self._start(req, [prompt], max_tokens, rid)
         if req.stream:
+
             def chunk(k, text, toks, finish):
                 delta = {"content": text} if text or finish is None else {}
-                return proto.chat_chunk(rid, self.model_name, created,
-                                        [proto.chat_delta_choice(k, delta, toks, finish)])
-            first = [proto.chat_chunk(rid, self.model_name, created,
-                                      [proto.chat_delta_choice(k, {"role": "assistant", "content": ""}, [], None)])
-                     for k in range(len(gen.choices))]
-            return self._sse_response(gen, chunk, first, req,
-                                      lambda u: proto.chat_chunk(rid, self.model_name, created, [], u))
+                return proto.chat_chunk(
+                    rid, self.model_name, created, [proto.chat_delta_choice(k, delta, toks, finish)]
+                )
+
+            first = [
+                proto.chat_chunk(
+                    rid,
+                    self.model_name,
+                    created,
+                    [proto.chat_delta_choice(k, {"role": "assistant", "content": ""}, [], None)],
+                )
+                for k in range(len(gen.choices))
+            ]
+            return self._sse_response(
+                gen, chunk, first, req, lambda u: proto.chat_chunk(rid, self.model_name, created, [], u)
+            )
         await self._collect(request, gen)
         choices = [proto.chat_choice(k, c.text, c.token_ids, c.finish_reason) for k, c in enumerate(gen.choices)]
         return proto.chat_body(rid, self.model_name, created, choices, gen.usage())
 
     def _sse_response(self, gen, chunk, first, req, usage_chunk) -> StreamingResponse:
         body = self._stream_chunks(gen, chunk, first, req.include_usage_in_stream(), usage_chunk)
-        return StreamingResponse(body, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     async def _stream_chunks(self, gen, chunk, first, include_usage, usage_chunk) -> AsyncIterator[str]:
         try:
@@ -426,8 +466,9 @@ class _Server:
     async def metrics(self):
         stats = await asyncio.wrap_future(self.loop.call(self.engine.stats))
         extra = {"engine_step_failures_total": self.loop.step_failures}
-        return PlainTextResponse(prometheus_text(stats, self.http_counts, extra),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(
+            prometheus_text(stats, self.http_counts, extra), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
 
 async def _json_body(request: Request) -> Any:
@@ -503,14 +544,21 @@ def _url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          log_level: str = "info", default_max_tokens: int = 256,
-          on_ready: Callable[[str], None] | None = None) -> None:
+def serve(
+    engine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model_name: str | None = None,
+    log_level: str = "info",
+    default_max_tokens: int = 256,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM). Port 0 takes a free port; `on_ready(url)` is called once
     the server accepts connections."""
     sock = _bind(host, port)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name, default_max_tokens),
-                                           log_level=log_level, lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine, model_name, default_max_tokens), log_level=log_level, lifespan="on")
+    )
 
     async def announce():
         while not server.started:
@@ -536,21 +584,29 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
 class ServerThread:
     """Runs the server on a background thread, on a port the OS picks unless one is given.
 
-        with ServerThread(engine) as srv:
-            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    with ServerThread(engine) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
     """
 
-    def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, model_name: str | None = None,
-                 default_max_tokens: int = 256, log_level: str = "warning"):
+    def __init__(
+        self,
+        engine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str | None = None,
+        default_max_tokens: int = 256,
+        log_level: str = "warning",
+    ):
         self.app = create_app(engine, model_name, default_max_tokens)
         self._sock = _bind(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = _url(self._sock)
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, lifespan="on"))
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
-                                        name="vpaged-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._sock]}, name="vpaged-http", daemon=True
+        )
 
-    def start(self, timeout: float = 30.0) -> "ServerThread":
+    def start(self, timeout: float = 30.0) -> ServerThread:
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -564,7 +620,7 @@ class ServerThread:
         self._thread.join(timeout)
         self._sock.close()
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:

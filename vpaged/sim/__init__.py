@@ -1,5 +1,6 @@
 """`vpaged simulate`: KV memory of serving policies at production scale, with the real caches on the
 accounting backend (no memory mapped), driven by seeded or user traces."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,8 +11,22 @@ from .run import PolicyResult, simulate
 from .shapes import SHAPES, ModelShape, model_shape
 from .traces import BUILTIN, SimRequest, TraceError, builtin_trace, load_csv
 
-__all__ = ["SHAPES", "BUILTIN", "ModelShape", "model_shape", "SimRequest", "TraceError", "builtin_trace",
-           "load_csv", "simulate", "PolicyResult", "Policy", "policy_names", "make_policy", "SimConfig"]
+__all__ = [
+    "SHAPES",
+    "BUILTIN",
+    "ModelShape",
+    "model_shape",
+    "SimRequest",
+    "TraceError",
+    "builtin_trace",
+    "load_csv",
+    "simulate",
+    "PolicyResult",
+    "Policy",
+    "policy_names",
+    "make_policy",
+    "SimConfig",
+]
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -50,4 +65,5 @@ def make_policy(name: str, cfg: SimConfig) -> Policy:
         return VirtualMemory(cfg.shape, cfg.budget_bytes, cfg.max_seq_len, words[1], page, share, cfg.max_seqs)
     raise InvalidArgumentError(
         f"unknown policy {name!r}: policies look like 'static', 'block 16', 'vpaged interleaved 2 MiB', with "
-        "' +share' for prefix sharing and forked samples")
+        "' +share' for prefix sharing and forked samples"
+    )

@@ -10,6 +10,7 @@ A policy admits a request (maps its prompt) or says it does not fit now, grows e
 one token per decode step (raising OutOfPagesError when the step cannot get its pages), releases finished
 requests and reports where its memory goes (vpaged.accounting.MemoryBreakdown).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from .traces import SimRequest
 @dataclass
 class Running:
     """One admitted request: its sequences (n samples) and their common length."""
+
     request: SimRequest
     seqs: list[int]
     length: int
@@ -103,14 +105,23 @@ class StaticSlots(Policy):
 
 
 class BlockTables(Policy):
-    def __init__(self, shape: ModelShape, budget_bytes: int, max_seq_len: int, block_size: int, share: bool,
-                 max_seqs: int):
+    def __init__(
+        self, shape: ModelShape, budget_bytes: int, max_seq_len: int, block_size: int, share: bool, max_seqs: int
+    ):
         self.name = f"block {block_size}" + (" +share" if share else "")
         self.budget_bytes = budget_bytes
         self.share = share
-        self.cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype,
-                                  max_seqs=max_seqs, max_seq_len=max_seq_len, capacity_bytes=budget_bytes,
-                                  block_size=block_size, accounting_only=True)
+        self.cache = PagedKVCache(
+            shape.num_layers,
+            shape.num_kv_heads,
+            shape.head_dim,
+            dtype=shape.dtype,
+            max_seqs=max_seqs,
+            max_seq_len=max_seq_len,
+            capacity_bytes=budget_bytes,
+            block_size=block_size,
+            accounting_only=True,
+        )
         self._templates: dict[int, int] = {}  # prefix id -> a sequence holding the prefix's full blocks
         self._template_use: dict[int, int] = {}  # prefix id -> running requests forked from it
 
@@ -205,15 +216,31 @@ class BlockTables(Policy):
 
 
 class VirtualMemory(Policy):
-    def __init__(self, shape: ModelShape, budget_bytes: int, max_seq_len: int, layout: str, page_size: int,
-                 share: bool, max_seqs: int):
+    def __init__(
+        self,
+        shape: ModelShape,
+        budget_bytes: int,
+        max_seq_len: int,
+        layout: str,
+        page_size: int,
+        share: bool,
+        max_seqs: int,
+    ):
         size = f"{page_size >> 20} MiB" if page_size >= 1 << 20 else f"{page_size >> 10} KiB"
         self.name = f"vpaged {layout} {size}" + (" +share" if share else "")
         self.budget_bytes = budget_bytes
         self.share = share
         self.pool = PagePool("cpu", capacity_bytes=budget_bytes, page_size=page_size, accounting_only=True)
-        self.cache = VirtualKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype,
-                                    max_seqs=max_seqs, max_seq_len=max_seq_len, pool=self.pool, layout=layout)
+        self.cache = VirtualKVCache(
+            shape.num_layers,
+            shape.num_kv_heads,
+            shape.head_dim,
+            dtype=shape.dtype,
+            max_seqs=max_seqs,
+            max_seq_len=max_seq_len,
+            pool=self.pool,
+            layout=layout,
+        )
         # Prefix caching needs pages holding whole tokens (see VirtualKVCache.cache_prefix).
         self._prefix = share and float(self.cache.layout.tokens_per_page).is_integer()
         self._ids = _TokenIds()
@@ -227,7 +254,7 @@ class VirtualMemory(Policy):
             seqs.append(first)
             c.extend(first, prompt_len - c.seq_len(first))
             if tokens is not None:
-                c.cache_prefix(first, tokens[:req.prefix_len])
+                c.cache_prefix(first, tokens[: req.prefix_len])
             if req.n > 1:
                 if self.share:
                     seqs += c.fork_many(first, req.n - 1)

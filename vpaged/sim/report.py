@@ -1,4 +1,5 @@
 """Reports of a simulation: a table per policy, JSON, and PNG plots (matplotlib, the `plot` extra)."""
+
 from __future__ import annotations
 
 import json
@@ -10,21 +11,45 @@ GiB = 1 << 30
 
 
 def table_rows(summaries: list[dict]) -> tuple[list[str], list[list[str]]]:
-    headers = ["policy", "live", "waste", "(fragment.", "reserved)", "dormant¹", "peak held", "peak reqs",
-               "mean reqs", "finished", "preempt.", "steps"]
+    headers = [
+        "policy",
+        "live",
+        "waste",
+        "(fragment.",
+        "reserved)",
+        "dormant¹",
+        "peak held",
+        "peak reqs",
+        "mean reqs",
+        "finished",
+        "preempt.",
+        "steps",
+    ]
     rows = []
     for s in summaries:
-        rows.append([
-            s["policy"], f"{s['live_share']:.1%}", f"{s['waste_share']:.1%}", f"{s['fragmentation_share']:.1%}",
-            f"{s['reserved_share']:.1%}", f"{s['dormant_share']:.1%}", f"{s['peak_held_bytes'] / GiB:.1f} GiB",
-            str(s["peak_running"]), f"{s['mean_running']:.0f}",
-            f"{s['finished']}" + (f" (+{s['dropped']} dropped)" if s["dropped"] else ""), str(s["preemptions"]),
-            str(s["steps"])])
+        rows.append(
+            [
+                s["policy"],
+                f"{s['live_share']:.1%}",
+                f"{s['waste_share']:.1%}",
+                f"{s['fragmentation_share']:.1%}",
+                f"{s['reserved_share']:.1%}",
+                f"{s['dormant_share']:.1%}",
+                f"{s['peak_held_bytes'] / GiB:.1f} GiB",
+                str(s["peak_running"]),
+                f"{s['mean_running']:.0f}",
+                f"{s['finished']}" + (f" (+{s['dropped']} dropped)" if s["dropped"] else ""),
+                str(s["preemptions"]),
+                str(s["steps"]),
+            ]
+        )
     return headers, rows
 
 
-NOTE = ("live / waste: shares of the memory held for live sequences (waste = fragmentation + reservation); "
-        "¹dormant: share of all held memory kept only for reuse (freed slots, prefix cache), reclaimable at once")
+NOTE = (
+    "live / waste: shares of the memory held for live sequences (waste = fragmentation + reservation); "
+    "¹dormant: share of all held memory kept only for reuse (freed slots, prefix cache), reclaimable at once"
+)
 
 
 def print_table(title: str, summaries: list[dict]) -> None:
@@ -70,7 +95,7 @@ def plot(results, out_dir: Path, title: str) -> list[Path]:
     fig, ax = plt.subplots(figsize=(10, 5.5))
     for r in results:
         steps = [s.step for s in r.samples]
-        line, = ax.plot(steps, [s.breakdown.held_bytes / GiB for s in r.samples], label=f"{r.policy} held")
+        (line,) = ax.plot(steps, [s.breakdown.held_bytes / GiB for s in r.samples], label=f"{r.policy} held")
         ax.plot(steps, [s.breakdown.stored_bytes / GiB for s in r.samples], linestyle=":", color=line.get_color())
     ax.set_xlabel("decode step")
     ax.set_ylabel("GiB (solid: held by the cache, dotted: live tokens)")
@@ -85,10 +110,12 @@ def plot(results, out_dir: Path, title: str) -> list[Path]:
     fig, ax = plt.subplots(figsize=(10, 5.5))
     names = [s["policy"] for s in summaries]
     bottom = [0.0] * len(names)
-    for key, label, color in (("stored_bytes", "live tokens", "#4c9a2a"),
-                              ("fragmentation_bytes", "fragmentation", "#d1495b"),
-                              ("reserved_bytes", "reserved (static)", "#edae49"),
-                              ("dormant_bytes", "dormant (reclaimable)", "#66a3d2")):
+    for key, label, color in (
+        ("stored_bytes", "live tokens", "#4c9a2a"),
+        ("fragmentation_bytes", "fragmentation", "#d1495b"),
+        ("reserved_bytes", "reserved (static)", "#edae49"),
+        ("dormant_bytes", "dormant (reclaimable)", "#66a3d2"),
+    ):
         vals = [s["held_composition"][key] * 100 for s in summaries]
         ax.barh(names, vals, left=bottom, label=label, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]

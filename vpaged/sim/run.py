@@ -1,6 +1,7 @@
 """The simulator's serving loop: one decode step at a time, FIFO admission while the budget allows,
 preemption of the newest request when a step cannot get its pages (recomputed later), and a memory
 breakdown sampled over time. Prefill is modelled as mapping the whole prompt at admission."""
+
 from __future__ import annotations
 
 import time
@@ -48,23 +49,32 @@ class PolicyResult:
         stored, frag, reserved = (self._sum(a) for a in ("stored_bytes", "fragmentation_bytes", "reserved_bytes"))
         active, held = stored + frag + reserved, self._sum("held_bytes")
         return {
-            "policy": self.policy, "budget_bytes": self.budget_bytes, "steps": self.steps,
-            "finished": self.finished, "unfinished": self.unfinished, "dropped": self.dropped,
-            "preemptions": self.preemptions, "peak_running": self.peak_running,
-            "mean_running": round(self.mean_running, 2), "peak_held_bytes": self.peak_held_bytes,
+            "policy": self.policy,
+            "budget_bytes": self.budget_bytes,
+            "steps": self.steps,
+            "finished": self.finished,
+            "unfinished": self.unfinished,
+            "dropped": self.dropped,
+            "preemptions": self.preemptions,
+            "peak_running": self.peak_running,
+            "mean_running": round(self.mean_running, 2),
+            "peak_held_bytes": self.peak_held_bytes,
             "live_share": stored / active if active else 0.0,
             "waste_share": (frag + reserved) / active if active else 0.0,
             "fragmentation_share": frag / active if active else 0.0,
             "reserved_share": reserved / active if active else 0.0,
             "dormant_share": self._sum("dormant_bytes") / held if held else 0.0,
-            "held_composition": {a: self._sum(a) / held if held else 0.0
-                                 for a in ("stored_bytes", "fragmentation_bytes", "reserved_bytes", "dormant_bytes")},
+            "held_composition": {
+                a: self._sum(a) / held if held else 0.0
+                for a in ("stored_bytes", "fragmentation_bytes", "reserved_bytes", "dormant_bytes")
+            },
             "seconds": round(self.seconds, 3),
         }
 
 
-def simulate(policy: Policy, trace: list[SimRequest], step_seconds: float = 0.03, max_steps: int = 1_000_000,
-             samples: int = 200) -> PolicyResult:
+def simulate(
+    policy: Policy, trace: list[SimRequest], step_seconds: float = 0.03, max_steps: int = 1_000_000, samples: int = 200
+) -> PolicyResult:
     """Run `trace` through `policy`. A decode step lasts step_seconds of trace time; about `samples`
     breakdowns are taken, evenly spaced in steps (estimated from the trace), plus one at the end."""
     t0 = time.perf_counter()

@@ -1,4 +1,5 @@
 """Model shapes for the simulator: the geometry that sets a token's KV bytes, by name or spelled out."""
+
 from __future__ import annotations
 
 import re
@@ -25,15 +26,18 @@ class ModelShape:
 
 
 # Attention geometry from each model's published config (num_hidden_layers, num_key_value_heads, head_dim).
-SHAPES = {s.name: s for s in (
-    ModelShape("Llama-3-8B", 32, 8, 128),
-    ModelShape("Llama-3-70B", 80, 8, 128),
-    ModelShape("Llama-2-7B", 32, 32, 128),
-    ModelShape("Llama-2-13B", 40, 40, 128),
-    ModelShape("Mistral-7B", 32, 8, 128),
-    ModelShape("Qwen2.5-7B", 28, 4, 128),
-    ModelShape("Qwen2.5-72B", 80, 8, 128),
-)}
+SHAPES = {
+    s.name: s
+    for s in (
+        ModelShape("Llama-3-8B", 32, 8, 128),
+        ModelShape("Llama-3-70B", 80, 8, 128),
+        ModelShape("Llama-2-7B", 32, 32, 128),
+        ModelShape("Llama-2-13B", 40, 40, 128),
+        ModelShape("Mistral-7B", 32, 8, 128),
+        ModelShape("Qwen2.5-7B", 28, 4, 128),
+        ModelShape("Qwen2.5-72B", 80, 8, 128),
+    )
+}
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _EXPLICIT = re.compile(r"^(\d+)x(\d+)x(\d+)(?::(bf16|fp16|fp32))?$")
@@ -48,7 +52,8 @@ def model_shape(spec: str) -> ModelShape:
     if m is None:
         raise InvalidArgumentError(
             f"unknown model shape {spec!r}: use one of {', '.join(SHAPES)} or LAYERSxKV_HEADSxHEAD_DIM[:dtype], "
-            "e.g. 32x8x128:bf16")
+            "e.g. 32x8x128:bf16"
+        )
     layers, heads, dim = (int(g) for g in m.groups()[:3])
     if min(layers, heads, dim) <= 0:
         raise InvalidArgumentError(f"model shape {spec!r}: layers, heads and head_dim must be positive")

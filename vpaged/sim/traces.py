@@ -3,6 +3,7 @@
 Built-in length distributions are log-normal (long-tailed) with the means the vLLM paper reports for its
 traces: ShareGPT about 161 input / 338 output tokens, Alpaca about 19 / 58. Arrivals are Poisson.
 """
+
 from __future__ import annotations
 
 import csv
@@ -46,8 +47,9 @@ def _lognormal(rnd: random.Random, mean: float, sigma: float, low: int, high: in
     return max(low, min(high, round(rnd.lognormvariate(mu, sigma))))
 
 
-def builtin_trace(name: str, num_requests: int, rate: float, max_seq_len: int, seed: int = 0,
-                  shared_prefix: int = 0, n: int = 1) -> list[SimRequest]:
+def builtin_trace(
+    name: str, num_requests: int, rate: float, max_seq_len: int, seed: int = 0, shared_prefix: int = 0, n: int = 1
+) -> list[SimRequest]:
     """num_requests requests of the built-in trace `name` arriving at `rate` per second (inf: all at 0).
     shared_prefix: every request starts with the same system prompt of that many tokens (added to its prompt).
     n: parallel samples per request. Prompt + output never exceed max_seq_len."""
@@ -87,12 +89,15 @@ def load_csv(path: str | Path, max_seq_len: int, default_prefix_len: int = 0) ->
         header = [h.strip() for h in (reader.fieldnames or [])]
         missing = [c for c in _REQUIRED if c not in header]
         if missing:
-            raise TraceError(f"{path}: the header must name {', '.join(_REQUIRED)} (missing {', '.join(missing)}; "
-                             f"got {', '.join(header) or 'no header'})")
+            raise TraceError(
+                f"{path}: the header must name {', '.join(_REQUIRED)} (missing {', '.join(missing)}; "
+                f"got {', '.join(header) or 'no header'})"
+            )
         unknown = [h for h in header if h not in _REQUIRED + _OPTIONAL]
         if unknown:
-            raise TraceError(f"{path}: unknown column(s) {', '.join(unknown)}; columns are "
-                             f"{', '.join(_REQUIRED + _OPTIONAL)}")
+            raise TraceError(
+                f"{path}: unknown column(s) {', '.join(unknown)}; columns are {', '.join(_REQUIRED + _OPTIONAL)}"
+            )
         out = []
         for line, row in enumerate(reader, start=2):
             row = {k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
@@ -112,8 +117,9 @@ def _parse_row(path: Path, line: int, row: dict, max_seq_len: int, default_prefi
         try:
             return kind(text)
         except ValueError:
-            raise TraceError(f"{path}:{line}: {col} must be {'an integer' if kind is int else 'a number'}, "
-                             f"got {text!r}") from None
+            raise TraceError(
+                f"{path}:{line}: {col} must be {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
 
     arrival = number("arrival", float)
     prompt_len, output_len = number("prompt_len", int), number("output_len", int)
@@ -125,8 +131,10 @@ def _parse_row(path: Path, line: int, row: dict, max_seq_len: int, default_prefi
     if prompt_len <= 0 or output_len <= 0 or n <= 0:
         raise TraceError(f"{path}:{line}: prompt_len, output_len and n must be positive")
     if prompt_len + output_len > max_seq_len:
-        raise TraceError(f"{path}:{line}: prompt_len + output_len = {prompt_len + output_len} exceeds max_seq_len "
-                         f"{max_seq_len} (raise --max-seq-len)")
+        raise TraceError(
+            f"{path}:{line}: prompt_len + output_len = {prompt_len + output_len} exceeds max_seq_len "
+            f"{max_seq_len} (raise --max-seq-len)"
+        )
     if not 0 <= prefix_len <= prompt_len:
         raise TraceError(f"{path}:{line}: prefix_len {prefix_len} must lie in 0..prompt_len ({prompt_len})")
     return SimRequest(arrival, prompt_len, output_len, prefix_id, prefix_len, n)
