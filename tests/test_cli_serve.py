@@ -17,9 +17,15 @@ import pytest
 import torch
 from serve_helpers import WORDS, assert_greedy_matches, save_model_with_tokenizer
 
+from vpaged._hf_compat import serving_support
 from vpaged.cli import main
 
 TIMEOUT = 180
+
+
+SERVING, WHY_NOT_SERVING = serving_support()
+if not SERVING:
+    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
 
 
 @pytest.fixture(scope="module", autouse=True)

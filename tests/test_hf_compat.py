@@ -201,3 +201,19 @@ def test_register_attention_refuses_builtin_or_bad_names(name):
         register_attention(name, lambda *a, **k: None)
     with pytest.raises(InvalidArgumentError):
         register_attention("vpaged_test_x", "not callable")
+
+
+def test_serving_needs_the_release_it_is_verified_on():
+    from vpaged._hf_compat import SERVE_MIN_VERSION, serving_support
+
+    need = ".".join(map(str, SERVE_MIN_VERSION))
+    assert serving_support(need + ".0") == (True, "")
+    ok, why = serving_support("5.17.0")
+    assert not ok and f">= {need}" in why and "5.17.0" in why
+    installed_ok, _ = serving_support()
+    if not installed_ok:  # the engine refuses rather than serving tokens that differ from generate()
+        from vpaged.errors import BackendUnavailableError
+        from vpaged.serve import LLMEngine
+
+        with pytest.raises(BackendUnavailableError, match=f">= {need}"):
+            LLMEngine("random:llama-tiny", kv_budget_bytes=1 << 20)

@@ -7,6 +7,8 @@ import random
 import pytest
 import torch
 
+from vpaged._hf_compat import serving_support
+
 pytest.importorskip("transformers")
 
 from vpaged.errors import InvalidArgumentError, PromptTooLongError, UnknownRequestError  # noqa: E402
@@ -15,6 +17,11 @@ from vpaged.serve import LLM, LLMEngine, SamplingParams, load_model  # noqa: E40
 PAGE = 4096  # llama-tiny: 2 KV heads x 16 dims x 4 bytes = 128 bytes per token per layer -> 32 tokens a page
 TOKENS_PER_PAGE = 32
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+SERVING, WHY_NOT_SERVING = serving_support()
+if not SERVING:
+    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -397,7 +404,7 @@ def test_generate_with_vpaged_cache_and_vpaged_attention(reference, prng, monkey
     contiguous kernel on the cache's views; tokens equal DynamicCache + SDPA (batch of 2 without padding)."""
     from transformers import DynamicCache
 
-    from vpaged.hf import VPagedCache
+    from vpaged.hf import VPagedCache, cache_kwargs
     from vpaged.serve import attention
 
     model = load_model("random:llama-tiny", attn_implementation="vpaged")[0]
@@ -410,7 +417,7 @@ def test_generate_with_vpaged_cache_and_vpaged_attention(reference, prng, monkey
     with torch.no_grad():
         expected = reference.generate(
             prompt,
-            cache=DynamicCache(config=reference.config),
+            **cache_kwargs(DynamicCache(config=reference.config)),
             max_new_tokens=8,
             do_sample=False,
             eos_token_id=None,
@@ -418,7 +425,7 @@ def test_generate_with_vpaged_cache_and_vpaged_attention(reference, prng, monkey
         )
         got = model.generate(
             prompt,
-            cache=VPagedCache(model.config, max_cache_len=64, capacity_bytes=4 << 20, layout=layout),
+            **cache_kwargs(VPagedCache(model.config, max_cache_len=64, capacity_bytes=4 << 20, layout=layout)),
             max_new_tokens=8,
             do_sample=False,
             eos_token_id=None,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vpaged import _C
+from vpaged._hf_compat import serving_support
 
 pytestmark = pytest.mark.gpu
 REASON = _C.cuda_unavailable_reason(0) or ("" if torch.cuda.is_available() else "torch has no CUDA")
@@ -25,6 +26,11 @@ from vpaged.serve import LLM, SamplingParams  # noqa: E402
 DEV = torch.device("cuda", 0)
 PAGE = 2 << 20
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+SERVING, WHY_NOT_SERVING = serving_support()
+if not SERVING:
+    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
 
 
 def wide_model(seed: int = 0):

@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+from vpaged._hf_compat import serving_support
+
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
@@ -26,6 +28,11 @@ from vpaged.serve.openai_protocol import ChoiceText, CompletionRequest, RequestE
 from vpaged.serve.server import ServerThread, prometheus_text  # noqa: E402
 
 MODEL_NAME = "tiny"
+
+
+SERVING, WHY_NOT_SERVING = serving_support()
+if not SERVING:
+    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
 
 
 @pytest.fixture(scope="module", autouse=True)

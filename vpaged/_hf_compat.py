@@ -29,6 +29,9 @@ from functools import cache
 MIN_VERSION = (5, 17)
 NEXT_MAJOR = (6, 0)  # 6.x may change the Cache API again: not claimed until tested
 TESTED_NEWEST = (5, 24)
+# The serving engine's packed forward (vpaged.serve) is verified token-identical on 5.24 only: on 5.17 its
+# greedy tokens differ from model.generate's, so older releases are refused rather than served wrongly.
+SERVE_MIN_VERSION = (5, 24)
 
 
 def _parse(version: str) -> tuple[int, int]:
@@ -67,6 +70,17 @@ def support_status(version: str | None = None) -> tuple[str | None, bool, str]:
             f"supported (>= {lo}, < {hi}); newer than the newest tested, {TESTED_NEWEST[0]}.{TESTED_NEWEST[1]}",
         )
     return version, True, f"supported (>= {lo}, < {hi})"
+
+
+def serving_support(version: str | None = None) -> tuple[bool, str]:
+    """(usable, why not) of the installed transformers (or `version`) for the serving engine."""
+    version = installed_version() if version is None else version
+    if version is None:
+        return False, "transformers is not installed (pip install 'vpaged[serve]')"
+    if _parse(version) < SERVE_MIN_VERSION:
+        need = ".".join(map(str, SERVE_MIN_VERSION))
+        return False, f"the serving engine needs transformers >= {need} (found {version}); VPagedCache works from 5.17"
+    return True, ""
 
 
 @cache

@@ -17,8 +17,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from .._hf_compat import serving_support
 from ..device import normalize_device
-from ..errors import InvalidArgumentError, PromptTooLongError, UnknownRequestError
+from ..errors import BackendUnavailableError, InvalidArgumentError, PromptTooLongError, UnknownRequestError
 from .attention import NAME as ATTN_NAME
 from .kv import KV_KINDS, PagedStore, VirtualStore
 from .models import attention_window, load_model, model_geometry
@@ -78,6 +79,9 @@ class LLMEngine:
         seed: int = 0,
         record_steps: bool = False,
     ):
+        ok, why = serving_support()
+        if not ok:
+            raise BackendUnavailableError(why)
         if kv not in KV_KINDS:
             raise InvalidArgumentError(f"kv must be one of {KV_KINDS}, got {kv!r}")
         _positive_int("kv_budget_bytes", kv_budget_bytes)
