@@ -105,3 +105,16 @@ def test_row_ratio():
     r = Row("x", "y", 3.0, 2.0, "base", "ms", "lower")
     assert r.ratio == 1.5
     assert math.isnan(Row("x", "y", 3.0, 0.0, "base", "ms", "lower").ratio)
+
+
+def test_serving_rows_compare_each_backend_with_generate_batch():
+    from vpaged.benchsuite import _serve
+
+    rates = {"vpaged": random.uniform(5, 50), "paged": random.uniform(5, 50), "generate_batch": random.uniform(5, 50)}
+    data = {"throughput": {"rows": [{"kv": k, "output_tokens_per_s": v} for k, v in rates.items()]}}
+    rows = {r.comparison: r for r in _serve(data)}
+    assert set(rows) == {"output tokens/s, engine kv=vpaged", "output tokens/s, engine kv=paged"}
+    for kv in ("vpaged", "paged"):
+        r = rows[f"output tokens/s, engine kv={kv}"]
+        assert r.ratio == pytest.approx(rates[kv] / rates["generate_batch"]) and r.better == "higher"
+    assert _serve({"throughput": {"rows": [{"kv": "vpaged", "output_tokens_per_s": 3.0}]}}) == []

@@ -196,22 +196,18 @@ def _hf(d: dict) -> list[Row]:
 
 
 def _serve(d: dict) -> list[Row]:
-    """Serving: output tokens/s of each engine configuration against transformers' generate_batch."""
-    rows = []
-    runs = d.get("runs") or d.get("results") or []
-    if isinstance(runs, dict):
-        runs = [{"name": k, **v} for k, v in runs.items() if isinstance(v, dict)]
-    tps = {}
-    for r in runs:
-        name = r.get("name") or r.get("kv") or r.get("engine")
-        value = r.get("output_tokens_per_s") or r.get("output_tok_s")
-        if name and value:
-            tps[str(name)] = float(value)
-    base = next((k for k in tps if "generate_batch" in k), None)
-    for name, value in tps.items():
-        if base and name != base:
-            rows.append(Row("serving", f"output tokens/s, {name}", value, tps[base], base, "tok/s", "higher"))
-    return rows
+    """Serving (bench_serve.py's throughput section): output tokens/s of each engine KV backend against
+    transformers' generate_batch on the same requests."""
+    rows = _get(d, "throughput", "rows", default=[]) or []
+    tps = {str(r.get("kv")): float(r["output_tokens_per_s"]) for r in rows if r.get("output_tokens_per_s")}
+    base = tps.get("generate_batch")
+    if not base:
+        return []
+    return [
+        Row("serving", f"output tokens/s, engine kv={name}", value, base, "generate_batch", "tok/s", "higher")
+        for name, value in tps.items()
+        if name != "generate_batch"
+    ]
 
 
 @dataclass(frozen=True)
