@@ -226,7 +226,15 @@ SUITE = (
     Bench("sharing", "bench_sharing.py", "sharing_cpu.json", ("--quick",), (), _sharing),
     Bench("decode", "bench_decode.py", "decode_cpu.json", ("--quick", "--dtypes", "fp32"), (), _decode),
     Bench("transformers", "bench_hf.py", "hf_cpu.json", ("--quick",), (), _hf, in_quick=False),
-    Bench("serving", "bench_serve.py", "serve_cpu.json", ("--quick",), (), _serve, in_quick=False),
+    Bench(
+        "serving",
+        "bench_serve.py",
+        "serve_cpu.json",
+        ("--quick", "--output", "serve_cpu.json"),
+        (),
+        _serve,
+        in_quick=False,
+    ),
 )
 
 
