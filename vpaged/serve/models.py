@@ -14,19 +14,17 @@ from ..errors import InvalidArgumentError
 
 # Geometry of the random-weight models. "bench-llama" is the serving benchmark's model; the tiny ones keep
 # tests fast while covering each attention class the engine supports (GQA, QKV bias, q/k norms, fused QKV).
+# The tiny models share one geometry (2 layers, 4 query and 2 KV heads); each adds what its class needs.
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
 RANDOM_CONFIGS: dict[str, tuple[str, dict]] = {
-    "llama-tiny": (
-        "llama",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=512,
-        ),
-    ),
+    "llama-tiny": ("llama", dict(_TINY, head_dim=16)),
     "bench-llama": (
         "llama",
         dict(
@@ -39,55 +37,10 @@ RANDOM_CONFIGS: dict[str, tuple[str, dict]] = {
             vocab_size=32000,
         ),
     ),
-    "qwen2-tiny": (
-        "qwen2",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=512,
-            use_sliding_window=False,
-        ),
-    ),
-    "qwen3-tiny": (
-        "qwen3",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=512,
-            use_sliding_window=False,
-        ),
-    ),
-    "mistral-tiny": (
-        "mistral",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=512,
-            sliding_window=None,
-        ),
-    ),
-    "phi3-tiny": (
-        "phi3",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=512,
-        ),
-    ),
+    "qwen2-tiny": ("qwen2", dict(_TINY, use_sliding_window=False)),
+    "qwen3-tiny": ("qwen3", dict(_TINY, head_dim=16, use_sliding_window=False)),
+    "mistral-tiny": ("mistral", dict(_TINY, head_dim=16, sliding_window=None)),
+    "phi3-tiny": ("phi3", dict(_TINY)),
 }
 _COMMON = dict(max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
