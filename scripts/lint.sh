@@ -23,10 +23,11 @@ CLANG_FORMAT="$VENV/bin/clang-format"
 mapfile -t CXX < <(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'tests/fake_cuda/*.cpp')
 
 if [ "${1:-}" = "--fix" ]; then
-  "$RUFF" check --fix .
+  # Format first, then apply the fixable lint rules; what ruff cannot fix is reported by the check below.
   "$RUFF" format .
   "$CLANG_FORMAT" -i "${CXX[@]}"
-  exit 0
+  "$RUFF" check --fix . || true
+  exec "$0"
 fi
 
 status=0
