@@ -47,15 +47,14 @@ class StepAttention:
         for i, (row, _start, n) in enumerate(self.prefills):
             k, v = self.prefill_kv(layer, i)  # [start + n, KVH, D]
             o = F.scaled_dot_product_attention(
-                qt[row : row + n].transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
+                qt[row : row + n].transpose(0, 1).unsqueeze(0),
+                _heads_first(k, qt.shape[1]),
+                _heads_first(v, qt.shape[1]),
                 attn_mask=self.causal_masks[i],
                 is_causal=self.causal_masks[i] is None and n > 1,
                 scale=scale,
-                enable_gqa=True,
             )
-            out[row : row + n] = o.transpose(0, 1)
+            out[row : row + n] = o[0].transpose(0, 1)
         return out.unsqueeze(0)
 
     # Filled in by each store.
@@ -67,6 +66,19 @@ class StepAttention:
 
     def prefill_kv(self, layer: int, i: int):
         raise NotImplementedError
+
+
+def _heads_first(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """[S, KVH, D] cached K or V as [1, heads, S, D], each KV head repeated for its query-head group.
+
+    SDPA's fused CPU kernel takes only 4D inputs with as many K/V heads as query heads: grouped heads
+    (enable_gqa) or 3D inputs fall back to the unfused math path, 2-5x slower on a prefill chunk here. The
+    copy costs S x heads x D elements, small next to the chunk's attention."""
+    kv = kv.transpose(0, 1)
+    group = heads // kv.shape[0]
+    if group > 1:
+        kv = kv.repeat_interleave(group, dim=0)
+    return kv.unsqueeze(0)
 
 
 def _chunk_mask(start: int, n: int, device):
