@@ -15,9 +15,9 @@ intermediate 2816, vocab 32000), fp32, 2 threads. Sections:
    p50/p99.
 3. shared-prefix: every prompt starts with the same system prompt: prefix-hit tokens, peak KV bytes,
    throughput, with prefix caching on and off.
-4. static-slots: a KV budget that holds exactly 16 requests of the maximum length (512 + 128 tokens)
-   (--static-slots):
-   concurrency (peak running requests) and makespan of kv=vpaged against kv=static.
+4. static-slots: a KV budget that holds exactly 16 static slots of the maximum length (512 + 128 tokens)
+   (--static-slots): concurrency (peak running requests) and makespan of kv=vpaged against kv=static, which
+   reserves one such slot per request as static batching does.
 5. step-breakdown: decode steps at batch 32 (after every prefill is done): the step's time inside the model's
    forward (attention included) and outside it (scheduling, bookkeeping, sampling).
 
@@ -108,6 +108,9 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def engine_row(model, workload, kv: str, budget: int, cfg: dict, **kw) -> dict:
+    # Every row declares the workload's longest sequence as max_model_len (as a deployment sizes it for its
+    # traffic): kv=static reserves exactly that per request, the others only bound their sequences by it.
+    kw.setdefault("max_model_len", max(map(len, workload.prompts)) + workload.max_tokens)
     engine = LLMEngine(
         model,
         None,
@@ -307,14 +310,14 @@ def section_shared_prefix(model, cfg, vocab, kvs, log) -> dict:
 
 
 def section_static_slots(model, cfg, vocab, log) -> dict:
-    per_request = (cfg["max_prompt"] + cfg["max_tokens"]) * kv_bytes_per_token(model)
-    budget = cfg["static_slots"] * per_request
+    slot_tokens = cfg["max_prompt"] + cfg["max_tokens"]  # the longest request the workload may send
+    budget = cfg["static_slots"] * slot_tokens * kv_bytes_per_token(model)
     prompts = random_prompts(cfg["requests"], cfg["min_prompt"], cfg["max_prompt"], vocab, seed=0)
     wl = Workload(prompts, [0.0] * len(prompts), cfg["max_tokens"], "static-slots")
     rows = []
     for kv in ("vpaged", "static"):
         log(f"static-slots: kv={kv}")
-        rows.append(engine_row(model, wl, kv, budget, cfg, swap_bytes=budget // 2))
+        rows.append(engine_row(model, wl, kv, budget, cfg, swap_bytes=budget // 2, max_model_len=slot_tokens))
     same_tokens(rows, rows[0])
     print_table(HEAD, [fmt_row(r) for r in rows])
     by = {r["kv"]: r for r in rows}

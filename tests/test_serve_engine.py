@@ -455,3 +455,28 @@ def test_a_failed_forward_leaves_the_engine_consistent(model, prng, monkeypatch)
     final = run_all(eng)
     assert [final[i].token_ids for i in ids] == expected
     assert eng.stats().live_kv_tokens == 0
+
+
+def test_static_reserves_a_slot_of_max_model_len_per_sequence(model, prng):
+    # llama-tiny, per_layer layout: a 128-token slot takes 4 pages in each of the 4 (layer, K/V) regions; the
+    # requests (at most 38 tokens) would need 2.
+    slot_bytes = 4 * 4 * PAGE
+    slots = prng.randint(2, 4)
+    prompts = [random_prompt(prng, 3, 30) for _ in range(slots + 3)]
+    params = SamplingParams(max_tokens=prng.randint(2, 8), **GREEDY)
+    eng = engine(model, kv="static", kv_budget_bytes=slots * slot_bytes, max_model_len=128, max_num_seqs=8)
+    ids = [eng.add_request(p, params) for p in prompts]
+    peak, final = 0, {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        s = eng.stats()
+        peak = max(peak, s.running)
+        assert s.running * slot_bytes <= s.kv_mapped_bytes <= slots * slot_bytes  # whole slots, freed ones kept
+    assert peak == slots  # as many as the budget has slots, although far shorter prompts would fit more
+    vp = LLM(model, kv_budget_bytes=slots * slot_bytes, page_size=PAGE, max_model_len=128).generate(prompts, params)
+    assert [final[i].token_ids for i in ids] == [o.token_ids for o in vp]
+    assert eng.stats().live_kv_tokens == 0
+    with pytest.raises(InvalidArgumentError, match="max_model_len=128"):
+        engine(model, kv="static", kv_budget_bytes=slot_bytes - PAGE, max_model_len=128)

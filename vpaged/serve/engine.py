@@ -47,7 +47,7 @@ class LLMEngine:
         swap_bytes: host swap space for preempted sequences (kv="vpaged" only; 0: preemption recomputes).
         max_num_seqs: sequences running at once. max_num_batched_tokens: tokens per step (chunked prefill).
         kv: "vpaged" (VirtualKVCache), "paged" (PagedKVCache, block tables) or "static" (each request maps
-            prompt + max_tokens at admission).
+            a fixed slot of max_model_len tokens at admission, as static batching does: set max_model_len).
         enable_prefix_caching: reuse the K/V of full prompt pages computed before (vpaged).
         max_model_len: tokens a sequence may hold (default: the model's max_position_embeddings, and its
             sliding window when it has one: the engine attends over full contexts).
@@ -147,6 +147,12 @@ class LLMEngine:
                 layout=layout,
                 prefix_caching=enable_prefix_caching,
             )
+        if kv == "static" and self.store.pages_for_tokens(limit) > self.store.total_pages():
+            self.store.close()
+            raise InvalidArgumentError(
+                f"kv='static' reserves max_model_len={limit} tokens per sequence, more than the KV budget of "
+                f"{kv_budget_bytes} bytes holds; raise kv_budget_bytes or lower max_model_len"
+            )
         self.scheduler = Scheduler(self.store, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(model, self.store, self.device)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -185,7 +191,10 @@ class LLMEngine:
                 f"prompt of {len(tokens)} tokens leaves no room to generate within max_model_len={self.max_model_len}"
             )
         max_tokens = min(params.max_tokens, self.max_model_len - len(tokens))
-        need = self.store.pages_for_tokens(len(tokens) + max_tokens) * (params.n if self.kv == "static" else 1)
+        if self.kv == "static":
+            need = self.store.pages_for_tokens(self.max_model_len) * params.n
+        else:
+            need = self.store.pages_for_tokens(len(tokens) + max_tokens)
         if need > self.store.total_pages():
             raise PromptTooLongError(
                 f"prompt of {len(tokens)} tokens plus {max_tokens} to generate needs {need} pages of "

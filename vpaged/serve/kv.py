@@ -5,8 +5,8 @@ the runner and the benchmark see only the cache as the difference.
           share pages. Decode rows: the contiguous kernel; prefill chunks: SDPA on zero-copy views.
   paged   PagedKVCache: block tables (the classic design). Decode rows: the block-table kernel; prefill
           chunks: SDPA on K/V gathered from the blocks. No prefix caching, no swap (preemption recomputes).
-  static  VirtualKVCache in which each admitted sequence maps its maximum length (prompt + max_tokens) at
-          admission and never shares: what static batching reserves. Same kernels as vpaged.
+  static  VirtualKVCache in which each admitted sequence maps a fixed slot of max_model_len tokens at
+          admission and never shares: what static batching (a StaticCache) reserves. Same kernels as vpaged.
 
 Each step the runner asks for a StepAttention (plan once, run per layer): the per-step metadata (slots,
 lengths, block tables, views of the tokens to write) is built once, and every layer's attention call reads
@@ -190,18 +190,19 @@ class VirtualStore:
         return need <= self.cache.pool.free_pages() or need <= self.cache.pages_available()
 
     # sequences
-    def admit_pages(self, num_tokens: int, reserve_tokens: int) -> int:
-        """Pages a new sequence's first chunk of num_tokens needs, without prefix hits (an upper bound)."""
-        return self.pages_for_tokens(reserve_tokens if self.static else num_tokens)
+    @property
+    def slot_tokens(self) -> int:
+        """static: tokens each sequence reserves at admission (its slot: the longest sequence allowed)."""
+        return self.cache.max_seq_len
 
-    def allocate(self, tokens: list[int], reserve_tokens: int, seats: int = 1) -> tuple[int, int]:
-        """(handle, tokens already present from the prefix cache). static: maps reserve_tokens for each of
-        `seats` completions now (the others wait, unshared, for fork())."""
+    def allocate(self, tokens: list[int], seats: int = 1) -> tuple[int, int]:
+        """(handle, tokens already present from the prefix cache). static: maps a slot of slot_tokens for each
+        of `seats` completions now (the others wait, unshared, for fork())."""
         if self.static:
             handles = []
             for _ in range(seats):
                 handles.append(self.cache.allocate())
-                self.cache.extend(handles[-1], reserve_tokens)
+                self.cache.extend(handles[-1], self.slot_tokens)
             if seats > 1:
                 self._reserved[handles[0]] = handles[1:]
             return handles[0], 0
@@ -383,10 +384,7 @@ class PagedStore:
     def pages_available(self, need: int) -> bool:
         return need <= self.cache.pages_available()
 
-    def admit_pages(self, num_tokens: int, reserve_tokens: int) -> int:
-        return self.pages_for_tokens(num_tokens)
-
-    def allocate(self, tokens, reserve_tokens, seats: int = 1):
+    def allocate(self, tokens, seats: int = 1):
         return self.cache.allocate(), 0
 
     def slot(self, handle: int) -> int:

@@ -151,10 +151,10 @@ class Scheduler:
             need_seats = 1 if req.forked else req.seats
             if seats + need_seats > self.max_num_seqs or store.free_slots() < need_seats:
                 break
-            reserve = req.prompt_len + req.max_tokens  # the static store maps this much up front
-            if store.static and not store.pages_available(store.pages_for_tokens(reserve) * need_seats):
+            # The static store maps a whole slot per completion up front.
+            if store.static and not store.pages_available(store.pages_for_tokens(store.slot_tokens) * need_seats):
                 break
-            handle, hit = store.allocate(seq.tokens, reserve, need_seats)
+            handle, hit = store.allocate(seq.tokens, need_seats)
             if hit >= len(seq.tokens):
                 # Every token is cached, but the last one's logits are still needed: compute it again.
                 hit = len(seq.tokens) - 1
