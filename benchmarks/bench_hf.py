@@ -31,7 +31,10 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
+# As in bench_serve.py: MKL's spinning worker threads would slow the element-wise ops between products.
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import transformers  # noqa: E402

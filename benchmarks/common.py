@@ -32,6 +32,8 @@ def machine() -> dict:
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "mkl_num_threads": os.environ.get("MKL_NUM_THREADS"),
+        "load_average_1min": os.getloadavg()[0],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if torch.cuda.is_available():
