@@ -72,7 +72,7 @@ std::vector<PageId> PagePool::acquire_preferring(const std::vector<PageId>& want
     if (w >= first_home && static_cast<size_t>(w) >= refcount_.size()) absorb_ids_locked();
     if (w >= first_home && static_cast<size_t>(w) < refcount_.size() && refcount_[w] == 0) {
       out[i] = w;
-      refcount_[w] = 1;  // taken (so a slot listed twice cannot take it twice)
+      refcount_[w] = 1;  // taken (so a page index listed twice cannot take it twice)
     } else {
       general.push_back(i);
     }
