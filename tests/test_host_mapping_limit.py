@@ -109,7 +109,7 @@ CHILD = textwrap.dedent("""
                 run = [j for j in range(i, min(i + rng.choice([1, 1, 2, 3]), N)) if table[j] >= 0]
                 r.unmap(run)
                 unmapped_at_limit += len(run)
-            elif op == "share" and free:
+            elif op == "share" and free and mapped:
                 i = rng.choice(free)
                 run = [j for j in range(i, min(i + rng.choice([1, 2, 4]), N)) if table[j] < 0]
                 src = rng.choice(mapped)
