@@ -60,6 +60,7 @@ std::vector<PageId> VirtualRange::home_pages(const std::vector<int64_t>& indices
 
 std::vector<std::pair<int64_t, int64_t>> VirtualRange::runs(const std::vector<int64_t>& indices) {
   std::vector<std::pair<int64_t, int64_t>> out;
+  out.reserve(indices.size());
   for (int64_t s : indices) {
     if (!out.empty() && out.back().first + out.back().second == s) {
       ++out.back().second;
@@ -207,15 +208,22 @@ size_t VirtualRange::pinned_count(const std::vector<int64_t>& indices) const {
 
 void VirtualRange::unmap_locked(const std::vector<int64_t>& indices) {
   // One backend call per run of consecutive indices (sorted by the callers); references are dropped only for
-  // runs really unmapped, so a failure leaves table and pool consistent.
+  // runs really unmapped, so a failure leaves table and pool consistent. All of them in one pool call: one
+  // lock, and the host returns the memory of consecutive pages with one punch.
   std::vector<PageId> pages;
-  for (auto [first, count] : runs(indices)) {
-    pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
-    pages.assign(table_.begin() + first, table_.begin() + first + count);
-    std::fill(table_.begin() + first, table_.begin() + first + count, PageId{-1});
-    mapped_ -= static_cast<size_t>(count);
-    pool_->decref_all(pages);  // one call: the host returns the memory of a run of pages at once
+  pages.reserve(indices.size());
+  try {
+    for (auto [first, count] : runs(indices)) {
+      pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
+      pages.insert(pages.end(), table_.begin() + first, table_.begin() + first + count);
+      std::fill(table_.begin() + first, table_.begin() + first + count, PageId{-1});
+      mapped_ -= static_cast<size_t>(count);
+    }
+  } catch (...) {
+    pool_->decref_all(pages);
+    throw;
   }
+  pool_->decref_all(pages);
 }
 
 PageId VirtualRange::copy_on_write(int64_t index, uintptr_t stream) {
