@@ -65,7 +65,7 @@ class Backend {
   // list. The host backend adds a block of "home" ids per reserved range (home_page); CUDA has none.
   virtual size_t page_ids() const { return created_pages(); }
   // The page that shows at `va` of a reserved range without a mapping call of its own, -1 if none. The
-  // pool hands a slot its home page when it is free, so pages that stay where they were first mapped
+  // pool hands a page index its home page when it is free, so pages that stay where they were first mapped
   // cost no mapping (host: a range is one mapping of its own stretch of the pool's file). The home pages
   // of one reservation are consecutive ids: home_page(va + k * page_size) == home_page(va) + k.
   virtual PageId home_page(uintptr_t va) const {
@@ -81,7 +81,7 @@ class Backend {
   // Map pages[0..n) at va, va + page_size, ... Either all are mapped or none (on failure the backend
   // undoes what it did and throws).
   virtual void map(uintptr_t va, const PageId* pages, size_t n) = 0;
-  // Unmap n consecutive page slots starting at va; the address range stays reserved.
+  // Unmap n consecutive pages of a range starting at va; the address range stays reserved.
   virtual void unmap(uintptr_t va, size_t n) = 0;
 
   // Data movement between pages and host memory. `stream` is a CUDA stream handle (0: the default

@@ -41,7 +41,7 @@ double raw_map_unmap_seconds_per_page(size_t page_size, size_t pages, const std:
   if (base == MAP_FAILED) throw std::runtime_error("mmap reserve");
   auto t0 = std::chrono::steady_clock::now();
   for (size_t i = 0; i < pages; ++i) {
-    char* addr = base + 2 * i * page_size;  // every other slot: scattered pages
+    char* addr = base + 2 * i * page_size;  // every other page: scattered pages
     if (design == "per_page") {
       mmap(addr, page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, static_cast<off_t>(i * page_size));
       if (touch) touch_page(addr, page_size);

@@ -139,13 +139,14 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("dst"), py::arg("host_ptr"), py::arg("stream") = 0);
 
+  // The Python names keep "slots" for a range's page indices (as Layout.page_slots() returns them).
   py::class_<VirtualRange, std::shared_ptr<VirtualRange>>(m, "VirtualRange")
       .def(py::init<std::shared_ptr<PagePool>, size_t>(), py::arg("pool"), py::arg("bytes"))
       .def_property_readonly("address", &VirtualRange::address)
       .def_property_readonly("bytes", &VirtualRange::bytes)
-      .def_property_readonly("num_slots", &VirtualRange::num_slots)
+      .def_property_readonly("num_slots", &VirtualRange::num_pages)
       .def_property_readonly("page_size", &VirtualRange::page_size)
-      .def_property_readonly("mapped_slots", &VirtualRange::mapped_slots)
+      .def_property_readonly("mapped_slots", &VirtualRange::mapped_pages)
       .def("map_new", &VirtualRange::map_new, py::arg("slots"))
       .def("map_shared", &VirtualRange::map_shared, py::arg("slots"), py::arg("pages"))
       .def("unmap", &VirtualRange::unmap, py::arg("slots"))

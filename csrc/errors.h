@@ -26,7 +26,7 @@ struct BackendFailure : std::runtime_error {
 struct BackendUnavailable : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
-// A slot cannot be unmapped or remapped while a tensor view reads it.
+// A page of a range cannot be unmapped or remapped while a tensor view reads it.
 struct ViewsAlive : std::runtime_error {
   using std::runtime_error::runtime_error;
 };

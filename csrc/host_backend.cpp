@@ -4,25 +4,34 @@
 // page with its own mmap made that limit, not memory, decide how much KV a process could hold (7 GiB of
 // Llama-2-7B KV with 64 KiB pages, and a single sequence of the head_major layout). So:
 //
-// * Each reserved range is ONE shared mapping of its own stretch of the memfd: slot s of a range shows
-//   file page `base + s`, the slot's "home" page (Backend::home_page). The pool hands a slot its home page
-//   whenever that page is free, and mapping a home page at its home slot is bookkeeping only: no system
-//   call. Its memory comes into being when first written.
+// * Each reserved range is ONE shared mapping of its own stretch of the memfd: page index i of a range
+//   shows file page `base + i`, the index's "home" page (Backend::home_page). The pool hands an index its
+//   home page whenever that page is free, and mapping a home page at its home index is bookkeeping only: no
+//   system call. Its memory comes into being when first written.
 // * A page that goes free has its hole punched (discard_pages, called by the pool): the memory goes back
 //   to the system, the mapping stays, and the page reads as zeros when next handed out.
-// * Only a slot that shows some other page gets a mapping of its own (MAP_SHARED | MAP_FIXED of that
-//   page's file offset): a page shared from another slot (fork, prefix hit, reorder), or a fresh page
-//   because the slot's home is still held by a sharer. Unmapping such a slot puts the home mapping back
-//   with the same flags, which the kernel merges with its neighbours again. Consecutive slots showing
+// * Only an index that shows some other page gets a mapping of its own (MAP_SHARED | MAP_FIXED of that
+//   page's file offset): a page shared from another index (fork, prefix hit, reorder), or a fresh page
+//   because the index's home is still held by a sharer. Unmapping such an index puts the home mapping back
+//   with the same flags, which the kernel merges with its neighbours again. Consecutive indices showing
 //   consecutive pages are one mapping.
 //
-// So a process holds about 1 + 2 * (runs of slots showing a page other than their home) mappings per
-// range: the count grows with shared runs, never with pages. Measured against an anonymous mapping +
-// MADV_DONTNEED design in benchmarks/NOTES.md (that one must copy a page into the memfd the first time it
-// is shared; this one never copies to share).
+// So a process holds about 1 + 2 * (runs of indices showing a page other than their home) mappings per
+// range: the count grows with shared runs, never with pages.
 //
-// A logically unmapped slot is still readable memory here (its home page, usually a hole reading zeros):
-// the range's page table, not a fault, keeps views away from it, as before.
+// At the limit. The kernel lets a process reach vm.max_map_count + 1 mappings; there every mmap is
+// refused, even one that would lower the count, and munmap of part of a mapping keeps the count where it
+// is. So putting a home mapping back can fail. The backend tracks the page every index really shows
+// (Region::shown), and an unmap that cannot put the home page back leaves the index showing the old page:
+// logically unmapped all the same (the range's page table keeps views away), readable memory, no hole.
+// Whole mappings are munmapped first where that is what stands in the way (allowed at the limit; it lowers
+// the count) and the home page is mapped into the hole they leave. Mapping a page later at an index that
+// still shows it needs no call; mapping anything else there raises MappingLimit as any mapping does. Measured against
+// an anonymous mapping + MADV_DONTNEED design in benchmarks/NOTES.md (that one must copy a page into the memfd the
+// first time it is shared; this one never copies to share).
+//
+// A logically unmapped index is still readable memory here (its home page, usually a punched hole reading
+// zeros): the range's page table, not a fault, keeps views away from it, as before.
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/falloc.h>
@@ -33,11 +42,14 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <new>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend.h"
@@ -181,24 +193,24 @@ class HostBackend final : public Backend {
     if (bytes == 0 || bytes % page_size_ != 0) {
       throw InvalidArgument("reserve: size must be a positive multiple of the page size");
     }
-    const size_t slots = bytes / page_size_;
+    const size_t count = bytes / page_size_;
     std::lock_guard<std::mutex> lock(mu_);
-    const PageId base = take_block(slots);
+    const PageId base = take_block(count);
     void* p = MAP_FAILED;
     int err = 0;
     try {
-      grow_file(static_cast<size_t>(base) + slots);
+      grow_file(static_cast<size_t>(base) + count);
       p = mmap(nullptr, bytes, kRW, kShared, fd_, offset(base));
       err = errno;
     } catch (const MappingLimit&) {
-      give_back_block(base, slots);
+      give_back_block(base, count);
       throw AddressSpace(address_space_report(bytes));
     } catch (...) {
-      give_back_block(base, slots);
+      give_back_block(base, count);
       throw;
     }
     if (p == MAP_FAILED) {
-      give_back_block(base, slots);
+      give_back_block(base, count);
       // ENOMEM is either limit: the mapping count decides which one this is.
       if (err == ENOMEM && mapping_count() + 2 >= static_cast<size_t>(read_max_map_count())) {
         throw_mmap_error("mmap(reserve)", err);
@@ -207,20 +219,37 @@ class HostBackend final : public Backend {
       throw BackendFailure(errno_text("mmap(reserve)", err));
     }
     const uintptr_t va = reinterpret_cast<uintptr_t>(p);
-    regions_.emplace(va, Region{va, slots, base, std::vector<uint8_t>(slots, 0)});
+    try {
+      regions_.emplace(std::piecewise_construct, std::forward_as_tuple(va), std::forward_as_tuple(va, count, base));
+    } catch (...) {
+      munmap(p, bytes);
+      give_back_block(base, count);
+      throw;
+    }
     return va;
   }
 
   void release(uintptr_t va, size_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (munmap(reinterpret_cast<void*>(va), bytes) != 0) {
+    auto it = regions_.find(va);
+    if (it != regions_.end() && it->second.holes > 0) {
+      // Holes (see put_home_back) may hold someone else's mapping by now: unmap around them.
+      const Region& r = it->second;
+      for (size_t i = 0; i < r.count;) {
+        size_t j = i;
+        while (j < r.count && r.is_hole(j) == r.is_hole(i)) ++j;
+        if (!r.is_hole(i) && munmap(reinterpret_cast<void*>(r.va + i * page_size_), (j - i) * page_size_) != 0) {
+          throw BackendFailure(errno_text("munmap(release)", errno));
+        }
+        i = j;
+      }
+    } else if (munmap(reinterpret_cast<void*>(va), bytes) != 0) {
       throw BackendFailure(errno_text("munmap(release)", errno));
     }
-    auto it = regions_.find(va);
     if (it != regions_.end()) {
       // The ids come back for the next range. Any still referenced (a page shared into another range)
       // simply is not free when the new range asks for it as a home page.
-      free_blocks_.emplace_back(it->second.base, it->second.slots);
+      free_blocks_.emplace_back(it->second.base, it->second.count);
       regions_.erase(it);
     }
   }
@@ -233,36 +262,41 @@ class HostBackend final : public Backend {
     size_t done = 0;
     try {
       while (done < n) {
-        // A run of consecutive page ids is one file stretch: one mapping (or none, at home).
+        const size_t at = first + done;
+        // Usually nothing to do: an unmapped index shows its home page, and that is the page it gets.
+        if (r.shown(at) == pages[done]) {
+          ++done;
+          continue;
+        }
+        // A run of consecutive page ids is one file stretch: one mapping.
         size_t run = 1;
-        while (done + run < n && pages[done + run] == pages[done] + static_cast<PageId>(run)) ++run;
-        const size_t slot = first + done;
-        if (pages[done] == r.base + static_cast<PageId>(slot)) {
-          show_home(r, slot, run);  // usually nothing to do: an unmapped slot already shows its home
+        while (done + run < n && pages[done + run] == pages[done] + static_cast<PageId>(run) &&
+               r.shown(at + run) != pages[done + run] && r.is_hole(at + run) == r.is_hole(at)) {
+          ++run;
+        }
+        if (pages[done] == r.home(at)) {
+          if (!put_home_back(r, at, run)) {
+            throw_mmap_error("mmap(map home page)", ENOMEM);
+          }
         } else {
-          void* want = reinterpret_cast<void*>(r.va + slot * page_size_);
-          void* got = mmap(want, run * page_size_, kRW, kShared | MAP_FIXED, fd_, offset(pages[done]));
-          ++map_calls_;
-          if (got == MAP_FAILED) throw_mmap_error("mmap(map shared page)", errno);
-          std::fill_n(r.foreign.begin() + static_cast<ptrdiff_t>(slot), run, 1);
+          show_pages(r, at, pages[done], run);
         }
         done += run;
       }
     } catch (...) {
-      try {
-        show_home(r, first, done);
-      } catch (...) {
-      }
+      // The indices mapped so far go back to being unmapped (showing whatever they can: see unmap).
+      put_home_back(r, first, done);
       throw;
     }
   }
 
-  // The slots show their home pages again (no call for slots that already do); the pool punches the
-  // pages' holes when their last reference goes.
+  // The indices show their home pages again (no call for indices that already do); the pool punches the
+  // pages' holes when their last reference goes. Never fails for lack of mappings: an index whose home
+  // cannot be put back keeps showing its old page (see "At the limit" above).
   void unmap(uintptr_t va, size_t n) override {
     std::lock_guard<std::mutex> lock(mu_);
     Region& r = region_of(va, n);
-    show_home(r, (va - r.va) / page_size_, n);
+    if (r.away > 0) put_home_back(r, (va - r.va) / page_size_, n);
   }
 
   void copy_page(PageId dst, PageId src, uintptr_t) override {
@@ -294,11 +328,36 @@ class HostBackend final : public Backend {
   void synchronize(uintptr_t) override {}
 
  private:
+  // What the page indices of one reserved range show. Stored as the difference from the home page, so
+  // that a fresh range is all zeros: calloc'd, memory is only used for the parts that ever leave home.
   struct Region {
+    static constexpr PageId kHole = INT64_MIN;  // nothing mapped there (see put_home_back)
+
+    Region(uintptr_t va_, size_t count_, PageId base_)
+        : va(va_), count(count_), base(base_), delta(static_cast<PageId*>(std::calloc(count_, sizeof(PageId)))) {
+      if (delta == nullptr) throw std::bad_alloc();
+    }
+    ~Region() { std::free(delta); }
+    Region(const Region&) = delete;
+    Region& operator=(const Region&) = delete;
+
+    PageId home(size_t i) const { return base + static_cast<PageId>(i); }
+    bool is_hole(size_t i) const { return delta[i] == kHole; }
+    // The page index i shows; -1 for a hole.
+    PageId shown(size_t i) const { return delta[i] == kHole ? -1 : home(i) + delta[i]; }
+    void set_shown(size_t i, PageId page) {
+      const PageId d = page < 0 ? kHole : page - home(i);
+      away += (d != 0) - (delta[i] != 0);
+      holes += (d == kHole) - (delta[i] == kHole);
+      delta[i] = d;
+    }
+
     uintptr_t va;
-    size_t slots;
-    PageId base;                   // home page of slot 0
-    std::vector<uint8_t> foreign;  // 1 where the slot shows a page other than its home (its own mapping)
+    size_t count;  // page indices
+    PageId base;   // home page of index 0
+    PageId* delta;
+    size_t away = 0;   // indices not showing their home page (unmap has nothing to do while this is 0)
+    size_t holes = 0;  // indices with nothing mapped
   };
 
   off_t offset(PageId page) const { return static_cast<off_t>(page) * static_cast<off_t>(page_size_); }
@@ -316,48 +375,116 @@ class HostBackend final : public Backend {
     if (it == regions_.begin()) return nullptr;
     --it;
     const Region& r = it->second;
-    return va < r.va + r.slots * page_size_ ? &r : nullptr;
+    return va < r.va + r.count * page_size_ ? &r : nullptr;
   }
 
   Region& region_of(uintptr_t va, size_t n) {
     const Region* r = find_region(va);
-    if (r == nullptr || (va - r->va) % page_size_ != 0 || (va - r->va) / page_size_ + n > r->slots) {
+    if (r == nullptr || (va - r->va) % page_size_ != 0 || (va - r->va) / page_size_ + n > r->count) {
       throw InvalidArgument("map/unmap outside a reserved range of this backend");
     }
     return const_cast<Region&>(*r);
   }
 
-  // Put the home mapping back over the foreign slots among [slot, slot + n).
-  void show_home(Region& r, size_t slot, size_t n) {
-    size_t i = slot;
-    const size_t end = slot + n;
-    while (i < end) {
-      if (!r.foreign[i]) {
+  // The page shown just before index i (at index 0: by the range right below, if it is one of ours and
+  // adjoins), -1 if none: a mapping of consecutive file pages may continue across the boundary.
+  PageId shown_before(const Region& r, size_t i) const {
+    if (i > 0) return r.shown(i - 1);
+    const Region* below = r.va >= page_size_ ? find_region(r.va - page_size_) : nullptr;
+    return below ? below->shown(below->count - 1) : -1;
+  }
+  PageId shown_after(const Region& r, size_t i) const {
+    if (i + 1 < r.count) return r.shown(i + 1);
+    const Region* above = find_region(r.va + r.count * page_size_);
+    return above && above->va == r.va + r.count * page_size_ ? above->shown(0) : -1;
+  }
+
+  // Map `count` consecutive pages from `page` at indices [at, at + count) (MAP_FIXED over what they show;
+  // into a hole only with MAP_FIXED_NOREPLACE, never over a mapping that is not ours).
+  void show_pages(Region& r, size_t at, PageId page, size_t count) {
+    void* want = reinterpret_cast<void*>(r.va + at * page_size_);
+    const int fixed = r.is_hole(at) ? MAP_FIXED_NOREPLACE : MAP_FIXED;
+    void* got = mmap(want, count * page_size_, kRW, kShared | fixed, fd_, offset(page));
+    ++map_calls_;
+    if (got != want) {
+      if (got != MAP_FAILED) munmap(got, count * page_size_);  // a kernel without NOREPLACE took it as a hint
+      throw_mmap_error("mmap(map shared page)", got == MAP_FAILED ? errno : EEXIST);
+    }
+    for (size_t k = 0; k < count; ++k) r.set_shown(at + k, page + static_cast<PageId>(k));
+  }
+
+  // Put the home pages back at the indices among [at, at + n) that show something else. True when all of
+  // them show their home afterwards; false when the mapping limit (or another refusal) left some showing
+  // their old page, which stays consistent: Region::shown says what they show.
+  bool put_home_back(Region& r, size_t at, size_t n) noexcept {
+    const size_t end = at + n;
+    bool all = true;
+    for (size_t i = at; i < end;) {
+      if (r.shown(i) == r.home(i)) {
         ++i;
         continue;
       }
-      size_t j = i;
-      while (j < end && r.foreign[j]) ++j;
-      remap_home(r, i, j - i);
-      std::fill(r.foreign.begin() + static_cast<ptrdiff_t>(i), r.foreign.begin() + static_cast<ptrdiff_t>(j), 0);
+      size_t j = i + 1;
+      while (j < end && r.shown(j) != r.home(j)) ++j;
+      all &= home_run(r, i, j);
       i = j;
     }
+    return all;
   }
 
-  void remap_home(const Region& r, size_t slot, size_t n) {
-    void* addr = reinterpret_cast<void*>(r.va + slot * page_size_);
-    const size_t len = n * page_size_;
-    const off_t off = offset(r.base + static_cast<PageId>(slot));
+  bool try_map_home(Region& r, size_t i, size_t j, int fixed) noexcept {
+    void* addr = reinterpret_cast<void*>(r.va + i * page_size_);
     ++unmap_calls_;
-    if (mmap(addr, len, kRW, kShared | MAP_FIXED, fd_, off) != MAP_FAILED) return;
-    int err = errno;
-    // At vm.max_map_count every mmap is refused, even one that lowers the count (the merge happens after
-    // the check). munmap of whole mappings is not refused; the hole then takes the home mapping again.
-    if (err != ENOMEM || munmap(addr, len) != 0) throw_mmap_error("mmap(unmap page)", err);
-    if (mmap(addr, len, kRW, kShared | MAP_FIXED_NOREPLACE, fd_, off) != addr) {
-      // The hole stays unmapped (reads fault): only these slots' reservation is lost.
-      throw BackendFailure(errno_text("mmap(home after unmap)", errno));
+    void* got = mmap(addr, (j - i) * page_size_, kRW, kShared | fixed, fd_, offset(r.home(i)));
+    if (got != addr) {
+      if (got != MAP_FAILED) munmap(got, (j - i) * page_size_);
+      return false;
     }
+    for (size_t k = i; k < j; ++k) r.set_shown(k, r.home(k));
+    return true;
+  }
+
+  // Indices [i, j), none of them at home: one mmap of the home stretch over them, as a rule.
+  bool home_run(Region& r, size_t i, size_t j) noexcept {
+    bool has_hole = false;
+    for (size_t k = i; k < j && !has_hole; ++k) has_hole = r.is_hole(k);
+    if (!has_hole && try_map_home(r, i, j, MAP_FIXED)) return true;
+    // Refused: at the limit (vm.max_map_count + 1 mappings) every mmap is, even one lowering the count.
+    // munmap of whole mappings is allowed and lowers it, after which the home stretch can be mapped into
+    // the hole (MAP_FIXED_NOREPLACE: if another thread's mmap took the hole meanwhile, it is left alone
+    // and the indices are marked as holes). Only stretches that are certainly whole mappings qualify:
+    // consecutive pages that do not continue past the stretch. Part of a mapping would be split by
+    // munmap, keeping the count at the limit, and the home page could not go back (a hole in the range).
+    for (size_t a = i; a < j;) {
+      size_t b = a + 1;
+      if (r.is_hole(a)) {
+        while (b < j && r.is_hole(b)) ++b;
+        try_map_home(r, a, b, MAP_FIXED_NOREPLACE);
+        a = b;
+        continue;
+      }
+      while (b < j && !r.is_hole(b) && r.shown(b) == r.shown(b - 1) + 1) ++b;
+      const bool whole = shown_before(r, a) + 1 != r.shown(a) && r.shown(b - 1) + 1 != shown_after(r, b - 1);
+      if (whole && munmap(reinterpret_cast<void*>(r.va + a * page_size_), (b - a) * page_size_) == 0) {
+        if (!try_map_home(r, a, b, MAP_FIXED_NOREPLACE)) {
+          for (size_t k = a; k < b; ++k) r.set_shown(k, -1);
+        }
+      }
+      a = b;
+    }
+    // What is left is part of larger mappings: with the count lowered, one more try.
+    bool all = true;
+    for (size_t a = i; a < j;) {
+      if (r.shown(a) == r.home(a)) {
+        ++a;
+        continue;
+      }
+      size_t b = a + 1;
+      while (b < j && r.shown(b) != r.home(b) && r.is_hole(b) == r.is_hole(a)) ++b;
+      all &= try_map_home(r, a, b, r.is_hole(a) ? MAP_FIXED_NOREPLACE : MAP_FIXED);
+      a = b;
+    }
+    return all;
   }
 
   void punch(PageId first, size_t count) {
@@ -369,6 +496,10 @@ class HostBackend final : public Backend {
 
   template <typename F>
   static void for_each_id_run(const PageId* pages, size_t n, F&& f) {
+    if (n == 1) {  // the common case of a page freed on its own: no copy, no sort
+      f(pages[0], size_t{1});
+      return;
+    }
     std::vector<PageId> ids(pages, pages + n);
     std::sort(ids.begin(), ids.end());
     size_t i = 0;
@@ -380,32 +511,32 @@ class HostBackend final : public Backend {
     }
   }
 
-  // A block of `slots` consecutive ids for a new range: a released block that fits, else fresh ids.
-  PageId take_block(size_t slots) {
+  // A block of `count` consecutive ids for a new range: a released block that fits, else fresh ids.
+  PageId take_block(size_t count) {
     for (auto it = free_blocks_.begin(); it != free_blocks_.end(); ++it) {
-      if (it->second < slots) continue;
+      if (it->second < count) continue;
       const PageId base = it->first;
-      if (it->second == slots) {
+      if (it->second == count) {
         free_blocks_.erase(it);
       } else {
-        it->first += static_cast<PageId>(slots);
-        it->second -= slots;
+        it->first += static_cast<PageId>(count);
+        it->second -= count;
       }
       return base;
     }
     const PageId base = next_id_;
-    next_id_ += static_cast<PageId>(slots);
+    next_id_ += static_cast<PageId>(count);
     return base;
   }
 
   // The ids of a reservation that failed: at the end they go back to the end (a failed huge reservation must
   // not leave the pool sizing its tables to it). Released ranges' ids go to free_blocks_ instead: one of
   // their pages may still be mapped elsewhere, and its id must stay valid.
-  void give_back_block(PageId base, size_t slots) {
-    if (base + static_cast<PageId>(slots) == next_id_) {
+  void give_back_block(PageId base, size_t count) {
+    if (base + static_cast<PageId>(count) == next_id_) {
       next_id_ = base;
     } else {
-      free_blocks_.emplace_back(base, slots);
+      free_blocks_.emplace_back(base, count);
     }
   }
 

@@ -67,12 +67,13 @@ std::vector<PageId> PagePool::acquire_preferring(const std::vector<PageId>& want
   const PageId first_home = static_cast<PageId>(general_ids_);
   std::vector<PageId> out(n, -1);
   std::vector<size_t> general;  // positions that take a general page
+  general.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const PageId w = wanted[i];
     if (w >= first_home && static_cast<size_t>(w) >= refcount_.size()) absorb_ids_locked();
     if (w >= first_home && static_cast<size_t>(w) < refcount_.size() && refcount_[w] == 0) {
       out[i] = w;
-      refcount_[w] = 1;  // taken (so a slot listed twice cannot take it twice)
+      refcount_[w] = 1;  // taken (so a page index listed twice cannot take it twice)
     } else {
       general.push_back(i);
     }
@@ -165,6 +166,7 @@ void PagePool::decref(PageId page) { decref_all({page}); }
 void PagePool::decref_all(const std::vector<PageId>& pages) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<PageId> freed;
+  freed.reserve(pages.size());
   for (PageId p : pages) {
     check(p);
     if (refcount_[p] <= 0) throw InvalidArgument("decref of free page " + std::to_string(p));

@@ -179,14 +179,14 @@ AllocatorStats PoolAllocator::stats() const {
 
 namespace {
 
-struct DeviceSlot {
+struct DeviceEntry {
   std::shared_ptr<PoolAllocator> current;               // takes new allocations
   std::vector<std::shared_ptr<PoolAllocator>> retired;  // unbound, still holding live allocations
 };
 
 struct Registry {
   std::mutex mu;
-  std::map<int, DeviceSlot> devices;
+  std::map<int, DeviceEntry> devices;
 };
 
 // Never destroyed: torch may free segments while the process exits, after static destructors ran.
@@ -195,8 +195,8 @@ Registry& registry() {
   return *r;
 }
 
-void prune_locked(DeviceSlot& slot) {
-  auto& r = slot.retired;
+void prune_locked(DeviceEntry& entry) {
+  auto& r = entry.retired;
   r.erase(std::remove_if(r.begin(), r.end(), [](const auto& a) { return a->live_segments() == 0; }), r.end());
 }
 
@@ -218,14 +218,14 @@ void bind_device_allocator(int device, std::shared_ptr<PoolAllocator> allocator)
   if (!allocator) throw InvalidArgument("bind: no allocator");
   Registry& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mu);
-  DeviceSlot& slot = reg.devices[device];
-  if (slot.current == allocator) return;
-  if (slot.current) {
+  DeviceEntry& entry = reg.devices[device];
+  if (entry.current == allocator) return;
+  if (entry.current) {
     throw InvalidArgument("device " + std::to_string(device) +
                           " already has a vpaged torch allocator bound; close that one first");
   }
-  slot.retired.erase(std::remove(slot.retired.begin(), slot.retired.end(), allocator), slot.retired.end());
-  slot.current = std::move(allocator);
+  entry.retired.erase(std::remove(entry.retired.begin(), entry.retired.end(), allocator), entry.retired.end());
+  entry.current = std::move(allocator);
 }
 
 void unbind_device_allocator(int device, const PoolAllocator* allocator) {

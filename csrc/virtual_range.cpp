@@ -12,16 +12,17 @@ namespace vpaged {
 VirtualRange::VirtualRange(std::shared_ptr<PagePool> pool, size_t bytes)
     : pool_(std::move(pool)), page_size_(pool_->page_size()) {
   if (bytes == 0) throw InvalidArgument("a virtual range needs a positive size");
-  slots_ = (bytes + page_size_ - 1) / page_size_;
-  va_ = pool_->backend().reserve(slots_ * page_size_);
-  table_.assign(slots_, -1);
-  pins_.assign(slots_, 0);
+  num_pages_ = (bytes + page_size_ - 1) / page_size_;
+  va_ = pool_->backend().reserve(num_pages_ * page_size_);
+  home_base_ = pool_->backend().home_page(va_);  // fixed for the reservation's life
+  table_.assign(num_pages_, -1);
+  pins_.assign(num_pages_, 0);
 }
 
 VirtualRange::~VirtualRange() {
-  // Destroyed only when no view pins it (views hold a shared_ptr): every slot can go.
+  // Destroyed only when no view pins it (views hold a shared_ptr): every index can go.
   std::vector<int64_t> mapped;
-  for (size_t s = 0; s < slots_; ++s)
+  for (size_t s = 0; s < num_pages_; ++s)
     if (table_[s] >= 0) mapped.push_back(static_cast<int64_t>(s));
   try {
     if (!mapped.empty()) wait_for_streams_locked();
@@ -32,36 +33,35 @@ VirtualRange::~VirtualRange() {
       if (table_[s] >= 0) pool_->decref(table_[s]);
   }
   try {
-    pool_->backend().release(va_, slots_ * page_size_);
+    pool_->backend().release(va_, num_pages_ * page_size_);
   } catch (...) {
   }
 }
 
-size_t VirtualRange::mapped_slots() const {
+size_t VirtualRange::mapped_pages() const {
   std::lock_guard<std::mutex> lock(mu_);
   return mapped_;
 }
 
-void VirtualRange::check_slot(int64_t slot) const {
-  if (slot < 0 || static_cast<size_t>(slot) >= slots_) {
-    throw InvalidArgument("page slot " + std::to_string(slot) + " outside the range (" + std::to_string(slots_) +
-                          " slots)");
+void VirtualRange::check_index(int64_t index) const {
+  if (index < 0 || static_cast<size_t>(index) >= num_pages_) {
+    throw InvalidArgument("page index " + std::to_string(index) + " outside the range (" + std::to_string(num_pages_) +
+                          " indices)");
   }
 }
 
-std::vector<PageId> VirtualRange::home_pages(const std::vector<int64_t>& slots) const {
-  // A reservation's home pages are consecutive ids (Backend::home_page): one lookup serves every slot.
-  const PageId base = pool_->backend().home_page(va_);
+std::vector<PageId> VirtualRange::home_pages(const std::vector<int64_t>& indices) const {
+  // A reservation's home pages are consecutive ids (Backend::home_page): one lookup at construction.
   std::vector<PageId> out;
-  out.reserve(slots.size());
-  for (int64_t s : slots) out.push_back(base < 0 ? -1 : base + s);
+  out.reserve(indices.size());
+  for (int64_t s : indices) out.push_back(home_base_ < 0 ? -1 : home_base_ + s);
   return out;
 }
 
-std::vector<std::pair<int64_t, int64_t>> VirtualRange::runs(std::vector<int64_t> slots) {
-  std::sort(slots.begin(), slots.end());
+std::vector<std::pair<int64_t, int64_t>> VirtualRange::runs(const std::vector<int64_t>& indices) {
   std::vector<std::pair<int64_t, int64_t>> out;
-  for (int64_t s : slots) {
+  out.reserve(indices.size());
+  for (int64_t s : indices) {
     if (!out.empty() && out.back().first + out.back().second == s) {
       ++out.back().second;
     } else {
@@ -71,20 +71,20 @@ std::vector<std::pair<int64_t, int64_t>> VirtualRange::runs(std::vector<int64_t>
   return out;
 }
 
-void VirtualRange::map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& slot_runs,
+void VirtualRange::map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& index_runs,
                                     const std::vector<PageId>& pages) {
   size_t done = 0;
   try {
-    for (auto [first, count] : slot_runs) {
+    for (auto [first, count] : index_runs) {
       pool_->backend().map(va_ + static_cast<size_t>(first) * page_size_, pages.data() + done,
                            static_cast<size_t>(count));
       done += static_cast<size_t>(count);
     }
   } catch (...) {
-    // Undo the runs already mapped and drop the references the caller took. A page whose slot could not
+    // Undo the runs already mapped and drop the references the caller took. A page whose index could not
     // be unmapped keeps its reference (it leaks rather than being handed out again while still mapped).
     size_t pos = 0;
-    for (auto [first, count] : slot_runs) {
+    for (auto [first, count] : index_runs) {
       const size_t n = static_cast<size_t>(count);
       bool still_mapped = false;
       if (pos < done) {
@@ -102,76 +102,76 @@ void VirtualRange::map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t
   }
 }
 
-std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& slots) {
+std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& indices) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (int64_t s : slots) {
-    check_slot(s);
-    if (table_[s] >= 0) throw InvalidArgument("page slot " + std::to_string(s) + " is already mapped");
+  for (int64_t s : indices) {
+    check_index(s);
+    if (table_[s] >= 0) throw InvalidArgument("page index " + std::to_string(s) + " is already mapped");
   }
-  std::vector<int64_t> sorted(slots);
+  std::vector<int64_t> sorted(indices);
   std::sort(sorted.begin(), sorted.end());
   if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-    throw InvalidArgument("map_new: a slot is listed twice");
-  // Each slot's home page where free: such pages need no mapping call on the host (host_backend.cpp).
+    throw InvalidArgument("map_new: an index is listed twice");
+  // Each index's home page where free: such pages need no mapping call on the host (host_backend.cpp).
   std::vector<PageId> pages = pool_->acquire_preferring(home_pages(sorted));  // OutOfPages: nothing changed
-  // pages[i] goes to sorted[i]: a run of slots that gets a run of consecutive page ids (the usual case
+  // pages[i] goes to sorted[i]: a run of indices that gets a run of consecutive page ids (the usual case
   // for a pool that is not fragmented) maps in one host call.
   map_runs_or_undo(runs(sorted), pages);
   for (size_t i = 0; i < sorted.size(); ++i) table_[sorted[i]] = pages[i];
   mapped_ += sorted.size();
   // Return in the caller's order.
   std::vector<PageId> out;
-  out.reserve(slots.size());
-  for (int64_t s : slots) out.push_back(table_[s]);
+  out.reserve(indices.size());
+  for (int64_t s : indices) out.push_back(table_[s]);
   return out;
 }
 
-void VirtualRange::map_shared(const std::vector<int64_t>& slots, const std::vector<PageId>& pages) {
+void VirtualRange::map_shared(const std::vector<int64_t>& indices, const std::vector<PageId>& pages) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (slots.size() != pages.size()) throw InvalidArgument("map_shared: slots and pages differ in length");
-  for (int64_t s : slots) {
-    check_slot(s);
-    if (table_[s] >= 0) throw InvalidArgument("page slot " + std::to_string(s) + " is already mapped");
+  if (indices.size() != pages.size()) throw InvalidArgument("map_shared: indices and pages differ in length");
+  for (int64_t s : indices) {
+    check_index(s);
+    if (table_[s] >= 0) throw InvalidArgument("page index " + std::to_string(s) + " is already mapped");
   }
-  // Sort by slot so runs of consecutive slots map in one backend call (one cuMemSetAccess per run).
-  std::vector<size_t> order(slots.size());
+  // Sort by index so runs of consecutive indices map in one backend call (one cuMemSetAccess per run).
+  std::vector<size_t> order(indices.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return slots[a] < slots[b]; });
-  std::vector<int64_t> sorted_slots;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return indices[a] < indices[b]; });
+  std::vector<int64_t> sorted_indices;
   std::vector<PageId> sorted_pages;
   for (size_t i : order) {
-    if (!sorted_slots.empty() && sorted_slots.back() == slots[i])
-      throw InvalidArgument("map_shared: a slot is listed twice");
-    sorted_slots.push_back(slots[i]);
+    if (!sorted_indices.empty() && sorted_indices.back() == indices[i])
+      throw InvalidArgument("map_shared: an index is listed twice");
+    sorted_indices.push_back(indices[i]);
     sorted_pages.push_back(pages[i]);
   }
   pool_->incref_all(sorted_pages);  // validates every page first; all or nothing
-  map_runs_or_undo(runs(sorted_slots), sorted_pages);
-  for (size_t i = 0; i < sorted_slots.size(); ++i) table_[sorted_slots[i]] = sorted_pages[i];
-  mapped_ += sorted_slots.size();
+  map_runs_or_undo(runs(sorted_indices), sorted_pages);
+  for (size_t i = 0; i < sorted_indices.size(); ++i) table_[sorted_indices[i]] = sorted_pages[i];
+  mapped_ += sorted_indices.size();
 }
 
-void VirtualRange::unmap(const std::vector<int64_t>& slots) {
+void VirtualRange::unmap(const std::vector<int64_t>& indices) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<int64_t> sorted(slots);
+  std::vector<int64_t> sorted(indices);
   std::sort(sorted.begin(), sorted.end());
   if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-    throw InvalidArgument("unmap: a slot is listed twice");
-  for (int64_t s : slots) {
-    check_slot(s);
-    if (table_[s] < 0) throw InvalidArgument("page slot " + std::to_string(s) + " is not mapped");
+    throw InvalidArgument("unmap: an index is listed twice");
+  for (int64_t s : indices) {
+    check_index(s);
+    if (table_[s] < 0) throw InvalidArgument("page index " + std::to_string(s) + " is not mapped");
     if (pins_[s] > 0)
-      throw ViewsAlive("page slot " + std::to_string(s) +
+      throw ViewsAlive("page index " + std::to_string(s) +
                        " is still read through a live tensor view; drop the view first");
   }
-  if (slots.empty()) return;
+  if (indices.empty()) return;
   wait_for_streams_locked();
-  unmap_locked(slots);
+  unmap_locked(sorted);
 }
 
 void VirtualRange::wait_for_streams_locked() {
   // Called with mu_ held: the wait is short next to the unmap that follows, and holding the lock keeps
-  // another thread from mapping a page into a slot between the wait and the unmap. Lock order: range, then
+  // another thread from mapping a page into an index between the wait and the unmap. Lock order: range, then
   // pool (the backend's synchronize takes no vpaged lock).
   for (uintptr_t stream : streams_) pool_->backend().synchronize(stream);
 }
@@ -196,46 +196,54 @@ std::vector<uintptr_t> VirtualRange::streams() const {
   return streams_;
 }
 
-size_t VirtualRange::pinned_count(const std::vector<int64_t>& slots) const {
+size_t VirtualRange::pinned_count(const std::vector<int64_t>& indices) const {
   std::lock_guard<std::mutex> lock(mu_);
   size_t n = 0;
-  for (int64_t s : slots) {
-    check_slot(s);
+  for (int64_t s : indices) {
+    check_index(s);
     n += pins_[s] > 0;
   }
   return n;
 }
 
-void VirtualRange::unmap_locked(const std::vector<int64_t>& slots) {
-  // One backend call per run of consecutive slots; references are dropped only for runs really unmapped,
-  // so a failure leaves table and pool consistent.
-  for (auto [first, count] : runs(slots)) {
-    pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
-    std::vector<PageId> pages(table_.begin() + first, table_.begin() + first + count);
-    std::fill(table_.begin() + first, table_.begin() + first + count, PageId{-1});
-    mapped_ -= static_cast<size_t>(count);
-    pool_->decref_all(pages);  // one call: the host returns the memory of a run of pages at once
+void VirtualRange::unmap_locked(const std::vector<int64_t>& indices) {
+  // One backend call per run of consecutive indices (sorted by the callers); references are dropped only for
+  // runs really unmapped, so a failure leaves table and pool consistent. All of them in one pool call: one
+  // lock, and the host returns the memory of consecutive pages with one punch.
+  std::vector<PageId> pages;
+  pages.reserve(indices.size());
+  try {
+    for (auto [first, count] : runs(indices)) {
+      pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
+      pages.insert(pages.end(), table_.begin() + first, table_.begin() + first + count);
+      std::fill(table_.begin() + first, table_.begin() + first + count, PageId{-1});
+      mapped_ -= static_cast<size_t>(count);
+    }
+  } catch (...) {
+    pool_->decref_all(pages);
+    throw;
   }
+  pool_->decref_all(pages);
 }
 
-PageId VirtualRange::copy_on_write(int64_t slot, uintptr_t stream) {
+PageId VirtualRange::copy_on_write(int64_t index, uintptr_t stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  check_slot(slot);
-  if (table_[slot] < 0) throw InvalidArgument("copy_on_write: page slot " + std::to_string(slot) + " is not mapped");
-  PageId fresh = pool_->acquire_preferring(home_pages({slot}))[0];  // the slot's home page when free
-  copy_into_locked(slot, fresh, stream);
+  check_index(index);
+  if (table_[index] < 0) throw InvalidArgument("copy_on_write: page index " + std::to_string(index) + " is not mapped");
+  PageId fresh = pool_->acquire_preferring(home_pages({index}))[0];  // the index's home page when free
+  copy_into_locked(index, fresh, stream);
   return fresh;
 }
 
-void VirtualRange::copy_into_locked(int64_t slot, PageId fresh, uintptr_t stream) {
-  const PageId old = table_[slot];
+void VirtualRange::copy_into_locked(int64_t index, PageId fresh, uintptr_t stream) {
+  const PageId old = table_[index];
   try {
     pool_->backend().copy_page(fresh, old, stream);
     // The copy reads `old`, which may go back to the pool below: it must be complete first; and kernels
-    // still reading the slot must be done before it is remapped.
+    // still reading the index must be done before it is remapped.
     pool_->backend().synchronize(stream);
     wait_for_streams_locked();
-    remap_locked(slot, old, fresh);
+    remap_locked(index, old, fresh);
   } catch (...) {
     pool_->decref(fresh);
     throw;
@@ -243,35 +251,35 @@ void VirtualRange::copy_into_locked(int64_t slot, PageId fresh, uintptr_t stream
   pool_->decref(old);
 }
 
-void VirtualRange::remap_locked(int64_t slot, PageId old, PageId page) {
-  // Neither backend remaps a mapped slot in place: unmap, then map.
-  const uintptr_t va = va_ + static_cast<size_t>(slot) * page_size_;
+void VirtualRange::remap_locked(int64_t index, PageId old, PageId page) {
+  // Neither backend remaps a mapped index in place: unmap, then map.
+  const uintptr_t va = va_ + static_cast<size_t>(index) * page_size_;
   pool_->backend().unmap(va, 1);
   try {
     pool_->backend().map(va, &page, 1);
   } catch (...) {
-    // Put the old page back so the slot stays as it was. If even that fails the slot is unmapped: its page
+    // Put the old page back so the index stays as it was. If even that fails the index is unmapped: its page
     // table entry says so, and the old page's reference is kept (leaked) rather than risk handing a page out
-    // again that a queued kernel may still read. A view pinning the slot keeps its range alive but would
+    // again that a queued kernel may still read. A view pinning the index keeps its range alive but would
     // now fault; this takes two driver failures in a row.
     try {
       pool_->backend().map(va, &old, 1);
     } catch (...) {
-      table_[slot] = -1;
+      table_[index] = -1;
       --mapped_;
     }
     throw;
   }
-  table_[slot] = page;
+  table_[index] = page;
 }
 
-std::vector<int64_t> VirtualRange::shared_slots_locked(const std::vector<int64_t>& slots, size_t* copies) const {
-  // A page referenced only by listed slots needs one copy fewer than it has slots: the last slot to be made
+std::vector<int64_t> VirtualRange::shared_indices_locked(const std::vector<int64_t>& indices, size_t* copies) const {
+  // A page referenced only by listed indices needs one copy fewer than it has indices: the last index to be made
   // private keeps the original (its reference count is 1 by then).
   std::vector<int64_t> shared;
-  std::map<PageId, size_t> listed;  // page -> listed slots that show it
-  for (int64_t s : slots) {
-    check_slot(s);
+  std::map<PageId, size_t> listed;  // page -> listed indices that show it
+  for (int64_t s : indices) {
+    check_index(s);
     if (table_[s] >= 0 && pool_->refcount(table_[s]) > 1) {
       shared.push_back(s);
       ++listed[table_[s]];
@@ -282,23 +290,23 @@ std::vector<int64_t> VirtualRange::shared_slots_locked(const std::vector<int64_t
   return shared;
 }
 
-size_t VirtualRange::copies_needed(const std::vector<int64_t>& slots) const {
+size_t VirtualRange::copies_needed(const std::vector<int64_t>& indices) const {
   std::lock_guard<std::mutex> lock(mu_);
   size_t copies;
-  shared_slots_locked(slots, &copies);
+  shared_indices_locked(indices, &copies);
   return copies;
 }
 
-size_t VirtualRange::make_private(const std::vector<int64_t>& slots, uintptr_t stream) {
+size_t VirtualRange::make_private(const std::vector<int64_t>& indices, uintptr_t stream) {
   std::lock_guard<std::mutex> lock(mu_);
   size_t copies;
-  std::vector<int64_t> shared = shared_slots_locked(slots, &copies);
+  std::vector<int64_t> shared = shared_indices_locked(indices, &copies);
   if (copies == 0) return 0;
   // Every fresh page first: running out of pages (or of device memory while creating them) then raises
   // OutOfPages with nothing changed.
   std::vector<PageId> fresh = pool_->acquire(copies);
-  // Each copy is complete on its own (the slot shows the same data before and after), so a driver failure
-  // half way leaves every slot valid: the ones already copied are simply private earlier than needed.
+  // Each copy is complete on its own (the index shows the same data before and after), so a driver failure
+  // half way leaves every index valid: the ones already copied are simply private earlier than needed.
   size_t used = 0;
   try {
     for (int64_t s : shared) {
@@ -312,34 +320,34 @@ size_t VirtualRange::make_private(const std::vector<int64_t>& slots, uintptr_t s
   return used;
 }
 
-void VirtualRange::assign(const std::vector<int64_t>& slots, const std::vector<PageId>& pages) {
+void VirtualRange::assign(const std::vector<int64_t>& indices, const std::vector<PageId>& pages) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (slots.size() != pages.size()) throw InvalidArgument("assign: slots and pages differ in length");
-  std::vector<int64_t> sorted(slots);
+  if (indices.size() != pages.size()) throw InvalidArgument("assign: indices and pages differ in length");
+  std::vector<int64_t> sorted(indices);
   std::sort(sorted.begin(), sorted.end());
   if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-    throw InvalidArgument("assign: a slot is listed twice");
+    throw InvalidArgument("assign: an index is listed twice");
   std::vector<PageId> held;
-  for (size_t i = 0; i < slots.size(); ++i) {
-    check_slot(slots[i]);
-    if (table_[slots[i]] == pages[i]) continue;
-    if (pins_[slots[i]] > 0)
-      throw ViewsAlive("assign: page slot " + std::to_string(slots[i]) +
+  for (size_t i = 0; i < indices.size(); ++i) {
+    check_index(indices[i]);
+    if (table_[indices[i]] == pages[i]) continue;
+    if (pins_[indices[i]] > 0)
+      throw ViewsAlive("assign: page index " + std::to_string(indices[i]) +
                        " is read through a live tensor view; drop the view first");
     if (pages[i] >= 0) held.push_back(pages[i]);
   }
-  bool remaps = false;  // a mapped slot changes: kernels reading it must be done first
-  for (size_t i = 0; i < slots.size(); ++i) remaps |= table_[slots[i]] >= 0 && table_[slots[i]] != pages[i];
+  bool remaps = false;  // a mapped index changes: kernels reading it must be done first
+  for (size_t i = 0; i < indices.size(); ++i) remaps |= table_[indices[i]] >= 0 && table_[indices[i]] != pages[i];
   if (remaps) wait_for_streams_locked();
-  pool_->incref_all(held);  // hold every incoming page so none is freed while slots change hands
+  pool_->incref_all(held);  // hold every incoming page so none is freed while indices change hands
   struct Change {
-    int64_t slot;
+    int64_t index;
     PageId old;
   };
   std::vector<Change> log;
   try {
-    for (size_t i = 0; i < slots.size(); ++i) {
-      const int64_t s = slots[i];
+    for (size_t i = 0; i < indices.size(); ++i) {
+      const int64_t s = indices[i];
       const PageId old = table_[s];
       if (old == pages[i]) continue;
       const uintptr_t va = va_ + static_cast<size_t>(s) * page_size_;
@@ -354,13 +362,13 @@ void VirtualRange::assign(const std::vector<int64_t>& slots, const std::vector<P
   } catch (...) {
     // Put back what changed, newest first; the old pages were never released, so they are all there.
     for (auto it = log.rbegin(); it != log.rend(); ++it) {
-      const uintptr_t va = va_ + static_cast<size_t>(it->slot) * page_size_;
+      const uintptr_t va = va_ + static_cast<size_t>(it->index) * page_size_;
       try {
-        if (table_[it->slot] >= 0) pool_->backend().unmap(va, 1);
-        table_[it->slot] = -1;
+        if (table_[it->index] >= 0) pool_->backend().unmap(va, 1);
+        table_[it->index] = -1;
         if (it->old >= 0) {
           pool_->backend().map(va, &it->old, 1);
-          table_[it->slot] = it->old;
+          table_[it->index] = it->old;
         }
       } catch (...) {
       }
@@ -368,53 +376,53 @@ void VirtualRange::assign(const std::vector<int64_t>& slots, const std::vector<P
     pool_->decref_all(held);
     throw;
   }
-  // Commit: the slots keep the held references to their new pages; the replaced pages lose theirs.
-  for (const Change& c : log) {  // each slot appears once (checked above)
+  // Commit: the indices keep the held references to their new pages; the replaced pages lose theirs.
+  for (const Change& c : log) {  // each index appears once (checked above)
     if (c.old >= 0) {
       pool_->decref(c.old);
       --mapped_;
     }
-    if (table_[c.slot] >= 0) ++mapped_;
+    if (table_[c.index] >= 0) ++mapped_;
   }
 }
 
-std::vector<int32_t> VirtualRange::refcounts_at(const std::vector<int64_t>& slots) const {
+std::vector<int32_t> VirtualRange::refcounts_at(const std::vector<int64_t>& indices) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int32_t> out;
-  out.reserve(slots.size());
-  for (int64_t s : slots) {
-    check_slot(s);
+  out.reserve(indices.size());
+  for (int64_t s : indices) {
+    check_index(s);
     out.push_back(table_[s] >= 0 ? pool_->refcount(table_[s]) : 0);
   }
   return out;
 }
 
-PageId VirtualRange::page_at(int64_t slot) const {
+PageId VirtualRange::page_at(int64_t index) const {
   std::lock_guard<std::mutex> lock(mu_);
-  check_slot(slot);
-  return table_[slot];
+  check_index(index);
+  return table_[index];
 }
 
-std::vector<PageId> VirtualRange::pages_at(const std::vector<int64_t>& slots) const {
+std::vector<PageId> VirtualRange::pages_at(const std::vector<int64_t>& indices) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<PageId> out;
-  out.reserve(slots.size());
-  for (int64_t s : slots) {
-    check_slot(s);
+  out.reserve(indices.size());
+  for (int64_t s : indices) {
+    check_index(s);
     out.push_back(table_[s]);
   }
   return out;
 }
 
-int32_t VirtualRange::pins_at(int64_t slot) const {
+int32_t VirtualRange::pins_at(int64_t index) const {
   std::lock_guard<std::mutex> lock(mu_);
-  check_slot(slot);
-  return pins_[slot];
+  check_index(index);
+  return pins_[index];
 }
 
 bool VirtualRange::is_mapped(size_t offset, size_t len) const {
   if (len == 0) return true;
-  if (offset + len > slots_ * page_size_ || offset + len < offset) return false;
+  if (offset + len > num_pages_ * page_size_ || offset + len < offset) return false;
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t s = offset / page_size_; s <= (offset + len - 1) / page_size_; ++s)
     if (table_[s] < 0) return false;
@@ -426,7 +434,7 @@ struct ViewContext {
   std::shared_ptr<VirtualRange> owner;
   std::vector<int64_t> shape;
   std::vector<int64_t> strides;
-  std::vector<std::pair<int64_t, int64_t>> pinned;  // inclusive slot runs pinned by this view
+  std::vector<std::pair<int64_t, int64_t>> pinned;  // inclusive index runs pinned by this view
   DLManagedTensor managed{};
 };
 
@@ -440,7 +448,7 @@ void delete_view(DLManagedTensor* self) {
 // The byte spans a strided view touches, dims taken outermost first (callers order them by stride).
 // Index k of dim d covers one block (all the inner dims) `step` bytes after index k-1. When the gap between
 // blocks is shorter than a page no page can fall into it, so the union of the blocks is exactly the pages
-// touched; otherwise (a view over several sequence slots, or heads stored apart) each block is split
+// touched; otherwise (a view over several sequence indices, or heads stored apart) each block is split
 // further. Views over unmapped gaps are thus allowed, and only the pages really read are checked.
 void VirtualRange::collect_spans(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
                                  size_t dim, size_t itemsize, std::vector<std::pair<size_t, size_t>>& out) const {
@@ -490,12 +498,12 @@ void* VirtualRange::make_dlpack(size_t offset, const std::vector<int64_t>& shape
   auto ctx = std::make_unique<ViewContext>();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const size_t total = slots_ * page_size_;
+    const size_t total = num_pages_ * page_size_;
     for (auto [lo, hi] : spans) {
       if (hi > total || lo > hi) throw InvalidArgument("view reaches past the end of the virtual range");
       for (size_t s = lo / page_size_; s <= (hi - 1) / page_size_; ++s) {
         if (table_[s] < 0)
-          throw InvalidArgument("view would reach unmapped memory (page slot " + std::to_string(s) + ")");
+          throw InvalidArgument("view would reach unmapped memory (page index " + std::to_string(s) + ")");
       }
     }
     for (auto [lo, hi] : spans) {
@@ -531,12 +539,12 @@ void VirtualRange::unpin(int64_t first, int64_t last) {
 
 void VirtualRange::unmap_all_unpinned() {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<int64_t> slots;
-  for (size_t s = 0; s < slots_; ++s)
-    if (table_[s] >= 0 && pins_[s] == 0) slots.push_back(static_cast<int64_t>(s));
-  if (slots.empty()) return;
+  std::vector<int64_t> indices;
+  for (size_t s = 0; s < num_pages_; ++s)
+    if (table_[s] >= 0 && pins_[s] == 0) indices.push_back(static_cast<int64_t>(s));
+  if (indices.empty()) return;
   wait_for_streams_locked();
-  unmap_locked(slots);
+  unmap_locked(indices);
 }
 
 }  // namespace vpaged

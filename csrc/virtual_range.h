@@ -1,17 +1,18 @@
-// VirtualRange: one reserved span of virtual addresses cut into page-sized slots, each either unmapped
-// or backed by one physical page of a PagePool. The range owns one pool reference per mapped slot, so
-// one physical page may sit behind several slots (in this or other ranges): the basis of sharing.
+// VirtualRange: one reserved span of virtual addresses cut into pages, each either unmapped
+// or backed by one physical page of a PagePool. The range owns one pool reference per mapped index, so
+// one physical page may sit behind several indices (in this or other ranges): the basis of sharing.
 //
-// "Page slot" (or just slot in this file) is a page-sized piece of the range, numbered from 0; the Python
-// caches call a sequence's row a slot and address page slots through Layout.page_slots().
+// A "page index" (just "index" in this file) names a page-sized piece of the range, numbered from 0. (The
+// Python caches call a sequence's row a slot; the Python names of these calls keep `slots` for page indices,
+// as Layout.page_slots() returns them: bindings.cpp.)
 //
 // Safety rules, enforced here so that no caller (the Python caches, a C++ client) can forget them:
-// - Pins: a tensor view handed out by make_dlpack() pins the page slots it covers. A pinned page slot is
+// - Pins: a tensor view handed out by make_dlpack() pins the page indices it covers. A pinned page index is
 //   never unmapped or remapped: unmap() and assign() raise ViewsAlive, so no view ever reaches unmapped
-//   memory. Copy-on-write does remap pinned slots: the slot shows the same bytes before and after, so a
+//   memory. Copy-on-write does remap pinned indices: the index shows the same bytes before and after, so a
 //   view of it stays valid (it sees the private copy from then on).
 // - Wait before unmap: kernels queued on a stream may still read a page when the host decides to unmap
-//   it, and cuMemUnmap does not reliably wait for them. Every call that unmaps or remaps a page slot
+//   it, and cuMemUnmap does not reliably wait for them. Every call that unmaps or remaps a page index
 //   (unmap, assign, copy_on_write, make_private, unmap_all_unpinned, the destructor) first waits for the
 //   streams registered with add_stream() (Backend::synchronize each; a no-op on the host). Mapping fresh
 //   pages needs no wait: nothing can be reading them yet.
@@ -34,49 +35,49 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   VirtualRange& operator=(const VirtualRange&) = delete;
 
   uintptr_t address() const { return va_; }
-  size_t bytes() const { return slots_ * page_size_; }
-  size_t num_slots() const { return slots_; }
+  size_t bytes() const { return num_pages_ * page_size_; }
+  size_t num_pages() const { return num_pages_; }
   size_t page_size() const { return page_size_; }
-  size_t mapped_slots() const;
+  size_t mapped_pages() const;
   PagePool& pool() { return *pool_; }
   const std::shared_ptr<PagePool>& pool_ptr() const { return pool_; }
 
-  // Map fresh pages from the pool at the given (unmapped) slots. All or nothing: on OutOfPages or a
+  // Map fresh pages from the pool at the given (unmapped) indices. All or nothing: on OutOfPages or a
   // mapping failure nothing changes. Returns the page ids.
-  std::vector<PageId> map_new(const std::vector<int64_t>& slots);
-  // Map existing pages (taking a reference on each) at the given unmapped slots. All or nothing.
-  void map_shared(const std::vector<int64_t>& slots, const std::vector<PageId>& pages);
-  // Unmap the slots (which must be mapped and unpinned) and drop their references.
-  void unmap(const std::vector<int64_t>& slots);
-  // Give slot a private copy of its page: a fresh page receives the data, replaces the shared one at
+  std::vector<PageId> map_new(const std::vector<int64_t>& indices);
+  // Map existing pages (taking a reference on each) at the given unmapped indices. All or nothing.
+  void map_shared(const std::vector<int64_t>& indices, const std::vector<PageId>& pages);
+  // Unmap the indices (which must be mapped and unpinned) and drop their references.
+  void unmap(const std::vector<int64_t>& indices);
+  // Give index a private copy of its page: a fresh page receives the data, replaces the shared one at
   // the same address, and the old page loses a reference. All or nothing. Returns the new page.
-  PageId copy_on_write(int64_t slot, uintptr_t stream);
-  // Copy-on-write every listed slot whose page is shared (reference count > 1). Takes a fresh page for
+  PageId copy_on_write(int64_t index, uintptr_t stream);
+  // Copy-on-write every listed index whose page is shared (reference count > 1). Takes a fresh page for
   // each copy first (OutOfPages, nothing changed). Returns the number of copies made.
-  size_t make_private(const std::vector<int64_t>& slots, uintptr_t stream);
-  // The number of copies make_private(slots) makes: one per listed slot with a shared page, less one per
-  // page whose every reference is a listed slot (the last of them keeps the original).
-  size_t copies_needed(const std::vector<int64_t>& slots) const;
-  // Make slots[i] show pages[i] (-1: unmapped), taking references on the new pages and dropping those of
-  // the pages replaced. The pages are held while the slots change, so one slot may take the page another
-  // slot in the same call gives up (reordering beams). Slots must be unpinned where they change.
-  void assign(const std::vector<int64_t>& slots, const std::vector<PageId>& pages);
-  // Reference counts of the pages behind the slots (0 where unmapped).
-  std::vector<int32_t> refcounts_at(const std::vector<int64_t>& slots) const;
+  size_t make_private(const std::vector<int64_t>& indices, uintptr_t stream);
+  // The number of copies make_private(indices) makes: one per listed index with a shared page, less one per
+  // page whose every reference is a listed index (the last of them keeps the original).
+  size_t copies_needed(const std::vector<int64_t>& indices) const;
+  // Make indices[i] show pages[i] (-1: unmapped), taking references on the new pages and dropping those of
+  // the pages replaced. The pages are held while the indices change, so one index may take the page another
+  // index in the same call gives up (reordering beams). Indices must be unpinned where they change.
+  void assign(const std::vector<int64_t>& indices, const std::vector<PageId>& pages);
+  // Reference counts of the pages behind the indices (0 where unmapped).
+  std::vector<int32_t> refcounts_at(const std::vector<int64_t>& indices) const;
 
-  PageId page_at(int64_t slot) const;  // -1 when unmapped
-  std::vector<PageId> pages_at(const std::vector<int64_t>& slots) const;
-  int32_t pins_at(int64_t slot) const;
-  // True when every byte of [offset, offset + len) lies in mapped slots.
+  PageId page_at(int64_t index) const;  // -1 when unmapped
+  std::vector<PageId> pages_at(const std::vector<int64_t>& indices) const;
+  int32_t pins_at(int64_t index) const;
+  // True when every byte of [offset, offset + len) lies in mapped indices.
   bool is_mapped(size_t offset, size_t len) const;
 
   // A DLPack tensor over [offset, offset + extent) of the range; throws unless all of it is mapped.
-  // Pins the covered slots until the tensor is deleted.
+  // Pins the covered indices until the tensor is deleted.
   void* make_dlpack(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
                     int dtype_code, int dtype_bits);
   void unpin(int64_t first, int64_t last);
 
-  // Unmap every unpinned slot and return its pages; release() in the destructor does the rest.
+  // Unmap every unpinned index and return its pages; release() in the destructor does the rest.
   void unmap_all_unpinned();
 
   // Streams (CUDA stream handles; 0 is the legacy default stream) whose queued work may read this range:
@@ -86,36 +87,37 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   std::vector<uintptr_t> streams() const;
   // Wait for the registered streams now (before reading pages out through the pool, e.g. to swap them).
   void wait_for_streams();
-  // How many of the slots are pinned by live views.
-  size_t pinned_count(const std::vector<int64_t>& slots) const;
+  // How many of the indices are pinned by live views.
+  size_t pinned_count(const std::vector<int64_t>& indices) const;
 
  private:
-  void check_slot(int64_t slot) const;
+  void check_index(int64_t index) const;
   void collect_spans(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides, size_t dim,
                      size_t itemsize, std::vector<std::pair<size_t, size_t>>& out) const;
-  void unmap_locked(const std::vector<int64_t>& slots);
-  // The listed slots whose page is shared, and (in *copies) how many copies make_private needs for them.
-  std::vector<int64_t> shared_slots_locked(const std::vector<int64_t>& slots, size_t* copies) const;
+  void unmap_locked(const std::vector<int64_t>& indices);
+  // The listed indices whose page is shared, and (in *copies) how many copies make_private needs for them.
+  std::vector<int64_t> shared_indices_locked(const std::vector<int64_t>& indices, size_t* copies) const;
   // Wait for the work queued on every registered stream (see the safety rules above).
   void wait_for_streams_locked();
-  // Show `page` at a mapped slot instead of `old` (references are the caller's business); on failure the
-  // slot shows `old` again and the error is rethrown.
-  void remap_locked(int64_t slot, PageId old, PageId page);
-  // Copy the slot's page into `fresh` (a page the caller acquired) and show it instead; the old page loses
-  // the slot's reference. On failure `fresh` is dropped and the slot shows the old page.
-  void copy_into_locked(int64_t slot, PageId fresh, uintptr_t stream);
-  // Map pages (in order) over runs of slots; on failure unmap what was mapped, drop the caller's page
+  // Show `page` at a mapped index instead of `old` (references are the caller's business); on failure the
+  // index shows `old` again and the error is rethrown.
+  void remap_locked(int64_t index, PageId old, PageId page);
+  // Copy the index's page into `fresh` (a page the caller acquired) and show it instead; the old page loses
+  // the index's reference. On failure `fresh` is dropped and the index shows the old page.
+  void copy_into_locked(int64_t index, PageId fresh, uintptr_t stream);
+  // Map pages (in order) over runs of indices; on failure unmap what was mapped, drop the caller's page
   // references and rethrow.
-  void map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& slot_runs, const std::vector<PageId>& pages);
-  // The backend's home page of each slot (-1 where it has none): what the pool hands out when free.
-  std::vector<PageId> home_pages(const std::vector<int64_t>& slots) const;
-  // Group sorted slots into runs of consecutive slots: (first, count) pairs.
-  static std::vector<std::pair<int64_t, int64_t>> runs(std::vector<int64_t> slots);
+  void map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& index_runs, const std::vector<PageId>& pages);
+  // The backend's home page of each index (-1 where it has none): what the pool hands out when free.
+  std::vector<PageId> home_pages(const std::vector<int64_t>& indices) const;
+  // Group sorted indices into runs of consecutive indices: (first, count) pairs.
+  static std::vector<std::pair<int64_t, int64_t>> runs(const std::vector<int64_t>& indices);
 
   std::shared_ptr<PagePool> pool_;
   size_t page_size_;
-  size_t slots_;
+  size_t num_pages_;
   uintptr_t va_ = 0;
+  PageId home_base_ = -1;  // the backend's home page of index 0 (-1: none)
   mutable std::mutex mu_;
   std::vector<PageId> table_;
   std::vector<int32_t> pins_;

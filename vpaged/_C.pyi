@@ -28,7 +28,7 @@ def cuda_unavailable_reason(device: int = 0) -> str: ...  # "" when CUDA is usab
 def cuda_granularity(device: int = 0) -> int: ...  # 0 when CUDA is unusable
 def cuda_device_count() -> int: ...
 def built_with_cuda() -> bool: ...
-def _raw_map_unmap_seconds_per_page(page_size: int, pages: int) -> float: ...
+def _raw_map_unmap_seconds_per_page(page_size: int, pages: int, design: str = "home", touch: bool = False) -> float: ...
 
 class PoolStats:
     page_size: int
@@ -61,8 +61,11 @@ class PagePool:
     def copy_from_host(self, dst: int, host_ptr: int, stream: int = 0) -> None: ...
 
 class VirtualRange:
-    """Reserved address space cut into page slots, each unmapped or showing one pool page. Views pin the
-    page slots they cover; every unmap or remap first waits for the registered streams."""
+    """Reserved address space cut into pages, each unmapped or showing one pool page. Views pin the pages
+    they cover; every unmap or remap first waits for the registered streams.
+
+    Here `slots` / `slot` / `num_slots` / `mapped_slots` are page indices of the range (0..num_slots-1), as
+    Layout.page_slots() returns them (the C++ core calls them page indices), not sequence slots."""
 
     def __init__(self, pool: PagePool, bytes: int) -> None: ...
     @property
@@ -95,7 +98,7 @@ class VirtualRange:
     def remove_stream(self, stream: int) -> None: ...
     def wait_for_streams(self) -> None: ...
     def view(self, offset: int, shape: list[int], strides: list[int], dtype_code: int, dtype_bits: int) -> object:
-        """A DLPack capsule over mapped memory (strides in elements); pins its page slots while it lives."""
+        """A DLPack capsule over mapped memory (strides in elements); pins its pages while it lives."""
 
 class DecodeParams:
     """Arguments of a decode attention launch (csrc/kernels/decode.h); pointers are ints."""

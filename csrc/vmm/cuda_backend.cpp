@@ -14,9 +14,9 @@
 // STREAM-SAFETY PROTOCOL (the backend does not track streams; the cache layers above must):
 //   * map() is synchronous with respect to the host: once it returns, work enqueued later on any stream
 //     may use the new mapping.
-//   * unmap() (and remapping a slot: copy_on_write, replace) does NOT wait for kernels or copies still
+//   * unmap() (and remapping a page index: copy_on_write, replace) does NOT wait for kernels or copies still
 //     queued on streams that read or write the page through that address; cuMemUnmap is not a reliable
-//     barrier. Callers must unmap or remap a slot only after the work on every stream that may touch it
+//     barrier. Callers must unmap or remap a page index only after the work on every stream that may touch it
 //     has completed (stream/event synchronisation, or deferred reclamation at a step boundary that is
 //     known to be complete). The same holds for dropping the last reference to a page and handing it to
 //     another sequence: the new owner's writes are ordered only on its own stream.
@@ -120,11 +120,11 @@ void load_driver(Driver& d) {
         "(a CUDA 12.0 or newer driver is needed)";
     return;
   }
-  auto resolve = [&](const char* symbol, void** slot) {
+  auto resolve = [&](const char* symbol, void** target) {
     CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
     // LEGACY_STREAM: stream 0 means the legacy default stream, as it does for torch.
-    CUresult r = get_proc(symbol, slot, kDriverApi, CU_GET_PROC_ADDRESS_LEGACY_STREAM, &status);
-    if (r == CUDA_SUCCESS && status == CU_GET_PROC_ADDRESS_SUCCESS && *slot != nullptr) return true;
+    CUresult r = get_proc(symbol, target, kDriverApi, CU_GET_PROC_ADDRESS_LEGACY_STREAM, &status);
+    if (r == CUDA_SUCCESS && status == CU_GET_PROC_ADDRESS_SUCCESS && *target != nullptr) return true;
     // A driver older than the API version asked for refuses every symbol: say so in its own terms.
     int version = 0;
     auto get_version = reinterpret_cast<CUresult (*)(int*)>(dlsym(lib, "cuDriverGetVersion"));
