@@ -16,8 +16,12 @@ run-major: for each region, for each run, the pages in order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .geometry import KVGeometry
 
 LAYOUTS = ("per_layer", "interleaved", "head_major")
 
@@ -36,6 +40,12 @@ class Layout:
     def __post_init__(self):
         if self.kind not in LAYOUTS:
             raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {self.kind!r}")
+
+    @classmethod
+    def of(cls, kind: str, geometry: KVGeometry, max_seqs: int, max_seq_len: int, page_size: int) -> Layout:
+        """The layout of a cache of `geometry`'s K/V."""
+        g = geometry
+        return cls(kind, g.num_layers, g.num_kv_heads, g.head_dim, g.itemsize, max_seqs, max_seq_len, page_size)
 
     @property
     def regions(self) -> int:
