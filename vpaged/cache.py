@@ -57,6 +57,7 @@ class VirtualKVCache:
 
     Args:
         num_layers, num_kv_heads, head_dim: model geometry.
+        v_head_dim: head size of V when it differs from K's (multi-head latent attention); see layout.py.
         dtype: element type of K and V (float32, float16, bfloat16, float64).
         max_seqs: sequence slots (concurrent sequences).
         max_seq_len: tokens a sequence may hold.
@@ -85,8 +86,10 @@ class VirtualKVCache:
         page_size: int | None = None,
         swap_bytes: int = 0,
         prefix_hash: HashFn | None = None,
+        v_head_dim: int | None = None,
     ):
-        self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype)
+        self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype, v_head_dim)
+        self.v_head_dim = self.geometry.v_head_dim
         check_positive_int("max_seqs", max_seqs)
         check_positive_int("max_seq_len", max_seq_len)
         self.device = normalize_device(device if device is not None else pool.device if pool else "cpu")
@@ -95,7 +98,15 @@ class VirtualKVCache:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_seqs, self.max_seq_len = max_seqs, max_seq_len
         self.layout = Layout(
-            layout, num_layers, num_kv_heads, head_dim, self.geometry.itemsize, max_seqs, max_seq_len, pool.page_size
+            layout,
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            self.geometry.itemsize,
+            max_seqs,
+            max_seq_len,
+            pool.page_size,
+            self.v_head_dim,
         )
         if not pool.accounting_only:  # address space and mapping limit: said now, not mid-serving
             check_cache(self.layout, self.device)
@@ -407,6 +418,8 @@ class VirtualKVCache:
         if not 0 <= start <= stop <= length:
             raise InvalidArgumentError(f"tokens {start}..{stop - 1} outside the sequence's 0..{length - 1}")
         lay = self.layout
+        if lay.v_head_dim != lay.head_dim:
+            raise InvalidArgumentError("kv_layers(): K and V differ in head size here; use kv() per layer")
         shape, strides, perm = lay.view_dims(stop - start)
         # K and V of layer l start at base_offset(l, 0) and base_offset(l, 1): whole regions apart (per_layer,
         # head_major) or columns of one token row (interleaved); kv_stride apart in every layout.
@@ -650,7 +663,7 @@ class VirtualKVCache:
         may share with others raise ReadOnlyTokensError."""
         check_layer(layer, self.num_layers)
         slot = self._live_slot(seq)
-        check_kv(k, v, self.dtype, self.num_kv_heads, self.head_dim, self.device)
+        check_kv(k, v, self.dtype, self.num_kv_heads, self.head_dim, self.device, self.v_head_dim)
         n, length = k.shape[0], self._slots.length_tokens[slot]
         if start is None:
             start = length - n
