@@ -11,11 +11,15 @@ heads, head_dim 128, block size 16 for the paged cache), runs
 
 and reports median times next to the bandwidth floor: the bytes of K/V a decode step must read divided
 by the copy bandwidth of a large torch copy on the same device ((read + write bytes) / time), plus the
-ratios the kernels are judged by (contiguous / paged, contiguous / tensors). The kernels of a cell are
-timed round-robin (one call of each per round), so a burst of load from other processes lands on all of
-them alike. Caches are flushed before every call (a write over a buffer larger than the last-level cache),
-so every call reads K/V from memory as a real decode step over many layers would. A last table times a
-call on a 1-token context (fixed per-call cost: checks, descriptor, launch), without flushing.
+ratios the kernels are judged by (contiguous / paged, contiguous / tensors). Next to it, the read floor:
+the same bytes over the rate of a large torch reduction (a pure streaming read, what a decode kernel does),
+which on some machines is well below the copy rate. The kernels of a cell are timed round-robin (one call
+of each per round), so a burst of load from other processes lands on all of them alike. Caches are
+flushed before every call by READING a buffer larger than the last-level cache, so every call reads K/V
+from memory as a real decode step over many layers would. (A flush by writing would leave the cache full
+of dirty lines: every K/V line the timed call brings in would then evict one and write it back, doubling
+the call's memory traffic and charging the kernel for the flush.) A last table times a call on a 1-token
+context (fixed per-call cost: checks, descriptor, launch), without flushing.
 
     python benchmarks/bench_decode.py --quick --threads 2   # small grid, ~2-4 min on 2 cores
     python benchmarks/bench_decode.py                     # full grid: batch 1..64, context 512..16K
@@ -105,7 +109,11 @@ class Timer:
         # Larger than the last-level cache: 50 MiB L2 on an H100/H200; on the CPU twice the L3 (some server
         # CPUs have hundreds of MiB), at least 256 MiB.
         size = 256 << 20 if device.type == "cuda" else max(256 << 20, min(2 * last_level_cache_bytes(), 2 << 30))
-        self.flush = torch.empty(size, dtype=torch.uint8, device=device)
+        # Written once here; each flush then reads it, which leaves the cache holding clean lines only.
+        self.flush = torch.ones(size // 4, dtype=torch.int32, device=device)
+
+    def flush_caches(self) -> None:
+        self.flush.max()
 
     def __call__(self, fn, repeats: int) -> float:
         return self.many({"fn": fn}, repeats)["fn"]
@@ -121,7 +129,7 @@ class Timer:
                 if r >= repeats[name]:
                     continue
                 if flush:
-                    self.flush.fill_(1)
+                    self.flush_caches()
                 if self.device.type == "cuda":
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
@@ -144,6 +152,13 @@ def copy_bandwidth(device: torch.device, timer: Timer) -> float:
     return 2 * src.numel() / t
 
 
+def read_bandwidth(device: torch.device, timer: Timer) -> float:
+    """Bytes per second read by a large torch reduction (a pure streaming read, like a decode kernel's)."""
+    src = torch.ones(128 << 20, dtype=torch.int32, device=device)
+    t = timer(lambda: src.max(), 7)
+    return 4 * src.numel() / t
+
+
 def tensor_contiguous(batch: int, ctx: int, dtype, device):
     """K/V as plain [batch, ctx, kv_heads, head_dim] tensors and their BatchedKV (BatchedKV.from_tensors)."""
     k = torch.empty(batch, ctx, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
@@ -155,7 +170,16 @@ KERNELS = ("contiguous", "tensors", "paged", "sdpa")
 
 
 def run_cell(
-    batch: int, ctx: int, dtype, device, timer: Timer, repeats: int, bw: float, layout: str, use_vmm: bool
+    batch: int,
+    ctx: int,
+    dtype,
+    device,
+    timer: Timer,
+    repeats: int,
+    bw: float,
+    layout: str,
+    use_vmm: bool,
+    read_bw: float | None = None,
 ) -> dict:
     itemsize = torch.empty((), dtype=dtype).element_size()
     token_bytes = KV_HEADS * HEAD_DIM * itemsize
@@ -216,12 +240,16 @@ def run_cell(
         "context": ctx,
         "kv_bytes": kv_bytes,
         "floor_ms": floor * 1e3,
+        "read_floor_ms": kv_bytes / read_bw * 1e3 if read_bw else None,
+        "load_average": os.getloadavg(),
         "kernels": {},
     }
     # SDPA per sequence is 10-100x slower: fewer repeats keep the run short, the median stays honest.
     times = timer.many(kernels, {name: repeats if name != "sdpa" else max(2, repeats // 4) for name in kernels})
     for name, t in times.items():
         cell["kernels"][name] = {"median_ms": t * 1e3, "x_floor": t / floor, "GBps": kv_bytes / t / 1e9}
+        if read_bw:
+            cell["kernels"][name]["x_read_floor"] = t * read_bw / kv_bytes
     cell["contiguous_vs_paged"] = times["contiguous"] / times["paged"]
     cell["contiguous_vs_tensors"] = times["contiguous"] / times["tensors"]
     # Same data, so the kernels must agree with SDPA (bf16/fp16 outputs differ by rounding).
@@ -310,7 +338,11 @@ def main() -> None:
     use_vmm = device.type == "cpu" or vpaged.backends()["cuda"].usable
     timer = Timer(device, args.clock)
     bw = copy_bandwidth(device, timer)
-    print(f"device {device}, copy bandwidth {bw / 1e9:.1f} GB/s (read + write), threads {torch.get_num_threads()}")
+    read_bw = read_bandwidth(device, timer)
+    print(
+        f"device {device}, copy bandwidth {bw / 1e9:.1f} GB/s (read + write), read bandwidth {read_bw / 1e9:.1f} "
+        f"GB/s, threads {torch.get_num_threads()}, load average {os.getloadavg()}"
+    )
     if not use_vmm:
         print(f"contiguous kernel on a plain tensor: {vpaged.backends()['cuda'].reason}")
 
@@ -330,7 +362,9 @@ def main() -> None:
             "geometry": {"kv_heads": KV_HEADS, "heads": HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK, "layers": 1},
             "contiguous_on": "VirtualKVCache" if use_vmm else "plain tensor (per_layer strides)",
             "copy_bandwidth_GBps": bw / 1e9,
-            "floor": "K/V bytes read / copy bandwidth; caches flushed before each call",
+            "read_bandwidth_GBps": read_bw / 1e9,
+            "floor": "K/V bytes read / copy bandwidth; caches flushed (by a read) before each call",
+            "read_floor": "K/V bytes read / read bandwidth (a large torch max reduction)",
             "cells": cells,
             "skipped": skipped,
             "one_token_call_us": overhead,
@@ -343,7 +377,7 @@ def main() -> None:
     header = f"{'dtype':>8} {'batch':>5} {'context':>7} {'KV MiB':>7} {'floor ms':>9}"
     for name in KERNELS:
         header += f" {name + ' ms':>14} {'x floor':>7}"
-    header += f" {'contig/paged':>12} {'contig/tensors':>14}"
+    header += f" {'contig/paged':>12} {'contig/tensors':>14} {'c x read':>8} {'load':>5}"
     print(header)
     for dname in args.dtypes.split(","):
         dtype = DTYPES[dname.strip()]
@@ -352,13 +386,14 @@ def main() -> None:
                 if batch * ctx > cap:
                     skipped.append({"dtype": dname, "batch": batch, "context": ctx})
                     continue
-                c = run_cell(batch, ctx, dtype, device, timer, repeats, bw, args.layout, use_vmm)
+                c = run_cell(batch, ctx, dtype, device, timer, repeats, bw, args.layout, use_vmm, read_bw)
                 cells.append(c)
                 row = f"{dname:>8} {batch:>5} {ctx:>7} {c['kv_bytes'] / 2**20:>7.1f} {c['floor_ms']:>9.3f}"
                 for name in KERNELS:
                     k = c["kernels"][name]
                     row += f" {k['median_ms']:>14.3f} {k['x_floor']:>7.2f}"
                 row += f" {c['contiguous_vs_paged']:>12.3f} {c['contiguous_vs_tensors']:>14.3f}"
+                row += f" {c['kernels']['contiguous']['x_read_floor']:>8.2f} {c['load_average'][0]:>5.1f}"
                 print(row, flush=True)
                 write_json(out, payload(complete=False))  # partial results survive a run stopped part way
     if skipped:

@@ -4,6 +4,7 @@ Outputs are poisoned with NaN before each call and must come back fully written.
 batch, include 1 and the cache's maximum, and are not multiples of pages or blocks.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -29,10 +30,11 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 def reference(q, ks, vs, scale=None):
-    """Attention of q[i] over ks[i], vs[i] in float64 (GQA by repeating kv heads)."""
+    """Attention of q[i] over ks[i], vs[i] in float64 (GQA by repeating kv heads); V may be narrower or
+    wider than K."""
     num_seqs, num_heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float64)
+    out = torch.empty(num_seqs, num_heads, vs[0].shape[-1], dtype=torch.float64)
     for i, (k, v) in enumerate(zip(ks, vs)):
         g = num_heads // k.shape[1]
         k = k.cpu().double().repeat_interleave(g, dim=1)
@@ -328,8 +330,10 @@ def test_from_tensors_errors():
         BatchedKV.from_tensors(k.double(), k.double(), 4)
     with pytest.raises(InvalidArgumentError, match="layout"):
         BatchedKV.from_tensors(k, k, 4, layout="tbhd")
-    with pytest.raises(InvalidArgumentError, match="strides"):
-        BatchedKV.from_tensors(k, k.transpose(1, 2).contiguous().transpose(1, 2), 4)
+    with pytest.raises(ShapeError):  # only the head dim may differ
+        BatchedKV.from_tensors(k, torch.randn(2, 16, HKV * 2, 32), 4)
+    with pytest.raises(InvalidArgumentError, match="overlap"):  # V's tokens overlap
+        BatchedKV.from_tensors(k, torch.randn(4096).as_strided((2, 16, HKV, 48), (2048, 64, 48, 1)), 4)
     with pytest.raises(InvalidArgumentError, match="dense"):
         BatchedKV.from_tensors(k[..., ::2], k[..., ::2], 4)
     shared_heads = torch.randn(2, 16, 1, 64).expand(2, 16, HKV, 64)  # every head the same memory
@@ -342,6 +346,128 @@ def test_from_tensors_errors():
         BatchedKV.from_tensors(k, k, [4, 4, 4])
     with pytest.raises(InvalidArgumentError):
         BatchedKV.from_tensors(k, k, torch.tensor([4, 17]))
+
+
+# ------------------------------------------------------------------------- values with their own head dim
+KV_DIMS = [(192, 128), (64, 128), (128, 64), (80, 48)]  # 192/128 has its own AVX-512 and CUDA build
+
+
+def test_batched_kv_v_fields_default_to_k():
+    k = torch.randn(2, 8, HKV, 64)
+    a = BatchedKV(k.data_ptr(), k.data_ptr(), None, None, 4096, 128, 64, HKV, 64, k.dtype, k.device, "x", k)
+    assert (a.v_head_dim, a.v_slot_stride, a.v_token_stride, a.v_head_stride) == (64, 4096, 128, 64)
+    b = BatchedKV(
+        k.data_ptr(), k.data_ptr(), None, None, 4096, 128, 64, HKV, 64, k.dtype, k.device, "x", k, v_head_dim=32
+    )
+    assert (b.v_head_dim, b.v_slot_stride, b.v_token_stride, b.v_head_stride) == (32, 4096, 128, 32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dims", KV_DIMS, ids=lambda d: f"{d[0]}-{d[1]}")
+@pytest.mark.parametrize("layout", ["bthd", "bhtd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_from_tensors_values_with_own_head_dim(isa, dims, layout, dtype, monkeypatch):
+    """K and V of different head dims (and so different strides), GQA groups 1, 3 and 4, a long sequence
+    (split across threads and merged) next to short ones, on every CPU code path."""
+    force_isa(monkeypatch, isa)
+    d, dv = dims
+    lengths = [1, 77, 1300, 5]
+    shape = (4, 1310, HKV) if layout == "bthd" else (4, HKV, 1310)
+    kbuf, vbuf = torch.randn(*shape, d).to(dtype), torch.randn(*shape, dv).to(dtype)
+    bkv = BatchedKV.from_tensors(kbuf, vbuf, lengths, layout=layout)
+    assert (bkv.head_dim, bkv.v_head_dim) == (d, dv)
+    kt, vt = (kbuf, vbuf) if layout == "bthd" else (kbuf.transpose(1, 2), vbuf.transpose(1, 2))
+    ks, vs = [kt[i, :n] for i, n in enumerate(lengths)], [vt[i, :n] for i, n in enumerate(lengths)]
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for group in (1, 3, 4):
+            q = torch.randn(4, HKV * group, d).to(dtype)
+            out = ops.decode_attention_contiguous(
+                q, bkv, out=torch.full((4, HKV * group, dv), float("nan"), dtype=dtype)
+            )
+            assert out.shape == (4, HKV * group, dv)
+            check(out, q, ks, vs)
+    finally:
+        torch.set_num_threads(old)
+
+
+def paged_pools(dtype, d, dv, lengths, block_size=16, device="cpu"):
+    """Block pools of K (head dim d) and V (dv) with each sequence's blocks scattered at random; returns
+    (key_cache, value_cache, block_tables, lengths tensor, per-sequence K, per-sequence V)."""
+    need = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks).tolist()
+    kc = torch.randn(num_blocks, block_size, HKV, d, device=device).to(dtype)
+    vc = torch.randn(num_blocks, block_size, HKV, dv, device=device).to(dtype)
+    tables = torch.full((len(lengths), max(need) + 1), -1, dtype=torch.int32)
+    ks, vs, used = [], [], 0
+    for i, (n, b) in enumerate(zip(lengths, need)):
+        ids = perm[used : used + b]
+        used += b
+        tables[i, :b] = torch.tensor(ids, dtype=torch.int32)
+        ks.append(kc[ids].reshape(-1, HKV, d)[:n])
+        vs.append(vc[ids].reshape(-1, HKV, dv)[:n])
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    return kc, vc, tables.to(device), lens, ks, vs
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dims", KV_DIMS, ids=lambda d: f"{d[0]}-{d[1]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_values_with_own_head_dim(isa, dims, dtype, monkeypatch):
+    force_isa(monkeypatch, isa)
+    d, dv = dims
+    kc, vc, tables, lens, ks, vs = paged_pools(dtype, d, dv, [1, 40, 700, 17])
+    for group in (1, 4):
+        q = torch.randn(4, HKV * group, d).to(dtype)
+        out = ops.decode_attention_paged(q, kc, vc, tables, lens)
+        assert out.shape == (4, HKV * group, dv)
+        check(out, q, ks, vs)
+    with pytest.raises(ShapeError, match="v_head_dim"):  # an output of K's head dim
+        ops.decode_attention_paged(q, kc, vc, tables, lens, out=torch.empty(4, HKV * 4, d, dtype=dtype))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_contiguous_descriptor_values_with_own_strides(isa, dtype, monkeypatch):
+    """One buffer [slots, max_len, HKV * 192 + HKV * 128]: each token row holds its K heads then its V heads,
+    described by the V fields of a BatchedKV (what a cache with interleaved K/V of two head dims hands out)."""
+    force_isa(monkeypatch, isa)
+    d, dv, max_len = 192, 128, 400
+    buf = torch.randn(4, max_len, HKV * (d + dv)).to(dtype)
+    k = buf[..., : HKV * d].unflatten(-1, (HKV, d))
+    v = buf[..., HKV * d :].unflatten(-1, (HKV, dv))
+    slots, lengths = [2, 0, 3], [400, 1, 129]
+    row = HKV * (d + dv)
+    bkv = BatchedKV(
+        k.data_ptr(),
+        v.data_ptr(),
+        torch.tensor(slots, dtype=torch.int32),
+        torch.tensor(lengths, dtype=torch.int32),
+        max_len * row,
+        row,
+        d,
+        HKV,
+        d,
+        dtype,
+        buf.device,
+        "interleaved",
+        buf,
+        v_head_dim=dv,
+        v_token_stride=row,
+    )
+    assert (bkv.v_slot_stride, bkv.v_head_stride) == (max_len * row, dv)
+    q = torch.randn(3, HKV * 4, d).to(dtype)
+    out = ops.decode_attention_contiguous(q, bkv, out=torch.full((3, HKV * 4, dv), float("nan"), dtype=dtype))
+    check(out, q, [k[s, :n] for s, n in zip(slots, lengths)], [v[s, :n] for s, n in zip(slots, lengths)])
+    # V rows reaching past the buffer (a V slot stride too large for it) are refused before any read.
+    bad = dataclasses.replace(bkv, v_slot_stride=max_len * row * 2)
+    with pytest.raises(InvalidArgumentError, match="V rows"):
+        ops.decode_attention_contiguous(q, bad)
+    overlapping = dataclasses.replace(bkv, v_token_stride=dv)  # V tokens overlap each other
+    with pytest.raises(InvalidArgumentError, match="V's token_stride"):
+        ops.decode_attention_contiguous(q, overlapping)
 
 
 def test_noncontiguous_query_and_new_output():
@@ -484,6 +610,27 @@ def test_cuda_paged(dtype, head_dim, group, lengths):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_contiguous(dtype, layout, lengths):
     run_descriptor_case(dtype, layout, lengths, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="torch.cuda is not available (no CUDA GPU)")
+@pytest.mark.parametrize("lengths", [[1, 77, 300, 5], [1, 2900, 4000]], ids=["one_pass", "split"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_values_with_own_head_dim(dtype, lengths):
+    """K 192 / V 128 on CUDA: dense tensors (from_tensors) and block pools, GQA groups 1 and 4."""
+    for layout in ("bthd", "bhtd"):
+        shape = (len(lengths), max(lengths), HKV) if layout == "bthd" else (len(lengths), HKV, max(lengths))
+        k = torch.randn(*shape, 192, device="cuda").to(dtype)
+        v = torch.randn(*shape, 128, device="cuda").to(dtype)
+        bkv = BatchedKV.from_tensors(k, v, lengths, layout=layout)
+        kt, vt = (k, v) if layout == "bthd" else (k.transpose(1, 2), v.transpose(1, 2))
+        for group in (1, 4):
+            q = torch.randn(len(lengths), HKV * group, 192, device="cuda").to(dtype)
+            out = ops.decode_attention_contiguous(q, bkv)
+            check(out, q, [kt[i, :n] for i, n in enumerate(lengths)], [vt[i, :n] for i, n in enumerate(lengths)])
+    kc, vc, tables, lens, ks, vs = paged_pools(dtype, 192, 128, lengths, device="cuda")
+    q = torch.randn(len(lengths), HKV * 4, 192, device="cuda").to(dtype)
+    check(ops.decode_attention_paged(q, kc, vc, tables, lens), q, ks, vs)
 
 
 @pytest.mark.gpu

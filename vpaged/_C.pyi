@@ -105,11 +105,15 @@ class DecodeParams:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    v_head_dim: int  # 0: head_dim
     token_stride: int
     head_stride: int
+    v_token_stride: int  # 0: token_stride
+    v_head_stride: int  # 0: as K's
     max_tokens: int
     paged: bool
     slot_stride: int
+    v_slot_stride: int  # -1: slot_stride
     bt_stride: int
     block_size: int
     num_blocks: int
@@ -133,6 +137,7 @@ class CudaLaunch:
     def __init__(self) -> None: ...
 
 def decode_check(params: DecodeParams) -> None: ...
-def decode_cpu(params: DecodeParams, num_threads: int = 0, force_baseline: bool = False) -> None: ...
+def decode_cpu(params: DecodeParams, num_threads: int = 0, isa: str = "auto") -> None: ...
+def decode_cpu_isas() -> list[str]: ...
 def decode_cuda(params: DecodeParams, launch: CudaLaunch) -> None: ...
 def kernels_built_with_cuda() -> bool: ...

@@ -7,8 +7,9 @@
     batched_kv_from_tensors(k, v, lengths)             BatchedKV over ordinary dense [B, T, H, D] / [B, H, T, D]
                                                        tensors (BatchedKV.from_tensors), for the contiguous kernel
 
-q is [num_seqs, num_heads, head_dim] with num_heads a multiple of num_kv_heads (GQA); the result has q's
-shape and dtype (float32, float16 or bfloat16; scores and sums are float32 inside). scale defaults to
+q is [num_seqs, num_heads, head_dim] with num_heads a multiple of num_kv_heads (GQA); the result is
+[num_seqs, num_heads, v_head_dim] (V's head dim, which may differ from K's) in q's dtype (float32, float16
+or bfloat16; scores and sums are float32 inside). scale defaults to
 1/sqrt(head_dim). `out`, when given, is written in place and returned.
 
 Lengths are checked (each in 1..capacity) before any kernel reads memory. On CUDA that check reads them
@@ -59,19 +60,16 @@ def decode_attention_contiguous(
         raise InvalidArgumentError(f"batched_kv must be a BatchedKV (VirtualKVCache.batch()), got {type(kv).__name__}")
     _check_dtype(kv.dtype, "the cache")
     q = _check_q(q, kv.num_kv_heads, kv.head_dim, kv.dtype, kv.device)
-    out = _check_out(out, q)
+    if not isinstance(kv.v_head_dim, int) or not 1 <= kv.v_head_dim <= 256:
+        raise ShapeError(f"v_head_dim must be an int in 1..256, got {kv.v_head_dim!r}")
+    out = _check_out(out, q, kv.v_head_dim)
     num_seqs = q.shape[0]
     slots = _index_tensor(kv.slots, "slots", (num_seqs,), q.device)
     lengths = _index_tensor(kv.lengths, "lengths", (num_seqs,), q.device)
-    heads_apart = kv.head_stride != kv.head_dim  # head_major: each head has its own run of tokens
-    row = kv.head_dim if heads_apart else kv.num_kv_heads * kv.head_dim
-    if kv.head_stride < kv.head_dim or kv.token_stride < row or kv.slot_stride < 0:
-        raise InvalidArgumentError(
-            f"token_stride {kv.token_stride} / head_stride {kv.head_stride} / slot_stride "
-            f"{kv.slot_stride} cannot hold {kv.num_kv_heads} heads of {kv.head_dim}"
-        )
-    span = kv.head_stride if heads_apart else kv.slot_stride  # elements one token run may fill
-    capacity = span // kv.token_stride if span else 2**31 - 1
+    capacity = min(
+        _run_capacity("K", kv.num_kv_heads, kv.head_dim, kv.head_stride, kv.token_stride, kv.slot_stride),
+        _run_capacity("V", kv.num_kv_heads, kv.v_head_dim, kv.v_head_stride, kv.v_token_stride, kv.v_slot_stride),
+    )
     if max_len is None:
         max_len = _check_lengths(lengths, capacity)
         _check_extent(kv, slots.tolist(), lengths.tolist())
@@ -82,8 +80,9 @@ def decode_attention_contiguous(
     p = _params(q, out, kv.k_ptr, kv.v_ptr, kv.num_kv_heads, kv.token_stride, lengths, max_len, scale)
     p.paged = False
     p.slots = slots.data_ptr()
-    p.slot_stride = kv.slot_stride
-    p.head_stride = kv.head_stride
+    p.slot_stride, p.v_slot_stride = kv.slot_stride, kv.v_slot_stride
+    p.head_stride, p.v_head_stride = kv.head_stride, kv.v_head_stride
+    p.v_token_stride = kv.v_token_stride
     _launch(p, q)
     return out
 
@@ -99,9 +98,10 @@ def decode_attention_paged(
     *,
     max_len: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention over block pools key_cache / value_cache [num_blocks, block_size, num_kv_heads,
-    head_dim] (dense; block_size a power of two) through block_tables [num_seqs, width] (block ids) and
-    lengths [num_seqs]; token t of sequence i is row t % block_size of block block_tables[i, t // block_size]."""
+    """Decode attention over block pools key_cache [num_blocks, block_size, num_kv_heads, head_dim] and
+    value_cache [num_blocks, block_size, num_kv_heads, v_head_dim] (dense; block_size a power of two) through
+    block_tables [num_seqs, width] (block ids) and lengths [num_seqs]; token t of sequence i is row
+    t % block_size of block block_tables[i, t // block_size]. The result is [num_seqs, num_heads, v_head_dim]."""
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -110,7 +110,7 @@ def decode_attention_paged(
         if not t.is_contiguous():
             raise InvalidArgumentError(f"{name} must be contiguous (a block pool, not a view into one)")
     if (
-        key_cache.shape != value_cache.shape
+        key_cache.shape[:3] != value_cache.shape[:3]
         or key_cache.dtype != value_cache.dtype
         or key_cache.device != value_cache.device
     ):
@@ -119,13 +119,16 @@ def decode_attention_paged(
             f"{list(value_cache.shape)} {value_cache.dtype} {value_cache.device} differ"
         )
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    v_head_dim = value_cache.shape[3]
+    if not 1 <= v_head_dim <= 256:
+        raise ShapeError(f"value_cache's head dim must be in 1..256, got {v_head_dim}")
     if block_size <= 0 or block_size & (block_size - 1):
         raise ShapeError(f"block_size (dim 1 of the caches) must be a power of two, got {block_size}")
     if num_blocks <= 0:
         raise ShapeError("the block pools hold no blocks")
     _check_dtype(key_cache.dtype, "key_cache")
     q = _check_q(q, num_kv_heads, head_dim, key_cache.dtype, key_cache.device)
-    out = _check_out(out, q)
+    out = _check_out(out, q, v_head_dim)
     num_seqs = q.shape[0]
     if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ShapeError(
@@ -153,6 +156,8 @@ def decode_attention_paged(
         scale,
     )
     p.paged = True
+    p.v_token_stride = num_kv_heads * v_head_dim
+    p.head_stride, p.v_head_stride = head_dim, v_head_dim
     p.block_tables = tables.data_ptr()
     p.bt_stride = tables.stride(0)
     p.block_size = block_size
@@ -201,7 +206,7 @@ def decode_attention_reference(
     q = _check_q(q, cache.num_kv_heads, cache.head_dim, cache.dtype, cache.device)
     if q.shape[0] != len(seqs):
         raise ShapeError(f"q has {q.shape[0]} rows for {len(seqs)} sequences")
-    out = _check_out(out, q)
+    out = _check_out(out, q, getattr(cache, "v_head_dim", cache.head_dim))
     _cache_max_len(cache, seqs)  # every sequence holds at least one token
     for i, seq in enumerate(seqs):
         k, v = cache.kv(layer, seq)  # [T, kv_heads, D]
@@ -215,10 +220,11 @@ def decode_attention_reference(
 def batched_kv_from_tensors(k: torch.Tensor, v: torch.Tensor, lengths, layout: str = "bthd") -> BatchedKV:
     """A BatchedKV over ordinary tensors (e.g. a StaticCache's), for decode_attention_contiguous.
 
-    k, v: [B, T, H, D] (layout="bthd") or [B, H, T, D] (layout="bhtd"), same shape, dtype, device and
-    strides, each head's row of D elements dense (views of a larger buffer, e.g. the first T tokens of a
-    longer cache, are fine). lengths: valid tokens of each of the B sequences (an int for all, a sequence
-    of ints, or an integer tensor), each in 1..T; sequence i is row i. The descriptor keeps k and v alive."""
+    k: [B, T, H, D] (layout="bthd") or [B, H, T, D] (layout="bhtd"); v the same layout with the same B, T and
+    H but its own head dim (last dimension) and strides, e.g. MLA-style K 192 / V 128. Same dtype and device;
+    each head's row dense (views of a larger buffer, e.g. the first T tokens of a longer cache, are fine).
+    lengths: valid tokens of each of the B sequences (an int for all, a sequence of ints, or an integer
+    tensor), each in 1..T; sequence i is row i. The descriptor keeps k and v alive."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -226,32 +232,14 @@ def batched_kv_from_tensors(k: torch.Tensor, v: torch.Tensor, lengths, layout: s
             raise ShapeError(f"{name} must be 4-d ([B, T, H, D] or [B, H, T, D]), got {list(t.shape)}")
     if layout not in ("bthd", "bhtd"):
         raise InvalidArgumentError(f"layout must be 'bthd' ([B, T, H, D]) or 'bhtd' ([B, H, T, D]), got {layout!r}")
-    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
-        raise ShapeError(f"k {list(k.shape)} {k.dtype} {k.device} and v {list(v.shape)} {v.dtype} {v.device} differ")
-    if k.stride() != v.stride():
-        raise InvalidArgumentError(
-            f"k and v must have the same strides (the kernels find V at K's offsets), got {k.stride()} and {v.stride()}"
+    if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype or k.device != v.device:
+        raise ShapeError(
+            f"k {list(k.shape)} {k.dtype} {k.device} and v {list(v.shape)} {v.dtype} {v.device} differ "
+            "(only the head dim, the last dimension, may)"
         )
     _check_dtype(k.dtype, "k")
-    if layout == "bthd":
-        batch, tokens, heads, dim = k.shape
-        slot_stride, token_stride, head_stride, row_stride = k.stride()
-    else:
-        batch, heads, tokens, dim = k.shape
-        slot_stride, head_stride, token_stride, row_stride = k.stride()
-    if min(k.shape) == 0:
-        raise ShapeError(f"k and v must not be empty, got {list(k.shape)}")
-    if (row_stride != 1 and dim > 1) or min(k.stride()) < 0:
-        raise InvalidArgumentError(f"each head's row of {dim} elements must be dense, got strides {k.stride()}")
-    if heads == 1:
-        head_stride = dim  # one head: its stride is never used
-    if tokens == 1:
-        token_stride = max(token_stride, heads * dim if head_stride == dim else dim)  # one token: likewise
-    if head_stride == dim:
-        if token_stride < heads * dim:
-            raise InvalidArgumentError(f"tokens overlap: token stride {token_stride} < {heads} heads x {dim}")
-    elif head_stride < tokens * token_stride or token_stride < dim:
-        raise InvalidArgumentError(f"the strides {k.stride()} do not give every head a run of {tokens} tokens")
+    batch, tokens, heads, dim, slot_stride, token_stride, head_stride = _dense_strides("k", k, layout)
+    *_, v_dim, v_slot_stride, v_token_stride, v_head_stride = _dense_strides("v", v, layout)
     if isinstance(lengths, torch.Tensor):
         lengths = _index_tensor(lengths, "lengths", (batch,), k.device)
         if k.device.type == "cpu":
@@ -280,7 +268,42 @@ def batched_kv_from_tensors(k: torch.Tensor, v: torch.Tensor, lengths, layout: s
         k.device,
         layout,
         (k, v),
+        v_head_dim=v_dim,
+        v_slot_stride=v_slot_stride,
+        v_token_stride=v_token_stride,
+        v_head_stride=v_head_stride,
     )
+
+
+def _dense_strides(name: str, t: torch.Tensor, layout: str) -> tuple[int, int, int, int, int, int, int]:
+    """(batch, tokens, heads, dim, slot_stride, token_stride, head_stride) of a [B, T, H, D] / [B, H, T, D]
+    tensor whose heads' rows are dense and whose tokens and heads do not overlap."""
+    if layout == "bthd":
+        batch, tokens, heads, dim = t.shape
+        slot_stride, token_stride, head_stride, row_stride = t.stride()
+    else:
+        batch, heads, tokens, dim = t.shape
+        slot_stride, head_stride, token_stride, row_stride = t.stride()
+    if min(t.shape) == 0:
+        raise ShapeError(f"{name} must not be empty, got {list(t.shape)}")
+    if not 1 <= dim <= 256:
+        raise ShapeError(f"{name}'s head dim must be in 1..256, got {dim}")
+    if (row_stride != 1 and dim > 1) or min(t.stride()) < 0:
+        raise InvalidArgumentError(
+            f"each head's row of {name} ({dim} elements) must be dense, got strides {t.stride()}"
+        )
+    if heads == 1:
+        head_stride = dim  # one head: its stride is never used
+    if tokens == 1:
+        token_stride = max(token_stride, heads * dim if head_stride == dim else dim)  # one token: likewise
+    if head_stride == dim:
+        if token_stride < heads * dim:
+            raise InvalidArgumentError(f"tokens of {name} overlap: token stride {token_stride} < {heads} heads x {dim}")
+    elif head_stride < tokens * token_stride or token_stride < dim:
+        raise InvalidArgumentError(
+            f"the strides {t.stride()} of {name} do not give every head a run of {tokens} tokens"
+        )
+    return batch, tokens, heads, dim, slot_stride, token_stride, head_stride
 
 
 # --------------------------------------------------------------------------------------------- checks
@@ -304,13 +327,14 @@ def _check_q(q, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: to
     return q.contiguous()
 
 
-def _check_out(out, q: torch.Tensor) -> torch.Tensor:
+def _check_out(out, q: torch.Tensor, v_head_dim: int) -> torch.Tensor:
+    shape = (q.shape[0], q.shape[1], v_head_dim)
     if out is None:
-        return torch.empty_like(q)
+        return torch.empty(shape, dtype=q.dtype, device=q.device)
     if not isinstance(out, torch.Tensor):
         raise InvalidArgumentError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if out.shape != q.shape:
-        raise ShapeError(f"out must have q's shape {list(q.shape)}, got {list(out.shape)}")
+    if tuple(out.shape) != shape:
+        raise ShapeError(f"out must be {list(shape)} ([num_seqs, num_heads, v_head_dim]), got {list(out.shape)}")
     if out.dtype != q.dtype:
         raise DTypeError(f"out has dtype {out.dtype}, q {q.dtype}")
     if out.device != q.device:
@@ -370,6 +394,19 @@ def _check_max_len(max_len, capacity: int) -> int:
     return max_len
 
 
+def _run_capacity(name: str, heads: int, dim: int, head_stride: int, token_stride: int, slot_stride: int) -> int:
+    """Tokens one sequence of K or V can hold with these strides (checked not to overlap)."""
+    heads_apart = head_stride != dim  # head_major: each head has its own run of tokens
+    row = dim if heads_apart else heads * dim
+    if head_stride < dim or token_stride < row or slot_stride < 0:
+        raise InvalidArgumentError(
+            f"{name}'s token_stride {token_stride} / head_stride {head_stride} / slot_stride {slot_stride} "
+            f"cannot hold {heads} heads of {dim}"
+        )
+    span = head_stride if heads_apart else slot_stride  # elements one token run may fill
+    return span // token_stride if span else 2**31 - 1
+
+
 def _check_extent(kv: BatchedKV, slots: list[int], lengths: list[int]) -> None:
     """The last row each sequence reaches must lie inside the memory that owns the descriptor."""
     owners = kv.owner if isinstance(kv.owner, tuple) else (kv.owner, kv.owner)  # from_tensors: (k, v)
@@ -377,11 +414,15 @@ def _check_extent(kv: BatchedKV, slots: list[int], lengths: list[int]) -> None:
     if None in extents or not slots:
         return
     item = itemsize(kv.dtype)
-    row = (kv.num_kv_heads - 1) * kv.head_stride + kv.head_dim  # first to one past the last element of a token
-    first = min(slots) * kv.slot_stride
-    last = max(s * kv.slot_stride + (n - 1) * kv.token_stride for s, n in zip(slots, lengths)) + row
-    lo = extents[0][0]
-    for name, base, (elo, ehi) in (("K", kv.k_ptr, extents[0]), ("V", kv.v_ptr, extents[1])):
+    # (name, base, extent, head dim, head stride, token stride, slot stride) of K and of V
+    tensors = (
+        ("K", kv.k_ptr, extents[0], kv.head_dim, kv.head_stride, kv.token_stride, kv.slot_stride),
+        ("V", kv.v_ptr, extents[1], kv.v_head_dim, kv.v_head_stride, kv.v_token_stride, kv.v_slot_stride),
+    )
+    for name, base, (elo, ehi), dim, hs, ts, ss in tensors:
+        row = (kv.num_kv_heads - 1) * hs + dim  # first to one past the last element of a token
+        first = min(slots) * ss
+        last = max(s * ss + (n - 1) * ts for s, n in zip(slots, lengths)) + row
         if min(slots) < 0 or base + first * item < elo or base + last * item > ehi:
             raise InvalidArgumentError(
                 f"{name} rows of the descriptor's slots and lengths fall outside the cache's memory"
@@ -389,14 +430,15 @@ def _check_extent(kv: BatchedKV, slots: list[int], lengths: list[int]) -> None:
     if isinstance(kv.owner, _C.VirtualRange):
         # Inside the reservation is not enough: a descriptor kept past free() + reclaim, truncate() or close()
         # (or lengths edited by hand) would make the kernel read unmapped pages, a SIGSEGV on the host.
-        heads_apart = kv.head_stride != kv.head_dim
-        runs = [h * kv.head_stride for h in range(kv.num_kv_heads)] if heads_apart else [0]
-        run_row = kv.head_dim if heads_apart else row
-        for s, n in zip(slots, lengths):
-            nbytes = ((n - 1) * kv.token_stride + run_row) * item
-            for base in (kv.k_ptr, kv.v_ptr):
+        lo = extents[0][0]
+        for _, base, _, dim, hs, ts, ss in tensors:
+            heads_apart = hs != dim
+            runs = [h * hs for h in range(kv.num_kv_heads)] if heads_apart else [0]
+            run_row = dim if heads_apart else (kv.num_kv_heads - 1) * hs + dim
+            for s, n in zip(slots, lengths):
+                nbytes = ((n - 1) * ts + run_row) * item
                 for h in runs:
-                    if not kv.owner.is_mapped(base - lo + (s * kv.slot_stride + h) * item, nbytes):
+                    if not kv.owner.is_mapped(base - lo + (s * ss + h) * item, nbytes):
                         raise InvalidArgumentError(
                             f"the descriptor reaches unmapped memory (slot {s}, length {n}): it is stale; take "
                             "a fresh one with VirtualKVCache.batch() after free(), truncate() or swap_out()"
@@ -427,6 +469,7 @@ def _params(
     p = _C.DecodeParams()
     p.dtype = _DTYPE_CODES[q.dtype]
     p.num_seqs, p.num_heads, p.head_dim = q.shape
+    p.v_head_dim = out.shape[2]
     p.num_kv_heads = num_kv_heads
     p.q, p.out, p.k, p.v = q.data_ptr(), out.data_ptr(), k_ptr, v_ptr
     p.token_stride = token_stride
@@ -448,7 +491,7 @@ def _launch(p: _C.DecodeParams, q: torch.Tensor) -> None:
         # Freed tensors return to torch's caching allocator for this stream: later work on the same stream
         # runs after the kernels, so reuse is safe without a sync.
         acc = torch.empty(
-            (p.num_seqs, p.num_heads, launch.num_splits, p.head_dim), dtype=torch.float32, device=q.device
+            (p.num_seqs, p.num_heads, launch.num_splits, p.v_head_dim), dtype=torch.float32, device=q.device
         )
         ml = torch.empty((p.num_seqs, p.num_heads, launch.num_splits, 2), dtype=torch.float32, device=q.device)
         launch.partial_acc, launch.partial_ml = acc.data_ptr(), ml.data_ptr()

@@ -50,8 +50,10 @@ class BatchedKV:
 
     k_ptr / v_ptr address token 0 of slot 0; sequence i starts `slots[i] * slot_stride` elements further
     and holds `lengths[i]` valid tokens with `token_stride` elements between tokens, `head_stride` between
-    heads (head_dim except for the head_major layout). Only memory below each length is guaranteed mapped:
-    a kernel must not read past it. Valid until one of the sequences is freed, truncated or swapped out.
+    heads (head_dim except for the head_major layout). V may have its own head dim and strides (v_head_dim,
+    v_slot_stride, v_token_stride, v_head_stride; None: the same as K's, filled in on construction).
+    Only memory below each length is guaranteed mapped: a kernel must not read past it. Valid until one of
+    the sequences is freed, truncated or swapped out.
     """
 
     k_ptr: int
@@ -67,11 +69,30 @@ class BatchedKV:
     device: torch.device
     layout: str
     owner: object  # the cache's range: keeps the memory reserved while this descriptor lives
+    v_head_dim: int | None = None
+    v_slot_stride: int | None = None
+    v_token_stride: int | None = None
+    v_head_stride: int | None = None
+
+    def __post_init__(self) -> None:
+        # Frozen: fill the "same as K" defaults through object.__setattr__.
+        same = self.v_head_dim is None or self.v_head_dim == self.head_dim
+        defaults = dict(
+            v_head_dim=self.head_dim,
+            v_slot_stride=self.slot_stride,
+            v_token_stride=self.token_stride,
+            # A different V head dim with no stride given: V's heads are dense in its rows.
+            v_head_stride=self.head_stride if same else self.v_head_dim,
+        )
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
 
     @classmethod
     def from_tensors(cls, k: torch.Tensor, v: torch.Tensor, lengths, layout: str = "bthd") -> BatchedKV:
         """A descriptor over ordinary dense K/V tensors, [B, T, H, D] ("bthd") or [B, H, T, D] ("bhtd"), e.g.
-        a StaticCache's, with lengths[i] valid tokens in row i. See vpaged.ops.batched_kv_from_tensors."""
+        a StaticCache's, with lengths[i] valid tokens in row i; V may have its own head dim (last dimension)
+        and strides. See vpaged.ops.batched_kv_from_tensors."""
         from .ops import batched_kv_from_tensors  # ops imports the caches, which import this module
 
         return batched_kv_from_tensors(k, v, lengths, layout)

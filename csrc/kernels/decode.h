@@ -3,8 +3,10 @@
 //   contiguous (VirtualKVCache): row = slots[b] * slot_stride + t * token_stride
 //   paged (PagedKVCache):        row = (block_tables[b][t / block_size] * block_size + t % block_size) * token_stride
 // Within a row, kv head h starts at h * head_stride (head_dim when heads are dense, as in PagedKVCache and
-// the per_layer / interleaved layouts; a run of pages apart in the head_major layout), V sits at the same
-// offset from v as K from k. Query and output are dense [num_seqs, num_heads, head_dim]; query head j reads kv head
+// the per_layer / interleaved layouts; a run of pages apart in the head_major layout). V has its own head
+// dim and strides (v_*; 0, or -1 for v_slot_stride, means "as K's"), so values may be narrower or wider than
+// keys (e.g. K 192 / V 128); V's rows are found with the same token / block indices as K's. Query is dense
+// [num_seqs, num_heads, head_dim], output [num_seqs, num_heads, v_head_dim]; query head j reads kv head
 // j / (num_heads / num_kv_heads) (GQA). Scores and accumulators are fp32 whatever the storage type.
 //
 // Tensors cross as raw pointers: the extension does not link libtorch, vpaged/ops.py checks shapes,
@@ -22,18 +24,22 @@ struct DecodeParams {
   int num_seqs = 0;
   int num_heads = 0;
   int num_kv_heads = 0;
-  int head_dim = 0;
+  int head_dim = 0;         // of q and K
+  int v_head_dim = 0;       // of V and out (0: head_dim)
   const void* q = nullptr;  // [num_seqs, num_heads, head_dim], dense
-  void* out = nullptr;      // [num_seqs, num_heads, head_dim], dense
+  void* out = nullptr;      // [num_seqs, num_heads, v_head_dim], dense
   const void* k = nullptr;
   const void* v = nullptr;
   int64_t token_stride = 0;          // elements from one token's row to the next
   int64_t head_stride = 0;           // elements from one kv head to the next (0: head_dim)
+  int64_t v_token_stride = 0;        // V's token_stride (0: token_stride)
+  int64_t v_head_stride = 0;         // V's head_stride (0: head_stride when v_head_dim == head_dim, else v_head_dim)
   const int32_t* lengths = nullptr;  // [num_seqs] valid tokens per sequence
   int32_t max_tokens = 0;            // capacity per sequence; lengths are clamped to it (no stray reads)
   bool paged = false;
   const int32_t* slots = nullptr;         // contiguous: [num_seqs] slot of each sequence
   int64_t slot_stride = 0;                // contiguous: elements between slots
+  int64_t v_slot_stride = -1;             // contiguous: V's slot_stride (-1: slot_stride)
   const int32_t* block_tables = nullptr;  // paged: [num_seqs, bt_stride] block ids
   int64_t bt_stride = 0;
   int block_size = 0;      // paged: a power of two
@@ -41,11 +47,14 @@ struct DecodeParams {
   float scale = 1.0f;      // softmax scale (usually 1/sqrt(head_dim))
 };
 
-// Throws InvalidArgument when the parameters are inconsistent (shared by the CPU and CUDA paths).
+// The parameters with every "as K's" V field (and head_stride 0) spelled out.
+DecodeParams resolve_params(const DecodeParams& p);
+// Throws InvalidArgument when the parameters are inconsistent (shared by the CPU and CUDA paths; takes
+// resolved or unresolved parameters).
 void check_params(const DecodeParams& p);
 
 // CPU code paths, chosen at run time: the portable x86-64 build (the reference), AVX2+FMA, AVX-512
-// (F/BW/VL/DQ; head_dim 64, 128 and 256, other head_dims run the AVX2 build).
+// (F/BW/VL/DQ; head_dim = v_head_dim = 64, 128 or 256, and K 192 / V 128; other head dims run the AVX2 build).
 enum CpuIsa : int { kIsaAuto = -1, kIsaBaseline = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
 // The best path this CPU (and OS) supports.
 int cpu_best_isa();
@@ -57,7 +66,7 @@ void decode_cpu(const DecodeParams& p, int num_threads, int isa = kIsaAuto);
 // CUDA. The caller plans the split of long contexts (vpaged/ops.py):
 //   num_splits == 1: one pass, each block writes its heads' output directly;
 //   num_splits > 1: sequence b's tokens are cut into pieces of split_tokens; pass 1 writes unnormalised
-//   partial outputs (partial_acc [num_seqs, num_heads, num_splits, head_dim]) and their max / sum
+//   partial outputs (partial_acc [num_seqs, num_heads, num_splits, v_head_dim]) and their max / sum
 //   (partial_ml [num_seqs, num_heads, num_splits, 2]), pass 2 merges them. All on `stream` (a cudaStream_t
 //   of device `device`, e.g. torch.cuda.current_stream().cuda_stream), asynchronously.
 struct CudaLaunch {

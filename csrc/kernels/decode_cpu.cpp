@@ -38,7 +38,18 @@
 namespace vpaged {
 namespace kernels {
 
-void check_params(const DecodeParams& p) {
+DecodeParams resolve_params(const DecodeParams& in) {
+  DecodeParams p = in;
+  if (p.head_stride == 0) p.head_stride = p.head_dim;
+  if (p.v_head_dim == 0) p.v_head_dim = p.head_dim;
+  if (p.v_token_stride == 0) p.v_token_stride = p.token_stride;
+  if (p.v_head_stride == 0) p.v_head_stride = p.v_head_dim == p.head_dim ? p.head_stride : p.v_head_dim;
+  if (p.v_slot_stride == -1) p.v_slot_stride = p.slot_stride;
+  return p;
+}
+
+void check_params(const DecodeParams& in) {
+  const DecodeParams p = resolve_params(in);
   auto fail = [](const std::string& m) { throw InvalidArgument("decode attention: " + m); };
   if (p.dtype != kFloat32 && p.dtype != kFloat16 && p.dtype != kBFloat16)
     fail("unsupported dtype code " + std::to_string(p.dtype));
@@ -47,10 +58,17 @@ void check_params(const DecodeParams& p) {
     fail("num_heads (" + std::to_string(p.num_heads) + ") must be a positive multiple of num_kv_heads (" +
          std::to_string(p.num_kv_heads) + ")");
   if (p.head_dim <= 0 || p.head_dim > 256) fail("head_dim must be in 1..256, got " + std::to_string(p.head_dim));
-  const int64_t hs = p.head_stride ? p.head_stride : p.head_dim;
-  if (hs < p.head_dim) fail("head_stride " + std::to_string(p.head_stride) + " is smaller than head_dim");
-  if (hs == p.head_dim ? p.token_stride < int64_t(p.num_kv_heads) * p.head_dim : p.token_stride < p.head_dim)
-    fail("token_stride " + std::to_string(p.token_stride) + " overlaps the tokens' heads");
+  if (p.v_head_dim <= 0 || p.v_head_dim > 256)
+    fail("v_head_dim must be in 1..256, got " + std::to_string(p.v_head_dim));
+  // Each of K and V: a head's row fits its head stride, and tokens do not overlap.
+  auto check_strides = [&](const char* name, int dim, int64_t hs, int64_t ts, int64_t ss) {
+    if (hs < dim) fail(std::string(name) + " head_stride " + std::to_string(hs) + " is smaller than its head dim");
+    if (hs == dim ? ts < int64_t(p.num_kv_heads) * dim : ts < dim)
+      fail(std::string(name) + " token_stride " + std::to_string(ts) + " overlaps the tokens' heads");
+    if (!p.paged && ss < 0) fail(std::string(name) + " slot_stride is negative");
+  };
+  check_strides("K", p.head_dim, p.head_stride, p.token_stride, p.slot_stride);
+  check_strides("V", p.v_head_dim, p.v_head_stride, p.v_token_stride, p.v_slot_stride);
   if (p.max_tokens < 0) fail("max_tokens < 0");
   if (p.num_seqs == 0) return;
   if (!p.q || !p.out || !p.k || !p.v || !p.lengths) fail("null tensor pointer");
@@ -61,7 +79,7 @@ void check_params(const DecodeParams& p) {
     if (int64_t(p.max_tokens) > p.bt_stride * p.block_size)
       fail("max_tokens exceeds what a block-table row can address");
   } else {
-    if (!p.slots || p.slot_stride < 0) fail("slots missing or negative slot_stride");
+    if (!p.slots) fail("slots missing");
   }
 }
 
@@ -294,31 +312,38 @@ struct Item {
   int64_t partial;  // index of its partial result, or -1: the item covers the whole sequence
 };
 
-// Where token t's row starts (elements from k / v).
+// Where token t's K row and V row start (elements from k / v; parameters resolved).
 struct RowFinder {
   const DecodeParams& p;
   int b;
-  int64_t slot_base = 0;
+  int64_t slot_base = 0, v_slot_base = 0;
   int shift = 0;
   RowFinder(const DecodeParams& params, int seq) : p(params), b(seq) {
     if (p.paged) {
       while ((1 << shift) < p.block_size) ++shift;
     } else {
       slot_base = int64_t(p.slots[b]) * p.slot_stride;
+      v_slot_base = int64_t(p.slots[b]) * p.v_slot_stride;
     }
   }
-  VP_INLINE int64_t operator()(int t) const {
-    if (!p.paged) return slot_base + int64_t(t) * p.token_stride;
+  VP_INLINE void operator()(int t, int64_t& k_off, int64_t& v_off) const {
+    if (!p.paged) {
+      k_off = slot_base + int64_t(t) * p.token_stride;
+      v_off = v_slot_base + int64_t(t) * p.v_token_stride;
+      return;
+    }
     int32_t blk = p.block_tables[int64_t(b) * p.bt_stride + (t >> shift)];
     blk = blk < 0 ? 0 : (blk >= p.num_blocks ? p.num_blocks - 1 : blk);  // never read outside the pool
-    return ((int64_t(blk) << shift) + (t & (p.block_size - 1))) * p.token_stride;
+    const int64_t r = (int64_t(blk) << shift) + (t & (p.block_size - 1));
+    k_off = r * p.token_stride;
+    v_off = r * p.v_token_stride;
   }
 };
 
 // Floats of per-thread workspace an item needs.
 size_t workspace_floats(const DecodeParams& p) {
-  const size_t H = p.num_heads, D = p.head_dim;
-  return 2 * H * D + size_t(kChunk) * std::max<size_t>(D, 64) + H * kChunk + 2 * H;
+  const size_t H = p.num_heads, D = p.head_dim, DV = p.v_head_dim;
+  return H * D + H * DV + size_t(kChunk) * std::max<size_t>(std::max<size_t>(D, DV), 64) + H * kChunk + 2 * H;
 }
 
 // Write an item's result: the normalised output when it covers its whole sequence, else its partial state.
@@ -326,7 +351,7 @@ template <int DT>
 VP_INLINE void finish_item(const DecodeParams& p, const Item& it, const float* acc, const float* m, const float* l,
                            float* part_acc, float* part_ml) {
   using T = typename Elem<DT>::T;
-  const int H = p.num_heads, D = p.head_dim;
+  const int H = p.num_heads, D = p.v_head_dim;
   if (it.partial < 0) {
     T* out = static_cast<T*>(p.out) + int64_t(it.b) * H * D;
     for (int h = 0; h < H; ++h) {
@@ -342,36 +367,40 @@ VP_INLINE void finish_item(const DecodeParams& p, const Item& it, const float* a
   }
 }
 
-template <int DT, int DC>
+// DC, DVC: head_dim and v_head_dim as compile-time constants, or 0 for run-time dims.
+template <int DT, int DC, int DVC>
 VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, float* part_acc, float* part_ml) {
   using T = typename Elem<DT>::T;
   const int D = DC ? DC : p.head_dim;
+  const int DV = DVC ? DVC : p.v_head_dim;
   const int H = p.num_heads, HKV = p.num_kv_heads, G = H / HKV;
-  float* __restrict qf = ws;                 // [H][D] query, pre-scaled
-  float* __restrict acc = qf + H * D;        // [H][D] unnormalised output
-  float* __restrict rows = acc + H * D;      // [kChunk][D] widened K or V rows of one kv head
-  float* __restrict sc = rows + kChunk * D;  // [H][kChunk] scores, then probabilities
-  float* __restrict m = sc + H * kChunk;     // [H] running max
-  float* __restrict l = m + H;               // [H] running sum of exp(score - max)
+  const int DR = std::max(D, DV);
+  float* __restrict qf = ws;                  // [H][D] query, pre-scaled
+  float* __restrict acc = qf + H * D;         // [H][DV] unnormalised output
+  float* __restrict rows = acc + H * DV;      // [kChunk][max(D, DV)] widened K or V rows of one kv head
+  float* __restrict sc = rows + kChunk * DR;  // [H][kChunk] scores, then probabilities
+  float* __restrict m = sc + H * kChunk;      // [H] running max
+  float* __restrict l = m + H;                // [H] running sum of exp(score - max)
 
   const T* q = static_cast<const T*>(p.q) + int64_t(it.b) * H * D;
   for (int i = 0; i < H * D; ++i) qf[i] = Elem<DT>::load(q[i]) * p.scale;
-  std::fill(acc, acc + H * D, 0.0f);
+  std::fill(acc, acc + H * DV, 0.0f);
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
   std::fill(l, l + H, 0.0f);
 
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
   const RowFinder row(p, it.b);
-  const int64_t HS = p.head_stride ? p.head_stride : D;  // elements between kv heads of a token
+  const int64_t HS = p.head_stride, VHS = p.v_head_stride;  // elements between kv heads of a token
   // Prefetch a token's whole row when its heads are dense, else the first head's slice.
   const int row_bytes = (HS == D ? HKV : 1) * D * int(sizeof(T));
-  int64_t off[kChunk];
+  const int v_row_bytes = (VHS == DV ? HKV : 1) * DV * int(sizeof(T));
+  int64_t off[kChunk], voff[kChunk];
   const float* vr[kChunk];
 
   for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
     const int n = std::min(kChunk, it.t1 - c0);
-    for (int i = 0; i < n; ++i) off[i] = row(c0 + i);
+    for (int i = 0; i < n; ++i) row(c0 + i, off[i], voff[i]);
 
     // Scores of the chunk, all heads, two tokens at a time (an odd last token is paired with itself; the
     // spare score lands in an unused column). Meanwhile K rows kAhead tokens on and this chunk's V rows,
@@ -380,9 +409,10 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
       const int i1 = i + 1 < n ? i + 1 : i;
       for (int j = i; j <= i1; ++j) {
         if (c0 + j + kAhead < it.t1) {
-          const int64_t ahead = row(c0 + j + kAhead);
-          prefetch_row(K + ahead, row_bytes);
-          prefetch_row(V + ahead, row_bytes);
+          int64_t ka, va;
+          row(c0 + j + kAhead, ka, va);
+          prefetch_row(K + ka, row_bytes);
+          prefetch_row(V + va, v_row_bytes);
         }
       }
       for (int kh = 0; kh < HKV; ++kh) {
@@ -416,26 +446,26 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
       l[h] = l[h] * alpha + sum;
       m[h] = mn;
       if (alpha != 1.0f) {
-        float* a = acc + h * D;
+        float* a = acc + h * DV;
 #pragma omp simd
-        for (int d = 0; d < D; ++d) a[d] *= alpha;
+        for (int d = 0; d < DV; ++d) a[d] *= alpha;
       }
     }
 
     // P·V: widen each V row of the chunk once, use it for the G heads that share it.
     for (int kh = 0; kh < HKV; ++kh) {
-      for (int i = 0; i < n; ++i) vr[i] = widen<DT, DC>(V + off[i] + kh * HS, rows + i * D, D);
+      for (int i = 0; i < n; ++i) vr[i] = widen<DT, DVC>(V + voff[i] + kh * VHS, rows + i * DV, DV);
       int g = 0;
-      if (D % 16 == 0) {
-        for (; g + 4 <= G; g += 4) pv4x16(acc + (kh * G + g) * D, vr, sc + (kh * G + g) * kChunk, n, D);
+      if (DV % 16 == 0) {
+        for (; g + 4 <= G; g += 4) pv4x16(acc + (kh * G + g) * DV, vr, sc + (kh * G + g) * kChunk, n, DV);
       }
       for (; g < G; ++g) {
         const int h = kh * G + g;
-        float* a = acc + h * D;
+        float* a = acc + h * DV;
         const float* ps = sc + h * kChunk;
         int i = 0;
-        for (; i + 4 <= n; i += 4) axpy4<DC>(a, vr[i], vr[i + 1], vr[i + 2], vr[i + 3], ps + i, D);
-        for (; i < n; ++i) axpy1<DC>(a, vr[i], ps[i], D);
+        for (; i + 4 <= n; i += 4) axpy4<DVC>(a, vr[i], vr[i + 1], vr[i + 2], vr[i + 3], ps + i, DV);
+        for (; i < n; ++i) axpy1<DVC>(a, vr[i], ps[i], DV);
       }
     }
   }
@@ -452,7 +482,8 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
 //     they are loaded (bf16: zero-extend and shift; fp16: vcvtph2ps).
 // Per chunk and kv head: scores 2 tokens x up to 4 heads of the GQA group at a time (8 independent FMA
 // chains, each K vector feeds 4 FMAs); P.V keeps a 4-head x 64-dim tile of accumulators (16 registers)
-// across the chunk's tokens. head_dim must be a multiple of 64 (64, 128 and 256 are compiled).
+// across the chunk's tokens. head_dim must be a multiple of 16 and v_head_dim of 64 (compiled: 64/64,
+// 128/128, 256/256 and 192/128).
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* helpers.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -507,18 +538,21 @@ VP_AVX512 __m512 exp16(__m512 x) {
 }
 
 // Partial score vectors of GB query heads (q rows D apart) against the n K rows at off[] + hoff, into
-// red[g][i][16]. ahead (or null): rows kAhead tokens on, whose K and V head slices are prefetched.
-template <int DT, int D, int GB>
+// red[g][i][16]. ahead / v_ahead (or null): K / V rows kAhead tokens on, whose head slices (D / DV wide)
+// are prefetched.
+template <int DT, int D, int DV, int GB>
 VP_AVX512 void scores_tile(const float* __restrict q, const typename Elem<DT>::T* K, const typename Elem<DT>::T* V,
-                           const int64_t* off, const int64_t* ahead, int64_t hoff, int n, float* __restrict red) {
+                           const int64_t* off, const int64_t* ahead, const int64_t* v_ahead, int64_t hoff,
+                           int64_t v_hoff, int n, float* __restrict red) {
   using T = typename Elem<DT>::T;
+  static_assert(D % 16 == 0, "scores take 16 dims at a time");
   for (int i = 0; i < n; i += 2) {
     const int i1 = i + 1 < n ? i + 1 : i;  // an odd last token pairs with itself
     if (ahead) {
       for (int j = i; j <= i1; ++j) {
         if (ahead[j] >= 0) {
           prefetch_row(K + ahead[j] + hoff, D * int(sizeof(T)));
-          prefetch_row(V + ahead[j] + hoff, D * int(sizeof(T)));
+          prefetch_row(V + v_ahead[j] + v_hoff, DV * int(sizeof(T)));
         }
       }
     }
@@ -567,21 +601,22 @@ VP_AVX512 void pv_tile(float* __restrict acc, const typename Elem<DT>::T* V, con
   }
 }
 
-template <int DT, int D>
+template <int DT, int D, int DV>
 VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, float* ws, float* part_acc,
                                       float* part_ml) {
   using T = typename Elem<DT>::T;
+  constexpr int DR = D > DV ? D : DV;
   const int H = p.num_heads, HKV = p.num_kv_heads, G = H / HKV;
-  float* __restrict qf = ws;                // [H][D] query, pre-scaled
-  float* __restrict acc = qf + H * D;       // [H][D] unnormalised output
-  float* __restrict red = acc + H * D;      // [4][kChunk][16] partial score vectors (kChunk * D >= 2048)
-  float* __restrict sc = red + kChunk * D;  // [H][kChunk] scores, then probabilities
-  float* __restrict m = sc + H * kChunk;    // [H] running max
-  float* __restrict l = m + H;              // [H] running sum of exp(score - max)
+  float* __restrict qf = ws;                 // [H][D] query, pre-scaled
+  float* __restrict acc = qf + H * D;        // [H][DV] unnormalised output
+  float* __restrict red = acc + H * DV;      // [4][kChunk][16] partial score vectors (kChunk * DR >= 2048)
+  float* __restrict sc = red + kChunk * DR;  // [H][kChunk] scores, then probabilities
+  float* __restrict m = sc + H * kChunk;     // [H] running max
+  float* __restrict l = m + H;               // [H] running sum of exp(score - max)
 
   const T* q = static_cast<const T*>(p.q) + int64_t(it.b) * H * D;
   for (int i = 0; i < H * D; ++i) qf[i] = Elem<DT>::load(q[i]) * p.scale;
-  std::fill(acc, acc + H * D, 0.0f);
+  std::fill(acc, acc + H * DV, 0.0f);
   std::fill(red, red + 4 * kChunk * 16, 0.0f);  // rows past a short chunk's end are summed, never used
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
   std::fill(l, l + H, 0.0f);
@@ -589,14 +624,18 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
   const RowFinder row(p, it.b);
-  const int64_t HS = p.head_stride ? p.head_stride : D;
-  int64_t off[kChunk], ahead[kChunk];
+  const int64_t HS = p.head_stride, VHS = p.v_head_stride;
+  int64_t off[kChunk], voff[kChunk], ahead[kChunk], v_ahead[kChunk];
 
   for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
     const int n = std::min(kChunk, it.t1 - c0);
     for (int i = 0; i < n; ++i) {
-      off[i] = row(c0 + i);
-      ahead[i] = c0 + i + kAhead < it.t1 ? row(c0 + i + kAhead) : -1;
+      row(c0 + i, off[i], voff[i]);
+      if (c0 + i + kAhead < it.t1) {
+        row(c0 + i + kAhead, ahead[i], v_ahead[i]);
+      } else {
+        ahead[i] = v_ahead[i] = -1;
+      }
     }
     for (int kh = 0; kh < HKV; ++kh) {
       for (int g0 = 0; g0 < G; g0 += 4) {
@@ -605,16 +644,16 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
         const int64_t* pf = g0 == 0 ? ahead : nullptr;
         switch (gb) {
           case 4:
-            scores_tile<DT, D, 4>(qg, K, V, off, pf, kh * HS, n, red);
+            scores_tile<DT, D, DV, 4>(qg, K, V, off, pf, v_ahead, kh * HS, kh * VHS, n, red);
             break;
           case 3:
-            scores_tile<DT, D, 3>(qg, K, V, off, pf, kh * HS, n, red);
+            scores_tile<DT, D, DV, 3>(qg, K, V, off, pf, v_ahead, kh * HS, kh * VHS, n, red);
             break;
           case 2:
-            scores_tile<DT, D, 2>(qg, K, V, off, pf, kh * HS, n, red);
+            scores_tile<DT, D, DV, 2>(qg, K, V, off, pf, v_ahead, kh * HS, kh * VHS, n, red);
             break;
           default:
-            scores_tile<DT, D, 1>(qg, K, V, off, pf, kh * HS, n, red);
+            scores_tile<DT, D, DV, 1>(qg, K, V, off, pf, v_ahead, kh * HS, kh * VHS, n, red);
         }
         for (int g = 0; g < gb; ++g)
           for (int i = 0; i < n; i += 16)
@@ -641,27 +680,27 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
       m[h] = mn;
       if (alpha != 1.0f) {
         const __m512 va = _mm512_set1_ps(alpha);
-        float* a = acc + h * D;
-        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), va));
+        float* a = acc + h * DV;
+        for (int d = 0; d < DV; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), va));
       }
     }
 
     for (int kh = 0; kh < HKV; ++kh) {
       for (int g0 = 0; g0 < G; g0 += 4) {
-        float* a = acc + (kh * G + g0) * D;
+        float* a = acc + (kh * G + g0) * DV;
         const float* ps = sc + (kh * G + g0) * kChunk;
         switch (std::min(4, G - g0)) {
           case 4:
-            pv_tile<DT, D, 4>(a, V, off, kh * HS, n, ps);
+            pv_tile<DT, DV, 4>(a, V, voff, kh * VHS, n, ps);
             break;
           case 3:
-            pv_tile<DT, D, 3>(a, V, off, kh * HS, n, ps);
+            pv_tile<DT, DV, 3>(a, V, voff, kh * VHS, n, ps);
             break;
           case 2:
-            pv_tile<DT, D, 2>(a, V, off, kh * HS, n, ps);
+            pv_tile<DT, DV, 2>(a, V, voff, kh * VHS, n, ps);
             break;
           default:
-            pv_tile<DT, D, 1>(a, V, off, kh * HS, n, ps);
+            pv_tile<DT, DV, 1>(a, V, voff, kh * VHS, n, ps);
         }
       }
     }
@@ -672,15 +711,15 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
 
 using ItemFn = void (*)(const DecodeParams&, const Item&, float*, float*, float*);
 
-template <int DT, int DC>
+template <int DT, int DC, int DVC>
 void run_item_base(const DecodeParams& p, const Item& it, float* ws, float* pa, float* pm) {
-  run_item_impl<DT, DC>(p, it, ws, pa, pm);
+  run_item_impl<DT, DC, DVC>(p, it, ws, pa, pm);
 }
 
-template <int DT, int DC>
+template <int DT, int DC, int DVC>
 __attribute__((target("avx2,fma"))) void run_item_avx2(const DecodeParams& p, const Item& it, float* ws, float* pa,
                                                        float* pm) {
-  run_item_impl<DT, DC>(p, it, ws, pa, pm);
+  run_item_impl<DT, DC, DVC>(p, it, ws, pa, pm);
 }
 
 bool cpu_has_avx2() {
@@ -696,40 +735,47 @@ bool cpu_has_avx512() {
 }
 
 template <int DT>
-ItemFn select_dim(int D, int isa) {
+ItemFn select_dim(int D, int DV, int isa) {
   const bool avx2 = isa >= kIsaAvx2;
   if (isa >= kIsaAvx512) {
-    switch (D) {
-      case 64:
-        return run_item_avx512<DT, 64>;
-      case 128:
-        return run_item_avx512<DT, 128>;
-      case 256:
-        return run_item_avx512<DT, 256>;
-      default:
-        break;  // other head_dims: the AVX2 build
+    if (D == DV) {
+      switch (D) {
+        case 64:
+          return run_item_avx512<DT, 64, 64>;
+        case 128:
+          return run_item_avx512<DT, 128, 128>;
+        case 256:
+          return run_item_avx512<DT, 256, 256>;
+        default:
+          break;  // other head dims: the AVX2 build
+      }
+    } else if (D == 192 && DV == 128) {
+      return run_item_avx512<DT, 192, 128>;  // K with a rotary part next to a 128-wide V (e.g. DeepSeek MLA)
     }
   }
-  switch (D) {
-    case 64:
-      return avx2 ? run_item_avx2<DT, 64> : run_item_base<DT, 64>;
-    case 128:
-      return avx2 ? run_item_avx2<DT, 128> : run_item_base<DT, 128>;
-    case 256:
-      return avx2 ? run_item_avx2<DT, 256> : run_item_base<DT, 256>;
-    default:
-      return avx2 ? run_item_avx2<DT, 0> : run_item_base<DT, 0>;
+  if (D == DV) {
+    switch (D) {
+      case 64:
+        return avx2 ? run_item_avx2<DT, 64, 64> : run_item_base<DT, 64, 64>;
+      case 128:
+        return avx2 ? run_item_avx2<DT, 128, 128> : run_item_base<DT, 128, 128>;
+      case 256:
+        return avx2 ? run_item_avx2<DT, 256, 256> : run_item_base<DT, 256, 256>;
+      default:
+        break;
+    }
   }
+  return avx2 ? run_item_avx2<DT, 0, 0> : run_item_base<DT, 0, 0>;
 }
 
-ItemFn select_item_fn(int dtype, int D, int isa) {
+ItemFn select_item_fn(int dtype, int D, int DV, int isa) {
   switch (dtype) {
     case kFloat32:
-      return select_dim<kFloat32>(D, isa);
+      return select_dim<kFloat32>(D, DV, isa);
     case kFloat16:
-      return select_dim<kFloat16>(D, isa);
+      return select_dim<kFloat16>(D, DV, isa);
     default:
-      return select_dim<kBFloat16>(D, isa);
+      return select_dim<kBFloat16>(D, DV, isa);
   }
 }
 
@@ -738,7 +784,7 @@ template <int DT>
 void merge_seq(const DecodeParams& p, int b, int64_t first, int count, const float* part_acc, const float* part_ml,
                float* tmp) {
   using T = typename Elem<DT>::T;
-  const int H = p.num_heads, D = p.head_dim;
+  const int H = p.num_heads, D = p.v_head_dim;
   T* out = static_cast<T*>(p.out) + int64_t(b) * H * D;
   for (int h = 0; h < H; ++h) {
     float M = -std::numeric_limits<float>::infinity();
@@ -762,8 +808,9 @@ void merge_seq(const DecodeParams& p, int b, int64_t first, int count, const flo
 
 int cpu_best_isa() { return cpu_has_avx512() ? kIsaAvx512 : cpu_has_avx2() ? kIsaAvx2 : kIsaBaseline; }
 
-void decode_cpu(const DecodeParams& p, int num_threads, int isa) {
-  check_params(p);
+void decode_cpu(const DecodeParams& params, int num_threads, int isa) {
+  check_params(params);
+  const DecodeParams p = resolve_params(params);
   if (isa == kIsaAuto) isa = cpu_best_isa();
   if (isa < kIsaBaseline || isa > kIsaAvx512)
     throw InvalidArgument("decode attention: unknown CPU code path " + std::to_string(isa));
@@ -772,7 +819,7 @@ void decode_cpu(const DecodeParams& p, int num_threads, int isa) {
                           std::string(isa == kIsaAvx512 ? "AVX-512" : "AVX2") + ")");
   if (p.num_seqs == 0) return;
   int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
-  const int B = p.num_seqs, H = p.num_heads, D = p.head_dim;
+  const int B = p.num_seqs, H = p.num_heads, D = p.head_dim, DV = p.v_head_dim;
 
   std::vector<int> len(B);
   int64_t total = 0;
@@ -782,7 +829,7 @@ void decode_cpu(const DecodeParams& p, int num_threads, int isa) {
   }
   // Small calls (a few short sequences) run on the calling thread: waking a team costs more than their
   // memory traffic (~256 KiB of K/V is ~20 us of one core), and on a busy machine far more.
-  const int64_t kv_bytes = 2 * total * int64_t(p.num_kv_heads) * D * (p.dtype == kFloat32 ? 4 : 2);
+  const int64_t kv_bytes = total * int64_t(p.num_kv_heads) * (D + DV) * (p.dtype == kFloat32 ? 4 : 2);
   if (kv_bytes < (int64_t(1) << 18)) nt = 1;
   // Aim at >= 4 items per thread (dynamic scheduling evens out mixed lengths), but never below kMinSplit
   // tokens per item, where merging would cost more than it balances. Multiple of kChunk: full chunks.
@@ -807,9 +854,9 @@ void decode_cpu(const DecodeParams& p, int num_threads, int isa) {
       items.push_back({b, t0, int(std::min<int64_t>(len[b], t0 + per_item)), partials++});
     }
   }
-  std::vector<float> part_acc(size_t(partials) * H * D), part_ml(size_t(partials) * H * 2);
+  std::vector<float> part_acc(size_t(partials) * H * DV), part_ml(size_t(partials) * H * 2);
 
-  const ItemFn fn = select_item_fn(p.dtype, D, isa);
+  const ItemFn fn = select_item_fn(p.dtype, D, DV, isa);
   const size_t ws_floats = workspace_floats(p);
   const int64_t n_items = int64_t(items.size());
   if (nt == 1 || n_items == 1) {
@@ -826,7 +873,7 @@ void decode_cpu(const DecodeParams& p, int num_threads, int isa) {
   if (partials == 0) return;
 #pragma omp parallel num_threads(nt) if (nt > 1 && B > 1)
   {
-    std::vector<float> tmp(D);
+    std::vector<float> tmp(DV);
 #pragma omp for schedule(dynamic, 1)
     for (int b = 0; b < B; ++b) {
       if (first_partial[b] < 0) continue;

@@ -59,7 +59,6 @@ struct Cvt<__nv_bfloat16> {
   __device__ static __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
 };
 
-// N elements at src (16-byte aligned, N * sizeof(T) a multiple of 16) as floats, in 16-byte loads.
 // N elements at src (16-byte aligned, N * sizeof(T) a multiple of 16) as raw 16-byte vectors, and their
 // conversion to floats: loads are issued a token ahead of their use (see decode_kernel), so the raw form,
 // half the registers for 16-bit types, is what waits in flight.
@@ -102,14 +101,26 @@ __device__ __forceinline__ int clamp_len(const DecodeParams& p, int b) {
   return min(max(p.lengths[b], 0), p.max_tokens);
 }
 
-template <typename T, int D, int GT>
+// Lanes that cooperate on one token: the largest power of two <= 32 that gives every lane whole 16-byte
+// vectors of both the K row (D elements) and the V row (DV).
+template <typename T, int D, int DV>
+constexpr int lanes_per_token() {
+  constexpr int kVec = 16 / int(sizeof(T));  // elements in 16 bytes
+  int lpt = 32;
+  while (lpt > 1 && ((D / kVec) % lpt != 0 || (DV / kVec) % lpt != 0)) lpt /= 2;
+  return lpt;
+}
+
+template <typename T, int D, int DV, int GT>
 __global__ void __launch_bounds__(kThreads)
     decode_kernel(const DecodeParams p, int num_splits, int split_tokens, float* part_acc, float* part_ml) {
-  constexpr int kVec = 16 / int(sizeof(T));               // elements in 16 bytes
-  constexpr int LPT = (D / kVec) < 32 ? (D / kVec) : 32;  // lanes per token
-  constexpr int EPL = D / LPT;                            // elements per lane
-  constexpr int TPW = 32 / LPT;                           // tokens per warp step
-  static_assert(D % LPT == 0 && 32 % LPT == 0, "head_dim must split evenly over a lane group");
+  constexpr int kVec = 16 / int(sizeof(T));
+  constexpr int LPT = lanes_per_token<T, D, DV>();
+  constexpr int EPL = D / LPT;    // K elements per lane
+  constexpr int EPLV = DV / LPT;  // V elements per lane
+  constexpr int TPW = 32 / LPT;   // tokens per warp step
+  static_assert(D % (LPT * kVec) == 0 && DV % (LPT * kVec) == 0 && 32 % LPT == 0,
+                "head dims must split evenly over a lane group");
 
   const int b = blockIdx.z;
   const int split = blockIdx.x;
@@ -124,7 +135,7 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int grp = lane / LPT, lig = lane % LPT;
 
-  float q[GT][EPL], acc[GT][EPL], m[GT], l[GT];
+  float q[GT][EPL], acc[GT][EPLV], m[GT], l[GT];
   const T* qp = static_cast<const T*>(p.q) + (int64_t(b) * p.num_heads + h0) * D + lig * EPL;
 #pragma unroll
   for (int g = 0; g < GT; ++g) {
@@ -132,29 +143,35 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int e = 0; e < EPL; ++e) {
       q[g][e] *= p.scale * kLog2e;
-      acc[g][e] = 0.0f;
     }
+#pragma unroll
+    for (int e = 0; e < EPLV; ++e) acc[g][e] = 0.0f;
     m[g] = -INFINITY;
     l[g] = 0.0f;
   }
 
-  const int64_t head_off = int64_t(kh) * (p.head_stride ? p.head_stride : D);
-  const T* K = static_cast<const T*>(p.k) + head_off + lig * EPL;
-  const T* V = static_cast<const T*>(p.v) + head_off + lig * EPL;
+  // p is resolved (decode_cuda): every V stride is spelled out.
+  const T* K = static_cast<const T*>(p.k) + int64_t(kh) * p.head_stride + lig * EPL;
+  const T* V = static_cast<const T*>(p.v) + int64_t(kh) * p.v_head_stride + lig * EPLV;
   const int64_t slot_base = p.paged ? 0 : int64_t(p.slots[b]) * p.slot_stride;
+  const int64_t v_slot_base = p.paged ? 0 : int64_t(p.slots[b]) * p.v_slot_stride;
   const int32_t* bt = p.paged ? p.block_tables + int64_t(b) * p.bt_stride : nullptr;
   const int shift = p.paged ? __ffs(p.block_size) - 1 : 0;
 
-  // Element offset of token t (clamped to the piece's last token: loads never need a branch, and a clamped
-  // token's score is masked instead).
-  auto token_off = [&](int t) -> int64_t {
+  // Element offsets of token t's K and V rows (clamped to the piece's last token: loads never need a
+  // branch, and a clamped token's score is masked instead).
+  auto token_off = [&](int t, int64_t& k_off, int64_t& v_off) {
     t = min(t, t1 - 1);
     if (p.paged) {
       int32_t blk = bt[t >> shift];
       blk = min(max(blk, 0), p.num_blocks - 1);  // never read outside the pool
-      return ((int64_t(blk) << shift) + (t & (p.block_size - 1))) * p.token_stride;
+      const int64_t r = (int64_t(blk) << shift) + (t & (p.block_size - 1));
+      k_off = r * p.token_stride;
+      v_off = r * p.v_token_stride;
+      return;
     }
-    return slot_base + int64_t(t) * p.token_stride;
+    k_off = slot_base + int64_t(t) * p.token_stride;
+    v_off = v_slot_base + int64_t(t) * p.v_token_stride;
   };
 
   // Software pipeline: the next step's K and V rows are loaded (raw) before this step's arithmetic, so each
@@ -163,22 +180,25 @@ __global__ void __launch_bounds__(kThreads)
   // t) so that every lane reaches the shuffles.
   constexpr int kStep = kWarps * TPW;
   int base = int(t0) + warp * TPW;
-  Raw<T, EPL> k_next, v_next;
+  Raw<T, EPL> k_next;
+  Raw<T, EPLV> v_next;
   if (base < t1) {
-    const int64_t off = token_off(base + grp);
-    load_raw<T, EPL>(K + off, k_next);
-    load_raw<T, EPL>(V + off, v_next);
+    int64_t ko, vo;
+    token_off(base + grp, ko, vo);
+    load_raw<T, EPL>(K + ko, k_next);
+    load_raw<T, EPLV>(V + vo, v_next);
   }
   for (; base < t1; base += kStep) {
     const int t = base + grp;
     const bool valid = t < t1;
-    float k[EPL], v[EPL];
+    float k[EPL], v[EPLV];
     to_float<T, EPL>(k_next, k);
-    to_float<T, EPL>(v_next, v);
+    to_float<T, EPLV>(v_next, v);
     if (base + kStep < t1) {
-      const int64_t off = token_off(base + kStep + grp);
-      load_raw<T, EPL>(K + off, k_next);
-      load_raw<T, EPL>(V + off, v_next);
+      int64_t ko, vo;
+      token_off(base + kStep + grp, ko, vo);
+      load_raw<T, EPL>(K + ko, k_next);
+      load_raw<T, EPLV>(V + vo, v_next);
     }
     float s[GT];
 #pragma unroll
@@ -199,7 +219,7 @@ __global__ void __launch_bounds__(kThreads)
         const float pr = exp2f(s[g] - mn);
         l[g] = l[g] * a + pr;
 #pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(pr, v[e], acc[g][e] * a);
+        for (int e = 0; e < EPLV; ++e) acc[g][e] = fmaf(pr, v[e], acc[g][e] * a);
         m[g] = mn;
       }
     }
@@ -216,7 +236,7 @@ __global__ void __launch_bounds__(kThreads)
       const float a = rescale(m[g], mn), ao = rescale(mo, mn);
       l[g] = l[g] * a + lo * ao;
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) {
+      for (int e = 0; e < EPLV; ++e) {
         const float other = __shfl_xor_sync(0xffffffffu, acc[g][e], o);
         acc[g][e] = acc[g][e] * a + other * ao;
       }
@@ -226,7 +246,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // Merge the warps.
   __shared__ float sm_m[kWarps][GT], sm_l[kWarps][GT];
-  __shared__ float sm_acc[kWarps][GT][D];
+  __shared__ float sm_acc[kWarps][GT][DV];
   if (grp == 0) {
 #pragma unroll
     for (int g = 0; g < GT; ++g) {
@@ -235,12 +255,12 @@ __global__ void __launch_bounds__(kThreads)
         sm_l[warp][g] = l[g];
       }
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) sm_acc[warp][g][lig * EPL + e] = acc[g][e];
+      for (int e = 0; e < EPLV; ++e) sm_acc[warp][g][lig * EPLV + e] = acc[g][e];
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < GT * D; i += kThreads) {
-    const int g = i / D, d = i % D;
+  for (int i = threadIdx.x; i < GT * DV; i += kThreads) {
+    const int g = i / DV, d = i % DV;
     float M = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w][g]);
@@ -253,10 +273,10 @@ __global__ void __launch_bounds__(kThreads)
     }
     const int64_t bh = int64_t(b) * p.num_heads + h0 + g;
     if (num_splits == 1) {
-      static_cast<T*>(p.out)[bh * D + d] = Cvt<T>::store(L > 0.0f ? A / L : 0.0f);
+      static_cast<T*>(p.out)[bh * DV + d] = Cvt<T>::store(L > 0.0f ? A / L : 0.0f);
     } else {
       const int64_t idx = bh * num_splits + split;
-      part_acc[idx * D + d] = A;
+      part_acc[idx * DV + d] = A;
       if (d == 0) {
         part_ml[idx * 2] = M;
         part_ml[idx * 2 + 1] = L;
@@ -302,7 +322,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   sum = block_reduce(sum, false, scratch);  // its barrier also publishes weight[]
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-  const int D = p.head_dim;
+  const int D = p.v_head_dim;
   const float* acc = part_acc + bh * num_splits * D;
   for (int d = threadIdx.x; d < D; d += kThreads) {
     float a = 0.0f;
@@ -328,35 +348,36 @@ struct DeviceGuard {
   }
 };
 
-template <typename T, int D, int GT>
+template <typename T, int D, int DV, int GT>
 void launch_gt(const DecodeParams& p, const CudaLaunch& L, cudaStream_t stream) {
   const dim3 grid(L.num_splits, p.num_heads / GT, p.num_seqs);
-  decode_kernel<T, D, GT><<<grid, kThreads, 0, stream>>>(p, L.num_splits, L.split_tokens, L.partial_acc, L.partial_ml);
+  decode_kernel<T, D, DV, GT>
+      <<<grid, kThreads, 0, stream>>>(p, L.num_splits, L.split_tokens, L.partial_acc, L.partial_ml);
 }
 
-template <typename T, int D>
+template <typename T, int D, int DV>
 void launch(const DecodeParams& p, const CudaLaunch& L, cudaStream_t stream) {
-  // Heads per block: as many of the G sharing a kv head as divide G, but at most 32 accumulator floats per
-  // lane (GT * EPL): beyond that registers (~250 for GT = 8, EPL = 8) cap occupancy at 2 blocks per SM,
-  // and a second block re-reading the same K/V from L2 is cheaper.
-  constexpr int kVec = 16 / int(sizeof(T));
-  constexpr int EPL = D / ((D / kVec) < 32 ? (D / kVec) : 32);
-  constexpr int kMaxGT = 32 / EPL < 8 ? 32 / EPL : 8;
+  // Heads per block: as many of the G sharing a kv head as divide G, but at most 32 accumulator (and
+  // query) floats per lane (GT * EPL): beyond that registers (~250 for GT = 8, EPL = 8) cap occupancy at 2
+  // blocks per SM, and a second block re-reading the same K/V from L2 is cheaper.
+  constexpr int LPT = lanes_per_token<T, D, DV>();
+  constexpr int EPL = (D > DV ? D : DV) / LPT;
+  constexpr int kMaxGT = 32 / EPL < 1 ? 1 : 32 / EPL < 8 ? 32 / EPL : 8;
   const int G = p.num_heads / p.num_kv_heads;
   int gt = 1;
   while (gt * 2 <= kMaxGT && G % (gt * 2) == 0) gt *= 2;
   switch (gt) {
     case 8:
-      if constexpr (kMaxGT >= 8) launch_gt<T, D, 8>(p, L, stream);
+      if constexpr (kMaxGT >= 8) launch_gt<T, D, DV, 8>(p, L, stream);
       break;
     case 4:
-      if constexpr (kMaxGT >= 4) launch_gt<T, D, 4>(p, L, stream);
+      if constexpr (kMaxGT >= 4) launch_gt<T, D, DV, 4>(p, L, stream);
       break;
     case 2:
-      launch_gt<T, D, 2>(p, L, stream);
+      if constexpr (kMaxGT >= 2) launch_gt<T, D, DV, 2>(p, L, stream);
       break;
     default:
-      launch_gt<T, D, 1>(p, L, stream);
+      launch_gt<T, D, DV, 1>(p, L, stream);
   }
   check_cuda(cudaGetLastError(), "decode attention kernel launch");
   if (L.num_splits > 1) {
@@ -366,15 +387,21 @@ void launch(const DecodeParams& p, const CudaLaunch& L, cudaStream_t stream) {
   }
 }
 
+// The (head_dim, v_head_dim) pairs compiled for CUDA.
+bool cuda_dims_supported(int D, int DV) {
+  return (D == DV && (D == 64 || D == 128 || D == 256)) || (D == 192 && DV == 128);
+}
+
 template <typename T>
 void launch_dim(const DecodeParams& p, const CudaLaunch& L, cudaStream_t stream) {
+  if (p.head_dim == 192) return launch<T, 192, 128>(p, L, stream);
   switch (p.head_dim) {
     case 64:
-      return launch<T, 64>(p, L, stream);
+      return launch<T, 64, 64>(p, L, stream);
     case 128:
-      return launch<T, 128>(p, L, stream);
+      return launch<T, 128, 128>(p, L, stream);
     default:
-      return launch<T, 256>(p, L, stream);
+      return launch<T, 256, 256>(p, L, stream);
   }
 }
 
@@ -382,11 +409,13 @@ void launch_dim(const DecodeParams& p, const CudaLaunch& L, cudaStream_t stream)
 
 bool kernels_built_with_cuda() { return true; }
 
-void decode_cuda(const DecodeParams& p, const CudaLaunch& L) {
-  check_params(p);
+void decode_cuda(const DecodeParams& params, const CudaLaunch& L) {
+  check_params(params);
+  const DecodeParams p = resolve_params(params);
   auto fail = [](const std::string& m) { throw InvalidArgument("CUDA decode attention: " + m); };
-  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
-    fail("head_dim must be 64, 128 or 256, got " + std::to_string(p.head_dim));
+  if (!cuda_dims_supported(p.head_dim, p.v_head_dim))
+    fail("head_dim / v_head_dim must be 64/64, 128/128, 256/256 or 192/128, got " + std::to_string(p.head_dim) + "/" +
+         std::to_string(p.v_head_dim));
   if (p.num_seqs > 65535) fail("at most 65535 sequences per launch");
   if (L.num_splits < 1 || L.num_splits > kMaxSplits) fail("num_splits must be in 1.." + std::to_string(kMaxSplits));
   if (L.split_tokens < 1) fail("split_tokens must be positive");
@@ -399,7 +428,8 @@ void decode_cuda(const DecodeParams& p, const CudaLaunch& L) {
                                16 ==
                            0 &&
                        (p.token_stride * item) % 16 == 0 && (p.head_stride * item) % 16 == 0 &&
-                       (p.paged || (p.slot_stride * item) % 16 == 0);
+                       (p.v_token_stride * item) % 16 == 0 && (p.v_head_stride * item) % 16 == 0 &&
+                       (p.paged || ((p.slot_stride * item) % 16 == 0 && (p.v_slot_stride * item) % 16 == 0));
   if (!aligned) fail("q, out, K and V rows must be 16-byte aligned");
   if (p.num_seqs == 0) return;
   DeviceGuard guard(L.device);
