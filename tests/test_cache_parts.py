@@ -7,11 +7,14 @@ import pytest
 import torch
 
 from vpaged import KVGeometry, PagePool
+from vpaged._checks import check_token_span, write_start
 from vpaged.errors import DTypeError, InvalidArgumentError, SwapSpaceFullError, UnknownSequenceError
-from vpaged.pool import Reclaimable
+from vpaged.layout import LAYOUTS, Layout
+from vpaged.pool import Reclaimable, default_pool, resolve_pool
 from vpaged.prefix import PrefixIndex
 from vpaged.slot_table import SlotTable
-from vpaged.swap import SwapSpace
+from vpaged.swap import SwappedSlots, SwapSpace
+from vpaged.views import SlotViews
 
 PS = 4096
 
@@ -111,6 +114,20 @@ def test_prefix_index_owns_the_references_of_its_pages(rng):
     assert [pool.refcount(p) for p in pages[:2] + pages[4:]] == [1] * 4
 
 
+def test_prefix_insert_stops_at_a_colliding_key(rng):
+    pool = pool_of()
+    holder = pool.new_range(8 * PS)
+    pages = holder.map_new(list(range(8)))
+    # Keys of blocks past the first ignore the tokens: a second prefix collides at depth 1.
+    index = PrefixIndex(4, pool, lambda parent, block: b"deep" if parent else bytes(block))
+    a = torch.randint(0, 100, (8,), generator=rng).tolist()
+    b = [t + 100 for t in a]  # differs in every block
+    assert index.insert_prefix(a, lambda d: pages[d : d + 1]) == 8 and index.pages == 2
+    assert index.insert_prefix(a[:6], lambda d: pytest.fail("cached already")) == 4  # one full block
+    assert index.insert_prefix(b, lambda d: pages[4 + d : 5 + d]) == 4  # block 0 new, block 1's key taken
+    assert index.pages == 3 and [pool.refcount(p) for p in pages[:6]] == [2, 2, 1, 1, 2, 1]
+
+
 # ------------------------------------------------------------------------------------------------ SwapSpace
 def test_swap_space_saves_and_restores_pages_bit_exactly(rng):
     pool = pool_of()
@@ -132,6 +149,19 @@ def test_swap_space_saves_and_restores_pages_bit_exactly(rng):
     assert swap.used_chunks == 0
 
 
+def test_swapped_slots_release_their_chunks():
+    space = SwapSpace(8 * PS, PS)
+    swapped = SwappedSlots(space)
+    swapped.add(3, [10, 11], space.alloc(2))
+    swapped.add(1, [4], space.alloc(1))
+    assert 3 in swapped and 2 not in swapped and len(swapped) == 2 and swapped.page_count == 3
+    assert swapped[1][0] == [4] and space.used_chunks == 3
+    swapped.drop(3)
+    assert 3 not in swapped and space.used_chunks == 1 and swapped.page_count == 1
+    swapped.clear()
+    assert len(swapped) == 0 and swapped.space is None
+
+
 # ------------------------------------------------------------------------------------------------ KVGeometry
 def test_geometry_costs_and_checks():
     g = KVGeometry(32, 8, 128, torch.bfloat16)
@@ -142,6 +172,64 @@ def test_geometry_costs_and_checks():
             KVGeometry(1, bad, 8, torch.float32)
     with pytest.raises(DTypeError):
         KVGeometry(1, 1, 8, torch.int8)
+
+
+def test_geometry_describes_itself_and_its_layout():
+    g = KVGeometry(2, 4, 8, torch.float16)
+    assert g.describe() == "layers=2, kv_heads=4, head_dim=8, dtype=torch.float16"
+    assert Layout.of("head_major", g, 3, 100, PS) == Layout("head_major", 2, 4, 8, 2, 3, 100, PS)
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def test_write_start_and_token_span_checks():
+    assert write_start(None, 3, 10) == 7 and write_start(2, 3, 10) == 2
+    for start, n in ((8, 3), (-1, 1), (None, 11)):
+        with pytest.raises(InvalidArgumentError, match="outside the sequence"):
+            write_start(start, n, 10)
+    for bad in (1.0, True, "1"):
+        with pytest.raises(InvalidArgumentError, match="start must be an int"):
+            write_start(bad, 1, 10)
+        with pytest.raises(InvalidArgumentError, match="must be an int"):
+            check_token_span(bad, 2, 10)
+    check_token_span(0, 10, 10)
+    for start, stop in ((3, 2), (-1, 2), (0, 11)):
+        with pytest.raises(InvalidArgumentError, match="outside the sequence"):
+            check_token_span(start, stop, 10)
+
+
+# ------------------------------------------------------------------------------------------------ SlotViews
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_layers_view_agrees_with_per_layer_views(kind, rng):
+    pool = pool_of(64)
+    lay = Layout(kind, 3, 2, 8, 4, 2, 64, PS)
+    vrange = pool.new_range(lay.total_bytes)
+    vrange.map_new(list(range(vrange.num_slots))[: lay.total_bytes // PS])
+    views = SlotViews(vrange, lay, torch.float32, torch.device("cpu"))
+    for layer in range(3):
+        for kv in range(2):
+            views.tokens(layer, kv, 1, 0, 64).copy_(torch.randn(64, 2, 8, generator=rng))
+    start, n = 5, 40
+    both = views.layers(1, start, n)
+    assert both.shape == (3, 2, n, 2, 8)
+    for layer in range(3):
+        for kv in range(2):
+            assert torch.equal(both[layer, kv], views.tokens(layer, kv, 1, start, n))
+
+
+# ------------------------------------------------------------------------------------------------ PagePool
+def test_resolve_pool_picks_and_checks_the_pool():
+    pool = pool_of()
+    assert resolve_pool(None, pool) == (torch.device("cpu"), pool)
+    dev, private = resolve_pool("cpu", capacity_bytes=4 * PS, page_size=PS)
+    assert dev == torch.device("cpu") and private.capacity_pages == 4 and private is not pool
+    assert resolve_pool(None)[1] is default_pool("cpu")
+    for kwargs, match in (
+        ({"pool": pool, "capacity_bytes": PS}, "either pool or capacity_bytes"),
+        ({"pool": pool, "page_size": 2 * PS}, "differs from the pool's"),
+        ({"page_size": 3 * default_pool("cpu").page_size}, "differs from the default pool's"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=match):
+            resolve_pool("cpu", **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ PagePool

@@ -15,7 +15,12 @@ import time
 
 import pytest
 import torch
-from serve_helpers import WORDS, assert_greedy_matches, save_model_with_tokenizer
+from serve_helpers import (
+    WORDS,
+    assert_greedy_matches,
+    one_torch_thread,  # noqa: F401 - the autouse fixture
+    save_model_with_tokenizer,
+)
 
 from vpaged._hf_compat import serving_support
 from vpaged.cli import main
@@ -26,16 +31,6 @@ TIMEOUT = 180
 SERVING, WHY_NOT_SERVING = serving_support()
 if not SERVING:
     pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a loaded machine OpenMP threads waiting on each other make tiny models many
-    times slower, and nothing here measures speed."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -275,11 +275,7 @@ def fake_driver_check(**env):
         CHECKS[name] = (check, {k: str(v) for k, v in env.items()})
 
         def test(fake_driver_results):
-            result = fake_driver_results.get(name)
-            if result is None:
-                pytest.fail(f"{name} did not run under the fake driver", pytrace=False)
-            if result["status"] != "ok":
-                pytest.fail(f"{result['error']}\n--- output of the check ---\n{result['output']}", pytrace=False)
+            report(fake_driver_results, name)
 
         test.__name__ = test.__qualname__ = name
         test.__doc__ = check.__doc__
@@ -405,25 +401,24 @@ def fake_driver_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def fake_driver_results(request, fake_driver_dir) -> dict:
-    """Outcome of every selected check: {name: {status, error?, output}}."""
-    this_file = Path(__file__).resolve()
+def run_checks(request, driver_dir: Path, test_file: Path, checks: dict, extra_paths: tuple = ()) -> dict:
+    """Run the checks of `checks` that pytest selected from `test_file` in one child process under the fake
+    driver (`python test_file RESULT_JSON CHECK...`); returns {name: {status, error?, output}}."""
     names = [
         item.name
         for item in request.session.items
-        if item.name in CHECKS and Path(str(item.fspath)).resolve() == this_file
+        if item.name in checks and Path(str(item.fspath)).resolve() == test_file
     ]
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(fake_driver_dir), env.get("LD_LIBRARY_PATH")) if p)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(driver_dir), env.get("LD_LIBRARY_PATH")) if p)
     # The child imports the same vpaged as this process.
     package_root = str(Path(vpaged.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, *extra_paths, env.get("PYTHONPATH")) if p)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "results.json"
         proc = subprocess.run(
-            [sys.executable, str(this_file), str(result_path), *names],
+            [sys.executable, str(test_file), str(result_path), *names],
             env=env,
             cwd=str(ROOT),
             capture_output=True,
@@ -435,6 +430,21 @@ def fake_driver_results(request, fake_driver_dir) -> dict:
                 f"the fake-driver runner failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}", pytrace=False
             )
         return json.loads(result_path.read_text())
+
+
+def report(results: dict, name: str) -> None:
+    """Fail the calling test unless check `name` ran and passed in the child."""
+    result = results.get(name)
+    if result is None:
+        pytest.fail(f"{name} did not run under the fake driver", pytrace=False)
+    if result["status"] != "ok":
+        pytest.fail(f"{result['error']}\n--- output of the check ---\n{result['output']}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def fake_driver_results(request, fake_driver_dir) -> dict:
+    """Outcome of every selected check: {name: {status, error?, output}}."""
+    return run_checks(request, fake_driver_dir, Path(__file__).resolve(), CHECKS)
 
 
 # ---------------------------------------------------------------------------------------------------

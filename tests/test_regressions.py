@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vpaged.cache import VirtualKVCache
-from vpaged.errors import InvalidArgumentError, ViewsAliveError
+from vpaged.errors import InvalidArgumentError, ReadOnlyTokensError, ViewsAliveError
 from vpaged.ops import decode_attention_contiguous
 from vpaged.pool import PagePool
 
@@ -159,3 +159,22 @@ def test_fresh_batched_descriptor_passes_the_mapping_check(layout):
     q = torch.randn(3, 4, 8)
     out = decode_attention_contiguous(q, cache.batch(1, seqs))
     assert torch.isfinite(out).all()
+
+
+def test_cache_prefix_cut_short_by_a_collision_keeps_the_cached_pages_read_only(rng):
+    """Prefix keys whose deeper blocks ignore the tokens: the second sequence's first block is cached, its
+    second collides. The cached block's page must not stay writable for the sequence."""
+    cache = make(prefix_hash=lambda parent, block: b"deep" if parent else bytes(str(list(block)), "ascii"))
+    a, b = cache.allocate(), cache.allocate()
+    tokens_a = torch.randint(0, 1000, (256,), generator=rng).tolist()
+    tokens_b = [t + 1000 for t in tokens_a]
+    for seq in (a, b):
+        cache.extend(seq, 256)
+        fill(cache, seq, seq + 1, 0, 256)
+    assert cache.cache_prefix(a, tokens_a) == 256
+    assert cache.cache_prefix(b, tokens_b) == 128  # block 1's key is a's
+    assert cache.writable_range(b)[0] >= 128
+    with pytest.raises(ReadOnlyTokensError):
+        fill(cache, b, 9.0, 0, 1)
+    c = cache.allocate(tokens=tokens_b[:128] + [5])
+    assert cache.seq_len(c) == 128 and token(cache, c, 0) == b + 1  # the cached block as b wrote it

@@ -21,7 +21,11 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from serve_helpers import assert_greedy_matches, save_model_with_tokenizer  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    assert_greedy_matches,
+    one_torch_thread,  # noqa: E402, F401 - the autouse fixture
+    save_model_with_tokenizer,
+)
 
 from vpaged.serve import LLMEngine, load_model  # noqa: E402
 from vpaged.serve.openai_protocol import ChoiceText, CompletionRequest, RequestError, parse_request  # noqa: E402
@@ -33,16 +37,6 @@ MODEL_NAME = "tiny"
 SERVING, WHY_NOT_SERVING = serving_support()
 if not SERVING:
     pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a loaded machine OpenMP threads waiting on each other make tiny models many
-    times slower, and nothing here measures speed."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 MAX_MODEL_LEN = 256

@@ -7,11 +7,7 @@ its checks to that runner's table."""
 
 import ctypes
 import gc
-import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -35,11 +31,7 @@ def check(**env):
         CHECKS[fn.__name__] = (fn, {k: str(v) for k, v in env.items()})
 
         def test(allocator_fake_results):
-            result = allocator_fake_results.get(fn.__name__)
-            if result is None:
-                pytest.fail(f"{fn.__name__} did not run under the fake driver", pytrace=False)
-            if result["status"] != "ok":
-                pytest.fail(f"{result['error']}\n--- output of the check ---\n{result['output']}", pytrace=False)
+            fake.report(allocator_fake_results, fn.__name__)
 
         test.__name__ = test.__qualname__ = fn.__name__
         test.__doc__ = fn.__doc__
@@ -50,31 +42,7 @@ def check(**env):
 
 @pytest.fixture(scope="module")
 def allocator_fake_results(request, fake_driver_dir) -> dict:  # noqa: F811 - the imported fixture
-    names = [
-        item.name
-        for item in request.session.items
-        if item.name in CHECKS and Path(str(item.fspath)).resolve() == THIS_FILE
-    ]
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(fake_driver_dir), env.get("LD_LIBRARY_PATH")) if p)
-    package_root = str(Path(vpaged.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, str(THIS_FILE.parent), env.get("PYTHONPATH")) if p)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = Path(tmp) / "results.json"
-        proc = subprocess.run(
-            [sys.executable, str(THIS_FILE), str(result_path), *names],
-            env=env,
-            cwd=str(fake.ROOT),
-            capture_output=True,
-            text=True,
-            timeout=60 + 5 * len(names),
-        )
-        if proc.returncode != 0 or not result_path.is_file():
-            pytest.fail(
-                f"the fake-driver runner failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}", pytrace=False
-            )
-        return json.loads(result_path.read_text())
+    return fake.run_checks(request, fake_driver_dir, THIS_FILE, CHECKS, (str(THIS_FILE.parent),))
 
 
 # ---------------------------------------------------------------------------------------------------

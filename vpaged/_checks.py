@@ -30,6 +30,28 @@ def check_token_count(n) -> None:
         raise InvalidArgumentError(f"n must be >= 0, got {n}")
 
 
+def write_start(start, n: int, length: int) -> int:
+    """The first token of a write of n tokens into a sequence of `length` tokens (default: its last n)."""
+    if start is None:
+        start = length - n
+    if not is_int(start):
+        raise InvalidArgumentError(f"start must be an int, got {start!r}")
+    if start < 0 or start + n > length:
+        raise InvalidArgumentError(
+            f"tokens {start}..{start + n - 1} outside the sequence's 0..{length - 1}; extend() first"
+        )
+    return start
+
+
+def check_token_span(start, stop, length: int) -> None:
+    """start..stop-1: ints with 0 <= start <= stop <= length."""
+    for name, value in (("start", start), ("stop", stop)):
+        if not is_int(value):
+            raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
+    if not 0 <= start <= stop <= length:
+        raise InvalidArgumentError(f"tokens {start}..{stop - 1} outside the sequence's 0..{length - 1}")
+
+
 def check_kv(
     k, v, dtype: torch.dtype, num_kv_heads: int, head_dim: int, device: torch.device, v_head_dim: int | None = None
 ) -> None:

@@ -51,6 +51,12 @@ class KVGeometry:
         """K and V of one token over all layers."""
         return self.num_layers * (self.token_row_elements + self.v_token_row_elements) * self.itemsize
 
+    def describe(self) -> str:
+        """The geometry as repr() fields: 'layers=.., kv_heads=.., head_dim=.., dtype=..'."""
+        v = f", v_head_dim={self.v_head_dim}" if self.v_head_dim != self.head_dim else ""
+        dims = f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{v}"
+        return f"layers={self.num_layers}, {dims}, dtype={self.dtype}"
+
     def static_bytes(self, num_seqs: int, max_seq_len: int) -> int:
         """What reserving max_seq_len tokens for each of num_seqs sequences takes (a static cache)."""
         return num_seqs * max_seq_len * self.bytes_per_token

@@ -23,8 +23,12 @@ fragmentation, not as stored bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .geometry import KVGeometry
 
 LAYOUTS = ("per_layer", "interleaved", "head_major")
 
@@ -55,6 +59,14 @@ class Layout:
     def row_dim(self) -> int:
         """Elements per head in one token row of a per_layer / head_major region (the larger head size)."""
         return max(self.head_dim, self.v_head_dim)
+
+    @classmethod
+    def of(cls, kind: str, geometry: KVGeometry, max_seqs: int, max_seq_len: int, page_size: int) -> Layout:
+        """The layout of a cache of `geometry`'s K/V."""
+        g = geometry
+        return cls(
+            kind, g.num_layers, g.num_kv_heads, g.head_dim, g.itemsize, max_seqs, max_seq_len, page_size, g.v_head_dim
+        )
 
     @property
     def regions(self) -> int:

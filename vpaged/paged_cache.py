@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_kv, check_layer, check_positive_int, check_token_count, is_int, lookup_sequence
+from ._checks import check_kv, check_layer, check_positive_int, check_token_count, is_int, lookup_sequence, write_start
+from .cache_base import KVCacheBase
 from .device import normalize_device
 from .errors import (
     CacheClosedError,
@@ -30,7 +31,6 @@ from .errors import (
     ShapeError,
     SlotsExhaustedError,
 )
-from .geometry import KVGeometry
 
 BLOCK_SIZES = (8, 16, 32)
 
@@ -63,7 +63,7 @@ class PagedCacheStats:
         return self.fragmentation_bytes + self.reserved_bytes
 
 
-class PagedKVCache:
+class PagedKVCache(KVCacheBase):
     """KV cache in fixed-size blocks addressed through per-sequence block tables.
 
     Args:
@@ -96,16 +96,11 @@ class PagedKVCache:
         accounting_only: bool = False,
         v_head_dim: int | None = None,
     ):
-        self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype, v_head_dim)  # checks them; DTypeError
-        self.v_head_dim = self.geometry.v_head_dim
-        check_positive_int("max_seqs", max_seqs)
-        check_positive_int("max_seq_len", max_seq_len)
+        self._init_shape(num_layers, num_kv_heads, head_dim, dtype, max_seqs, max_seq_len, v_head_dim)
         if block_size not in BLOCK_SIZES:
             raise InvalidArgumentError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
         self.device = normalize_device(device)
-        self.dtype = dtype
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.max_seqs, self.max_seq_len, self.block_size = max_seqs, max_seq_len, block_size
+        self.block_size = block_size
         if (num_blocks is None) == (capacity_bytes is None):
             raise InvalidArgumentError("give exactly one of num_blocks and capacity_bytes")
         if num_blocks is None:
@@ -133,11 +128,6 @@ class PagedKVCache:
 
     # ----------------------------------------------------------------------------------------- geometry
     @property
-    def bytes_per_token(self) -> int:
-        """K and V of one token over all layers."""
-        return self.geometry.bytes_per_token
-
-    @property
     def block_bytes(self) -> int:
         return self.block_size * self.bytes_per_token
 
@@ -145,10 +135,6 @@ class PagedKVCache:
     def max_blocks_per_seq(self) -> int:
         """Width of a full block table."""
         return -(-self.max_seq_len // self.block_size)
-
-    def static_bytes(self, num_seqs: int | None = None) -> int:
-        """What reserving max_seq_len tokens for each of num_seqs sequences (default max_seqs) would take."""
-        return self.geometry.static_bytes(self.max_seqs if num_seqs is None else num_seqs, self.max_seq_len)
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def allocate(self) -> int:
@@ -276,13 +262,8 @@ class PagedKVCache:
         self._check_layer(layer)
         table = self._table(seq)
         self._check_kv(k, v)
-        n, length = k.shape[0], self._len[seq]
-        if start is None:
-            start = length - n
-        if not is_int(start) or start < 0 or start + n > length:
-            raise InvalidArgumentError(
-                f"tokens {start}..{start + n - 1} outside the sequence's 0..{length - 1}; extend() first"
-            )
+        n = k.shape[0]
+        start = write_start(start, n, self._len[seq])
         if n == 0:
             return
         bs = self.block_size
@@ -396,18 +377,10 @@ class PagedKVCache:
         self.key_caches, self.value_caches = [], []
         self._closed = True
 
-    def __enter__(self) -> PagedKVCache:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._blocks)} sequences, {len(self._free)} free blocks"
         return (
-            f"PagedKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"v_head_dim={self.v_head_dim}, "
-            f"dtype={self.dtype}, block_size={self.block_size}, num_blocks={self.num_blocks}, "
+            f"PagedKVCache({self.geometry.describe()}, block_size={self.block_size}, num_blocks={self.num_blocks}, "
             f"device={self.device}, {state})"
         )
 

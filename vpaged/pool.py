@@ -249,3 +249,29 @@ def default_pool(device="cpu") -> PagePool:
 def set_default_pool(pool: PagePool) -> None:
     """Make `pool` the default pool of its device (caches created later use it)."""
     _default_pools[pool.device] = pool
+
+
+def resolve_pool(
+    device, pool: PagePool | None = None, capacity_bytes: int | None = None, page_size: int | None = None
+) -> tuple[torch.device, PagePool]:
+    """(device, pool) of a cache built with these arguments: `pool` when given (it must be on `device` and
+    of `page_size`), else a private pool of capacity_bytes, else the device's default pool. device defaults
+    to the pool's device when a pool is given, else "cpu"."""
+    dev = normalize_device(device if device is not None else pool.device if pool else "cpu")
+    if pool is not None:
+        if capacity_bytes is not None:
+            raise InvalidArgumentError("give either pool or capacity_bytes, not both")
+        if pool.device != dev:
+            raise InvalidArgumentError(f"pool is on {pool.device}, device={device!r} asks for {dev}")
+        if page_size is not None and page_size != pool.page_size:
+            raise InvalidArgumentError(f"page_size {page_size} differs from the pool's {pool.page_size}")
+        return dev, pool
+    if capacity_bytes is not None:
+        return dev, PagePool(dev, capacity_bytes=capacity_bytes, page_size=page_size)
+    pool = default_pool(dev)
+    if page_size is not None and page_size != pool.page_size:
+        raise InvalidArgumentError(
+            f"page_size {page_size} differs from the default pool's {pool.page_size}; "
+            "pass capacity_bytes or a pool of that page size"
+        )
+    return dev, pool

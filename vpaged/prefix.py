@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .errors import InvalidArgumentError
+
 if TYPE_CHECKING:
+    from .layout import Layout
     from .pool import PagePool
 
 HashFn = Callable[[bytes, Sequence[int]], bytes]
@@ -37,6 +40,15 @@ class PrefixBlock:
     last_used: int
 
 
+def prefix_unavailable(layout: Layout) -> InvalidArgumentError:
+    """The error for prefix caching on a layout whose pages do not hold a whole number of tokens."""
+    return InvalidArgumentError(
+        f"prefix caching needs pages that hold a whole number of tokens; a page of {layout.page_size} "
+        f"bytes holds {layout.tokens_per_page:.3f} (choose a page size that is a multiple of "
+        f"{layout.token_bytes} bytes)"
+    )
+
+
 class PrefixIndex:
     def __init__(self, block_tokens: int, pool: PagePool, hash_fn: HashFn | None = None):
         self.block_tokens = block_tokens
@@ -44,6 +56,13 @@ class PrefixIndex:
         self.hash_fn = hash_fn or chained_hash
         self._blocks: dict[bytes, PrefixBlock] = {}
         self._clock = 0
+
+    @classmethod
+    def for_layout(cls, layout: Layout, pool: PagePool, hash_fn: HashFn | None = None) -> PrefixIndex | None:
+        """An index whose blocks are the tokens filling one page of every run; None when a page does not
+        hold a whole number of tokens (see prefix_unavailable)."""
+        tokens = layout.page_size / layout.token_bytes
+        return cls(int(tokens), pool, hash_fn) if tokens == int(tokens) else None
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -85,6 +104,18 @@ class PrefixIndex:
         self._clock += 1
         self._blocks[key] = PrefixBlock(key, depth, tokens, pages, self._clock)
         return True
+
+    def insert_prefix(self, tokens: Sequence[int], pages_of: Callable[[int], list[int]]) -> int:
+        """Add the full blocks of `tokens` that are not cached yet; pages_of(depth) gives the pages of block
+        `depth` (one reference taken on each). Stops at a key that a different prefix owns (a hash
+        collision). Returns the number of tokens cached for this prefix."""
+        for depth, (key, block) in enumerate(self.keys(tokens)):
+            found = self._blocks.get(key)
+            if found is None:
+                self.insert(key, depth, block, pages_of(depth))
+            elif found.tokens != block or found.depth != depth:
+                return depth * self.block_tokens
+        return len(tokens) // self.block_tokens * self.block_tokens
 
     def lookup(self, key: bytes) -> PrefixBlock | None:
         return self._blocks.get(key)

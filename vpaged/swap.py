@@ -67,3 +67,38 @@ class SwapSpace:
         for page, chunk in zip(pages, chunks):
             pool.copy_from_host(page, self.address(chunk))
         pool.synchronize()
+
+
+class SwappedSlots:
+    """The slots of a cache's swapped-out sequences: for each, the page slots whose pages are in swap space
+    (holes in the slot's mapping) and the chunks holding them. Owns the cache's SwapSpace (None: no swapping)."""
+
+    def __init__(self, space: SwapSpace | None):
+        self.space = space
+        self._out: dict[int, tuple[list[int], list[int]]] = {}  # slot -> (page slots, chunks)
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._out
+
+    def __len__(self) -> int:
+        return len(self._out)
+
+    def __getitem__(self, slot: int) -> tuple[list[int], list[int]]:
+        return self._out[slot]
+
+    @property
+    def page_count(self) -> int:
+        """Pages in swap space, over all swapped-out sequences."""
+        return sum(len(p) for p, _ in self._out.values())
+
+    def add(self, slot: int, page_slots: list[int], chunks: list[int]) -> None:
+        self._out[slot] = (page_slots, chunks)
+
+    def drop(self, slot: int) -> None:
+        """The slot's pages are back in memory (or given up): release their chunks."""
+        _, chunks = self._out.pop(slot)
+        self.space.release(chunks)
+
+    def clear(self) -> None:
+        self._out.clear()
+        self.space = None

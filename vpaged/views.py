@@ -70,9 +70,22 @@ class SlotViews:
             **values,
         )
 
-    def raw(self, offset: int, shape, strides) -> torch.Tensor:
-        """A view of any shape over mapped bytes of the range (dims in memory order, largest stride first)."""
-        return self._make(offset, shape, strides)
+    def layers(self, slot: int, start: int, n: int) -> torch.Tensor:
+        """K/V of tokens start..start+n-1 of a slot in every layer as one [num_layers, 2, n, kv_heads,
+        head_dim] view ([:, 0] is K, [:, 1] is V)."""
+        lay = self.layout
+        if lay.v_head_dim != lay.head_dim:
+            raise InvalidArgumentError("kv_layers(): K and V differ in head size here; use kv() per layer")
+        shape, strides, perm = lay.view_dims(n)
+        # K and V of layer l start at base_offset(l, 0) and base_offset(l, 1): whole regions apart (per_layer,
+        # head_major) or columns of one token row (interleaved); kv_stride apart in every layout.
+        kv_stride = (lay.base_offset(0, 1) - lay.base_offset(0, 0)) // lay.itemsize
+        dims = [(2 * kv_stride, lay.num_layers, 0), (kv_stride, 2, 1)]
+        dims += [(strides[i], shape[i], 2 + perm.index(i)) for i in range(len(shape))]
+        dims.sort(key=lambda d: -d[0])  # the core takes dims in memory order, largest stride first
+        view = self._make(lay.offset(0, 0, slot, start), [d[1] for d in dims], [d[0] for d in dims])
+        order = [d[2] for d in dims]
+        return view.permute([order.index(j) for j in range(len(order))])
 
     def _make(self, offset: int, shape, strides) -> torch.Tensor:
         return torch.from_dlpack(self.range.view(offset, shape, strides, self._dl_code, self._dl_bits))
