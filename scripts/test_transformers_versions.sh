@@ -19,7 +19,7 @@ VERSIONS=("$@")
 if [ ${#VERSIONS[@]} -eq 0 ]; then
   read -r -a VERSIONS <<< "${VPAGED_HF_VERSIONS:-5.17.0 5.24.0}"
 fi
-TESTS=(tests/test_hf.py tests/test_hf_compat.py tests/test_examples.py tests/test_cli.py)
+TESTS=(tests/test_hf.py tests/test_hf_models.py tests/test_hf_compat.py tests/test_examples.py tests/test_cli.py)
 BASE_PY="$("$BASE/bin/python" -c 'import sys; print(sys._base_executable)')"
 BASE_SITE="$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 

@@ -52,19 +52,23 @@ def check_token_span(start, stop, length: int) -> None:
         raise InvalidArgumentError(f"tokens {start}..{stop - 1} outside the sequence's 0..{length - 1}")
 
 
-def check_kv(k, v, dtype: torch.dtype, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
-    """k and v: tensors of the cache's dtype and device, both [n, num_kv_heads, head_dim]."""
-    for name, t in (("k", k), ("v", v)):
+def check_kv(
+    k, v, dtype: torch.dtype, num_kv_heads: int, head_dim: int, device: torch.device, v_head_dim: int | None = None
+) -> None:
+    """k and v: tensors of the cache's dtype and device, [n, num_kv_heads, head_dim] and
+    [n, num_kv_heads, v_head_dim] (v_head_dim default: head_dim)."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    for name, t, dim in (("k", k, head_dim), ("v", v, v_head_dim)):
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype != dtype:
             raise DTypeError(f"{name} has dtype {t.dtype}, the cache holds {dtype}")
-        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
-            raise ShapeError(f"{name} must be [n, {num_kv_heads}, {head_dim}], got {list(t.shape)}")
+        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, dim):
+            raise ShapeError(f"{name} must be [n, {num_kv_heads}, {dim}], got {list(t.shape)}")
         if t.device != device:
             raise InvalidArgumentError(f"{name} is on {t.device}, the cache on {device}")
-    if k.shape != v.shape:
-        raise ShapeError(f"k {list(k.shape)} and v {list(v.shape)} differ in shape")
+    if k.shape[0] != v.shape[0]:
+        raise ShapeError(f"k {list(k.shape)} and v {list(v.shape)} differ in token count")
 
 
 def lookup_sequence(table: dict, seq, next_id: int):

@@ -198,3 +198,17 @@ def unregister_attention(name: str) -> None:
 
     AttentionInterface._global_mapping.pop(name, None)
     AttentionMaskInterface._global_mapping.pop(name, None)
+
+
+# ------------------------------------------------------------------------------------------ layer kinds
+def layer_plan(config) -> list[tuple[str, dict]]:
+    """(layer type, keyword arguments of transformers' cache layer class) of each layer of a decoder config,
+    read by transformers' own get_layer_types_and_kwargs, as its DynamicCache does. That function returns one
+    kwargs dict for all layers in 5.17 and one per layer in 5.24; layers that reuse another layer's K/V are
+    left out (5.17) or typed "dummy" (5.24)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config)
+    if isinstance(kwargs, dict):
+        kwargs = [kwargs] * len(types)
+    return [(t, dict(kw)) for t, kw in zip(types, kwargs)]

@@ -100,4 +100,8 @@ def virtual_cache_breakdown(layout, slots, pages_at, prefix_pages, swapped) -> t
         for p in pages_at(layout.page_slots(s, 0, slots.mapped_pages[s]))
     }
     kept.update(prefix_pages)
+    num, den = layout.payload_fraction
+    if num != den:  # rows padded to the larger of K's and V's head size: the padding holds no token
+        payload = stored * num // den
+        stored, fragmentation = payload, fragmentation + stored - payload
     return stored, fragmentation, (dormant + spare + len(kept - fill.keys())) * ps

@@ -56,6 +56,7 @@ class VirtualKVCache(KVCacheBase):
 
     Args:
         num_layers, num_kv_heads, head_dim: model geometry.
+        v_head_dim: head size of V when it differs from K's (multi-head latent attention); see layout.py.
         dtype: element type of K and V (float32, float16, bfloat16, float64).
         max_seqs: sequence slots (concurrent sequences).
         max_seq_len: tokens a sequence may hold.
@@ -84,8 +85,9 @@ class VirtualKVCache(KVCacheBase):
         page_size: int | None = None,
         swap_bytes: int = 0,
         prefix_hash: HashFn | None = None,
+        v_head_dim: int | None = None,
     ):
-        self._init_shape(num_layers, num_kv_heads, head_dim, dtype, max_seqs, max_seq_len)
+        self._init_shape(num_layers, num_kv_heads, head_dim, dtype, max_seqs, max_seq_len, v_head_dim)
         self.device, self.pool = resolve_pool(device, pool, capacity_bytes, page_size)
         self.layout = lay = Layout.of(layout, self.geometry, max_seqs, max_seq_len, self.pool.page_size)
         if not self.pool.accounting_only:  # address space and mapping limit: said now, not mid-serving
@@ -277,7 +279,7 @@ class VirtualKVCache(KVCacheBase):
         may share with others raise ReadOnlyTokensError."""
         check_layer(layer, self.num_layers)
         slot = self._live_slot(seq)
-        check_kv(k, v, self.dtype, self.num_kv_heads, self.head_dim, self.device)
+        check_kv(k, v, self.dtype, self.num_kv_heads, self.head_dim, self.device, self.v_head_dim)
         n = k.shape[0]
         start = write_start(start, n, self._slots.length_tokens[slot])
         first = self._pages.first_writable(slot)

@@ -20,9 +20,17 @@ class KVCacheBase:
     geometry: KVGeometry
 
     def _init_shape(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seqs: int, max_seq_len: int
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        max_seqs: int,
+        max_seq_len: int,
+        v_head_dim: int | None = None,
     ) -> None:
-        self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype)  # checks them; DTypeError
+        self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype, v_head_dim)  # checks them; DTypeError
+        self.v_head_dim = self.geometry.v_head_dim  # V's head size: head_dim unless the model's differs
         check_positive_int("max_seqs", max_seqs)
         check_positive_int("max_seq_len", max_seq_len)
         self.dtype = dtype

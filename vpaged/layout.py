@@ -11,6 +11,13 @@ head_major:  like per_layer, but each head of a slot has its own run of pages, s
 A slot is cut into `runs_per_slot` runs of pages (one per head for head_major, else one); every run starts
 on a page boundary, so the pages of different sequences (and heads) never overlap. Page-slot lists are
 run-major: for each region, for each run, the pages in order.
+
+Keys and values with different head sizes (v_head_dim != head_dim, e.g. multi-head latent attention): in
+interleaved, a token row holds each layer's K (heads x head_dim) then V (heads x v_head_dim), nothing
+wasted. per_layer and head_major give K and V regions the same token stride, sized for the larger of the
+two, so that a page index covers the same tokens in every region (one page count per slot, as for equal
+dims); the smaller one leaves the rest of each row unused, which the memory accounting reports as
+fragmentation, not as stored bytes.
 """
 
 from __future__ import annotations
@@ -36,16 +43,30 @@ class Layout:
     max_seqs: int
     max_seq_len: int
     page_size: int
+    v_head_dim: int | None = None  # None: the same as head_dim
 
     def __post_init__(self):
         if self.kind not in LAYOUTS:
             raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {self.kind!r}")
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+
+    def dim(self, kv: int) -> int:
+        """Head size of K (kv=0) or V (kv=1)."""
+        return self.v_head_dim if kv else self.head_dim
+
+    @property
+    def row_dim(self) -> int:
+        """Elements per head in one token row of a per_layer / head_major region (the larger head size)."""
+        return max(self.head_dim, self.v_head_dim)
 
     @classmethod
     def of(cls, kind: str, geometry: KVGeometry, max_seqs: int, max_seq_len: int, page_size: int) -> Layout:
         """The layout of a cache of `geometry`'s K/V."""
         g = geometry
-        return cls(kind, g.num_layers, g.num_kv_heads, g.head_dim, g.itemsize, max_seqs, max_seq_len, page_size)
+        return cls(
+            kind, g.num_layers, g.num_kv_heads, g.head_dim, g.itemsize, max_seqs, max_seq_len, page_size, g.v_head_dim
+        )
 
     @property
     def regions(self) -> int:
@@ -64,14 +85,21 @@ class Layout:
     def token_stride(self) -> int:
         """Elements from one token to the next inside a run."""
         if self.kind == "head_major":
-            return self.head_dim
-        per_head_row = self.num_kv_heads * self.head_dim
-        return per_head_row if self.kind == "per_layer" else 2 * self.num_layers * per_head_row
+            return self.row_dim
+        if self.kind == "per_layer":
+            return self.num_kv_heads * self.row_dim
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim)
 
     @property
     def head_stride(self) -> int:
-        """Elements from one head to the next of the same token."""
-        return self.pages_per_run * self.page_size // self.itemsize if self.kind == "head_major" else self.head_dim
+        """Elements from one head of K to the next of the same token."""
+        return self.head_stride_of(0)
+
+    def head_stride_of(self, kv: int) -> int:
+        """Elements from one head of K (kv=0) or V (kv=1) to the next of the same token."""
+        if self.kind == "head_major":
+            return self.pages_per_run * self.page_size // self.itemsize
+        return self.dim(kv)
 
     @property
     def token_bytes(self) -> int:
@@ -81,7 +109,15 @@ class Layout:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of K and V of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim) * self.itemsize
+
+    @property
+    def payload_fraction(self) -> tuple[int, int]:
+        """(numerator, denominator): the part of the token rows of all runs that holds K/V; below 1 only when
+        per_layer / head_major pad the smaller of K and V to the larger head size."""
+        if self.kind == "interleaved":
+            return 1, 1
+        return self.head_dim + self.v_head_dim, 2 * self.row_dim
 
     @property
     def pages_per_run(self) -> int:
@@ -122,15 +158,18 @@ class Layout:
     def base_offset(self, layer: int, kv: int) -> int:
         """Byte offset of slot 0, head 0, token 0 of layer's K (kv=0) or V (kv=1)."""
         if self.kind == "interleaved":
-            return (2 * layer + kv) * self.num_kv_heads * self.head_dim * self.itemsize
+            row = self.num_kv_heads * (self.head_dim + self.v_head_dim)
+            return (layer * row + kv * self.num_kv_heads * self.head_dim) * self.itemsize
         return (2 * layer + kv) * self.max_seqs * self.slot_bytes
 
     def offset(self, layer: int, kv: int, slot: int, token: int = 0) -> int:
         return self.base_offset(layer, kv) + slot * self.slot_bytes + token * self.token_bytes
 
-    def view_dims(self, tokens: int) -> tuple[list[int], list[int], tuple[int, ...]]:
-        """(shape, strides, permutation) of a [tokens, heads, head_dim] view: shape/strides list the dims in
-        memory order (largest stride first) as the core checks them; permuting gives [tokens, heads, dim]."""
+    def view_dims(self, tokens: int, kv: int = 0) -> tuple[list[int], list[int], tuple[int, ...]]:
+        """(shape, strides, permutation) of a [tokens, heads, dim] view of K (kv=0) or V (kv=1): shape/strides
+        list the dims in memory order (largest stride first) as the core checks them; permuting gives
+        [tokens, heads, dim]."""
+        dim, hs = self.dim(kv), self.head_stride_of(kv)
         if self.kind == "head_major":
-            return [self.num_kv_heads, tokens, self.head_dim], [self.head_stride, self.token_stride, 1], (1, 0, 2)
-        return [tokens, self.num_kv_heads, self.head_dim], [self.token_stride, self.head_dim, 1], (0, 1, 2)
+            return [self.num_kv_heads, tokens, dim], [hs, self.token_stride, 1], (1, 0, 2)
+        return [tokens, self.num_kv_heads, dim], [self.token_stride, hs, 1], (0, 1, 2)

@@ -1,7 +1,8 @@
 """PagedKVCache: the classic block-table KV cache (vLLM-style), the baseline VirtualKVCache is measured against.
 
 K and V of each layer live in preallocated pools of fixed-size blocks, `[num_blocks, block_size, num_kv_heads,
-head_dim]` ordinary torch tensors. A sequence owns a list of block ids (its block table), the same ids for
+head_dim]` ordinary torch tensors (V's last dim is v_head_dim where the model's values have their own head
+size). A sequence owns a list of block ids (its block table), the same ids for
 every layer, filled front to back; kernels find token t in block `table[t // block_size]` at row
 `t % block_size`. Nothing is ever mapped or unmapped: the memory is all there from the start, and the price
 of that flexibility is paid in the kernels (an indirection per block) and in the last, partly filled block.
@@ -67,6 +68,7 @@ class PagedKVCache(KVCacheBase):
 
     Args:
         num_layers, num_kv_heads, head_dim: model geometry.
+        v_head_dim: head size of the values, when it differs from the keys' (multi-head latent attention).
         dtype: element type of K and V (float32, float16, bfloat16, float64).
         max_seqs: sequences that may be live at once.
         max_seq_len: tokens a sequence may hold (the width of its block table is max_seq_len / block_size).
@@ -92,8 +94,9 @@ class PagedKVCache(KVCacheBase):
         capacity_bytes: int | None = None,
         block_size: int = 16,
         accounting_only: bool = False,
+        v_head_dim: int | None = None,
     ):
-        self._init_shape(num_layers, num_kv_heads, head_dim, dtype, max_seqs, max_seq_len)
+        self._init_shape(num_layers, num_kv_heads, head_dim, dtype, max_seqs, max_seq_len, v_head_dim)
         if block_size not in BLOCK_SIZES:
             raise InvalidArgumentError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
         self.device = normalize_device(device)
@@ -113,7 +116,8 @@ class PagedKVCache(KVCacheBase):
         pools = 0 if self.accounting_only else num_layers
         # torch.empty: on the host, untouched pages of a large allocation cost no RAM until written.
         self.key_caches = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(pools)]
-        self.value_caches = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(pools)]
+        v_shape = (num_blocks, block_size, num_kv_heads, self.v_head_dim)
+        self.value_caches = [torch.empty(v_shape, dtype=dtype, device=self.device) for _ in range(pools)]
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
         self._ref = [0] * num_blocks
         self._blocks: dict[int, list[int]] = {}  # live sequence -> its block table
@@ -274,7 +278,7 @@ class PagedKVCache(KVCacheBase):
 
     def write_many(self, layer: int, seqs, k: torch.Tensor, v: torch.Tensor) -> None:
         """The last token of each sequence in one copy (a decode step, after extend_many(seqs, 1)):
-        k, v are [len(seqs), num_kv_heads, head_dim], row i for seqs[i]. Copy-on-write as in write()."""
+        k, v are [len(seqs), num_kv_heads, head_dim / v_head_dim], row i for seqs[i]. Copy-on-write as in write()."""
         self._check_layer(layer)
         seqs = list(seqs)
         tables = [self._table(s) for s in seqs]
@@ -297,22 +301,20 @@ class PagedKVCache(KVCacheBase):
 
     def _write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # A block pool viewed as [num_blocks * block_size, heads, dim] rows: token slot s is row s.
-        rows = (-1, self.num_kv_heads, self.head_dim)
-        self.key_caches[layer].view(rows).index_copy_(0, slots, k)
-        self.value_caches[layer].view(rows).index_copy_(0, slots, v)
+        self.key_caches[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
+        self.value_caches[layer].view(-1, self.num_kv_heads, self.v_head_dim).index_copy_(0, slots, v)
 
     def kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of the sequence as [seq_len, num_kv_heads, head_dim] tensors gathered from its blocks
+        """(K, V) of the sequence as [seq_len, num_kv_heads, head_dim / v_head_dim] tensors gathered from its blocks
         (copies, unlike VirtualKVCache.kv(): a block table has no strided view)."""
         self._check_layer(layer)
         self._check_data()
         table = self._table(seq)
         n = self._len[seq]
         idx = torch.tensor(table, dtype=torch.int64, device=self.device)
-        rows = (-1, self.num_kv_heads, self.head_dim)
         return (
-            self.key_caches[layer].index_select(0, idx).view(rows)[:n],
-            self.value_caches[layer].index_select(0, idx).view(rows)[:n],
+            self.key_caches[layer].index_select(0, idx).view(-1, self.num_kv_heads, self.head_dim)[:n],
+            self.value_caches[layer].index_select(0, idx).view(-1, self.num_kv_heads, self.v_head_dim)[:n],
         )
 
     def block_tables(self, seqs, width: int | None = None) -> torch.Tensor:
@@ -428,4 +430,4 @@ class PagedKVCache(KVCacheBase):
 
     def _check_kv(self, k, v) -> None:
         self._check_data()
-        check_kv(k, v, self.dtype, self.num_kv_heads, self.head_dim, self.device)
+        check_kv(k, v, self.dtype, self.num_kv_heads, self.head_dim, self.device, self.v_head_dim)

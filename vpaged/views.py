@@ -21,12 +21,13 @@ class SlotViews:
         self._dl_code, self._dl_bits = dlpack_code(dtype)
 
     def tokens(self, layer: int, kv: int, slot: int, start: int, n: int) -> torch.Tensor:
-        """K (kv=0) or V (kv=1) of tokens start..start+n-1 of a slot as a [n, kv_heads, head_dim] view."""
-        shape, strides, perm = self.layout.view_dims(n)
+        """K (kv=0) or V (kv=1) of tokens start..start+n-1 of a slot as a [n, kv_heads, dim] view (dim: the
+        layout's head_dim for K, v_head_dim for V)."""
+        shape, strides, perm = self.layout.view_dims(n, kv)
         return self._make(self.layout.offset(layer, kv, slot, start), shape, strides).permute(perm)
 
     def rows(self, layer: int, slots: list[int], lengths: list[int], length: int | None):
-        """(K, V) of evenly spaced slots as [B, length, kv_heads, head_dim] views; length defaults to the
+        """(K, V) of evenly spaced slots as [B, length, kv_heads, dim] views; length defaults to the
         slots' common length and may not exceed the shortest."""
         step = slots[1] - slots[0] if len(slots) > 1 else 1
         if step <= 0 or any(b - a != step for a, b in zip(slots, slots[1:])):
@@ -37,15 +38,21 @@ class SlotViews:
             length = lengths[0]
         if not 0 <= length <= min(lengths):
             raise InvalidArgumentError(f"length {length} outside 0..{min(lengths)} (shortest sequence)")
+        return tuple(self._rows_of(layer, kv, slots[0], step, len(slots), length) for kv in (0, 1))
+
+    def _rows_of(self, layer: int, kv: int, first: int, step: int, batch: int, length: int) -> torch.Tensor:
         lay = self.layout
-        shape, strides, perm = lay.view_dims(length)
-        shape, strides = [len(slots)] + shape, [step * lay.slot_stride] + strides
+        shape, strides, perm = lay.view_dims(length, kv)
+        shape, strides = [batch] + shape, [step * lay.slot_stride] + strides
         perm = (0,) + tuple(p + 1 for p in perm)
-        return tuple(self._make(lay.offset(layer, kv, slots[0]), shape, strides).permute(perm) for kv in (0, 1))
+        return self._make(lay.offset(layer, kv, first), shape, strides).permute(perm)
 
     def descriptor(self, layer: int, slots: list[int], lengths: list[int]) -> BatchedKV:
         lay = self.layout
         base = self.range.address
+        values = {}  # V's own head size and strides, where they differ from K's (None in BatchedKV: the same)
+        if lay.v_head_dim != lay.head_dim:
+            values = dict(v_head_dim=lay.v_head_dim, v_head_stride=lay.head_stride_of(1))
         return BatchedKV(
             k_ptr=base + lay.base_offset(layer, 0),
             v_ptr=base + lay.base_offset(layer, 1),
@@ -60,12 +67,15 @@ class SlotViews:
             device=self.device,
             layout=lay.kind,
             owner=self.range,
+            **values,
         )
 
     def layers(self, slot: int, start: int, n: int) -> torch.Tensor:
         """K/V of tokens start..start+n-1 of a slot in every layer as one [num_layers, 2, n, kv_heads,
         head_dim] view ([:, 0] is K, [:, 1] is V)."""
         lay = self.layout
+        if lay.v_head_dim != lay.head_dim:
+            raise InvalidArgumentError("kv_layers(): K and V differ in head size here; use kv() per layer")
         shape, strides, perm = lay.view_dims(n)
         # K and V of layer l start at base_offset(l, 0) and base_offset(l, 1): whole regions apart (per_layer,
         # head_major) or columns of one token row (interleaved); kv_stride apart in every layout.
