@@ -19,7 +19,9 @@ VERSIONS=("$@")
 if [ ${#VERSIONS[@]} -eq 0 ]; then
   read -r -a VERSIONS <<< "${VPAGED_HF_VERSIONS:-5.17.0 5.24.0}"
 fi
-TESTS=(tests/test_hf.py tests/test_hf_models.py tests/test_hf_compat.py tests/test_examples.py tests/test_cli.py)
+# The serving tests too: the engine's greedy tokens against generate()'s on each release.
+TESTS=(tests/test_hf.py tests/test_hf_models.py tests/test_hf_compat.py tests/test_examples.py tests/test_cli.py
+  tests/test_serve_engine.py tests/test_cli_serve.py tests/test_serve_server.py)
 BASE_PY="$("$BASE/bin/python" -c 'import sys; print(sys._base_executable)')"
 BASE_SITE="$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 

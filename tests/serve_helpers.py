@@ -72,12 +72,17 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[lis
     tiny is a tie that float rounding may break either way)."""
     from transformers import DynamicCache
 
+    from vpaged.hf import cache_kwargs
+
     model.set_attn_implementation("sdpa")  # the reference never runs the engine's attention
     cache = DynamicCache(config=model.config)
     ids = torch.tensor([prompt])
     tokens, gaps = [], []
     for _ in range(max_new_tokens):
-        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
+        # The cache keyword of the installed release: before 5.24 a `cache=` lands unread in the model's
+        # **kwargs, and each forward would start from a fresh cache (a wrong reference, not an error).
+        logits = model(input_ids=ids, use_cache=True, **cache_kwargs(cache)).logits[0, -1].float()
+        assert cache.get_seq_length() == len(prompt) + len(tokens), "the reference's cache was not used"
         top = torch.topk(logits, 2)
         tokens.append(int(top.indices[0]))
         gaps.append(float(top.values[0] - top.values[1]))

@@ -6,6 +6,7 @@ Supported: transformers 5.17 (MIN_VERSION) and later 5.x; tested on 5.17 and on 
 | what | up to | from |
 | --- | --- | --- |
 | keyword that hands a cache to `generate()` and `forward()` | `past_key_values=` (5.23) | `cache=` (5.24; the old name still works, with a FutureWarning) |
+| `forward(cache=...)` on a release that does not know it | no error: it lands unread in `**kwargs` and every forward starts a fresh DynamicCache (wrong tokens, silently) | |
 | `Cache.max_cache_len`, `Cache.max_batch_size` | read-only, deprecated properties (5.17) | gone (by 5.20) |
 | `Cache.update(...)` from a model's attention layer | `(k, v, layer_idx)` (5.23) | `(k, v, layer_idx, kwargs=...)` (5.24) |
 | attention functions registered with `AttentionInterface` | see the notes above `register_attention` | |
@@ -29,9 +30,12 @@ from functools import cache
 MIN_VERSION = (5, 17)
 NEXT_MAJOR = (6, 0)  # 6.x may change the Cache API again: not claimed until tested
 TESTED_NEWEST = (5, 24)
-# The serving engine's packed forward (vpaged.serve) is verified token-identical on 5.24 only: on 5.17 its
-# greedy tokens differ from model.generate's, so older releases are refused rather than served wrongly.
-SERVE_MIN_VERSION = (5, 24)
+# The serving engine (vpaged.serve) needs nothing beyond what VPagedCache needs: its packed forward passes
+# input_ids, position_ids, a prepared 4D mask (returned untouched by every supported release's mask
+# builders), use_cache=False and its own attention kwarg, and names no cache, so the cache keyword does not
+# reach it. Its greedy tokens equal model.generate's on 5.17 and 5.24 (CI). Kept separate from MIN_VERSION
+# so that a release the engine cannot serve can be refused on its own.
+SERVE_MIN_VERSION = MIN_VERSION
 
 
 def _parse(version: str) -> tuple[int, int]:
@@ -79,7 +83,7 @@ def serving_support(version: str | None = None) -> tuple[bool, str]:
         return False, "transformers is not installed (pip install 'vpaged[serve]')"
     if _parse(version) < SERVE_MIN_VERSION:
         need = ".".join(map(str, SERVE_MIN_VERSION))
-        return False, f"the serving engine needs transformers >= {need} (found {version}); VPagedCache works from 5.17"
+        return False, f"the serving engine needs transformers >= {need} (found {version})"
     return True, ""
 
 

@@ -8,7 +8,7 @@ callers:
   transformers hands through every decoder layer to this function. The StepAttention (built once per step,
   see kv.py) writes the layer's new K/V into the cache and attends per sequence: decode rows through the
   vpaged.ops decode kernel, prefill chunks with SDPA over the cached K/V.
-- Anything else, e.g. `model.generate(cache=VPagedCache(...))`: a decode step (one query token, no mask)
+- Anything else, e.g. `model.generate(**cache_kwargs(VPagedCache(...)))`: a decode step (one query token, no mask)
   runs the contiguous decode kernel straight on the K/V tensors the cache returned (for a VPagedCache,
   views of each row's contiguous range); everything else (prefill, padded batches, sliding windows) goes
   to transformers' own SDPA function, so results match attn_implementation="sdpa".
