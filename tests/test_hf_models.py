@@ -246,3 +246,42 @@ def test_unsupported_layer_kinds_raise_at_construction():
     cfg.layer_types = ["full_attention", "indexed_attention"]
     with pytest.raises(InvalidArgumentError, match="indexed_attention"):
         VPagedCache(cfg, max_cache_len=8)
+
+
+def test_bounded_sliding_compaction_out_of_pages_keeps_the_window(models, rng):
+    """A compaction that cannot get its pages raises OutOfPagesError and leaves the window as it was: the
+    same step, retried once pages are free again, gives what a cache that never ran short gives."""
+    from vpaged import PagePool, VirtualKVCache
+    from vpaged.errors import OutOfPagesError
+
+    cfg = models["gemma3"].config  # window 6; layers: sliding, sliding, full, sliding; 8 tokens a 4 KiB page
+    heads, dim = cfg.num_key_value_heads, cfg.head_dim
+    gen = rng  # the suite's seeded torch.Generator
+
+    def kv(n):
+        return [
+            (torch.randn(2, heads, n, dim, generator=gen), torch.randn(2, heads, n, dim, generator=gen))
+            for _ in range(4)
+        ]
+
+    def step(cache, states):
+        return [cache.update(k, v, layer) for layer, (k, v) in enumerate(states)]
+
+    pool = PagePool(capacity_pages=256, page_size=4096)
+    cache = make_cache(models["gemma3"], "per_layer", bounded_sliding=True, capacity_bytes=None, pool=pool)
+    ref = make_cache(models["gemma3"], "per_layer", bounded_sliding=True)
+    prefill, grow, decode = kv(6), kv(8), kv(1)  # 6 held + 8 new > 13 a row holds: compact to 5 + 8 tokens
+    for a, b in zip(step(cache, prefill), step(ref, prefill)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    hog = VirtualKVCache(1, 1, 1024, dtype=torch.float32, max_seqs=1, max_seq_len=4096, pool=pool)
+    seq = hog.allocate()
+    hog.extend(seq, pool.free_pages() // 2)  # 2 pages a token: every free page taken
+    before = cache.window_stats().mapped_pages
+    with pytest.raises(OutOfPagesError):
+        cache.update(*grow[0], 0)
+    assert cache.window_stats().mapped_pages <= before
+    hog.close()
+    for states in (grow, decode):
+        for a, b in zip(step(cache, states), step(ref, states)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert cache.get_seq_length() == ref.get_seq_length() == 15

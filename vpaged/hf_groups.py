@@ -409,15 +409,27 @@ class WindowGroup(KVGroup):
             ]
             for seq in rows:
                 kv.truncate(seq, 0)  # pages go back; the ones mapped afresh are this row's own
-            if kept + n <= cap:
-                kv.extend_many(rows, kept + n)
-                self._mode, self.length = ("compact", kept), kept + n
-            else:
-                store = min(self.window - 1, kept + n)
+            mode, store = ("compact", kept + n) if kept + n <= cap else ("overflow", min(self.window - 1, kept + n))
+            try:
                 kv.extend_many(rows, store)
-                self._mode, self.length = ("overflow", kept), store
+            except BaseException:
+                self._restore_kept(kept)
+                raise
+            self._mode, self.length = (mode, kept), store
         self.seen += n
         self.layers_left = len(self.layers)
+
+    def _restore_kept(self, kept: int) -> None:
+        """After a compaction that could not map its pages: the rows hold the kept tokens again (all a later
+        step attends to), in fewer pages than were just returned, so this extend cannot run short."""
+        kv, rows = self.kv, self.rows
+        kv.extend_many(rows, kept)
+        for i, old in enumerate(self._old):
+            if old is not None:
+                k_all, v_all = kv.kv_batch(i, rows)
+                k_all.copy_(old[0])
+                v_all.copy_(old[1])
+        self._old, self.length = [], kept
 
     def write(self, i: int, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
         mode, kept = self._mode
