@@ -449,7 +449,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (CI smoke, seconds)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sections", default="throughput,poisson,shared-prefix,static-slots,step-breakdown")
-    ap.add_argument("--rows", default="vpaged,paged,static,generate_batch", help="rows of the throughput section, run in this order")
+    ap.add_argument(
+        "--rows", default="vpaged,paged,static,generate_batch", help="rows of the throughput section, run in this order"
+    )
     ap.add_argument("--requests", type=int, default=None, help="override: requests of sections 1 and 4")
     ap.add_argument("--max-tokens", type=int, default=None, help="override: output tokens of sections 1, 2, 4")
     ap.add_argument("--min-prompt", type=int, default=None, help="override: shortest prompt of sections 1, 2, 4")
