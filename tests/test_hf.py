@@ -7,14 +7,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from hf_helpers import PAD, VOCAB, generate, prompts  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from vpaged import OutOfPagesError, PagePool, SequenceTooLongError  # noqa: E402
 from vpaged.errors import InvalidArgumentError, ShapeError  # noqa: E402
 from vpaged.hf import VPagedCache, cache_kwargs  # noqa: E402
 
-VOCAB = 128
-PAD = 0
 COMMON = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -61,25 +60,6 @@ def make_cache(model, layout, **kw):
     kw.setdefault("capacity_bytes", 4 << 20)
     kw.setdefault("page_size", 4096)  # small pages: page boundaries are crossed within a few tokens
     return VPagedCache(model.config, layout=layout, **kw)
-
-
-def prompts(batch, length, gen, pads=()):
-    ids = torch.randint(1, VOCAB, (batch, length), generator=gen)
-    mask = torch.ones_like(ids)
-    for row, p in enumerate(pads):  # left padding
-        ids[row, :p] = PAD
-        mask[row, :p] = 0
-    return ids, mask
-
-
-def generate(model, cache, ids, mask, seed=None, **kw):
-    if seed is not None:
-        torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # generation-config chatter of random models
-        return model.generate(
-            ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=kw.pop("max_new_tokens", 16), **kw
-        )
 
 
 # --------------------------------------------------------------------------------------------- generate()

@@ -4,19 +4,16 @@ multi-head latent attention), attention + Mamba hybrids (Jamba), and sliding-win
 (Gemma 3). Each against transformers' default cache, greedy and 3-beam, on a left-padded batch of 2, with
 tiny random-weight models built here (no download)."""
 
-import warnings
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from hf_helpers import PAD, VOCAB, generate, prompts  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 from vpaged.errors import InvalidArgumentError, ShapeError  # noqa: E402
-from vpaged.hf import VPagedCache, cache_kwargs  # noqa: E402
+from vpaged.hf import VPagedCache  # noqa: E402
 
-VOCAB = 128
-PAD = 0
 TOKENS = dict(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=None, bos_token_id=None)
 LAYOUTS = ["per_layer", "interleaved", "head_major"]
 
@@ -102,23 +99,6 @@ def models():
     return out
 
 
-def prompts(batch, length, gen, pads=()):
-    ids = torch.randint(1, VOCAB, (batch, length), generator=gen)
-    mask = torch.ones_like(ids)
-    for row, p in enumerate(pads):  # left padding
-        ids[row, :p] = PAD
-        mask[row, :p] = 0
-    return ids, mask
-
-
-def generate(model, cache, ids, mask, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # generation-config chatter of random models
-        return model.generate(
-            ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=kw.pop("max_new_tokens", 20), **kw
-        )
-
-
 def make_cache(model, layout, **kw):
     kw.setdefault("max_cache_len", 96)
     kw.setdefault("capacity_bytes", 8 << 20)
@@ -138,10 +118,10 @@ def test_generate_matches_default_cache(models, arch, layout, rng):
     model = models[arch]
     for name, kw in CASES:
         ids, mask = prompts(2, 9, rng, pads=(0, 3))
-        ref = generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+        ref = generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=20, **kw)
         extra = dict(bounded_sliding=True) if arch == "gemma3" else {}
         cache = make_cache(model, layout, **extra)
-        out = generate(model, cache, ids, mask, **kw)
+        out = generate(model, cache, ids, mask, max_new_tokens=20, **kw)
         assert torch.equal(out, ref), f"{arch}/{layout}: {name} differs from transformers' cache"
         cache.close()
 
