@@ -147,7 +147,7 @@ class LLMEngine:
                 layout=layout,
                 prefix_caching=enable_prefix_caching,
             )
-        if kv == "static" and self.store.pages_for_tokens(limit) > self.store.total_pages():
+        if kv == "static" and self.store.slot_pages > self.store.total_pages():
             self.store.close()
             raise InvalidArgumentError(
                 f"kv='static' reserves max_model_len={limit} tokens per sequence, more than the KV budget of "
@@ -192,7 +192,7 @@ class LLMEngine:
             )
         max_tokens = min(params.max_tokens, self.max_model_len - len(tokens))
         if self.kv == "static":
-            need = self.store.pages_for_tokens(self.max_model_len) * params.n
+            need = self.store.slot_pages * params.n
         else:
             need = self.store.pages_for_tokens(len(tokens) + max_tokens)
         if need > self.store.total_pages():

@@ -195,6 +195,11 @@ class VirtualStore:
         """static: tokens each sequence reserves at admission (its slot: the longest sequence allowed)."""
         return self.cache.max_seq_len
 
+    @property
+    def slot_pages(self) -> int:
+        """static: pages one slot maps."""
+        return self.pages_for_tokens(self.slot_tokens)
+
     def allocate(self, tokens: list[int], seats: int = 1) -> tuple[int, int]:
         """(handle, tokens already present from the prefix cache). static: maps a slot of slot_tokens for each
         of `seats` completions now (the others wait, unshared, for fork())."""

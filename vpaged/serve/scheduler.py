@@ -152,7 +152,7 @@ class Scheduler:
             if seats + need_seats > self.max_num_seqs or store.free_slots() < need_seats:
                 break
             # The static store maps a whole slot per completion up front.
-            if store.static and not store.pages_available(store.pages_for_tokens(store.slot_tokens) * need_seats):
+            if store.static and not store.pages_available(store.slot_pages * need_seats):
                 break
             handle, hit = store.allocate(seq.tokens, need_seats)
             if hit >= len(seq.tokens):
