@@ -206,7 +206,7 @@ def test_unknown_or_unsupported_code_path():
     )
     with pytest.raises(InvalidArgumentError, match="isa"):
         _C.decode_cpu(p, 1, "sse9")
-    for isa in ("avx2", "avx512"):
+    for isa in ("avx2", "avx512", "avx512bf16"):
         if isa not in ISAS:
             with pytest.raises(InvalidArgumentError, match="cannot run"):
                 _C.decode_cpu(p, 1, isa)

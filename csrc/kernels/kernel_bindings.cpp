@@ -45,7 +45,8 @@ int isa_code(const std::string& isa) {
   if (isa == "baseline") return kIsaBaseline;
   if (isa == "avx2") return kIsaAvx2;
   if (isa == "avx512") return kIsaAvx512;
-  throw vpaged::InvalidArgument("isa must be auto, baseline, avx2 or avx512, got " + isa);
+  if (isa == "avx512bf16") return kIsaAvx512Bf16;
+  throw vpaged::InvalidArgument("isa must be auto, baseline, avx2, avx512 or avx512bf16, got " + isa);
 }
 
 }  // namespace
@@ -99,7 +100,8 @@ void register_kernels(py::module_& m) {
         decode_cpu(p, num_threads, code);
       },
       py::arg("params"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
-      "Decode attention on the CPU (blocking). isa: auto (the best this CPU has), baseline, avx2 or avx512.");
+      "Decode attention on the CPU (blocking). isa: auto (the best this CPU has), baseline, avx2, avx512 or "
+      "avx512bf16.");
   // The per-call path of decode_attention on a cache: the layer's geometry comes prebuilt (base), the call
   // adds what changes per step. Slots and lengths arrive as lists and live in C++ for the call, so a step
   // builds no tensors; base.max_tokens is the capacity per sequence, and every length is checked against
@@ -139,7 +141,7 @@ void register_kernels(py::module_& m) {
       "decode_cpu_isas",
       [] {
         py::list l;
-        const char* names[] = {"baseline", "avx2", "avx512"};
+        const char* names[] = {"baseline", "avx2", "avx512", "avx512bf16"};
         for (int i = 0; i <= cpu_best_isa(); ++i) l.append(names[i]);
         return l;
       },
