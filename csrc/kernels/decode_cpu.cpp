@@ -588,10 +588,10 @@ VP_AVX512 void scores_tile(const float* __restrict q, const typename Elem<DT>::T
 // which the item function that calls it (shared with CPUs without it) is not compiled for.
 template <int D, int DV, int GB>
 __attribute__((noinline)) VP_AVX512BF16_TARGET void scores_tile_bf16dp(const uint16_t* __restrict q, const uint16_t* K,
-                                                                        const uint16_t* V, const int64_t* off,
-                                                                        const int64_t* ahead, const int64_t* v_ahead,
-                                                                        int64_t hoff, int64_t v_hoff, int n,
-                                                                        float* __restrict red) {
+                                                                       const uint16_t* V, const int64_t* off,
+                                                                       const int64_t* ahead, const int64_t* v_ahead,
+                                                                       int64_t hoff, int64_t v_hoff, int n,
+                                                                       float* __restrict red) {
   static_assert(D % 32 == 0, "bf16 dot products take 32 dims at a time");
   for (int i = 0; i < n; i += 2) {
     const int i1 = i + 1 < n ? i + 1 : i;
@@ -945,7 +945,9 @@ void decode_cpu(const DecodeParams& params, int num_threads, int isa) {
     throw InvalidArgument("decode attention: unknown CPU code path " + std::to_string(isa));
   if (isa > cpu_best_isa())
     throw InvalidArgument("decode attention: this CPU cannot run the requested code path (" +
-                          std::string(isa == kIsaAvx512Bf16 ? "AVX512_BF16" : isa == kIsaAvx512 ? "AVX-512" : "AVX2") +
+                          std::string(isa == kIsaAvx512Bf16 ? "AVX512_BF16"
+                                      : isa == kIsaAvx512   ? "AVX-512"
+                                                            : "AVX2") +
                           ")");
   if (p.num_seqs == 0) return;
   int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
