@@ -154,8 +154,10 @@ ISAS = _C.decode_cpu_isas()  # the CPU code paths this machine can run, "baselin
 
 
 def force_isa(monkeypatch, isa):
-    real = _C.decode_cpu
+    """Every CPU entry point (descriptor calls, and the per-step path of caches) on code path `isa`."""
+    real, real_rows = _C.decode_cpu, _C.decode_cpu_rows
     monkeypatch.setattr(_C, "decode_cpu", lambda p, n=0, isa_=isa: real(p, n, isa_))
+    monkeypatch.setattr(_C, "decode_cpu_rows", lambda *args, isa_=isa: real_rows(*args[:8], isa_))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -204,7 +206,7 @@ def test_unknown_or_unsupported_code_path():
     )
     with pytest.raises(InvalidArgumentError, match="isa"):
         _C.decode_cpu(p, 1, "sse9")
-    for isa in ("avx2", "avx512"):
+    for isa in ("avx2", "avx512", "avx512bf16"):
         if isa not in ISAS:
             with pytest.raises(InvalidArgumentError, match="cannot run"):
                 _C.decode_cpu(p, 1, isa)
@@ -643,3 +645,50 @@ def test_cuda_virtual_cache(layout):
     cache, seqs, kvs = build(layout, torch.bfloat16, 128, LENGTHS, device="cuda")
     q = torch.randn(len(seqs), HKV * 4, 128, device="cuda").to(torch.bfloat16)
     check(ops.decode_attention(q, cache, seqs, 1, out=poisoned(q)), q, *zip(*kvs))
+
+
+def test_cache_steps_follow_lengths_and_slots():
+    """The per-step path of a CPU VirtualKVCache builds a layer's parameters once: later steps must still see
+    every length change, a slot freed and reused, and each layer's own K/V."""
+    cache, seqs, kvs = build("per_layer", torch.float32, 64, [5, 40])
+    q = torch.randn(2, HKV * 4, 64)
+    check(ops.decode_attention(q, cache, seqs, 1, out=poisoned(q)), q, *zip(*kvs))
+    k0, v0 = cache.kv(0, seqs[0])
+    check(ops.decode_attention(q[:1], cache, seqs[:1], 0, out=poisoned(q[:1])), q[:1], [k0], [v0])
+    # A step later: one sequence grew, the other was freed and its slot reused by a new one.
+    cache.extend(seqs[0], 7)
+    k, v = torch.randn(7, HKV, 64), torch.randn(7, HKV, 64)
+    cache.write(1, seqs[0], k, v)
+    grown = (torch.cat([kvs[0][0], k]), torch.cat([kvs[0][1], v]))
+    cache.free(seqs[1])
+    new = cache.allocate()
+    cache.extend(new, 3)
+    nk, nv = torch.randn(3, HKV, 64), torch.randn(3, HKV, 64)
+    cache.write(1, new, nk, nv)
+    got = ops.decode_attention(q, cache, [new, seqs[0]], 1, out=poisoned(q))
+    check(got, q, [nk, grown[0]], [nv, grown[1]])
+
+
+def test_cache_steps_refuse_what_the_kernel_must_not_read():
+    cache = VirtualKVCache(2, HKV, 64, torch.bfloat16, 2, 40, capacity_bytes=8 << 20, swap_bytes=4 << 20)
+    seqs = cache.allocate_many(2)
+    for s, n in zip(seqs, (5, 40)):
+        cache.extend(s, n)
+        cache.write(1, s, torch.randn(n, HKV, 64).to(torch.bfloat16), torch.randn(n, HKV, 64).to(torch.bfloat16))
+    q = torch.randn(2, HKV, 64).to(torch.bfloat16)
+    ops.decode_attention(q, cache, seqs, 1)  # the layer's parameters now exist
+    base = ops._layer_plan(cache, 1).params
+    out = poisoned(q)
+    rows = dict(q=q.data_ptr(), out=out.data_ptr(), num_heads=HKV, scale=0.125)
+    capacity = base.max_tokens  # tokens a slot can hold: the entry refuses longer lengths
+    assert 40 <= capacity < 10**6
+    for slots, lengths in (([0, 1], [5, capacity + 1]), ([0, 1], [5, 0]), ([0, 1], [5]), ([0], [-1])):
+        with pytest.raises(InvalidArgumentError):
+            _C.decode_cpu_rows(base, slots=slots, lengths=lengths, **rows)
+        assert torch.isnan(out).all()  # nothing was written
+    cache.swap_out(seqs[1])
+    with pytest.raises(vpaged.SequenceSwappedError):
+        ops.decode_attention(q, cache, seqs, 1)
+    cache.close()
+    with pytest.raises(vpaged.VPagedError):
+        ops.decode_attention(q, cache, seqs, 1)

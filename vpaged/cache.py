@@ -259,8 +259,14 @@ class VirtualKVCache(KVCacheBase):
             raise InvalidArgumentError(
                 "batch(): the cache is on an accounting-only pool, which holds no K/V for kernels to read"
             )
+        return self._views.descriptor(layer, *self.slots_and_lengths(seqs))
+
+    def slots_and_lengths(self, seqs) -> tuple[list[int], list[int]]:
+        """(slots, lengths) of live sequences: the rows batch() describes, as plain lists (decode kernels on
+        the CPU take them so, without building tensors per step)."""
         slots = [self._live_slot(s) for s in seqs]
-        return self._views.descriptor(layer, slots, [self._slots.length_tokens[s] for s in slots])
+        lengths = self._slots.length_tokens
+        return slots, [lengths[s] for s in slots]
 
     def kv_layers(self, seq: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """K/V of tokens start..stop-1 (default: all present) in every layer, as one zero-copy view of shape

@@ -22,6 +22,7 @@ torch.cuda.current_stream().
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -175,6 +176,8 @@ def decode_attention(
     if isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] != len(seqs):
         raise ShapeError(f"q has {q.shape[0]} rows for {len(seqs)} sequences")
     if isinstance(cache, VirtualKVCache):
+        if cache.device.type == "cpu":
+            return _decode_cache_cpu(q, cache, seqs, layer, scale, out)
         max_len = _cache_max_len(cache, seqs)
         return decode_attention_contiguous(q, cache.batch(layer, seqs), scale, out, max_len=max_len)
     if isinstance(cache, PagedKVCache):
@@ -304,6 +307,75 @@ def _dense_strides(name: str, t: torch.Tensor, layout: str) -> tuple[int, int, i
             f"the strides {t.stride()} of {name} do not give every head a run of {tokens} tokens"
         )
     return batch, tokens, heads, dim, slot_stride, token_stride, head_stride
+
+
+# --------------------------------------------------------------------------------------------- cache fast path
+class _LayerPlan:
+    """A layer's kernel parameters that never change while its cache is open (addresses, strides, dims;
+    max_tokens = the capacity per sequence), built once from a descriptor and reused by every step."""
+
+    __slots__ = ("params", "num_kv_heads", "head_dim", "v_head_dim", "scale")
+
+    def __init__(self, kv: BatchedKV):
+        _check_dtype(kv.dtype, "the cache")
+        capacity = min(
+            _run_capacity("K", kv.num_kv_heads, kv.head_dim, kv.head_stride, kv.token_stride, kv.slot_stride),
+            _run_capacity("V", kv.num_kv_heads, kv.v_head_dim, kv.v_head_stride, kv.v_token_stride, kv.v_slot_stride),
+        )
+        p = _C.DecodeParams()
+        p.dtype = _DTYPE_CODES[kv.dtype]
+        p.num_kv_heads, p.head_dim, p.v_head_dim = kv.num_kv_heads, kv.head_dim, kv.v_head_dim
+        p.k, p.v = kv.k_ptr, kv.v_ptr
+        p.paged = False
+        p.token_stride, p.v_token_stride = kv.token_stride, kv.v_token_stride
+        p.head_stride, p.v_head_stride = kv.head_stride, kv.v_head_stride
+        p.slot_stride, p.v_slot_stride = kv.slot_stride, kv.v_slot_stride
+        p.max_tokens = min(capacity, 2**31 - 1)
+        self.params = p
+        self.num_kv_heads, self.head_dim, self.v_head_dim = kv.num_kv_heads, kv.head_dim, kv.v_head_dim
+        self.scale = 1.0 / math.sqrt(kv.head_dim)
+
+
+# cache -> {layer: _LayerPlan}. Weak: a plan dies with its cache. A closed cache never reaches its plans
+# (slots_and_lengths() raises first), and a cache's range and layout are fixed for its life.
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layer_plan(cache: VirtualKVCache, layer: int) -> _LayerPlan:
+    check_layer(layer, cache.num_layers)
+    plans = _PLANS.get(cache)
+    if plans is None:
+        plans = _PLANS.setdefault(cache, {})
+    plan = plans.get(layer)
+    if plan is None:
+        plan = plans[layer] = _LayerPlan(cache.batch(layer, []))  # batch() refuses accounting-only caches
+    return plan
+
+
+def _decode_cache_cpu(q, cache: VirtualKVCache, seqs: list, layer: int, scale, out) -> torch.Tensor:
+    """decode_attention on a CPU VirtualKVCache: the layer's prebuilt parameters, slots and lengths as
+    lists straight from the cache (whose lengths never exceed what it has mapped; the kernel entry checks
+    them against the capacity again)."""
+    plan = _layer_plan(cache, layer)
+    slots, lengths = cache.slots_and_lengths(seqs)
+    if lengths and min(lengths) < 1:
+        seq = seqs[lengths.index(min(lengths))]
+        raise InvalidArgumentError(f"sequence {seq} holds no tokens; decode attends over at least one")
+    q = _check_q(q, plan.num_kv_heads, plan.head_dim, cache.dtype, cache.device)
+    out = _check_out(out, q, plan.v_head_dim)
+    if not seqs:
+        return out
+    _C.decode_cpu_rows(
+        plan.params,
+        q.data_ptr(),
+        out.data_ptr(),
+        q.shape[1],
+        plan.scale if scale is None else float(scale),
+        slots,
+        lengths,
+        torch.get_num_threads(),
+    )
+    return out
 
 
 # --------------------------------------------------------------------------------------------- checks

@@ -54,8 +54,9 @@ DecodeParams resolve_params(const DecodeParams& p);
 void check_params(const DecodeParams& p);
 
 // CPU code paths, chosen at run time: the portable x86-64 build (the reference), AVX2+FMA, AVX-512
-// (F/BW/VL/DQ; head_dim = v_head_dim = 64, 128 or 256, and K 192 / V 128; other head dims run the AVX2 build).
-enum CpuIsa : int { kIsaAuto = -1, kIsaBaseline = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+// (F/BW/VL/DQ; head_dim = v_head_dim = 64, 128 or 256, and K 192 / V 128; other head dims run the AVX2 build),
+// and AVX-512 with BF16 dot products (bf16 scores by vdpbf16ps; other dtypes as AVX-512).
+enum CpuIsa : int { kIsaAuto = -1, kIsaBaseline = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3 };
 // The best path this CPU (and OS) supports.
 int cpu_best_isa();
 

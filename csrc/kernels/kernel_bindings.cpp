@@ -1,9 +1,12 @@
 // Python bindings of the attention kernels. Parameters are plain structs whose tensor fields are integer
 // addresses (tensor.data_ptr()): the extension does not link libtorch, vpaged/ops.py does the checking.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "../errors.h"
 #include "decode.h"
@@ -34,6 +37,16 @@ void address_field(py::class_<C>& cls, const char* name, P C::* field) {
   cls.def_property(
       name, [field](const C& c) { return reinterpret_cast<uintptr_t>(c.*field); },
       [field](C& c, uintptr_t v) { c.*field = reinterpret_cast<P>(v); });
+}
+
+int isa_code(const std::string& isa) {
+  using namespace vpaged::kernels;
+  if (isa == "auto") return kIsaAuto;
+  if (isa == "baseline") return kIsaBaseline;
+  if (isa == "avx2") return kIsaAvx2;
+  if (isa == "avx512") return kIsaAvx512;
+  if (isa == "avx512bf16") return kIsaAvx512Bf16;
+  throw vpaged::InvalidArgument("isa must be auto, baseline, avx2, avx512 or avx512bf16, got " + isa);
 }
 
 }  // namespace
@@ -82,25 +95,53 @@ void register_kernels(py::module_& m) {
   m.def(
       "decode_cpu",
       [](const DecodeParams& p, int num_threads, const std::string& isa) {
-        int code = kIsaAuto;
-        if (isa == "baseline")
-          code = kIsaBaseline;
-        else if (isa == "avx2")
-          code = kIsaAvx2;
-        else if (isa == "avx512")
-          code = kIsaAvx512;
-        else if (isa != "auto")
-          throw vpaged::InvalidArgument("isa must be auto, baseline, avx2 or avx512, got " + isa);
+        const int code = isa_code(isa);
         py::gil_scoped_release release;
         decode_cpu(p, num_threads, code);
       },
       py::arg("params"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
-      "Decode attention on the CPU (blocking). isa: auto (the best this CPU has), baseline, avx2 or avx512.");
+      "Decode attention on the CPU (blocking). isa: auto (the best this CPU has), baseline, avx2, avx512 or "
+      "avx512bf16.");
+  // The per-call path of decode_attention on a cache: the layer's geometry comes prebuilt (base), the call
+  // adds what changes per step. Slots and lengths arrive as lists and live in C++ for the call, so a step
+  // builds no tensors; base.max_tokens is the capacity per sequence, and every length is checked against
+  // it here, before any kernel reads memory.
+  m.def(
+      "decode_cpu_rows",
+      [](const DecodeParams& base, uintptr_t q, uintptr_t out, int num_heads, float scale,
+         const std::vector<int32_t>& slots, const std::vector<int32_t>& lengths, int num_threads,
+         const std::string& isa) {
+        if (slots.size() != lengths.size())
+          throw vpaged::InvalidArgument("decode attention: " + std::to_string(slots.size()) + " slots for " +
+                                        std::to_string(lengths.size()) + " lengths");
+        DecodeParams p = base;
+        p.q = reinterpret_cast<const void*>(q);
+        p.out = reinterpret_cast<void*>(out);
+        p.num_heads = num_heads;
+        p.scale = scale;
+        p.num_seqs = int(lengths.size());
+        p.slots = slots.data();
+        p.lengths = lengths.data();
+        int32_t longest = 1;
+        for (const int32_t n : lengths) {
+          if (n < 1 || n > base.max_tokens)
+            throw vpaged::InvalidArgument("decode attention: a length of " + std::to_string(n) + " is outside 1.." +
+                                          std::to_string(base.max_tokens));
+          longest = std::max(longest, n);
+        }
+        p.max_tokens = longest;
+        const int code = isa_code(isa);
+        py::gil_scoped_release release;
+        decode_cpu(p, num_threads, code);
+      },
+      py::arg("base"), py::arg("q"), py::arg("out"), py::arg("num_heads"), py::arg("scale"), py::arg("slots"),
+      py::arg("lengths"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
+      "Contiguous decode attention on the CPU over base's K/V for (slots, lengths) lists (blocking).");
   m.def(
       "decode_cpu_isas",
       [] {
         py::list l;
-        const char* names[] = {"baseline", "avx2", "avx512"};
+        const char* names[] = {"baseline", "avx2", "avx512", "avx512bf16"};
         for (int i = 0; i <= cpu_best_isa(); ++i) l.append(names[i]);
         return l;
       },
