@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import VirtualKVCache
-from ..ops import decode_attention_contiguous, decode_attention_paged
+from ..ops import decode_attention_contiguous, decode_attention_paged, write_kv
 from ..paged_cache import PagedKVCache
 
 KV_KINDS = ("vpaged", "paged", "static")
@@ -96,17 +96,32 @@ class _VirtualStep(StepAttention):
         cache = store.cache
         if store.device.type != "cpu":
             self.causal_masks = [m if m is None else m.to(store.device) for m in self.causal_masks]
-        # One view per sequence covering its tokens written this step (decode: the last one; prefill: the
-        # whole prefix, so that the chunk's attention reads the same view); split per layer once.
-        dst, self._prefill_views = [], []
-        for seq in decodes:
-            dst.append(cache.kv_layers(seq.handle, seq.num_computed, seq.num_computed + 1).unbind(0))
-        for seq, start, n in prefills:
-            view = cache.kv_layers(seq.handle, 0, start + n)
-            self._prefill_views.append(view)
-            dst.append(view[:, :, start:].unbind(0))
-        self._dst = [list(per_layer) for per_layer in zip(*dst)] if dst else []
-        self._counts = [1] * len(decodes) + [n for _, _, n in prefills]
+        # Prefill chunks attend over one view of the sequence's whole prefix (split per layer in prefill_kv).
+        self._prefill_views = [cache.kv_layers(seq.handle, 0, start + n) for seq, start, n in prefills]
+        # New tokens are written by one scatter per layer (vpaged.ops.write_kv) through a descriptor of every
+        # sequence of the step: row i of the packed K/V goes to token positions[i] of sequence rows[i]. The
+        # bounds come from the cache (writable_range: the tokens mapped, and not shared with another sequence),
+        # and the extension checks every row against them before writing.
+        seqs = list(decodes) + [seq for seq, _, _ in prefills]
+        self._write = None
+        if seqs:
+            ranges = [cache.writable_range(seq.handle) for seq in seqs]
+            positions = [seq.num_computed for seq in decodes]
+            for _, start, n in prefills:
+                positions.extend(range(start, start + n))
+            counts = [1] * len(decodes) + [n for _, _, n in prefills]
+            self._write = (
+                torch.tensor([seq.slot for seq in seqs], dtype=torch.int32),
+                torch.tensor([end for _, end in ranges], dtype=torch.int32),
+                torch.tensor([first for first, _ in ranges], dtype=torch.int32),
+                torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32), torch.tensor(counts)),
+                torch.tensor(positions, dtype=torch.int32),
+            )
+            if store.device.type != "cpu":  # the descriptor's tensors live on the cache's device
+                slots, lengths = (t.to(store.device) for t in self._write[:2])
+            else:
+                slots, lengths = self._write[:2]
+            self._write_kv = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
         if decodes:
             slots = torch.tensor([seq.slot for seq in decodes], dtype=torch.int32, device=store.device)
             lengths = torch.tensor([seq.num_computed + 1 for seq in decodes], dtype=torch.int32, device=store.device)
@@ -114,10 +129,10 @@ class _VirtualStep(StepAttention):
             self._batched = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
 
     def write(self, layer, k, v):
-        if not self._dst:
+        if self._write is None:
             return
-        src = torch.stack((k, v)).split(self._counts, dim=1)  # per sequence [2, n, KVH, D]
-        torch._foreach_copy_(self._dst[layer], list(src))
+        _, _, first, rows, positions = self._write
+        write_kv(k, v, self._write_kv[layer], rows, positions, writable_from=first, check_mapped=False)
 
     def decode(self, layer, q, scale, out):
         decode_attention_contiguous(q, self._batched[layer], scale, out, max_len=self._max_len)
