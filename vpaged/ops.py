@@ -544,8 +544,9 @@ def write_kv(
     lengths are still mapped (a stale descriptor, kept past free() / truncate() / swap_out(), is refused);
     a caller that took the descriptor's lengths from the cache just now may skip it.
 
-    On CUDA the index tensors are read back to the host for the check (a synchronisation when they live on the
-    device; pass CPU tensors to avoid it) and the copy runs on torch.cuda.current_stream()."""
+    The index tensors (rows, positions, writable_from, and the descriptor's slots and lengths) are read on the
+    host: on CUDA that is a synchronisation for any that live on the device (CPU tensors avoid it; the
+    descriptor's slots and lengths may be CPU tensors here). The copy runs on torch.cuda.current_stream()."""
     kv = batched_kv
     if not isinstance(kv, BatchedKV):
         raise InvalidArgumentError(f"batched_kv must be a BatchedKV (VirtualKVCache.batch()), got {type(kv).__name__}")

@@ -98,6 +98,11 @@ class _VirtualStep(StepAttention):
             self.causal_masks = [m if m is None else m.to(store.device) for m in self.causal_masks]
         # Prefill chunks attend over one view of the sequence's whole prefix (split per layer in prefill_kv).
         self._prefill_views = [cache.kv_layers(seq.handle, 0, start + n) for seq, start, n in prefills]
+        if decodes:
+            slots = torch.tensor([seq.slot for seq in decodes], dtype=torch.int32, device=store.device)
+            lengths = torch.tensor([seq.num_computed + 1 for seq in decodes], dtype=torch.int32, device=store.device)
+            self._max_len = max(seq.num_computed + 1 for seq in decodes)
+            self._batched = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
         # New tokens are written by one scatter per layer (vpaged.ops.write_kv) through a descriptor of every
         # sequence of the step: row i of the packed K/V goes to token positions[i] of sequence rows[i]. The
         # bounds come from the cache (writable_range: the tokens mapped, and not shared with another sequence),
@@ -110,28 +115,24 @@ class _VirtualStep(StepAttention):
             for _, start, n in prefills:
                 positions.extend(range(start, start + n))
             counts = [1] * len(decodes) + [n for _, _, n in prefills]
+            ends = [end for _, end in ranges]
             self._write = (
-                torch.tensor([seq.slot for seq in seqs], dtype=torch.int32),
-                torch.tensor([end for _, end in ranges], dtype=torch.int32),
                 torch.tensor([first for first, _ in ranges], dtype=torch.int32),
                 torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32), torch.tensor(counts)),
                 torch.tensor(positions, dtype=torch.int32),
             )
-            if store.device.type != "cpu":  # the descriptor's tensors live on the cache's device
-                slots, lengths = (t.to(store.device) for t in self._write[:2])
+            if not prefills and store.device.type == "cpu" and ends == lengths.tolist():
+                self._write_kv = self._batched  # a decode-only step: the decode descriptors say the same
             else:
-                slots, lengths = self._write[:2]
-            self._write_kv = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
-        if decodes:
-            slots = torch.tensor([seq.slot for seq in decodes], dtype=torch.int32, device=store.device)
-            lengths = torch.tensor([seq.num_computed + 1 for seq in decodes], dtype=torch.int32, device=store.device)
-            self._max_len = max(seq.num_computed + 1 for seq in decodes)
-            self._batched = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
+                # write_kv reads the slots and lengths on the host: CPU tensors also for a CUDA cache.
+                slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.int32)
+                lengths = torch.tensor(ends, dtype=torch.int32)
+                self._write_kv = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
 
     def write(self, layer, k, v):
         if self._write is None:
             return
-        _, _, first, rows, positions = self._write
+        first, rows, positions = self._write
         write_kv(k, v, self._write_kv[layer], rows, positions, writable_from=first, check_mapped=False)
 
     def decode(self, layer, q, scale, out):
