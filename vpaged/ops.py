@@ -534,7 +534,8 @@ def write_kv(
     k [N, num_kv_heads, head_dim] and v [N, num_kv_heads, v_head_dim] (the cache's dtype and device; any row
     and head strides, each head's elements dense): row i goes to token positions[i] of sequence rows[i] of the
     descriptor (its slot batched_kv.slots[rows[i]]), through the descriptor's base pointers and strides, so
-    every layout the decode kernel reads (per_layer, interleaved, head_major) is written alike.
+    every layout the decode kernel reads (per_layer, interleaved, head_major) is written alike. Rows naming the
+    same token leave one of them there (which one is unspecified).
 
     Every row is checked before anything is written (in the extension, on host copies of the indices): the
     sequence index in 0..B-1, the position below that sequence's length in the descriptor (the tokens it has
