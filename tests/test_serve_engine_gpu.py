@@ -119,3 +119,43 @@ def test_swap_and_recompute_preemption_on_cuda(models, prng):
         assert getattr(stats, mode) > 0, stats
         assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
         assert stats.live_kv_tokens == 0 and stats.swapped == 0
+
+
+def test_write_kv_scatter_on_cuda():
+    """vpaged.ops.write_kv on CUDA (the engine's K/V writes) against torch writes into kv() views, every
+    layout and dtype; a row past a sequence's length raises and the cache is unchanged."""
+    from vpaged import VirtualKVCache, ops
+    from vpaged.errors import InvalidArgumentError
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for layout in ("per_layer", "interleaved", "head_major"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            cache = VirtualKVCache(
+                2, 2, 16, dtype=dtype, max_seqs=4, max_seq_len=96, device=DEV, capacity_bytes=64 * PAGE, layout=layout
+            )
+            seqs = [cache.allocate() for _ in range(3)]
+            lengths = [70, 1, 33]
+            for s, n in zip(seqs, lengths):
+                cache.extend(s, n)
+            pairs = [(i, t) for i, n in enumerate(lengths) for t in range(n)]
+            pick = torch.randperm(len(pairs), generator=g)[:40].tolist()
+            rows = torch.tensor([pairs[j][0] for j in pick], dtype=torch.int32)
+            pos = torch.tensor([pairs[j][1] for j in pick], dtype=torch.int32)
+            for layer in range(2):
+                expect = [[t.clone() for t in cache.kv(layer, s)] for s in seqs]
+                k = torch.randn(2, 40, 16, generator=g).to(dtype).to(DEV).transpose(0, 1)  # heads apart
+                v = torch.randn(40, 2, 16, generator=g).to(dtype).to(DEV)
+                for i, (r, t) in enumerate(zip(rows.tolist(), pos.tolist())):
+                    expect[r][0][t], expect[r][1][t] = k[i], v[i]
+                ops.write_kv(k, v, cache.batch(layer, seqs), rows, pos)
+                torch.cuda.synchronize()
+                for s, (ek, ev) in zip(seqs, expect):
+                    got_k, got_v = cache.kv(layer, s)
+                    assert torch.equal(got_k, ek) and torch.equal(got_v, ev), (layout, dtype, layer)
+            before = [[t.clone() for t in cache.kv(0, s)] for s in seqs]
+            with pytest.raises(InvalidArgumentError):
+                ops.write_kv(k[:1], v[:1], cache.batch(0, seqs), rows[:1] * 0, torch.tensor([70], dtype=torch.int32))
+            torch.cuda.synchronize()
+            for s, (bk, bv) in zip(seqs, before):
+                assert torch.equal(cache.kv(0, s)[0], bk) and torch.equal(cache.kv(0, s)[1], bv)
+            cache.close()

@@ -155,3 +155,41 @@ def decode_cpu_rows(
 def decode_cpu_isas() -> list[str]: ...
 def decode_cuda(params: DecodeParams, launch: CudaLaunch) -> None: ...
 def kernels_built_with_cuda() -> bool: ...
+
+class WriteKVParams:
+    """Arguments of a K/V scatter into a contiguous cache (csrc/kernels/write_kv.h); pointers are ints."""
+
+    itemsize: int
+    num_rows: int
+    num_seqs: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int  # 0: head_dim
+    k_row_stride: int
+    k_head_stride: int
+    v_row_stride: int
+    v_head_stride: int
+    slot_stride: int
+    token_stride: int
+    head_stride: int
+    v_slot_stride: int
+    v_token_stride: int
+    v_cache_head_stride: int
+    extent_lo: int
+    extent_hi: int
+    v_extent_lo: int
+    v_extent_hi: int
+    k: int
+    v: int
+    k_cache: int
+    v_cache: int
+    slots: int
+    lengths: int
+    writable_from: int  # 0: every token from 0
+    rows: int
+    positions: int
+    def __init__(self) -> None: ...
+
+def write_kv_check(params: WriteKVParams) -> None: ...
+def write_kv_cpu(params: WriteKVParams, num_threads: int = 0) -> None: ...
+def write_kv_cuda(params: WriteKVParams, device: int, stream: int) -> None: ...

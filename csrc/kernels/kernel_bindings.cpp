@@ -51,6 +51,8 @@ int isa_code(const std::string& isa) {
 
 }  // namespace
 
+void register_write_kv(py::module_& m);  // at the end of this file
+
 void register_kernels(py::module_& m) {
   using namespace vpaged::kernels;
   py::class_<DecodeParams> params(m, "DecodeParams",
@@ -149,4 +151,50 @@ void register_kernels(py::module_& m) {
   m.def("decode_cuda", &decode_cuda, py::arg("params"), py::arg("launch"), py::call_guard<py::gil_scoped_release>(),
         "Decode attention on CUDA (asynchronous on launch.stream).");
   m.def("kernels_built_with_cuda", &kernels_built_with_cuda);
+  register_write_kv(m);
+}
+
+// The K/V scatter (csrc/kernels/write_kv.h): its own parameter struct and entry points.
+#include "write_kv.h"
+
+void register_write_kv(py::module_& m) {
+  using namespace vpaged::kernels;
+  py::class_<WriteKVParams> params(m, "WriteKVParams",
+                                   "Arguments of a K/V scatter into a contiguous cache (see csrc/kernels/write_kv.h).");
+  params.def(py::init<>())
+      .def_readwrite("itemsize", &WriteKVParams::itemsize)
+      .def_readwrite("num_rows", &WriteKVParams::num_rows)
+      .def_readwrite("num_seqs", &WriteKVParams::num_seqs)
+      .def_readwrite("num_kv_heads", &WriteKVParams::num_kv_heads)
+      .def_readwrite("head_dim", &WriteKVParams::head_dim)
+      .def_readwrite("v_head_dim", &WriteKVParams::v_head_dim)
+      .def_readwrite("k_row_stride", &WriteKVParams::k_row_stride)
+      .def_readwrite("k_head_stride", &WriteKVParams::k_head_stride)
+      .def_readwrite("v_row_stride", &WriteKVParams::v_row_stride)
+      .def_readwrite("v_head_stride", &WriteKVParams::v_head_stride)
+      .def_readwrite("slot_stride", &WriteKVParams::slot_stride)
+      .def_readwrite("token_stride", &WriteKVParams::token_stride)
+      .def_readwrite("head_stride", &WriteKVParams::head_stride)
+      .def_readwrite("v_slot_stride", &WriteKVParams::v_slot_stride)
+      .def_readwrite("v_token_stride", &WriteKVParams::v_token_stride)
+      .def_readwrite("v_cache_head_stride", &WriteKVParams::v_cache_head_stride)
+      .def_readwrite("extent_lo", &WriteKVParams::extent_lo)
+      .def_readwrite("extent_hi", &WriteKVParams::extent_hi)
+      .def_readwrite("v_extent_lo", &WriteKVParams::v_extent_lo)
+      .def_readwrite("v_extent_hi", &WriteKVParams::v_extent_hi);
+  address_field(params, "k", &WriteKVParams::k);
+  address_field(params, "v", &WriteKVParams::v);
+  address_field(params, "k_cache", &WriteKVParams::k_cache);
+  address_field(params, "v_cache", &WriteKVParams::v_cache);
+  address_field(params, "slots", &WriteKVParams::slots);
+  address_field(params, "lengths", &WriteKVParams::lengths);
+  address_field(params, "writable_from", &WriteKVParams::writable_from);
+  address_field(params, "rows", &WriteKVParams::rows);
+  address_field(params, "positions", &WriteKVParams::positions);
+  m.def("write_kv_check", &write_kv_check, py::arg("params"),
+        "Raise InvalidArgumentError unless every row may be written (host index arrays).");
+  m.def("write_kv_cpu", &write_kv_cpu, py::arg("params"), py::arg("num_threads") = 0,
+        py::call_guard<py::gil_scoped_release>(), "Check every row, then scatter the K/V rows (CPU, blocking).");
+  m.def("write_kv_cuda", &write_kv_cuda, py::arg("params"), py::arg("device"), py::arg("stream"),
+        py::call_guard<py::gil_scoped_release>(), "Scatter the K/V rows on CUDA (asynchronous on `stream`).");
 }

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import VirtualKVCache
-from ..ops import decode_attention_contiguous, decode_attention_paged
+from ..ops import decode_attention_contiguous, decode_attention_paged, write_kv
 from ..paged_cache import PagedKVCache
 
 KV_KINDS = ("vpaged", "paged", "static")
@@ -96,28 +96,44 @@ class _VirtualStep(StepAttention):
         cache = store.cache
         if store.device.type != "cpu":
             self.causal_masks = [m if m is None else m.to(store.device) for m in self.causal_masks]
-        # One view per sequence covering its tokens written this step (decode: the last one; prefill: the
-        # whole prefix, so that the chunk's attention reads the same view); split per layer once.
-        dst, self._prefill_views = [], []
-        for seq in decodes:
-            dst.append(cache.kv_layers(seq.handle, seq.num_computed, seq.num_computed + 1).unbind(0))
-        for seq, start, n in prefills:
-            view = cache.kv_layers(seq.handle, 0, start + n)
-            self._prefill_views.append(view)
-            dst.append(view[:, :, start:].unbind(0))
-        self._dst = [list(per_layer) for per_layer in zip(*dst)] if dst else []
-        self._counts = [1] * len(decodes) + [n for _, _, n in prefills]
+        # Prefill chunks attend over one view of the sequence's whole prefix (split per layer in prefill_kv).
+        self._prefill_views = [cache.kv_layers(seq.handle, 0, start + n) for seq, start, n in prefills]
         if decodes:
             slots = torch.tensor([seq.slot for seq in decodes], dtype=torch.int32, device=store.device)
             lengths = torch.tensor([seq.num_computed + 1 for seq in decodes], dtype=torch.int32, device=store.device)
             self._max_len = max(seq.num_computed + 1 for seq in decodes)
             self._batched = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
+        # New tokens are written by one scatter per layer (vpaged.ops.write_kv) through a descriptor of every
+        # sequence of the step: row i of the packed K/V goes to token positions[i] of sequence rows[i]. The
+        # bounds come from the cache (writable_range: the tokens mapped, and not shared with another sequence),
+        # and the extension checks every row against them before writing.
+        seqs = list(decodes) + [seq for seq, _, _ in prefills]
+        self._write = None
+        if seqs:
+            ranges = [cache.writable_range(seq.handle) for seq in seqs]
+            positions = [seq.num_computed for seq in decodes]
+            for _, start, n in prefills:
+                positions.extend(range(start, start + n))
+            counts = [1] * len(decodes) + [n for _, _, n in prefills]
+            ends = [end for _, end in ranges]
+            self._write = (
+                torch.tensor([first for first, _ in ranges], dtype=torch.int32),
+                torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32), torch.tensor(counts)),
+                torch.tensor(positions, dtype=torch.int32),
+            )
+            if not prefills and store.device.type == "cpu" and ends == lengths.tolist():
+                self._write_kv = self._batched  # a decode-only step: the decode descriptors say the same
+            else:
+                # write_kv reads the slots and lengths on the host: CPU tensors also for a CUDA cache.
+                slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.int32)
+                lengths = torch.tensor(ends, dtype=torch.int32)
+                self._write_kv = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
 
     def write(self, layer, k, v):
-        if not self._dst:
+        if self._write is None:
             return
-        src = torch.stack((k, v)).split(self._counts, dim=1)  # per sequence [2, n, KVH, D]
-        torch._foreach_copy_(self._dst[layer], list(src))
+        first, rows, positions = self._write
+        write_kv(k, v, self._write_kv[layer], rows, positions, writable_from=first, check_mapped=False)
 
     def decode(self, layer, q, scale, out):
         decode_attention_contiguous(q, self._batched[layer], scale, out, max_len=self._max_len)
