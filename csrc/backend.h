@@ -17,6 +17,13 @@ namespace vpaged {
 
 using PageId = int64_t;
 
+// A run of consecutive page indices of one reservation: indices first .. first + count - 1, index 0 being the
+// page at the reservation's address.
+struct IndexRun {
+  size_t first;
+  size_t count;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -83,6 +90,21 @@ class Backend {
   virtual void map(uintptr_t va, const PageId* pages, size_t n) = 0;
   // Unmap n consecutive pages of a range starting at va; the address range stays reserved.
   virtual void unmap(uintptr_t va, size_t n) = 0;
+
+  // map() and unmap() of several runs of indices of the reservation at `va` in one call: a range mapping or
+  // unmapping scattered pages makes one backend call, not one per run. map_runs: run k shows the next
+  // runs[k].count entries of `pages`. On failure the runs before the failing one stay mapped (map_runs) or
+  // unmapped (unmap_runs), *done says how many they are, the failing run is as map() / unmap() leaves it,
+  // and the error is rethrown. The defaults call map() / unmap() per run.
+  virtual void map_runs(uintptr_t va, const IndexRun* runs, size_t nruns, const PageId* pages, size_t* done) {
+    for (*done = 0; *done < nruns; ++*done) {
+      map(va + runs[*done].first * page_size(), pages, runs[*done].count);
+      pages += runs[*done].count;
+    }
+  }
+  virtual void unmap_runs(uintptr_t va, const IndexRun* runs, size_t nruns, size_t* done) {
+    for (*done = 0; *done < nruns; ++*done) unmap(va + runs[*done].first * page_size(), runs[*done].count);
+  }
 
   // Data movement between pages and host memory. `stream` is a CUDA stream handle (0: the default
   // stream); the host backend ignores it. Copies are ordered on that stream; synchronize() waits.

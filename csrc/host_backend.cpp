@@ -258,36 +258,7 @@ class HostBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < n; ++i) check_page_locked(pages[i]);
     Region& r = region_of(va, n);
-    const size_t first = (va - r.va) / page_size_;
-    size_t done = 0;
-    try {
-      while (done < n) {
-        const size_t at = first + done;
-        // Usually nothing to do: an unmapped index shows its home page, and that is the page it gets.
-        if (r.shown(at) == pages[done]) {
-          ++done;
-          continue;
-        }
-        // A run of consecutive page ids is one file stretch: one mapping.
-        size_t run = 1;
-        while (done + run < n && pages[done + run] == pages[done] + static_cast<PageId>(run) &&
-               r.shown(at + run) != pages[done + run] && r.is_hole(at + run) == r.is_hole(at)) {
-          ++run;
-        }
-        if (pages[done] == r.home(at)) {
-          if (!put_home_back(r, at, run)) {
-            throw_mmap_error("mmap(map home page)", ENOMEM);
-          }
-        } else {
-          show_pages(r, at, pages[done], run);
-        }
-        done += run;
-      }
-    } catch (...) {
-      // The indices mapped so far go back to being unmapped (showing whatever they can: see unmap).
-      put_home_back(r, first, done);
-      throw;
-    }
+    map_locked(r, (va - r.va) / page_size_, pages, n);
   }
 
   // The indices show their home pages again (no call for indices that already do); the pool punches the
@@ -297,6 +268,33 @@ class HostBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mu_);
     Region& r = region_of(va, n);
     if (r.away > 0) put_home_back(r, (va - r.va) / page_size_, n);
+  }
+
+  // One lock and one region lookup for all the runs; with home pages (the usual case) mapping is a compare
+  // per page and unmapping nothing at all while the range shows no foreign page.
+  void map_runs(uintptr_t va, const IndexRun* runs, size_t nruns, const PageId* pages, size_t* done) override {
+    *done = 0;
+    std::lock_guard<std::mutex> lock(mu_);
+    Region& r = region_of_runs(va, runs, nruns);
+    size_t total = 0;
+    for (size_t k = 0; k < nruns; ++k) total += runs[k].count;
+    for (size_t i = 0; i < total; ++i) check_page_locked(pages[i]);
+    const size_t base = (va - r.va) / page_size_;
+    for (; *done < nruns; ++*done) {
+      map_locked(r, base + runs[*done].first, pages, runs[*done].count);
+      pages += runs[*done].count;
+    }
+  }
+
+  void unmap_runs(uintptr_t va, const IndexRun* runs, size_t nruns, size_t* done) override {
+    *done = 0;
+    std::lock_guard<std::mutex> lock(mu_);
+    Region& r = region_of_runs(va, runs, nruns);
+    if (r.away > 0) {
+      const size_t base = (va - r.va) / page_size_;
+      for (size_t k = 0; k < nruns; ++k) put_home_back(r, base + runs[k].first, runs[k].count);
+    }
+    *done = nruns;
   }
 
   void copy_page(PageId dst, PageId src, uintptr_t) override {
@@ -384,6 +382,54 @@ class HostBackend final : public Backend {
       throw InvalidArgument("map/unmap outside a reserved range of this backend");
     }
     return const_cast<Region&>(*r);
+  }
+
+  // The region holding every run of indices counted from va.
+  Region& region_of_runs(uintptr_t va, const IndexRun* runs, size_t nruns) {
+    const Region* r = find_region(va);
+    if (r == nullptr || (va - r->va) % page_size_ != 0) {
+      throw InvalidArgument("map/unmap outside a reserved range of this backend");
+    }
+    const size_t room = r->count - (va - r->va) / page_size_;  // indices from va to the region's end
+    for (size_t k = 0; k < nruns; ++k) {
+      if (runs[k].first > room || runs[k].count > room - runs[k].first) {
+        throw InvalidArgument("map/unmap outside a reserved range of this backend");
+      }
+    }
+    return const_cast<Region&>(*r);
+  }
+
+  // Indices [first, first + n) show pages[0..n). All or nothing: on failure the indices mapped so far go back
+  // to being unmapped (showing whatever they can: see unmap) and the error is rethrown.
+  void map_locked(Region& r, size_t first, const PageId* pages, size_t n) {
+    size_t done = 0;
+    try {
+      while (done < n) {
+        const size_t at = first + done;
+        // Usually nothing to do: an unmapped index shows its home page, and that is the page it gets.
+        if (r.shown(at) == pages[done]) {
+          ++done;
+          continue;
+        }
+        // A run of consecutive page ids is one file stretch: one mapping.
+        size_t run = 1;
+        while (done + run < n && pages[done + run] == pages[done] + static_cast<PageId>(run) &&
+               r.shown(at + run) != pages[done + run] && r.is_hole(at + run) == r.is_hole(at)) {
+          ++run;
+        }
+        if (pages[done] == r.home(at)) {
+          if (!put_home_back(r, at, run)) {
+            throw_mmap_error("mmap(map home page)", ENOMEM);
+          }
+        } else {
+          show_pages(r, at, pages[done], run);
+        }
+        done += run;
+      }
+    } catch (...) {
+      put_home_back(r, first, done);
+      throw;
+    }
   }
 
   // The page shown just before index i (at index 0: by the range right below, if it is one of ours and
@@ -500,13 +546,17 @@ class HostBackend final : public Backend {
       f(pages[0], size_t{1});
       return;
     }
-    std::vector<PageId> ids(pages, pages + n);
-    std::sort(ids.begin(), ids.end());
+    std::vector<PageId> sorted;
+    if (!std::is_sorted(pages, pages + n)) {  // pages freed in index order usually come sorted (home pages)
+      sorted.assign(pages, pages + n);
+      std::sort(sorted.begin(), sorted.end());
+      pages = sorted.data();
+    }
     size_t i = 0;
-    while (i < ids.size()) {
+    while (i < n) {
       size_t j = i + 1;
-      while (j < ids.size() && ids[j] <= ids[j - 1] + 1) ++j;
-      f(ids[i], static_cast<size_t>(ids[j - 1] - ids[i] + 1));
+      while (j < n && pages[j] <= pages[j - 1] + 1) ++j;
+      f(pages[i], static_cast<size_t>(pages[j - 1] - pages[i] + 1));
       i = j;
     }
   }

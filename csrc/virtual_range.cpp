@@ -43,11 +43,9 @@ size_t VirtualRange::mapped_pages() const {
   return mapped_;
 }
 
-void VirtualRange::check_index(int64_t index) const {
-  if (index < 0 || static_cast<size_t>(index) >= num_pages_) {
-    throw InvalidArgument("page index " + std::to_string(index) + " outside the range (" + std::to_string(num_pages_) +
-                          " indices)");
-  }
+void VirtualRange::index_out_of_range(int64_t index) const {
+  throw InvalidArgument("page index " + std::to_string(index) + " outside the range (" + std::to_string(num_pages_) +
+                        " indices)");
 }
 
 std::vector<PageId> VirtualRange::home_pages(const std::vector<int64_t>& indices) const {
@@ -58,38 +56,50 @@ std::vector<PageId> VirtualRange::home_pages(const std::vector<int64_t>& indices
   return out;
 }
 
-std::vector<std::pair<int64_t, int64_t>> VirtualRange::runs(const std::vector<int64_t>& indices) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  out.reserve(indices.size());
+std::vector<IndexRun> VirtualRange::runs(const std::vector<int64_t>& indices) {
+  // Sized for the worst case (a run per index) and filled field by field: push_back of a built pair costs a
+  // stalled store-to-load forward per element, which showed in profiles of scattered pages.
+  std::vector<IndexRun> out(indices.size());
+  size_t n = 0;
   for (int64_t s : indices) {
-    if (!out.empty() && out.back().first + out.back().second == s) {
-      ++out.back().second;
+    const size_t i = static_cast<size_t>(s);
+    if (n > 0 && out[n - 1].first + out[n - 1].count == i) {
+      ++out[n - 1].count;
     } else {
-      out.emplace_back(s, 1);
+      out[n].first = i;
+      out[n].count = 1;
+      ++n;
     }
   }
+  out.resize(n);
   return out;
 }
 
-void VirtualRange::map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& index_runs,
-                                    const std::vector<PageId>& pages) {
+bool VirtualRange::sort_unique(const std::vector<int64_t>& indices, std::vector<int64_t>& sorted) {
+  // Callers mostly pass indices in order (Layout.page_slots): then there is nothing to sort.
+  if (std::is_sorted(indices.begin(), indices.end())) {
+    return std::adjacent_find(indices.begin(), indices.end()) == indices.end();
+  }
+  sorted = indices;
+  std::sort(sorted.begin(), sorted.end());
+  return std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+}
+
+void VirtualRange::map_runs_or_undo(const std::vector<IndexRun>& index_runs, const std::vector<PageId>& pages) {
+  // All runs in one backend call (one lock and one lookup there, however scattered the indices).
   size_t done = 0;
   try {
-    for (auto [first, count] : index_runs) {
-      pool_->backend().map(va_ + static_cast<size_t>(first) * page_size_, pages.data() + done,
-                           static_cast<size_t>(count));
-      done += static_cast<size_t>(count);
-    }
+    pool_->backend().map_runs(va_, index_runs.data(), index_runs.size(), pages.data(), &done);
   } catch (...) {
     // Undo the runs already mapped and drop the references the caller took. A page whose index could not
     // be unmapped keeps its reference (it leaks rather than being handed out again while still mapped).
     size_t pos = 0;
-    for (auto [first, count] : index_runs) {
-      const size_t n = static_cast<size_t>(count);
+    for (size_t k = 0; k < index_runs.size(); ++k) {
+      const size_t n = index_runs[k].count;
       bool still_mapped = false;
-      if (pos < done) {
+      if (k < done) {
         try {
-          pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, n);
+          pool_->backend().unmap(va_ + index_runs[k].first * page_size_, n);
         } catch (...) {
           still_mapped = true;
         }
@@ -108,10 +118,9 @@ std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& indices) {
     check_index(s);
     if (table_[s] >= 0) throw InvalidArgument("page index " + std::to_string(s) + " is already mapped");
   }
-  std::vector<int64_t> sorted(indices);
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-    throw InvalidArgument("map_new: an index is listed twice");
+  std::vector<int64_t> copy;
+  if (!sort_unique(indices, copy)) throw InvalidArgument("map_new: an index is listed twice");
+  const std::vector<int64_t>& sorted = copy.empty() ? indices : copy;
   // Each index's home page where free: such pages need no mapping call on the host (host_backend.cpp).
   std::vector<PageId> pages = pool_->acquire_preferring(home_pages(sorted));  // OutOfPages: nothing changed
   // pages[i] goes to sorted[i]: a run of indices that gets a run of consecutive page ids (the usual case
@@ -119,7 +128,7 @@ std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& indices) {
   map_runs_or_undo(runs(sorted), pages);
   for (size_t i = 0; i < sorted.size(); ++i) table_[sorted[i]] = pages[i];
   mapped_ += sorted.size();
-  // Return in the caller's order.
+  if (copy.empty()) return pages;  // the caller's order already
   std::vector<PageId> out;
   out.reserve(indices.size());
   for (int64_t s : indices) out.push_back(table_[s]);
@@ -153,10 +162,8 @@ void VirtualRange::map_shared(const std::vector<int64_t>& indices, const std::ve
 
 void VirtualRange::unmap(const std::vector<int64_t>& indices) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<int64_t> sorted(indices);
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-    throw InvalidArgument("unmap: an index is listed twice");
+  std::vector<int64_t> copy;
+  if (!sort_unique(indices, copy)) throw InvalidArgument("unmap: an index is listed twice");
   for (int64_t s : indices) {
     check_index(s);
     if (table_[s] < 0) throw InvalidArgument("page index " + std::to_string(s) + " is not mapped");
@@ -166,7 +173,7 @@ void VirtualRange::unmap(const std::vector<int64_t>& indices) {
   }
   if (indices.empty()) return;
   wait_for_streams_locked();
-  unmap_locked(sorted);
+  unmap_locked(copy.empty() ? indices : copy);
 }
 
 void VirtualRange::wait_for_streams_locked() {
@@ -207,23 +214,30 @@ size_t VirtualRange::pinned_count(const std::vector<int64_t>& indices) const {
 }
 
 void VirtualRange::unmap_locked(const std::vector<int64_t>& indices) {
-  // One backend call per run of consecutive indices (sorted by the callers); references are dropped only for
-  // runs really unmapped, so a failure leaves table and pool consistent. All of them in one pool call: one
+  // One backend call for all runs of consecutive indices (sorted by the callers); references are dropped only
+  // for runs really unmapped, so a failure leaves table and pool consistent. All of them in one pool call: one
   // lock, and the host returns the memory of consecutive pages with one punch.
-  std::vector<PageId> pages;
-  pages.reserve(indices.size());
-  try {
-    for (auto [first, count] : runs(indices)) {
-      pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
-      pages.insert(pages.end(), table_.begin() + first, table_.begin() + first + count);
-      std::fill(table_.begin() + first, table_.begin() + first + count, PageId{-1});
-      mapped_ -= static_cast<size_t>(count);
+  const std::vector<IndexRun> index_runs = runs(indices);
+  size_t done = 0;
+  auto commit = [&] {  // the runs unmapped: out of the table, their references dropped
+    std::vector<PageId> pages;
+    pages.reserve(indices.size());
+    for (size_t k = 0; k < done; ++k) {
+      const auto first = table_.begin() + static_cast<std::ptrdiff_t>(index_runs[k].first);
+      const auto last = first + static_cast<std::ptrdiff_t>(index_runs[k].count);
+      pages.insert(pages.end(), first, last);
+      std::fill(first, last, PageId{-1});
+      mapped_ -= index_runs[k].count;
     }
-  } catch (...) {
     pool_->decref_all(pages);
+  };
+  try {
+    pool_->backend().unmap_runs(va_, index_runs.data(), index_runs.size(), &done);
+  } catch (...) {
+    commit();
     throw;
   }
-  pool_->decref_all(pages);
+  commit();
 }
 
 PageId VirtualRange::copy_on_write(int64_t index, uintptr_t stream) {

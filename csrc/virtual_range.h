@@ -91,7 +91,11 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   size_t pinned_count(const std::vector<int64_t>& indices) const;
 
  private:
-  void check_index(int64_t index) const;
+  // Inline: called per page on every map and unmap.
+  void check_index(int64_t index) const {
+    if (static_cast<uint64_t>(index) >= num_pages_) index_out_of_range(index);
+  }
+  [[noreturn]] void index_out_of_range(int64_t index) const;
   void collect_spans(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides, size_t dim,
                      size_t itemsize, std::vector<std::pair<size_t, size_t>>& out) const;
   void unmap_locked(const std::vector<int64_t>& indices);
@@ -107,11 +111,14 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   void copy_into_locked(int64_t index, PageId fresh, uintptr_t stream);
   // Map pages (in order) over runs of indices; on failure unmap what was mapped, drop the caller's page
   // references and rethrow.
-  void map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& index_runs, const std::vector<PageId>& pages);
+  void map_runs_or_undo(const std::vector<IndexRun>& index_runs, const std::vector<PageId>& pages);
   // The backend's home page of each index (-1 where it has none): what the pool hands out when free.
   std::vector<PageId> home_pages(const std::vector<int64_t>& indices) const;
-  // Group sorted indices into runs of consecutive indices: (first, count) pairs.
-  static std::vector<std::pair<int64_t, int64_t>> runs(const std::vector<int64_t>& indices);
+  // Group sorted indices into runs of consecutive indices.
+  static std::vector<IndexRun> runs(const std::vector<int64_t>& indices);
+  // False when an index is listed twice. `sorted` receives the indices sorted, unless they already are (then
+  // it stays empty: use `indices`).
+  static bool sort_unique(const std::vector<int64_t>& indices, std::vector<int64_t>& sorted);
 
   std::shared_ptr<PagePool> pool_;
   size_t page_size_;
