@@ -26,7 +26,9 @@
 // logically unmapped all the same (the range's page table keeps views away), readable memory, no hole.
 // Whole mappings are munmapped first where that is what stands in the way (allowed at the limit; it lowers
 // the count) and the home page is mapped into the hole they leave. Mapping a page later at an index that
-// still shows it needs no call; mapping anything else there raises MappingLimit as any mapping does. Measured against
+// still shows it needs no call; mapping anything else there raises MappingLimit as any mapping does. Reordering
+// and copy-on-write change several indices as one step (remap), which holds a small reserve of mappings so
+// that undoing it cannot be refused: it completes or raises MappingLimit with every index as it was. Measured against
 // an anonymous mapping + MADV_DONTNEED design in benchmarks/NOTES.md (that one must copy a page into the memfd the
 // first time it is shared; this one never copies to share).
 //
@@ -145,7 +147,10 @@ class HostBackend final : public Backend {
     }
   }
 
-  ~HostBackend() override { close(fd_); }
+  ~HostBackend() override {
+    give_up_reserve_locked();
+    close(fd_);
+  }
 
   std::string device() const override { return "cpu"; }
   int dlpack_device_type() const override { return 1; /* kDLCPU */ }
@@ -295,6 +300,61 @@ class HostBackend final : public Backend {
       for (size_t k = 0; k < nruns; ++k) put_home_back(r, base + runs[k].first, runs[k].count);
     }
     *done = nruns;
+  }
+
+  // One change, undone as a whole on failure. Undoing needs mappings too (an index that went home shows a
+  // shared page again: a mapping of its own), and at the limit the kernel refuses them. So before changing
+  // anything the backend holds a small reserve of mappings of its own (kUndoReserve tiny PROT_NONE maps;
+  // MappingLimit, nothing changed, when the process cannot have them), changes index by index, and on
+  // failure gives the reserve back to the kernel and puts every index back as it was, newest first. Each
+  // step back recreates a state that existed before (the kernel merges the same neighbours again), which
+  // then held the reserve too, so the count stays kUndoReserve below what the kernel allowed: every step
+  // back, splitting a mapping or not, is allowed (it needs the count below vm.max_map_count).
+  void remap(uintptr_t va, const size_t* indices, const PageId* olds, const PageId* pages, size_t n,
+             bool* lost) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Region* found = find_region(va);
+    if (found == nullptr || (va - found->va) % page_size_ != 0) {
+      throw InvalidArgument("remap outside a reserved range of this backend");
+    }
+    Region& r = const_cast<Region&>(*found);
+    const size_t base = (va - r.va) / page_size_;
+    for (size_t k = 0; k < n; ++k) {
+      if (indices[k] >= r.count - base) throw InvalidArgument("remap outside a reserved range of this backend");
+      if (pages[k] >= 0) check_page_locked(pages[k]);
+    }
+    top_up_reserve_locked();
+    struct Step {
+      size_t k;
+      size_t at;
+      PageId shown;  // what the index showed before the step
+    };
+    std::vector<Step> journal;
+    journal.reserve(n);
+    try {
+      for (size_t k = 0; k < n; ++k) {
+        if (pages[k] == olds[k]) continue;
+        const size_t at = base + indices[k];
+        journal.push_back({k, at, r.shown(at)});
+        if (pages[k] < 0) {
+          put_home_back(r, at, 1);  // never fails: an index it cannot put home keeps its page, unmapped all the same
+        } else {
+          map_locked(r, at, &pages[k], 1);
+        }
+      }
+    } catch (...) {
+      give_up_reserve_locked();
+      for (auto it = journal.rbegin(); it != journal.rend(); ++it) {
+        show_exactly(r, it->at, it->shown);
+        if (olds[it->k] >= 0 && r.shown(it->at) != olds[it->k]) lost[it->k] = true;
+      }
+      try {
+        top_up_reserve_locked();
+      } catch (...) {
+        // At the limit: the next remap tops it up first, or refuses with nothing changed.
+      }
+      throw;
+    }
   }
 
   void copy_page(PageId dst, PageId src, uintptr_t) override {
@@ -533,6 +593,41 @@ class HostBackend final : public Backend {
     return all;
   }
 
+  // Make index `at` show `page` (-1: nothing) exactly, with one call: for undoing a remap step.
+  bool show_exactly(Region& r, size_t at, PageId page) noexcept {
+    if (r.shown(at) == page) return true;
+    void* addr = reinterpret_cast<void*>(r.va + at * page_size_);
+    if (page < 0) {
+      if (munmap(addr, page_size_) != 0) return false;
+      r.set_shown(at, -1);
+      return true;
+    }
+    ++map_calls_;
+    void* got =
+        mmap(addr, page_size_, kRW, kShared | (r.is_hole(at) ? MAP_FIXED_NOREPLACE : MAP_FIXED), fd_, offset(page));
+    if (got != addr) {
+      if (got != MAP_FAILED) munmap(got, page_size_);
+      return false;
+    }
+    r.set_shown(at, page);
+    return true;
+  }
+
+  // The reserve remap() spends when it must undo. One OS page of the pool's file each, PROT_NONE: never
+  // touched, and never merged with a neighbour (no range maps the file without access, and two of them map
+  // the same offset, not consecutive ones).
+  void top_up_reserve_locked() {
+    while (reserve_.size() < kUndoReserve) {
+      void* p = mmap(nullptr, os_page_, PROT_NONE, MAP_SHARED | MAP_NORESERVE, fd_, 0);
+      if (p == MAP_FAILED) throw_mmap_error("mmap(reserve for undoing a remap)", errno);
+      reserve_.push_back(p);
+    }
+  }
+  void give_up_reserve_locked() noexcept {
+    for (void* p : reserve_) munmap(p, os_page_);
+    reserve_.clear();
+  }
+
   void punch(PageId first, size_t count) {
     if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset(first),
                   static_cast<off_t>(count * page_size_)) != 0) {
@@ -621,10 +716,16 @@ class HostBackend final : public Backend {
     io(false, buf.data(), offset(dst));
   }
 
+  // Mappings held back for undoing a remap at the mapping limit: 2 would do (a step back that splits a
+  // mapping in the middle needs the count below the limit); 4 leave room for mappings others make meanwhile.
+  static constexpr size_t kUndoReserve = 4;
+
   size_t page_size_;
   size_t capacity_pages_;
+  size_t os_page_ = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   int fd_ = -1;
-  mutable std::mutex mu_;  // regions, id blocks, file size
+  std::vector<void*> reserve_;  // see top_up_reserve_locked
+  mutable std::mutex mu_;       // regions, id blocks, file size, reserve
   PageId next_id_;
   size_t file_pages_ = 0;
   std::map<uintptr_t, Region> regions_;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
+#include <set>
 #include <string>
 
 #include "dlpack.h"
@@ -244,160 +246,145 @@ PageId VirtualRange::copy_on_write(int64_t index, uintptr_t stream) {
   std::lock_guard<std::mutex> lock(mu_);
   check_index(index);
   if (table_[index] < 0) throw InvalidArgument("copy_on_write: page index " + std::to_string(index) + " is not mapped");
-  PageId fresh = pool_->acquire_preferring(home_pages({index}))[0];  // the index's home page when free
-  copy_into_locked(index, fresh, stream);
-  return fresh;
+  const std::vector<PageId> fresh = pool_->acquire_preferring(home_pages({index}));  // its home page when free
+  copy_into_locked({index}, fresh, stream);
+  return fresh[0];
 }
 
-void VirtualRange::copy_into_locked(int64_t index, PageId fresh, uintptr_t stream) {
-  const PageId old = table_[index];
+void VirtualRange::copy_into_locked(const std::vector<int64_t>& indices, const std::vector<PageId>& fresh,
+                                    uintptr_t stream) {
+  const size_t n = indices.size();
+  std::vector<size_t> at(n);
+  std::vector<PageId> olds(n);
+  for (size_t k = 0; k < n; ++k) {
+    at[k] = static_cast<size_t>(indices[k]);
+    olds[k] = table_[indices[k]];
+  }
+  std::unique_ptr<bool[]> lost(new bool[n]());
   try {
-    pool_->backend().copy_page(fresh, old, stream);
-    // The copy reads `old`, which may go back to the pool below: it must be complete first; and kernels
-    // still reading the index must be done before it is remapped.
+    for (size_t k = 0; k < n; ++k) pool_->backend().copy_page(fresh[k], olds[k], stream);
+    // The copies read pages that may go back to the pool below: they must be complete first; and kernels
+    // still reading the indices must be done before they are remapped.
     pool_->backend().synchronize(stream);
     wait_for_streams_locked();
-    remap_locked(index, old, fresh);
+    pool_->backend().remap(va_, at.data(), olds.data(), fresh.data(), n, lost.get());
   } catch (...) {
-    pool_->decref(fresh);
+    drop_after_failed_remap(at, olds, fresh, lost.get());
     throw;
   }
-  pool_->decref(old);
+  for (size_t k = 0; k < n; ++k) table_[at[k]] = fresh[k];
+  pool_->decref_all(olds);
 }
 
-void VirtualRange::remap_locked(int64_t index, PageId old, PageId page) {
-  // Neither backend remaps a mapped index in place: unmap, then map.
-  const uintptr_t va = va_ + static_cast<size_t>(index) * page_size_;
-  pool_->backend().unmap(va, 1);
-  try {
-    pool_->backend().map(va, &page, 1);
-  } catch (...) {
-    // Put the old page back so the index stays as it was. If even that fails the index is unmapped: its page
-    // table entry says so, and the old page's reference is kept (leaked) rather than risk handing a page out
-    // again that a queued kernel may still read. A view pinning the index keeps its range alive but would
-    // now fault; this takes two driver failures in a row.
-    try {
-      pool_->backend().map(va, &old, 1);
-    } catch (...) {
-      table_[index] = -1;
-      --mapped_;
+void VirtualRange::drop_after_failed_remap(const std::vector<size_t>& at, const std::vector<PageId>& olds,
+                                           const std::vector<PageId>& pages, const bool* lost) {
+  // The backend put every index back but the lost ones (two failures in a row: a device error while
+  // undoing). Those are unmapped now, and both their pages keep their references: either may still be
+  // mapped there, and handing such a page out again could let a queued kernel read another owner's data.
+  std::vector<PageId> release;
+  release.reserve(pages.size());
+  for (size_t k = 0; k < at.size(); ++k) {
+    if (lost[k]) {
+      if (olds[k] >= 0) --mapped_;
+      table_[at[k]] = -1;
+    } else if (pages[k] >= 0) {
+      release.push_back(pages[k]);
     }
-    throw;
   }
-  table_[index] = page;
+  pool_->decref_all(release);
 }
 
-std::vector<int64_t> VirtualRange::shared_indices_locked(const std::vector<int64_t>& indices, size_t* copies) const {
-  // A page referenced only by listed indices needs one copy fewer than it has indices: the last index to be made
-  // private keeps the original (its reference count is 1 by then).
+std::vector<int64_t> VirtualRange::copy_plan_locked(const std::vector<int64_t>& indices) const {
+  // Indices listed twice count once (the first time).
+  std::vector<int64_t> listed_once;
+  const std::vector<int64_t>* order = &indices;
+  std::vector<int64_t> scratch;
+  if (!sort_unique(indices, scratch)) {
+    std::set<int64_t> seen;
+    for (int64_t s : indices)
+      if (seen.insert(s).second) listed_once.push_back(s);
+    order = &listed_once;
+  }
+  // A page referenced only by listed indices needs one copy fewer than it has indices: the last index listed
+  // keeps the original (its reference count is 1 by then).
   std::vector<int64_t> shared;
   std::map<PageId, size_t> listed;  // page -> listed indices that show it
-  for (int64_t s : indices) {
+  for (int64_t s : *order) {
     check_index(s);
     if (table_[s] >= 0 && pool_->refcount(table_[s]) > 1) {
       shared.push_back(s);
       ++listed[table_[s]];
     }
   }
-  *copies = 0;
-  for (auto [page, n] : listed) *copies += static_cast<size_t>(pool_->refcount(page)) > n ? n : n - 1;
-  return shared;
+  std::vector<int64_t> copy;
+  std::map<PageId, size_t> planned;
+  for (int64_t s : shared) {
+    const PageId page = table_[s];
+    const size_t n = listed[page];
+    if (static_cast<size_t>(pool_->refcount(page)) > n || ++planned[page] < n) copy.push_back(s);
+  }
+  return copy;
 }
 
 size_t VirtualRange::copies_needed(const std::vector<int64_t>& indices) const {
   std::lock_guard<std::mutex> lock(mu_);
-  size_t copies;
-  shared_indices_locked(indices, &copies);
-  return copies;
+  return copy_plan_locked(indices).size();
 }
 
 size_t VirtualRange::make_private(const std::vector<int64_t>& indices, uintptr_t stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  size_t copies;
-  std::vector<int64_t> shared = shared_indices_locked(indices, &copies);
-  if (copies == 0) return 0;
-  // Every fresh page first: running out of pages (or of device memory while creating them) then raises
-  // OutOfPages with nothing changed.
-  std::vector<PageId> fresh = pool_->acquire(copies);
-  // Each copy is complete on its own (the index shows the same data before and after), so a driver failure
-  // half way leaves every index valid: the ones already copied are simply private earlier than needed.
-  size_t used = 0;
-  try {
-    for (int64_t s : shared) {
-      if (pool_->refcount(table_[s]) == 1) continue;  // the other sharers were copied: this one keeps it
-      copy_into_locked(s, fresh[used++], stream);     // drops that fresh page itself on failure
-    }
-  } catch (...) {
-    for (size_t i = used; i < fresh.size(); ++i) pool_->decref(fresh[i]);
-    throw;
-  }
-  return used;
+  const std::vector<int64_t> copy = copy_plan_locked(indices);
+  if (copy.empty()) return 0;
+  // Every fresh page first (each index's home page where free: on the host it then needs no mapping of its
+  // own): running out of pages (or of device memory while creating them) raises OutOfPages with nothing
+  // changed. Then all copies and one remap, undone as a whole on failure (the mapping limit included).
+  const std::vector<PageId> fresh = pool_->acquire_preferring(home_pages(copy));
+  copy_into_locked(copy, fresh, stream);
+  return copy.size();
 }
 
 void VirtualRange::assign(const std::vector<int64_t>& indices, const std::vector<PageId>& pages) {
   std::lock_guard<std::mutex> lock(mu_);
   if (indices.size() != pages.size()) throw InvalidArgument("assign: indices and pages differ in length");
-  std::vector<int64_t> sorted(indices);
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-    throw InvalidArgument("assign: an index is listed twice");
-  std::vector<PageId> held;
+  std::vector<int64_t> scratch;
+  if (!sort_unique(indices, scratch)) throw InvalidArgument("assign: an index is listed twice");
+  std::vector<size_t> at;
+  std::vector<PageId> olds, news, held;
   for (size_t i = 0; i < indices.size(); ++i) {
     check_index(indices[i]);
-    if (table_[indices[i]] == pages[i]) continue;
+    const PageId page = pages[i] < 0 ? -1 : pages[i];
+    if (table_[indices[i]] == page) continue;
     if (pins_[indices[i]] > 0)
       throw ViewsAlive("assign: page index " + std::to_string(indices[i]) +
                        " is read through a live tensor view; drop the view first");
-    if (pages[i] >= 0) held.push_back(pages[i]);
+    at.push_back(static_cast<size_t>(indices[i]));
+    olds.push_back(table_[indices[i]]);
+    news.push_back(page);
+    if (page >= 0) held.push_back(page);
   }
-  bool remaps = false;  // a mapped index changes: kernels reading it must be done first
-  for (size_t i = 0; i < indices.size(); ++i) remaps |= table_[indices[i]] >= 0 && table_[indices[i]] != pages[i];
-  if (remaps) wait_for_streams_locked();
+  if (at.empty()) return;
+  // A mapped index changes: kernels reading it must be done first.
+  if (std::any_of(olds.begin(), olds.end(), [](PageId p) { return p >= 0; })) wait_for_streams_locked();
   pool_->incref_all(held);  // hold every incoming page so none is freed while indices change hands
-  struct Change {
-    int64_t index;
-    PageId old;
-  };
-  std::vector<Change> log;
+  std::unique_ptr<bool[]> lost(new bool[at.size()]());
   try {
-    for (size_t i = 0; i < indices.size(); ++i) {
-      const int64_t s = indices[i];
-      const PageId old = table_[s];
-      if (old == pages[i]) continue;
-      const uintptr_t va = va_ + static_cast<size_t>(s) * page_size_;
-      if (old >= 0) pool_->backend().unmap(va, 1);
-      log.push_back({s, old});
-      table_[s] = -1;
-      if (pages[i] >= 0) {
-        pool_->backend().map(va, &pages[i], 1);
-        table_[s] = pages[i];
-      }
-    }
+    pool_->backend().remap(va_, at.data(), olds.data(), news.data(), at.size(), lost.get());
   } catch (...) {
-    // Put back what changed, newest first; the old pages were never released, so they are all there.
-    for (auto it = log.rbegin(); it != log.rend(); ++it) {
-      const uintptr_t va = va_ + static_cast<size_t>(it->index) * page_size_;
-      try {
-        if (table_[it->index] >= 0) pool_->backend().unmap(va, 1);
-        table_[it->index] = -1;
-        if (it->old >= 0) {
-          pool_->backend().map(va, &it->old, 1);
-          table_[it->index] = it->old;
-        }
-      } catch (...) {
-      }
-    }
-    pool_->decref_all(held);
+    drop_after_failed_remap(at, olds, news, lost.get());
     throw;
   }
   // Commit: the indices keep the held references to their new pages; the replaced pages lose theirs.
-  for (const Change& c : log) {  // each index appears once (checked above)
-    if (c.old >= 0) {
-      pool_->decref(c.old);
+  std::vector<PageId> dropped;
+  dropped.reserve(at.size());
+  for (size_t k = 0; k < at.size(); ++k) {
+    table_[at[k]] = news[k];
+    if (olds[k] >= 0) {
+      dropped.push_back(olds[k]);
       --mapped_;
     }
-    if (table_[c.index] >= 0) ++mapped_;
+    if (news[k] >= 0) ++mapped_;
   }
+  pool_->decref_all(dropped);
 }
 
 std::vector<int32_t> VirtualRange::refcounts_at(const std::vector<int64_t>& indices) const {
