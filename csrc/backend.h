@@ -17,6 +17,13 @@ namespace vpaged {
 
 using PageId = int64_t;
 
+// A run of consecutive page indices of one reservation: indices first .. first + count - 1, index 0 being the
+// page at the reservation's address.
+struct IndexRun {
+  size_t first;
+  size_t count;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -83,6 +90,66 @@ class Backend {
   virtual void map(uintptr_t va, const PageId* pages, size_t n) = 0;
   // Unmap n consecutive pages of a range starting at va; the address range stays reserved.
   virtual void unmap(uintptr_t va, size_t n) = 0;
+
+  // map() and unmap() of several runs of indices of the reservation at `va` in one call: a range mapping or
+  // unmapping scattered pages makes one backend call, not one per run. map_runs: run k shows the next
+  // runs[k].count entries of `pages`. On failure the runs before the failing one stay mapped (map_runs) or
+  // unmapped (unmap_runs), *done says how many they are, the failing run is as map() / unmap() leaves it,
+  // and the error is rethrown. The defaults call map() / unmap() per run.
+  virtual void map_runs(uintptr_t va, const IndexRun* runs, size_t nruns, const PageId* pages, size_t* done) {
+    for (*done = 0; *done < nruns; ++*done) {
+      map(va + runs[*done].first * page_size(), pages, runs[*done].count);
+      pages += runs[*done].count;
+    }
+  }
+  virtual void unmap_runs(uintptr_t va, const IndexRun* runs, size_t nruns, size_t* done) {
+    for (*done = 0; *done < nruns; ++*done) unmap(va + runs[*done].first * page_size(), runs[*done].count);
+  }
+
+  // Make page indices of the reservation at `va` show other pages, as one change (reordering beams,
+  // copy-on-write): index indices[i] shows pages[i] instead of olds[i] (-1 on either side: unmapped). The
+  // indices are distinct. All or nothing: on failure every index shows olds[i] again and the error is
+  // rethrown. Where even that failed (a device error while undoing), lost[i] is set (the caller zeroes
+  // lost[0..n)): the index is unmapped and the caller keeps the references of olds[i] and pages[i], as either
+  // may still be mapped there. The default unmaps and maps index by index and undoes newest first; the host
+  // backend first makes sure it can undo at the mapping limit (host_backend.cpp).
+  virtual void remap(uintptr_t va, const size_t* indices, const PageId* olds, const PageId* pages, size_t n,
+                     bool* lost) {
+    const size_t ps = page_size();
+    std::vector<PageId> now(olds, olds + n);  // what each index shows
+    try {
+      for (size_t k = 0; k < n; ++k) {
+        if (now[k] == pages[k]) continue;
+        const uintptr_t at = va + indices[k] * ps;
+        if (now[k] >= 0) {
+          unmap(at, 1);
+          now[k] = -1;
+        }
+        if (pages[k] >= 0) {
+          map(at, &pages[k], 1);
+          now[k] = pages[k];
+        }
+      }
+    } catch (...) {
+      for (size_t k = n; k-- > 0;) {
+        if (now[k] == olds[k]) continue;
+        const uintptr_t at = va + indices[k] * ps;
+        try {
+          if (now[k] >= 0) {
+            unmap(at, 1);
+            now[k] = -1;
+          }
+          if (olds[k] >= 0) {
+            map(at, &olds[k], 1);
+            now[k] = olds[k];
+          }
+        } catch (...) {
+          lost[k] = true;
+        }
+      }
+      throw;
+    }
+  }
 
   // Data movement between pages and host memory. `stream` is a CUDA stream handle (0: the default
   // stream); the host backend ignores it. Copies are ordered on that stream; synchronize() waits.

@@ -36,6 +36,32 @@ void capsule_destructor(PyObject* capsule) {
   }
 }
 
+// Page index lists arrive on every map and unmap: a list of Python ints is read directly. pybind11's generic
+// conversion walks it through the iterator protocol and type-checks each element, which showed in profiles of
+// map + unmap. Anything else (a tuple, numpy integers, a bad element) takes the generic conversion and its
+// TypeError.
+std::vector<int64_t> index_list(py::handle obj) {
+  PyObject* o = obj.ptr();
+  if (PyList_CheckExact(o)) {
+    const Py_ssize_t n = PyList_GET_SIZE(o);
+    std::vector<int64_t> out(static_cast<size_t>(n));
+    Py_ssize_t i = 0;
+    for (; i < n; ++i) {
+      PyObject* item = PyList_GET_ITEM(o, i);
+      int overflow = 0;
+      if (!PyLong_CheckExact(item)) break;
+      out[static_cast<size_t>(i)] = PyLong_AsLongLongAndOverflow(item, &overflow);
+      if (overflow != 0) break;
+    }
+    if (i == n) return out;
+  }
+  try {
+    return obj.cast<std::vector<int64_t>>();
+  } catch (const py::cast_error&) {
+    throw py::type_error("expected a list of ints, got " + std::string(py::str(py::type::handle_of(obj))));
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -147,9 +173,16 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_slots", &VirtualRange::num_pages)
       .def_property_readonly("page_size", &VirtualRange::page_size)
       .def_property_readonly("mapped_slots", &VirtualRange::mapped_pages)
-      .def("map_new", &VirtualRange::map_new, py::arg("slots"))
-      .def("map_shared", &VirtualRange::map_shared, py::arg("slots"), py::arg("pages"))
-      .def("unmap", &VirtualRange::unmap, py::arg("slots"))
+      .def(
+          "map_new", [](VirtualRange& r, py::handle slots) { return r.map_new(index_list(slots)); }, py::arg("slots"))
+      .def(
+          "map_shared",
+          [](VirtualRange& r, py::handle slots, py::handle pages) {
+            r.map_shared(index_list(slots), index_list(pages));
+          },
+          py::arg("slots"), py::arg("pages"))
+      .def(
+          "unmap", [](VirtualRange& r, py::handle slots) { r.unmap(index_list(slots)); }, py::arg("slots"))
       .def("copy_on_write", &VirtualRange::copy_on_write, py::arg("slot"), py::arg("stream") = 0)
       .def("make_private", &VirtualRange::make_private, py::arg("slots"), py::arg("stream") = 0)
       .def("copies_needed", &VirtualRange::copies_needed, py::arg("slots"))

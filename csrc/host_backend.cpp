@@ -26,7 +26,9 @@
 // logically unmapped all the same (the range's page table keeps views away), readable memory, no hole.
 // Whole mappings are munmapped first where that is what stands in the way (allowed at the limit; it lowers
 // the count) and the home page is mapped into the hole they leave. Mapping a page later at an index that
-// still shows it needs no call; mapping anything else there raises MappingLimit as any mapping does. Measured against
+// still shows it needs no call; mapping anything else there raises MappingLimit as any mapping does. Reordering
+// and copy-on-write change several indices as one step (remap), which holds a small reserve of mappings so
+// that undoing it cannot be refused: it completes or raises MappingLimit with every index as it was. Measured against
 // an anonymous mapping + MADV_DONTNEED design in benchmarks/NOTES.md (that one must copy a page into the memfd the
 // first time it is shared; this one never copies to share).
 //
@@ -145,7 +147,10 @@ class HostBackend final : public Backend {
     }
   }
 
-  ~HostBackend() override { close(fd_); }
+  ~HostBackend() override {
+    give_up_reserve_locked();
+    close(fd_);
+  }
 
   std::string device() const override { return "cpu"; }
   int dlpack_device_type() const override { return 1; /* kDLCPU */ }
@@ -258,36 +263,7 @@ class HostBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < n; ++i) check_page_locked(pages[i]);
     Region& r = region_of(va, n);
-    const size_t first = (va - r.va) / page_size_;
-    size_t done = 0;
-    try {
-      while (done < n) {
-        const size_t at = first + done;
-        // Usually nothing to do: an unmapped index shows its home page, and that is the page it gets.
-        if (r.shown(at) == pages[done]) {
-          ++done;
-          continue;
-        }
-        // A run of consecutive page ids is one file stretch: one mapping.
-        size_t run = 1;
-        while (done + run < n && pages[done + run] == pages[done] + static_cast<PageId>(run) &&
-               r.shown(at + run) != pages[done + run] && r.is_hole(at + run) == r.is_hole(at)) {
-          ++run;
-        }
-        if (pages[done] == r.home(at)) {
-          if (!put_home_back(r, at, run)) {
-            throw_mmap_error("mmap(map home page)", ENOMEM);
-          }
-        } else {
-          show_pages(r, at, pages[done], run);
-        }
-        done += run;
-      }
-    } catch (...) {
-      // The indices mapped so far go back to being unmapped (showing whatever they can: see unmap).
-      put_home_back(r, first, done);
-      throw;
-    }
+    map_locked(r, (va - r.va) / page_size_, pages, n);
   }
 
   // The indices show their home pages again (no call for indices that already do); the pool punches the
@@ -297,6 +273,88 @@ class HostBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mu_);
     Region& r = region_of(va, n);
     if (r.away > 0) put_home_back(r, (va - r.va) / page_size_, n);
+  }
+
+  // One lock and one region lookup for all the runs; with home pages (the usual case) mapping is a compare
+  // per page and unmapping nothing at all while the range shows no foreign page.
+  void map_runs(uintptr_t va, const IndexRun* runs, size_t nruns, const PageId* pages, size_t* done) override {
+    *done = 0;
+    std::lock_guard<std::mutex> lock(mu_);
+    Region& r = region_of_runs(va, runs, nruns);
+    size_t total = 0;
+    for (size_t k = 0; k < nruns; ++k) total += runs[k].count;
+    for (size_t i = 0; i < total; ++i) check_page_locked(pages[i]);
+    const size_t base = (va - r.va) / page_size_;
+    for (; *done < nruns; ++*done) {
+      map_locked(r, base + runs[*done].first, pages, runs[*done].count);
+      pages += runs[*done].count;
+    }
+  }
+
+  void unmap_runs(uintptr_t va, const IndexRun* runs, size_t nruns, size_t* done) override {
+    *done = 0;
+    std::lock_guard<std::mutex> lock(mu_);
+    Region& r = region_of_runs(va, runs, nruns);
+    if (r.away > 0) {
+      const size_t base = (va - r.va) / page_size_;
+      for (size_t k = 0; k < nruns; ++k) put_home_back(r, base + runs[k].first, runs[k].count);
+    }
+    *done = nruns;
+  }
+
+  // One change, undone as a whole on failure. Undoing needs mappings too (an index that went home shows a
+  // shared page again: a mapping of its own), and at the limit the kernel refuses them. So before changing
+  // anything the backend holds a small reserve of mappings of its own (kUndoReserve tiny PROT_NONE maps;
+  // MappingLimit, nothing changed, when the process cannot have them), changes index by index, and on
+  // failure gives the reserve back to the kernel and puts every index back as it was, newest first. Each
+  // step back recreates a state that existed before (the kernel merges the same neighbours again), which
+  // then held the reserve too, so the count stays kUndoReserve below what the kernel allowed: every step
+  // back, splitting a mapping or not, is allowed (it needs the count below vm.max_map_count).
+  void remap(uintptr_t va, const size_t* indices, const PageId* olds, const PageId* pages, size_t n,
+             bool* lost) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Region* found = find_region(va);
+    if (found == nullptr || (va - found->va) % page_size_ != 0) {
+      throw InvalidArgument("remap outside a reserved range of this backend");
+    }
+    Region& r = const_cast<Region&>(*found);
+    const size_t base = (va - r.va) / page_size_;
+    for (size_t k = 0; k < n; ++k) {
+      if (indices[k] >= r.count - base) throw InvalidArgument("remap outside a reserved range of this backend");
+      if (pages[k] >= 0) check_page_locked(pages[k]);
+    }
+    top_up_reserve_locked();
+    struct Step {
+      size_t k;
+      size_t at;
+      PageId shown;  // what the index showed before the step
+    };
+    std::vector<Step> journal;
+    journal.reserve(n);
+    try {
+      for (size_t k = 0; k < n; ++k) {
+        if (pages[k] == olds[k]) continue;
+        const size_t at = base + indices[k];
+        journal.push_back({k, at, r.shown(at)});
+        if (pages[k] < 0) {
+          put_home_back(r, at, 1);  // never fails: an index it cannot put home keeps its page, unmapped all the same
+        } else {
+          map_locked(r, at, &pages[k], 1);
+        }
+      }
+    } catch (...) {
+      give_up_reserve_locked();
+      for (auto it = journal.rbegin(); it != journal.rend(); ++it) {
+        show_exactly(r, it->at, it->shown);
+        if (olds[it->k] >= 0 && r.shown(it->at) != olds[it->k]) lost[it->k] = true;
+      }
+      try {
+        top_up_reserve_locked();
+      } catch (...) {
+        // At the limit: the next remap tops it up first, or refuses with nothing changed.
+      }
+      throw;
+    }
   }
 
   void copy_page(PageId dst, PageId src, uintptr_t) override {
@@ -384,6 +442,54 @@ class HostBackend final : public Backend {
       throw InvalidArgument("map/unmap outside a reserved range of this backend");
     }
     return const_cast<Region&>(*r);
+  }
+
+  // The region holding every run of indices counted from va.
+  Region& region_of_runs(uintptr_t va, const IndexRun* runs, size_t nruns) {
+    const Region* r = find_region(va);
+    if (r == nullptr || (va - r->va) % page_size_ != 0) {
+      throw InvalidArgument("map/unmap outside a reserved range of this backend");
+    }
+    const size_t room = r->count - (va - r->va) / page_size_;  // indices from va to the region's end
+    for (size_t k = 0; k < nruns; ++k) {
+      if (runs[k].first > room || runs[k].count > room - runs[k].first) {
+        throw InvalidArgument("map/unmap outside a reserved range of this backend");
+      }
+    }
+    return const_cast<Region&>(*r);
+  }
+
+  // Indices [first, first + n) show pages[0..n). All or nothing: on failure the indices mapped so far go back
+  // to being unmapped (showing whatever they can: see unmap) and the error is rethrown.
+  void map_locked(Region& r, size_t first, const PageId* pages, size_t n) {
+    size_t done = 0;
+    try {
+      while (done < n) {
+        const size_t at = first + done;
+        // Usually nothing to do: an unmapped index shows its home page, and that is the page it gets.
+        if (r.shown(at) == pages[done]) {
+          ++done;
+          continue;
+        }
+        // A run of consecutive page ids is one file stretch: one mapping.
+        size_t run = 1;
+        while (done + run < n && pages[done + run] == pages[done] + static_cast<PageId>(run) &&
+               r.shown(at + run) != pages[done + run] && r.is_hole(at + run) == r.is_hole(at)) {
+          ++run;
+        }
+        if (pages[done] == r.home(at)) {
+          if (!put_home_back(r, at, run)) {
+            throw_mmap_error("mmap(map home page)", ENOMEM);
+          }
+        } else {
+          show_pages(r, at, pages[done], run);
+        }
+        done += run;
+      }
+    } catch (...) {
+      put_home_back(r, first, done);
+      throw;
+    }
   }
 
   // The page shown just before index i (at index 0: by the range right below, if it is one of ours and
@@ -487,6 +593,41 @@ class HostBackend final : public Backend {
     return all;
   }
 
+  // Make index `at` show `page` (-1: nothing) exactly, with one call: for undoing a remap step.
+  bool show_exactly(Region& r, size_t at, PageId page) noexcept {
+    if (r.shown(at) == page) return true;
+    void* addr = reinterpret_cast<void*>(r.va + at * page_size_);
+    if (page < 0) {
+      if (munmap(addr, page_size_) != 0) return false;
+      r.set_shown(at, -1);
+      return true;
+    }
+    ++map_calls_;
+    void* got =
+        mmap(addr, page_size_, kRW, kShared | (r.is_hole(at) ? MAP_FIXED_NOREPLACE : MAP_FIXED), fd_, offset(page));
+    if (got != addr) {
+      if (got != MAP_FAILED) munmap(got, page_size_);
+      return false;
+    }
+    r.set_shown(at, page);
+    return true;
+  }
+
+  // The reserve remap() spends when it must undo. One OS page of the pool's file each, PROT_NONE: never
+  // touched, and never merged with a neighbour (no range maps the file without access, and two of them map
+  // the same offset, not consecutive ones).
+  void top_up_reserve_locked() {
+    while (reserve_.size() < kUndoReserve) {
+      void* p = mmap(nullptr, os_page_, PROT_NONE, MAP_SHARED | MAP_NORESERVE, fd_, 0);
+      if (p == MAP_FAILED) throw_mmap_error("mmap(reserve for undoing a remap)", errno);
+      reserve_.push_back(p);
+    }
+  }
+  void give_up_reserve_locked() noexcept {
+    for (void* p : reserve_) munmap(p, os_page_);
+    reserve_.clear();
+  }
+
   void punch(PageId first, size_t count) {
     if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset(first),
                   static_cast<off_t>(count * page_size_)) != 0) {
@@ -500,13 +641,17 @@ class HostBackend final : public Backend {
       f(pages[0], size_t{1});
       return;
     }
-    std::vector<PageId> ids(pages, pages + n);
-    std::sort(ids.begin(), ids.end());
+    std::vector<PageId> sorted;
+    if (!std::is_sorted(pages, pages + n)) {  // pages freed in index order usually come sorted (home pages)
+      sorted.assign(pages, pages + n);
+      std::sort(sorted.begin(), sorted.end());
+      pages = sorted.data();
+    }
     size_t i = 0;
-    while (i < ids.size()) {
+    while (i < n) {
       size_t j = i + 1;
-      while (j < ids.size() && ids[j] <= ids[j - 1] + 1) ++j;
-      f(ids[i], static_cast<size_t>(ids[j - 1] - ids[i] + 1));
+      while (j < n && pages[j] <= pages[j - 1] + 1) ++j;
+      f(pages[i], static_cast<size_t>(pages[j - 1] - pages[i] + 1));
       i = j;
     }
   }
@@ -571,10 +716,16 @@ class HostBackend final : public Backend {
     io(false, buf.data(), offset(dst));
   }
 
+  // Mappings held back for undoing a remap at the mapping limit: 2 would do (a step back that splits a
+  // mapping in the middle needs the count below the limit); 4 leave room for mappings others make meanwhile.
+  static constexpr size_t kUndoReserve = 4;
+
   size_t page_size_;
   size_t capacity_pages_;
+  size_t os_page_ = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   int fd_ = -1;
-  mutable std::mutex mu_;  // regions, id blocks, file size
+  std::vector<void*> reserve_;  // see top_up_reserve_locked
+  mutable std::mutex mu_;       // regions, id blocks, file size, reserve
   PageId next_id_;
   size_t file_pages_ = 0;
   std::map<uintptr_t, Region> regions_;

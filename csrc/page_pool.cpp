@@ -65,9 +65,8 @@ std::vector<PageId> PagePool::acquire_preferring(const std::vector<PageId>& want
   std::lock_guard<std::mutex> lock(mu_);
   const size_t n = wanted.size();
   const PageId first_home = static_cast<PageId>(general_ids_);
-  std::vector<PageId> out(n, -1);
-  std::vector<size_t> general;  // positions that take a general page
-  general.reserve(n);
+  std::vector<PageId> out(n, -1);  // -1: takes a general page
+  size_t k = 0;                    // how many take a general page
   for (size_t i = 0; i < n; ++i) {
     const PageId w = wanted[i];
     if (w >= first_home && static_cast<size_t>(w) >= refcount_.size()) absorb_ids_locked();
@@ -75,29 +74,31 @@ std::vector<PageId> PagePool::acquire_preferring(const std::vector<PageId>& want
       out[i] = w;
       refcount_[w] = 1;  // taken (so a page index listed twice cannot take it twice)
     } else {
-      general.push_back(i);
+      ++k;
     }
   }
   auto undo_homes = [&] {
-    for (PageId p : out)
-      if (p >= first_home) refcount_[p] = 0;
+    for (size_t i = 0; i < n; ++i)
+      if (wanted[i] >= first_home && out[i] == wanted[i]) refcount_[out[i]] = 0;
   };
   try {
-    if (free_.size() < general.size()) grow_locked(general.size());
-    check_budget_locked(n, general.size());
+    if (free_.size() < k) grow_locked(k);
+    check_budget_locked(n, k);
   } catch (...) {
     undo_homes();
     throw;
   }
   // The top of the stack, lowest id first (consecutive ids map as one run).
-  const size_t k = general.size();
-  for (size_t j = 0; j < k; ++j) out[general[j]] = free_[free_.size() - 1 - j];
-  free_.resize(free_.size() - k);
+  size_t top = free_.size();
+  for (size_t i = 0; i < n; ++i)
+    if (out[i] < 0) out[i] = free_[--top];
+  free_.resize(top);
   if (zero_on_reuse_ && !backend_->freed_pages_read_zero()) {
     try {
       backend_->zero_pages(out.data(), n, 0);
     } catch (...) {
-      for (size_t j = k; j-- > 0;) free_.push_back(out[general[j]]);
+      for (size_t i = n; i-- > 0;)  // the general pages back on the stack, in the order they came off
+        if (!(wanted[i] >= first_home && out[i] == wanted[i])) free_.push_back(out[i]);
       undo_homes();
       throw;
     }

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
+#include <set>
 #include <string>
 
 #include "dlpack.h"
@@ -43,11 +45,9 @@ size_t VirtualRange::mapped_pages() const {
   return mapped_;
 }
 
-void VirtualRange::check_index(int64_t index) const {
-  if (index < 0 || static_cast<size_t>(index) >= num_pages_) {
-    throw InvalidArgument("page index " + std::to_string(index) + " outside the range (" + std::to_string(num_pages_) +
-                          " indices)");
-  }
+void VirtualRange::index_out_of_range(int64_t index) const {
+  throw InvalidArgument("page index " + std::to_string(index) + " outside the range (" + std::to_string(num_pages_) +
+                        " indices)");
 }
 
 std::vector<PageId> VirtualRange::home_pages(const std::vector<int64_t>& indices) const {
@@ -58,38 +58,50 @@ std::vector<PageId> VirtualRange::home_pages(const std::vector<int64_t>& indices
   return out;
 }
 
-std::vector<std::pair<int64_t, int64_t>> VirtualRange::runs(const std::vector<int64_t>& indices) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  out.reserve(indices.size());
+std::vector<IndexRun> VirtualRange::runs(const std::vector<int64_t>& indices) {
+  // Sized for the worst case (a run per index) and filled field by field: push_back of a built pair costs a
+  // stalled store-to-load forward per element, which showed in profiles of scattered pages.
+  std::vector<IndexRun> out(indices.size());
+  size_t n = 0;
   for (int64_t s : indices) {
-    if (!out.empty() && out.back().first + out.back().second == s) {
-      ++out.back().second;
+    const size_t i = static_cast<size_t>(s);
+    if (n > 0 && out[n - 1].first + out[n - 1].count == i) {
+      ++out[n - 1].count;
     } else {
-      out.emplace_back(s, 1);
+      out[n].first = i;
+      out[n].count = 1;
+      ++n;
     }
   }
+  out.resize(n);
   return out;
 }
 
-void VirtualRange::map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& index_runs,
-                                    const std::vector<PageId>& pages) {
+bool VirtualRange::sort_unique(const std::vector<int64_t>& indices, std::vector<int64_t>& sorted) {
+  // Callers mostly pass indices in order (Layout.page_slots): then there is nothing to sort.
+  if (std::is_sorted(indices.begin(), indices.end())) {
+    return std::adjacent_find(indices.begin(), indices.end()) == indices.end();
+  }
+  sorted = indices;
+  std::sort(sorted.begin(), sorted.end());
+  return std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+}
+
+void VirtualRange::map_runs_or_undo(const std::vector<IndexRun>& index_runs, const std::vector<PageId>& pages) {
+  // All runs in one backend call (one lock and one lookup there, however scattered the indices).
   size_t done = 0;
   try {
-    for (auto [first, count] : index_runs) {
-      pool_->backend().map(va_ + static_cast<size_t>(first) * page_size_, pages.data() + done,
-                           static_cast<size_t>(count));
-      done += static_cast<size_t>(count);
-    }
+    pool_->backend().map_runs(va_, index_runs.data(), index_runs.size(), pages.data(), &done);
   } catch (...) {
     // Undo the runs already mapped and drop the references the caller took. A page whose index could not
     // be unmapped keeps its reference (it leaks rather than being handed out again while still mapped).
     size_t pos = 0;
-    for (auto [first, count] : index_runs) {
-      const size_t n = static_cast<size_t>(count);
+    for (size_t k = 0; k < index_runs.size(); ++k) {
+      const size_t n = index_runs[k].count;
       bool still_mapped = false;
-      if (pos < done) {
+      if (k < done) {
         try {
-          pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, n);
+          pool_->backend().unmap(va_ + index_runs[k].first * page_size_, n);
         } catch (...) {
           still_mapped = true;
         }
@@ -108,10 +120,9 @@ std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& indices) {
     check_index(s);
     if (table_[s] >= 0) throw InvalidArgument("page index " + std::to_string(s) + " is already mapped");
   }
-  std::vector<int64_t> sorted(indices);
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-    throw InvalidArgument("map_new: an index is listed twice");
+  std::vector<int64_t> copy;
+  if (!sort_unique(indices, copy)) throw InvalidArgument("map_new: an index is listed twice");
+  const std::vector<int64_t>& sorted = copy.empty() ? indices : copy;
   // Each index's home page where free: such pages need no mapping call on the host (host_backend.cpp).
   std::vector<PageId> pages = pool_->acquire_preferring(home_pages(sorted));  // OutOfPages: nothing changed
   // pages[i] goes to sorted[i]: a run of indices that gets a run of consecutive page ids (the usual case
@@ -119,7 +130,7 @@ std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& indices) {
   map_runs_or_undo(runs(sorted), pages);
   for (size_t i = 0; i < sorted.size(); ++i) table_[sorted[i]] = pages[i];
   mapped_ += sorted.size();
-  // Return in the caller's order.
+  if (copy.empty()) return pages;  // the caller's order already
   std::vector<PageId> out;
   out.reserve(indices.size());
   for (int64_t s : indices) out.push_back(table_[s]);
@@ -153,10 +164,8 @@ void VirtualRange::map_shared(const std::vector<int64_t>& indices, const std::ve
 
 void VirtualRange::unmap(const std::vector<int64_t>& indices) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<int64_t> sorted(indices);
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-    throw InvalidArgument("unmap: an index is listed twice");
+  std::vector<int64_t> copy;
+  if (!sort_unique(indices, copy)) throw InvalidArgument("unmap: an index is listed twice");
   for (int64_t s : indices) {
     check_index(s);
     if (table_[s] < 0) throw InvalidArgument("page index " + std::to_string(s) + " is not mapped");
@@ -166,7 +175,7 @@ void VirtualRange::unmap(const std::vector<int64_t>& indices) {
   }
   if (indices.empty()) return;
   wait_for_streams_locked();
-  unmap_locked(sorted);
+  unmap_locked(copy.empty() ? indices : copy);
 }
 
 void VirtualRange::wait_for_streams_locked() {
@@ -207,183 +216,175 @@ size_t VirtualRange::pinned_count(const std::vector<int64_t>& indices) const {
 }
 
 void VirtualRange::unmap_locked(const std::vector<int64_t>& indices) {
-  // One backend call per run of consecutive indices (sorted by the callers); references are dropped only for
-  // runs really unmapped, so a failure leaves table and pool consistent. All of them in one pool call: one
+  // One backend call for all runs of consecutive indices (sorted by the callers); references are dropped only
+  // for runs really unmapped, so a failure leaves table and pool consistent. All of them in one pool call: one
   // lock, and the host returns the memory of consecutive pages with one punch.
-  std::vector<PageId> pages;
-  pages.reserve(indices.size());
-  try {
-    for (auto [first, count] : runs(indices)) {
-      pool_->backend().unmap(va_ + static_cast<size_t>(first) * page_size_, static_cast<size_t>(count));
-      pages.insert(pages.end(), table_.begin() + first, table_.begin() + first + count);
-      std::fill(table_.begin() + first, table_.begin() + first + count, PageId{-1});
-      mapped_ -= static_cast<size_t>(count);
+  const std::vector<IndexRun> index_runs = runs(indices);
+  size_t done = 0;
+  auto commit = [&] {  // the runs unmapped: out of the table, their references dropped
+    std::vector<PageId> pages;
+    pages.reserve(indices.size());
+    for (size_t k = 0; k < done; ++k) {
+      const auto first = table_.begin() + static_cast<std::ptrdiff_t>(index_runs[k].first);
+      const auto last = first + static_cast<std::ptrdiff_t>(index_runs[k].count);
+      pages.insert(pages.end(), first, last);
+      std::fill(first, last, PageId{-1});
+      mapped_ -= index_runs[k].count;
     }
-  } catch (...) {
     pool_->decref_all(pages);
+  };
+  try {
+    pool_->backend().unmap_runs(va_, index_runs.data(), index_runs.size(), &done);
+  } catch (...) {
+    commit();
     throw;
   }
-  pool_->decref_all(pages);
+  commit();
 }
 
 PageId VirtualRange::copy_on_write(int64_t index, uintptr_t stream) {
   std::lock_guard<std::mutex> lock(mu_);
   check_index(index);
   if (table_[index] < 0) throw InvalidArgument("copy_on_write: page index " + std::to_string(index) + " is not mapped");
-  PageId fresh = pool_->acquire_preferring(home_pages({index}))[0];  // the index's home page when free
-  copy_into_locked(index, fresh, stream);
-  return fresh;
+  const std::vector<PageId> fresh = pool_->acquire_preferring(home_pages({index}));  // its home page when free
+  copy_into_locked({index}, fresh, stream);
+  return fresh[0];
 }
 
-void VirtualRange::copy_into_locked(int64_t index, PageId fresh, uintptr_t stream) {
-  const PageId old = table_[index];
+void VirtualRange::copy_into_locked(const std::vector<int64_t>& indices, const std::vector<PageId>& fresh,
+                                    uintptr_t stream) {
+  const size_t n = indices.size();
+  std::vector<size_t> at(n);
+  std::vector<PageId> olds(n);
+  for (size_t k = 0; k < n; ++k) {
+    at[k] = static_cast<size_t>(indices[k]);
+    olds[k] = table_[indices[k]];
+  }
+  std::unique_ptr<bool[]> lost(new bool[n]());
   try {
-    pool_->backend().copy_page(fresh, old, stream);
-    // The copy reads `old`, which may go back to the pool below: it must be complete first; and kernels
-    // still reading the index must be done before it is remapped.
+    for (size_t k = 0; k < n; ++k) pool_->backend().copy_page(fresh[k], olds[k], stream);
+    // The copies read pages that may go back to the pool below: they must be complete first; and kernels
+    // still reading the indices must be done before they are remapped.
     pool_->backend().synchronize(stream);
     wait_for_streams_locked();
-    remap_locked(index, old, fresh);
+    pool_->backend().remap(va_, at.data(), olds.data(), fresh.data(), n, lost.get());
   } catch (...) {
-    pool_->decref(fresh);
+    drop_after_failed_remap(at, olds, fresh, lost.get());
     throw;
   }
-  pool_->decref(old);
+  for (size_t k = 0; k < n; ++k) table_[at[k]] = fresh[k];
+  pool_->decref_all(olds);
 }
 
-void VirtualRange::remap_locked(int64_t index, PageId old, PageId page) {
-  // Neither backend remaps a mapped index in place: unmap, then map.
-  const uintptr_t va = va_ + static_cast<size_t>(index) * page_size_;
-  pool_->backend().unmap(va, 1);
-  try {
-    pool_->backend().map(va, &page, 1);
-  } catch (...) {
-    // Put the old page back so the index stays as it was. If even that fails the index is unmapped: its page
-    // table entry says so, and the old page's reference is kept (leaked) rather than risk handing a page out
-    // again that a queued kernel may still read. A view pinning the index keeps its range alive but would
-    // now fault; this takes two driver failures in a row.
-    try {
-      pool_->backend().map(va, &old, 1);
-    } catch (...) {
-      table_[index] = -1;
-      --mapped_;
+void VirtualRange::drop_after_failed_remap(const std::vector<size_t>& at, const std::vector<PageId>& olds,
+                                           const std::vector<PageId>& pages, const bool* lost) {
+  // The backend put every index back but the lost ones (two failures in a row: a device error while
+  // undoing). Those are unmapped now, and both their pages keep their references: either may still be
+  // mapped there, and handing such a page out again could let a queued kernel read another owner's data.
+  std::vector<PageId> release;
+  release.reserve(pages.size());
+  for (size_t k = 0; k < at.size(); ++k) {
+    if (lost[k]) {
+      if (olds[k] >= 0) --mapped_;
+      table_[at[k]] = -1;
+    } else if (pages[k] >= 0) {
+      release.push_back(pages[k]);
     }
-    throw;
   }
-  table_[index] = page;
+  pool_->decref_all(release);
 }
 
-std::vector<int64_t> VirtualRange::shared_indices_locked(const std::vector<int64_t>& indices, size_t* copies) const {
-  // A page referenced only by listed indices needs one copy fewer than it has indices: the last index to be made
-  // private keeps the original (its reference count is 1 by then).
+std::vector<int64_t> VirtualRange::copy_plan_locked(const std::vector<int64_t>& indices) const {
+  // Indices listed twice count once (the first time).
+  std::vector<int64_t> listed_once;
+  const std::vector<int64_t>* order = &indices;
+  std::vector<int64_t> scratch;
+  if (!sort_unique(indices, scratch)) {
+    std::set<int64_t> seen;
+    for (int64_t s : indices)
+      if (seen.insert(s).second) listed_once.push_back(s);
+    order = &listed_once;
+  }
+  // A page referenced only by listed indices needs one copy fewer than it has indices: the last index listed
+  // keeps the original (its reference count is 1 by then).
   std::vector<int64_t> shared;
   std::map<PageId, size_t> listed;  // page -> listed indices that show it
-  for (int64_t s : indices) {
+  for (int64_t s : *order) {
     check_index(s);
     if (table_[s] >= 0 && pool_->refcount(table_[s]) > 1) {
       shared.push_back(s);
       ++listed[table_[s]];
     }
   }
-  *copies = 0;
-  for (auto [page, n] : listed) *copies += static_cast<size_t>(pool_->refcount(page)) > n ? n : n - 1;
-  return shared;
+  std::vector<int64_t> copy;
+  std::map<PageId, size_t> planned;
+  for (int64_t s : shared) {
+    const PageId page = table_[s];
+    const size_t n = listed[page];
+    if (static_cast<size_t>(pool_->refcount(page)) > n || ++planned[page] < n) copy.push_back(s);
+  }
+  return copy;
 }
 
 size_t VirtualRange::copies_needed(const std::vector<int64_t>& indices) const {
   std::lock_guard<std::mutex> lock(mu_);
-  size_t copies;
-  shared_indices_locked(indices, &copies);
-  return copies;
+  return copy_plan_locked(indices).size();
 }
 
 size_t VirtualRange::make_private(const std::vector<int64_t>& indices, uintptr_t stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  size_t copies;
-  std::vector<int64_t> shared = shared_indices_locked(indices, &copies);
-  if (copies == 0) return 0;
-  // Every fresh page first: running out of pages (or of device memory while creating them) then raises
-  // OutOfPages with nothing changed.
-  std::vector<PageId> fresh = pool_->acquire(copies);
-  // Each copy is complete on its own (the index shows the same data before and after), so a driver failure
-  // half way leaves every index valid: the ones already copied are simply private earlier than needed.
-  size_t used = 0;
-  try {
-    for (int64_t s : shared) {
-      if (pool_->refcount(table_[s]) == 1) continue;  // the other sharers were copied: this one keeps it
-      copy_into_locked(s, fresh[used++], stream);     // drops that fresh page itself on failure
-    }
-  } catch (...) {
-    for (size_t i = used; i < fresh.size(); ++i) pool_->decref(fresh[i]);
-    throw;
-  }
-  return used;
+  const std::vector<int64_t> copy = copy_plan_locked(indices);
+  if (copy.empty()) return 0;
+  // Every fresh page first (each index's home page where free: on the host it then needs no mapping of its
+  // own): running out of pages (or of device memory while creating them) raises OutOfPages with nothing
+  // changed. Then all copies and one remap, undone as a whole on failure (the mapping limit included).
+  const std::vector<PageId> fresh = pool_->acquire_preferring(home_pages(copy));
+  copy_into_locked(copy, fresh, stream);
+  return copy.size();
 }
 
 void VirtualRange::assign(const std::vector<int64_t>& indices, const std::vector<PageId>& pages) {
   std::lock_guard<std::mutex> lock(mu_);
   if (indices.size() != pages.size()) throw InvalidArgument("assign: indices and pages differ in length");
-  std::vector<int64_t> sorted(indices);
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-    throw InvalidArgument("assign: an index is listed twice");
-  std::vector<PageId> held;
+  std::vector<int64_t> scratch;
+  if (!sort_unique(indices, scratch)) throw InvalidArgument("assign: an index is listed twice");
+  std::vector<size_t> at;
+  std::vector<PageId> olds, news, held;
   for (size_t i = 0; i < indices.size(); ++i) {
     check_index(indices[i]);
-    if (table_[indices[i]] == pages[i]) continue;
+    const PageId page = pages[i] < 0 ? -1 : pages[i];
+    if (table_[indices[i]] == page) continue;
     if (pins_[indices[i]] > 0)
       throw ViewsAlive("assign: page index " + std::to_string(indices[i]) +
                        " is read through a live tensor view; drop the view first");
-    if (pages[i] >= 0) held.push_back(pages[i]);
+    at.push_back(static_cast<size_t>(indices[i]));
+    olds.push_back(table_[indices[i]]);
+    news.push_back(page);
+    if (page >= 0) held.push_back(page);
   }
-  bool remaps = false;  // a mapped index changes: kernels reading it must be done first
-  for (size_t i = 0; i < indices.size(); ++i) remaps |= table_[indices[i]] >= 0 && table_[indices[i]] != pages[i];
-  if (remaps) wait_for_streams_locked();
+  if (at.empty()) return;
+  // A mapped index changes: kernels reading it must be done first.
+  if (std::any_of(olds.begin(), olds.end(), [](PageId p) { return p >= 0; })) wait_for_streams_locked();
   pool_->incref_all(held);  // hold every incoming page so none is freed while indices change hands
-  struct Change {
-    int64_t index;
-    PageId old;
-  };
-  std::vector<Change> log;
+  std::unique_ptr<bool[]> lost(new bool[at.size()]());
   try {
-    for (size_t i = 0; i < indices.size(); ++i) {
-      const int64_t s = indices[i];
-      const PageId old = table_[s];
-      if (old == pages[i]) continue;
-      const uintptr_t va = va_ + static_cast<size_t>(s) * page_size_;
-      if (old >= 0) pool_->backend().unmap(va, 1);
-      log.push_back({s, old});
-      table_[s] = -1;
-      if (pages[i] >= 0) {
-        pool_->backend().map(va, &pages[i], 1);
-        table_[s] = pages[i];
-      }
-    }
+    pool_->backend().remap(va_, at.data(), olds.data(), news.data(), at.size(), lost.get());
   } catch (...) {
-    // Put back what changed, newest first; the old pages were never released, so they are all there.
-    for (auto it = log.rbegin(); it != log.rend(); ++it) {
-      const uintptr_t va = va_ + static_cast<size_t>(it->index) * page_size_;
-      try {
-        if (table_[it->index] >= 0) pool_->backend().unmap(va, 1);
-        table_[it->index] = -1;
-        if (it->old >= 0) {
-          pool_->backend().map(va, &it->old, 1);
-          table_[it->index] = it->old;
-        }
-      } catch (...) {
-      }
-    }
-    pool_->decref_all(held);
+    drop_after_failed_remap(at, olds, news, lost.get());
     throw;
   }
   // Commit: the indices keep the held references to their new pages; the replaced pages lose theirs.
-  for (const Change& c : log) {  // each index appears once (checked above)
-    if (c.old >= 0) {
-      pool_->decref(c.old);
+  std::vector<PageId> dropped;
+  dropped.reserve(at.size());
+  for (size_t k = 0; k < at.size(); ++k) {
+    table_[at[k]] = news[k];
+    if (olds[k] >= 0) {
+      dropped.push_back(olds[k]);
       --mapped_;
     }
-    if (table_[c.index] >= 0) ++mapped_;
+    if (news[k] >= 0) ++mapped_;
   }
+  pool_->decref_all(dropped);
 }
 
 std::vector<int32_t> VirtualRange::refcounts_at(const std::vector<int64_t>& indices) const {

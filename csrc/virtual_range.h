@@ -49,18 +49,21 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   void map_shared(const std::vector<int64_t>& indices, const std::vector<PageId>& pages);
   // Unmap the indices (which must be mapped and unpinned) and drop their references.
   void unmap(const std::vector<int64_t>& indices);
-  // Give index a private copy of its page: a fresh page receives the data, replaces the shared one at
-  // the same address, and the old page loses a reference. All or nothing. Returns the new page.
+  // Give index a private copy of its page: a fresh page (its home page where free) receives the data, replaces
+  // the shared one at the same address, and the old page loses a reference. All or nothing, at the host's
+  // mapping limit too (Backend::remap). Returns the new page.
   PageId copy_on_write(int64_t index, uintptr_t stream);
   // Copy-on-write every listed index whose page is shared (reference count > 1). Takes a fresh page for
-  // each copy first (OutOfPages, nothing changed). Returns the number of copies made.
+  // each copy first (OutOfPages, nothing changed), then copies and remaps them all as one change: all or
+  // nothing (MappingLimit at the host's mapping limit: nothing changed). Returns the number of copies made.
   size_t make_private(const std::vector<int64_t>& indices, uintptr_t stream);
   // The number of copies make_private(indices) makes: one per listed index with a shared page, less one per
   // page whose every reference is a listed index (the last of them keeps the original).
   size_t copies_needed(const std::vector<int64_t>& indices) const;
   // Make indices[i] show pages[i] (-1: unmapped), taking references on the new pages and dropping those of
   // the pages replaced. The pages are held while the indices change, so one index may take the page another
-  // index in the same call gives up (reordering beams). Indices must be unpinned where they change.
+  // index in the same call gives up (reordering beams). Indices must be unpinned where they change. All or
+  // nothing, at the host's mapping limit too (Backend::remap).
   void assign(const std::vector<int64_t>& indices, const std::vector<PageId>& pages);
   // Reference counts of the pages behind the indices (0 where unmapped).
   std::vector<int32_t> refcounts_at(const std::vector<int64_t>& indices) const;
@@ -91,27 +94,37 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   size_t pinned_count(const std::vector<int64_t>& indices) const;
 
  private:
-  void check_index(int64_t index) const;
+  // Inline: called per page on every map and unmap.
+  void check_index(int64_t index) const {
+    if (static_cast<uint64_t>(index) >= num_pages_) index_out_of_range(index);
+  }
+  [[noreturn]] void index_out_of_range(int64_t index) const;
   void collect_spans(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides, size_t dim,
                      size_t itemsize, std::vector<std::pair<size_t, size_t>>& out) const;
   void unmap_locked(const std::vector<int64_t>& indices);
-  // The listed indices whose page is shared, and (in *copies) how many copies make_private needs for them.
-  std::vector<int64_t> shared_indices_locked(const std::vector<int64_t>& indices, size_t* copies) const;
+  // The listed indices make_private copies: those whose page is shared, but not the last listed index of a page
+  // every reference of which is a listed index (it keeps the original).
+  std::vector<int64_t> copy_plan_locked(const std::vector<int64_t>& indices) const;
   // Wait for the work queued on every registered stream (see the safety rules above).
   void wait_for_streams_locked();
-  // Show `page` at a mapped index instead of `old` (references are the caller's business); on failure the
-  // index shows `old` again and the error is rethrown.
-  void remap_locked(int64_t index, PageId old, PageId page);
-  // Copy the index's page into `fresh` (a page the caller acquired) and show it instead; the old page loses
-  // the index's reference. On failure `fresh` is dropped and the index shows the old page.
-  void copy_into_locked(int64_t index, PageId fresh, uintptr_t stream);
+  // Copy the indices' pages into `fresh` (pages the caller acquired, one per index) and show those instead, in
+  // one Backend::remap; the old pages lose the indices' references. All or nothing: on failure the fresh pages
+  // are dropped and the indices show their old pages.
+  void copy_into_locked(const std::vector<int64_t>& indices, const std::vector<PageId>& fresh, uintptr_t stream);
+  // After a Backend::remap that failed: drop the references taken on `pages`, except where the backend lost an
+  // index (it is unmapped then, and its pages keep their references).
+  void drop_after_failed_remap(const std::vector<size_t>& at, const std::vector<PageId>& olds,
+                               const std::vector<PageId>& pages, const bool* lost);
   // Map pages (in order) over runs of indices; on failure unmap what was mapped, drop the caller's page
   // references and rethrow.
-  void map_runs_or_undo(const std::vector<std::pair<int64_t, int64_t>>& index_runs, const std::vector<PageId>& pages);
+  void map_runs_or_undo(const std::vector<IndexRun>& index_runs, const std::vector<PageId>& pages);
   // The backend's home page of each index (-1 where it has none): what the pool hands out when free.
   std::vector<PageId> home_pages(const std::vector<int64_t>& indices) const;
-  // Group sorted indices into runs of consecutive indices: (first, count) pairs.
-  static std::vector<std::pair<int64_t, int64_t>> runs(const std::vector<int64_t>& indices);
+  // Group sorted indices into runs of consecutive indices.
+  static std::vector<IndexRun> runs(const std::vector<int64_t>& indices);
+  // False when an index is listed twice. `sorted` receives the indices sorted, unless they already are (then
+  // it stays empty: use `indices`).
+  static bool sort_unique(const std::vector<int64_t>& indices, std::vector<int64_t>& sorted);
 
   std::shared_ptr<PagePool> pool_;
   size_t page_size_;
