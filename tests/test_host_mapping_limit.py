@@ -15,11 +15,10 @@ import subprocess
 import sys
 import textwrap
 
-CHILD = textwrap.dedent("""
-    import ctypes, gc, mmap, os, random, sys
-    import torch
-    import vpaged
-    from vpaged import _C
+# The prelude of both child scripts: fill() eats the process's mapping headroom with 4 KiB anonymous shared
+# mappings (they never merge), unfill(n) gives n of them back.
+FILLER = textwrap.dedent("""
+    import ctypes, mmap
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
@@ -45,9 +44,16 @@ CHILD = textwrap.dedent("""
 
     def unfill(n):
         global held
-        for _ in range(n):
+        for _ in range(min(n, held)):
             held -= 1
             libc.munmap(fillers[held], 4096)
+""")
+
+CHILD = FILLER + textwrap.dedent("""
+    import gc, os, random, sys
+    import torch
+    import vpaged
+    from vpaged import _C
 
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
@@ -187,37 +193,10 @@ def test_range_stays_consistent_right_at_the_mapping_limit():
 # used to be undone by mapping the old pages back, which the kernel refused: a page a sequence still counted
 # was left unmapped. Now the backend holds a few mappings in reserve for undoing (host_backend.cpp, remap) and
 # every operation of the cache completes or raises MappingLimitError with nothing changed.
-CACHE_CHILD = textwrap.dedent("""
-    import ctypes, mmap, os, random, sys, warnings
+CACHE_CHILD = FILLER + textwrap.dedent("""
+    import os, random, sys, warnings
     import torch
     import vpaged
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    FAILED = ctypes.c_void_p(-1).value
-    FLAGS = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS
-
-    with open("/proc/sys/vm/max_map_count") as f:
-        LIMIT = int(f.read())
-    fillers = [0] * (LIMIT + 16)
-    held = 0
-
-    def fill():
-        global held
-        while True:
-            p = libc.mmap(None, 4096, mmap.PROT_READ, FLAGS, -1, 0)
-            if p is None or p == FAILED:
-                return
-            fillers[held] = p
-            held += 1
-
-    def unfill(n):
-        global held
-        for _ in range(min(n, held)):
-            held -= 1
-            libc.munmap(fillers[held], 4096)
 
     layout = sys.argv[1]
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else int.from_bytes(os.urandom(4), "little")
