@@ -20,6 +20,7 @@
 #include <string>
 
 #include "../errors.h"
+#include "cuda_guard.h"
 #include "decode.h"
 
 namespace vpaged {
@@ -330,23 +331,6 @@ __global__ void __launch_bounds__(kThreads)
     static_cast<T*>(p.out)[bh * D + d] = Cvt<T>::store(a * inv);
   }
 }
-
-void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw BackendFailure(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
-// Kernels launch on the caller's device; our (static) runtime keeps its own current device per thread.
-struct DeviceGuard {
-  int prev = -1;
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
-    if (prev != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
-  }
-};
 
 template <typename T, int D, int DV, int GT>
 void launch_gt(const DecodeParams& p, const CudaLaunch& L, cudaStream_t stream) {

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "../errors.h"
+#include "cuda_guard.h"
 #include "write_kv.h"
 
 namespace vpaged {
@@ -18,22 +19,6 @@ namespace kernels {
 namespace {
 
 constexpr int kThreads = 128;
-
-void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw BackendFailure(std::string(what) + " failed: " + cudaGetErrorString(err));
-}
-
-struct DeviceGuard {
-  int prev = -1;
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
-    if (prev != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
-  }
-};
 
 template <typename T>
 __device__ __forceinline__ void copy_row(T* dst, const T* src, int heads, int dim, int64_t dst_hs, int64_t src_hs) {
