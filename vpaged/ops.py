@@ -70,10 +70,7 @@ def decode_attention_contiguous(
     num_seqs = q.shape[0]
     slots = _index_tensor(kv.slots, "slots", (num_seqs,), q.device)
     lengths = _index_tensor(kv.lengths, "lengths", (num_seqs,), q.device)
-    capacity = min(
-        _run_capacity("K", kv.num_kv_heads, kv.head_dim, kv.head_stride, kv.token_stride, kv.slot_stride),
-        _run_capacity("V", kv.num_kv_heads, kv.v_head_dim, kv.v_head_stride, kv.v_token_stride, kv.v_slot_stride),
-    )
+    capacity = _kv_capacity(kv)
     if max_len is None:
         max_len = _check_lengths(lengths, capacity)
         _check_extent(kv, slots.tolist(), lengths.tolist())
@@ -82,11 +79,8 @@ def decode_attention_contiguous(
     if num_seqs == 0:
         return out
     p = _params(q, out, kv.k_ptr, kv.v_ptr, kv.num_kv_heads, kv.token_stride, lengths, max_len, scale)
-    p.paged = False
+    _describe_contiguous(p, kv)
     p.slots = slots.data_ptr()
-    p.slot_stride, p.v_slot_stride = kv.slot_stride, kv.v_slot_stride
-    p.head_stride, p.v_head_stride = kv.head_stride, kv.v_head_stride
-    p.v_token_stride = kv.v_token_stride
     _launch(p, q)
     return out
 
@@ -321,18 +315,11 @@ class _LayerPlan:
 
     def __init__(self, kv: BatchedKV):
         _check_dtype(kv.dtype, "the cache")
-        capacity = min(
-            _run_capacity("K", kv.num_kv_heads, kv.head_dim, kv.head_stride, kv.token_stride, kv.slot_stride),
-            _run_capacity("V", kv.num_kv_heads, kv.v_head_dim, kv.v_head_stride, kv.v_token_stride, kv.v_slot_stride),
-        )
+        capacity = _kv_capacity(kv)
         p = _C.DecodeParams()
         p.dtype = _DTYPE_CODES[kv.dtype]
-        p.num_kv_heads, p.head_dim, p.v_head_dim = kv.num_kv_heads, kv.head_dim, kv.v_head_dim
-        p.k, p.v = kv.k_ptr, kv.v_ptr
-        p.paged = False
-        p.token_stride, p.v_token_stride = kv.token_stride, kv.v_token_stride
-        p.head_stride, p.v_head_stride = kv.head_stride, kv.v_head_stride
-        p.slot_stride, p.v_slot_stride = kv.slot_stride, kv.v_slot_stride
+        p.head_dim, p.v_head_dim = kv.head_dim, kv.v_head_dim
+        _describe_contiguous(p, kv)
         p.max_tokens = min(capacity, 2**31 - 1)
         self.params = p
         self.num_kv_heads, self.head_dim, self.v_head_dim = kv.num_kv_heads, kv.head_dim, kv.v_head_dim
@@ -467,6 +454,24 @@ def _check_max_len(max_len, capacity: int) -> int:
     if not isinstance(max_len, int) or isinstance(max_len, bool) or not 1 <= max_len <= capacity:
         raise InvalidArgumentError(f"max_len must be an int in 1..{capacity}, got {max_len!r}")
     return max_len
+
+
+def _kv_capacity(kv: BatchedKV) -> int:
+    """Tokens per sequence the descriptor's K and V runs hold (the bound every length is checked against)."""
+    return min(
+        _run_capacity("K", kv.num_kv_heads, kv.head_dim, kv.head_stride, kv.token_stride, kv.slot_stride),
+        _run_capacity("V", kv.num_kv_heads, kv.v_head_dim, kv.v_head_stride, kv.v_token_stride, kv.v_slot_stride),
+    )
+
+
+def _describe_contiguous(p: _C.DecodeParams, kv: BatchedKV) -> None:
+    """The descriptor's addresses and strides into the kernel parameters (contiguous, not block tables)."""
+    p.paged = False
+    p.num_kv_heads = kv.num_kv_heads
+    p.k, p.v = kv.k_ptr, kv.v_ptr
+    p.token_stride, p.v_token_stride = kv.token_stride, kv.v_token_stride
+    p.head_stride, p.v_head_stride = kv.head_stride, kv.v_head_stride
+    p.slot_stride, p.v_slot_stride = kv.slot_stride, kv.v_slot_stride
 
 
 def _run_capacity(name: str, heads: int, dim: int, head_stride: int, token_stride: int, slot_stride: int) -> int:
