@@ -13,8 +13,11 @@ and reports median times next to the bandwidth floor: the bytes of K/V a decode 
 by the copy bandwidth of a large torch copy on the same device ((read + write bytes) / time), plus the
 ratios the kernels are judged by (contiguous / paged, contiguous / tensors). Next to it, the read floor:
 the same bytes over the rate of a large torch reduction (a pure streaming read, what a decode kernel does),
-which on some machines is well below the copy rate. The kernels of a cell are timed round-robin (one call
-of each per round), so a burst of load from other processes lands on all of them alike. Caches are
+which on some machines is well below the copy rate. Both floors are also taken per cell (x_cell_floor): a
+torch copy and a torch max over the cell's own K/V byte count, timed in the same round-robin as the kernels,
+so that a machine whose memory speed drifts during a run (a shared VM) moves floor and kernels together.
+The kernels of a cell are timed round-robin (one call of each per round), so a burst of load from other
+processes lands on all of them alike. Caches are
 flushed before every call by READING a buffer larger than the last-level cache, so every call reads K/V
 from memory as a real decode step over many layers would. (A flush by writing would leave the cache full
 of dirty lines: every K/V line the timed call brings in would then evict one and write it back, doubling
@@ -244,12 +247,26 @@ def run_cell(
         "load_average": os.getloadavg(),
         "kernels": {},
     }
+    # The floors again at this cell's size, timed in the same round-robin as the kernels (flushed alike):
+    # a torch copy of kv_bytes (its bytes moved are twice the K/V read, so half its time is the floor) and
+    # a torch max over kv_bytes. A drift of the machine between the start of the run and this cell then
+    # lands on floor and kernels alike; small cells also pay an op's fixed cost here, as a kernel does.
+    src = torch.ones(kv_bytes // 4, dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)
+    floors = {"copy_floor": lambda: dst.copy_(src), "read_floor": lambda: src.max()}
     # SDPA per sequence is 10-100x slower: fewer repeats keep the run short, the median stays honest.
-    times = timer.many(kernels, {name: repeats if name != "sdpa" else max(2, repeats // 4) for name in kernels})
+    reps = {name: repeats if name != "sdpa" else max(2, repeats // 4) for name in kernels}
+    times = timer.many({**kernels, **floors}, {**reps, "copy_floor": repeats, "read_floor": repeats})
+    cell_floor, cell_read_floor = times.pop("copy_floor") / 2, times.pop("read_floor")
+    del src, dst
+    cell["cell_floor_ms"] = cell_floor * 1e3
+    cell["cell_read_floor_ms"] = cell_read_floor * 1e3
     for name, t in times.items():
         cell["kernels"][name] = {"median_ms": t * 1e3, "x_floor": t / floor, "GBps": kv_bytes / t / 1e9}
         if read_bw:
             cell["kernels"][name]["x_read_floor"] = t * read_bw / kv_bytes
+        cell["kernels"][name]["x_cell_floor"] = t / cell_floor
+        cell["kernels"][name]["x_cell_read_floor"] = t / cell_read_floor
     cell["contiguous_vs_paged"] = times["contiguous"] / times["paged"]
     cell["contiguous_vs_tensors"] = times["contiguous"] / times["tensors"]
     # Same data, so the kernels must agree with SDPA (bf16/fp16 outputs differ by rounding).
@@ -365,6 +382,8 @@ def main() -> None:
             "read_bandwidth_GBps": read_bw / 1e9,
             "floor": "K/V bytes read / copy bandwidth; caches flushed (by a read) before each call",
             "read_floor": "K/V bytes read / read bandwidth (a large torch max reduction)",
+            "cell_floor": "per cell, timed round-robin with its kernels: half a torch copy of the cell's K/V bytes "
+            "(cell_read_floor: a torch max over them); x_cell_floor / x_cell_read_floor divide by these",
             "cells": cells,
             "skipped": skipped,
             "one_token_call_us": overhead,
@@ -377,7 +396,7 @@ def main() -> None:
     header = f"{'dtype':>8} {'batch':>5} {'context':>7} {'KV MiB':>7} {'floor ms':>9}"
     for name in KERNELS:
         header += f" {name + ' ms':>14} {'x floor':>7}"
-    header += f" {'contig/paged':>12} {'contig/tensors':>14} {'c x read':>8} {'load':>5}"
+    header += f" {'contig/paged':>12} {'contig/tensors':>14} {'c x read':>8} {'c x cell':>8} {'load':>5}"
     print(header)
     for dname in args.dtypes.split(","):
         dtype = DTYPES[dname.strip()]
@@ -393,7 +412,8 @@ def main() -> None:
                     k = c["kernels"][name]
                     row += f" {k['median_ms']:>14.3f} {k['x_floor']:>7.2f}"
                 row += f" {c['contiguous_vs_paged']:>12.3f} {c['contiguous_vs_tensors']:>14.3f}"
-                row += f" {c['kernels']['contiguous']['x_read_floor']:>8.2f} {c['load_average'][0]:>5.1f}"
+                row += f" {c['kernels']['contiguous']['x_read_floor']:>8.2f}"
+                row += f" {c['kernels']['contiguous']['x_cell_floor']:>8.2f} {c['load_average'][0]:>5.1f}"
                 print(row, flush=True)
                 write_json(out, payload(complete=False))  # partial results survive a run stopped part way
     if skipped:
