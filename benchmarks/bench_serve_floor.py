@@ -1,0 +1,190 @@
+"""The floor of bench_serve.py's throughput workload on this machine: the least time any engine could take.
+
+Any engine, whatever its cache, must run the model's matrix products over every prompt token and every
+decode token, and each decode token must read the K/V of its whole context. This script counts both for the
+throughput workload (the same prompts as bench_serve.py: 64 requests of 64..512 random ids, 128 output tokens
+each, bench-llama fp32) and prices them at rates measured here, in this process, the way a forward meets them:
+
+  products   the model's own linear layers (every decoder layer's, then the LM head), run in forward order on
+             M rows with their real weights, so the weights stream from memory as in a step: M = 512 for
+             prompt tokens (bench_serve's token budget per step), M = 64 for decode tokens (its batch);
+             prompt attention (causal, every query head) is counted as flops at the M = 512 rate
+  K/V        bytes a decode token reads over every layer, at the rate of a large torch max reduction
+
+Element-wise ops, norms, sampling, scheduling and cache bookkeeping count as free, and every decode step is
+taken at the full batch of 64, so the floor is below what any engine reaches; how far above it an engine runs
+(x floor) is comparable across machines, where tokens/s are not. With --compare, the rows of a bench_serve
+JSON are set against the floor, and so is the time a row would need to run at 6x generate_batch's tokens/s.
+
+  python benchmarks/bench_serve_floor.py
+  python benchmarks/bench_serve_floor.py --compare serve_cpu_throughput_4.json
+
+Writes benchmarks/results/serve_floor_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("MKL_NUM_THREADS", "1")  # as bench_serve.py: the products still use every torch thread
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, machine, write_json  # noqa: E402
+
+from vpaged.serve import load_model  # noqa: E402
+from vpaged.serve.bench import random_prompts  # noqa: E402
+from vpaged.serve.models import model_geometry  # noqa: E402
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def products_rate(layer_linears: list, head, rows: int, repeats: int) -> float:
+    """Flops per second of the model's linear layers in forward order on `rows` rows (LM head included)."""
+    linears = [*layer_linears, head]
+    inputs = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
+
+    def forward_products():
+        for m in linears:
+            torch.nn.functional.linear(inputs[m.in_features], m.weight)
+
+    flops = sum(2 * rows * m.weight.numel() for m in linears)
+    with torch.inference_mode():
+        return flops / median_seconds(forward_products, repeats)
+
+
+def read_rate(repeats: int) -> float:
+    src = torch.ones(256 << 20, dtype=torch.int32)  # 1 GiB, beyond any last-level cache
+    return 4 * src.numel() / median_seconds(src.max, repeats)
+
+
+def workload_counts(model, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Flops and bytes the throughput workload needs, whatever runs it."""
+    cfg = model.config.get_text_config(decoder=True)
+    layers, kv_heads, head_dim = model_geometry(cfg)
+    heads = cfg.num_attention_heads
+    head = model.get_output_embeddings()
+    layer_params = sum(m.weight.numel() for m in layer_linears(model))
+    head_params = head.weight.numel()
+    lengths = [len(p) for p in prompts]
+    prompt_tokens, requests = sum(lengths), len(prompts)
+    decode_tokens = requests * (max_tokens - 1)  # the first output token comes from the prompt's forward
+    itemsize = next(model.parameters()).element_size()
+    kv_bytes_per_token = 2 * layers * kv_heads * head_dim * itemsize
+    # Decode token j (1..max_tokens-1) of a prompt of p tokens attends to p + j tokens.
+    decode_context_tokens = sum(p * (max_tokens - 1) + max_tokens * (max_tokens - 1) // 2 for p in lengths)
+    # Causal prompt attention: query i attends to i + 1 keys; QK and PV, 2 flops a multiply-add.
+    prompt_attention_flops = sum(4 * heads * head_dim * layers * p * (p + 1) // 2 for p in lengths)
+    return {
+        "requests": requests,
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
+        "layer_params": layer_params,
+        "head_params": head_params,
+        "prompt_product_flops": 2 * layer_params * prompt_tokens + 2 * head_params * requests,
+        "prompt_attention_flops": prompt_attention_flops,
+        "decode_product_flops": 2 * (layer_params + head_params) * decode_tokens,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "decode_kv_bytes": decode_context_tokens * kv_bytes_per_token,
+    }
+
+
+def layer_linears(model) -> list:
+    head = model.get_output_embeddings()
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+
+
+def compare(floor_s: float, path: Path) -> dict:
+    data = json.loads(path.read_text())
+    rows = {r["kv"]: r for r in data["throughput"]["rows"]}
+    out = {
+        "file": path.name,
+        "rows": {kv: {"seconds": r["seconds"], "x_floor": r["seconds"] / floor_s} for kv, r in rows.items()},
+    }
+    gb = rows.get("generate_batch")
+    if gb:
+        target = gb["seconds"] / 6
+        out["six_x_generate_batch"] = {"seconds": target, "x_floor": target / floor_s}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="random:bench-llama")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--min-prompt", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-rows", type=int, default=512, help="rows per product for prompt tokens (token budget)")
+    ap.add_argument("--decode-rows", type=int, default=64, help="rows per product for decode tokens (batch)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--compare", action="append", default=[], help="a bench_serve JSON under benchmarks/results/")
+    ap.add_argument("--output", default="serve_floor_cpu.json", help="JSON file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(args.model, dtype=torch.float32)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    # seed=0: bench_serve.py's throughput prompts
+    prompts = random_prompts(args.requests, args.min_prompt, args.max_prompt, vocab, seed=0)
+    counts = workload_counts(model, prompts, args.max_tokens)
+    linears, head = layer_linears(model), model.get_output_embeddings()
+    rates = {
+        "prompt_products_flops_per_s": products_rate(linears, head, args.prompt_rows, args.repeats),
+        "decode_products_flops_per_s": products_rate(linears, head, args.decode_rows, args.repeats),
+        "read_bytes_per_s": read_rate(args.repeats),
+    }
+    parts = {
+        "prompt_products_s": counts["prompt_product_flops"] / rates["prompt_products_flops_per_s"],
+        "prompt_attention_s": counts["prompt_attention_flops"] / rates["prompt_products_flops_per_s"],
+        "decode_products_s": counts["decode_product_flops"] / rates["decode_products_flops_per_s"],
+        "decode_kv_read_s": counts["decode_kv_bytes"] / rates["read_bytes_per_s"],
+    }
+    floor_s = sum(parts.values())
+    output_tokens = args.requests * args.max_tokens
+    report = {
+        "machine": machine(),
+        "threads": args.threads,
+        "config": {k: v for k, v in vars(args).items() if k != "compare"},
+        "counts": counts,
+        "rates": rates,
+        "parts_seconds": parts,
+        "floor_seconds": floor_s,
+        "floor_output_tokens_per_s": output_tokens / floor_s,
+        "compared": [compare(floor_s, RESULTS / name) for name in args.compare],
+    }
+    print(
+        f"products: {rates['prompt_products_flops_per_s'] / 1e9:.0f} GFLOP/s at {args.prompt_rows} rows, "
+        f"{rates['decode_products_flops_per_s'] / 1e9:.0f} at {args.decode_rows}; read {rates['read_bytes_per_s'] / 1e9:.1f} GB/s"
+    )
+    for name, s in parts.items():
+        print(f"  {name:20s} {s:7.2f} s")
+    print(f"floor {floor_s:.2f} s = {output_tokens / floor_s:.0f} output tok/s at most")
+    for c in report["compared"]:
+        print(c["file"] + ":")
+        for kv, r in c["rows"].items():
+            print(f"  {kv:16s} {r['seconds']:7.2f} s  {r['x_floor']:.2f}x floor")
+        if "six_x_generate_batch" in c:
+            t = c["six_x_generate_batch"]
+            print(f"  {'6x generate_batch':16s} {t['seconds']:7.2f} s  {t['x_floor']:.2f}x floor")
+    print(f"wrote {write_json(args.output, report)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
