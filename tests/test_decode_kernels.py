@@ -155,9 +155,10 @@ ISAS = _C.decode_cpu_isas()  # the CPU code paths this machine can run, "baselin
 
 def force_isa(monkeypatch, isa):
     """Every CPU entry point (descriptor calls, and the per-step path of caches) on code path `isa`."""
-    real, real_rows = _C.decode_cpu, _C.decode_cpu_rows
+    real, real_rows, real_tables = _C.decode_cpu, _C.decode_cpu_rows, _C.decode_cpu_tables
     monkeypatch.setattr(_C, "decode_cpu", lambda p, n=0, isa_=isa: real(p, n, isa_))
     monkeypatch.setattr(_C, "decode_cpu_rows", lambda *args, isa_=isa: real_rows(*args[:8], isa_))
+    monkeypatch.setattr(_C, "decode_cpu_tables", lambda *args, isa_=isa: real_tables(*args[:8], isa_))
 
 
 @pytest.mark.parametrize("isa", ISAS)

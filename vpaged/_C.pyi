@@ -152,6 +152,17 @@ def decode_cpu_rows(
     num_threads: int = 0,
     isa: str = "auto",
 ) -> None: ...
+def decode_cpu_tables(
+    base: DecodeParams,
+    q: int,
+    out: int,
+    num_heads: int,
+    scale: float,
+    block_tables: list[list[int]],
+    lengths: list[int],
+    num_threads: int = 0,
+    isa: str = "auto",
+) -> None: ...
 def decode_cpu_isas() -> list[str]: ...
 def decode_cuda(params: DecodeParams, launch: CudaLaunch) -> None: ...
 def kernels_built_with_cuda() -> bool: ...

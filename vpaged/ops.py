@@ -100,30 +100,9 @@ def decode_attention_paged(
     value_cache [num_blocks, block_size, num_kv_heads, v_head_dim] (dense; block_size a power of two) through
     block_tables [num_seqs, width] (block ids) and lengths [num_seqs]; token t of sequence i is row
     t % block_size of block block_tables[i, t // block_size]. The result is [num_seqs, num_heads, v_head_dim]."""
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ShapeError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], got {list(t.shape)}")
-        if not t.is_contiguous():
-            raise InvalidArgumentError(f"{name} must be contiguous (a block pool, not a view into one)")
-    if (
-        key_cache.shape[:3] != value_cache.shape[:3]
-        or key_cache.dtype != value_cache.dtype
-        or key_cache.device != value_cache.device
-    ):
-        raise ShapeError(
-            f"key_cache {list(key_cache.shape)} {key_cache.dtype} {key_cache.device} and value_cache "
-            f"{list(value_cache.shape)} {value_cache.dtype} {value_cache.device} differ"
-        )
+    _check_pools(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     v_head_dim = value_cache.shape[3]
-    if not 1 <= v_head_dim <= 256:
-        raise ShapeError(f"value_cache's head dim must be in 1..256, got {v_head_dim}")
-    if block_size <= 0 or block_size & (block_size - 1):
-        raise ShapeError(f"block_size (dim 1 of the caches) must be a power of two, got {block_size}")
-    if num_blocks <= 0:
-        raise ShapeError("the block pools hold no blocks")
     _check_dtype(key_cache.dtype, "key_cache")
     q = _check_q(q, num_kv_heads, head_dim, key_cache.dtype, key_cache.device)
     out = _check_out(out, q, v_head_dim)
@@ -153,13 +132,9 @@ def decode_attention_paged(
         max_len,
         scale,
     )
-    p.paged = True
-    p.v_token_stride = num_kv_heads * v_head_dim
-    p.head_stride, p.v_head_stride = head_dim, v_head_dim
+    _describe_paged(p, key_cache, value_cache)
     p.block_tables = tables.data_ptr()
     p.bt_stride = tables.stride(0)
-    p.block_size = block_size
-    p.num_blocks = num_blocks
     _launch(p, q)
     return out
 
@@ -181,6 +156,8 @@ def decode_attention(
         check_layer(layer, cache.num_layers)
         if cache.accounting_only:
             raise InvalidArgumentError("the cache is accounting-only: it keeps block tables but holds no K/V")
+        if cache.device.type == "cpu":
+            return _decode_paged_cpu(q, cache, seqs, layer, scale, out)
         max_len = _cache_max_len(cache, seqs)
         return decode_attention_paged(
             q,
@@ -309,36 +286,59 @@ def _dense_strides(name: str, t: torch.Tensor, layout: str) -> tuple[int, int, i
 # --------------------------------------------------------------------------------------------- cache fast path
 class _LayerPlan:
     """A layer's kernel parameters that never change while its cache is open (addresses, strides, dims;
-    max_tokens = the capacity per sequence), built once from a descriptor and reused by every step."""
+    max_tokens = the capacity per sequence), built once and reused by every step. pools: weak references to
+    a PagedKVCache's block pools the parameters point into (None for a VirtualKVCache, whose range is fixed
+    for its life)."""
 
-    __slots__ = ("params", "num_kv_heads", "head_dim", "v_head_dim", "scale")
+    __slots__ = ("params", "num_kv_heads", "head_dim", "v_head_dim", "scale", "pools")
 
-    def __init__(self, kv: BatchedKV):
+    def __init__(self, params: _C.DecodeParams, capacity: int, pools: tuple | None = None):
+        params.max_tokens = min(capacity, 2**31 - 1)
+        self.params = params
+        self.num_kv_heads, self.head_dim, self.v_head_dim = params.num_kv_heads, params.head_dim, params.v_head_dim
+        self.scale = 1.0 / math.sqrt(params.head_dim)
+        self.pools = pools
+
+    @classmethod
+    def contiguous(cls, kv: BatchedKV) -> _LayerPlan:
         _check_dtype(kv.dtype, "the cache")
-        capacity = _kv_capacity(kv)
         p = _C.DecodeParams()
         p.dtype = _DTYPE_CODES[kv.dtype]
         p.head_dim, p.v_head_dim = kv.head_dim, kv.v_head_dim
         _describe_contiguous(p, kv)
-        p.max_tokens = min(capacity, 2**31 - 1)
-        self.params = p
-        self.num_kv_heads, self.head_dim, self.v_head_dim = kv.num_kv_heads, kv.head_dim, kv.v_head_dim
-        self.scale = 1.0 / math.sqrt(kv.head_dim)
+        return cls(p, _kv_capacity(kv))
+
+    @classmethod
+    def paged(cls, cache: PagedKVCache, layer: int) -> _LayerPlan:
+        key_cache, value_cache = cache.key_caches[layer], cache.value_caches[layer]
+        _check_pools(key_cache, value_cache)
+        _check_dtype(key_cache.dtype, "the cache")
+        p = _C.DecodeParams()
+        p.dtype = _DTYPE_CODES[key_cache.dtype]
+        p.head_dim, p.v_head_dim = key_cache.shape[3], value_cache.shape[3]
+        _describe_paged(p, key_cache, value_cache)
+        return cls(p, cache.max_seq_len, (weakref.ref(key_cache), weakref.ref(value_cache)))
 
 
 # cache -> {layer: _LayerPlan}. Weak: a plan dies with its cache. A closed cache never reaches its plans
-# (slots_and_lengths() raises first), and a cache's range and layout are fixed for its life.
+# (slots_and_lengths() / tables_and_lengths() raise first), a VirtualKVCache's range and layout are fixed for
+# its life, and a PagedKVCache's plan is rebuilt should its pools ever be replaced.
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _layer_plan(cache: VirtualKVCache, layer: int) -> _LayerPlan:
+def _layer_plan(cache, layer: int) -> _LayerPlan:
     check_layer(layer, cache.num_layers)
     plans = _PLANS.get(cache)
     if plans is None:
         plans = _PLANS.setdefault(cache, {})
     plan = plans.get(layer)
-    if plan is None:
-        plan = plans[layer] = _LayerPlan(cache.batch(layer, []))  # batch() refuses accounting-only caches
+    if isinstance(cache, PagedKVCache):
+        if plan is None or not (
+            plan.pools[0]() is cache.key_caches[layer] and plan.pools[1]() is cache.value_caches[layer]
+        ):
+            plan = plans[layer] = _LayerPlan.paged(cache, layer)
+    elif plan is None:
+        plan = plans[layer] = _LayerPlan.contiguous(cache.batch(layer, []))  # batch() refuses accounting-only
     return plan
 
 
@@ -348,9 +348,7 @@ def _decode_cache_cpu(q, cache: VirtualKVCache, seqs: list, layer: int, scale, o
     them against the capacity again)."""
     plan = _layer_plan(cache, layer)
     slots, lengths = cache.slots_and_lengths(seqs)
-    if lengths and min(lengths) < 1:
-        seq = seqs[lengths.index(min(lengths))]
-        raise InvalidArgumentError(f"sequence {seq} holds no tokens; decode attends over at least one")
+    _check_held(seqs, lengths)
     q = _check_q(q, plan.num_kv_heads, plan.head_dim, cache.dtype, cache.device)
     out = _check_out(out, q, plan.v_head_dim)
     if not seqs:
@@ -366,6 +364,36 @@ def _decode_cache_cpu(q, cache: VirtualKVCache, seqs: list, layer: int, scale, o
         torch.get_num_threads(),
     )
     return out
+
+
+def _decode_paged_cpu(q, cache: PagedKVCache, seqs: list, layer: int, scale, out) -> torch.Tensor:
+    """decode_attention on a CPU PagedKVCache (holding K/V): the layer's prebuilt parameters, block tables
+    and lengths as lists straight from the cache; the kernel entry checks every length against the capacity
+    and every block id a length reaches against the pool before the kernel reads anything."""
+    tables, lengths = cache.tables_and_lengths(seqs)  # raises first on a closed cache or an unknown sequence
+    plan = _layer_plan(cache, layer)
+    _check_held(seqs, lengths)
+    q = _check_q(q, plan.num_kv_heads, plan.head_dim, cache.dtype, cache.device)
+    out = _check_out(out, q, plan.v_head_dim)
+    if not seqs:
+        return out
+    _C.decode_cpu_tables(
+        plan.params,
+        q.data_ptr(),
+        out.data_ptr(),
+        q.shape[1],
+        plan.scale if scale is None else float(scale),
+        tables,
+        lengths,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _check_held(seqs: list, lengths: list[int]) -> None:
+    if lengths and min(lengths) < 1:
+        seq = seqs[lengths.index(min(lengths))]
+        raise InvalidArgumentError(f"sequence {seq} holds no tokens; decode attends over at least one")
 
 
 # --------------------------------------------------------------------------------------------- checks
@@ -472,6 +500,46 @@ def _describe_contiguous(p: _C.DecodeParams, kv: BatchedKV) -> None:
     p.token_stride, p.v_token_stride = kv.token_stride, kv.v_token_stride
     p.head_stride, p.v_head_stride = kv.head_stride, kv.v_head_stride
     p.slot_stride, p.v_slot_stride = kv.slot_stride, kv.v_slot_stride
+
+
+def _check_pools(key_cache, value_cache) -> None:
+    """key_cache / value_cache: dense block pools [num_blocks, block_size, num_kv_heads, head_dim] (V: its own
+    head dim), alike in everything else, block_size a power of two."""
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ShapeError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], got {list(t.shape)}")
+        if not t.is_contiguous():
+            raise InvalidArgumentError(f"{name} must be contiguous (a block pool, not a view into one)")
+    if (
+        key_cache.shape[:3] != value_cache.shape[:3]
+        or key_cache.dtype != value_cache.dtype
+        or key_cache.device != value_cache.device
+    ):
+        raise ShapeError(
+            f"key_cache {list(key_cache.shape)} {key_cache.dtype} {key_cache.device} and value_cache "
+            f"{list(value_cache.shape)} {value_cache.dtype} {value_cache.device} differ"
+        )
+    num_blocks, block_size = key_cache.shape[:2]
+    if not 1 <= value_cache.shape[3] <= 256:
+        raise ShapeError(f"value_cache's head dim must be in 1..256, got {value_cache.shape[3]}")
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ShapeError(f"block_size (dim 1 of the caches) must be a power of two, got {block_size}")
+    if num_blocks <= 0:
+        raise ShapeError("the block pools hold no blocks")
+
+
+def _describe_paged(p: _C.DecodeParams, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Checked block pools' addresses and strides into the kernel parameters (block tables, not slots)."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    v_head_dim = value_cache.shape[3]
+    p.paged = True
+    p.num_kv_heads = num_kv_heads
+    p.k, p.v = key_cache.data_ptr(), value_cache.data_ptr()
+    p.token_stride, p.v_token_stride = num_kv_heads * head_dim, num_kv_heads * v_head_dim
+    p.head_stride, p.v_head_stride = head_dim, v_head_dim
+    p.block_size, p.num_blocks = block_size, num_blocks
 
 
 def _run_capacity(name: str, heads: int, dim: int, head_stride: int, token_stride: int, slot_stride: int) -> int:

@@ -330,6 +330,15 @@ class PagedKVCache(KVCacheBase):
         rows = [t + [0] * (width - len(t)) for t in tables]
         return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(seqs), width)
 
+    def tables_and_lengths(self, seqs) -> tuple[list[list[int]], list[int]]:
+        """(block tables, lengths) of live sequences as plain lists (copies): what block_tables() and
+        lengths() hold, without building tensors (decode kernels on the CPU take them so, per step)."""
+        self._check_open()
+        blocks, next_id = self._blocks, self._next_id
+        tables = [list(lookup_sequence(blocks, s, next_id)) for s in seqs]
+        lens = self._len
+        return tables, [lens[s] for s in seqs]
+
     def lengths(self, seqs) -> torch.Tensor:
         """int32 [len(seqs)] sequence lengths on the cache's device."""
         return torch.tensor([self.seq_len(s) for s in seqs], dtype=torch.int32, device=self.device)

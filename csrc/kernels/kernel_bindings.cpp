@@ -49,6 +49,62 @@ int isa_code(const std::string& isa) {
   throw vpaged::InvalidArgument("isa must be auto, baseline, avx2, avx512 or avx512bf16, got " + isa);
 }
 
+// Every length in 1..capacity (the longest is returned): checked before any kernel reads memory.
+int32_t check_lengths(const std::vector<int32_t>& lengths, int32_t capacity) {
+  int32_t longest = 1;
+  for (const int32_t n : lengths) {
+    if (n < 1 || n > capacity)
+      throw vpaged::InvalidArgument("decode attention: a length of " + std::to_string(n) + " is outside 1.." +
+                                    std::to_string(capacity));
+    longest = std::max(longest, n);
+  }
+  return longest;
+}
+
+// Block tables of a PagedKVCache step, as the kernel reads them: sequence b's first ceil(lengths[b] /
+// block_size) block ids, each checked to lie in 0..num_blocks-1 (a bad table is an error, never clamped),
+// copied into one dense [num_seqs, width] array (width: the longest sequence's blocks; rows padded with 0,
+// which the kernel never reads). Returns width.
+int64_t dense_block_tables(const std::vector<std::vector<int64_t>>& tables, const std::vector<int32_t>& lengths,
+                           int block_size, int32_t num_blocks, std::vector<int32_t>& dense) {
+  if (tables.size() != lengths.size())
+    throw vpaged::InvalidArgument("decode attention: " + std::to_string(tables.size()) + " block tables for " +
+                                  std::to_string(lengths.size()) + " lengths");
+  int64_t width = 1;
+  for (const int32_t n : lengths) width = std::max<int64_t>(width, (int64_t(n) + block_size - 1) / block_size);
+  dense.assign(tables.size() * size_t(width), 0);
+  for (size_t b = 0; b < tables.size(); ++b) {
+    const size_t used = size_t((int64_t(lengths[b]) + block_size - 1) / block_size);
+    if (tables[b].size() < used)
+      throw vpaged::InvalidArgument("decode attention: sequence " + std::to_string(b) + " holds " +
+                                    std::to_string(lengths[b]) + " tokens, " + std::to_string(used) +
+                                    " blocks, but its block table has " + std::to_string(tables[b].size()));
+    for (size_t i = 0; i < used; ++i) {
+      const int64_t blk = tables[b][i];
+      if (blk < 0 || blk >= num_blocks)
+        throw vpaged::InvalidArgument("decode attention: block " + std::to_string(blk) + " (entry " +
+                                      std::to_string(i) + " of sequence " + std::to_string(b) +
+                                      "'s table) is outside 0.." + std::to_string(num_blocks - 1));
+      dense[b * size_t(width) + i] = int32_t(blk);
+    }
+  }
+  return width;
+}
+
+// base with the per-call fields of a step: query, output, heads, scale, lengths (checked) and max_tokens.
+vpaged::kernels::DecodeParams step_params(const vpaged::kernels::DecodeParams& base, uintptr_t q, uintptr_t out,
+                                          int num_heads, float scale, const std::vector<int32_t>& lengths) {
+  vpaged::kernels::DecodeParams p = base;
+  p.q = reinterpret_cast<const void*>(q);
+  p.out = reinterpret_cast<void*>(out);
+  p.num_heads = num_heads;
+  p.scale = scale;
+  p.num_seqs = int(lengths.size());
+  p.lengths = lengths.data();
+  p.max_tokens = check_lengths(lengths, base.max_tokens);
+  return p;
+}
+
 }  // namespace
 
 void register_write_kv(py::module_& m);  // at the end of this file
@@ -116,22 +172,8 @@ void register_kernels(py::module_& m) {
         if (slots.size() != lengths.size())
           throw vpaged::InvalidArgument("decode attention: " + std::to_string(slots.size()) + " slots for " +
                                         std::to_string(lengths.size()) + " lengths");
-        DecodeParams p = base;
-        p.q = reinterpret_cast<const void*>(q);
-        p.out = reinterpret_cast<void*>(out);
-        p.num_heads = num_heads;
-        p.scale = scale;
-        p.num_seqs = int(lengths.size());
+        DecodeParams p = step_params(base, q, out, num_heads, scale, lengths);
         p.slots = slots.data();
-        p.lengths = lengths.data();
-        int32_t longest = 1;
-        for (const int32_t n : lengths) {
-          if (n < 1 || n > base.max_tokens)
-            throw vpaged::InvalidArgument("decode attention: a length of " + std::to_string(n) + " is outside 1.." +
-                                          std::to_string(base.max_tokens));
-          longest = std::max(longest, n);
-        }
-        p.max_tokens = longest;
         const int code = isa_code(isa);
         py::gil_scoped_release release;
         decode_cpu(p, num_threads, code);
@@ -139,6 +181,28 @@ void register_kernels(py::module_& m) {
       py::arg("base"), py::arg("q"), py::arg("out"), py::arg("num_heads"), py::arg("scale"), py::arg("slots"),
       py::arg("lengths"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
       "Contiguous decode attention on the CPU over base's K/V for (slots, lengths) lists (blocking).");
+  // The same for a PagedKVCache: base describes the layer's block pools (max_tokens: the capacity per
+  // sequence), the call adds each sequence's block table as a list of ids. Lengths and every block id a
+  // length reaches are checked here before any kernel reads memory: a bad table raises and writes nothing.
+  m.def(
+      "decode_cpu_tables",
+      [](const DecodeParams& base, uintptr_t q, uintptr_t out, int num_heads, float scale,
+         const std::vector<std::vector<int64_t>>& block_tables, const std::vector<int32_t>& lengths, int num_threads,
+         const std::string& isa) {
+        if (!base.paged || base.block_size <= 0 || (base.block_size & (base.block_size - 1)) != 0)
+          throw vpaged::InvalidArgument("decode attention: base does not describe block pools");
+        DecodeParams p = step_params(base, q, out, num_heads, scale, lengths);
+        std::vector<int32_t> dense;
+        p.bt_stride = dense_block_tables(block_tables, lengths, base.block_size, base.num_blocks, dense);
+        p.block_tables = dense.data();
+        const int code = isa_code(isa);
+        py::gil_scoped_release release;
+        decode_cpu(p, num_threads, code);
+      },
+      py::arg("base"), py::arg("q"), py::arg("out"), py::arg("num_heads"), py::arg("scale"), py::arg("block_tables"),
+      py::arg("lengths"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
+      "Block-table decode attention on the CPU over base's block pools for (block_tables, lengths) lists "
+      "(blocking).");
   m.def(
       "decode_cpu_isas",
       [] {
