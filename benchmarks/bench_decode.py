@@ -258,7 +258,6 @@ def run_cell(
     reps = {name: repeats if name != "sdpa" else max(2, repeats // 4) for name in kernels}
     times = timer.many({**kernels, **floors}, {**reps, "copy_floor": repeats, "read_floor": repeats})
     cell_floor, cell_read_floor = times.pop("copy_floor") / 2, times.pop("read_floor")
-    del src, dst
     cell["cell_floor_ms"] = cell_floor * 1e3
     cell["cell_read_floor_ms"] = cell_read_floor * 1e3
     for name, t in times.items():
