@@ -21,13 +21,18 @@ processes lands on all of them alike. Caches are
 flushed before every call by READING a buffer larger than the last-level cache, so every call reads K/V
 from memory as a real decode step over many layers would. (A flush by writing would leave the cache full
 of dirty lines: every K/V line the timed call brings in would then evict one and write it back, doubling
-the call's memory traffic and charging the kernel for the flush.) A last table times a call on a 1-token
+the call's memory traffic and charging the kernel for the flush.) The read also evicts the call's own code,
+torch's dispatch and the Python objects it touches, which a decode step running the call once per layer
+keeps warm (a 1-token call costs ~20 µs warm, 0.2-0.35 ms right after the flush, about half of a 512-token
+cell): --warm-path runs each call once on a 1-token cache of its own after the flush, before the timed
+call, so that only K/V come from memory. A last table times a call on a 1-token
 context (fixed per-call cost: checks, descriptor, launch), without flushing.
 
     python benchmarks/bench_decode.py --quick --threads 2   # small grid, ~2-4 min on 2 cores
     python benchmarks/bench_decode.py                     # full grid: batch 1..64, context 512..16K
     python benchmarks/bench_decode.py --device cuda        # on a GPU (the full grid fits an H200)
     python benchmarks/bench_decode.py --quick --threads 1 --clock cpu   # on a machine busy with other work
+    python benchmarks/bench_decode.py --quick --threads 2 --warm-path   # K/V cold, the call's own path warm
 
 Writes benchmarks/results/decode_<device>.json. On CUDA the contiguous kernel reads a VirtualKVCache on the
 CUDA VMM backend; where that backend is unusable (vpaged.backends() says why) it runs on a plain tensor with
@@ -121,7 +126,9 @@ class Timer:
     def __call__(self, fn, repeats: int) -> float:
         return self.many({"fn": fn}, repeats)["fn"]
 
-    def many(self, fns: dict, repeats: dict | int, flush: bool = True) -> dict:
+    def many(self, fns: dict, repeats: dict | int, flush: bool = True, primes: dict | None = None) -> dict:
+        """primes: per fn name, a call run after the flush and before the timed call (see --warm-path)."""
+        primes = primes or {}
         if isinstance(repeats, int):
             repeats = {name: repeats for name in fns}
         for fn in fns.values():
@@ -133,6 +140,8 @@ class Timer:
                     continue
                 if flush:
                     self.flush_caches()
+                if name in primes:
+                    primes[name]()
                 if self.device.type == "cuda":
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
@@ -183,6 +192,7 @@ def run_cell(
     layout: str,
     use_vmm: bool,
     read_bw: float | None = None,
+    primes: dict | None = None,
 ) -> dict:
     itemsize = torch.empty((), dtype=dtype).element_size()
     token_bytes = KV_HEADS * HEAD_DIM * itemsize
@@ -256,7 +266,7 @@ def run_cell(
     floors = {"copy_floor": lambda: dst.copy_(src), "read_floor": lambda: src.max()}
     # SDPA per sequence is 10-100x slower: fewer repeats keep the run short, the median stays honest.
     reps = {name: repeats if name != "sdpa" else max(2, repeats // 4) for name in kernels}
-    times = timer.many({**kernels, **floors}, {**reps, "copy_floor": repeats, "read_floor": repeats})
+    times = timer.many({**kernels, **floors}, {**reps, "copy_floor": repeats, "read_floor": repeats}, primes=primes)
     cell_floor, cell_read_floor = times.pop("copy_floor") / 2, times.pop("read_floor")
     cell["cell_floor_ms"] = cell_floor * 1e3
     cell["cell_read_floor_ms"] = cell_read_floor * 1e3
@@ -278,8 +288,8 @@ def run_cell(
     return cell
 
 
-def per_call_overhead(dtype, device, timer: Timer, layout: str, use_vmm: bool, repeats: int = 301) -> dict:
-    """Median time of one decode call on a 1-token context (batch 1): the fixed cost of a call."""
+def one_token_calls(dtype, device, layout: str, use_vmm: bool):
+    """Each kernel's call on a batch of one 1-token sequence, in caches of its own: (fns, close)."""
     paged = PagedKVCache(1, KV_HEADS, HEAD_DIM, dtype, 1, 16, device, num_blocks=1, block_size=BLOCK)
     ps = paged.allocate()
     paged.extend(ps, 1)
@@ -288,23 +298,53 @@ def per_call_overhead(dtype, device, timer: Timer, layout: str, use_vmm: bool, r
     kt.copy_(torch.randn(kt.shape, device=device).to(dtype))
     vt.copy_(torch.randn(vt.shape, device=device).to(dtype))
     paged.write(0, ps, kt[0], vt[0])
+    q = torch.randn(1, HEADS, HEAD_DIM, device=device).to(dtype)
+    out = torch.empty_like(q)
     fns = {
         "paged": lambda: ops.decode_attention(q, paged, [ps], 0, out=out),
         "tensors": lambda: ops.decode_attention_contiguous(q, desc, out=out, max_len=1),
         "tensors_checked": lambda: ops.decode_attention_contiguous(q, desc, out=out),
+        "sdpa": lambda: ops.decode_attention_reference(q, paged, [ps], 0, out=out),
     }
+    virt = None
     if use_vmm:
         virt = VirtualKVCache(1, KV_HEADS, HEAD_DIM, dtype, 1, 16, device=device, layout=layout, capacity_bytes=8 << 20)
         vs = virt.allocate()
         virt.extend(vs, 1)
         virt.write(0, vs, kt[0], vt[0])
-        fns = {"contiguous": lambda: ops.decode_attention(q, virt, [vs], 0, out=out), **fns}
-    q = torch.randn(1, HEADS, HEAD_DIM, device=device).to(dtype)
-    out = torch.empty_like(q)
-    times = timer.many(fns, repeats, flush=False)
-    paged.close()
-    if use_vmm:
-        virt.close()
+        fns["contiguous"] = lambda: ops.decode_attention(q, virt, [vs], 0, out=out)
+        fns["sdpa"] = lambda: ops.decode_attention_reference(q, virt, [vs], 0, out=out)
+    else:
+        fns["contiguous"] = fns["tensors"]
+
+    def close():
+        paged.close()
+        if virt is not None:
+            virt.close()
+
+    return fns, close
+
+
+def warm_path_primes(dtype, device, layout: str, use_vmm: bool):
+    """For --warm-path: per fn of a cell, a call of the same path that reads no K/V of the cell (a 1-token
+    cache of its own; for the floors, the same torch op on 4 KiB), run after each flush and before the timed
+    call. The flush has evicted everything; this brings back the call's code, torch's dispatch and the
+    Python objects of the path, as the previous layer's call does in a decode step, while the cell's K/V stay
+    in memory. (primes, close)"""
+    fns, close = one_token_calls(dtype, device, layout, use_vmm)
+    src = torch.ones(1024, dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)
+    primes = {name: fns[name] for name in KERNELS}
+    primes.update(copy_floor=lambda: dst.copy_(src), read_floor=lambda: src.max())
+    return primes, close
+
+
+def per_call_overhead(dtype, device, timer: Timer, layout: str, use_vmm: bool, repeats: int = 301) -> dict:
+    """Median time of one decode call on a 1-token context (batch 1): the fixed cost of a call."""
+    fns, close = one_token_calls(dtype, device, layout, use_vmm)
+    order = (["contiguous"] if use_vmm else []) + ["paged", "tensors", "tensors_checked"]
+    times = timer.many({name: fns[name] for name in order}, repeats, flush=False)
+    close()
     return {name: t * 1e6 for name, t in times.items()}
 
 
@@ -326,6 +366,12 @@ def main() -> None:
         type=int,
         default=None,
         help="torch (and vpaged kernel) threads (default: torch's; the issue's table uses 2)",
+    )
+    ap.add_argument(
+        "--warm-path",
+        action="store_true",
+        help="after each flush, run the same call on a 1-token cache of its own before the timed call: K/V "
+        "cold, the call's code and objects warm, as in a decode step over many layers",
     )
     ap.add_argument(
         "--clock",
@@ -380,6 +426,7 @@ def main() -> None:
             "copy_bandwidth_GBps": bw / 1e9,
             "read_bandwidth_GBps": read_bw / 1e9,
             "floor": "K/V bytes read / copy bandwidth; caches flushed (by a read) before each call",
+            "warm_path": args.warm_path,
             "read_floor": "K/V bytes read / read bandwidth (a large torch max reduction)",
             "cell_floor": "per cell, timed round-robin with its kernels: half a torch copy of the cell's K/V bytes "
             "(cell_read_floor: a torch max over them); x_cell_floor / x_cell_read_floor divide by these",
@@ -404,7 +451,12 @@ def main() -> None:
                 if batch * ctx > cap:
                     skipped.append({"dtype": dname, "batch": batch, "context": ctx})
                     continue
-                c = run_cell(batch, ctx, dtype, device, timer, repeats, bw, args.layout, use_vmm, read_bw)
+                primes, close_primes = (
+                    warm_path_primes(dtype, device, args.layout, use_vmm) if args.warm_path else (None, None)
+                )
+                c = run_cell(batch, ctx, dtype, device, timer, repeats, bw, args.layout, use_vmm, read_bw, primes)
+                if close_primes:
+                    close_primes()
                 cells.append(c)
                 row = f"{dname:>8} {batch:>5} {ctx:>7} {c['kv_bytes'] / 2**20:>7.1f} {c['floor_ms']:>9.3f}"
                 for name in KERNELS:
