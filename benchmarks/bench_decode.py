@@ -328,9 +328,9 @@ def one_token_calls(dtype, device, layout: str, use_vmm: bool):
 def warm_path_primes(dtype, device, layout: str, use_vmm: bool):
     """For --warm-path: per fn of a cell, a call of the same path that reads no K/V of the cell (a 1-token
     cache of its own; for the floors, the same torch op on 4 KiB), run after each flush and before the timed
-    call. The flush has evicted everything; this brings back the call's code, torch's dispatch and the
-    Python objects of the path, as the previous layer's call does in a decode step, while the cell's K/V stay
-    in memory. (primes, close)"""
+    call. The flush has evicted everything; this brings back the call's code and torch's dispatch, as the
+    previous layer's call does in a decode step (the cell's own cache objects stay cold, a few lines), while
+    the cell's K/V stay in memory. (primes, close)"""
     fns, close = one_token_calls(dtype, device, layout, use_vmm)
     src = torch.ones(1024, dtype=torch.int32, device=device)
     dst = torch.empty_like(src)

@@ -105,6 +105,6 @@ def test_compare_reads_bench_serve_rows(floor, tmp_path):
     rows = [{"kv": "vpaged", "seconds": 30.0}, {"kv": "generate_batch", "seconds": 240.0}]
     path = tmp_path / "serve.json"
     path.write_text(json.dumps({"throughput": {"rows": rows}}))
-    got = floor.compare(20.0, path)
-    assert got["rows"]["vpaged"] == {"seconds": 30.0, "x_floor": 1.5}
-    assert got["six_x_generate_batch"] == {"seconds": 40.0, "x_floor": 2.0}
+    got = floor.compare(20.0, 25.0, path)
+    assert got["rows"]["vpaged"] == {"seconds": 30.0, "x_floor": 1.5, "x_estimate": 1.2}
+    assert got["six_x_generate_batch"] == {"seconds": 40.0, "x_floor": 2.0, "x_estimate": 1.6}

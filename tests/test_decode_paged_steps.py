@@ -121,7 +121,8 @@ def test_head_dims_and_value_head_dims(dtype, dims, calls):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_code_path_with_long_split_contexts(isa, threads, monkeypatch):
-    """Long contexts cut into pieces (partial results merged) through the block tables, on each code path."""
+    """Long contexts through the block tables on each code path: with 2 threads cut into pieces (partial
+    results merged), with 1 thread read whole (one thread has nothing to balance)."""
     force_isa(monkeypatch, isa)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -181,7 +182,15 @@ def test_plan_follows_replaced_pools_and_dies_with_the_cache():
         m.kv[s][1] = list(m.cache.kv(1, s))
     m.check(seqs, layers=[1])
     assert ops._layer_plan(m.cache, 1) is not plan
-    # close() releases the pools (the plans hold them only weakly), and the plans go with the cache.
+    # New storage under the same tensor objects (`.data =`): the plan must follow the storage, not the object.
+    plan = ops._layer_plan(m.cache, 1)
+    for pools in (m.cache.key_caches, m.cache.value_caches):
+        pools[1].data = torch.randn_like(pools[1])
+    for s in seqs:
+        m.kv[s][1] = list(m.cache.kv(1, s))
+    m.check(seqs, layers=[1])
+    assert ops._layer_plan(m.cache, 1) is not plan
+    # close() releases the pools (the plans keep no reference to them), and the plans go with the cache.
     pool = weakref.ref(m.cache.key_caches[0])
     cache = weakref.ref(m.cache)
     m.cache.close()
@@ -190,6 +199,33 @@ def test_plan_follows_replaced_pools_and_dies_with_the_cache():
     del m
     gc.collect()
     assert cache() is None
+
+
+@pytest.mark.parametrize("swap", ["dtype", "fewer_blocks", "head_dim", "none"])
+def test_pools_unlike_the_cache_are_refused_before_any_read(swap):
+    """Pools that are not what the cache says it holds (q and out are checked against the cache's dtype,
+    tables against its num_blocks) are a typed error; out is not written and the old plan is not used."""
+    cache, seqs, _ = build("paged8", torch.float16, 64, [9, 20], layers=2)
+    q = torch.randn(2, HKV * 2, 64).to(torch.float16)
+    ops.decode_attention(q, cache, seqs, 1)  # a plan for layer 1 exists
+    k, v = cache.key_caches[1], cache.value_caches[1]
+    if swap == "dtype":
+        new_k, new_v = k.float(), v.float()
+    elif swap == "fewer_blocks":
+        new_k, new_v = k[:2].clone(), v[:2].clone()
+    elif swap == "head_dim":
+        new_k, new_v = torch.zeros(*k.shape[:3], 32, dtype=k.dtype), torch.zeros(*v.shape[:3], 32, dtype=v.dtype)
+    else:
+        new_k = new_v = None
+    cache.key_caches[1], cache.value_caches[1] = new_k, new_v
+    buf = torch.full((2 * q.numel() + 64,), 7.0, dtype=torch.float16)
+    out = buf[: q.numel()].view(q.shape)
+    with pytest.raises((DTypeError, ShapeError, InvalidArgumentError)):
+        ops.decode_attention(q, cache, seqs, 1, out=out)
+    assert torch.all(buf == 7.0)  # neither out nor the bytes past it were written
+    cache.key_caches[1], cache.value_caches[1] = k, v  # the real pools back: the path works again
+    ops.decode_attention(q, cache, seqs, 1, out=out)
+    assert torch.equal(out, tensor_api(q, cache, seqs, 1))
 
 
 def test_empty_batch():

@@ -286,9 +286,9 @@ def _dense_strides(name: str, t: torch.Tensor, layout: str) -> tuple[int, int, i
 # --------------------------------------------------------------------------------------------- cache fast path
 class _LayerPlan:
     """A layer's kernel parameters that never change while its cache is open (addresses, strides, dims;
-    max_tokens = the capacity per sequence), built once and reused by every step. pools: weak references to
-    a PagedKVCache's block pools the parameters point into (None for a VirtualKVCache, whose range is fixed
-    for its life)."""
+    max_tokens = the capacity per sequence), built once and reused by every step. pools: for a PagedKVCache,
+    what the parameters assume of its two block pools (_pool_fingerprint); a step whose pools differ in any
+    of it gets a new plan (None for a VirtualKVCache, whose range is fixed for its life)."""
 
     __slots__ = ("params", "num_kv_heads", "head_dim", "v_head_dim", "scale", "pools")
 
@@ -309,15 +309,38 @@ class _LayerPlan:
         return cls(p, _kv_capacity(kv))
 
     @classmethod
-    def paged(cls, cache: PagedKVCache, layer: int) -> _LayerPlan:
-        key_cache, value_cache = cache.key_caches[layer], cache.value_caches[layer]
+    def paged(cls, cache: PagedKVCache, key_cache, value_cache) -> _LayerPlan:
         _check_pools(key_cache, value_cache)
+        # The pools must be what the cache says it holds: q and out are checked against the cache's dtype and
+        # device, block tables against its num_blocks, so pools of another dtype would make the kernel read q
+        # and write out past their ends, and fewer blocks would let a valid table reach past the pool.
+        want_k = (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim)
+        want_v = (*want_k[:3], cache.v_head_dim)
+        if key_cache.dtype != cache.dtype or key_cache.device != cache.device:
+            raise InvalidArgumentError(
+                f"the layer's block pools are {key_cache.dtype} on {key_cache.device}; the cache holds "
+                f"{cache.dtype} on {cache.device}"
+            )
+        if tuple(key_cache.shape) != want_k or tuple(value_cache.shape) != want_v:
+            raise ShapeError(
+                f"the layer's block pools are {list(key_cache.shape)} and {list(value_cache.shape)}; the cache's "
+                f"geometry needs {list(want_k)} and {list(want_v)}"
+            )
         _check_dtype(key_cache.dtype, "the cache")
         p = _C.DecodeParams()
         p.dtype = _DTYPE_CODES[key_cache.dtype]
         p.head_dim, p.v_head_dim = key_cache.shape[3], value_cache.shape[3]
         _describe_paged(p, key_cache, value_cache)
-        return cls(p, cache.max_seq_len, (weakref.ref(key_cache), weakref.ref(value_cache)))
+        return cls(p, cache.max_seq_len, _pool_fingerprint(key_cache, value_cache))
+
+
+def _pool_fingerprint(key_cache, value_cache) -> tuple | None:
+    """Everything a paged plan's parameters take from the two pools: their storage addresses, shapes,
+    strides, dtype and device. Compared at every step, so a pool replaced, or given new storage in place
+    (`.data =`, `set_`, `resize_`), gets a new plan instead of a stale address. None when not tensors."""
+    if not (isinstance(key_cache, torch.Tensor) and isinstance(value_cache, torch.Tensor)):
+        return None
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for t in (key_cache, value_cache))
 
 
 # cache -> {layer: _LayerPlan}. Weak: a plan dies with its cache. A closed cache never reaches its plans
@@ -333,10 +356,11 @@ def _layer_plan(cache, layer: int) -> _LayerPlan:
         plans = _PLANS.setdefault(cache, {})
     plan = plans.get(layer)
     if isinstance(cache, PagedKVCache):
-        if plan is None or not (
-            plan.pools[0]() is cache.key_caches[layer] and plan.pools[1]() is cache.value_caches[layer]
-        ):
-            plan = plans[layer] = _LayerPlan.paged(cache, layer)
+        key_cache, value_cache = cache.key_caches[layer], cache.value_caches[layer]
+        fingerprint = _pool_fingerprint(key_cache, value_cache)
+        if plan is None or fingerprint is None or plan.pools != fingerprint:
+            plans.pop(layer, None)  # a refused rebuild must not leave the old plan in use
+            plan = plans[layer] = _LayerPlan.paged(cache, key_cache, value_cache)
     elif plan is None:
         plan = plans[layer] = _LayerPlan.contiguous(cache.batch(layer, []))  # batch() refuses accounting-only
     return plan
@@ -372,6 +396,8 @@ def _decode_paged_cpu(q, cache: PagedKVCache, seqs: list, layer: int, scale, out
     and every block id a length reaches against the pool before the kernel reads anything."""
     tables, lengths = cache.tables_and_lengths(seqs)  # raises first on a closed cache or an unknown sequence
     plan = _layer_plan(cache, layer)
+    # Held for the call: the kernel runs without the GIL, and the plan keeps no reference to the pools.
+    pools = (cache.key_caches[layer], cache.value_caches[layer])  # noqa: F841
     _check_held(seqs, lengths)
     q = _check_q(q, plan.num_kv_heads, plan.head_dim, cache.dtype, cache.device)
     out = _check_out(out, q, plan.v_head_dim)

@@ -70,15 +70,19 @@ int64_t dense_block_tables(const std::vector<std::vector<int64_t>>& tables, cons
   if (tables.size() != lengths.size())
     throw vpaged::InvalidArgument("decode attention: " + std::to_string(tables.size()) + " block tables for " +
                                   std::to_string(lengths.size()) + " lengths");
+  // Every table is long enough before anything is allocated: the dense array is at most the tables' size.
   int64_t width = 1;
-  for (const int32_t n : lengths) width = std::max<int64_t>(width, (int64_t(n) + block_size - 1) / block_size);
-  dense.assign(tables.size() * size_t(width), 0);
   for (size_t b = 0; b < tables.size(); ++b) {
     const size_t used = size_t((int64_t(lengths[b]) + block_size - 1) / block_size);
     if (tables[b].size() < used)
       throw vpaged::InvalidArgument("decode attention: sequence " + std::to_string(b) + " holds " +
                                     std::to_string(lengths[b]) + " tokens, " + std::to_string(used) +
                                     " blocks, but its block table has " + std::to_string(tables[b].size()));
+    width = std::max<int64_t>(width, int64_t(used));
+  }
+  dense.assign(tables.size() * size_t(width), 0);
+  for (size_t b = 0; b < tables.size(); ++b) {
+    const size_t used = size_t((int64_t(lengths[b]) + block_size - 1) / block_size);
     for (size_t i = 0; i < used; ++i) {
       const int64_t blk = tables[b][i];
       if (blk < 0 || blk >= num_blocks)
