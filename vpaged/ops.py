@@ -372,22 +372,7 @@ def _decode_cache_cpu(q, cache: VirtualKVCache, seqs: list, layer: int, scale, o
     them against the capacity again)."""
     plan = _layer_plan(cache, layer)
     slots, lengths = cache.slots_and_lengths(seqs)
-    _check_held(seqs, lengths)
-    q = _check_q(q, plan.num_kv_heads, plan.head_dim, cache.dtype, cache.device)
-    out = _check_out(out, q, plan.v_head_dim)
-    if not seqs:
-        return out
-    _C.decode_cpu_rows(
-        plan.params,
-        q.data_ptr(),
-        out.data_ptr(),
-        q.shape[1],
-        plan.scale if scale is None else float(scale),
-        slots,
-        lengths,
-        torch.get_num_threads(),
-    )
-    return out
+    return _run_step_cpu(_C.decode_cpu_rows, plan, cache, seqs, slots, lengths, q, scale, out)
 
 
 def _decode_paged_cpu(q, cache: PagedKVCache, seqs: list, layer: int, scale, out) -> torch.Tensor:
@@ -397,22 +382,22 @@ def _decode_paged_cpu(q, cache: PagedKVCache, seqs: list, layer: int, scale, out
     tables, lengths = cache.tables_and_lengths(seqs)  # raises first on a closed cache or an unknown sequence
     plan = _layer_plan(cache, layer)
     # Held for the call: the kernel runs without the GIL, and the plan keeps no reference to the pools.
-    pools = (cache.key_caches[layer], cache.value_caches[layer])  # noqa: F841
+    pools = (cache.key_caches[layer], cache.value_caches[layer])
+    out = _run_step_cpu(_C.decode_cpu_tables, plan, cache, seqs, tables, lengths, q, scale, out)
+    del pools
+    return out
+
+
+def _run_step_cpu(entry, plan: _LayerPlan, cache, seqs: list, where: list, lengths: list, q, scale, out):
+    """A per-step entry of the CPU kernel (decode_cpu_rows: where = slots; decode_cpu_tables: where = block
+    tables) after the checks both paths share."""
     _check_held(seqs, lengths)
     q = _check_q(q, plan.num_kv_heads, plan.head_dim, cache.dtype, cache.device)
     out = _check_out(out, q, plan.v_head_dim)
     if not seqs:
         return out
-    _C.decode_cpu_tables(
-        plan.params,
-        q.data_ptr(),
-        out.data_ptr(),
-        q.shape[1],
-        plan.scale if scale is None else float(scale),
-        tables,
-        lengths,
-        torch.get_num_threads(),
-    )
+    scale = plan.scale if scale is None else float(scale)
+    entry(plan.params, q.data_ptr(), out.data_ptr(), q.shape[1], scale, where, lengths, torch.get_num_threads())
     return out
 
 
