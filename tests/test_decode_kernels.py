@@ -4,6 +4,7 @@ Outputs are poisoned with NaN before each call and must come back fully written.
 batch, include 1 and the cache's maximum, and are not multiples of pages or blocks.
 """
 
+import contextlib
 import dataclasses
 import math
 
@@ -51,6 +52,17 @@ def check(out, q, ks, vs, scale=None):
 
 def poisoned(q):
     return torch.full_like(q, float("nan"))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's thread count (which the CPU kernels use) set to n for the block, restored afterwards."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def build(kind, dtype, head_dim, lengths, device="cpu", layers=2, hkv=HKV, page_size=None):
@@ -180,14 +192,10 @@ def test_every_cpu_code_path(isa, kind, head_dim, dtype, monkeypatch):
 def test_every_cpu_code_path_long_split(isa, threads, monkeypatch):
     """Split contexts (partial results merged) and chunks cut at every offset, on each code path."""
     force_isa(monkeypatch, isa)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         cache, seqs, kvs = build("per_layer", torch.bfloat16, 128, [1500, 33, 1, 1023], layers=1)
         q = torch.randn(4, HKV * 4, 128).to(torch.bfloat16)
         check(ops.decode_attention(q, cache, seqs, 0, out=poisoned(q)), q, *zip(*kvs))
-    finally:
-        torch.set_num_threads(old)
 
 
 def test_unknown_or_unsupported_code_path():
@@ -216,15 +224,11 @@ def test_unknown_or_unsupported_code_path():
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_long_context_split(threads):
     """A long sequence next to short ones: the CPU kernel cuts it into pieces and merges them."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         cache, seqs, kvs = build("paged16", torch.float32, 64, [2100, 1, 700], layers=1)
         q = torch.randn(3, HKV * 2, 64)
         kvs = [cache.kv(0, s) for s in seqs]
         check(ops.decode_attention(q, cache, seqs, 0, out=poisoned(q)), q, *zip(*kvs))
-    finally:
-        torch.set_num_threads(old)
 
 
 def descriptor(kv, lengths, slots, layout):
@@ -381,9 +385,7 @@ def test_from_tensors_values_with_own_head_dim(isa, dims, layout, dtype, monkeyp
     assert (bkv.head_dim, bkv.v_head_dim) == (d, dv)
     kt, vt = (kbuf, vbuf) if layout == "bthd" else (kbuf.transpose(1, 2), vbuf.transpose(1, 2))
     ks, vs = [kt[i, :n] for i, n in enumerate(lengths)], [vt[i, :n] for i, n in enumerate(lengths)]
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         for group in (1, 3, 4):
             q = torch.randn(4, HKV * group, d).to(dtype)
             out = ops.decode_attention_contiguous(
@@ -391,8 +393,6 @@ def test_from_tensors_values_with_own_head_dim(isa, dims, layout, dtype, monkeyp
             )
             assert out.shape == (4, HKV * group, dv)
             check(out, q, ks, vs)
-    finally:
-        torch.set_num_threads(old)
 
 
 def paged_pools(dtype, d, dv, lengths, block_size=16, device="cpu"):

@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from test_decode_kernels import DTYPES, HKV, ISAS, build, check, force_isa, poisoned
+from test_decode_kernels import DTYPES, HKV, ISAS, build, check, force_isa, poisoned, torch_threads
 
 import vpaged
 from vpaged import _C, PagedKVCache, VirtualKVCache, ops
@@ -124,16 +124,12 @@ def test_every_code_path_with_long_split_contexts(isa, threads, monkeypatch):
     """Long contexts through the block tables on each code path: with 2 threads cut into pieces (partial
     results merged), with 1 thread read whole (one thread has nothing to balance)."""
     force_isa(monkeypatch, isa)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         cache, seqs, kvs = build("paged16", torch.bfloat16, 128, [1500, 33, 1, 1023], layers=1)
         q = torch.randn(4, HKV * 4, 128).to(torch.bfloat16)
         out = ops.decode_attention(q, cache, seqs, 0, out=poisoned(q))
         check(out, q, *zip(*kvs))
         assert torch.equal(out, tensor_api(q, cache, seqs, 0))
-    finally:
-        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
