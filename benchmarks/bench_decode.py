@@ -54,7 +54,7 @@ import torch
 
 import vpaged
 from vpaged import PagedKVCache, VirtualKVCache, ops
-from vpaged.cache import BatchedKV
+from vpaged.kvcache.virtual.cache import BatchedKV
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK = 8, 32, 128, 16
 from common import RESULTS, write_json  # noqa: E402 - this folder is on sys.path when run as a script
@@ -382,7 +382,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<device>.json)")
     args = ap.parse_args()
 
-    device = vpaged.device.normalize_device(args.device)
+    device = vpaged.memory.device.normalize_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):

@@ -24,7 +24,7 @@ from bench_decode import HEAD_DIM, HEADS, KV_HEADS, last_level_cache_bytes
 from common import RESULTS, write_json
 
 from vpaged import ops
-from vpaged.cache import BatchedKV
+from vpaged.kvcache.virtual.cache import BatchedKV
 
 
 def main() -> None:

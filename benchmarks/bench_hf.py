@@ -13,7 +13,7 @@
    for both caches. Median reorder time, median step time (forward + reorder: vpaged pays its copy-on-write
    copies in the forward), peak KV memory (DynamicCache: its tensors plus the one-layer transient of
    index_select). Goals: reorder >= 2x faster, >= 40 % less peak KV memory than DynamicCache.
-   Row "vpaged+attn": the same VPagedCache with attn_implementation="vpaged" (vpaged.serve.attention): decode
+   Row "vpaged+attn": the same VPagedCache with attn_implementation="vpaged" (vpaged.hf.attention): decode
    steps run vpaged.ops' contiguous decode kernel on the cache's views instead of SDPA. Goal: its step at 8K
    <= StaticCache's, with greedy tokens identical to DynamicCache's (checked before timing).
 3. One layer's decode attention at 8K on a dense tensor and on a vpaged view, in the two ways transformers
@@ -43,7 +43,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 
 import vpaged  # noqa: E402
 from vpaged.hf import VPagedCache, cache_kwargs  # noqa: E402
-from vpaged.serve import attention as vpaged_attention  # noqa: E402  (registers attn_implementation="vpaged")
+from vpaged.hf import attention as vpaged_attention  # noqa: E402  (registers attn_implementation="vpaged")
 
 MIB = 2**20
 

@@ -33,7 +33,7 @@ from common import machine, median_time, print_table, write_json  # noqa: E402
 
 import vpaged  # noqa: E402
 from vpaged import _C  # noqa: E402
-from vpaged.limits import mapping_count  # noqa: E402
+from vpaged.memory.limits import mapping_count  # noqa: E402
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p

@@ -3,7 +3,7 @@
 #
 #   scripts/test_transformers_versions.sh [VERSION ...]     (default: $VPAGED_HF_VERSIONS, else 5.17.0 5.24.0)
 #
-# 5.17.0 is the oldest release vpaged supports, 5.24.0 the newest tested (vpaged/_hf_compat.py says why).
+# 5.17.0 is the oldest release vpaged supports, 5.24.0 the newest tested (vpaged/hf/compat.py says why).
 # Each environment, .venv-hf/<version>, holds only transformers and what it pulls in; torch, numpy, pytest and
 # the vpaged build come from the main environment (.venv, or $VPAGED_VENV, made by scripts/setup_env.sh
 # when missing) through a .pth file, so nothing is built twice and torch is not installed again. A second

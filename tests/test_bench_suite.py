@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from vpaged.benchsuite import SUITE, Row
 from vpaged.cli import main as cli_main
+from vpaged.cli.suite import SUITE, Row
 
 
 def _fake_suite(tmp_path, mapping_us, fail_sharing=False):
@@ -108,7 +108,7 @@ def test_row_ratio():
 
 
 def test_serving_rows_compare_each_backend_with_generate_batch():
-    from vpaged.benchsuite import _serve
+    from vpaged.cli.suite import _serve
 
     rates = {"vpaged": random.uniform(5, 50), "paged": random.uniform(5, 50), "generate_batch": random.uniform(5, 50)}
     data = {"throughput": {"rows": [{"kv": k, "output_tokens_per_s": v} for k, v in rates.items()]}}

@@ -3,7 +3,7 @@
 A name starting with one underscore is private to the module that defines it: other modules use public
 methods (PagePool.incref, PagePool.register, ...) instead. Checked on the source: every `obj._name` where obj
 is not self/cls, and every `from .module import _name`, must name something the same module defines.
-Private modules (vpaged._C, vpaged._checks, vpaged._dtypes) are package-internal and may be imported.
+Private modules (vpaged._C, vpaged.kvcache.checks, vpaged.memory.dtypes) are package-internal and may be imported.
 """
 
 import ast

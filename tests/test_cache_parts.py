@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from vpaged import KVGeometry, PagePool
-from vpaged._checks import check_token_span, write_start
 from vpaged.errors import DTypeError, InvalidArgumentError, SwapSpaceFullError, UnknownSequenceError
-from vpaged.layout import LAYOUTS, Layout
-from vpaged.pool import Reclaimable, default_pool, resolve_pool
-from vpaged.prefix import PrefixIndex
-from vpaged.slot_table import SlotTable
-from vpaged.swap import SwappedSlots, SwapSpace
-from vpaged.views import SlotViews
+from vpaged.kvcache.checks import check_token_span, write_start
+from vpaged.kvcache.virtual.layout import LAYOUTS, Layout
+from vpaged.kvcache.virtual.prefix import PrefixIndex
+from vpaged.kvcache.virtual.slot_table import SlotTable
+from vpaged.kvcache.virtual.swap import SwappedSlots, SwapSpace
+from vpaged.kvcache.virtual.views import SlotViews
+from vpaged.memory.pool import Reclaimable, default_pool, resolve_pool
 
 PS = 4096
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from vpaged.cli import main
-from vpaged.demo import DemoConfig, run_demo
+from vpaged.cli.demo import DemoConfig, run_demo
 
 
 def test_demo_json_reports_consistent_numbers(capsys):

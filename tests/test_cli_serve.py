@@ -22,8 +22,8 @@ from serve_helpers import (
     save_model_with_tokenizer,
 )
 
-from vpaged._hf_compat import serving_support
 from vpaged.cli import main
+from vpaged.hf.compat import serving_support
 
 TIMEOUT = 180
 

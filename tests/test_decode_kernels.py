@@ -13,10 +13,10 @@ import torch
 
 import vpaged
 from vpaged import _C, PagedKVCache, VirtualKVCache, ops
-from vpaged.cache import BatchedKV
-from vpaged.device import default_page_size, normalize_device
 from vpaged.errors import BackendError, DTypeError, InvalidArgumentError, ShapeError
-from vpaged.layout import Layout
+from vpaged.kvcache.virtual.cache import BatchedKV
+from vpaged.kvcache.virtual.layout import Layout
+from vpaged.memory.device import default_page_size, normalize_device
 
 HKV = 2
 LENGTHS = [1, 37, 300, 129, 17]  # 300 is max_seq_len

@@ -1,4 +1,4 @@
-"""vpaged/_hf_compat.py: the supported transformers range, the cache keyword, and attention registration,
+"""vpaged/hf/compat.py: the supported transformers range, the cache keyword, and attention registration,
 on whichever transformers release is installed (scripts/test_transformers_versions.sh runs this file on the
 oldest supported release and the newest)."""
 
@@ -159,7 +159,7 @@ def test_registered_attention_gives_the_default_tokens(registered, rng, kind):
         assert torch.equal(out, ref), type(cache).__name__
         # Every layer of every step went through the registered function: prefill + 11 decode steps.
         assert len(calls) == custom.config.num_hidden_layers * 12
-        # What vpaged/_hf_compat.py documents arrives in every call (more may: the function takes **kwargs).
+        # What vpaged/hf/compat.py documents arrives in every call (more may: the function takes **kwargs).
         assert all("position_ids" in names for names in calls), calls[0]
 
 
@@ -204,7 +204,7 @@ def test_register_attention_refuses_builtin_or_bad_names(name):
 
 
 def test_serving_needs_the_release_it_is_verified_on():
-    from vpaged._hf_compat import MIN_VERSION, SERVE_MIN_VERSION, serving_support
+    from vpaged.hf.compat import MIN_VERSION, SERVE_MIN_VERSION, serving_support
 
     need = ".".join(map(str, SERVE_MIN_VERSION))
     assert SERVE_MIN_VERSION == MIN_VERSION == (5, 17)  # the engine serves every release VPagedCache supports

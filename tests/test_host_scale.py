@@ -16,7 +16,7 @@ import torch
 
 import vpaged
 from vpaged.errors import MappingLimitWarning
-from vpaged.limits import mapping_count, mapping_limit
+from vpaged.memory.limits import mapping_count, mapping_limit
 
 GIB = 2**30
 LAYERS, HEADS, DIM = 32, 32, 128

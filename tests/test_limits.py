@@ -10,7 +10,7 @@ import torch
 
 import vpaged
 from vpaged import _C
-from vpaged.limits import mapping_count
+from vpaged.memory.limits import mapping_count
 
 GIB = 2**30
 

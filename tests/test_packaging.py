@@ -25,8 +25,8 @@ import pytest
 
 import vpaged
 from vpaged import _C
-from vpaged.buildinfo import build_info, describe_build
 from vpaged.cli import main
+from vpaged.memory.buildinfo import build_info, describe_build
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -205,7 +205,7 @@ def test_wheel_holds_the_package_the_extension_and_the_metadata(dists):
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    assert "vpaged/__init__.py" in names and "vpaged/buildinfo.py" in names
+    assert "vpaged/__init__.py" in names and "vpaged/memory/buildinfo.py" in names
     assert [n for n in names if re.fullmatch(r"vpaged/_C\..*\.so", n)]
     assert not [n for n in names if n.startswith(("csrc/", "tests/"))]
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names)

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from vpaged import PagePool
-from vpaged.cache_stats import virtual_cache_stats
-from vpaged.layout import Layout
-from vpaged.prefix import PrefixIndex
-from vpaged.reclaim import SlotReclaim
-from vpaged.slot_pages import SlotPages
-from vpaged.swap import SwappedSlots, SwapSpace
-from vpaged.views import SlotViews
+from vpaged.kvcache.virtual.layout import Layout
+from vpaged.kvcache.virtual.page_map import SlotPages
+from vpaged.kvcache.virtual.prefix import PrefixIndex
+from vpaged.kvcache.virtual.reclaim import SlotReclaim
+from vpaged.kvcache.virtual.stats import virtual_cache_stats
+from vpaged.kvcache.virtual.swap import SwappedSlots, SwapSpace
+from vpaged.kvcache.virtual.views import SlotViews
 
 PS = 4096
 TPP = 32  # tokens a page: 2 heads x 16 dims x float32 = 128 bytes a token

@@ -4,10 +4,10 @@ swapped sequence pinned by a view, reclaim through a closed cache, stale Batched
 import pytest
 import torch
 
-from vpaged.cache import VirtualKVCache
 from vpaged.errors import InvalidArgumentError, ReadOnlyTokensError, ViewsAliveError
+from vpaged.kvcache.virtual.cache import VirtualKVCache
+from vpaged.memory.pool import PagePool
 from vpaged.ops import decode_attention_contiguous
-from vpaged.pool import PagePool
 
 PS = 4096  # 4 KiB pages: 128 tokens of one fp32 head of 8 per page and region
 

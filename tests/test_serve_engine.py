@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from vpaged._hf_compat import serving_support
+from vpaged.hf.compat import serving_support
 
 pytest.importorskip("transformers")
 
@@ -404,8 +404,7 @@ def test_generate_with_vpaged_cache_and_vpaged_attention(reference, prng, monkey
     contiguous kernel on the cache's views; tokens equal DynamicCache + SDPA (batch of 2 without padding)."""
     from transformers import DynamicCache
 
-    from vpaged.hf import VPagedCache, cache_kwargs
-    from vpaged.serve import attention
+    from vpaged.hf import VPagedCache, attention, cache_kwargs
 
     model = load_model("random:llama-tiny", attn_implementation="vpaged")[0]
     calls = []

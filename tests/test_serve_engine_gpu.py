@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vpaged import _C
-from vpaged._hf_compat import serving_support
+from vpaged.hf.compat import serving_support
 
 pytestmark = pytest.mark.gpu
 REASON = _C.cuda_unavailable_reason(0) or ("" if torch.cuda.is_available() else "torch has no CUDA")

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from vpaged._hf_compat import serving_support
+from vpaged.hf.compat import serving_support
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -28,8 +28,8 @@ from serve_helpers import (  # noqa: E402
 )
 
 from vpaged.serve import LLMEngine, load_model  # noqa: E402
-from vpaged.serve.openai_protocol import ChoiceText, CompletionRequest, RequestError, parse_request  # noqa: E402
-from vpaged.serve.server import ServerThread, prometheus_text  # noqa: E402
+from vpaged.serve.http.protocol import ChoiceText, CompletionRequest, RequestError, parse_request  # noqa: E402
+from vpaged.serve.http.server import ServerThread, prometheus_text  # noqa: E402
 
 MODEL_NAME = "tiny"
 

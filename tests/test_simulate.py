@@ -10,9 +10,9 @@ import torch
 
 import vpaged
 from vpaged import PagedKVCache, PagePool, VirtualKVCache
-from vpaged.accounting import page_fill
 from vpaged.cli import main as cli_main
 from vpaged.errors import InvalidArgumentError, OutOfPagesError
+from vpaged.kvcache.accounting import page_fill
 from vpaged.sim import SimConfig, SimRequest, TraceError, builtin_trace, load_csv, make_policy, model_shape, simulate
 from vpaged.sim.policies import StaticSlots
 

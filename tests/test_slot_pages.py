@@ -8,10 +8,10 @@ import torch
 
 from vpaged import PagePool
 from vpaged.errors import OutOfPagesError, SequenceTooLongError, ViewsAliveError
-from vpaged.layout import LAYOUTS, Layout
-from vpaged.slot_pages import SlotPages
-from vpaged.swap import SwapSpace
-from vpaged.views import SlotViews
+from vpaged.kvcache.virtual.layout import LAYOUTS, Layout
+from vpaged.kvcache.virtual.page_map import SlotPages
+from vpaged.kvcache.virtual.swap import SwapSpace
+from vpaged.kvcache.virtual.views import SlotViews
 
 PS = 4096
 HEADS, DIM = 2, 16  # float32: 128 bytes a token per run (per_layer), 32 tokens a page

@@ -20,8 +20,8 @@ from conftest import address_is_mapped, mapping_count, open_fds
 import vpaged
 import vpaged._C as C
 from vpaged import VirtualKVCache
-from vpaged.allocator import _expandable_segments_requested
 from vpaged.errors import BackendUnavailableError, InvalidArgumentError, OutOfPagesError
+from vpaged.memory.allocator import _expandable_segments_requested
 
 PAGE = 64 * 1024
 OS_PAGE = mmap.PAGESIZE

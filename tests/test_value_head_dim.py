@@ -8,7 +8,7 @@ import torch
 
 from vpaged import PagedKVCache, VirtualKVCache
 from vpaged.errors import InvalidArgumentError, ShapeError
-from vpaged.records import BatchedKV
+from vpaged.kvcache.records import BatchedKV
 
 LAYOUTS = ["per_layer", "interleaved", "head_major"]
 DIMS = [(24, 8), (8, 24)]  # K larger than V (DeepSeek), and the other way round

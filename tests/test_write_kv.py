@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from vpaged import VirtualKVCache, ops
-from vpaged.cache import BatchedKV
 from vpaged.errors import DTypeError, InvalidArgumentError, ShapeError
+from vpaged.kvcache.virtual.cache import BatchedKV
 
 LAYOUTS = ["per_layer", "interleaved", "head_major"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

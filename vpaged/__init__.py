@@ -3,17 +3,102 @@
 Each sequence's keys and values sit in one contiguous virtual address range; physical pages are mapped
 into it on demand, so the KV of a sequence is an ordinary strided torch tensor that standard attention
 kernels read unchanged.
+
+The package face: the names below are what users import from `vpaged`; the layers live in subpackages
+(memory, kvcache, ops, hf, serve, sim, cli; see ARCHITECTURE.md).
 """
 
-from .allocator import AllocatorStats, TorchAllocator, empty, torch_allocator
-from .buildinfo import build_info
-from .cache import BatchedKV, CacheStats, VirtualKVCache
-from .device import BackendInfo, backends
-from .errors import *  # noqa: F401,F403
-from .geometry import KVGeometry
-from .layout import Layout
-from .paged_cache import PagedCacheStats, PagedKVCache
-from .pool import PagePool, PoolStats, default_pool, set_default_pool
+from .errors import (
+    AddressSpaceError,
+    BackendError,
+    BackendUnavailableError,
+    CacheClosedError,
+    DTypeError,
+    EngineFailure,
+    InvalidArgumentError,
+    LayerIndexError,
+    MappingLimitError,
+    MappingLimitWarning,
+    OutOfPagesError,
+    PromptTooLongError,
+    ReadOnlyTokensError,
+    RequestError,
+    SequenceSwappedError,
+    SequenceTooLongError,
+    ShapeError,
+    SlotsExhaustedError,
+    SwapSpaceFullError,
+    TraceError,
+    UnknownRequestError,
+    UnknownSequenceError,
+    ViewsAliveError,
+    VPagedError,
+)
+from .memory import (
+    AllocatorStats,
+    BackendInfo,
+    PagePool,
+    PoolStats,
+    TorchAllocator,
+    backends,
+    build_info,
+    default_pool,
+    empty,
+    set_default_pool,
+    torch_allocator,
+)
+from .kvcache import BatchedKV, CacheStats, KVCache, KVGeometry, Layout, PagedCacheStats, PagedKVCache, VirtualKVCache
 from . import ops
 
 __version__ = "0.1.0"
+
+__all__ = [
+    # caches and their records
+    "VirtualKVCache",
+    "PagedKVCache",
+    "KVCache",
+    "KVGeometry",
+    "Layout",
+    "CacheStats",
+    "PagedCacheStats",
+    "BatchedKV",
+    # memory
+    "PagePool",
+    "PoolStats",
+    "default_pool",
+    "set_default_pool",
+    "backends",
+    "BackendInfo",
+    "build_info",
+    "torch_allocator",
+    "TorchAllocator",
+    "AllocatorStats",
+    "empty",
+    # kernels
+    "ops",
+    # errors
+    "VPagedError",
+    "AddressSpaceError",
+    "BackendError",
+    "BackendUnavailableError",
+    "CacheClosedError",
+    "DTypeError",
+    "EngineFailure",
+    "InvalidArgumentError",
+    "LayerIndexError",
+    "MappingLimitError",
+    "MappingLimitWarning",
+    "OutOfPagesError",
+    "PromptTooLongError",
+    "ReadOnlyTokensError",
+    "RequestError",
+    "SequenceSwappedError",
+    "SequenceTooLongError",
+    "ShapeError",
+    "SlotsExhaustedError",
+    "SwapSpaceFullError",
+    "TraceError",
+    "UnknownRequestError",
+    "UnknownSequenceError",
+    "ViewsAliveError",
+]

@@ -84,3 +84,23 @@ class PromptTooLongError(VPagedError, ValueError):
 
 class UnknownRequestError(VPagedError, LookupError):
     """No request with this id is known to the engine (never added, or already finished)."""
+
+
+class TraceError(InvalidArgumentError):
+    """A trace file or trace argument that cannot be used (`vpaged simulate`); the message names the row and
+    the problem."""
+
+
+class RequestError(InvalidArgumentError):
+    """A request the server refuses (HTTP 400): `param` names the offending field when there is one."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class EngineFailure(VPagedError, RuntimeError):
+    """engine.step() raised inside the server's engine loop: the requests in flight were ended; the message
+    carries the cause."""

@@ -9,7 +9,7 @@
 // [num_seqs, num_heads, head_dim], output [num_seqs, num_heads, v_head_dim]; query head j reads kv head
 // j / (num_heads / num_kv_heads) (GQA). Scores and accumulators are fp32 whatever the storage type.
 //
-// Tensors cross as raw pointers: the extension does not link libtorch, vpaged/ops.py checks shapes,
+// Tensors cross as raw pointers: the extension does not link libtorch, vpaged/ops/ checks shapes,
 // dtypes and devices before calling, and the kernels never read a token at or past a sequence's length.
 #pragma once
 #include <cstdint>
@@ -64,7 +64,7 @@ int cpu_best_isa();
 // cover every path the CPU has); a path the CPU lacks raises InvalidArgument.
 void decode_cpu(const DecodeParams& p, int num_threads, int isa = kIsaAuto);
 
-// CUDA. The caller plans the split of long contexts (vpaged/ops.py):
+// CUDA. The caller plans the split of long contexts (vpaged/ops/):
 //   num_splits == 1: one pass, each block writes its heads' output directly;
 //   num_splits > 1: sequence b's tokens are cut into pieces of split_tokens; pass 1 writes unnormalised
 //   partial outputs (partial_acc [num_seqs, num_heads, num_splits, v_head_dim]) and their max / sum

@@ -8,7 +8,7 @@
 // online softmax (max, sum, output slice) in registers, so the token loop has no barrier; groups merge by shuffles,
 // warps through shared memory, at the end.
 //
-// Long contexts with few sequences would leave most SMs idle, so the host (vpaged/ops.py) then cuts each
+// Long contexts with few sequences would leave most SMs idle, so the host (vpaged/ops/) then cuts each
 // sequence into pieces of split_tokens: pass 1 writes each piece's (max, sum, unnormalised output),
 // pass 2 (merge_kernel) combines them. Scores live in the log2 domain (q pre-scaled by log2 e) so the
 // exponentials are exp2f.

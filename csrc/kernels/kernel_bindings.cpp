@@ -1,5 +1,5 @@
 // Python bindings of the attention kernels. Parameters are plain structs whose tensor fields are integer
-// addresses (tensor.data_ptr()): the extension does not link libtorch, vpaged/ops.py does the checking.
+// addresses (tensor.data_ptr()): the extension does not link libtorch, vpaged/ops/ does the checking.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

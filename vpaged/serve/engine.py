@@ -17,11 +17,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .._hf_compat import serving_support
-from ..device import normalize_device
 from ..errors import BackendUnavailableError, InvalidArgumentError, PromptTooLongError, UnknownRequestError
-from .attention import NAME as ATTN_NAME
-from .kv import KV_KINDS, PagedStore, VirtualStore
+from ..hf.attention import NAME as ATTN_NAME
+from ..hf.compat import serving_support
+from ..memory.device import normalize_device
 from .models import attention_window, load_model, model_geometry
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from .params import SamplingParams
@@ -29,6 +28,7 @@ from .runner import ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, Status
+from .stores import KV_KINDS, PagedStore, VirtualStore
 
 
 def _positive_int(name: str, value) -> int:

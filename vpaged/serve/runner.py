@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import NAME as ATTN_NAME  # importing it registers attn_implementation="vpaged"
+from ..hf.attention import NAME as ATTN_NAME  # importing it registers attn_implementation="vpaged"
 from .scheduler import StepPlan
 
 

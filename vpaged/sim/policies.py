@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..accounting import MemoryBreakdown, breakdown_of, page_fill
-from ..cache import VirtualKVCache
 from ..errors import OutOfPagesError, SlotsExhaustedError
-from ..paged_cache import PagedKVCache
-from ..pool import PagePool
+from ..kvcache.accounting import MemoryBreakdown, breakdown_of, page_fill
+from ..kvcache.paged import PagedKVCache
+from ..kvcache.virtual.cache import VirtualKVCache
+from ..memory.pool import PagePool
 from .shapes import ModelShape
 from .traces import SimRequest
 

@@ -8,8 +8,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..accounting import MemoryBreakdown
 from ..errors import OutOfPagesError
+from ..kvcache.accounting import MemoryBreakdown
 from .policies import Policy, Running
 from .traces import SimRequest
 

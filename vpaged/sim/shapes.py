@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._dtypes import itemsize
 from ..errors import InvalidArgumentError
+from ..memory.dtypes import itemsize
 
 
 @dataclass(frozen=True)

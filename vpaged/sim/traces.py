@@ -12,11 +12,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InvalidArgumentError
-
-
-class TraceError(InvalidArgumentError):
-    """A trace file or trace argument that cannot be used; the message names the row and the problem."""
+from ..errors import TraceError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,40 @@
+"""vpaged.hf: the transformers integration.
+
+VPagedCache (cache.py) is a `transformers.Cache` whose K/V live in a VirtualKVCache; groups.py holds its
+layer groups, attention.py the attention function `attn_implementation="vpaged"` runs, compat.py what
+differs between the supported transformers releases. Names are loaded on first use, so that
+`vpaged.hf.compat` (read by `vpaged info`) never imports transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_NAMES = {
+    "VPagedCache": "cache",
+    "VPagedLayer": "cache",
+    "KVGroup": "groups",
+    "WindowGroup": "groups",
+    "cache_keyword": "compat",
+    "cache_kwargs": "compat",
+    "layer_plan": "compat",
+    "register_attention": "compat",
+    "unregister_attention": "compat",
+    "support_status": "compat",
+    "serving_support": "compat",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vpaged.hf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NAMES))

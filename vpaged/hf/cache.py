@@ -1,0 +1,527 @@
+"""transformers integration: VPagedCache, a `transformers.Cache` whose K/V live in one VirtualKVCache.
+
+    from vpaged.hf import VPagedCache, cache_kwargs
+    cache = VPagedCache(model.config, max_cache_len=4096, capacity_bytes=2 << 30)
+    out = model.generate(input_ids, **cache_kwargs(cache), max_new_tokens=256)
+
+(`cache_kwargs(cache)` is `{"cache": cache}` on transformers >= 5.24 and `{"past_key_values": cache}` before;
+see vpaged/hf/compat.py for what differs between the supported releases.)
+
+Each batch row is one vpaged sequence; the rows sit in consecutive slots, so one layer's K of the whole batch
+is a single strided [B, T, H, D] view that update() returns transposed to the [B, H, T, D] transformers
+expects, without copying. Pages are mapped as tokens arrive: memory follows the tokens generated, not
+max_cache_len. Beam search and batch selection remap pages instead of copying K/V: rows that take another
+row's content share its full pages, and the partly filled last page is copied only when it is next written
+(copy-on-write in VirtualKVCache).
+
+Identical prompt rows, as generate() makes them for beam search and num_return_sequences by repeating each
+prompt, are stored once: during a prefill into an empty cache, a row whose K/V equal the previous row's in
+every layer shares that row's pages instead of holding its own copy.
+
+Geometry comes from the model itself: the number of layers and their kinds from the config (what must be
+known before the first forward), heads, head sizes (keys and values may differ: multi-head latent
+attention), dtype and device from the first K/V each kind of layer hands over.
+
+Layer kinds (the config's layer_types, read by transformers' own function): full-attention layers are held
+in vpaged; sliding-window layers too, all tokens kept (transformers' mask hides the old ones), or with
+`bounded_sliding=True` only the window (plus one page) per row, in a second VirtualKVCache (vpaged/hf/groups.py);
+linear-attention / Mamba layers (Jamba, Bamba, Granite-4 style hybrids) and layers without attention are
+transformers' own layer classes inside the same Cache, so generate() runs those models unchanged. Other
+kinds raise InvalidArgumentError at construction, naming them.
+
+The cache holds no tensor views between calls: a view pins its pages, and a pinned page cannot be unmapped
+or remapped. Inference only: K/V are written without autograd.
+
+transformers is imported here only; `import vpaged` does not need it (extra `vpaged[hf]`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..errors import DTypeError, InvalidArgumentError, ShapeError
+from ..kvcache.checks import check_positive_int
+from ..kvcache.geometry import KVGeometry
+from ..kvcache.virtual.cache import CacheStats, VirtualKVCache
+from ..memory.device import normalize_device
+from ..memory.pool import PagePool
+from .compat import CacheBase, cache_keyword, cache_kwargs, layer_plan, register_attention, support_status  # noqa: F401
+from .groups import KVGroup, WindowGroup
+
+# Layer kinds held in vpaged. A sliding-window layer is served correctly by a full cache (transformers'
+# sliding mask hides the tokens outside the window); bounded_sliding=True keeps only its window.
+_ATTENTION_TYPES = ("full_attention", "sliding_attention")
+# Layer kinds left to transformers' own layer classes: recurrent (Mamba / linear attention / short conv)
+# states, and layers with no attention at all.
+_DELEGATED_TYPES = ("linear_attention", "conv", "moe", "mlp", "dummy")
+
+
+def _text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _layer_kinds(config) -> list[tuple[str, dict]]:
+    """(layer type, kwargs of transformers' layer class) of every layer; raises for kinds vpaged cannot hold."""
+    text = _text_config(config)
+    try:
+        layers = int(text.num_hidden_layers)
+    except AttributeError as e:
+        raise InvalidArgumentError(
+            f"config {type(config).__name__} lacks {e.name}: pass num_layers explicitly (and config=None)"
+        ) from e
+    if any(mode == "reuse" for mode in (getattr(text, "kv_sharing_modes", None) or [])):
+        raise InvalidArgumentError("VPagedCache does not support models whose layers share another layer's K/V")
+    plan = layer_plan(text)
+    if len(plan) != layers:
+        raise InvalidArgumentError(
+            f"VPagedCache does not support models whose layers share another layer's K/V ({len(plan)} of "
+            f"{layers} layers hold their own)"
+        )
+    odd = sorted({t for t, _ in plan if t not in _ATTENTION_TYPES + _DELEGATED_TYPES})
+    if odd:
+        raise InvalidArgumentError(
+            f"VPagedCache holds attention K/V and delegates {list(_DELEGATED_TYPES)} layers to transformers; "
+            f"this model has layer types {odd}, which it does not support"
+        )
+    if not any(t in _ATTENTION_TYPES for t, _ in plan):
+        raise InvalidArgumentError("this model has no attention layers: VPagedCache has nothing to hold")
+    return plan
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    dtype = getattr(_text_config(config), "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+class VPagedLayer(CacheLayerMixin):
+    """One model layer's face of a VPagedCache. The layers of one kind share a VirtualKVCache; operations that
+    change the batch or the length (crop, reorder, reset, ...) act on all layers at once and live on the
+    cache, so the per-layer versions refuse rather than half-apply."""
+
+    is_compileable = False  # views come from DLPack capsules, which torch.compile cannot trace
+    is_croppable = True
+
+    def __init__(self, cache: VPagedCache, layer_idx: int, group: KVGroup):
+        # No super().__init__(): it would store keys/values tensors, which here are computed views.
+        self._cache = weakref.ref(cache)  # weak: layers must not keep a dropped cache's memory alive
+        self._group = weakref.ref(group)
+        self.layer_idx = layer_idx
+        self.is_sliding = group.bounded
+        if group.bounded:
+            self.sliding_window = group.window
+
+    def _owner(self) -> VPagedCache:
+        cache = self._cache()
+        if cache is None:
+            raise InvalidArgumentError("the VPagedCache of this layer has been dropped")
+        return cache
+
+    def _kv(self) -> KVGroup:
+        self._owner()
+        return self._group()
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._kv().kv is not None
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """This layer's K as a fresh [B, H, T, D] view (None before the first update). Do not keep it across
+        steps: it pins pages that reorder and crop need to remap."""
+        return self._kv().views(self.layer_idx)[0]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._kv().views(self.layer_idx)[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self._owner().batch_size
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        group = self._kv()
+        if group.kv is None:
+            group.open(self.layer_idx, key_states, value_states)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self._kv().update(self.layer_idx, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self._kv().seq_length(self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._kv().mask_sizes(self.layer_idx, query_length)
+
+    def get_max_length(self) -> int:
+        group = self._kv()
+        return group.window if group.bounded else self._owner().max_cache_len
+
+    def _whole_cache_only(self, name: str):
+        raise InvalidArgumentError(f"{name}() changes every layer of a VPagedCache at once: call it on the cache")
+
+    def reset(self) -> None:
+        self._whole_cache_only("reset")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._whole_cache_only("crop")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._whole_cache_only("reorder_cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._whole_cache_only("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._whole_cache_only("batch_select_indices")
+
+    def offload(self):
+        raise InvalidArgumentError("VPagedCache does not offload layers")
+
+    prefetch = offload
+
+    def __repr__(self) -> str:
+        return f"VPagedLayer({self.layer_idx}{', sliding window' if self.is_sliding else ''})"
+
+
+class VPagedCache(CacheBase):
+    """A transformers Cache backed by VirtualKVCaches (one sequence per batch row).
+
+    Args:
+        config: the model config (PreTrainedConfig): gives the layers and their kinds (layer_types) and the
+            dtype. May be None when num_layers is given (then every layer is a full-attention layer).
+        max_cache_len: tokens a row may hold (prompt + generated); going past it raises SequenceTooLongError.
+        max_batch_size: rows the cache may hold at once (default: the batch of the first forward). Give it
+            when batch_repeat_interleave() is to grow the batch.
+        capacity_bytes: memory budget of a private page pool; running out raises OutOfPagesError.
+        pool: a PagePool to share with other caches (instead of capacity_bytes). Neither: the device's
+            default pool.
+        layout: "head_major" (default: each head's K/V dense, the [B, H, T, D] transformers' attention reads
+            fastest; a page per head at each page boundary), "per_layer" (dense [T, H, D] per layer: finer
+            pages, attention on a strided view) or "interleaved" (all layers of a token side by side:
+            finest pages, one map per page for all layers). See benchmarks/NOTES.md for measurements.
+        dtype, device: of K/V; default: the config's dtype, and the dtype/device of the first K/V seen.
+        page_size: bytes per page of a private or default pool.
+        num_layers: overrides the config's num_hidden_layers (required without a config).
+        num_kv_heads, head_dim, v_head_dim: normally read from the first K/V; when given, the model's K/V
+            must match them (ShapeError otherwise).
+        share_prefill: store identical prompt rows once (see the module docstring).
+        bounded_sliding: hold only the window (plus one page of tokens) of each sliding-window layer per row,
+            instead of every token; tokens generated are the same as with transformers' sliding cache.
+
+    The VirtualKVCaches are created at the first update of a layer of their kind, when batch size, geometry,
+    dtype and device are known, and released by reset() / close() or when the cache is dropped.
+    """
+
+    def __init__(
+        self,
+        config=None,
+        *,
+        max_cache_len: int,
+        max_batch_size: int | None = None,
+        capacity_bytes: int | None = None,
+        pool: PagePool | None = None,
+        layout: str = "head_major",
+        dtype: torch.dtype | None = None,
+        device=None,
+        page_size: int | None = None,
+        num_layers: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        share_prefill: bool = True,
+        bounded_sliding: bool = False,
+    ):
+        if config is not None:
+            plan = _layer_kinds(config)
+            if num_layers is not None and num_layers != len(plan):
+                raise InvalidArgumentError(f"num_layers={num_layers}, but the config has {len(plan)} layers")
+            dtype = dtype if dtype is not None else _config_dtype(config)
+        elif num_layers is None:
+            raise InvalidArgumentError("give a model config, or num_layers (num_kv_heads and head_dim are optional)")
+        else:
+            check_positive_int("num_layers", num_layers)
+            plan = [("full_attention", {})] * num_layers
+        check_positive_int("max_cache_len", max_cache_len)
+        for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("v_head_dim", v_head_dim)):
+            if value is not None:
+                check_positive_int(name, value)
+        if max_batch_size is not None:
+            check_positive_int("max_batch_size", max_batch_size)
+        if pool is not None and capacity_bytes is not None:
+            raise InvalidArgumentError("give either pool or capacity_bytes, not both")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise DTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        device = normalize_device(device) if device is not None else (pool.device if pool else None)
+        if pool is not None and device != pool.device:
+            raise InvalidArgumentError(f"pool is on {pool.device}, device is {device}")
+        self._plan = plan
+        self.max_cache_len = max_cache_len
+        self.max_batch_size = max_batch_size
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        self.page_size = page_size
+        self.share_prefill = share_prefill
+        self.bounded_sliding = bool(bounded_sliding)
+        self._capacity_bytes = capacity_bytes
+        self._pool = pool
+        common = dict(
+            max_len=max_cache_len,
+            max_batch_size=max_batch_size,
+            layout=layout,
+            dtype=dtype,
+            device=device,
+            page_size=page_size,
+            pool_for=self._pool_for,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            v_head_dim=v_head_dim,
+        )
+        windowed = [
+            i
+            for i, (kind, kw) in enumerate(plan)
+            if self.bounded_sliding and kind == "sliding_attention" and kw.get("sliding_window")
+        ]
+        full = [i for i, (t, _) in enumerate(plan) if t in _ATTENTION_TYPES and i not in windowed]
+        windows = {plan[i][1]["sliding_window"] for i in windowed}
+        if len(windows) > 1:
+            raise InvalidArgumentError(f"bounded_sliding: the sliding layers have different windows {sorted(windows)}")
+        self._groups: list[KVGroup] = []
+        if full:
+            self._groups.append(KVGroup(full, share_prefill=share_prefill, **common))
+        if windowed:
+            self._groups.append(WindowGroup(windowed, window=int(windows.pop()), **common))
+        self._group_of = {layer: g for g in self._groups for layer in g.layers}
+        super().__init__(layers=[self._make_layer(i) for i in range(len(plan))])
+
+    def _make_layer(self, i: int):
+        group = self._group_of.get(i)
+        if group is not None:
+            return VPagedLayer(self, i, group)
+        from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+
+        kind, kwargs = self._plan[i]
+        return DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
+
+    def _pool_for(self, device: torch.device) -> PagePool | None:
+        """The pool a group opens on: the one given, a private one of capacity_bytes (created once: it is this
+        cache's budget, shared by its groups and kept across reset()), or None for the device's default."""
+        if self._pool is None and self._capacity_bytes is not None:
+            self._pool = PagePool(device, capacity_bytes=self._capacity_bytes, page_size=self.page_size)
+        if self._pool is not None and self._pool.device != device:
+            raise InvalidArgumentError(f"the model gives K/V on {device}; the cache's pool is on {self._pool.device}")
+        return self._pool
+
+    # --------------------------------------------------------------------------------------- properties
+    # Plain attributes to the user (see CacheBase); the groups read them when they open.
+    @property
+    def max_cache_len(self) -> int | None:
+        return self._max_cache_len
+
+    @max_cache_len.setter
+    def max_cache_len(self, value: int | None) -> None:
+        self._max_cache_len = value
+        for g in getattr(self, "_groups", []):
+            g.max_len = value
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return self._max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, value: int | None) -> None:
+        self._max_batch_size = value
+        for g in getattr(self, "_groups", []):
+            g.max_batch_size = value
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def kv(self) -> VirtualKVCache | None:
+        """The VirtualKVCache of the full-attention layers (None before their first update)."""
+        return self._groups[0].kv if self._groups and not self._groups[0].bounded else None
+
+    @property
+    def window_kv(self) -> VirtualKVCache | None:
+        """The VirtualKVCache of the bounded sliding-window layers (None without them / before their update)."""
+        return next((g.kv for g in self._groups if g.bounded), None)
+
+    def _opened(self) -> list[KVGroup]:
+        return [g for g in self._groups if g.kv is not None]
+
+    @property
+    def num_kv_heads(self) -> int | None:
+        return self._groups[0].num_kv_heads
+
+    @property
+    def head_dim(self) -> int | None:
+        return self._groups[0].head_dim
+
+    @property
+    def v_head_dim(self) -> int | None:
+        return self._groups[0].v_head_dim
+
+    @property
+    def batch_size(self) -> int:
+        opened = self._opened()
+        return opened[0].batch_size if opened else -1
+
+    @property
+    def pool(self) -> PagePool | None:
+        """The page pool under this cache (None before the first update when none was given)."""
+        opened = self._opened()
+        return opened[0].kv.pool if opened else self._pool
+
+    @property
+    def sequences(self) -> list[int]:
+        """The vpaged sequence id of each batch row (in the full-attention layers' VirtualKVCache)."""
+        return list(self._groups[0].rows)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_cache_len
+
+    def _views(self, layer: int):
+        return self._group_of[layer].views(layer)
+
+    # --------------------------------------------------------------------------------------- batch edits
+    def _check_idle(self, what: str) -> None:
+        for g in self._groups:
+            g.check_idle(what)
+
+    def _delegated(self):
+        return [layer for i, layer in enumerate(self.layers) if i not in self._group_of]
+
+    def _delegated_select(self, sources: list[int]) -> None:
+        """Row i of the transformers-held layers takes row sources[i]'s state (any number of rows)."""
+        index = torch.tensor(sources, dtype=torch.long)
+        for layer in self._delegated():
+            if hasattr(layer, "conv_states"):  # linear attention: its reorder is an index_select of its states
+                layer.reorder_cache(index)
+            elif hasattr(layer, "batch_select_indices"):
+                layer.batch_select_indices(index)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row i takes the content of row beam_idx[i] (beam search), by sharing pages: full pages are mapped
+        into the new row, the last partial page is copied when next written."""
+        opened = self._opened()
+        if not opened:
+            return
+        self._check_idle("reorder_cache")
+        sources = self._indices(beam_idx, "beam_idx")
+        if len(sources) != self.batch_size:
+            raise ShapeError(f"beam_idx has {len(sources)} entries for {self.batch_size} rows")
+        for g in opened:
+            g.reorder(sources)
+        for layer in self._delegated():
+            if hasattr(layer, "conv_states"):
+                layer.reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices) -> None:
+        """Keep the rows `indices` (ints, or a bool mask), in that order."""
+        if not self._opened():
+            return
+        self._check_idle("batch_select_indices")
+        idx = torch.as_tensor(indices)
+        if idx.dtype == torch.bool:
+            if idx.numel() != self.batch_size:
+                raise ShapeError(f"mask of {idx.numel()} entries for {self.batch_size} rows")
+            idx = idx.nonzero().flatten()
+        self._resize(self._indices(idx, "indices"))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes `repeats` neighbouring rows sharing its pages."""
+        if not self._opened():
+            return
+        self._check_idle("batch_repeat_interleave")
+        if not isinstance(repeats, int) or repeats <= 0:
+            raise InvalidArgumentError(f"repeats must be a positive int, got {repeats!r}")
+        self._resize([i for i in range(self.batch_size) for _ in range(repeats)])
+
+    def _indices(self, idx, name: str) -> list[int]:
+        out = torch.as_tensor(idx).flatten().tolist()
+        rows = self.batch_size
+        for i in out:
+            if not isinstance(i, int) or not 0 <= i < rows:
+                raise InvalidArgumentError(f"{name} holds {i!r}, outside 0..{rows - 1}")
+        return out
+
+    def _resize(self, sources: list[int]) -> None:
+        if not sources:
+            raise InvalidArgumentError("a cache needs at least one row")
+        for g in self._opened():
+            g.resize(sources)
+        self._delegated_select(sources)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove tokens of every row (transformers 5 passes a negative count;
+        crop(0) does nothing). Pages past the new end return to the pool."""
+        if not isinstance(tokens_to_remove, int) or isinstance(tokens_to_remove, bool):
+            raise InvalidArgumentError(f"crop takes an int, got {tokens_to_remove!r}")
+        if tokens_to_remove > 0:
+            raise InvalidArgumentError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+        opened = self._opened()
+        if not opened or tokens_to_remove == 0:
+            return
+        self._check_idle("crop")
+        for g in opened:
+            g.check_crop(tokens_to_remove)
+        for layer in self._delegated():
+            if hasattr(layer, "conv_states"):
+                layer.crop(tokens_to_remove)
+        for g in opened:
+            g.crop(tokens_to_remove)
+
+    # --------------------------------------------------------------------------------------- memory
+    def reset(self) -> None:
+        """Drop all rows and give every page back to the pool; the next forward starts a new batch."""
+        for g in getattr(self, "_groups", []):
+            g.close()
+        if hasattr(self, "_plan"):
+            self.layers = [self._make_layer(i) for i in range(len(self._plan))]
+
+    close = reset
+
+    def __del__(self):
+        # Dropping the cache returns its pages through close() now (the address range waits for the queued
+        # kernels that may still read them before unmapping), not whenever the last reference goes.
+        for g in getattr(self, "_groups", []):
+            g.close()
+
+    def stats(self) -> CacheStats | None:
+        """The full-attention layers' VirtualKVCache's stats (None before the first update)."""
+        return self.kv.stats() if self.kv is not None else None
+
+    def window_stats(self) -> CacheStats | None:
+        """The bounded sliding-window layers' VirtualKVCache's stats (None without them / before the update)."""
+        return self.window_kv.stats() if self.window_kv is not None else None
+
+    def bytes_per_token(self) -> int:
+        """K and V of one token of one row over all layers held in vpaged (bounded sliding layers included,
+        though they hold at most their window), in the cache's dtype (known after the first update, or when
+        dtype and the geometry were given)."""
+        total = 0
+        for g in self._groups:
+            dtype = g.kv.dtype if g.kv is not None else self.dtype
+            if dtype is None or g.num_kv_heads is None or g.head_dim is None:
+                raise InvalidArgumentError(
+                    "geometry unknown before the first update; pass dtype, num_kv_heads and head_dim"
+                )
+            total += KVGeometry(len(g.layers), g.num_kv_heads, g.head_dim, dtype, g.v_head_dim).bytes_per_token
+        return total
+
+    def static_bytes(self, batch_size: int | None = None, max_cache_len: int | None = None) -> int:
+        """What a StaticCache of batch_size rows x max_cache_len tokens would allocate for the same model."""
+        batch = batch_size if batch_size is not None else max(self.batch_size, 1)
+        return batch * (max_cache_len or self.max_cache_len) * self.bytes_per_token()
+
+    def __repr__(self) -> str:
+        opened = self._opened()
+        state = f"{self.batch_size} rows x {opened[0].length} tokens" if opened else "empty"
+        return f"VPagedCache(layers={self.num_layers}, layout={self.layout}, {state})"

@@ -1,0 +1,96 @@
+"""What VirtualKVCache and PagedKVCache share: the KVCache protocol and the KVCacheBase they build on.
+
+KVCache is the contract every cache of vpaged keeps (the engine's stores, the simulator and the kernels in
+vpaged.ops rely on nothing else): sequences are allocated, extended by tokens, written, read and freed, and
+`decode_source(layer)` / `decode_rows(seqs)` describe one layer's memory and a step's sequences to a kernel
+as plain records, so that vpaged.ops builds a plan per layer without knowing the cache's class (a new cache
+type adds a record and a plan, not a branch in ops). KVCacheBase holds the model's K/V geometry and the
+sequence limits (checked here, once for both), what a token and a static cache of the same shape cost, the
+per-layer kernel plans (built by vpaged.ops, kept on the cache so that they die with it), and closing as a
+context manager.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeVar, runtime_checkable
+
+import torch
+
+from .checks import check_positive_int
+from .geometry import KVGeometry
+
+C = TypeVar("C", bound="KVCacheBase")
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """The operations every vpaged KV cache offers (VirtualKVCache, PagedKVCache)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    max_seqs: int
+    max_seq_len: int
+    kernel_plans: dict
+
+    def allocate(self) -> int: ...
+    def allocate_many(self, n: int) -> list[int]: ...
+    def free(self, seq: int) -> None: ...
+    def fork(self, seq: int) -> int: ...
+    def extend(self, seq: int, n: int) -> None: ...
+    def extend_many(self, growth) -> None: ...
+    def pages_needed(self, growth) -> int: ...
+    def pages_available(self) -> int: ...
+    def seq_len(self, seq: int) -> int: ...
+    def sequences(self) -> list[int]: ...
+    def kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def write(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None: ...
+    def decode_source(self, layer: int) -> object: ...
+    def decode_rows(self, seqs: list[int]) -> tuple[list, list[int]]: ...
+    def stats(self) -> object: ...
+    def close(self) -> None: ...
+
+
+class KVCacheBase:
+    geometry: KVGeometry
+
+    def _init_shape(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        max_seqs: int,
+        max_seq_len: int,
+        v_head_dim: int | None = None,
+    ) -> None:
+        self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype, v_head_dim)  # checks them; DTypeError
+        self.v_head_dim = self.geometry.v_head_dim  # V's head size: head_dim unless the model's differs
+        check_positive_int("max_seqs", max_seqs)
+        check_positive_int("max_seq_len", max_seq_len)
+        self.dtype = dtype
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.max_seqs, self.max_seq_len = max_seqs, max_seq_len
+        # layer -> the kernel plan vpaged.ops built for it (ops/plans.py); emptied by close().
+        self.kernel_plans: dict = {}
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return self.geometry.bytes_per_token
+
+    def static_bytes(self, num_seqs: int | None = None) -> int:
+        """What reserving max_seq_len tokens for each of num_seqs sequences (default max_seqs) would take."""
+        return self.geometry.static_bytes(self.max_seqs if num_seqs is None else num_seqs, self.max_seq_len)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: C) -> C:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,62 @@
+"""KVGeometry: the shape of a model's K/V (layers, heads, head sizes, element type), shared by every cache.
+
+One place computes what a token costs and what a static cache of the same model would reserve, so the two
+caches and the transformers integration agree on it.
+
+Keys and values may have different head sizes (v_head_dim; default head_dim): multi-head latent attention
+(DeepSeek-V2/V3) attends with K of nope + rope dims and V of its own, smaller dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..memory.dtypes import itemsize
+from .checks import check_positive_int
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    v_head_dim: int | None = None  # None: the same as head_dim
+
+    def __post_init__(self):
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        for name in ("num_layers", "num_kv_heads", "head_dim", "v_head_dim"):
+            check_positive_int(name, getattr(self, name))
+        itemsize(self.dtype)  # DTypeError for a dtype a cache cannot hold
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def token_row_elements(self) -> int:
+        """Elements of one token's K in one layer."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def v_token_row_elements(self) -> int:
+        """Elements of one token's V in one layer."""
+        return self.num_kv_heads * self.v_head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return self.num_layers * (self.token_row_elements + self.v_token_row_elements) * self.itemsize
+
+    def describe(self) -> str:
+        """The geometry as repr() fields: 'layers=.., kv_heads=.., head_dim=.., dtype=..'."""
+        v = f", v_head_dim={self.v_head_dim}" if self.v_head_dim != self.head_dim else ""
+        dims = f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{v}"
+        return f"layers={self.num_layers}, {dims}, dtype={self.dtype}"
+
+    def static_bytes(self, num_seqs: int, max_seq_len: int) -> int:
+        """What reserving max_seq_len tokens for each of num_seqs sequences takes (a static cache)."""
+        return num_seqs * max_seq_len * self.bytes_per_token

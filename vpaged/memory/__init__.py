@@ -1,0 +1,28 @@
+"""vpaged.memory: physical pages and what limits them.
+
+A PagePool owns one device's pages (over the C++ backend: host memfd or CUDA VMM); device.py picks the
+backend and page size, limits.py checks a host pool against what the machine can back, buildinfo.py says how
+the extension was built, and allocator.py plugs a pool into torch's allocator. Nothing here knows about
+tokens or caches.
+"""
+
+from .allocator import AllocatorStats, TorchAllocator, empty, torch_allocator
+from .buildinfo import build_info
+from .device import BackendInfo, backends
+from .pool import PagePool, PoolStats, Reclaimable, default_pool, resolve_pool, set_default_pool
+
+__all__ = [
+    "PagePool",
+    "PoolStats",
+    "Reclaimable",
+    "default_pool",
+    "set_default_pool",
+    "resolve_pool",
+    "backends",
+    "BackendInfo",
+    "build_info",
+    "torch_allocator",
+    "TorchAllocator",
+    "AllocatorStats",
+    "empty",
+]

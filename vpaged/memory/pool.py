@@ -1,0 +1,277 @@
+"""PagePool: the physical pages of one device, shared by every cache built on it.
+
+A pool is an object, not global state; `default_pool(device)` creates one per device on first use and
+`set_default_pool` replaces it. Caches register with their pool so that, when one cache runs short of
+pages, the pool can take back pages other caches keep only for reuse (deferred reclamation) before
+anybody sees an OutOfPagesError.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .. import _C
+from ..errors import BackendUnavailableError, InvalidArgumentError
+from .device import CUDA_PAGE_SIZE, default_page_size, make_backend, normalize_device
+from .limits import check_host_capacity
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    device: str
+    page_size: int
+    total_pages: int
+    used_pages: int
+    free_pages: int
+    high_water_pages: int
+    created_pages: int
+    kv_pages: int = 0  # used pages by owner: KV caches ...
+    allocator_pages: int = 0  # ... and torch tensors (vpaged.torch_allocator, vpaged.empty)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_pages * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total_pages * self.page_size
+
+    @property
+    def high_water_bytes(self) -> int:
+        return self.high_water_pages * self.page_size
+
+
+@runtime_checkable
+class Reclaimable(Protocol):
+    """A pool client that keeps pages only for reuse (dormant slots, cached prefixes) and gives them back
+    when the pool runs short. Register it with PagePool.register(); the pool holds it weakly."""
+
+    def reclaimable_pages(self) -> int:
+        """Pages reclaim_pages() could free now."""
+
+    def reclaim_pages(self, pages: int) -> int:
+        """Free up to `pages` pages (at least that many if possible); returns the pages freed."""
+
+
+class PagePool:
+    """Physical pages of one device with a fixed capacity.
+
+    capacity_bytes / capacity_pages: the budget (one of them). page_size: bytes per page (default 64 KiB on
+    the host, the VMM granularity, 2 MiB on current NVIDIA GPUs, on CUDA). reserve_pages: pages created
+    up front (CUDA creates physical memory ahead of need; on the host every page exists at no cost).
+    accounting_only: count pages without mapping any memory (the accounting backend): caches on such a
+    pool allocate, extend, fork, share and free exactly as on real memory, at any scale, but refuse views
+    and kernels. What `vpaged simulate` uses; always on device "cpu" (give the page size to model a GPU).
+    overcommit: allow a host capacity above what the machine can back (RAM + swap, or its cgroup limit);
+    refused by default, since writing past physical memory ends the process (see limits.py).
+    zero_on_reuse: pages read as zeros whenever they change owner (handed out again, or a freed sequence's
+    pages given to a new one), so no request ever sees another's K/V. Off by default, like torch.empty.
+    """
+
+    def __init__(
+        self,
+        device="cpu",
+        *,
+        capacity_bytes: int | None = None,
+        capacity_pages: int | None = None,
+        page_size: int | None = None,
+        reserve_pages: int = 0,
+        overcommit: bool = False,
+        zero_on_reuse: bool = False,
+        accounting_only: bool = False,
+    ):
+        self.device = normalize_device(device)
+        self.accounting_only = bool(accounting_only)
+        if self.accounting_only and self.device.type != "cpu":
+            raise InvalidArgumentError(
+                "an accounting-only pool is a host object (caches on it run no kernels): use device='cpu' and "
+                f"page_size={CUDA_PAGE_SIZE} to count GPU-sized pages"
+            )
+        self.page_size = int(page_size) if page_size is not None else default_page_size(self.device)
+        if self.page_size <= 0:
+            raise InvalidArgumentError(f"page_size must be positive, got {page_size}")
+        if (capacity_bytes is None) == (capacity_pages is None):
+            raise InvalidArgumentError("give exactly one of capacity_bytes and capacity_pages")
+        if capacity_pages is None:
+            capacity_pages = int(capacity_bytes) // self.page_size
+        if capacity_pages <= 0:
+            raise InvalidArgumentError(
+                f"a pool needs at least one page of {self.page_size} bytes (capacity {capacity_bytes} bytes)"
+            )
+        if self.accounting_only:
+            backend = _C.accounting_backend(self.page_size, int(capacity_pages))
+        else:
+            if self.device.type == "cpu":
+                check_host_capacity(int(capacity_pages), self.page_size, overcommit)
+            backend = make_backend(self.device, self.page_size, int(capacity_pages), int(reserve_pages))
+        self._pool = _C.PagePool(backend, int(reserve_pages))
+        self._pool.zero_on_reuse = bool(zero_on_reuse)
+        self._clients: weakref.WeakSet = weakref.WeakSet()
+
+    @property
+    def capacity_pages(self) -> int:
+        return self._pool.backend.capacity_pages
+
+    @property
+    def backend(self):
+        return self._pool.backend
+
+    @property
+    def zero_on_reuse(self) -> bool:
+        """Whether pages read as zeros when they change owner (see the constructor)."""
+        return self._pool.zero_on_reuse
+
+    def zero_pages(self, pages) -> None:
+        """Make pages (ids in use) read as zeros."""
+        self._pool.zero_pages(list(pages))
+
+    def free_pages(self) -> int:
+        return self._pool.free_pages()
+
+    def stats(self) -> PoolStats:
+        s = self._pool.stats()
+        return PoolStats(
+            str(self.device),
+            s.page_size,
+            s.total_pages,
+            s.used_pages,
+            s.free_pages,
+            s.high_water_pages,
+            s.created_pages,
+            s.kv_pages,
+            s.allocator_pages,
+        )
+
+    def trim(self) -> int:
+        """Return the RAM of all free pages to the system (host); returns how many pages were free."""
+        return self._pool.trim()
+
+    def reset_high_water(self) -> None:
+        self._pool.reset_high_water()
+
+    # Page references and copies, for the ranges' users (prefix index, swap space).
+    def new_allocator(self, max_bytes: int = 0):
+        """A C++ allocator handing out whole-page allocations from this pool (vpaged/memory/allocator.py; 0: no cap)."""
+        return _C.PoolAllocator(self._pool, int(max_bytes))
+
+    def new_range(self, nbytes: int):
+        """A VirtualRange (vpaged._C) of nbytes of address space whose pages come from this pool."""
+        return _C.VirtualRange(self._pool, int(nbytes))
+
+    def incref(self, pages: list[int]) -> None:
+        """Take one more reference on each page (all or none)."""
+        self._pool.incref_all(list(pages))
+
+    def decref(self, pages: list[int]) -> None:
+        """Drop one reference on each page; a page left with none goes back to the free list."""
+        self._pool.decref_all(list(pages))
+
+    def refcount(self, page: int) -> int:
+        return self._pool.refcount(page)
+
+    def copy_to_host(self, page: int, host_ptr: int, stream: int = 0) -> None:
+        """Queue a copy of a page to host memory on `stream` (CUDA; synchronous on the host)."""
+        self._pool.copy_to_host(page, host_ptr, stream)
+
+    def copy_from_host(self, page: int, host_ptr: int, stream: int = 0) -> None:
+        self._pool.copy_from_host(page, host_ptr, stream)
+
+    def synchronize(self, stream: int = 0) -> None:
+        """Wait for the copies queued on `stream`."""
+        self._pool.backend.synchronize(stream)
+
+    # Deferred reclamation across the caches that share this pool.
+    def register(self, client: Reclaimable) -> None:
+        """Ask `client` for pages when the pool runs short (held weakly; see Reclaimable)."""
+        if not isinstance(client, Reclaimable):
+            raise InvalidArgumentError(f"{type(client).__name__} is not Reclaimable")
+        self._clients.add(client)
+
+    def unregister(self, client: Reclaimable) -> None:
+        self._clients.discard(client)
+
+    def reclaimable_pages(self) -> int:
+        return sum(c.reclaimable_pages() for c in list(self._clients))
+
+    def reclaim(self, pages: int) -> int:
+        """Ask clients to unmap pages they keep only for reuse until `pages` are freed; returns pages freed."""
+        freed = 0
+        for c in list(self._clients):
+            if freed >= pages:
+                break
+            freed += c.reclaim_pages(pages - freed)
+        return freed
+
+    def ensure_free(self, pages: int) -> bool:
+        """Make `pages` pages free if that is possible by reclaiming; changes nothing when it is not."""
+        short = pages - self.free_pages()
+        if short <= 0:
+            return True
+        if self.reclaimable_pages() < short:
+            return False
+        self.reclaim(short)
+        return self.free_pages() >= pages
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        kind = ", accounting only" if self.accounting_only else ""
+        return f"PagePool(device={s.device}{kind}, page_size={s.page_size}, used={s.used_pages}/{s.total_pages} pages)"
+
+
+_default_pools: dict[torch.device, PagePool] = {}
+
+
+def default_pool(device="cpu") -> PagePool:
+    """The pool of `device`, created on first use. Host: a quarter of RAM (sparse: RAM is used only by
+    pages holding data), or VPAGED_HOST_POOL_BYTES. CUDA: 90 % of the free device memory at first use."""
+    dev = normalize_device(device)
+    pool = _default_pools.get(dev)
+    if pool is None:
+        if dev.type == "cpu":
+            env = os.environ.get("VPAGED_HOST_POOL_BYTES")
+            cap = int(env) if env else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+        else:
+            reason = _C.cuda_unavailable_reason(dev.index)
+            if reason:
+                raise BackendUnavailableError(f"cannot use {dev}: {reason}")
+            free, _total = torch.cuda.mem_get_info(dev)
+            cap = int(free * 0.9)
+        pool = PagePool(dev, capacity_bytes=cap)
+        _default_pools[dev] = pool
+    return pool
+
+
+def set_default_pool(pool: PagePool) -> None:
+    """Make `pool` the default pool of its device (caches created later use it)."""
+    _default_pools[pool.device] = pool
+
+
+def resolve_pool(
+    device, pool: PagePool | None = None, capacity_bytes: int | None = None, page_size: int | None = None
+) -> tuple[torch.device, PagePool]:
+    """(device, pool) of a cache built with these arguments: `pool` when given (it must be on `device` and
+    of `page_size`), else a private pool of capacity_bytes, else the device's default pool. device defaults
+    to the pool's device when a pool is given, else "cpu"."""
+    dev = normalize_device(device if device is not None else pool.device if pool else "cpu")
+    if pool is not None:
+        if capacity_bytes is not None:
+            raise InvalidArgumentError("give either pool or capacity_bytes, not both")
+        if pool.device != dev:
+            raise InvalidArgumentError(f"pool is on {pool.device}, device={device!r} asks for {dev}")
+        if page_size is not None and page_size != pool.page_size:
+            raise InvalidArgumentError(f"page_size {page_size} differs from the pool's {pool.page_size}")
+        return dev, pool
+    if capacity_bytes is not None:
+        return dev, PagePool(dev, capacity_bytes=capacity_bytes, page_size=page_size)
+    pool = default_pool(dev)
+    if page_size is not None and page_size != pool.page_size:
+        raise InvalidArgumentError(
+            f"page_size {page_size} differs from the default pool's {pool.page_size}; "
+            "pass capacity_bytes or a pool of that page size"
+        )
+    return dev, pool

@@ -1,0 +1,321 @@
+"""The OpenAI wire format the server speaks: request bodies (validated with pydantic), the mapping of a body
+to SamplingParams, incremental detokenization with stop strings, and the JSON of responses and stream chunks.
+
+Kept apart from server.py so that what a request means is testable without HTTP or an engine. Fields of the
+OpenAI API that the engine cannot honour (logprobs, penalties, logit bias, tools, ...) are refused with a
+clear message rather than silently ignored; unknown extra fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ...errors import RequestError
+
+
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class _Sampling(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # Fields outside the OpenAI API that OpenAI-compatible servers commonly accept (pass via extra_body).
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    # OpenAI fields the engine does not implement: accepted only at their neutral value.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    logprobs: Any = None
+    best_of: int | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = []
+        if self.presence_penalty not in (None, 0, 0.0):
+            bad.append("presence_penalty")
+        if self.frequency_penalty not in (None, 0, 0.0):
+            bad.append("frequency_penalty")
+        if self.logit_bias:
+            bad.append("logit_bias")
+        if self.logprobs not in (None, False, 0):
+            bad.append("logprobs")
+        if self.best_of not in (None, self.n):
+            bad.append("best_of")
+        return bad
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not s for s in stops):
+            raise RequestError("stop strings must not be empty", param="stop")
+        if len(stops) > 4:
+            raise RequestError("at most 4 stop strings", param="stop")
+        return stops
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_Sampling):
+    # A string, a list of token ids, or a batch of either: each prompt becomes its own engine request.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _nonempty(cls, v):
+        if isinstance(v, list) and len(v) == 0:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.echo:
+            bad.append("echo")
+        if self.suffix:
+            bad.append("suffix")
+        return bad
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # OpenAI allows content as a list of parts; only text parts can be rendered by a text chat template.
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError("only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: list | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.tools:
+            bad.append("tools")
+        return bad
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
+    """Validate a decoded JSON body; RequestError with the first problem otherwise."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise RequestError(
+            f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None
+        ) from None
+    bad = req.unsupported()
+    if bad:
+        raise RequestError(f"not supported by this server: {', '.join(bad)}", param=bad[0])
+    return req
+
+
+def sampling_kwargs(req: _Sampling, max_tokens: int) -> dict:
+    """Keyword arguments of SamplingParams for a request (validation of the values is SamplingParams' job)."""
+    kw: dict[str, Any] = {"max_tokens": max_tokens, "n": req.n, "ignore_eos": req.ignore_eos}
+    if req.temperature is not None:
+        kw["temperature"] = req.temperature
+    if req.top_p is not None:
+        kw["top_p"] = req.top_p
+    if req.top_k is not None:
+        kw["top_k"] = req.top_k
+    if req.seed is not None:
+        kw["seed"] = req.seed
+    if req.stop_token_ids:
+        kw["stop_token_ids"] = tuple(req.stop_token_ids)
+    return kw
+
+
+# --------------------------------------------------------------------------------------------------------
+# Incremental detokenization
+
+
+@dataclass
+class ChoiceText:
+    """The text of one choice as tokens arrive: what may be sent now, and where a stop string ended it.
+
+    Text is always the decode of all tokens so far (decoding token by token would split multi-byte
+    characters and break tokenizers that merge spaces), and a delta is the part past what was already sent.
+    Text is held back while it ends in an incomplete character (U+FFFD) or could be the start of a stop
+    string, so the concatenated deltas equal the final text exactly.
+    """
+
+    tokenizer: Any
+    stops: tuple[str, ...] = ()
+    sent: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    sent_tokens: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, token_ids: list[int], finish_reason: str | None) -> None:
+        """Take the choice's token ids so far (and the engine's finish reason, if it finished)."""
+        if self.done:
+            return
+        self.token_ids = list(token_ids)
+        if self.tokenizer is not None:
+            self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            if self.stops:
+                start = max(0, len(self.sent) - max(len(s) for s in self.stops))
+                hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+                if hits:
+                    self.text = self.text[: min(hits)]
+                    self.finish_reason = "stop"
+                    return
+        self.finish_reason = finish_reason
+
+    def delta(self) -> tuple[str, list[int]]:
+        """Text and token ids not sent yet that are safe to send; marks them sent."""
+        new_tokens = self.token_ids[self.sent_tokens :]
+        self.sent_tokens = len(self.token_ids)
+        if self.done:
+            safe = self.text
+        else:
+            safe = self.text
+            if safe.endswith("\ufffd"):
+                safe = safe.rstrip("\ufffd")
+            if self.stops:
+                safe = safe[: max(len(self.sent), len(safe) - (max(len(s) for s in self.stops) - 1))]
+        if not safe.startswith(self.sent):
+            # An earlier character changed with more context (rare with byte-level tokenizers): wait until
+            # the text is final; the remainder goes out then.
+            if not self.done:
+                return "", new_tokens
+        out = safe[len(self.sent) :]
+        self.sent = safe
+        return out, new_tokens
+
+
+# --------------------------------------------------------------------------------------------------------
+# Response bodies
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(rid: str, model: str, created: int, choices: list[dict], use: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }
+
+
+def completion_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+    # token_ids is an extension (OpenAI clients keep unknown fields): models without a tokenizer answer
+    # with token ids only, and clients can check exactly what was generated.
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+
+
+def completion_chunk(rid: str, model: str, created: int, choices: list[dict], use: dict | None = None) -> dict:
+    body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def chat_body(rid: str, model: str, created: int, choices: list[dict], use: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }
+
+
+def chat_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "token_ids": token_ids,
+    }
+
+
+def chat_chunk(rid: str, model: str, created: int, choices: list[dict], use: dict | None = None) -> dict:
+    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def chat_delta_choice(index: int, delta: dict, token_ids: list[int], finish_reason: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+
+
+def model_list(name: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "vpaged"}]}
+
+
+def now() -> int:
+    return int(time.time())
