@@ -17,6 +17,7 @@ from vpaged.errors import BackendError, DTypeError, InvalidArgumentError, ShapeE
 from vpaged.kvcache.virtual.cache import BatchedKV
 from vpaged.kvcache.virtual.layout import Layout
 from vpaged.memory.device import default_page_size, normalize_device
+from vpaged.ops.plans import layer_plan
 
 HKV = 2
 LENGTHS = [1, 37, 300, 129, 17]  # 300 is max_seq_len
@@ -678,7 +679,7 @@ def test_cache_steps_refuse_what_the_kernel_must_not_read():
         cache.write(1, s, torch.randn(n, HKV, 64).to(torch.bfloat16), torch.randn(n, HKV, 64).to(torch.bfloat16))
     q = torch.randn(2, HKV, 64).to(torch.bfloat16)
     ops.decode_attention(q, cache, seqs, 1)  # the layer's parameters now exist
-    base = ops._layer_plan(cache, 1).params
+    base = layer_plan(cache, 1).params
     out = poisoned(q)
     rows = dict(q=q.data_ptr(), out=out.data_ptr(), num_heads=HKV, scale=0.125)
     capacity = base.max_tokens  # tokens a slot can hold: the entry refuses longer lengths

@@ -15,6 +15,7 @@ from test_decode_kernels import DTYPES, HKV, ISAS, build, check, force_isa, pois
 import vpaged
 from vpaged import _C, PagedKVCache, VirtualKVCache, ops
 from vpaged.errors import CacheClosedError, DTypeError, InvalidArgumentError, ShapeError
+from vpaged.ops.plans import layer_plan
 
 
 @pytest.fixture
@@ -169,7 +170,7 @@ def test_plan_follows_replaced_pools_and_dies_with_the_cache():
     seqs = [m.new(), m.new()]
     m.grow(seqs, 11)
     m.check(seqs)
-    plan = ops._layer_plan(m.cache, 1)
+    plan = layer_plan(m.cache, 1)
     assert plan.params.paged and plan.params.max_tokens == 32
     # New pools for layer 1 (the attribute is public): the step path must read them, not the old memory.
     for pools in (m.cache.key_caches, m.cache.value_caches):
@@ -177,15 +178,15 @@ def test_plan_follows_replaced_pools_and_dies_with_the_cache():
     for s in seqs:
         m.kv[s][1] = list(m.cache.kv(1, s))
     m.check(seqs, layers=[1])
-    assert ops._layer_plan(m.cache, 1) is not plan
+    assert layer_plan(m.cache, 1) is not plan
     # New storage under the same tensor objects (`.data =`): the plan must follow the storage, not the object.
-    plan = ops._layer_plan(m.cache, 1)
+    plan = layer_plan(m.cache, 1)
     for pools in (m.cache.key_caches, m.cache.value_caches):
         pools[1].data = torch.randn_like(pools[1])
     for s in seqs:
         m.kv[s][1] = list(m.cache.kv(1, s))
     m.check(seqs, layers=[1])
-    assert ops._layer_plan(m.cache, 1) is not plan
+    assert layer_plan(m.cache, 1) is not plan
     # close() releases the pools (the plans keep no reference to them), and the plans go with the cache.
     pool = weakref.ref(m.cache.key_caches[0])
     cache = weakref.ref(m.cache)
@@ -313,7 +314,7 @@ def test_entry_checks_every_length_and_block_before_reading():
     (never clamped to some block in the pool)."""
     cache, seqs, _ = build("paged8", torch.float32, 64, [9, 20], layers=1)
     q = torch.randn(2, HKV, 64)
-    base = ops._layer_plan(cache, 0).params
+    base = layer_plan(cache, 0).params
     tables, lengths = cache.tables_and_lengths(seqs)
     assert tables == [cache.blocks(s) for s in seqs] and lengths == [9, 20]
     n = cache.num_blocks
@@ -340,7 +341,7 @@ def test_entry_checks_every_length_and_block_before_reading():
     s = contiguous.allocate()
     contiguous.extend(s, 3)
     with pytest.raises(InvalidArgumentError, match="block pools"):
-        _C.decode_cpu_tables(**{**call, "base": ops._layer_plan(contiguous, 0).params}, block_tables=[[0]], lengths=[3])
+        _C.decode_cpu_tables(**{**call, "base": layer_plan(contiguous, 0).params}, block_tables=[[0]], lengths=[3])
     assert torch.isnan(out).all()
     # Entries past the blocks a length reaches are not read, so not checked (the cache keeps none).
     _C.decode_cpu_tables(block_tables=[t0 + [n + 5], t1], lengths=lengths, **call)

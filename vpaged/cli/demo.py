@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import OutOfPagesError, SlotsExhaustedError
-from ..kvcache.virtual.cache import VirtualKVCache
+from ..kvcache import VirtualKVCache
 
 
 @dataclass

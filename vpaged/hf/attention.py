@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kvcache.virtual.cache import BatchedKV
+from ..kvcache import BatchedKV
 from ..ops import decode_attention_contiguous
 
 NAME = "vpaged"

@@ -43,9 +43,9 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..errors import DTypeError, InvalidArgumentError, ShapeError
+from ..kvcache import CacheStats, VirtualKVCache
 from ..kvcache.checks import check_positive_int
 from ..kvcache.geometry import KVGeometry
-from ..kvcache.virtual.cache import CacheStats, VirtualKVCache
 from ..memory.device import normalize_device
 from ..memory.pool import PagePool
 from .compat import CacheBase, cache_keyword, cache_kwargs, layer_plan, register_attention, support_status  # noqa: F401

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import DTypeError, InvalidArgumentError, ShapeError, SlotsExhaustedError
-from ..kvcache.virtual.cache import VirtualKVCache
+from ..kvcache import VirtualKVCache
 from ..memory.device import normalize_device
 from ..memory.pool import default_pool
 

@@ -80,3 +80,56 @@ def lookup_sequence(table: dict, seq, next_id: int):
     if isinstance(seq, int) and 0 <= seq < next_id:
         raise UnknownSequenceError(f"sequence {seq} has been freed")
     raise UnknownSequenceError(f"no sequence {seq!r} in this cache")
+
+
+# The element types vpaged's decode kernels read (a BatchedKV is made for them; write_kv also takes float64).
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def index_tensor(t, name: str, shape: tuple, device: torch.device) -> torch.Tensor:
+    """An integer tensor as dense int32 on `device` (converted when needed: tables are small)."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ShapeError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise DTypeError(f"{name} must hold integers, got {t.dtype}")
+    if t.device != device:
+        raise InvalidArgumentError(f"{name} is on {t.device}, q on {device}")
+    if t.dtype != torch.int32:
+        if t.numel() and (int(t.min()) < -(2**31) or int(t.max()) >= 2**31):
+            raise InvalidArgumentError(f"{name} holds values outside int32")
+        t = t.to(torch.int32)
+    return t.contiguous()
+
+
+def check_lengths(
+    lengths: torch.Tensor, capacity: int, tables: torch.Tensor | None = None, block_size: int = 0, num_blocks: int = 0
+) -> int:
+    """Every length in 1..capacity and, for block tables, every block a length reaches a valid id. One
+    read-back to the host. Returns the longest length."""
+    if lengths.numel() == 0:
+        return 1
+    checks = [lengths.min(), lengths.max()]
+    if tables is not None:
+        used = (lengths.to(torch.int64) + block_size - 1) // block_size  # blocks each sequence reaches
+        reached = (
+            torch.arange(tables.shape[1], device=tables.device)[None, :] < used.clamp(max=tables.shape[1])[:, None]
+        )
+        bad = reached & ((tables < 0) | (tables >= num_blocks))
+        checks.append(bad.sum())
+    lo, hi, *bad_blocks = torch.stack([c.to(torch.int64) for c in checks]).tolist()
+    if lo < 1:
+        raise InvalidArgumentError(f"every sequence must hold at least one token; a length is {lo}")
+    if hi > capacity:
+        raise InvalidArgumentError(f"a length of {hi} exceeds the capacity of {capacity} tokens per sequence")
+    if bad_blocks and bad_blocks[0]:
+        raise InvalidArgumentError(
+            f"{bad_blocks[0]} block table entries below the lengths are outside 0..{num_blocks - 1}"
+        )
+    return hi
+
+
+def check_kernel_dtype(dtype: torch.dtype, what: str) -> None:
+    if dtype not in KERNEL_DTYPES:
+        raise DTypeError(f"{what} holds {dtype}; decode kernels support float32, float16 and bfloat16")

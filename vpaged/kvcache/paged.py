@@ -29,7 +29,7 @@ from ..errors import (
 from ..memory.device import normalize_device
 from .base import KVCacheBase
 from .checks import check_kv, check_layer, check_positive_int, check_token_count, is_int, lookup_sequence, write_start
-from .records import PagedCacheStats
+from .records import BlockPools, PagedCacheStats
 
 BLOCK_SIZES = (8, 16, 32)
 
@@ -310,6 +310,29 @@ class PagedKVCache(KVCacheBase):
         lens = self._len
         return tables, [lens[s] for s in seqs]
 
+    def decode_source(self, layer: int) -> BlockPools:
+        """The layer's block pools and the geometry they must have, for a decode kernel's plan (vpaged.ops)."""
+        self._check_open()
+        check_layer(layer, self.num_layers)
+        if self.accounting_only:
+            raise InvalidArgumentError("the cache is accounting-only: it keeps block tables but holds no K/V")
+        return BlockPools(
+            self.key_caches[layer],
+            self.value_caches[layer],
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.v_head_dim,
+            self.dtype,
+            self.device,
+            self.max_seq_len,
+        )
+
+    def decode_rows(self, seqs) -> tuple[list[list[int]], list[int]]:
+        """Where a step's sequences are for a block-table kernel: (block tables, lengths)."""
+        return self.tables_and_lengths(seqs)
+
     def lengths(self, seqs) -> torch.Tensor:
         """int32 [len(seqs)] sequence lengths on the cache's device."""
         return torch.tensor([self.seq_len(s) for s in seqs], dtype=torch.int32, device=self.device)
@@ -355,6 +378,7 @@ class PagedKVCache(KVCacheBase):
         self._blocks.clear()
         self._len.clear()
         self.key_caches, self.value_caches = [], []
+        self.kernel_plans.clear()  # their parameters address memory that is gone
         self._closed = True
 
     def __repr__(self) -> str:

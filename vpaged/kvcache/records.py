@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidArgumentError, ShapeError
+from .checks import check_kernel_dtype, check_lengths, index_tensor
+
 
 @dataclass(frozen=True)
 class CacheStats:
@@ -121,7 +124,102 @@ class BatchedKV:
     def from_tensors(cls, k: torch.Tensor, v: torch.Tensor, lengths, layout: str = "bthd") -> BatchedKV:
         """A descriptor over ordinary dense K/V tensors, [B, T, H, D] ("bthd") or [B, H, T, D] ("bhtd"), e.g.
         a StaticCache's, with lengths[i] valid tokens in row i; V may have its own head dim (last dimension)
-        and strides. See vpaged.ops.batched_kv_from_tensors."""
-        from ..ops import batched_kv_from_tensors  # ops imports the caches, which import this module
+        and strides. Also vpaged.ops.batched_kv_from_tensors."""
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ShapeError(f"{name} must be 4-d ([B, T, H, D] or [B, H, T, D]), got {list(t.shape)}")
+        if layout not in ("bthd", "bhtd"):
+            raise InvalidArgumentError(f"layout must be 'bthd' ([B, T, H, D]) or 'bhtd' ([B, H, T, D]), got {layout!r}")
+        if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype or k.device != v.device:
+            raise ShapeError(
+                f"k {list(k.shape)} {k.dtype} {k.device} and v {list(v.shape)} {v.dtype} {v.device} differ "
+                "(only the head dim, the last dimension, may)"
+            )
+        check_kernel_dtype(k.dtype, "k")
+        batch, tokens, heads, dim, slot_stride, token_stride, head_stride = _dense_strides("k", k, layout)
+        *_, v_dim, v_slot_stride, v_token_stride, v_head_stride = _dense_strides("v", v, layout)
+        if isinstance(lengths, torch.Tensor):
+            lengths = index_tensor(lengths, "lengths", (batch,), k.device)
+            if k.device.type == "cpu":
+                check_lengths(lengths, tokens)
+        else:
+            if isinstance(lengths, int) and not isinstance(lengths, bool):
+                lengths = [lengths] * batch
+            lengths = list(lengths)
+            if len(lengths) != batch:
+                raise ShapeError(f"lengths has {len(lengths)} entries for {batch} sequences")
+            if not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= tokens for n in lengths):
+                raise InvalidArgumentError(f"lengths must be ints in 1..{tokens}, got {lengths}")
+            lengths = torch.tensor(lengths, dtype=torch.int32, device=k.device)
+        slots = torch.arange(batch, dtype=torch.int32, device=k.device)
+        return cls(
+            k.data_ptr(),
+            v.data_ptr(),
+            slots,
+            lengths,
+            slot_stride,
+            token_stride,
+            head_stride,
+            heads,
+            dim,
+            k.dtype,
+            k.device,
+            layout,
+            (k, v),
+            v_head_dim=v_dim,
+            v_slot_stride=v_slot_stride,
+            v_token_stride=v_token_stride,
+            v_head_stride=v_head_stride,
+        )
 
-        return batched_kv_from_tensors(k, v, lengths, layout)
+
+def _dense_strides(name: str, t: torch.Tensor, layout: str) -> tuple[int, int, int, int, int, int, int]:
+    """(batch, tokens, heads, dim, slot_stride, token_stride, head_stride) of a [B, T, H, D] / [B, H, T, D]
+    tensor whose heads' rows are dense and whose tokens and heads do not overlap."""
+    if layout == "bthd":
+        batch, tokens, heads, dim = t.shape
+        slot_stride, token_stride, head_stride, row_stride = t.stride()
+    else:
+        batch, heads, tokens, dim = t.shape
+        slot_stride, head_stride, token_stride, row_stride = t.stride()
+    if min(t.shape) == 0:
+        raise ShapeError(f"{name} must not be empty, got {list(t.shape)}")
+    if not 1 <= dim <= 256:
+        raise ShapeError(f"{name}'s head dim must be in 1..256, got {dim}")
+    if (row_stride != 1 and dim > 1) or min(t.stride()) < 0:
+        raise InvalidArgumentError(
+            f"each head's row of {name} ({dim} elements) must be dense, got strides {t.stride()}"
+        )
+    if heads == 1:
+        head_stride = dim  # one head: its stride is never used
+    if tokens == 1:
+        token_stride = max(token_stride, heads * dim if head_stride == dim else dim)  # one token: likewise
+    if head_stride == dim:
+        if token_stride < heads * dim:
+            raise InvalidArgumentError(f"tokens of {name} overlap: token stride {token_stride} < {heads} heads x {dim}")
+    elif head_stride < tokens * token_stride or token_stride < dim:
+        raise InvalidArgumentError(
+            f"the strides {t.stride()} of {name} do not give every head a run of {tokens} tokens"
+        )
+    return batch, tokens, heads, dim, slot_stride, token_stride, head_stride
+
+
+@dataclass(frozen=True)
+class BlockPools:
+    """One layer of a PagedKVCache as a block-table kernel reads it: the two dense block pools
+    key_cache [num_blocks, block_size, num_kv_heads, head_dim] and value_cache (its own head dim), and what the
+    cache says they hold, which a kernel plan checks the pools against (pools of another dtype or fewer blocks
+    would let a kernel read and write past its buffers)."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    max_seq_len: int  # tokens a sequence may hold: the capacity a length is checked against

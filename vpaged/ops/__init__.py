@@ -1,14 +1,25 @@
-"""vpaged.ops: kernels over vpaged caches (decode attention, K/V scatter writes)."""
+"""vpaged.ops: kernels over vpaged caches.
+
+    decode_attention(q, cache, seqs, layer)            a cache's layer through its plan (plans.py)
+    decode_attention_contiguous(q, batched_kv)         contiguous-with-lengths kernel (VirtualKVCache.batch())
+    decode_attention_paged(q, key_cache, value_cache, block_tables, lengths)   block-table kernel
+    decode_attention_reference(q, cache, seqs, layer)  torch SDPA per sequence
+    batched_kv_from_tensors(k, v, lengths)             BatchedKV over ordinary dense tensors
+    write_kv(k, v, batched_kv, rows, positions)        scatter new tokens' K/V into a cache (write.py)
+
+decode.py holds the tensor-level entry points, plans.py the per-layer plans a cache's memory gets,
+checks.py the argument checks, launch.py the kernel parameters and launches, write.py the K/V scatter.
+"""
 
 from .decode import (
     batched_kv_from_tensors,
-    decode_attention,
     decode_attention_contiguous,
     decode_attention_paged,
     decode_attention_reference,
-    plan_cuda_splits,
-    write_kv,
 )
+from .launch import plan_cuda_splits
+from .plans import decode_attention
+from .write import write_kv
 
 __all__ = [
     "batched_kv_from_tensors",

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import OutOfPagesError, SlotsExhaustedError
+from ..kvcache import VirtualKVCache
 from ..kvcache.accounting import MemoryBreakdown, breakdown_of, page_fill
 from ..kvcache.paged import PagedKVCache
-from ..kvcache.virtual.cache import VirtualKVCache
 from ..memory.pool import PagePool
 from .shapes import ModelShape
 from .traces import SimRequest

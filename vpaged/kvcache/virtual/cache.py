@@ -254,6 +254,7 @@ class VirtualKVCache(KVCacheBase):
 
     def batch(self, layer: int, seqs) -> BatchedKV:
         """Descriptor of one layer's K/V of `seqs` for decode kernels with per-sequence lengths."""
+        self._check_open()
         check_layer(layer, self.num_layers)
         if self.pool.accounting_only:
             raise InvalidArgumentError(
@@ -267,6 +268,15 @@ class VirtualKVCache(KVCacheBase):
         slots = [self._live_slot(s) for s in seqs]
         lengths = self._slots.length_tokens
         return slots, [lengths[s] for s in slots]
+
+    def decode_source(self, layer: int) -> BatchedKV:
+        """The layer's K/V of every slot (no sequence yet) for a decode kernel's plan (vpaged.ops): addresses
+        and strides never change while the cache is open."""
+        return self.batch(layer, [])
+
+    def decode_rows(self, seqs) -> tuple[list[int], list[int]]:
+        """Where a step's sequences are for the contiguous kernel: (slots, lengths)."""
+        return self.slots_and_lengths(seqs)
 
     def kv_layers(self, seq: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """K/V of tokens start..stop-1 (default: all present) in every layer, as one zero-copy view of shape
@@ -423,6 +433,7 @@ class VirtualKVCache(KVCacheBase):
         self._swapped.clear()
         self._range.unmap_all_unpinned()  # waits for the cache's streams first
         self._pages = self._range = self._views = self._reclaim = None
+        self.kernel_plans.clear()  # their parameters address memory that is gone
         self._closed = True
         self.pool.unregister(self)
 

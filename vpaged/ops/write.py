@@ -1,0 +1,128 @@
+"""write_kv: scatter a step's new K/V rows into a cache through a BatchedKV, one extension call per layer."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+from ..errors import DTypeError, InvalidArgumentError, ShapeError
+from ..kvcache.checks import index_tensor
+from ..kvcache.records import BatchedKV
+from ..memory.dtypes import itemsize
+from .checks import check_extent, owner_extent
+
+_WRITE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batched_kv: BatchedKV,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    writable_from: torch.Tensor | None = None,
+    check_mapped: bool = True,
+) -> None:
+    """Scatter new tokens' K/V into the cache a BatchedKV describes, in one extension call.
+
+    k [N, num_kv_heads, head_dim] and v [N, num_kv_heads, v_head_dim] (the cache's dtype and device; any row
+    and head strides, each head's elements dense): row i goes to token positions[i] of sequence rows[i] of the
+    descriptor (its slot batched_kv.slots[rows[i]]), through the descriptor's base pointers and strides, so
+    every layout the decode kernel reads (per_layer, interleaved, head_major) is written alike. Rows naming the
+    same token leave one of them there (which one is unspecified).
+
+    Every row is checked before anything is written (in the extension, on host copies of the indices): the
+    sequence index in 0..B-1, the position below that sequence's length in the descriptor (the tokens it has
+    mapped) and at or above writable_from[rows[i]] when given (VirtualKVCache.writable_range(): tokens before it
+    may share pages with other sequences), and the bytes inside the cache's memory. A bad row raises
+    InvalidArgumentError and writes nothing. check_mapped (default) also asks the range that the descriptor's
+    lengths are still mapped (a stale descriptor, kept past free() / truncate() / swap_out(), is refused);
+    a caller that took the descriptor's lengths from the cache just now may skip it.
+
+    The index tensors (rows, positions, writable_from, and the descriptor's slots and lengths) are read on the
+    host: on CUDA that is a synchronisation for any that live on the device (CPU tensors avoid it; the
+    descriptor's slots and lengths may be CPU tensors here). The copy runs on torch.cuda.current_stream()."""
+    kv = batched_kv
+    if not isinstance(kv, BatchedKV):
+        raise InvalidArgumentError(f"batched_kv must be a BatchedKV (VirtualKVCache.batch()), got {type(kv).__name__}")
+    if kv.dtype not in _WRITE_DTYPES:
+        raise DTypeError(f"write_kv supports {', '.join(map(str, _WRITE_DTYPES))}; the cache holds {kv.dtype}")
+    n = _check_rows("k", k, None, kv.num_kv_heads, kv.head_dim, kv.dtype, kv.device)
+    _check_rows("v", v, n, kv.num_kv_heads, kv.v_head_dim, kv.dtype, kv.device)
+    slots_h = _host(kv.slots, "the descriptor's slots")
+    if slots_h.dim() != 1:
+        raise ShapeError(f"the descriptor's slots must be a 1-d tensor, got {list(slots_h.shape)}")
+    num_seqs = slots_h.shape[0]
+    host = torch.device("cpu")
+    slots_h = index_tensor(slots_h, "the descriptor's slots", (num_seqs,), host)
+    lengths_h = index_tensor(
+        _host(kv.lengths, "the descriptor's lengths"), "the descriptor's lengths", (num_seqs,), host
+    )
+    rows_h = index_tensor(_host(rows, "rows"), "rows", (n,), host)
+    pos_h = index_tensor(_host(positions, "positions"), "positions", (n,), host)
+    from_h = None
+    if writable_from is not None:
+        from_h = index_tensor(_host(writable_from, "writable_from"), "writable_from", (num_seqs,), host)
+    p = _C.WriteKVParams()
+    p.itemsize = itemsize(kv.dtype)
+    p.num_rows, p.num_seqs = n, num_seqs
+    p.num_kv_heads, p.head_dim, p.v_head_dim = kv.num_kv_heads, kv.head_dim, kv.v_head_dim
+    p.k, p.v = k.data_ptr(), v.data_ptr()
+    p.k_row_stride, p.k_head_stride = k.stride(0), k.stride(1)
+    p.v_row_stride, p.v_head_stride = v.stride(0), v.stride(1)
+    p.k_cache, p.v_cache = kv.k_ptr, kv.v_ptr
+    p.slot_stride, p.token_stride, p.head_stride = kv.slot_stride, kv.token_stride, kv.head_stride
+    p.v_slot_stride, p.v_token_stride, p.v_cache_head_stride = kv.v_slot_stride, kv.v_token_stride, kv.v_head_stride
+    owners = kv.owner if isinstance(kv.owner, tuple) else (kv.owner, kv.owner)  # from_tensors: (k, v)
+    extents = [owner_extent(o) for o in owners]
+    if extents[0] is not None:
+        p.extent_lo, p.extent_hi = extents[0]
+    if extents[1] is not None:
+        p.v_extent_lo, p.v_extent_hi = extents[1]
+    p.slots, p.lengths, p.rows, p.positions = (
+        slots_h.data_ptr(),
+        lengths_h.data_ptr(),
+        rows_h.data_ptr(),
+        pos_h.data_ptr(),
+    )
+    p.writable_from = from_h.data_ptr() if from_h is not None else 0
+    if check_mapped and n:
+        named = sorted(set(rows_h.tolist()))
+        if named and 0 <= named[0] and named[-1] < num_seqs:
+            check_extent(kv, [int(slots_h[i]) for i in named], [int(lengths_h[i]) for i in named])
+    if k.device.type == "cpu":
+        _C.write_kv_cpu(p, torch.get_num_threads())
+        return
+    _C.write_kv_check(p)  # every row, on the host copies, before anything is launched
+    if n == 0:
+        return
+    dev = k.device
+    on_dev = [t.to(dev, non_blocking=True) for t in (slots_h, lengths_h, rows_h, pos_h)]
+    p.slots, p.lengths, p.rows, p.positions = (t.data_ptr() for t in on_dev)
+    if from_h is not None:
+        from_d = from_h.to(dev, non_blocking=True)
+        p.writable_from = from_d.data_ptr()
+    _C.write_kv_cuda(p, dev.index, torch.cuda.current_stream(dev).cuda_stream)
+
+
+def _check_rows(name: str, t, n: int | None, heads: int, dim: int, dtype: torch.dtype, device) -> int:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    rows = t.shape[0] if t.dim() == 3 else -1
+    if t.dim() != 3 or tuple(t.shape[1:]) != (heads, dim) or (n is not None and rows != n):
+        want = f"[{n if n is not None else 'N'}, {heads}, {dim}]"
+        raise ShapeError(f"{name} must be {want} (rows, kv heads, head dim), got {list(t.shape)}")
+    if t.dtype != dtype:
+        raise DTypeError(f"{name} has dtype {t.dtype}, the cache holds {dtype}")
+    if t.device != device:
+        raise InvalidArgumentError(f"{name} is on {t.device}, the cache on {device}")
+    if (dim > 1 and t.stride(2) != 1) or min(t.stride()) < 0:
+        raise InvalidArgumentError(f"each head's row of {name} must be dense, got strides {t.stride()}")
+    return rows
+
+
+def _host(t, name: str):
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t.cpu()
