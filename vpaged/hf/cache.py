@@ -49,53 +49,8 @@ from ..kvcache.geometry import KVGeometry
 from ..memory.device import normalize_device
 from ..memory.pool import PagePool
 from .compat import CacheBase, cache_keyword, cache_kwargs, layer_plan, register_attention, support_status  # noqa: F401
+from .config import ATTENTION_TYPES, config_dtype, layer_kinds
 from .groups import KVGroup, WindowGroup
-
-# Layer kinds held in vpaged. A sliding-window layer is served correctly by a full cache (transformers'
-# sliding mask hides the tokens outside the window); bounded_sliding=True keeps only its window.
-_ATTENTION_TYPES = ("full_attention", "sliding_attention")
-# Layer kinds left to transformers' own layer classes: recurrent (Mamba / linear attention / short conv)
-# states, and layers with no attention at all.
-_DELEGATED_TYPES = ("linear_attention", "conv", "moe", "mlp", "dummy")
-
-
-def _text_config(config):
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
-def _layer_kinds(config) -> list[tuple[str, dict]]:
-    """(layer type, kwargs of transformers' layer class) of every layer; raises for kinds vpaged cannot hold."""
-    text = _text_config(config)
-    try:
-        layers = int(text.num_hidden_layers)
-    except AttributeError as e:
-        raise InvalidArgumentError(
-            f"config {type(config).__name__} lacks {e.name}: pass num_layers explicitly (and config=None)"
-        ) from e
-    if any(mode == "reuse" for mode in (getattr(text, "kv_sharing_modes", None) or [])):
-        raise InvalidArgumentError("VPagedCache does not support models whose layers share another layer's K/V")
-    plan = layer_plan(text)
-    if len(plan) != layers:
-        raise InvalidArgumentError(
-            f"VPagedCache does not support models whose layers share another layer's K/V ({len(plan)} of "
-            f"{layers} layers hold their own)"
-        )
-    odd = sorted({t for t, _ in plan if t not in _ATTENTION_TYPES + _DELEGATED_TYPES})
-    if odd:
-        raise InvalidArgumentError(
-            f"VPagedCache holds attention K/V and delegates {list(_DELEGATED_TYPES)} layers to transformers; "
-            f"this model has layer types {odd}, which it does not support"
-        )
-    if not any(t in _ATTENTION_TYPES for t, _ in plan):
-        raise InvalidArgumentError("this model has no attention layers: VPagedCache has nothing to hold")
-    return plan
-
-
-def _config_dtype(config) -> torch.dtype | None:
-    dtype = getattr(_text_config(config), "dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 class VPagedLayer(CacheLayerMixin):
@@ -237,10 +192,10 @@ class VPagedCache(CacheBase):
         bounded_sliding: bool = False,
     ):
         if config is not None:
-            plan = _layer_kinds(config)
+            plan = layer_kinds(config)
             if num_layers is not None and num_layers != len(plan):
                 raise InvalidArgumentError(f"num_layers={num_layers}, but the config has {len(plan)} layers")
-            dtype = dtype if dtype is not None else _config_dtype(config)
+            dtype = dtype if dtype is not None else config_dtype(config)
         elif num_layers is None:
             raise InvalidArgumentError("give a model config, or num_layers (num_kv_heads and head_dim are optional)")
         else:
@@ -287,7 +242,7 @@ class VPagedCache(CacheBase):
             for i, (kind, kw) in enumerate(plan)
             if self.bounded_sliding and kind == "sliding_attention" and kw.get("sliding_window")
         ]
-        full = [i for i, (t, _) in enumerate(plan) if t in _ATTENTION_TYPES and i not in windowed]
+        full = [i for i, (t, _) in enumerate(plan) if t in ATTENTION_TYPES and i not in windowed]
         windows = {plan[i][1]["sliding_window"] for i in windowed}
         if len(windows) > 1:
             raise InvalidArgumentError(f"bounded_sliding: the sliding layers have different windows {sorted(windows)}")
