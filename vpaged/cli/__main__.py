@@ -1,0 +1,5 @@
+"""`python -m vpaged.cli`: the `vpaged` command."""
+
+from .main import main
+
+raise SystemExit(main())
