@@ -19,7 +19,7 @@ across machines, where tokens/s are not. With --compare, the rows of a bench_ser
 both, and so is the time a row would need to run at 6x generate_batch's tokens/s.
 
   python benchmarks/bench_serve_floor.py
-  python benchmarks/bench_serve_floor.py --compare serve_cpu_throughput_4.json
+  python benchmarks/bench_serve_floor.py --compare serve_throughput-paged-first_xeon-avx512-2c.json
 
 Writes benchmarks/results/serve_floor_cpu.json.
 """
