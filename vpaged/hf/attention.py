@@ -24,9 +24,9 @@ import torch
 
 from ..kvcache import BatchedKV
 from ..ops import decode_attention_contiguous
+from ..ops.support import decode_supported
 
 NAME = "vpaged"
-_DECODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def vpaged_attention(
@@ -58,7 +58,6 @@ def _kernel_decodes(query, key, value, attention_mask, dropout, kwargs) -> bool:
         and attention_mask is None
         and not dropout
         and kwargs.get("softcap") is None
-        and key.dtype in _DECODE_DTYPES
         and query.dtype == key.dtype == value.dtype
         and key.device == query.device
         and key.shape == value.shape
@@ -67,7 +66,17 @@ def _kernel_decodes(query, key, value, attention_mask, dropout, kwargs) -> bool:
         and key.shape[2] > 0
         and query.shape[1] % key.shape[1] == 0
         and _kernel_layout_ok(key)
+        and _kernel_takes(query, key, value)
     )
+
+
+def _kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """The kernel's own limits on this device (ops.support): on CUDA, the head sizes it is built for and K/V
+    rows on 16-byte boundaries (q is made contiguous and out is fresh, so theirs hold); otherwise SDPA serves
+    the step."""
+    if key.device.type == "cuda" and (key.data_ptr() % 16 or value.data_ptr() % 16):
+        return False
+    return decode_supported(key.device, key.dtype, key.shape[3], value.shape[3], key.stride()[:3])
 
 
 def _kernel_layout_ok(key: torch.Tensor) -> bool:

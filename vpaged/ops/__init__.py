@@ -8,7 +8,8 @@
     write_kv(k, v, batched_kv, rows, positions)        scatter new tokens' K/V into a cache (write.py)
 
 decode.py holds the tensor-level entry points, plans.py the per-layer plans a cache's memory gets,
-checks.py the argument checks, launch.py the kernel parameters and launches, write.py the K/V scatter.
+checks.py the argument checks, launch.py the kernel parameters and launches, write.py the K/V scatter,
+support.py what the kernels take on each device.
 """
 
 from .decode import (
@@ -19,6 +20,7 @@ from .decode import (
 )
 from .launch import plan_cuda_splits
 from .plans import decode_attention
+from .support import decode_supported, decode_unsupported
 from .write import write_kv
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "decode_attention_contiguous",
     "decode_attention_paged",
     "decode_attention_reference",
+    "decode_supported",
+    "decode_unsupported",
     "plan_cuda_splits",
     "write_kv",
 ]
