@@ -70,12 +70,15 @@ def same(a, b):
 def test_sdpa_on_views_equals_sdpa_on_ordinary_tensors(layout, dtype, gen):
     cache = make(layout, dtype)
     seq = cache.allocate()
-    for n in (1000, 3000, 1):  # crosses 2 MiB pages in every layout
+    # 9,001 tokens cross 2 MiB pages in every layout and dtype: a page holds at most 8,192 of them (bf16
+    # head_major: one head's 128 elements per token in a run).
+    for n in (1000, 3000, 5000, 1):
         fill(cache, seq, n, gen)
+    assert cache.stats().tokens_per_page < 9001
     q = torch.randn(1, 8, 4, 128, device=DEV, generator=gen).to(dtype)  # GQA: 8 query heads on 2 kv heads
     for layer in range(cache.num_layers):
         k, v = cache.kv(layer, seq)
-        assert k.device == DEV and k.shape == (4001, 2, 128)
+        assert k.device == DEV and k.shape == (9001, 2, 128)
         dense_k, dense_v = k.clone(), v.clone()
         out_view = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], enable_gqa=True)
         out_dense = F.scaled_dot_product_attention(
