@@ -1188,6 +1188,38 @@ def test_unmapping_under_a_queued_kernel_is_a_sticky_illegal_address(drv, rng):
 
 
 @fake_driver_check()
+def test_copy_on_write_waits_for_a_stream_still_writing_the_source(drv, rng):
+    """A page a declared stream is still writing (its work queued, as a kernel writing K/V would be) is copied
+    only after that stream is done: the copy must not read the bytes from before the write. Both paths that
+    copy pages: copy_on_write (one index) and make_private (several)."""
+    g = drv.granularity
+    backend, pool = make_pool(drv, 16, 16)
+    r = C.VirtualRange(pool, 4 * g)
+    r.map_new([0, 1, 2])
+    side = drv.stream()
+    r.add_stream(side)
+    written = [random_bytes(rng, g) for _ in range(3)]
+    for index, data in enumerate(written):
+        pool.copy_from_host(r.page_at(index), data.ctypes.data, side)  # queued on the side stream
+    assert drv.pending(side) == 3
+    fresh = r.copy_on_write(0)
+    assert np.array_equal(page_contents(pool, fresh), written[0])
+    assert drv.pending(side) == 0
+    for index, data in ((1, random_bytes(rng, g)), (2, random_bytes(rng, g))):
+        written[index] = data
+        pool.copy_from_host(r.page_at(index), data.ctypes.data, side)
+    r.map_shared([3], [r.page_at(1)])  # index 1's page shared: make_private copies it
+    pool.incref(r.page_at(2))  # held elsewhere too (as a prefix block would): copied as well
+    held = r.page_at(2)
+    assert r.make_private([1, 2]) == 2
+    assert np.array_equal(page_contents(pool, r.page_at(1)), written[1])
+    assert np.array_equal(page_contents(pool, r.page_at(2)), written[2])
+    pool.decref(held)
+    r.unmap([0, 1, 2, 3])
+    assert pool.stats().used_pages == 0
+
+
+@fake_driver_check()
 def test_cache_waits_for_its_streams_before_unmapping(drv, rng):
     """VirtualKVCache's stream-safety protocol under a driver whose streams run late: kernels queued on the
     current and a declared side stream still read the pages that truncate/free/reclaim unmap; the cache
