@@ -1,4 +1,4 @@
-"""The CUDA backend (csrc/vmm/cuda_backend.cpp) through the low-level API: vpaged._C.cuda_backend,
+"""The CUDA backend (csrc/backends/cuda_backend.cpp) through the low-level API: vpaged._C.cuda_backend,
 PagePool, VirtualRange.
 
 Tests marked `gpu` need a usable CUDA device and skip with the backend's own reason otherwise. The

@@ -1,4 +1,4 @@
-"""The CUDA backend's logic without a GPU: csrc/vmm/cuda_backend.cpp driven through a fake driver.
+"""The CUDA backend's logic without a GPU: csrc/backends/cuda_backend.cpp driven through a fake driver.
 
 tests/fake_cuda/fake_libcuda.cpp is a libcuda.so.1 that implements the driver's VMM calls on host memory
 (allocations are memfds, reservations PROT_NONE mmaps, cuMemMap a MAP_SHARED|MAP_FIXED mmap) and enforces

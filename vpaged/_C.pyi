@@ -1,4 +1,4 @@
-# The C++ surface of vpaged (csrc/bindings.cpp, csrc/kernels/kernel_bindings.cpp), typed for readers and
+# The C++ surface of vpaged (csrc/bindings/: module.cpp, kernels.cpp, torch_allocator.cpp), typed for readers and
 # type checkers. Addresses and stream handles are ints. C++ exceptions arrive as the classes of
 # vpaged.errors (OutOfPages -> OutOfPagesError, ViewsAlive -> ViewsAliveError, ...).
 #
@@ -28,7 +28,6 @@ def cuda_unavailable_reason(device: int = 0) -> str: ...  # "" when CUDA is usab
 def cuda_granularity(device: int = 0) -> int: ...  # 0 when CUDA is unusable
 def cuda_device_count() -> int: ...
 def built_with_cuda() -> bool: ...
-def _raw_map_unmap_seconds_per_page(page_size: int, pages: int, design: str = "home", touch: bool = False) -> float: ...
 
 class PoolStats:
     page_size: int

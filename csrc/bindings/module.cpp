@@ -2,22 +2,18 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "backend.h"
-#include "dlpack.h"
-#include "errors.h"
-#include "page_pool.h"
-#include "virtual_range.h"
+#include "core/backend.h"
+#include "core/dlpack.h"
+#include "core/errors.h"
+#include "core/page_pool.h"
+#include "core/virtual_range.h"
 
 namespace py = pybind11;
 
-namespace vpaged {
-std::shared_ptr<Backend> make_per_page_host_backend(size_t page_size, size_t capacity_pages);
-double raw_map_unmap_seconds_per_page(size_t page_size, size_t pages, const std::string& design, bool touch);
-}  // namespace vpaged
 using namespace vpaged;
 
-void register_kernels(py::module_& m);          // csrc/kernels/kernel_bindings.cpp
-void register_torch_allocator(py::module_& m);  // csrc/torch_allocator_bindings.cpp
+void register_kernels(py::module_& m);          // csrc/bindings/kernels.cpp
+void register_torch_allocator(py::module_& m);  // csrc/bindings/torch_allocator.cpp
 
 namespace {
 
@@ -103,19 +99,12 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("host_backend", &make_host_backend, py::arg("page_size"), py::arg("capacity_pages"));
   m.def("accounting_backend", &make_accounting_backend, py::arg("page_size"), py::arg("capacity_pages"));
-  m.def("_per_page_host_backend", &make_per_page_host_backend, py::arg("page_size"), py::arg("capacity_pages"),
-        "Benchmark reference: the host backend that maps every page on its own (bench_mapping.py).");
   m.def("cuda_backend", &make_cuda_backend, py::arg("device"), py::arg("page_size"), py::arg("capacity_pages"),
         py::arg("reserve_pages") = 0);
   m.def("cuda_unavailable_reason", &cuda_unavailable_reason, py::arg("device") = 0);
   m.def("cuda_granularity", &cuda_granularity, py::arg("device") = 0);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("built_with_cuda", &built_with_cuda);
-  m.def("_raw_map_unmap_seconds_per_page", &raw_map_unmap_seconds_per_page, py::arg("page_size"), py::arg("pages"),
-        py::arg("design") = "home", py::arg("touch") = false,
-        "Benchmark floor: the bare system calls that map + unmap one page, in C++, for one host design "
-        "('per_page': mmap of a memfd page + PROT_NONE over it; 'anon': MADV_DONTNEED in an anonymous "
-        "mapping; 'home': punch the page's hole in a range-long memfd mapping). touch: write each page once.");
 
   py::class_<PoolStats>(m, "PoolStats")
       .def_readonly("page_size", &PoolStats::page_size)

@@ -1,4 +1,4 @@
-#include "virtual_range.h"
+#include "core/virtual_range.h"
 
 #include <algorithm>
 #include <map>
@@ -6,8 +6,8 @@
 #include <set>
 #include <string>
 
-#include "dlpack.h"
-#include "errors.h"
+#include "core/dlpack.h"
+#include "core/errors.h"
 
 namespace vpaged {
 
