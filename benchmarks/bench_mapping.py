@@ -83,9 +83,9 @@ def vpaged_map_unmap(page_size: int, pages: int, batch: int, repeats: int, backe
     groups = [[2 * i for i in range(g, min(g + batch, pages))] for g in range(0, pages, batch)]
 
     def once():
-        for slots in groups:
-            r.map_new(slots)
-            r.unmap(slots)
+        for indices in groups:
+            r.map_new(indices)
+            r.unmap(indices)
 
     return median_time(once, repeats) / pages
 
@@ -97,9 +97,9 @@ def python_crossing(page_size: int, pages: int, repeats: int) -> float:
     groups = [[2 * i] for i in range(pages)]
 
     def once():
-        for slots in groups:
-            r.pages_at(slots)
-            r.pinned_count(slots)
+        for indices in groups:
+            r.pages_at(indices)
+            r.pinned_count(indices)
 
     return median_time(once, repeats) / pages
 

@@ -154,29 +154,30 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("dst"), py::arg("host_ptr"), py::arg("stream") = 0);
 
-  // The Python names keep "slots" for a range's page indices (as Layout.page_slots() returns them).
+  // Page positions in the range are page indices here as in C++ ("slot" is a sequence's row in the caches).
   py::class_<VirtualRange, std::shared_ptr<VirtualRange>>(m, "VirtualRange")
       .def(py::init<std::shared_ptr<PagePool>, size_t>(), py::arg("pool"), py::arg("bytes"))
       .def_property_readonly("address", &VirtualRange::address)
       .def_property_readonly("bytes", &VirtualRange::bytes)
-      .def_property_readonly("num_slots", &VirtualRange::num_pages)
+      .def_property_readonly("num_pages", &VirtualRange::num_pages)
       .def_property_readonly("page_size", &VirtualRange::page_size)
-      .def_property_readonly("mapped_slots", &VirtualRange::mapped_pages)
+      .def_property_readonly("mapped_pages", &VirtualRange::mapped_pages)
       .def(
-          "map_new", [](VirtualRange& r, py::handle slots) { return r.map_new(index_list(slots)); }, py::arg("slots"))
+          "map_new", [](VirtualRange& r, py::handle indices) { return r.map_new(index_list(indices)); },
+          py::arg("indices"))
       .def(
           "map_shared",
-          [](VirtualRange& r, py::handle slots, py::handle pages) {
-            r.map_shared(index_list(slots), index_list(pages));
+          [](VirtualRange& r, py::handle indices, py::handle pages) {
+            r.map_shared(index_list(indices), index_list(pages));
           },
-          py::arg("slots"), py::arg("pages"))
+          py::arg("indices"), py::arg("pages"))
       .def(
-          "unmap", [](VirtualRange& r, py::handle slots) { r.unmap(index_list(slots)); }, py::arg("slots"))
-      .def("copy_on_write", &VirtualRange::copy_on_write, py::arg("slot"), py::arg("stream") = 0)
-      .def("make_private", &VirtualRange::make_private, py::arg("slots"), py::arg("stream") = 0)
-      .def("copies_needed", &VirtualRange::copies_needed, py::arg("slots"))
-      .def("assign", &VirtualRange::assign, py::arg("slots"), py::arg("pages"))
-      .def("refcounts_at", &VirtualRange::refcounts_at, py::arg("slots"))
+          "unmap", [](VirtualRange& r, py::handle indices) { r.unmap(index_list(indices)); }, py::arg("indices"))
+      .def("copy_on_write", &VirtualRange::copy_on_write, py::arg("index"), py::arg("stream") = 0)
+      .def("make_private", &VirtualRange::make_private, py::arg("indices"), py::arg("stream") = 0)
+      .def("copies_needed", &VirtualRange::copies_needed, py::arg("indices"))
+      .def("assign", &VirtualRange::assign, py::arg("indices"), py::arg("pages"))
+      .def("refcounts_at", &VirtualRange::refcounts_at, py::arg("indices"))
       .def("page_at", &VirtualRange::page_at)
       .def("pages_at", &VirtualRange::pages_at)
       .def("pins_at", &VirtualRange::pins_at)
@@ -186,7 +187,7 @@ PYBIND11_MODULE(_C, m) {
       .def("remove_stream", &VirtualRange::remove_stream, py::arg("stream"))
       .def_property_readonly("streams", &VirtualRange::streams)
       .def("wait_for_streams", &VirtualRange::wait_for_streams)
-      .def("pinned_count", &VirtualRange::pinned_count, py::arg("slots"))
+      .def("pinned_count", &VirtualRange::pinned_count, py::arg("indices"))
       .def(
           "view",
           [](VirtualRange& r, size_t offset, std::vector<int64_t> shape, std::vector<int64_t> strides, int code,

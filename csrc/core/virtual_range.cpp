@@ -78,7 +78,7 @@ std::vector<IndexRun> VirtualRange::runs(const std::vector<int64_t>& indices) {
 }
 
 bool VirtualRange::sort_unique(const std::vector<int64_t>& indices, std::vector<int64_t>& sorted) {
-  // Callers mostly pass indices in order (Layout.page_slots): then there is nothing to sort.
+  // Callers mostly pass indices in order (Layout.page_indices): then there is nothing to sort.
   if (std::is_sorted(indices.begin(), indices.end())) {
     return std::adjacent_find(indices.begin(), indices.end()) == indices.end();
   }
