@@ -111,7 +111,7 @@ class BuildExt(build_ext):
             workers.shutdown(wait=True)
 
     def describe_build(self, ext, cuda_home):
-        """Generate build_info.h (csrc/build_info.cpp compiles it into the extension). Rewritten only when
+        """Generate build_info.h (csrc/bindings/build_info.cpp compiles it into the extension). Rewritten only when
         its content changes, so an unchanged build stays up to date."""
         archs = cuda_archs() if cuda_home else []
         info = {
@@ -260,6 +260,8 @@ def newest_header() -> float:
     return max((p.stat().st_mtime for p in (ROOT / "csrc").rglob("*.h")), default=0.0)
 
 
+# Every C++ file under csrc/ (core, backends, kernels, torch_allocator, bindings) is part of vpaged._C; includes are
+# relative to csrc/ ("core/page_pool.h"). Benchmark-only C++ lives in benchmarks/csrc/, outside the extension.
 sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
 
 ext = Extension(

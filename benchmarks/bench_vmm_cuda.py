@@ -164,7 +164,7 @@ def bench_driver(quick: bool) -> dict:
 
 # --------------------------------------------------------------------------------------------------- 2
 def bench_map(quick: bool) -> dict:
-    """vpaged map_new / unmap per page over runs of slots, pages created ahead."""
+    """vpaged map_new / unmap per page over runs of page indices, pages created ahead."""
     gran = _C.cuda_granularity(DEVICE)
     runs = (1, 8, 64)
     capacity = max(runs)
@@ -174,16 +174,16 @@ def bench_map(quick: bool) -> dict:
     repeats = 10 if quick else 40
     rows, out = [], {}
     for run in runs:
-        slots = list(range(run))
-        r.map_new(slots)  # warm-up
-        r.unmap(slots)
+        indices = list(range(run))
+        r.map_new(indices)  # warm-up
+        r.unmap(indices)
         maps, unmaps = [], []
         m0, u0 = backend.map_calls, backend.unmap_calls
         for _ in range(repeats):
             t0 = time.perf_counter_ns()
-            r.map_new(slots)
+            r.map_new(indices)
             t1 = time.perf_counter_ns()
-            r.unmap(slots)
+            r.unmap(indices)
             t2 = time.perf_counter_ns()
             maps.append((t1 - t0) / run)
             unmaps.append((t2 - t1) / run)

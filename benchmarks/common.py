@@ -1,12 +1,16 @@
-"""Shared helpers of the benchmark scripts: machine facts, medians, JSON output."""
+"""Shared helpers of the benchmark scripts: machine facts, medians, JSON output, and the benchmark-only C++
+module (bench_ext)."""
 
 from __future__ import annotations
 
 import datetime
+import fcntl
+import importlib
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -69,3 +73,53 @@ def print_table(headers: list[str], rows: list[list]) -> None:
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
     for r in cells:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+BENCH_EXT_SOURCES = Path(__file__).resolve().parent / "csrc"
+BENCH_EXT_BUILD = Path(__file__).resolve().parent.parent / "build" / "bench_ext"
+
+
+def _pybind11_include() -> str:
+    """The pybind11 headers, found as setup.py finds them (pybind11, else torch's copy): vpaged_bench_ext
+    passes objects to vpaged._C, which works only when both were compiled against the same pybind11."""
+    try:
+        import pybind11
+
+        return pybind11.get_include()
+    except ImportError:
+        inc = Path(torch.__file__).resolve().parent / "include"
+        if (inc / "pybind11" / "pybind11.h").exists():
+            return str(inc)
+        raise RuntimeError("pybind11 headers not found: pip install pybind11") from None
+
+
+def bench_ext(build_dir: Path | None = None):
+    """vpaged_bench_ext: the C++ that only benchmarks need (benchmarks/csrc/: the per-page host backend and the
+    bare map + unmap loops), kept out of vpaged._C. Built on first use with setuptools into build/bench_ext/
+    (or build_dir) and rebuilt only when a source or a csrc/ header changed; a lock keeps concurrent callers
+    from building at once. Needs a C++ compiler and the Python headers."""
+    from setuptools import Distribution, Extension
+    from setuptools.command.build_ext import build_ext
+
+    import vpaged._C  # noqa: F401  (the module's Backend type must be registered first)
+
+    out = Path(build_dir or BENCH_EXT_BUILD).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    core = BENCH_EXT_SOURCES.parent.parent / "csrc"
+    ext = Extension(
+        "vpaged_bench_ext",
+        sources=sorted(str(p) for p in BENCH_EXT_SOURCES.glob("*.cpp")),
+        include_dirs=[_pybind11_include(), str(core)],
+        depends=sorted(str(p) for p in (core / "core").glob("*.h")),
+        language="c++",
+        extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden"],
+    )
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cmd = build_ext(Distribution({"name": "vpaged_bench_ext", "ext_modules": [ext]}))
+        cmd.build_lib, cmd.build_temp = str(out), str(out / "tmp")
+        cmd.ensure_finalized()
+        cmd.run()
+    if str(out) not in sys.path:
+        sys.path.insert(0, str(out))
+    return importlib.import_module("vpaged_bench_ext")

@@ -20,7 +20,7 @@ if [ ! -x "$VENV/bin/ruff" ] || [ ! -x "$VENV/bin/clang-format" ]; then
 fi
 RUFF="$VENV/bin/ruff"
 CLANG_FORMAT="$VENV/bin/clang-format"
-mapfile -t CXX < <(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'tests/fake_cuda/*.cpp')
+mapfile -t CXX < <(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'benchmarks/csrc/*.cpp' 'tests/fake_cuda/*.cpp')
 
 if [ "${1:-}" = "--fix" ]; then
   # Format first, then apply the fixable lint rules; what ruff cannot fix is reported by the check below.

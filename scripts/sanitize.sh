@@ -47,7 +47,8 @@ while IFS= read -r src; do
     TODO+=("$src")
   fi
 done < <(find csrc -name '*.cpp' | sort)
-compile() { # the kernels' CUDA half is left out: their .cpp files are built as in a CPU-only build
+compile() { # the kernels' CUDA half is left out: csrc/kernels/*.cpp are built as in a CPU-only build (their
+  # CUDA entry points then raise BackendUnavailable, as in a build without nvcc)
   local src=$1 obj="$OUT/obj/${1//\//_}.o" extra=()
   [[ $src == csrc/kernels/* ]] || extra=("${CUDA_FLAGS[@]}")
   echo "    $src"

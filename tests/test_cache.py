@@ -64,7 +64,7 @@ def check_against(cache, reference):
 def snapshot(cache):
     """Everything a failed call must leave as it was: lengths, pages behind every slot, data, pool use."""
     seqs = sorted(cache.sequences)
-    pages = cache._range.pages_at(list(range(cache._range.num_slots)))
+    pages = cache._range.pages_at(list(range(cache._range.num_pages)))
     data = {(s, l): tuple(t.clone() for t in cache.kv(l, s)) for s in seqs for l in range(cache.num_layers)}
     return seqs, [cache.seq_len(s) for s in seqs], pages, data, cache.pool.stats().used_pages
 

@@ -203,7 +203,7 @@ def test_layers_view_agrees_with_per_layer_views(kind, rng):
     pool = pool_of(64)
     lay = Layout(kind, 3, 2, 8, 4, 2, 64, PS)
     vrange = pool.new_range(lay.total_bytes)
-    vrange.map_new(list(range(vrange.num_slots))[: lay.total_bytes // PS])
+    vrange.map_new(list(range(vrange.num_pages))[: lay.total_bytes // PS])
     views = SlotViews(vrange, lay, torch.float32, torch.device("cpu"))
     for layer in range(3):
         for kv in range(2):

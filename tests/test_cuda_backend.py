@@ -1,4 +1,4 @@
-"""The CUDA backend (csrc/vmm/cuda_backend.cpp) through the low-level API: vpaged._C.cuda_backend,
+"""The CUDA backend (csrc/backends/cuda_backend.cpp) through the low-level API: vpaged._C.cuda_backend,
 PagePool, VirtualRange.
 
 Tests marked `gpu` need a usable CUDA device and skip with the backend's own reason otherwise. The
@@ -86,10 +86,10 @@ def make(gran, capacity, reserve=0, batch=64):
     return backend, C.PagePool(backend, 0, batch)
 
 
-def fview(torch, vr, slot, n_pages=1):
-    """float32 tensor over n_pages pages starting at `slot` of a VirtualRange."""
+def fview(torch, vr, index, n_pages=1):
+    """float32 tensor over n_pages pages starting at page `index` of a VirtualRange."""
     n = n_pages * vr.page_size // 4
-    return torch.from_dlpack(vr.view(slot * vr.page_size, [n], [1], KDL_FLOAT, 32))
+    return torch.from_dlpack(vr.view(index * vr.page_size, [n], [1], KDL_FLOAT, 32))
 
 
 def page_bytes(pool, page):
@@ -167,7 +167,7 @@ def test_map_and_unmap_call_counts(gran):
     assert backend.map_calls == m + 5  # one cuMemMap per page, one cuMemSetAccess for the run
     vr.unmap([0, 1, 2, 3])
     assert backend.unmap_calls == u + 1  # one cuMemUnmap over the whole run of mappings
-    assert vr.mapped_slots == 0
+    assert vr.mapped_pages == 0
 
 
 @pytest.mark.gpu
@@ -256,10 +256,10 @@ def test_out_of_pages_changes_nothing(gran):
     backend, pool = make(gran, 4, 2)
     vr = C.VirtualRange(pool, 8 * gran)
     vr.map_new([0, 1, 2])
-    before = (pool.stats().used_pages, backend.created_pages, backend.map_calls, vr.mapped_slots)
+    before = (pool.stats().used_pages, backend.created_pages, backend.map_calls, vr.mapped_pages)
     with pytest.raises(OutOfPagesError):
         vr.map_new([4, 5])
-    assert (pool.stats().used_pages, backend.created_pages, backend.map_calls, vr.mapped_slots) == before
+    assert (pool.stats().used_pages, backend.created_pages, backend.map_calls, vr.mapped_pages) == before
     assert [vr.page_at(s) for s in (4, 5)] == [-1, -1]
     vr.map_new([3])  # the last page is still there
     assert pool.free_pages() == 0

@@ -1,4 +1,4 @@
-"""The CUDA backend's logic without a GPU: csrc/vmm/cuda_backend.cpp driven through a fake driver.
+"""The CUDA backend's logic without a GPU: csrc/backends/cuda_backend.cpp driven through a fake driver.
 
 tests/fake_cuda/fake_libcuda.cpp is a libcuda.so.1 that implements the driver's VMM calls on host memory
 (allocations are memfds, reservations PROT_NONE mmaps, cuMemMap a MAP_SHARED|MAP_FIXED mmap) and enforces
@@ -609,7 +609,7 @@ def test_one_page_at_two_addresses_is_coherent(drv, rng):
     assert np.array_equal(at0, data)
     assert np.array_equal(page_contents(pool, page), data)  # and through the pool window
     assert [protection(r1.address + s * g) for s in range(4)] == ["rw-s", "---p", "---p", "rw-s"]
-    del at0  # slot 0 is about to be unmapped: reading it then would fault
+    del at0  # page index 0 is about to be unmapped: reading it then would fault
     r1.unmap([0])
     assert pool.refcount(page) == 2 and protection(r1.address) == "---p"
     assert np.array_equal(at3, data) and np.array_equal(other, data)
@@ -654,7 +654,7 @@ def test_copies_round_trip_through_the_pool_window(drv, rng):
 
 
 @fake_driver_check()
-def test_copy_on_write_gives_the_slot_a_private_copy(drv, rng):
+def test_copy_on_write_gives_the_page_index_a_private_copy(drv, rng):
     g = drv.granularity
     backend, pool = make_pool(drv, 8, 8)
     r = C.VirtualRange(pool, 2 * g)
@@ -675,10 +675,10 @@ def test_copy_on_write_gives_the_slot_a_private_copy(drv, rng):
         "cuMemMap": 1,
         "cuMemSetAccess": 1,
     }
-    slot0, slot1 = host_bytes(r.address, g), host_bytes(r.address + g, g)
-    assert np.array_equal(slot1, data)
-    slot1[:] = random_bytes(rng, g)  # writing the copy leaves the original alone
-    assert np.array_equal(slot0, data) and np.array_equal(page_contents(pool, page), data)
+    at0, at1 = host_bytes(r.address, g), host_bytes(r.address + g, g)
+    assert np.array_equal(at1, data)
+    at1[:] = random_bytes(rng, g)  # writing the copy leaves the original alone
+    assert np.array_equal(at0, data) and np.array_equal(page_contents(pool, page), data)
 
 
 @fake_driver_check()
@@ -692,7 +692,7 @@ def test_failed_copy_on_write_keeps_the_shared_page(drv, rng):
     host_bytes(r.address, g)[:] = data
 
     def state():
-        return pool.stats().used_pages, pool.refcount(page), r.pages_at([0, 1]), r.mapped_slots, drv.live("mappings")
+        return pool.stats().used_pages, pool.refcount(page), r.pages_at([0, 1]), r.mapped_pages, drv.live("mappings")
 
     before = state()
     drv.fail("cuMemMap")  # mapping the private copy fails: the shared page is mapped back
@@ -721,7 +721,7 @@ def test_map_new_is_all_or_nothing(drv, rng):
     def state():
         return (
             pool.stats().used_pages,
-            r.mapped_slots,
+            r.mapped_pages,
             r.pages_at(list(range(8))),
             drv.live("mappings"),
             [protection(r.address + s * g) for s in range(8)],
@@ -757,7 +757,7 @@ def test_map_shared_is_all_or_nothing(drv, rng):
     r2 = C.VirtualRange(pool, 4 * g)
 
     def state():
-        return [pool.refcount(p) for p in pages], r2.mapped_slots, r2.pages_at([0, 1, 2, 3]), drv.live("mappings")
+        return [pool.refcount(p) for p in pages], r2.mapped_pages, r2.pages_at([0, 1, 2, 3]), drv.live("mappings")
 
     before = state()
     drv.fail("cuMemMap", skip=1)
@@ -786,7 +786,7 @@ def test_out_of_device_memory_raises_out_of_pages_and_changes_nothing(drv, rng):
             s.used_pages,
             s.free_pages,
             s.created_pages,
-            r.mapped_slots,
+            r.mapped_pages,
             r.pages_at(list(range(16))),
             drv.live("mappings"),
             drv.live("allocations"),
@@ -825,7 +825,7 @@ def test_failed_page_creation_loses_no_pages(drv, rng):
     drv.fail("cuMemCreate", skip=1)  # the second page of the batch: a driver error, not out of memory
     with pytest.raises(BackendError, match="cuMemCreate failed: CUDA_ERROR_UNKNOWN"):
         r.map_new([0, 1, 2])
-    assert (pool.stats().used_pages, r.mapped_slots) == (0, 0)
+    assert (pool.stats().used_pages, r.mapped_pages) == (0, 0)
     assert backend.created_pages == 3  # the page made before the error is kept
     pages = r.map_new(list(range(8)))  # and handed out later, with the next batch
     assert backend.created_pages == 8 and sorted(pages) == list(range(8))
@@ -868,14 +868,14 @@ def test_calls_from_any_thread_leave_its_current_context_alone(drv, rng):
     r = C.VirtualRange(pool, 8 * g)
     src = random_bytes(rng, g)
 
-    def exercise(slot):
-        (p,) = r.map_new([slot])
+    def exercise(index):
+        (p,) = r.map_new([index])
         pool.copy_from_host(p, src.ctypes.data)
         backend.synchronize()
-        r.map_shared([slot + 4], [p])
-        r.copy_on_write(slot + 4)
-        assert np.array_equal(host_bytes(r.address + (slot + 4) * g, g), src)
-        r.unmap([slot, slot + 4])
+        r.map_shared([index + 4], [p])
+        r.copy_on_write(index + 4)
+        assert np.array_equal(host_bytes(r.address + (index + 4) * g, g), src)
+        r.unmap([index, index + 4])
         extra = C.VirtualRange(pool, g)  # reserve, map, unmap, release
         extra.map_new([0])
         del extra
@@ -1174,7 +1174,7 @@ def test_unmapping_under_a_queued_kernel_is_a_sticky_illegal_address(drv, rng):
     r.unmap([0])  # the kernel is still queued: it faults
     assert drv.sticky_error() == CUDA_ERROR_ILLEGAL_ADDRESS
     assert "illegal address" in drv.violations()[1]
-    before = (pool.stats().used_pages, r.mapped_slots, r.pages_at([0, 1, 2, 3]))
+    before = (pool.stats().used_pages, r.mapped_pages, r.pages_at([0, 1, 2, 3]))
     with pytest.raises(BackendError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
         r.map_new([2])
     with pytest.raises(BackendError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
@@ -1182,7 +1182,7 @@ def test_unmapping_under_a_queued_kernel_is_a_sticky_illegal_address(drv, rng):
     out = np.zeros(g, np.uint8)
     with pytest.raises(BackendError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
         pool.copy_to_host(0, out.ctypes.data)
-    assert (pool.stats().used_pages, r.mapped_slots, r.pages_at([0, 1, 2, 3])) == before
+    assert (pool.stats().used_pages, r.mapped_pages, r.pages_at([0, 1, 2, 3])) == before
     drv.recover()
     r.map_new([2])  # after a restart (modelled by recover) the driver works again
 

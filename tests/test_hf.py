@@ -190,7 +190,7 @@ def test_prefill_duplicates_split_when_a_layer_differs(models, rng):
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     _same_kv(vp, dyn)
     kv, seqs = vp.kv, vp.sequences
-    region0 = [kv.layout.page_slots(kv.slot(s), 0, 1)[0] for s in seqs]
+    region0 = [kv.layout.page_indices(kv.slot(s), 0, 1)[0] for s in seqs]
     pages = kv._range.pages_at(region0)
     assert pages[2] == pages[0] != pages[1]
     tok = torch.randint(1, VOCAB, (3, 1), generator=rng)

@@ -76,7 +76,7 @@ CHILD = FILLER + textwrap.dedent("""
     def state():
         table = r.pages_at(list(range(N)))
         refs = {p: pool.refcount(p) for p in set(table) if p >= 0}
-        return table, refs, pool.stats().used_pages, r.mapped_slots
+        return table, refs, pool.stats().used_pages, r.mapped_pages
 
     def check():
         # The page table, the pool's counts and the memory agree; every mapped index shows its page's data.
@@ -207,7 +207,7 @@ CACHE_CHILD = FILLER + textwrap.dedent("""
         warnings.simplefilter("ignore", vpaged.MappingLimitWarning)
         cache = vpaged.VirtualKVCache(LAYERS, HEADS, DIM, dtype=torch.float32, max_seqs=8, max_seq_len=MAX_LEN,
                                       capacity_bytes=256 * PAGE, page_size=PAGE, layout=layout)
-    r = cache._pages.range
+    r = cache._page_map.range
     pool = cache.pool._pool
     # K/V of token id t at position p, layer l: E[l, kv, t] + P[l, kv, p] (as in test_sharing_stateful.py)
     E = torch.randn(LAYERS, 2, 8, HEADS, DIM, generator=gen)
@@ -226,10 +226,10 @@ CACHE_CHILD = FILLER + textwrap.dedent("""
     def state():
         # Everything an operation may change: the page table, each page's references, the pool's use, the
         # sequences and their lengths.
-        table = r.pages_at(list(range(r.num_slots)))
+        table = r.pages_at(list(range(r.num_pages)))
         refs = {p: pool.refcount(p) for p in set(table) if p >= 0}
         seqs = {s: cache.seq_len(s) for s in cache.sequences}
-        return table, refs, pool.stats().used_pages, r.mapped_slots, seqs
+        return table, refs, pool.stats().used_pages, r.mapped_pages, seqs
 
     def check():
         table, refs, used, mapped, seqs = state()
@@ -275,7 +275,7 @@ CACHE_CHILD = FILLER + textwrap.dedent("""
                 s = rng.choice(live)
                 n = rng.randint(1, min(12, MAX_LEN - len(tokens[s]))) if len(tokens[s]) < MAX_LEN else 0
                 if n:
-                    if cache._pages.plan_extend([s], [cache.slot(s)], n).copies:
+                    if cache._page_map.plan_extend([s], [cache.slot(s)], n).copies:
                         op = "copy-on-write"  # the new tokens land in a page shared with another sequence
                     cache.extend(s, n)
                     write_new(s, [rng.randrange(8) for _ in range(n)])

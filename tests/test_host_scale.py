@@ -86,21 +86,21 @@ def test_sequences_growing_together_fill_the_budget_not_the_mapping_table(layout
 
 
 def non_home_segments(cache) -> int:
-    """Runs of page slots showing a page other than the slot's home page (consecutive slots showing consecutive
+    """Runs of page indices showing a page other than their home page (consecutive indices showing consecutive
     pages are one run): what costs the host backend mappings. Computed from the range's page table alone."""
     r = cache._range
     home0 = cache.pool.backend.home_page(r.address)
     lay = cache.layout
-    slots = [ps for slot in range(cache.max_seqs) for ps in lay.page_slots(slot, 0, cache._slots.mapped_pages[slot])]
-    pages = r.pages_at(slots)
-    segs, prev_slot, prev_page = 0, -2, -2
-    for s, p in zip(slots, pages):
-        if p >= 0 and p != home0 + s:
-            if not (s == prev_slot + 1 and p == prev_page + 1):
+    indices = [i for slot in range(cache.max_seqs) for i in lay.page_indices(slot, 0, cache._slots.mapped_pages[slot])]
+    pages = r.pages_at(indices)
+    segs, prev_index, prev_page = 0, -2, -2
+    for i, p in zip(indices, pages):
+        if p >= 0 and p != home0 + i:
+            if not (i == prev_index + 1 and p == prev_page + 1):
                 segs += 1
         else:
             p = -2
-        prev_slot, prev_page = s, p
+        prev_index, prev_page = i, p
     return segs
 
 
@@ -108,8 +108,8 @@ def referenced_pages(cache) -> int:
     """Distinct pages the cache holds (mapped slots, swapped aside, and the prefix index): what the pool must
     count as used."""
     lay = cache.layout
-    slots = [ps for slot in range(cache.max_seqs) for ps in lay.page_slots(slot, 0, cache._slots.mapped_pages[slot])]
-    pages = {p for p in cache._range.pages_at(slots) if p >= 0}
+    indices = [i for slot in range(cache.max_seqs) for i in lay.page_indices(slot, 0, cache._slots.mapped_pages[slot])]
+    pages = {p for p in cache._range.pages_at(indices) if p >= 0}
     if cache._prefix:
         for block in cache._prefix.eviction_order():
             pages.update(block.pages)
@@ -125,7 +125,7 @@ OPS = int(os.environ.get("VPAGED_SCALE_OPS", "2500"))
 )
 def test_random_operations_at_scale_keep_mappings_bounded(layout, page_size):
     """Random operations (allocate with prefix hits, extend, fork, reorder, truncate, free) on the 7B cache.
-    Formula: mappings in the cache's range <= 1 + 2 * S, where S is the number of runs of page slots
+    Formula: mappings in the cache's range <= 1 + 2 * S, where S is the number of runs of page indices
     showing a page other than their home page (non_home_segments): private pages cost nothing, and S grows
     with shared runs, never with pages. The pool's count equals the distinct pages the cache holds."""
     seed = int.from_bytes(os.urandom(4), "little")

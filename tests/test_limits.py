@@ -154,6 +154,6 @@ def test_zero_pages_on_the_pool_reads_back_zeros(rng):
     pool.zero_pages(pages[:1])
     assert torch.count_nonzero(view[: 2**14]) == 0 and torch.count_nonzero(view[2**14 :]) == 2**14
     with pytest.raises(vpaged.InvalidArgumentError, match="free page"):
-        pool.zero_pages([pool.backend.home_page(r.address)])  # slot 0 is not mapped: its page is free
+        pool.zero_pages([pool.backend.home_page(r.address)])  # page index 0 is not mapped: its page is free
     del view
     gc.collect()

@@ -43,14 +43,14 @@ def test_two_addresses_one_page_see_each_others_writes(rng):
 def test_views_of_unmapped_memory_are_refused():
     pool, r = make()
     r.map_new([0, 1, 3])
-    f32_view(r, 0, 2 * PAGE // 4)  # slots 0..1: fine
+    f32_view(r, 0, 2 * PAGE // 4)  # page indices 0..1: fine
     with pytest.raises(vpaged.InvalidArgumentError, match="unmapped"):
-        f32_view(r, 0, 3 * PAGE // 4)  # reaches slot 2
+        f32_view(r, 0, 3 * PAGE // 4)  # reaches page index 2
     with pytest.raises(vpaged.InvalidArgumentError, match="unmapped"):
-        f32_view(r, 2 * PAGE - 4, 2)  # straddles into slot 2
+        f32_view(r, 2 * PAGE - 4, 2)  # straddles into page index 2
     with pytest.raises(vpaged.InvalidArgumentError, match="past the end"):
         f32_view(r, 7 * PAGE, PAGE // 4 + 1)
-    # A strided view over slots 0 and 3 skips the unmapped slot 2 exactly: allowed.
+    # A strided view over page indices 0 and 3 skips the unmapped index 2 exactly: allowed.
     t = torch.from_dlpack(r.view(0, [2, 16], [3 * PAGE // 4, 1], *F32))
     assert t.shape == (2, 16)
     # Empty views reach nothing.
@@ -115,11 +115,11 @@ def test_out_of_pages_changes_nothing():
     assert isinstance(e.value, MemoryError)
     assert r.pages_at(list(range(8))) == before
     assert pool.stats().used_pages == 3
-    assert r.mapped_slots == 3
+    assert r.mapped_pages == 3
     r.map_new([3])  # the last page is still there to take
 
 
-def test_bad_slots_and_pages_are_typed_errors():
+def test_bad_indices_and_pages_are_typed_errors():
     pool, r = make()
     r.map_new([1])
     with pytest.raises(vpaged.InvalidArgumentError, match="already mapped"):
@@ -130,7 +130,7 @@ def test_bad_slots_and_pages_are_typed_errors():
         r.unmap([2])
     with pytest.raises(vpaged.InvalidArgumentError):
         r.map_shared([2], [999])
-    assert r.mapped_slots == 1 and pool.stats().used_pages == 1
+    assert r.mapped_pages == 1 and pool.stats().used_pages == 1
 
 
 def test_copy_on_write_gives_a_private_copy(rng):
@@ -177,13 +177,13 @@ def test_host_page_size_must_be_os_page_multiple():
         _C.host_backend(1000, 4)
 
 
-def test_duplicate_slots_and_overflowing_views_are_refused():
+def test_duplicate_indices_and_overflowing_views_are_refused():
     pool, r = make()
     r.map_new([0, 1])
     with pytest.raises(vpaged.InvalidArgumentError, match="twice"):
         r.unmap([0, 0])
     with pytest.raises(vpaged.InvalidArgumentError, match="overflow"):
         r.view(0, [2**40, 2**40], [2**40, 1], *F32)
-    assert r.mapped_slots == 2 and pool.stats().used_pages == 2
+    assert r.mapped_pages == 2 and pool.stats().used_pages == 2
     r.unmap([0, 1])
     assert pool.stats().used_pages == 0

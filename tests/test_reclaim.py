@@ -1,4 +1,4 @@
-"""SlotReclaim and virtual_cache_stats on their own, over a SlotPages built by hand: what is reclaimable,
+"""SlotReclaim and virtual_cache_stats on their own, over a PageMap built by hand: what is reclaimable,
 in which order it is given back, and what the stats count, against sums computed here."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from vpaged import PagePool
 from vpaged.kvcache.virtual.layout import Layout
-from vpaged.kvcache.virtual.page_map import SlotPages
+from vpaged.kvcache.virtual.page_map import PageMap
 from vpaged.kvcache.virtual.prefix import PrefixIndex
 from vpaged.kvcache.virtual.reclaim import SlotReclaim
 from vpaged.kvcache.virtual.stats import virtual_cache_stats
@@ -20,7 +20,7 @@ TPP = 32  # tokens a page: 2 heads x 16 dims x float32 = 128 bytes a token
 def make(pages=128, max_seqs=6):
     pool = PagePool("cpu", capacity_pages=pages, page_size=PS)
     lay = Layout("per_layer", 1, 2, 16, 4, max_seqs, 8 * TPP, PS)  # 2 runs (K and V)
-    sp = SlotPages(pool.new_range(lay.total_bytes), lay, pool)
+    sp = PageMap(pool.new_range(lay.total_bytes), lay, pool)
     return sp, SlotViews(sp.range, lay, torch.float32, torch.device("cpu"))
 
 
@@ -102,7 +102,7 @@ def test_stats_count_pages_tokens_and_sharing(swap, rng):
     s = virtual_cache_stats(sp, sp.pool, None, swapped, prefix_hit_tokens=7)
     assert s.sequences == 2 + swap and s.live_tokens == 100
     assert s.mapped_pages == (2 + 2 + 1) * runs  # a's and b's slots map the same pages: counted per slot
-    assert s.shared_pages == 2 * 2 * runs  # both slots' page slots whose page is held twice
+    assert s.shared_pages == 2 * 2 * runs  # both slots' page indices whose page is held twice
     assert s.dormant_pages == runs and s.swapped_sequences == swap and s.swapped_bytes == swap * 2 * runs * PS
     assert s.pool_used_pages == (2 + 1) * runs and s.prefix_hit_tokens == 7 and s.prefix_cached_pages == 0
     assert s.pages_mapped_total == sp.pages_mapped and s.pages_unmapped_total == sp.pages_unmapped

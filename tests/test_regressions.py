@@ -31,7 +31,7 @@ def token(cache, seq, t):
 def pages_referenced(cache):
     lay, pages = cache.layout, set()
     for s in range(cache.max_seqs):
-        pages.update(p for p in cache._range.pages_at(lay.page_slots(s, 0, lay.pages_per_run)) if p >= 0)
+        pages.update(p for p in cache._range.pages_at(lay.page_indices(s, 0, lay.pages_per_run)) if p >= 0)
     if cache._prefix:
         for block in cache._prefix.blocks():
             pages.update(block.pages)

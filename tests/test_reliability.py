@@ -70,13 +70,13 @@ def test_extend_many_is_all_or_nothing_when_copy_on_write_fails_after_mapping(rn
     b = cache.fork(a)  # shares page 0: b's next extend copies it and maps page 1 for the rest
     other = cache.allocate()
     before = (cache.stats(), [cache.seq_len(s) for s in (a, b, other)], cache.pool.stats().used_pages)
-    real = cache._pages.range
-    cache._pages.range = FailingCopies(real)
+    real = cache._page_map.range
+    cache._page_map.range = FailingCopies(real)
     try:
         with pytest.raises(OutOfPagesError, match="injected"):
             cache.extend_many([other, b], 60)  # maps pages for other (1) and b (1), then copies b's page 0
     finally:
-        cache._pages.range = real
+        cache._page_map.range = real
     assert (cache.stats(), [cache.seq_len(s) for s in (a, b, other)], cache.pool.stats().used_pages) == before
     cache.extend_many([other, b], 60)  # the same call works once copies succeed
     assert torch.equal(cache.kv(0, b)[0][:100], data[0]) and cache.stats().cow_copies == 2  # K and V pages

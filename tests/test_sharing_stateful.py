@@ -179,7 +179,7 @@ class CacheMachine(RuleBasedStateMachine):
     def page_accounting_matches(self):
         cache = self.cache
         rng = cache._range
-        refs = Counter(p for p in rng.pages_at(list(range(rng.num_slots))) if p >= 0)
+        refs = Counter(p for p in rng.pages_at(list(range(rng.num_pages))) if p >= 0)
         if cache._prefix:
             for block in cache._prefix.blocks():
                 refs.update(block.pages)

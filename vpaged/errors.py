@@ -31,7 +31,7 @@ class BackendUnavailableError(BackendError):
 
 
 class InvalidArgumentError(VPagedError, ValueError):
-    """A bad argument reached the core (page slot, page id, view outside mapped memory, ...)."""
+    """A bad argument reached the core (page index, page id, view outside mapped memory, ...)."""
 
 
 class UnknownSequenceError(VPagedError, LookupError):

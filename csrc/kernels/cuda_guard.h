@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "../errors.h"
+#include "core/errors.h"
 
 namespace vpaged {
 namespace kernels {

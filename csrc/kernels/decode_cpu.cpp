@@ -30,8 +30,8 @@
 #include <string>
 #include <vector>
 
-#include "../errors.h"
-#include "decode.h"
+#include "core/errors.h"
+#include "kernels/decode.h"
 
 #define VP_INLINE inline __attribute__((always_inline))
 
@@ -1022,6 +1022,16 @@ void decode_cpu(const DecodeParams& params, int num_threads, int isa) {
     }
   }
 }
+
+#ifndef VPAGED_WITH_CUDA
+// No CUDA toolkit at build time: the CUDA entry points exist but say why they cannot run.
+bool kernels_built_with_cuda() { return false; }
+void decode_cuda(const DecodeParams&, const CudaLaunch&) {
+  throw BackendUnavailable(
+      "vpaged was built without CUDA: the CUDA decode kernels are not in this build "
+      "(rebuild where a CUDA toolkit with bin/nvcc and include/cuda.h is found)");
+}
+#endif
 
 }  // namespace kernels
 }  // namespace vpaged

@@ -19,9 +19,9 @@
 #include <cstdint>
 #include <string>
 
-#include "../errors.h"
-#include "cuda_guard.h"
-#include "decode.h"
+#include "core/errors.h"
+#include "kernels/cuda_guard.h"
+#include "kernels/decode.h"
 
 namespace vpaged {
 namespace kernels {

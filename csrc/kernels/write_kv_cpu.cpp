@@ -7,8 +7,8 @@
 #include <cstring>
 #include <string>
 
-#include "../errors.h"
-#include "write_kv.h"
+#include "core/errors.h"
+#include "kernels/write_kv.h"
 
 namespace vpaged {
 namespace kernels {

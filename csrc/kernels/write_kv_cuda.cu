@@ -9,9 +9,9 @@
 #include <cstdint>
 #include <string>
 
-#include "../errors.h"
-#include "cuda_guard.h"
-#include "write_kv.h"
+#include "core/errors.h"
+#include "kernels/cuda_guard.h"
+#include "kernels/write_kv.h"
 
 namespace vpaged {
 namespace kernels {

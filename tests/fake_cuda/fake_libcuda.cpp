@@ -1,6 +1,6 @@
 // A fake CUDA driver (libcuda.so.1) for vpaged's tests on machines without a GPU.
 //
-// It implements, on host memory, the driver entry points that csrc/vmm/cuda_backend.cpp resolves, so
+// It implements, on host memory, the driver entry points that csrc/backends/cuda_backend.cpp resolves, so
 // that the backend's own logic (entry-point resolution, availability reasons, context handling, pool
 // window, batching of cuMemSetAccess, all-or-nothing mapping, error paths, teardown) runs in CI:
 //

@@ -57,7 +57,7 @@ def page_fill(pages, fill) -> dict[int, int]:
 def virtual_cache_breakdown(layout, slots, pages_at, prefix_pages, swapped) -> tuple[int, int, int]:
     """(stored, fragmentation, dormant) bytes of a VirtualKVCache.
 
-    layout: its Layout; slots: its SlotTable; pages_at(page_slots) -> page ids (the range's lookup);
+    layout: its Layout; slots: its SlotTable; pages_at(page_indices) -> page ids (the range's lookup);
     prefix_pages: page ids the prefix index holds; swapped: slots of swapped-out sequences.
 
     A page of a live sequence holds bytes up to the sequence's length in its run; a page shared by several
@@ -85,9 +85,9 @@ def virtual_cache_breakdown(layout, slots, pages_at, prefix_pages, swapped) -> t
         stored += private
         fragmentation += (m - upto) * ps * runs - private
         if upto:
-            shared_pages.append(np.asarray(pages_at(layout.page_slots(slot, 0, upto)), dtype=np.int64))
+            shared_pages.append(np.asarray(pages_at(layout.page_indices(slot, 0, upto)), dtype=np.int64))
             per_run = np.clip(used - np.arange(upto, dtype=np.int64) * ps, 0, ps)
-            shared_fill.append(np.tile(per_run, runs))  # page slots are run-major
+            shared_fill.append(np.tile(per_run, runs))  # page indices are run-major
     fill = page_fill(np.concatenate(shared_pages), np.concatenate(shared_fill)) if shared_pages else {}
     stored += sum(fill.values())
     fragmentation += len(fill) * ps - sum(fill.values())
@@ -97,7 +97,7 @@ def virtual_cache_breakdown(layout, slots, pages_at, prefix_pages, swapped) -> t
         p
         for s in dormant_slots
         if slots.shared_below_page[s]
-        for p in pages_at(layout.page_slots(s, 0, slots.mapped_pages[s]))
+        for p in pages_at(layout.page_indices(s, 0, slots.mapped_pages[s]))
     }
     kept.update(prefix_pages)
     num, den = layout.payload_fraction

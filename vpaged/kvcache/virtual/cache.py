@@ -16,7 +16,7 @@ Swapping: swap_out() copies a sequence's private pages to host swap space and re
 swap_in() maps fresh pages at the same virtual addresses and restores the data bit-exactly.
 
 State lives where its invariant is kept: the range's mapping state slot by slot (map, unmap, remap,
-copy-on-write copies, counters) in SlotPages (slot_pages.py) over a SlotTable of slots and watermarks
+copy-on-write copies, counters) in PageMap (page_map.py) over a SlotTable of slots and watermarks
 (slot_table.py); cached prefixes and their page references in PrefixIndex (prefix.py); swapped-out slots and
 their host copies in SwappedSlots / SwapSpace (swap.py); what the pool may take back in SlotReclaim
 (reclaim.py); stats in cache_stats.py; views in SlotViews (views.py); pins and the wait for streams before
@@ -41,7 +41,7 @@ from ..checks import check_kv, check_layer, check_positive_int, check_token_coun
 from ..records import BatchedKV, CacheStats
 from .layout import Layout
 from .limits import check_cache
-from .page_map import SlotPages
+from .page_map import PageMap
 from .prefix import HashFn, PrefixIndex, prefix_unavailable
 from .reclaim import SlotReclaim
 from .stats import virtual_cache_stats
@@ -92,14 +92,14 @@ class VirtualKVCache(KVCacheBase):
         self.layout = lay = Layout.of(layout, self.geometry, max_seqs, max_seq_len, self.pool.page_size)
         if not self.pool.accounting_only:  # address space and mapping limit: said now, not mid-serving
             check_cache(lay, self.device)
-        self._pages = SlotPages(self.pool.new_range(lay.total_bytes), lay, self.pool)
-        self._range, self._slots = self._pages.range, self._pages.table
+        self._page_map = PageMap(self.pool.new_range(lay.total_bytes), lay, self.pool)
+        self._range, self._slots = self._page_map.range, self._page_map.table
         self._views = SlotViews(self._range, lay, dtype, self.device)
         self._prefix_hits = 0
         self._prefix = PrefixIndex.for_layout(lay, self.pool, prefix_hash)
         pin = self.device.type == "cuda" and torch.cuda.is_available()
         self._swapped = SwappedSlots(SwapSpace(swap_bytes, self.pool.page_size, pin=pin) if swap_bytes else None)
-        self._reclaim = SlotReclaim(self._pages, self._prefix, self._swapped)
+        self._reclaim = SlotReclaim(self._page_map, self._prefix, self._swapped)
         self._streams: list = []  # stream objects given to use_stream(), kept alive while registered
         self._on_cuda = self.device.type == "cuda"
         if self._on_cuda:
@@ -119,24 +119,24 @@ class VirtualKVCache(KVCacheBase):
         if tokens is None:
             slot = t.take_reusable()
             if slot is None:
-                raise self._pages.exhausted("a free sequence slot")
+                raise self._page_map.exhausted("a free sequence slot")
             return t.bind(self._take_clean_slot(slot))
         index = self._prefix_index()
         hits = index.match(tokens)
         slot = self._take_clean_slot()
         if hits:
-            pages = [b.pages[r] for r in range(self.layout.runs) for b in hits]  # run-major, like page_slots
-            self._pages.map_shared(slot, pages, len(hits))
+            pages = [b.pages[r] for r in range(self.layout.runs) for b in hits]  # run-major, like page_indices
+            self._page_map.map_shared(slot, pages, len(hits))
         seq = t.bind(slot)
         t.length_tokens[slot] = t.new_from_token[slot] = n = len(hits) * index.block_tokens
         self._prefix_hits += n
         return seq
 
     def _take_clean_slot(self, taken: int | None = None) -> int:
-        """A slot with nothing mapped, or a slot just `taken` made clean for a new owner (see SlotPages)."""
-        slot = self._pages.take_clean_slot() if taken is None else self._pages.clean_for_new_owner(taken)
+        """A slot with nothing mapped, or a slot just `taken` made clean for a new owner (see PageMap)."""
+        slot = self._page_map.take_clean_slot() if taken is None else self._page_map.clean_for_new_owner(taken)
         if slot is None:
-            raise self._pages.exhausted("a free sequence slot with nothing mapped")
+            raise self._page_map.exhausted("a free sequence slot with nothing mapped")
         return slot
 
     def allocate_many(self, n: int) -> list[int]:
@@ -145,8 +145,8 @@ class VirtualKVCache(KVCacheBase):
         check_positive_int("n", n)
         first = self._slots.free_run(n)
         if first is None:
-            raise self._pages.exhausted("consecutive free sequence slots", n)
-        self._pages.take_run(first, n)
+            raise self._page_map.exhausted("consecutive free sequence slots", n)
+        self._page_map.take_run(first, n)
         return [self._slots.bind(slot) for slot in range(first, first + n)]
 
     def free(self, seq: int) -> None:
@@ -157,12 +157,12 @@ class VirtualKVCache(KVCacheBase):
         if slot in self._swapped:
             # The slot has holes where pages were swapped out, so it cannot stay dormant: unmap what is left
             # first (ViewsAliveError when a view still reads a shared page: then nothing has changed).
-            self._pages.unmap_around_holes(slot, self._swapped[slot][0])
+            self._page_map.unmap_around_holes(slot, self._swapped[slot][0])
             self._swapped.drop(slot)
         t.unbind(seq)
         if t.shared_below_page[slot]:
-            if self._pages.shares_pages(slot):
-                self._pages.unmap_slot(slot)  # kept while a view reads it; a later extend copies before writing
+            if self._page_map.shares_pages(slot):
+                self._page_map.unmap_slot(slot)  # kept while a view reads it; a later extend copies before writing
             else:
                 t.shared_below_page[slot] = 0
         t.release(slot)
@@ -178,7 +178,7 @@ class VirtualKVCache(KVCacheBase):
         self._check_open()
         check_token_count(n)
         seqs = list(seqs)
-        self._pages.extend(self._pages.plan_extend(seqs, self._distinct_live_slots(seqs), n))
+        self._page_map.extend(self._page_map.plan_extend(seqs, self._distinct_live_slots(seqs), n))
 
     def pages_needed(self, seqs, n: int = 1) -> int:
         """Pages that extend_many(seqs, n) would take from the pool: new pages plus the copy-on-write copies
@@ -190,7 +190,7 @@ class VirtualKVCache(KVCacheBase):
         seqs = list(seqs)
         slots = [self._slots.slot_of(s) for s in seqs]
         swapped_in = sum(len(self._swapped[s][0]) for s in slots if s in self._swapped)
-        return swapped_in + self._pages.plan_extend(seqs, slots, n).pages
+        return swapped_in + self._page_map.plan_extend(seqs, slots, n).pages
 
     def pages_available(self) -> int:
         """Pages an extend could take now: the pool's free pages plus those freed slots and unused prefix
@@ -230,7 +230,7 @@ class VirtualKVCache(KVCacheBase):
         t = self._slots
         # Never before the first writable token: after fork(), reorder() or cache_prefix() the tokens of the
         # last extend() may lie in pages shared with other sequences or the prefix index.
-        start = max(min(t.new_from_token[slot], t.length_tokens[slot]), self._pages.first_writable(slot))
+        start = max(min(t.new_from_token[slot], t.length_tokens[slot]), self._page_map.first_writable(slot))
         n = t.length_tokens[slot] - start
         return self._views.tokens(layer, 0, slot, start, n), self._views.tokens(layer, 1, slot, start, n)
 
@@ -239,7 +239,7 @@ class VirtualKVCache(KVCacheBase):
         (after fork, reorder, a prefix hit or cache_prefix) are read-only until extend() or truncate()
         gives the sequence its own copy; the tokens the last extend() added are always writable."""
         slot = self._live_slot(seq)
-        return self._pages.first_writable(slot), self._slots.length_tokens[slot]
+        return self._page_map.first_writable(slot), self._slots.length_tokens[slot]
 
     def kv_batch(self, layer: int, seqs, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of several sequences as [B, length, num_kv_heads, head_dim] views. The sequences must sit
@@ -298,7 +298,7 @@ class VirtualKVCache(KVCacheBase):
         check_kv(k, v, self.dtype, self.num_kv_heads, self.head_dim, self.device, self.v_head_dim)
         n = k.shape[0]
         start = write_start(start, n, self._slots.length_tokens[slot])
-        first = self._pages.first_writable(slot)
+        first = self._page_map.first_writable(slot)
         if start < first:
             raise ReadOnlyTokensError(
                 f"tokens before {first} are read-only (they may share pages with other "
@@ -319,15 +319,15 @@ class VirtualKVCache(KVCacheBase):
         check_positive_int("n", n)
         t = self._slots
         if t.free_count < n:
-            raise self._pages.exhausted("forks", n)
+            raise self._page_map.exhausted("forks", n)
         npages = self.layout.pages_for(t.length_tokens[parent])
-        pages = self._pages.pages(parent, 0, npages)
+        pages = self._page_map.pages(parent, 0, npages)
         children: list[int] = []
         try:
             for _ in range(n):
                 slot = self._take_clean_slot()
                 if npages:
-                    self._pages.map_shared(slot, pages, npages)
+                    self._page_map.map_shared(slot, pages, npages)
                 children.append(t.bind(slot))
                 t.length_tokens[slot] = t.length_tokens[parent]
         except BaseException:
@@ -346,7 +346,7 @@ class VirtualKVCache(KVCacheBase):
             raise InvalidArgumentError(f"new_len must be an int in 0..{t.length_tokens[slot]}, got {new_len!r}")
         keep = self.layout.pages_for(new_len)
         if t.mapped_pages[slot] > keep:
-            self._pages.unmap_tail(slot, keep)  # False (kept) while a live view reads them
+            self._page_map.unmap_tail(slot, keep)  # False (kept) while a live view reads them
         t.length_tokens[slot] = new_len
         t.new_from_token[slot] = min(t.new_from_token[slot], new_len)
 
@@ -361,7 +361,7 @@ class VirtualKVCache(KVCacheBase):
             raise InvalidArgumentError(f"{len(seqs)} sequences but {len(sources)} sources")
         if any(not 0 <= i < len(seqs) for i in sources):
             raise InvalidArgumentError(f"sources must index 0..{len(seqs) - 1}, got {sources}")
-        self._pages.remap_rows(self._distinct_live_slots(seqs), sources)
+        self._page_map.remap_rows(self._distinct_live_slots(seqs), sources)
 
     def cache_prefix(self, seq: int, tokens) -> int:
         """Offer the full pages of `seq` for reuse by later allocate(tokens=...) calls. tokens: the token ids
@@ -372,7 +372,7 @@ class VirtualKVCache(KVCacheBase):
         tokens = list(tokens)
         nblocks = min(len(tokens), self._slots.length_tokens[slot]) // index.block_tokens
         cached = index.insert_prefix(
-            tokens[: nblocks * index.block_tokens], lambda d: self._pages.pages(slot, d, d + 1)
+            tokens[: nblocks * index.block_tokens], lambda d: self._page_map.pages(slot, d, d + 1)
         )
         # Its pages the index now holds are read-only for the sequence too (also when a collision cut it short).
         self._slots.mark_shared(slot, cached // index.block_tokens)
@@ -390,7 +390,7 @@ class VirtualKVCache(KVCacheBase):
         slot = self._live_slot(seq)
         if self._swapped.space is None:
             raise InvalidArgumentError("this cache has no swap space (create it with swap_bytes=...)")
-        private, chunks = self._pages.swap_out(seq, slot, self._swapped.space)
+        private, chunks = self._page_map.swap_out(seq, slot, self._swapped.space)
         self._swapped.add(slot, private, chunks)
         return len(private) * self.layout.page_size
 
@@ -399,13 +399,13 @@ class VirtualKVCache(KVCacheBase):
         slot = self._slot(seq)
         if slot not in self._swapped:
             raise InvalidArgumentError(f"sequence {seq} is not swapped out")
-        self._pages.swap_in(*self._swapped[slot], self._swapped.space)
+        self._page_map.swap_in(*self._swapped[slot], self._swapped.space)
         self._swapped.drop(slot)
 
     # ----------------------------------------------------------------------------------------- memory
     def stats(self) -> CacheStats:
         self._check_open()
-        return virtual_cache_stats(self._pages, self.pool, self._prefix, self._swapped, self._prefix_hits)
+        return virtual_cache_stats(self._page_map, self.pool, self._prefix, self._swapped, self._prefix_hits)
 
     def reclaim(self) -> int:
         """Unmap the pages of every freed slot now; returns pages returned to the pool."""
@@ -432,7 +432,7 @@ class VirtualKVCache(KVCacheBase):
             self._prefix.clear()
         self._swapped.clear()
         self._range.unmap_all_unpinned()  # waits for the cache's streams first
-        self._pages = self._range = self._views = self._reclaim = None
+        self._page_map = self._range = self._views = self._reclaim = None
         self.kernel_plans.clear()  # their parameters address memory that is gone
         self._closed = True
         self.pool.unregister(self)

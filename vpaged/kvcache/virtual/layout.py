@@ -9,7 +9,7 @@ head_major:  like per_layer, but each head of a slot has its own run of pages, s
              Page fill: page / (dim·itemsize) tokens per head; a page boundary costs kv_heads pages per region.
 
 A slot is cut into `runs_per_slot` runs of pages (one per head for head_major, else one); every run starts
-on a page boundary, so the pages of different sequences (and heads) never overlap. Page-slot lists are
+on a page boundary, so the pages of different sequences (and heads) never overlap. Page-index lists are
 run-major: for each region, for each run, the pages in order.
 
 Keys and values with different head sizes (v_head_dim != head_dim, e.g. multi-head latent attention): in
@@ -145,8 +145,8 @@ class Layout:
         """Pages each run of a slot needs to hold `tokens` tokens."""
         return -(-tokens * self.token_bytes // self.page_size)
 
-    def page_slots(self, slot: int, first: int, stop: int) -> list[int]:
-        """Range page-slot indices of pages first..stop-1 of every run of `slot` (run-major)."""
+    def page_indices(self, slot: int, first: int, stop: int) -> list[int]:
+        """The range's page indices of pages first..stop-1 of every run of `slot` (run-major)."""
         ppr, rps, seqs = self.pages_per_run, self.runs_per_slot, self.max_seqs
         return [
             ((r * seqs + slot) * rps + h) * ppr + p

@@ -1,4 +1,4 @@
-"""SlotPages: the mapping state of a VirtualKVCache's range, slot by slot.
+"""PageMap: the mapping state of a VirtualKVCache's range, slot by slot.
 
 Owns the C++ VirtualRange, the Layout that cuts it into slots and page runs, the SlotTable that records what
 each slot has mapped, and the counters of mapping work (pages mapped / unmapped, map calls, copy-on-write
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class ExtendPlan:
-    """What growing `slots` by n tokens takes: fresh page slots to map, and mapped page slots the new
+    """What growing `slots` by n tokens takes: fresh page indices to map, and mapped page indices the new
     tokens land in that may be shared (copy-on-write: `copies` of them need a fresh page)."""
 
     slots: list[int]
@@ -43,7 +43,7 @@ class ExtendPlan:
         return len(self.fresh) + self.copies
 
 
-class SlotPages:
+class PageMap:
     def __init__(self, vrange, layout: Layout, pool: PagePool):
         self.range, self.layout, self.pool = vrange, layout, pool
         self.table = SlotTable(layout.max_seqs)
@@ -53,31 +53,31 @@ class SlotPages:
         self.growing: dict[int, int] = {}
 
     # ----------------------------------------------------------------------------------------- queries
-    def page_slots(self, slot: int, first: int = 0, stop: int | None = None) -> list[int]:
-        """Page slots first..stop-1 (default: up to what is mapped) of every run of `slot`."""
-        return self.layout.page_slots(slot, first, self.table.mapped_pages[slot] if stop is None else stop)
+    def page_indices(self, slot: int, first: int = 0, stop: int | None = None) -> list[int]:
+        """Page indices of pages first..stop-1 (default: up to what is mapped) of every run of `slot`."""
+        return self.layout.page_indices(slot, first, self.table.mapped_pages[slot] if stop is None else stop)
 
     def pages(self, slot: int, first: int = 0, stop: int | None = None) -> list[int]:
-        """The page ids mapped at page_slots(slot, first, stop) (-1 where nothing is mapped)."""
-        return self.range.pages_at(self.page_slots(slot, first, stop))
+        """The page ids mapped at page_indices(slot, first, stop) (-1 where nothing is mapped)."""
+        return self.range.pages_at(self.page_indices(slot, first, stop))
 
     def pinned(self, slot: int, first: int = 0) -> bool:
         """Whether a live view reads one of the slot's mapped pages from page `first` on."""
-        return bool(self.range.pinned_count(self.page_slots(slot, first)))
+        return bool(self.range.pinned_count(self.page_indices(slot, first)))
 
     def shares_pages(self, slot: int) -> bool:
         """Whether another slot or the prefix index holds one of the slot's pages."""
-        return any(c > 1 for c in self.range.refcounts_at(self.page_slots(slot)))
+        return any(c > 1 for c in self.range.refcounts_at(self.page_indices(slot)))
 
     def shared_count(self) -> int:
-        """Distinct mapped page slots whose page is also held elsewhere. Only pages below a slot's shared
+        """Distinct mapped page indices whose page is also held elsewhere. Only pages below a slot's shared
         watermark can be shared: just those are looked up (unmapped ones read 0)."""
         t = self.table
         maybe = [
-            ps
+            index
             for slot, upto in enumerate(t.shared_below_page)
             if upto
-            for ps in self.page_slots(slot, 0, min(upto, t.mapped_pages[slot]))
+            for index in self.page_indices(slot, 0, min(upto, t.mapped_pages[slot]))
         ]
         return sum(1 for c in self.range.refcounts_at(maybe) if c > 1) if maybe else 0
 
@@ -102,10 +102,10 @@ class SlotPages:
         )
 
     # ----------------------------------------------------------------------------------------- unmapping
-    def unmap(self, page_slots: list[int]) -> None:
-        """Unmap page slots (the range waits for the registered streams first); the caller updates the table."""
-        self.range.unmap(page_slots)
-        self.pages_unmapped += len(page_slots)
+    def unmap(self, page_indices: list[int]) -> None:
+        """Unmap page indices (the range waits for the registered streams first); the caller updates the table."""
+        self.range.unmap(page_indices)
+        self.pages_unmapped += len(page_indices)
 
     def unmap_slot(self, slot: int) -> bool:
         """Unmap every page of the slot; False (nothing changed) while a live view reads one of them."""
@@ -114,7 +114,7 @@ class SlotPages:
     def unmap_tail(self, slot: int, first: int) -> bool:
         """Unmap the slot's pages from `first` on; False (nothing changed) while a live view reads one."""
         try:
-            self.unmap(self.page_slots(slot, first))
+            self.unmap(self.page_indices(slot, first))
         except ViewsAliveError:
             return False
         if first:
@@ -174,7 +174,7 @@ class SlotPages:
     def map_shared(self, slot: int, pages: list[int], npages: int) -> None:
         """Map `pages` (run-major, npages per run) into a slot just taken; on error the slot is free again."""
         try:
-            self.range.map_shared(self.layout.page_slots(slot, 0, npages), pages)
+            self.range.map_shared(self.layout.page_indices(slot, 0, npages), pages)
         except BaseException:
             self.table.release(slot)
             raise
@@ -216,10 +216,10 @@ class SlotPages:
                 first = self.page_of_next_token(slot)
                 stop = min(t.mapped_pages[slot], t.shared_below_page[slot])
                 if first < stop:
-                    plan.to_privatize += lay.page_slots(slot, first, stop)
+                    plan.to_privatize += lay.page_indices(slot, first, stop)
             need = lay.pages_for(new_len)
             if need > t.mapped_pages[slot]:
-                plan.fresh += lay.page_slots(slot, t.mapped_pages[slot], need)
+                plan.fresh += lay.page_indices(slot, t.mapped_pages[slot], need)
                 plan.grown.append((slot, need))
         plan.copies = self.range.copies_needed(plan.to_privatize) if plan.to_privatize else 0
         return plan
@@ -259,7 +259,7 @@ class SlotPages:
         t, lay = self.table, self.layout
         lens = [t.length_tokens[s] for s in slots]
         old_pages = {s: self.pages(s) for s in set(slots)}
-        assign_slots: list[int] = []
+        assign_indices: list[int] = []
         assign_pages: list[int] = []
         moves = []
         for dst, i in zip(slots, sources):
@@ -268,16 +268,16 @@ class SlotPages:
                 continue
             src_n = lay.pages_for(lens[i])
             span = max(src_n, t.mapped_pages[dst])
-            # page_slots(slot, 0, n) lists run by run, so page p of run r is entry r * n + p. Built once per
+            # page_indices(slot, 0, n) lists run by run, so page p of run r is entry r * n + p. Built once per
             # row: a call per page made a beam-search reorder O(runs^2 * pages) in Python.
             src_pages, src_mapped = old_pages[src], t.mapped_pages[src]
-            assign_slots += lay.page_slots(dst, 0, span)
+            assign_indices += lay.page_indices(dst, 0, span)
             for r in range(lay.runs):
                 assign_pages += src_pages[r * src_mapped : r * src_mapped + src_n]
                 assign_pages += [-1] * (span - src_n)
             moves.append((dst, src, src_n, lens[i]))
-        if assign_slots:
-            self.range.assign(assign_slots, assign_pages)  # waits for the registered streams first
+        if assign_indices:
+            self.range.assign(assign_indices, assign_pages)  # waits for the registered streams first
         for dst, src, src_n, length in moves:
             t.length_tokens[dst] = length
             t.mapped_pages[dst] = t.shared_below_page[dst] = src_n
@@ -285,10 +285,10 @@ class SlotPages:
 
     # ----------------------------------------------------------------------------------------- swapping
     def swap_out(self, seq: int, slot: int, space: SwapSpace) -> tuple[list[int], list[int]]:
-        """Copy the slot's private pages to swap space and unmap them; returns (page slots, chunks).
+        """Copy the slot's private pages to swap space and unmap them; returns (page indices, chunks).
         ViewsAliveError (nothing changed) while a live view reads one of them."""
-        idx = self.page_slots(slot)
-        private = [ps for ps, c in zip(idx, self.range.refcounts_at(idx)) if c == 1]
+        idx = self.page_indices(slot)
+        private = [index for index, c in zip(idx, self.range.refcounts_at(idx)) if c == 1]
         if self.range.pinned_count(private):
             raise ViewsAliveError(f"sequence {seq} is read through a live tensor view; drop the view first")
         self.range.wait_for_streams()  # kernels writing this sequence's K/V finish before it is read out
@@ -301,7 +301,7 @@ class SlotPages:
         return private, chunks
 
     def swap_in(self, private: list[int], chunks: list[int], space: SwapSpace) -> None:
-        """Map fresh pages at the swapped-out page slots and restore their data; the chunks stay allocated."""
+        """Map fresh pages at the swapped-out page indices and restore their data; the chunks stay allocated."""
         self.ensure_free(len(private))
         pages = self.with_reclaim(lambda: self.range.map_new(private), len(private))
         try:
@@ -316,5 +316,5 @@ class SlotPages:
         """Unmap a swapped-out slot's pages that are still mapped (all but `holes`): it cannot stay dormant.
         ViewsAliveError (nothing changed) while a view reads a shared one."""
         gone = set(holes)
-        self.unmap([ps for ps in self.page_slots(slot) if ps not in gone])
+        self.unmap([index for index in self.page_indices(slot) if index not in gone])
         self.table.set_unmapped(slot)

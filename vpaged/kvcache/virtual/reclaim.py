@@ -14,28 +14,28 @@ from collections.abc import Container
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .page_map import SlotPages
+    from .page_map import PageMap
     from .prefix import PrefixIndex
 
 
 class SlotReclaim:
-    def __init__(self, pages: SlotPages, prefix: PrefixIndex | None, swapped: Container[int]):
-        """pages: the cache's mapping state; prefix: its prefix index (None without one); swapped: the slots
+    def __init__(self, page_map: PageMap, prefix: PrefixIndex | None, swapped: Container[int]):
+        """page_map: the cache's mapping state; prefix: its prefix index (None without one); swapped: the slots
         of swapped-out sequences (their page lists have holes: never trimmed)."""
-        self.pages, self.prefix, self.swapped = pages, prefix, swapped
+        self.page_map, self.prefix, self.swapped = page_map, prefix, swapped
 
     def unpinned_dormant_slots(self) -> list[int]:
         """Freed slots whose pages no live view reads (reclaim can unmap them), oldest first."""
-        return [s for s in self.pages.table.dormant_slots() if not self.pages.pinned(s)]
+        return [s for s in self.page_map.table.dormant_slots() if not self.page_map.pinned(s)]
 
     def spare_tails(self) -> list[tuple[int, int]]:
         """(slot, first spare page) of live sequences holding unpinned private pages past what their tokens
         (or the extend in progress) need. They are kept for the sequence to grow into."""
-        t, out = self.pages.table, []
+        t, out = self.page_map.table, []
         for slot in t.live_slots():
-            length = max(t.length_tokens[slot], self.pages.growing.get(slot, 0))
-            first = max(self.pages.layout.pages_for(length), t.shared_below_page[slot])
-            if first < t.mapped_pages[slot] and slot not in self.swapped and not self.pages.pinned(slot, first):
+            length = max(t.length_tokens[slot], self.page_map.growing.get(slot, 0))
+            first = max(self.page_map.layout.pages_for(length), t.shared_below_page[slot])
+            if first < t.mapped_pages[slot] and slot not in self.swapped and not self.page_map.pinned(slot, first):
                 out.append((slot, first))
         return out
 
@@ -43,26 +43,26 @@ class SlotReclaim:
         """Prefix blocks whose pages only the index holds once the given dormant slots let go of theirs."""
         if not self.prefix:
             return []
-        releasable = {p for s in dormant for p in self.pages.pages(s)}
+        releasable = {p for s in dormant for p in self.page_map.pages(s)}
         return self.prefix.evictable(releasable)
 
     def reclaimable_pages(self) -> int:
         """Pages reclaim_pages() could return to the pool now."""
-        t = self.pages.table
+        t = self.page_map.table
         dormant = self.unpinned_dormant_slots()
         spare = sum(t.mapped_pages[s] - first for s, first in self.spare_tails())
         blocks = sum(len(b.pages) for b in self.evictable_blocks(dormant))
-        return (t.total_mapped_pages(dormant) + spare) * self.pages.layout.runs + blocks
+        return (t.total_mapped_pages(dormant) + spare) * self.page_map.layout.runs + blocks
 
     def reclaim_pages(self, pages: int) -> int:
         """Unmap freed slots' pages, then evict prefix blocks, then trim spare tails, until `pages` are
         freed. Returns the pages freed."""
         freed = 0
-        for slot in self.pages.table.dormant_slots():
+        for slot in self.page_map.table.dormant_slots():
             if freed >= pages:
                 break
-            n = len(self.pages.page_slots(slot))
-            if self.pages.unmap_slot(slot):
+            n = len(self.page_map.page_indices(slot))
+            if self.page_map.unmap_slot(slot):
                 freed += n
         if freed < pages and self.prefix:
             for block in self.evictable_blocks([]):
@@ -73,7 +73,7 @@ class SlotReclaim:
             for slot, first in self.spare_tails():
                 if freed >= pages:
                     break
-                n = len(self.pages.page_slots(slot, first))
-                if self.pages.unmap_tail(slot, first):  # unpinned (checked), private: nothing reads them
+                n = len(self.page_map.page_indices(slot, first))
+                if self.page_map.unmap_tail(slot, first):  # unpinned (checked), private: nothing reads them
                     freed += n
         return freed

@@ -1,7 +1,7 @@
 """SlotTable: which sequence sits in which slot (row) of a VirtualKVCache, and what each slot holds.
 
 A slot is one sequence's row in every region of the cache's layout (layout.py); the pages of a slot are
-addressed through Layout.page_slots(). Per slot the table keeps, in the units its names say:
+addressed through Layout.page_indices(). Per slot the table keeps, in the units its names say:
 
   length_tokens       tokens the sequence holds
   new_from_token      first token the last extend() added (new_kv()'s window)

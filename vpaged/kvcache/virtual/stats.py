@@ -12,19 +12,19 @@ from ..records import CacheStats
 
 if TYPE_CHECKING:
     from ...memory.pool import PagePool
-    from .page_map import SlotPages
+    from .page_map import PageMap
     from .prefix import PrefixIndex
     from .swap import SwappedSlots
 
 
 def virtual_cache_stats(
-    pages: SlotPages,
+    page_map: PageMap,
     pool: PagePool,
     prefix: PrefixIndex | None,
     swapped: SwappedSlots,
     prefix_hit_tokens: int,
 ) -> CacheStats:
-    t, lay = pages.table, pages.layout
+    t, lay = page_map.table, page_map.layout
     # Swapped-out sequences hold no tokens in memory, and their pages in swap space are not mapped. With
     # sharing, live bytes can exceed mapped bytes.
     live_tokens = sum(t.length_tokens[s] for s in t.live_slots() if s not in swapped)
@@ -33,7 +33,9 @@ def virtual_cache_stats(
     mapped = t.total_mapped_pages() * lay.runs - swapped_pages
     mapped_bytes = mapped * lay.page_size
     prefix_pages = [p for b in prefix.blocks() for p in b.pages] if prefix else []
-    stored, fragmentation, dormant_bytes = virtual_cache_breakdown(lay, t, pages.range.pages_at, prefix_pages, swapped)
+    stored, fragmentation, dormant_bytes = virtual_cache_breakdown(
+        lay, t, page_map.range.pages_at, prefix_pages, swapped
+    )
     pool_stats = pool.stats()
     return CacheStats(
         layout=lay.kind,
@@ -48,11 +50,11 @@ def virtual_cache_stats(
         tokens_per_page=lay.tokens_per_page,
         pool_free_pages=pool_stats.free_pages,
         pool_used_pages=pool_stats.used_pages,
-        pages_mapped_total=pages.pages_mapped,
-        pages_unmapped_total=pages.pages_unmapped,
-        map_calls=pages.map_calls,
-        shared_pages=pages.shared_count(),
-        cow_copies=pages.cow_copies,
+        pages_mapped_total=page_map.pages_mapped,
+        pages_unmapped_total=page_map.pages_unmapped,
+        map_calls=page_map.map_calls,
+        shared_pages=page_map.shared_count(),
+        cow_copies=page_map.cow_copies,
         prefix_hit_tokens=prefix_hit_tokens,
         prefix_cached_pages=prefix.pages if prefix else 0,
         swapped_sequences=len(swapped),

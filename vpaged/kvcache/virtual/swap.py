@@ -70,12 +70,12 @@ class SwapSpace:
 
 
 class SwappedSlots:
-    """The slots of a cache's swapped-out sequences: for each, the page slots whose pages are in swap space
+    """The slots of a cache's swapped-out sequences: for each, the page indices whose pages are in swap space
     (holes in the slot's mapping) and the chunks holding them. Owns the cache's SwapSpace (None: no swapping)."""
 
     def __init__(self, space: SwapSpace | None):
         self.space = space
-        self._out: dict[int, tuple[list[int], list[int]]] = {}  # slot -> (page slots, chunks)
+        self._out: dict[int, tuple[list[int], list[int]]] = {}  # slot -> (page indices, chunks)
 
     def __contains__(self, slot: int) -> bool:
         return slot in self._out
@@ -91,8 +91,8 @@ class SwappedSlots:
         """Pages in swap space, over all swapped-out sequences."""
         return sum(len(p) for p, _ in self._out.values())
 
-    def add(self, slot: int, page_slots: list[int], chunks: list[int]) -> None:
-        self._out[slot] = (page_slots, chunks)
+    def add(self, slot: int, page_indices: list[int], chunks: list[int]) -> None:
+        self._out[slot] = (page_indices, chunks)
 
     def drop(self, slot: int) -> None:
         """The slot's pages are back in memory (or given up): release their chunks."""

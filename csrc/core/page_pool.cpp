@@ -1,9 +1,9 @@
-#include "page_pool.h"
+#include "core/page_pool.h"
 
 #include <algorithm>
 #include <string>
 
-#include "errors.h"
+#include "core/errors.h"
 
 namespace vpaged {
 

@@ -9,8 +9,8 @@
 // between pages are pure bookkeeping.
 #include <mutex>
 
-#include "backend.h"
-#include "errors.h"
+#include "core/backend.h"
+#include "core/errors.h"
 
 namespace vpaged {
 namespace {

@@ -5,8 +5,8 @@
 
 #include <memory>
 
-#include "dlpack.h"
-#include "torch_allocator.h"
+#include "core/dlpack.h"
+#include "torch_allocator/torch_allocator.h"
 
 namespace py = pybind11;
 using namespace vpaged;

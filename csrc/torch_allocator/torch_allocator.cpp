@@ -11,7 +11,7 @@
 //
 // Lock order: the registry's mutex, then an allocator's, then the pool's (inside acquire / decref). No
 // lock is held across a backend call except the pool's own, and no call takes the GIL.
-#include "torch_allocator.h"
+#include "torch_allocator/torch_allocator.h"
 
 #include <algorithm>
 #include <exception>
@@ -19,7 +19,7 @@
 #include <map>
 #include <string>
 
-#include "errors.h"
+#include "core/errors.h"
 
 namespace vpaged {
 

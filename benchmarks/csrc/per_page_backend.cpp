@@ -1,3 +1,4 @@
+// Part of vpaged_bench_ext (bench_ext.cpp), not of vpaged._C.
 // Reference design for benchmarks/bench_mapping.py only: the host backend before home pages. Every page is
 // its own mmap(MAP_SHARED | MAP_FIXED) of a memfd offset over a PROT_NONE reservation, and unmapping puts
 // PROT_NONE back, so scattered pages cost a mapping each (vm.max_map_count bound the cache). Kept to
@@ -12,8 +13,8 @@
 #include <fstream>
 #include <string>
 
-#include "backend.h"
-#include "errors.h"
+#include "core/backend.h"
+#include "core/errors.h"
 
 namespace vpaged {
 namespace {

@@ -1,4 +1,4 @@
-"""SlotPages on its own: a range's mapping state slot by slot (plan and carry out extends, copy-on-write,
+"""PageMap on its own: a range's mapping state slot by slot (plan and carry out extends, copy-on-write,
 unmapping, remapping rows, swapping), checked against page arithmetic and data written through views."""
 
 import random
@@ -9,7 +9,7 @@ import torch
 from vpaged import PagePool
 from vpaged.errors import OutOfPagesError, SequenceTooLongError, ViewsAliveError
 from vpaged.kvcache.virtual.layout import LAYOUTS, Layout
-from vpaged.kvcache.virtual.page_map import SlotPages
+from vpaged.kvcache.virtual.page_map import PageMap
 from vpaged.kvcache.virtual.swap import SwapSpace
 from vpaged.kvcache.virtual.views import SlotViews
 
@@ -20,11 +20,11 @@ HEADS, DIM = 2, 16  # float32: 128 bytes a token per run (per_layer), 32 tokens 
 def make(kind="per_layer", pages=64, max_seqs=4, max_seq_len=128, **pool_kw):
     pool = PagePool("cpu", capacity_pages=pages, page_size=PS, **pool_kw)
     lay = Layout(kind, 2, HEADS, DIM, 4, max_seqs, max_seq_len, PS)
-    sp = SlotPages(pool.new_range(lay.total_bytes), lay, pool)
+    sp = PageMap(pool.new_range(lay.total_bytes), lay, pool)
     return sp, SlotViews(sp.range, lay, torch.float32, torch.device("cpu"))
 
 
-def new_slot(sp: SlotPages, tokens: int = 0) -> int:
+def new_slot(sp: PageMap, tokens: int = 0) -> int:
     slot = sp.table.take_reusable()
     sp.table.bind(slot)
     if tokens:

@@ -175,11 +175,11 @@ class Backend {
 // Host backend: a sparse memfd is the physical memory; capacity_pages is the budget the pool enforces.
 std::shared_ptr<Backend> make_host_backend(size_t page_size, size_t capacity_pages);
 
-// Accounting backend (csrc/accounting_backend.cpp): pages and reservations are counted, no memory is
+// Accounting backend (csrc/backends/accounting_backend.cpp): pages and reservations are counted, no memory is
 // mapped; views over its ranges are refused. For simulating KV memory at GPU scale on any host.
 std::shared_ptr<Backend> make_accounting_backend(size_t page_size, size_t capacity_pages);
 
-// CUDA backend (csrc/vmm/cuda_backend.cpp). Throws BackendUnavailable with the reason when CUDA cannot
+// CUDA backend (csrc/backends/cuda_backend.cpp). Throws BackendUnavailable with the reason when CUDA cannot
 // be used (built without CUDA, no driver, no such device).
 std::shared_ptr<Backend> make_cuda_backend(int device, size_t page_size, size_t capacity_pages, size_t reserve_pages);
 // Why CUDA is unusable ("" when it is usable), and the VMM granularity of a device (0 if unusable).

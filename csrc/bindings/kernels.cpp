@@ -8,26 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "../errors.h"
-#include "decode.h"
+#include "core/errors.h"
+#include "kernels/decode.h"
 
 namespace py = pybind11;
-
-namespace vpaged {
-namespace kernels {
-
-#ifndef VPAGED_WITH_CUDA
-// No CUDA toolkit at build time: the CUDA entry points exist but say why they cannot run.
-bool kernels_built_with_cuda() { return false; }
-void decode_cuda(const DecodeParams&, const CudaLaunch&) {
-  throw BackendUnavailable(
-      "vpaged was built without CUDA: the CUDA decode kernels are not in this build "
-      "(rebuild where a CUDA toolkit with bin/nvcc and include/cuda.h is found)");
-}
-#endif
-
-}  // namespace kernels
-}  // namespace vpaged
 
 namespace {
 
@@ -223,7 +207,7 @@ void register_kernels(py::module_& m) {
 }
 
 // The K/V scatter (csrc/kernels/write_kv.h): its own parameter struct and entry points.
-#include "write_kv.h"
+#include "kernels/write_kv.h"
 
 void register_write_kv(py::module_& m) {
   using namespace vpaged::kernels;

@@ -1,4 +1,4 @@
-// C++ exception types of the core. bindings.cpp translates each into the Python class of the same
+// C++ exception types of the core. bindings/module.cpp translates each into the Python class of the same
 // name in vpaged/errors.py, so Python code sees one hierarchy whatever layer raised.
 #pragma once
 #include <stdexcept>

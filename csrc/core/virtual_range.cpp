@@ -1,4 +1,4 @@
-#include "virtual_range.h"
+#include "core/virtual_range.h"
 
 #include <algorithm>
 #include <map>
@@ -6,8 +6,8 @@
 #include <set>
 #include <string>
 
-#include "dlpack.h"
-#include "errors.h"
+#include "core/dlpack.h"
+#include "core/errors.h"
 
 namespace vpaged {
 
@@ -78,7 +78,7 @@ std::vector<IndexRun> VirtualRange::runs(const std::vector<int64_t>& indices) {
 }
 
 bool VirtualRange::sort_unique(const std::vector<int64_t>& indices, std::vector<int64_t>& sorted) {
-  // Callers mostly pass indices in order (Layout.page_slots): then there is nothing to sort.
+  // Callers mostly pass indices in order (Layout.page_indices): then there is nothing to sort.
   if (std::is_sorted(indices.begin(), indices.end())) {
     return std::adjacent_find(indices.begin(), indices.end()) == indices.end();
   }
@@ -262,11 +262,13 @@ void VirtualRange::copy_into_locked(const std::vector<int64_t>& indices, const s
   }
   std::unique_ptr<bool[]> lost(new bool[n]());
   try {
-    for (size_t k = 0; k < n; ++k) pool_->backend().copy_page(fresh[k], olds[k], stream);
-    // The copies read pages that may go back to the pool below: they must be complete first; and kernels
-    // still reading the indices must be done before they are remapped.
-    pool_->backend().synchronize(stream);
+    // First the registered streams: one may still be writing a source page (a kernel storing K/V on a
+    // stream given to use_stream()), and the copies below, issued on `stream`, would otherwise read the bytes
+    // from before that write. The same wait lets kernels still reading the indices finish before the remap.
     wait_for_streams_locked();
+    for (size_t k = 0; k < n; ++k) pool_->backend().copy_page(fresh[k], olds[k], stream);
+    // The copies read pages that may go back to the pool below: they must be complete first.
+    pool_->backend().synchronize(stream);
     pool_->backend().remap(va_, at.data(), olds.data(), fresh.data(), n, lost.get());
   } catch (...) {
     drop_after_failed_remap(at, olds, fresh, lost.get());

@@ -7,7 +7,7 @@
 #include <mutex>
 #include <vector>
 
-#include "backend.h"
+#include "core/backend.h"
 
 namespace vpaged {
 

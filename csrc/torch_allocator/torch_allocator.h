@@ -17,7 +17,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "page_pool.h"
+#include "core/page_pool.h"
 
 namespace vpaged {
 

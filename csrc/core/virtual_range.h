@@ -2,9 +2,9 @@
 // or backed by one physical page of a PagePool. The range owns one pool reference per mapped index, so
 // one physical page may sit behind several indices (in this or other ranges): the basis of sharing.
 //
-// A "page index" (just "index" in this file) names a page-sized piece of the range, numbered from 0. (The
-// Python caches call a sequence's row a slot; the Python names of these calls keep `slots` for page indices,
-// as Layout.page_slots() returns them: bindings.cpp.)
+// A "page index" (just "index" in this file) names a page-sized piece of the range, numbered from 0, in C++
+// and Python alike (Layout.page_indices() returns them). A "slot" is something else: a sequence's row in
+// the Python caches.
 //
 // Safety rules, enforced here so that no caller (the Python caches, a C++ client) can forget them:
 // - Pins: a tensor view handed out by make_dlpack() pins the page indices it covers. A pinned page index is
@@ -23,7 +23,7 @@
 #include <mutex>
 #include <vector>
 
-#include "page_pool.h"
+#include "core/page_pool.h"
 
 namespace vpaged {
 

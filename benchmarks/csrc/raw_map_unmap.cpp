@@ -1,3 +1,4 @@
+// Part of vpaged_bench_ext (bench_ext.cpp), not of vpaged._C.
 // Reference loops for benchmarks/bench_mapping.py: the bare system calls a host design issues to map and
 // unmap one page, with no bookkeeping and no Python in the loop: the floor vpaged is compared with.
 //

@@ -54,8 +54,8 @@
 #include <tuple>
 #include <vector>
 
-#include "backend.h"
-#include "errors.h"
+#include "core/backend.h"
+#include "core/errors.h"
 
 namespace vpaged {
 namespace {

@@ -2,22 +2,18 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "backend.h"
-#include "dlpack.h"
-#include "errors.h"
-#include "page_pool.h"
-#include "virtual_range.h"
+#include "core/backend.h"
+#include "core/dlpack.h"
+#include "core/errors.h"
+#include "core/page_pool.h"
+#include "core/virtual_range.h"
 
 namespace py = pybind11;
 
-namespace vpaged {
-std::shared_ptr<Backend> make_per_page_host_backend(size_t page_size, size_t capacity_pages);
-double raw_map_unmap_seconds_per_page(size_t page_size, size_t pages, const std::string& design, bool touch);
-}  // namespace vpaged
 using namespace vpaged;
 
-void register_kernels(py::module_& m);          // csrc/kernels/kernel_bindings.cpp
-void register_torch_allocator(py::module_& m);  // csrc/torch_allocator_bindings.cpp
+void register_kernels(py::module_& m);          // csrc/bindings/kernels.cpp
+void register_torch_allocator(py::module_& m);  // csrc/bindings/torch_allocator.cpp
 
 namespace {
 
@@ -103,19 +99,12 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("host_backend", &make_host_backend, py::arg("page_size"), py::arg("capacity_pages"));
   m.def("accounting_backend", &make_accounting_backend, py::arg("page_size"), py::arg("capacity_pages"));
-  m.def("_per_page_host_backend", &make_per_page_host_backend, py::arg("page_size"), py::arg("capacity_pages"),
-        "Benchmark reference: the host backend that maps every page on its own (bench_mapping.py).");
   m.def("cuda_backend", &make_cuda_backend, py::arg("device"), py::arg("page_size"), py::arg("capacity_pages"),
         py::arg("reserve_pages") = 0);
   m.def("cuda_unavailable_reason", &cuda_unavailable_reason, py::arg("device") = 0);
   m.def("cuda_granularity", &cuda_granularity, py::arg("device") = 0);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("built_with_cuda", &built_with_cuda);
-  m.def("_raw_map_unmap_seconds_per_page", &raw_map_unmap_seconds_per_page, py::arg("page_size"), py::arg("pages"),
-        py::arg("design") = "home", py::arg("touch") = false,
-        "Benchmark floor: the bare system calls that map + unmap one page, in C++, for one host design "
-        "('per_page': mmap of a memfd page + PROT_NONE over it; 'anon': MADV_DONTNEED in an anonymous "
-        "mapping; 'home': punch the page's hole in a range-long memfd mapping). touch: write each page once.");
 
   py::class_<PoolStats>(m, "PoolStats")
       .def_readonly("page_size", &PoolStats::page_size)
@@ -165,29 +154,30 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("dst"), py::arg("host_ptr"), py::arg("stream") = 0);
 
-  // The Python names keep "slots" for a range's page indices (as Layout.page_slots() returns them).
+  // Page positions in the range are page indices here as in C++ ("slot" is a sequence's row in the caches).
   py::class_<VirtualRange, std::shared_ptr<VirtualRange>>(m, "VirtualRange")
       .def(py::init<std::shared_ptr<PagePool>, size_t>(), py::arg("pool"), py::arg("bytes"))
       .def_property_readonly("address", &VirtualRange::address)
       .def_property_readonly("bytes", &VirtualRange::bytes)
-      .def_property_readonly("num_slots", &VirtualRange::num_pages)
+      .def_property_readonly("num_pages", &VirtualRange::num_pages)
       .def_property_readonly("page_size", &VirtualRange::page_size)
-      .def_property_readonly("mapped_slots", &VirtualRange::mapped_pages)
+      .def_property_readonly("mapped_pages", &VirtualRange::mapped_pages)
       .def(
-          "map_new", [](VirtualRange& r, py::handle slots) { return r.map_new(index_list(slots)); }, py::arg("slots"))
+          "map_new", [](VirtualRange& r, py::handle indices) { return r.map_new(index_list(indices)); },
+          py::arg("indices"))
       .def(
           "map_shared",
-          [](VirtualRange& r, py::handle slots, py::handle pages) {
-            r.map_shared(index_list(slots), index_list(pages));
+          [](VirtualRange& r, py::handle indices, py::handle pages) {
+            r.map_shared(index_list(indices), index_list(pages));
           },
-          py::arg("slots"), py::arg("pages"))
+          py::arg("indices"), py::arg("pages"))
       .def(
-          "unmap", [](VirtualRange& r, py::handle slots) { r.unmap(index_list(slots)); }, py::arg("slots"))
-      .def("copy_on_write", &VirtualRange::copy_on_write, py::arg("slot"), py::arg("stream") = 0)
-      .def("make_private", &VirtualRange::make_private, py::arg("slots"), py::arg("stream") = 0)
-      .def("copies_needed", &VirtualRange::copies_needed, py::arg("slots"))
-      .def("assign", &VirtualRange::assign, py::arg("slots"), py::arg("pages"))
-      .def("refcounts_at", &VirtualRange::refcounts_at, py::arg("slots"))
+          "unmap", [](VirtualRange& r, py::handle indices) { r.unmap(index_list(indices)); }, py::arg("indices"))
+      .def("copy_on_write", &VirtualRange::copy_on_write, py::arg("index"), py::arg("stream") = 0)
+      .def("make_private", &VirtualRange::make_private, py::arg("indices"), py::arg("stream") = 0)
+      .def("copies_needed", &VirtualRange::copies_needed, py::arg("indices"))
+      .def("assign", &VirtualRange::assign, py::arg("indices"), py::arg("pages"))
+      .def("refcounts_at", &VirtualRange::refcounts_at, py::arg("indices"))
       .def("page_at", &VirtualRange::page_at)
       .def("pages_at", &VirtualRange::pages_at)
       .def("pins_at", &VirtualRange::pins_at)
@@ -197,7 +187,7 @@ PYBIND11_MODULE(_C, m) {
       .def("remove_stream", &VirtualRange::remove_stream, py::arg("stream"))
       .def_property_readonly("streams", &VirtualRange::streams)
       .def("wait_for_streams", &VirtualRange::wait_for_streams)
-      .def("pinned_count", &VirtualRange::pinned_count, py::arg("slots"))
+      .def("pinned_count", &VirtualRange::pinned_count, py::arg("indices"))
       .def(
           "view",
           [](VirtualRange& r, size_t offset, std::vector<int64_t> shape, std::vector<int64_t> strides, int code,

@@ -29,8 +29,8 @@
 #include <memory>
 #include <string>
 
-#include "../backend.h"
-#include "../errors.h"
+#include "core/backend.h"
+#include "core/errors.h"
 
 #ifndef VPAGED_WITH_CUDA
 
