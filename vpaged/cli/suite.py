@@ -240,7 +240,7 @@ SUITE = (
 
 def find_benchmarks(explicit: str | None) -> Path:
     """The benchmarks/ folder: given, or beside the package in a source checkout."""
-    path = Path(explicit) if explicit else Path(__file__).resolve().parent.parent / "benchmarks"
+    path = Path(explicit) if explicit else Path(__file__).resolve().parents[2] / "benchmarks"
     if not (path / "common.py").is_file():
         raise InvalidArgumentError(
             f"no benchmark scripts at {path}: `vpaged bench` runs the scripts of a source checkout's benchmarks/ "

@@ -1,0 +1,7 @@
+"""`python -m vpaged.cli`: the `vpaged` command."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())
