@@ -1,101 +1,34 @@
-"""The engine's KV stores: one interface over the three ways the engine can hold K/V, so that the scheduler,
-the runner and the benchmark see only the cache as the difference.
+"""VirtualStore (kv="vpaged"): a VirtualKVCache, each sequence contiguous in its slot, pages mapped as it grows.
 
-  vpaged  VirtualKVCache: each sequence contiguous, pages mapped as it grows, prefix caching, swap, forks
-          share pages. Decode rows: the contiguous kernel; prefill chunks: SDPA on zero-copy views.
-  paged   PagedKVCache: block tables (the classic design). Decode rows: the block-table kernel; prefill
-          chunks: SDPA on K/V gathered from the blocks. No prefix caching, no swap (preemption recomputes).
-  static  VirtualKVCache in which each admitted sequence maps a fixed slot of max_model_len tokens at
-          admission and never shares: what static batching (a StaticCache) reserves. Same kernels as vpaged.
-
-Each step the runner asks for a StepAttention (plan once, run per layer): the per-step metadata (slots,
-lengths, block tables, views of the tokens to write) is built once, and every layer's attention call reads
-it. Views of the cache live only for one step: a view pins pages, and pinned pages cannot be swapped out.
+Prefix caching (full prompt pages computed before are mapped again), swap to host memory, and forks that
+share pages. Decode rows run the contiguous kernel; prefill chunks run SDPA on zero-copy views of the cache.
+StaticStore (static.py) is the same cache with each sequence's whole slot mapped at admission.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from ...kvcache.paged import PagedKVCache
+from ...kvcache.geometry import KVGeometry
 from ...kvcache.virtual.cache import VirtualKVCache
-from ...ops import decode_attention_contiguous, decode_attention_paged, write_kv
+from ...ops import decode_attention_contiguous, write_kv
+from .attention import StepAttention, prefill_rows
+from .base import Allocation, StoreMemory
 
-KV_KINDS = ("vpaged", "paged", "static")
-
-
-class StepAttention:
-    """One step's attention for the packed batch: rows 0..num_decodes-1 are decode tokens (one per
-    sequence), then the prefill chunks. attend() is called once per layer by the attention function."""
-
-    def __init__(self, num_decodes: int, prefills: list[tuple[int, int, int]], num_tokens: int):
-        self.num_decodes = num_decodes
-        self.prefills = prefills  # (row offset, start position, tokens) per prefill chunk
-        self.num_tokens = num_tokens
-        self.causal_masks = [_chunk_mask(start, n, None) for _, start, n in prefills]
-
-    def attend(self, layer: int, query, key, value, scale) -> torch.Tensor:
-        qt = query[0].transpose(0, 1)  # [T, H, D]
-        self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        out = torch.empty(qt.shape, dtype=qt.dtype, device=qt.device)
-        nd = self.num_decodes
-        if nd:
-            self.decode(layer, qt[:nd], scale, out[:nd])
-        for i, (row, _start, n) in enumerate(self.prefills):
-            k, v = self.prefill_kv(layer, i)  # [start + n, KVH, D]
-            o = F.scaled_dot_product_attention(
-                qt[row : row + n].transpose(0, 1).unsqueeze(0),
-                _heads_first(k, qt.shape[1]),
-                _heads_first(v, qt.shape[1]),
-                attn_mask=self.causal_masks[i],
-                is_causal=self.causal_masks[i] is None and n > 1,
-                scale=scale,
-            )
-            out[row : row + n] = o[0].transpose(0, 1)
-        return out.unsqueeze(0)
-
-    # Filled in by each store.
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def decode(self, layer: int, q: torch.Tensor, scale, out: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def prefill_kv(self, layer: int, i: int):
-        raise NotImplementedError
+if TYPE_CHECKING:
+    from ..config import EngineConfig
 
 
-def _heads_first(kv: torch.Tensor, heads: int) -> torch.Tensor:
-    """[S, KVH, D] cached K or V as [1, heads, S, D], each KV head repeated for its query-head group.
+class VirtualStep(StepAttention):
+    """A step over a VirtualKVCache: one scatter per layer writes the new K/V, decode rows read their slots
+    through the batched descriptors, prefill chunks read views of their sequence's prefix."""
 
-    SDPA's fused CPU kernel takes only 4D inputs with as many K/V heads as query heads: grouped heads
-    (enable_gqa) or 3D inputs fall back to the unfused math path, 2-5x slower on a prefill chunk here. The
-    copy costs S x heads x D elements, small next to the chunk's attention."""
-    kv = kv.transpose(0, 1)
-    group = heads // kv.shape[0]
-    if group > 1:
-        kv = kv.repeat_interleave(group, dim=0)
-    return kv.unsqueeze(0)
-
-
-def _chunk_mask(start: int, n: int, device):
-    """Causal mask of a chunk of n queries at positions start.. over keys 0..start+n-1 (bottom-right
-    aligned); None when the chunk starts at 0 (plain causal)."""
-    if start == 0:
-        return None
-    q = torch.arange(start, start + n, device=device)[:, None]
-    return torch.arange(start + n, device=device)[None, :] <= q
-
-
-class _VirtualStep(StepAttention):
     def __init__(self, store: VirtualStore, decodes, prefills, row_offsets, num_tokens):
-        super().__init__(len(decodes), [(r, s, n) for r, (_, s, n) in zip(row_offsets, prefills)], num_tokens)
+        super().__init__(len(decodes), prefill_rows(row_offsets, prefills), num_tokens, store.device)
         cache = store.cache
-        if store.device.type != "cpu":
-            self.causal_masks = [m if m is None else m.to(store.device) for m in self.causal_masks]
         # Prefill chunks attend over one view of the sequence's whole prefix (split per layer in prefill_kv).
         self._prefill_views = [cache.kv_layers(seq.handle, 0, start + n) for seq, start, n in prefills]
         if decodes:
@@ -144,58 +77,61 @@ class _VirtualStep(StepAttention):
 
 
 class VirtualStore:
-    """vpaged and static: a VirtualKVCache (static: each sequence maps its whole reservation up front)."""
+    """kv="vpaged": a VirtualKVCache with prefix caching and swap space (see the module docstring).
+
+    `cache` is the VirtualKVCache itself, public for tests and tools that inspect it; the engine goes through
+    the KVStore calls only."""
+
+    kind = "vpaged"
 
     def __init__(
         self,
-        kind: str,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype,
-        *,
-        budget_bytes: int,
-        swap_bytes: int,
-        max_seqs: int,
+        config: EngineConfig,
+        geometry: KVGeometry,
         max_seq_len: int,
-        device,
-        page_size: int | None,
-        layout: str,
-        prefix_caching: bool,
+        *,
+        swap_bytes: int | None = None,
+        prefix_caching: bool | None = None,
     ):
-        self.kind = kind
-        self.static = kind == "static"
+        """swap_bytes / prefix_caching: the config's unless given (StaticStore turns both off)."""
+        swap_bytes = config.swap_bytes if swap_bytes is None else swap_bytes
+        prefix_caching = config.enable_prefix_caching if prefix_caching is None else prefix_caching
         self.cache = VirtualKVCache(
-            num_layers,
-            num_kv_heads,
-            head_dim,
-            dtype=dtype,
-            max_seqs=max_seqs,
+            geometry.num_layers,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+            dtype=geometry.dtype,
+            max_seqs=config.max_cache_seqs,
             max_seq_len=max_seq_len,
-            device=device,
-            capacity_bytes=budget_bytes,
-            page_size=page_size,
-            layout=layout,
-            swap_bytes=0 if self.static else swap_bytes,
+            device=config.device,
+            capacity_bytes=config.kv_budget_bytes,
+            page_size=config.page_size,
+            layout=config.layout,
+            swap_bytes=swap_bytes,
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.pool.page_size
         lay = self.cache.layout
         # The prefix index needs pages that hold a whole number of tokens.
-        self.prefix_caching = prefix_caching and not self.static and lay.page_size % lay.token_bytes == 0
-        self.swap_capacity = 0 if self.static else swap_bytes
-        self.layer_kv = [self.cache.batch(layer, []) for layer in range(num_layers)]  # pointers per layer
+        self.prefix_caching = prefix_caching and lay.page_size % lay.token_bytes == 0
+        self.swap_capacity = swap_bytes
+        self.layer_kv = [self.cache.batch(layer, []) for layer in range(geometry.num_layers)]  # pointers per layer
         self._swapped_bytes = 0  # swap space in use, tracked here so planning needs no stats() call
         self._swapped: dict[int, int] = {}  # handle -> bytes it holds in swap space
-        self._reserved: dict[int, list[int]] = {}  # static: handle -> reservations for its other completions
 
-    # capacity
+    # ---- capacity
     def total_pages(self) -> int:
         return self.cache.pool.capacity_pages
 
     def pages_for_tokens(self, tokens: int) -> int:
+        """Pages `tokens` tokens of one sequence map (every run of the layout)."""
         lay = self.cache.layout
         return lay.pages_for(tokens) * lay.runs
+
+    def pages_for_request(self, tokens: int, completions: int) -> int:
+        # Forked completions share the prompt's pages: a request is checked against one sequence of its
+        # full length (whether its completions fit together is the scheduler's to plan, step by step).
+        return self.pages_for_tokens(tokens)
 
     def free_slots(self) -> int:
         return self.cache.max_seqs - len(self.cache.sequences)
@@ -205,39 +141,22 @@ class VirtualStore:
         # only when the free ones do not suffice.
         return need <= self.cache.pool.free_pages() or need <= self.cache.pages_available()
 
-    # sequences
-    @property
-    def slot_tokens(self) -> int:
-        """static: tokens each sequence reserves at admission (its slot: the longest sequence allowed)."""
-        return self.cache.max_seq_len
+    def pages_needed(self, handles, n: int) -> int:
+        return self.cache.pages_needed(handles, n)
 
-    @property
-    def slot_pages(self) -> int:
-        """static: pages one slot maps."""
-        return self.pages_for_tokens(self.slot_tokens)
+    # ---- sequences
+    def can_allocate(self, seats: int) -> bool:
+        return self.free_slots() >= seats
 
-    def allocate(self, tokens: list[int], seats: int = 1) -> tuple[int, int]:
-        """(handle, tokens already present from the prefix cache). static: maps a slot of slot_tokens for each
-        of `seats` completions now (the others wait, unshared, for fork())."""
-        if self.static:
-            handles = []
-            for _ in range(seats):
-                handles.append(self.cache.allocate())
-                self.cache.extend(handles[-1], self.slot_tokens)
-            if seats > 1:
-                self._reserved[handles[0]] = handles[1:]
-            return handles[0], 0
+    def allocate(self, tokens: list[int], seats: int = 1) -> Allocation:
         seq = self.cache.allocate(tokens=tokens) if self.prefix_caching else self.cache.allocate()
-        return seq, self.cache.seq_len(seq)
+        return Allocation(seq, self.cache.seq_len(seq))
 
     def slot(self, handle: int) -> int:
         return self.cache.slot(handle)
 
-    def pages_needed(self, handles, n: int) -> int:
-        return 0 if self.static else self.cache.pages_needed(handles, n)
-
     def extend(self, handles, n: int) -> None:
-        if not self.static and handles:
+        if handles:
             self.cache.extend_many(handles, n)
 
     def truncate(self, handle: int, length: int) -> None:
@@ -245,27 +164,18 @@ class VirtualStore:
 
     def free(self, handle: int) -> None:
         self.cache.free(handle)
-        for child in self._reserved.pop(handle, ()):
-            self.cache.free(child)
         if handle in self._swapped:
             self._swapped_bytes -= self._swapped.pop(handle)
 
     def fork(self, handle: int, n: int, length: int) -> list[int]:
-        """n sequences holding the first `length` tokens of `handle`: shared pages (vpaged), or copies into
-        the reservations made at admission (static never shares)."""
-        if not self.static:
-            return self.cache.fork_many(handle, n)
-        children = self._reserved.pop(handle)
-        source = self.cache.kv_layers(handle, 0, length)
-        for child in children:
-            self.cache.kv_layers(child, 0, length).copy_(source)
-        return children
+        """n sequences sharing every page of `handle` (copy-on-write); `length` is what it holds."""
+        return self.cache.fork_many(handle, n)
 
     def cache_prefix(self, handle: int, tokens: list[int]) -> None:
         if self.prefix_caching:
             self.cache.cache_prefix(handle, tokens)
 
-    # swapping
+    # ---- swapping
     def can_swap_out(self, handle: int) -> bool:
         if not self.swap_capacity:
             return False
@@ -283,15 +193,15 @@ class VirtualStore:
         self.cache.swap_in(handle)
         self._swapped_bytes -= self._swapped.pop(handle)
 
-    # attention
+    # ---- a step
     def step_attention(self, decodes, prefills, row_offsets, num_tokens) -> StepAttention:
-        return _VirtualStep(self, decodes, prefills, row_offsets, num_tokens)
+        return VirtualStep(self, decodes, prefills, row_offsets, num_tokens)
 
-    # stats
-    def memory(self) -> dict:
+    # ---- memory
+    def memory(self) -> StoreMemory:
         s = self.cache.stats()
         pool = self.cache.pool.stats()
-        return dict(
+        return StoreMemory(
             live_tokens=s.live_tokens,
             live_bytes=s.live_bytes,
             held_bytes=s.mapped_bytes,
@@ -299,158 +209,6 @@ class VirtualStore:
             budget_bytes=pool.total_bytes,
             prefix_hit_tokens=s.prefix_hit_tokens,
             swapped_bytes=s.swapped_bytes,
-        )
-
-    def close(self) -> None:
-        self.cache.close()
-
-
-class _PagedStep(StepAttention):
-    def __init__(self, store: PagedStore, decodes, prefills, row_offsets, num_tokens):
-        super().__init__(len(decodes), [(r, s, n) for r, (_, s, n) in zip(row_offsets, prefills)], num_tokens)
-        cache, bs = store.cache, store.cache.block_size
-        if store.device.type != "cpu":
-            self.causal_masks = [m if m is None else m.to(store.device) for m in self.causal_masks]
-        self._cache = cache
-        rows: list[int] = []  # pool row (block * block_size + offset) of each new token
-        for seq in decodes:
-            t = seq.num_computed
-            rows.append(cache.blocks(seq.handle)[t // bs] * bs + t % bs)
-        self._prefill_rows = []
-        for seq, start, n in prefills:
-            table = torch.tensor(cache.blocks(seq.handle), dtype=torch.int64)
-            pos = torch.arange(start + n)
-            token_rows = (table[pos // bs] * bs + pos % bs).to(store.device)
-            self._prefill_rows.append(token_rows)
-            rows.extend(token_rows[start:].tolist())
-        self._rows = torch.tensor(rows, dtype=torch.int64, device=store.device)
-        if decodes:
-            handles = [seq.handle for seq in decodes]
-            self._max_len = max(seq.num_computed + 1 for seq in decodes)
-            width = -(-self._max_len // bs)
-            self._tables = cache.block_tables(handles, width)
-            self._lengths = torch.tensor(
-                [seq.num_computed + 1 for seq in decodes], dtype=torch.int32, device=store.device
-            )
-
-    def write(self, layer, k, v):
-        shape = (-1, k.shape[1], k.shape[2])
-        self._cache.key_caches[layer].view(shape).index_copy_(0, self._rows, k)
-        self._cache.value_caches[layer].view(shape).index_copy_(0, self._rows, v)
-
-    def decode(self, layer, q, scale, out):
-        decode_attention_paged(
-            q,
-            self._cache.key_caches[layer],
-            self._cache.value_caches[layer],
-            self._tables,
-            self._lengths,
-            scale,
-            out,
-            max_len=self._max_len,
-        )
-
-    def prefill_kv(self, layer, i):
-        rows = self._prefill_rows[i]
-        k_pool, v_pool = self._cache.key_caches[layer], self._cache.value_caches[layer]
-        shape = (-1, k_pool.shape[2], k_pool.shape[3])
-        return k_pool.view(shape).index_select(0, rows), v_pool.view(shape).index_select(0, rows)
-
-
-class PagedStore:
-    """paged: a PagedKVCache of block_size-token blocks (no prefix caching, no swap)."""
-
-    kind = "paged"
-    prefix_caching = False
-    static = False
-    swap_capacity = 0
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype,
-        *,
-        budget_bytes: int,
-        max_seqs: int,
-        max_seq_len: int,
-        device,
-        block_size: int = 16,
-    ):
-        self.cache = PagedKVCache(
-            num_layers,
-            num_kv_heads,
-            head_dim,
-            dtype=dtype,
-            max_seqs=max_seqs,
-            max_seq_len=max_seq_len,
-            device=device,
-            capacity_bytes=budget_bytes,
-            block_size=block_size,
-        )
-        self.device = self.cache.device
-        self.page_bytes = self.cache.block_bytes
-        self._high_water_blocks = 0
-
-    def total_pages(self) -> int:
-        return self.cache.num_blocks
-
-    def pages_for_tokens(self, tokens: int) -> int:
-        return -(-tokens // self.cache.block_size)
-
-    def free_slots(self) -> int:
-        return self.cache.max_seqs - len(self.cache.sequences)
-
-    def pages_available(self, need: int) -> bool:
-        return need <= self.cache.pages_available()
-
-    def allocate(self, tokens, seats: int = 1):
-        return self.cache.allocate(), 0
-
-    def slot(self, handle: int) -> int:
-        return -1
-
-    def pages_needed(self, handles, n: int) -> int:
-        return self.cache.pages_needed(handles, n)
-
-    def extend(self, handles, n: int) -> None:
-        if handles:
-            self.cache.extend_many(handles, n)
-            used = self.cache.num_blocks - self.cache.pages_available()
-            self._high_water_blocks = max(self._high_water_blocks, used)
-
-    def truncate(self, handle, length):  # not reached: no prefix hits
-        raise NotImplementedError
-
-    def free(self, handle: int) -> None:
-        self.cache.free(handle)
-
-    def fork(self, handle: int, n: int, length: int) -> list[int]:
-        return [self.cache.fork(handle) for _ in range(n)]
-
-    def cache_prefix(self, handle, tokens) -> None:
-        pass
-
-    def can_swap_out(self, handle) -> bool:
-        return False
-
-    def step_attention(self, decodes, prefills, row_offsets, num_tokens) -> StepAttention:
-        return _PagedStep(self, decodes, prefills, row_offsets, num_tokens)
-
-    def memory(self) -> dict:
-        c = self.cache
-        used = c.num_blocks - c.pages_available()
-        live = sum(c.seq_len(s) for s in c.sequences)
-        held = used * c.block_bytes
-        return dict(
-            live_tokens=live,
-            live_bytes=live * c.bytes_per_token,
-            held_bytes=held,
-            high_water_bytes=self._high_water_blocks * c.block_bytes,
-            budget_bytes=c.num_blocks * c.block_bytes,
-            prefix_hit_tokens=0,
-            swapped_bytes=0,
         )
 
     def close(self) -> None:
