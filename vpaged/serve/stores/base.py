@@ -100,7 +100,9 @@ class KVStore(Protocol):
         ...
 
     def truncate(self, handle: int, length: int) -> None:
-        """Keep a sequence's first `length` tokens; the pages past them go back to the pool."""
+        """Keep a sequence's first `length` tokens (0..its length); the pages wholly past them go back to the
+        pool (a static reservation stays whole). The scheduler truncates a prompt found entirely in the prefix
+        cache by one token, whose logits it still needs."""
         ...
 
     def free(self, handle: int) -> None:
