@@ -1,7 +1,8 @@
 """Requests and their sequences as the engine tracks them (plain records).
 
 The engine creates them (add_request); from then on only the scheduler changes a sequence's state: its queue
-and status, its cache handle, the tokens computed and appended, its finish (scheduler.py).
+and status, its cache handle, the tokens computed and appended, its finish (scheduler.py). The engine moves
+only the reporting cursor (delta_from) as it builds outputs.
 """
 
 from __future__ import annotations
