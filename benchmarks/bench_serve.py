@@ -415,7 +415,7 @@ def section_breakdown(model, cfg, vocab, log) -> dict:
                 steps.append(dt)
                 forwards.append(timer.seconds)
         # the engine's own split of the same steps: forward vs schedule + prepare + sample + output
-        log_steps = [e for e in engine.step_log if e["decodes"] == b and e["prefill_tokens"] == 0]
+        log_steps = [e.as_dict() for e in engine.step_log if e.decodes == b and e.prefill_tokens == 0]
     finally:
         timer.close()
         with contextlib.suppress(Exception):

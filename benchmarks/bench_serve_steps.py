@@ -112,7 +112,7 @@ def main(argv=None) -> int:
             step += 1
         logs = {}
         for kv, e in engines.items():
-            logs[kv] = [dict(s, forward_cpu=c) for s, c in zip(e.step_log, cpu[kv])]
+            logs[kv] = [dict(s.as_dict(), forward_cpu=c) for s, c in zip(e.step_log, cpu[kv])]
     finally:
         for e in engines.values():
             e.close()

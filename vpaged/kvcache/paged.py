@@ -182,6 +182,20 @@ class PagedKVCache(KVCacheBase):
             table.extend(self._take(grow))
             self._len[seq] += n
 
+    def truncate(self, seq: int, new_len: int) -> None:
+        """Drop the tokens from new_len on (as VirtualKVCache.truncate). Blocks wholly past the new length leave
+        the table and go back to the free list unless another sequence still references them; a partly kept
+        last block stays (shared or not: a later extend or write copies a shared one first)."""
+        table = self._table(seq)
+        old = self._len[seq]
+        if not is_int(new_len) or not 0 <= new_len <= old:
+            raise InvalidArgumentError(f"new_len must be an int in 0..{old}, got {new_len!r}")
+        keep = -(-new_len // self.block_size)
+        for blk in table[keep:]:
+            self._decref(blk)
+        del table[keep:]
+        self._len[seq] = new_len
+
     def pages_needed(self, seqs, n: int = 1) -> int:
         """Blocks that extend_many(seqs, n) would take: new blocks plus copy-on-write copies of a shared
         partly filled last block. Changes nothing (a scheduler plans with it and pages_available())."""

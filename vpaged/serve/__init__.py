@@ -7,14 +7,18 @@
 Needs transformers (the `hf` extra). Importing this package registers attn_implementation="vpaged".
 """
 
+from .config import EngineConfig
 from .engine import LLM, LLMEngine
 from .models import RANDOM_CONFIGS, load_model
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from .params import SamplingParams
+from .stores import KVStore
 
 __all__ = [
     "LLM",
     "LLMEngine",
+    "EngineConfig",
+    "KVStore",
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",

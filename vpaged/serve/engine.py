@@ -4,8 +4,10 @@
     llm = LLM("random:llama-tiny", kv_budget_bytes=64 << 20)
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8, temperature=0.0))
 
-A step: schedule (scheduler.py) -> one packed forward (runner.py) -> sample (sampler.py) -> outputs for
-the requests that changed. Not thread-safe: one thread drives an engine.
+A step: schedule (scheduler.py) -> one packed forward (runner.py) -> sample (sampler.py) -> postprocess
+(scheduler.py: every change to the sequences) -> outputs for the requests that changed. The engine only
+orchestrates: the options live in one EngineConfig (config.py), the K/V in a KVStore (stores/), sequence
+state in the scheduler. Not thread-safe: one thread drives an engine.
 """
 
 from __future__ import annotations
@@ -14,88 +16,78 @@ import itertools
 import random
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
 
 import torch
 
 from ..errors import BackendUnavailableError, InvalidArgumentError, PromptTooLongError, UnknownRequestError
 from ..hf.attention import NAME as ATTN_NAME
 from ..hf.compat import serving_support
-from ..memory.device import normalize_device
+from ..kvcache.geometry import KVGeometry
+from .config import EngineConfig
 from .models import attention_window, load_model, model_geometry
-from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepRecord, StepTimes
 from .params import SamplingParams
 from .runner import ModelRunner
 from .sampler import sample
-from .scheduler import Scheduler
-from .sequence import Request, Sequence, Status
-from .stores import KV_KINDS, PagedStore, VirtualStore
+from .scheduler import Draw, Scheduler, StepUpdate
+from .sequence import Request, Sequence
+from .stores import make_store
 
 
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-    return value
+@dataclass
+class EngineCounters:
+    """What EngineStats counts over the engine's life (its fields are EngineStats fields of the same name)."""
+
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    steps: int = 0
+
+
+class _Clock:
+    """Seconds since the last lap (perf_counter)."""
+
+    def __init__(self):
+        self._last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self._last = now - self._last, now
+        return elapsed
 
 
 class LLMEngine:
     """Continuous-batching engine over one transformers model and one KV store.
 
+    LLMEngine(model, tokenizer=None, **options) or LLMEngine(model, tokenizer=None, config=EngineConfig(...)):
+    the options are EngineConfig's fields (kv_budget_bytes is required), checked once when the config is built.
+
     Args:
         model: a PreTrainedModel, a local model directory or "random:<name>" (see load_model).
         tokenizer: for string prompts and output text (default: the directory's tokenizer, if any).
-        kv_budget_bytes: memory for K/V (the page pool, the block pool, or the static reservations).
-        swap_bytes: host swap space for preempted sequences (kv="vpaged" only; 0: preemption recomputes).
-        max_num_seqs: sequences running at once. max_num_batched_tokens: tokens per step (chunked prefill).
-        kv: "vpaged" (VirtualKVCache), "paged" (PagedKVCache, block tables) or "static" (each request maps
-            a fixed slot of max_model_len tokens at admission, as static batching does: set max_model_len).
-        enable_prefix_caching: reuse the K/V of full prompt pages computed before (vpaged).
-        max_model_len: tokens a sequence may hold (default: the model's max_position_embeddings, and its
-            sliding window when it has one: the engine attends over full contexts).
-        dtype, device: of the model and the cache (default: the model's dtype, "cpu").
-        page_size: bytes per page of the vpaged / static pool (default: the device's).
-        layout: VirtualKVCache layout ("per_layer", "interleaved", "head_major").
-        block_size: tokens per block of the paged store.
-        seed: seeds the generator that seeds requests given no seed.
-        record_steps: keep a per-step timing record in .step_log (for benchmarks).
+        config: an EngineConfig; or its fields as keyword arguments (not both).
     """
 
-    def __init__(
-        self,
-        model,
-        tokenizer=None,
-        *,
-        kv_budget_bytes: int,
-        swap_bytes: int = 0,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        kv: str = "vpaged",
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        dtype: torch.dtype | None = None,
-        device="cpu",
-        page_size: int | None = None,
-        layout: str = "per_layer",
-        block_size: int = 16,
-        seed: int = 0,
-        record_steps: bool = False,
-    ):
+    def __init__(self, model, tokenizer=None, *, config: EngineConfig | None = None, **options):
         ok, why = serving_support()
         if not ok:
             raise BackendUnavailableError(why)
-        if kv not in KV_KINDS:
-            raise InvalidArgumentError(f"kv must be one of {KV_KINDS}, got {kv!r}")
-        _positive_int("kv_budget_bytes", kv_budget_bytes)
-        if not isinstance(swap_bytes, int) or isinstance(swap_bytes, bool) or swap_bytes < 0:
-            raise InvalidArgumentError(f"swap_bytes must be an int >= 0, got {swap_bytes!r}")
-        self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
-        self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise InvalidArgumentError(f"dtype must be a torch.dtype, got {dtype!r}")
-        model, loaded_tokenizer = load_model(model, dtype or torch.float32)
+        if config is None:
+            config = EngineConfig(**options)
+        elif options:
+            raise InvalidArgumentError(f"give either config or keyword options, not both (got {sorted(options)})")
+        elif not isinstance(config, EngineConfig):
+            raise InvalidArgumentError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.config = config
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        model, loaded_tokenizer = load_model(model, config.dtype or torch.float32)
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
-        self.device = normalize_device(device)
-        if dtype is not None and model.dtype != dtype:
-            model = model.to(dtype)
+        self.device = config.device
+        if config.dtype is not None and model.dtype != config.dtype:
+            model = model.to(config.dtype)
         if model.device != self.device:
             model = model.to(self.device)
         model.eval()
@@ -106,68 +98,33 @@ class LLMEngine:
                 "AttentionInterface; the engine cannot serve it"
             )
         self.model = model
-        config = model.config
-        self.model_name = getattr(config, "name_or_path", None) or type(model).__name__
-        layers, kv_heads, head_dim = model_geometry(config)
-        limit = int(getattr(config.get_text_config(decoder=True), "max_position_embeddings", 0) or 1 << 20)
-        window = attention_window(config)
+        model_config = model.config
+        self.model_name = getattr(model_config, "name_or_path", None) or type(model).__name__
+        layers, kv_heads, head_dim = model_geometry(model_config)
+        text_config = model_config.get_text_config(decoder=True)
+        limit = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 20)
+        window = attention_window(model_config)
         if window is not None:
             limit = min(limit, window)
-        if max_model_len is not None:
-            limit = min(limit, _positive_int("max_model_len", max_model_len))
+        if config.max_model_len is not None:
+            limit = min(limit, config.max_model_len)
         self.max_model_len = limit
-        self.vocab_size = int(config.get_text_config(decoder=True).vocab_size)
-        self.kv = kv
-        slots = 2 * max_num_seqs  # running plus swapped sequences (addresses only: no memory behind them)
-        if kv == "paged":
-            self.store = PagedStore(
-                layers,
-                kv_heads,
-                head_dim,
-                model.dtype,
-                budget_bytes=kv_budget_bytes,
-                max_seqs=slots,
-                max_seq_len=limit,
-                device=self.device,
-                block_size=block_size,
-            )
-        else:
-            self.store = VirtualStore(
-                kv,
-                layers,
-                kv_heads,
-                head_dim,
-                model.dtype,
-                budget_bytes=kv_budget_bytes,
-                swap_bytes=swap_bytes,
-                max_seqs=slots,
-                max_seq_len=limit,
-                device=self.device,
-                page_size=page_size,
-                layout=layout,
-                prefix_caching=enable_prefix_caching,
-            )
-        if kv == "static" and self.store.slot_pages > self.store.total_pages():
-            self.store.close()
-            raise InvalidArgumentError(
-                f"kv='static' reserves max_model_len={limit} tokens per sequence, more than the KV budget of "
-                f"{kv_budget_bytes} bytes holds; raise kv_budget_bytes or lower max_model_len"
-            )
-        self.scheduler = Scheduler(self.store, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.store, self.device)
+        self.vocab_size = int(text_config.vocab_size)
+        self.kv = config.kv
+        self.store = make_store(config, KVGeometry(layers, kv_heads, head_dim, model.dtype), limit)
+        self.scheduler = Scheduler(self.store, config)
+        self.runner = ModelRunner(model, self.store, config)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if eos is None:
-            eos = getattr(config, "eos_token_id", None)
+            eos = getattr(model_config, "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self._rng = random.Random(seed)
+        self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, handed out by the next step()
-        self._counters = dict(
-            requests_finished=0, requests_aborted=0, prompt_tokens_total=0, generation_tokens_total=0, steps=0
-        )
-        self._times = dict(schedule=0.0, prepare=0.0, forward=0.0, sample=0.0, output=0.0)
-        self.step_log: list[dict] | None = [] if record_steps else None
+        self.counters = EngineCounters()
+        self.times = StepTimes()  # summed over all steps
+        self.step_log: list[StepRecord] | None = [] if config.record_steps else None
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -191,10 +148,7 @@ class LLMEngine:
                 f"prompt of {len(tokens)} tokens leaves no room to generate within max_model_len={self.max_model_len}"
             )
         max_tokens = min(params.max_tokens, self.max_model_len - len(tokens))
-        if self.kv == "static":
-            need = self.store.slot_pages * params.n
-        else:
-            need = self.store.pages_for_tokens(len(tokens) + max_tokens)
+        need = self.store.pages_for_request(len(tokens) + max_tokens, params.n)
         if need > self.store.total_pages():
             raise PromptTooLongError(
                 f"prompt of {len(tokens)} tokens plus {max_tokens} to generate needs {need} pages of "
@@ -203,15 +157,10 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, tokens, params, RequestMetrics(arrival_time=time.time()), max_tokens)
         req.seeds = [seed] if params.n == 1 else [(seed * 1_000_003 + i) % (1 << 63) for i in range(params.n)]
-        req.seqs.append(Sequence(req, 0, list(tokens), self._generator(req, 0)))
+        req.seqs.append(Sequence(req, 0, list(tokens), req.generator(0)))
         self._requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         return request_id
-
-    def _generator(self, req: Request, index: int):
-        if req.params.greedy:
-            return None
-        return torch.Generator().manual_seed(req.seeds[index])
 
     def _prompt_tokens(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -240,11 +189,9 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None:
             raise UnknownRequestError(f"no unfinished request {request_id!r}")
-        for seq in req.seqs:
-            if seq.status is not Status.FINISHED:
-                self.scheduler.remove(seq)
-                seq.finish_reason = "abort"
-        self._finish_request(req, time.time(), aborted=True)
+        self.scheduler.abort(req, time.time())
+        self.counters.requests_aborted += 1
+        del self._requests[request_id]
         self._pending.append(self._output(req))
 
     def has_unfinished(self) -> bool:
@@ -254,15 +201,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests that changed (new tokens or finished)."""
         outputs, self._pending = self._pending, []
-        t0 = time.perf_counter()
+        clock = _Clock()
         plan = self.scheduler.schedule()
-        t1 = time.perf_counter()
+        schedule_s = clock.lap()
         if not plan:
-            self._times["schedule"] += t1 - t0
+            self.times.schedule += schedule_s
             return outputs
         try:
             inputs, step_attention, samplers = self.runner.prepare(plan)
-            t2 = time.perf_counter()
+            prepare_s = clock.lap()
             logits = self.runner.forward(inputs, step_attention)
         except BaseException:
             # The cache grew for tokens whose K/V may be half written: the step's sequences give their pages
@@ -271,113 +218,46 @@ class LLMEngine:
             self.scheduler.requeue(plan)
             raise
         del step_attention  # its views pin pages: gone before anything is swapped or freed
-        t3 = time.perf_counter()
-        for seq in plan.decodes:
-            seq.num_computed += 1
-        for seq, start, n in plan.prefills:
-            seq.num_computed = start + n
-            self._counters["prompt_tokens_total"] += min(n, max(0, seq.prompt_len - start))
-            if not seq.prefix_offered and seq.num_computed >= seq.prompt_len:
-                self.store.cache_prefix(seq.handle, seq.request.prompt)
-                seq.prefix_offered = True
-        rows, params, generators, targets = [], [], [], []
-        for i, seq in enumerate(samplers):
-            req = seq.request
-            if req.params.n > 1 and not req.forked:
-                targets.append((seq, req.params.n))
-                for k in range(req.params.n):
-                    rows.append(i)
-                    params.append(req.params)
-                    generators.append(seq.generator if k == 0 else self._generator(req, k))
-            else:
-                targets.append((seq, 1))
-                rows.append(i)
-                params.append(req.params)
-                generators.append(seq.generator)
-        if len(rows) != len(samplers):
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        tokens = sample(logits, params, generators)
-        t4 = time.perf_counter()
-        now = time.time()
-        changed = {}
-        it = iter(zip(tokens, generators))
-        for seq, count in targets:
-            drawn = [next(it) for _ in range(count)]
-            if count > 1:
-                self._fork(seq, drawn[1:])
-            self._append(seq, drawn[0][0], now)
-            changed[seq.request.request_id] = seq.request
-        outputs += [self._output(req) for req in changed.values()]
-        for req in changed.values():
-            if req.finished:
-                del self._requests[req.request_id]
-        t5 = time.perf_counter()
-        self._counters["steps"] += 1
-        for key, dt in (
-            ("schedule", t1 - t0),
-            ("prepare", t2 - t1),
-            ("forward", t3 - t2),
-            ("sample", t4 - t3),
-            ("output", t5 - t4),
-        ):
-            self._times[key] += dt
+        forward_s = clock.lap()
+        draws = self._sample(samplers, logits)
+        sample_s = clock.lap()
+        update = self.scheduler.postprocess(plan, draws, self.eos_token_ids, time.time())
+        outputs += self._outputs(update)
+        times = StepTimes(schedule_s, prepare_s, forward_s, sample_s, clock.lap())
+        self.counters.steps += 1
+        self.times.add(times)
         if self.step_log is not None:
-            self.step_log.append(
-                dict(
-                    decodes=len(plan.decodes),
-                    prefill_tokens=plan.num_tokens - len(plan.decodes),
-                    schedule=t1 - t0,
-                    prepare=t2 - t1,
-                    forward=t3 - t2,
-                    sample=t4 - t3,
-                    output=t5 - t4,
-                )
-            )
+            self.step_log.append(StepRecord(len(plan.decodes), plan.num_tokens - len(plan.decodes), times))
         return outputs
 
-    def _fork(self, parent: Sequence, drawn: list) -> None:
-        """n > 1: the other completions share the parent's computed prompt pages."""
-        req = parent.request
-        handles = self.store.fork(parent.handle, len(drawn), parent.num_computed)
-        for k, (handle, (token, generator)) in enumerate(zip(handles, drawn), start=1):
-            child = Sequence(
-                req,
-                k,
-                list(parent.tokens),
-                generator,
-                num_computed=parent.num_computed,
-                handle=handle,
-                slot=self.store.slot(handle),
-                prefix_offered=True,
-            )
-            child.delta_from = len(child.tokens)
-            req.seqs.append(child)
-            self.scheduler.add_running(child)
-            self._append(child, token, time.time())
-        req.forked = True
+    def _sample(self, samplers: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, list[Draw]]]:
+        """One token per sampling sequence, in logits order; n for a request of n > 1 completions that has
+        just computed its prompt (the first for the sequence itself, the others for the completions it forks
+        into, each with its own generator)."""
+        rows, params, generators, counts = [], [], [], []
+        for i, seq in enumerate(samplers):
+            req = seq.request
+            count = req.params.n if req.params.n > 1 and not req.forked else 1
+            for k in range(count):
+                rows.append(i)
+                params.append(req.params)
+                generators.append(seq.generator if k == 0 else req.generator(k))
+            counts.append(count)
+        if len(rows) != len(samplers):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        drawn = iter(zip(sample(logits, params, generators), generators))
+        return [(seq, [next(drawn) for _ in range(count)]) for seq, count in zip(samplers, counts)]
 
-    def _append(self, seq: Sequence, token: int, now: float) -> None:
-        req = seq.request
-        seq.tokens.append(token)
-        self._counters["generation_tokens_total"] += 1
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        if token in req.params.stop_token_ids or (not req.params.ignore_eos and token in self.eos_token_ids):
-            seq.finish_reason = "stop"
-        elif seq.num_generated >= req.max_tokens:
-            seq.finish_reason = "length"
-        else:
-            return
-        self.scheduler.remove(seq)
-        if all(s.finish_reason is not None for s in req.seqs) and (req.forked or req.params.n == 1):
-            self._finish_request(req, now)
-
-    def _finish_request(self, req: Request, now: float, aborted: bool = False) -> None:
-        req.finished = True
-        req.metrics.finish_time = now
-        self._counters["requests_aborted" if aborted else "requests_finished"] += 1
-        if aborted:
-            del self._requests[req.request_id]
+    def _outputs(self, update: StepUpdate) -> list[RequestOutput]:
+        """The outputs of the requests a step changed; finished requests leave the engine."""
+        self.counters.prompt_tokens_total += update.prompt_tokens
+        self.counters.generation_tokens_total += update.generated_tokens
+        self.counters.requests_finished += len(update.finished)
+        outputs = [self._output(req) for req in update.changed]
+        for req in update.changed:
+            if req.finished:
+                del self._requests[req.request_id]
+        return outputs
 
     def _output(self, req: Request) -> RequestOutput:
         completions = []
@@ -393,32 +273,26 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         mem = self.store.memory()
         sched = self.scheduler
-        held = mem["held_bytes"]
-        if self.kv == "static":
-            # The cache holds each reservation in full; the tokens computed so far are the live ones.
-            live = sum(s.num_computed for s in sched.running)
-            live_bytes = live * self.store.cache.bytes_per_token
-        else:
-            live, live_bytes = mem["live_tokens"], mem["live_bytes"]
+        held = mem.held_bytes
         return EngineStats(
             running=len(sched.running),
             waiting=len(sched.waiting),
             swapped=len(sched.swapped),
-            live_kv_tokens=live,
+            live_kv_tokens=mem.live_tokens,
             kv_mapped_bytes=held,
-            kv_high_water_bytes=mem["high_water_bytes"],
-            kv_budget_bytes=mem["budget_bytes"],
-            kv_utilization=live_bytes / held if held else 1.0,
+            kv_high_water_bytes=mem.high_water_bytes,
+            kv_budget_bytes=mem.budget_bytes,
+            kv_utilization=mem.live_bytes / held if held else 1.0,
             prefix_hit_tokens=sched.prefix_hit_tokens,
             preemptions_swap=sched.preemptions_swap,
             preemptions_recompute=sched.preemptions_recompute,
             kv=self.kv,
-            time_schedule_s=self._times["schedule"],
-            time_prepare_s=self._times["prepare"],
-            time_forward_s=self._times["forward"],
-            time_sample_s=self._times["sample"],
-            time_output_s=self._times["output"],
-            **self._counters,
+            time_schedule_s=self.times.schedule,
+            time_prepare_s=self.times.prepare,
+            time_forward_s=self.times.forward,
+            time_sample_s=self.times.sample,
+            time_output_s=self.times.output,
+            **asdict(self.counters),
         )
 
     def close(self) -> None:
@@ -430,10 +304,12 @@ class LLMEngine:
 
 
 class LLM:
-    """Offline generation over an LLMEngine: LLM(model, tokenizer=None, **engine_kwargs)."""
+    """Offline generation over an LLMEngine: LLM(model, tokenizer=None, **engine_kwargs), where engine_kwargs
+    are EngineConfig's fields (kv_budget_bytes defaults to 1 GiB here) or config=EngineConfig(...)."""
 
     def __init__(self, model, tokenizer=None, **engine_kwargs):
-        engine_kwargs.setdefault("kv_budget_bytes", 1 << 30)
+        if "config" not in engine_kwargs:
+            engine_kwargs.setdefault("kv_budget_bytes", 1 << 30)
         self.engine = LLMEngine(model, tokenizer, **engine_kwargs)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -78,3 +78,39 @@ class EngineStats:
     time_sample_s: float = 0.0
     time_output_s: float = 0.0
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepTimes:
+    """Seconds in each phase of LLMEngine.step(): of one step (StepRecord.times), or summed over all steps
+    (EngineStats.time_*_s). schedule: the scheduler's plan (admissions, preemptions, cache growth); prepare:
+    the packed inputs and the step's attention metadata; forward: the model; sample: the sampling rows and
+    the draw; output: the scheduler's postprocess (every sequence state change of the step) and the
+    RequestOutputs."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    output: float = 0.0
+
+    def add(self, other: StepTimes) -> None:
+        """Add another's seconds to these, phase by phase."""
+        self.schedule += other.schedule
+        self.prepare += other.prepare
+        self.forward += other.forward
+        self.sample += other.sample
+        self.output += other.output
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step as LLMEngine.step_log keeps it (record_steps=True): what it computed and how long it took."""
+
+    decodes: int  # sequences that decoded one token
+    prefill_tokens: int  # prompt (or recomputed) tokens in prefill chunks
+    times: StepTimes
+
+    def as_dict(self) -> dict:
+        """Flat: decodes, prefill_tokens and the seconds of each phase by its name (for JSON reports)."""
+        return dict(decodes=self.decodes, prefill_tokens=self.prefill_tokens, **asdict(self.times))

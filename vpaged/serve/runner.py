@@ -9,17 +9,25 @@ for the rows that sample (logits_to_keep), i.e. the last token of each sequence 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..hf.attention import NAME as ATTN_NAME  # importing it registers attn_implementation="vpaged"
 from .scheduler import StepPlan
 
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .stores import KVStore
+
 
 class ModelRunner:
-    def __init__(self, model, store, device: torch.device):
+    """Runs the model on a step's plan; the store supplies the step's attention (KVStore.step_attention)."""
+
+    def __init__(self, model, store: KVStore, config: EngineConfig):
         self.model = model
         self.store = store
-        self.device = device
+        self.device = device = config.device
         # Handed to the model as a prepared 4D mask: transformers returns such a mask untouched instead of
         # building one, and the vpaged attention function ignores it in a packed step.
         self._mask_placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)

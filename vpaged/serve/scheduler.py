@@ -16,14 +16,31 @@ New requests never preempt running ones, so the oldest always progress: no starv
 Admission uses prefix caching: allocating with the prompt's tokens maps the cached full pages, and only the
 rest is computed. The scheduler changes the store as it decides (allocate, extend, swap, free), the way
 nano-vllm's block manager does; the runner then fills the K/V of exactly what was scheduled.
+
+After the step, postprocess() applies everything the step did to its sequences (tokens computed, prompt
+pages offered to the prefix cache, sampled tokens appended, forks of n > 1 requests, finishing and freeing),
+the way nano-vllm's Scheduler.postprocess does: the scheduler is the one place a sequence's state changes
+(abort() and requeue() are the two other ways out of a step).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .sequence import Sequence, Status
+import torch
+
+from .sequence import Request, Sequence, Status
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .stores import KVStore
+
+# One sampled token and the generator that drew it (None for greedy requests).
+Draw = tuple[int, torch.Generator | None]
 
 
 @dataclass
@@ -39,18 +56,30 @@ class StepPlan:
         return bool(self.decodes or self.prefills)
 
 
+@dataclass
+class StepUpdate:
+    """What postprocess() did to the step's requests (the engine builds outputs and counts from it)."""
+
+    changed: list[Request] = field(default_factory=list)  # new tokens or finished, in sampling order, once each
+    finished: list[Request] = field(default_factory=list)  # every completion done: the request is over
+    prompt_tokens: int = 0  # prompt tokens computed in this step (recomputation included)
+    generated_tokens: int = 0  # tokens appended
+
+
 class Scheduler:
-    def __init__(self, store, max_num_seqs: int, max_num_batched_tokens: int):
+    """Continuous batching over one KVStore, within the config's max_num_seqs and max_num_batched_tokens."""
+
+    def __init__(self, store: KVStore, config: EngineConfig):
         self.store = store
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.swapped: list[Sequence] = []  # oldest first
         self.preemptions_swap = 0
         self.preemptions_recompute = 0
         self.prefix_hit_tokens = 0
-        self.watermark_pages = store.total_pages() // 100
+        self.watermark_pages = config.watermark_pages(store.total_pages())
 
     # ------------------------------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -133,8 +162,7 @@ class Scheduler:
             self.swapped.pop(0)
             self.store.swap_in(seq.handle)
             self.store.extend([seq.handle], n)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._to_running(seq)
             if seq.remaining == 1:
                 plan.decodes.append(seq)
             else:
@@ -149,12 +177,12 @@ class Scheduler:
             seq = self.waiting[0]
             req = seq.request
             need_seats = 1 if req.forked else req.seats
-            if seats + need_seats > self.max_num_seqs or store.free_slots() < need_seats:
+            # can_allocate: slots for the completions, and what the store takes up front (static: a whole
+            # reservation per completion).
+            if seats + need_seats > self.max_num_seqs or not store.can_allocate(need_seats):
                 break
-            # The static store maps a whole slot per completion up front.
-            if store.static and not store.pages_available(store.slot_pages * need_seats):
-                break
-            handle, hit = store.allocate(seq.tokens, need_seats)
+            allocation = store.allocate(seq.tokens, need_seats)
+            handle, hit = allocation.handle, allocation.cached_tokens
             if hit >= len(seq.tokens):
                 # Every token is cached, but the last one's logits are still needed: compute it again.
                 hit = len(seq.tokens) - 1
@@ -169,8 +197,7 @@ class Scheduler:
             store.extend([handle], n)
             self.waiting.popleft()
             seq.handle, seq.slot, seq.num_computed = handle, store.slot(handle), hit
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._to_running(seq)
             if seq.index == 0 and not req.forked:
                 req.metrics.prefix_hit_tokens = hit
             self.prefix_hit_tokens += hit
@@ -184,11 +211,7 @@ class Scheduler:
         for seq in reversed(seqs):
             if seq.status is Status.RUNNING:
                 self.running.remove(seq)
-                self.store.free(seq.handle)
-                seq.handle, seq.slot, seq.num_computed = None, -1, 0
-                seq.prefix_offered = False
-                seq.status = Status.WAITING
-                self.waiting.appendleft(seq)
+                self._to_waiting(seq)
 
     # ------------------------------------------------------------------------------------------ preempt
     def _preempt(self, seq: Sequence) -> None:
@@ -201,9 +224,103 @@ class Scheduler:
             self.swapped.sort(key=lambda s: (s.request.metrics.arrival_time, s.index))
             self.preemptions_swap += 1
             return
+        self._to_waiting(seq)
+        self.preemptions_recompute += 1
+
+    # ------------------------------------------------------------------------------------------ moves
+    def _to_running(self, seq: Sequence) -> None:
+        """An admitted or resumed sequence (it holds its handle) joins the running ones, as the newest."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def _to_waiting(self, seq: Sequence) -> None:
+        """A sequence out of the running ones gives its pages back and waits at the head of the queue to be
+        recomputed (its tokens kept): preemption by recompute, or a step whose forward failed."""
         self.store.free(seq.handle)
         seq.handle, seq.slot, seq.num_computed = None, -1, 0
         seq.prefix_offered = False
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
-        self.preemptions_recompute += 1
+
+    # ------------------------------------------------------------------------------------------ after a step
+    def postprocess(
+        self,
+        plan: StepPlan,
+        draws: list[tuple[Sequence, list[Draw]]],
+        eos_token_ids: Collection[int],
+        now: float,
+    ) -> StepUpdate:
+        """Apply a step that ran: its tokens are computed; each sampling sequence appends its draw (a request
+        of n > 1 that just computed its prompt draws n and forks into its completions); sequences that meet a
+        stop token or max_tokens finish and free their pages. `draws`: per sequence that sampled, in logits
+        order, its draws (one, or n for a request about to fork). eos_token_ids: the model's EOS tokens (the
+        engine's, read at each step)."""
+        update = StepUpdate()
+        for seq in plan.decodes:
+            seq.num_computed += 1
+        for seq, start, n in plan.prefills:
+            seq.num_computed = start + n
+            update.prompt_tokens += min(n, max(0, seq.prompt_len - start))
+            if not seq.prefix_offered and seq.num_computed >= seq.prompt_len:
+                self.store.cache_prefix(seq.handle, seq.request.prompt)
+                seq.prefix_offered = True
+        changed: dict[str, Request] = {}
+        for seq, drawn in draws:
+            if len(drawn) > 1:
+                self._fork(seq, drawn[1:], eos_token_ids, update)
+            self._append(seq, drawn[0][0], eos_token_ids, now, update)
+            changed[seq.request.request_id] = seq.request
+        update.changed = list(changed.values())
+        return update
+
+    def _fork(self, parent: Sequence, drawn: list[Draw], eos_token_ids, update: StepUpdate) -> None:
+        """n > 1: the other completions share the parent's computed prompt pages (or, static, copy them into
+        the reservations made at admission); each appends its own draw."""
+        req = parent.request
+        handles = self.store.fork(parent.handle, len(drawn), parent.num_computed)
+        for k, (handle, (token, generator)) in enumerate(zip(handles, drawn), start=1):
+            child = Sequence(
+                req,
+                k,
+                list(parent.tokens),
+                generator,
+                num_computed=parent.num_computed,
+                handle=handle,
+                slot=self.store.slot(handle),
+                prefix_offered=True,
+            )
+            child.delta_from = len(child.tokens)
+            req.seqs.append(child)
+            self.add_running(child)
+            self._append(child, token, eos_token_ids, time.time(), update)
+        req.forked = True
+
+    def _append(self, seq: Sequence, token: int, eos_token_ids, now: float, update: StepUpdate) -> None:
+        req = seq.request
+        seq.tokens.append(token)
+        update.generated_tokens += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        if token in req.params.stop_token_ids or (not req.params.ignore_eos and token in eos_token_ids):
+            seq.finish_reason = "stop"
+        elif seq.num_generated >= req.max_tokens:
+            seq.finish_reason = "length"
+        else:
+            return
+        self.remove(seq)
+        if all(s.finish_reason is not None for s in req.seqs) and (req.forked or req.params.n == 1):
+            self._finish(req, now)
+            update.finished.append(req)
+
+    def abort(self, req: Request, now: float) -> None:
+        """End every unfinished sequence of a request now (finish_reason "abort"); their pages go back."""
+        for seq in req.seqs:
+            if seq.status is not Status.FINISHED:
+                self.remove(seq)
+                seq.finish_reason = "abort"
+        self._finish(req, now)
+
+    @staticmethod
+    def _finish(req: Request, now: float) -> None:
+        req.finished = True
+        req.metrics.finish_time = now

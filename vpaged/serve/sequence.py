@@ -1,4 +1,9 @@
-"""Requests and their sequences as the engine tracks them (plain records; the scheduler moves them)."""
+"""Requests and their sequences as the engine tracks them (plain records).
+
+The engine creates them (add_request); from then on only the scheduler changes a sequence's state: its queue
+and status, its cache handle, the tokens computed and appended, its finish (scheduler.py). The engine moves
+only the reporting cursor (delta_from) as it builds outputs.
+"""
 
 from __future__ import annotations
 
@@ -64,6 +69,13 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt)
+
+    def generator(self, index: int) -> torch.Generator | None:
+        """The sampling generator of completion `index`, seeded from seeds[index] (None for greedy requests):
+        each completion draws from its own stream, so its tokens do not depend on the batch it runs in."""
+        if self.params.greedy:
+            return None
+        return torch.Generator().manual_seed(self.seeds[index])
 
     @property
     def seats(self) -> int:

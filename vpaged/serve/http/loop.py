@@ -1,0 +1,135 @@
+"""EngineLoop: the one thread that owns an LLMEngine behind the HTTP server.
+
+The engine is not thread-safe, so one background thread owns it: it runs engine.step() while work is pending,
+runs the commands the HTTP handlers queue (add a request, abort one, read stats) between steps, and hands
+each step's outputs to the sink of the request they belong to. A failed step ends the requests in flight
+(each sink gets an EngineFailure) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ...errors import EngineFailure, VPagedError
+
+log = logging.getLogger("vpaged.serve")
+
+
+class EngineLoop:
+    """Owns an engine on one thread. Other threads call add/abort/call, which return futures."""
+
+    def __init__(self, engine, idle_wait_s: float = 0.5):
+        self.engine = engine
+        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._idle_wait_s = idle_wait_s
+        self._sinks: dict[str, Callable[[Any], None]] = {}  # request id -> where its outputs go (engine thread)
+        self._thread = threading.Thread(target=self._run, name="vpaged-engine", daemon=True)
+        self.steps = 0
+        self.step_failures = 0
+
+    # ---- any thread
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on the engine thread between two steps."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stop:
+            fut.set_exception(RuntimeError("the engine loop is stopped"))
+            return fut
+        with self._lock:
+            self._commands.append((fn, fut))
+        self._wake.set()
+        return fut
+
+    def add(self, prompt, params, request_id: str, sink: Callable[[Any], None]) -> concurrent.futures.Future:
+        """Queue a request; `sink` receives each RequestOutput of it (or an EngineFailure) on the engine thread.
+        The future raises what engine.add_request raised."""
+
+        def add():
+            rid = self.engine.add_request(prompt, params, request_id=request_id)
+            self._sinks[rid] = sink
+            return rid
+
+        return self.call(add)
+
+    def abort(self, request_id: str) -> concurrent.futures.Future:
+        def abort():
+            self._sinks.pop(request_id, None)
+            with contextlib.suppress(VPagedError, LookupError):  # finished meanwhile: nothing to abort
+                self.engine.abort(request_id)
+
+        return self.call(abort)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is in flight and end the thread."""
+        if not self._thread.is_alive():
+            self._stop = True
+            return
+        done = self.call(self._abort_all)
+        with contextlib.suppress(Exception):
+            done.result(timeout)
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- engine thread
+    def _run_commands(self) -> None:
+        with self._lock:
+            commands, self._commands = self._commands, []
+        for fn, fut in commands:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, whatever it is
+                fut.set_exception(e)
+
+    def _abort_all(self) -> None:
+        for rid in list(self._sinks):
+            self._sinks.pop(rid, None)
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.clear()  # before running commands: a command queued after this wakes the wait below
+            self._run_commands()
+            if self._stop:
+                break
+            if not self.engine.has_unfinished():
+                self._wake.wait(self._idle_wait_s)
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a failed step must not take the server down
+                self.step_failures += 1
+                log.exception("engine step failed; ending the requests in flight")
+                failure = EngineFailure(f"engine step failed: {type(e).__name__}: {e}")
+                sinks = list(self._sinks.values())
+                self._abort_all()
+                for sink in sinks:
+                    sink(failure)
+                continue
+            self.steps += 1
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if sink is None:
+                    continue
+                if out.finished:
+                    del self._sinks[out.request_id]
+                sink(out)
+        self._run_commands()  # answer anything queued during shutdown

@@ -1,0 +1,45 @@
+"""The Prometheus exposition text of GET /metrics: the engine's stats() and the HTTP request counts."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import fields, is_dataclass
+
+# EngineStats fields that only ever grow (Prometheus counters); every other numeric field is a gauge.
+_COUNTERS = {
+    "prefix_hit_tokens",
+    "preemptions_swap",
+    "preemptions_recompute",
+    "requests_finished",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "steps",
+    "requests_aborted",
+    "requests_added",
+}
+
+
+def _stats_items(stats) -> list[tuple[str, float]]:
+    if is_dataclass(stats):
+        items = [(f.name, getattr(stats, f.name)) for f in fields(stats)]
+    else:
+        items = list(vars(stats).items())
+    return [(k, float(v)) for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def prometheus_text(stats, http_counts: Counter, extra: dict[str, float] | None = None) -> str:
+    """The Prometheus exposition text: one metric per numeric field of the engine's stats, `vpaged_<field>`."""
+    lines = []
+    for name, value in _stats_items(stats):
+        metric = f"vpaged_{name}"
+        kind = "counter" if name in _COUNTERS or name.endswith("_total") or name.startswith("time_") else "gauge"
+        lines += [f"# HELP {metric} LLMEngine.stats().{name}", f"# TYPE {metric} {kind}", f"{metric} {value!r}"]
+    for name, value in (extra or {}).items():
+        lines += [f"# TYPE vpaged_{name} counter", f"vpaged_{name} {float(value)!r}"]
+    lines += [
+        "# HELP vpaged_http_requests_total HTTP requests by path and status",
+        "# TYPE vpaged_http_requests_total counter",
+    ]
+    for (path, status), count in sorted(http_counts.items()):
+        lines.append(f'vpaged_http_requests_total{{path="{path}",status="{status}"}} {float(count)!r}')
+    return "\n".join(lines) + "\n"

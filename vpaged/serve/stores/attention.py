@@ -1,0 +1,87 @@
+"""StepAttention: one packed step's attention, planned once and run per layer, shared by every store.
+
+Each step the runner asks its store for a StepAttention: the per-step metadata (slots, lengths, block
+tables, views of the tokens to write) is built once, and every layer's attention call reads it. A store
+supplies how new K/V are written, how decode rows attend (its kernel) and where a prefill chunk's K/V are;
+the packing of the batch and the prefill attention (SDPA) are the same for all of them. Views of the cache
+live only for one step: a view pins pages, and pinned pages cannot be swapped out.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+
+class StepAttention(ABC):
+    """One step's attention for the packed batch: rows 0..num_decodes-1 are decode tokens (one per
+    sequence), then the prefill chunks. attend() is called once per layer by the attention function."""
+
+    def __init__(self, num_decodes: int, prefills: list[tuple[int, int, int]], num_tokens: int, device=None):
+        self.num_decodes = num_decodes
+        self.prefills = prefills  # (row offset, start position, tokens) per prefill chunk
+        self.num_tokens = num_tokens
+        self.causal_masks = [chunk_mask(start, n, None) for _, start, n in prefills]
+        if device is not None and torch.device(device).type != "cpu":
+            self.causal_masks = [m if m is None else m.to(device) for m in self.causal_masks]
+
+    def attend(self, layer: int, query, key, value, scale) -> torch.Tensor:
+        qt = query[0].transpose(0, 1)  # [T, H, D]
+        self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        out = torch.empty(qt.shape, dtype=qt.dtype, device=qt.device)
+        nd = self.num_decodes
+        if nd:
+            self.decode(layer, qt[:nd], scale, out[:nd])
+        for i, (row, _start, n) in enumerate(self.prefills):
+            k, v = self.prefill_kv(layer, i)  # [start + n, KVH, D]
+            o = F.scaled_dot_product_attention(
+                qt[row : row + n].transpose(0, 1).unsqueeze(0),
+                heads_first(k, qt.shape[1]),
+                heads_first(v, qt.shape[1]),
+                attn_mask=self.causal_masks[i],
+                is_causal=self.causal_masks[i] is None and n > 1,
+                scale=scale,
+            )
+            out[row : row + n] = o[0].transpose(0, 1)
+        return out.unsqueeze(0)
+
+    @abstractmethod
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's new K and V ([T, KVH, D], packed rows) of one layer in the cache."""
+
+    @abstractmethod
+    def decode(self, layer: int, q: torch.Tensor, scale, out: torch.Tensor) -> None:
+        """Attention of the decode rows q ([num_decodes, H, D]) over their sequences, into out."""
+
+    @abstractmethod
+    def prefill_kv(self, layer: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ([start + n, KVH, D]) that prefill chunk i attends over, its own tokens included."""
+
+
+def prefill_rows(row_offsets: list[int], prefills) -> list[tuple[int, int, int]]:
+    """(row offset, start, tokens) of each prefill chunk, from the plan's (sequence, start, tokens)."""
+    return [(r, s, n) for r, (_, s, n) in zip(row_offsets, prefills)]
+
+
+def heads_first(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """[S, KVH, D] cached K or V as [1, heads, S, D], each KV head repeated for its query-head group.
+
+    SDPA's fused CPU kernel takes only 4D inputs with as many K/V heads as query heads: grouped heads
+    (enable_gqa) or 3D inputs fall back to the unfused math path, 2-5x slower on a prefill chunk here. The
+    copy costs S x heads x D elements, small next to the chunk's attention."""
+    kv = kv.transpose(0, 1)
+    group = heads // kv.shape[0]
+    if group > 1:
+        kv = kv.repeat_interleave(group, dim=0)
+    return kv.unsqueeze(0)
+
+
+def chunk_mask(start: int, n: int, device):
+    """Causal mask of a chunk of n queries at positions start.. over keys 0..start+n-1 (bottom-right
+    aligned); None when the chunk starts at 0 (plain causal)."""
+    if start == 0:
+        return None
+    q = torch.arange(start, start + n, device=device)[:, None]
+    return torch.arange(start + n, device=device)[None, :] <= q

@@ -1,0 +1,215 @@
+"""VirtualStore (kv="vpaged"): a VirtualKVCache, each sequence contiguous in its slot, pages mapped as it grows.
+
+Prefix caching (full prompt pages computed before are mapped again), swap to host memory, and forks that
+share pages. Decode rows run the contiguous kernel; prefill chunks run SDPA on zero-copy views of the cache.
+StaticStore (static.py) is the same cache with each sequence's whole slot mapped at admission.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...kvcache.geometry import KVGeometry
+from ...kvcache.virtual.cache import VirtualKVCache
+from ...ops import decode_attention_contiguous, write_kv
+from .attention import StepAttention, prefill_rows
+from .base import Allocation, StoreMemory
+
+if TYPE_CHECKING:
+    from ..config import EngineConfig
+
+
+class VirtualStep(StepAttention):
+    """A step over a VirtualKVCache: one scatter per layer writes the new K/V, decode rows read their slots
+    through the batched descriptors, prefill chunks read views of their sequence's prefix."""
+
+    def __init__(self, store: VirtualStore, decodes, prefills, row_offsets, num_tokens):
+        super().__init__(len(decodes), prefill_rows(row_offsets, prefills), num_tokens, store.device)
+        cache = store.cache
+        # Prefill chunks attend over one view of the sequence's whole prefix (split per layer in prefill_kv).
+        self._prefill_views = [cache.kv_layers(seq.handle, 0, start + n) for seq, start, n in prefills]
+        if decodes:
+            slots = torch.tensor([seq.slot for seq in decodes], dtype=torch.int32, device=store.device)
+            lengths = torch.tensor([seq.num_computed + 1 for seq in decodes], dtype=torch.int32, device=store.device)
+            self._max_len = max(seq.num_computed + 1 for seq in decodes)
+            self._batched = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
+        # New tokens are written by one scatter per layer (vpaged.ops.write_kv) through a descriptor of every
+        # sequence of the step: row i of the packed K/V goes to token positions[i] of sequence rows[i]. The
+        # bounds come from the cache (writable_range: the tokens mapped, and not shared with another sequence),
+        # and the extension checks every row against them before writing.
+        seqs = list(decodes) + [seq for seq, _, _ in prefills]
+        self._write = None
+        if seqs:
+            ranges = [cache.writable_range(seq.handle) for seq in seqs]
+            positions = [seq.num_computed for seq in decodes]
+            for _, start, n in prefills:
+                positions.extend(range(start, start + n))
+            counts = [1] * len(decodes) + [n for _, _, n in prefills]
+            ends = [end for _, end in ranges]
+            self._write = (
+                torch.tensor([first for first, _ in ranges], dtype=torch.int32),
+                torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32), torch.tensor(counts)),
+                torch.tensor(positions, dtype=torch.int32),
+            )
+            if not prefills and store.device.type == "cpu" and ends == lengths.tolist():
+                self._write_kv = self._batched  # a decode-only step: the decode descriptors say the same
+            else:
+                # write_kv reads the slots and lengths on the host: CPU tensors also for a CUDA cache.
+                slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.int32)
+                lengths = torch.tensor(ends, dtype=torch.int32)
+                self._write_kv = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
+
+    def write(self, layer, k, v):
+        if self._write is None:
+            return
+        first, rows, positions = self._write
+        write_kv(k, v, self._write_kv[layer], rows, positions, writable_from=first, check_mapped=False)
+
+    def decode(self, layer, q, scale, out):
+        decode_attention_contiguous(q, self._batched[layer], scale, out, max_len=self._max_len)
+
+    def prefill_kv(self, layer, i):
+        view = self._prefill_views[i]
+        return view[layer, 0], view[layer, 1]
+
+
+class VirtualStore:
+    """kv="vpaged": a VirtualKVCache with prefix caching and swap space (see the module docstring).
+
+    `cache` is the VirtualKVCache itself, public for tests and tools that inspect it; the engine goes through
+    the KVStore calls only."""
+
+    kind = "vpaged"
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        geometry: KVGeometry,
+        max_seq_len: int,
+        *,
+        swap_bytes: int | None = None,
+        prefix_caching: bool | None = None,
+    ):
+        """swap_bytes / prefix_caching: the config's unless given (StaticStore turns both off)."""
+        swap_bytes = config.swap_bytes if swap_bytes is None else swap_bytes
+        prefix_caching = config.enable_prefix_caching if prefix_caching is None else prefix_caching
+        self.cache = VirtualKVCache(
+            geometry.num_layers,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+            dtype=geometry.dtype,
+            max_seqs=config.max_cache_seqs,
+            max_seq_len=max_seq_len,
+            device=config.device,
+            capacity_bytes=config.kv_budget_bytes,
+            page_size=config.page_size,
+            layout=config.layout,
+            swap_bytes=swap_bytes,
+        )
+        self.device = self.cache.device
+        self.page_bytes = self.cache.pool.page_size
+        lay = self.cache.layout
+        # The prefix index needs pages that hold a whole number of tokens.
+        self.prefix_caching = prefix_caching and lay.page_size % lay.token_bytes == 0
+        self.swap_capacity = swap_bytes
+        self.layer_kv = [self.cache.batch(layer, []) for layer in range(geometry.num_layers)]  # pointers per layer
+        self._swapped_bytes = 0  # swap space in use, tracked here so planning needs no stats() call
+        self._swapped: dict[int, int] = {}  # handle -> bytes it holds in swap space
+
+    # ---- capacity
+    def total_pages(self) -> int:
+        return self.cache.pool.capacity_pages
+
+    def pages_for_tokens(self, tokens: int) -> int:
+        """Pages `tokens` tokens of one sequence map (every run of the layout)."""
+        lay = self.cache.layout
+        return lay.pages_for(tokens) * lay.runs
+
+    def pages_for_request(self, tokens: int, completions: int) -> int:
+        # Forked completions share the prompt's pages: a request is checked against one sequence of its
+        # full length (whether its completions fit together is the scheduler's to plan, step by step).
+        return self.pages_for_tokens(tokens)
+
+    def free_slots(self) -> int:
+        return self.cache.max_seqs - len(self.cache.sequences)
+
+    def pages_available(self, need: int) -> bool:
+        # The pool's free count is one call; reclaimable pages (freed slots, unused prefix blocks) are summed
+        # only when the free ones do not suffice.
+        return need <= self.cache.pool.free_pages() or need <= self.cache.pages_available()
+
+    def pages_needed(self, handles, n: int) -> int:
+        return self.cache.pages_needed(handles, n)
+
+    # ---- sequences
+    def can_allocate(self, seats: int) -> bool:
+        return self.free_slots() >= seats
+
+    def allocate(self, tokens: list[int], seats: int = 1) -> Allocation:
+        seq = self.cache.allocate(tokens=tokens) if self.prefix_caching else self.cache.allocate()
+        return Allocation(seq, self.cache.seq_len(seq))
+
+    def slot(self, handle: int) -> int:
+        return self.cache.slot(handle)
+
+    def extend(self, handles, n: int) -> None:
+        if handles:
+            self.cache.extend_many(handles, n)
+
+    def truncate(self, handle: int, length: int) -> None:
+        self.cache.truncate(handle, length)
+
+    def free(self, handle: int) -> None:
+        self.cache.free(handle)
+        if handle in self._swapped:
+            self._swapped_bytes -= self._swapped.pop(handle)
+
+    def fork(self, handle: int, n: int, length: int) -> list[int]:
+        """n sequences sharing every page of `handle` (copy-on-write); `length` is what it holds."""
+        return self.cache.fork_many(handle, n)
+
+    def cache_prefix(self, handle: int, tokens: list[int]) -> None:
+        if self.prefix_caching:
+            self.cache.cache_prefix(handle, tokens)
+
+    # ---- swapping
+    def can_swap_out(self, handle: int) -> bool:
+        if not self.swap_capacity:
+            return False
+        # Upper bound: every page of the sequence (shared pages stay mapped and take no swap space).
+        need = self.pages_for_tokens(self.cache.seq_len(handle)) * self.page_bytes
+        return need <= self.swap_capacity - self._swapped_bytes
+
+    def swap_out(self, handle: int) -> int:
+        moved = self.cache.swap_out(handle)
+        self._swapped[handle] = moved
+        self._swapped_bytes += moved
+        return moved
+
+    def swap_in(self, handle: int) -> None:
+        self.cache.swap_in(handle)
+        self._swapped_bytes -= self._swapped.pop(handle)
+
+    # ---- a step
+    def step_attention(self, decodes, prefills, row_offsets, num_tokens) -> StepAttention:
+        return VirtualStep(self, decodes, prefills, row_offsets, num_tokens)
+
+    # ---- memory
+    def memory(self) -> StoreMemory:
+        s = self.cache.stats()
+        pool = self.cache.pool.stats()
+        return StoreMemory(
+            live_tokens=s.live_tokens,
+            live_bytes=s.live_bytes,
+            held_bytes=s.mapped_bytes,
+            high_water_bytes=pool.high_water_bytes,
+            budget_bytes=pool.total_bytes,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            swapped_bytes=s.swapped_bytes,
+        )
+
+    def close(self) -> None:
+        self.cache.close()
