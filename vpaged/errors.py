@@ -101,6 +101,6 @@ class RequestError(InvalidArgumentError):
         self.code = code
 
 
-class EngineFailure(VPagedError, RuntimeError):
+class EngineStepError(VPagedError, RuntimeError):
     """engine.step() raised inside the server's engine loop: the requests in flight were ended; the message
     carries the cause."""

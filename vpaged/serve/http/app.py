@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ...errors import EngineFailure, VPagedError
+from ...errors import EngineStepError, VPagedError
 from . import protocol as proto
 from .generation import Generation
 from .loop import EngineLoop
@@ -187,7 +187,7 @@ class _Server:
             while not gen.done:
                 try:
                     changed = await gen.next_update()
-                except EngineFailure as e:
+                except EngineStepError as e:
                     yield _sse(proto.error_body(str(e), "server_error"))
                     return
                 for k in changed:
@@ -245,8 +245,8 @@ def create_app(engine, model_name: str | None = None, default_max_tokens: int = 
     async def bad_request(_request, e: RequestError):
         return _error(400, e.message, param=e.param, code=e.code)
 
-    @app.exception_handler(EngineFailure)
-    async def engine_failed(_request, e: EngineFailure):
+    @app.exception_handler(EngineStepError)
+    async def engine_failed(_request, e: EngineStepError):
         return _error(500, str(e), "server_error")
 
     app.post("/v1/completions")(srv.completions)

@@ -3,7 +3,7 @@
 The engine is not thread-safe, so one background thread owns it: it runs engine.step() while work is pending,
 runs the commands the HTTP handlers queue (add a request, abort one, read stats) between steps, and hands
 each step's outputs to the sink of the request they belong to. A failed step ends the requests in flight
-(each sink gets an EngineFailure) and the loop goes on.
+(each sink gets an EngineStepError) and the loop goes on.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import EngineFailure, VPagedError
+from ...errors import EngineStepError, VPagedError
 
 log = logging.getLogger("vpaged.serve")
 
@@ -56,7 +56,7 @@ class EngineLoop:
         return fut
 
     def add(self, prompt, params, request_id: str, sink: Callable[[Any], None]) -> concurrent.futures.Future:
-        """Queue a request; `sink` receives each RequestOutput of it (or an EngineFailure) on the engine thread.
+        """Queue a request; `sink` receives each RequestOutput of it (or an EngineStepError) on the engine thread.
         The future raises what engine.add_request raised."""
 
         def add():
@@ -118,7 +118,7 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - a failed step must not take the server down
                 self.step_failures += 1
                 log.exception("engine step failed; ending the requests in flight")
-                failure = EngineFailure(f"engine step failed: {type(e).__name__}: {e}")
+                failure = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
                 sinks = list(self._sinks.values())
                 self._abort_all()
                 for sink in sinks:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...kvcache import VirtualKVCache
 from ...kvcache.geometry import KVGeometry
-from ...kvcache.virtual.cache import VirtualKVCache
 from ...ops import decode_attention_contiguous, write_kv
 from .attention import StepAttention, prefill_rows
 from .base import Allocation, StoreMemory
