@@ -47,3 +47,33 @@ def test_attention_function_falls_back_where_the_cuda_rule_says_no(monkeypatch):
     assert not attention._kernel_decodes(q, k, v, None, 0.0, {})
     k64, v64 = torch.randn(2, 2, 9, 64), torch.randn(2, 2, 9, 64)
     assert attention._kernel_decodes(torch.randn(2, 4, 1, 64), k64, v64, None, 0.0, {})
+
+
+@pytest.mark.parametrize("kv", ["vpaged", "paged"])
+def test_engine_sends_decode_rows_to_sdpa_where_the_kernel_says_no(kv, monkeypatch):
+    """A store whose geometry the kernel does not take (the CUDA rule for head size 16, applied on the CPU)
+    never calls the decode kernel: its decode rows attend through SDPA, with the tokens the kernel gives."""
+    pytest.importorskip("transformers")
+    from vpaged.serve import LLM, SamplingParams
+    from vpaged.serve.stores import paged as paged_store
+    from vpaged.serve.stores import virtual as virtual_store
+
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (5, 9, 3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    options = dict(kv_budget_bytes=16 << 20, kv=kv, max_num_seqs=4)
+    with_kernel = [o.outputs[0].token_ids for o in LLM("random:llama-tiny", **options).generate(prompts, params)]
+
+    cuda_rule = lambda device, *a: decode_unsupported("cuda", *a)  # noqa: E731
+    for module in (virtual_store, paged_store):
+        monkeypatch.setattr(module, "decode_unsupported", cuda_rule)
+
+    def kernel(*a, **kw):
+        raise AssertionError("the decode kernel was called for a geometry it does not take")
+
+    monkeypatch.setattr(virtual_store, "decode_attention_contiguous", kernel)
+    monkeypatch.setattr(paged_store, "decode_attention_paged", kernel)
+    llm = LLM("random:llama-tiny", **options)
+    assert "built for head sizes" in llm.engine.store.decode_unsupported
+    by_sdpa = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert by_sdpa == with_kernel

@@ -60,6 +60,14 @@ class StepAttention(ABC):
         """K and V ([start + n, KVH, D]) that prefill chunk i attends over, its own tokens included."""
 
 
+def decodes_as_prefills(decodes, prefills, row_offsets: list[int]):
+    """The same step with every decode row as a one-token prefill chunk (SDPA over the sequence's view):
+    for a cache whose geometry the decode kernel does not take on its device (ops.support). Decode rows are
+    the packed batch's first rows, in order."""
+    chunks = [(seq, seq.num_computed, 1) for seq in decodes]
+    return [], chunks + list(prefills), list(range(len(decodes))) + list(row_offsets)
+
+
 def prefill_rows(row_offsets: list[int], prefills) -> list[tuple[int, int, int]]:
     """(row offset, start, tokens) of each prefill chunk, from the plan's (sequence, start, tokens)."""
     return [(r, s, n) for r, (_, s, n) in zip(row_offsets, prefills)]

@@ -61,6 +61,7 @@ class KVStore(Protocol):
     page_bytes: int  # bytes one page (vpaged, static) or one block (paged) holds
     prefix_caching: bool  # allocate() may find tokens in the prefix cache
     swap_capacity: int  # bytes of host swap space (0: a preempted sequence is recomputed)
+    decode_unsupported: str | None  # why decode rows go to SDPA instead of the kernel (None: the kernel)
 
     # ---- capacity (change nothing)
     def total_pages(self) -> int:

@@ -14,8 +14,8 @@ import torch
 from ...errors import InvalidArgumentError, SwapSpaceFullError
 from ...kvcache.geometry import KVGeometry
 from ...kvcache.paged import PagedKVCache
-from ...ops import decode_attention_paged
-from .attention import StepAttention, prefill_rows
+from ...ops import decode_attention_paged, decode_unsupported
+from .attention import StepAttention, decodes_as_prefills, prefill_rows
 from .base import Allocation, StoreMemory
 
 if TYPE_CHECKING:
@@ -96,6 +96,11 @@ class PagedStore:
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.block_bytes
+        # Why decode rows cannot go to the kernel on this device (None: they do); SDPA serves them then.
+        heads, dim, v_dim = geometry.num_kv_heads, geometry.head_dim, geometry.v_head_dim
+        self.decode_unsupported = decode_unsupported(
+            self.device, geometry.dtype, dim, v_dim, (heads * dim, dim, heads * v_dim, v_dim)
+        )
         # The block pool is preallocated: the high water mark is of blocks taken, tracked as they are taken.
         self._high_water_blocks = 0
 
@@ -159,6 +164,8 @@ class PagedStore:
 
     # ---- a step
     def step_attention(self, decodes, prefills, row_offsets, num_tokens) -> StepAttention:
+        if self.decode_unsupported is not None:
+            decodes, prefills, row_offsets = decodes_as_prefills(decodes, prefills, row_offsets)
         return PagedStep(self, decodes, prefills, row_offsets, num_tokens)
 
     # ---- memory

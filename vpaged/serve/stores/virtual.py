@@ -14,8 +14,8 @@ import torch
 
 from ...kvcache import VirtualKVCache
 from ...kvcache.geometry import KVGeometry
-from ...ops import decode_attention_contiguous, write_kv
-from .attention import StepAttention, prefill_rows
+from ...ops import decode_attention_contiguous, decode_unsupported, write_kv
+from .attention import StepAttention, decodes_as_prefills, prefill_rows
 from .base import Allocation, StoreMemory
 
 if TYPE_CHECKING:
@@ -116,6 +116,15 @@ class VirtualStore:
         self.prefix_caching = prefix_caching and lay.page_size % lay.token_bytes == 0
         self.swap_capacity = swap_bytes
         self.layer_kv = [self.cache.batch(layer, []) for layer in range(geometry.num_layers)]  # pointers per layer
+        first = self.layer_kv[0]
+        # Why decode rows cannot go to the kernel on this device (None: they do); SDPA serves them then.
+        self.decode_unsupported = decode_unsupported(
+            self.device,
+            geometry.dtype,
+            geometry.head_dim,
+            geometry.v_head_dim,
+            (first.token_stride, first.head_stride, first.slot_stride, first.v_token_stride, first.v_head_stride),
+        )
         self._swapped_bytes = 0  # swap space in use, tracked here so planning needs no stats() call
         self._swapped: dict[int, int] = {}  # handle -> bytes it holds in swap space
 
@@ -195,6 +204,8 @@ class VirtualStore:
 
     # ---- a step
     def step_attention(self, decodes, prefills, row_offsets, num_tokens) -> StepAttention:
+        if self.decode_unsupported is not None:
+            decodes, prefills, row_offsets = decodes_as_prefills(decodes, prefills, row_offsets)
         return VirtualStep(self, decodes, prefills, row_offsets, num_tokens)
 
     # ---- memory
