@@ -102,6 +102,9 @@ VMM_CALLS = (
 )
 COPY_CALLS = ("cuMemcpyDtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync", "cuStreamSynchronize")
 LIVE_OBJECTS = ("allocations", "mappings", "reservations", "primary_refs", "context_depth")
+# What a process keeps once it has built a backend: one reference on the primary context, held to the end so
+# that closing the last cache does not destroy the context (csrc/backends/cuda_backend.cpp).
+AFTER_TEARDOWN = {**dict.fromkeys(LIVE_OBJECTS, 0), "primary_refs": 1}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -206,7 +209,9 @@ class FakeDriver:
     def assert_clean(self) -> None:
         count, last = self.violations()
         assert count == 0, f"the fake driver refused {count} call(s) as API violations; last: {last}"
-        left = {k: v for k, v in self.live_objects().items() if v}
+        held = sum(C.cuda_primary_context_held(d) for d in range(C.cuda_device_count()))
+        expected = {**dict.fromkeys(LIVE_OBJECTS, 0), "primary_refs": held}  # the process's own references
+        left = {k: v for k, v in self.live_objects().items() if v != expected[k]}
         assert not left, f"driver objects left behind: {left}"
 
 
@@ -932,6 +937,23 @@ def test_calls_from_any_thread_leave_its_current_context_alone(drv, rng):
 
 
 @fake_driver_check()
+def test_the_primary_context_outlives_the_last_backend(drv, rng):
+    """Closing the last pool must not destroy the primary context (on a GPU the next cache would create it
+    again, 0.1-0.5 s, until torch holds a reference of its own): the process keeps one reference from its
+    first backend on. A refused construction before any backend took none."""
+    with pytest.raises(InvalidArgumentError, match="granularity"):
+        C.cuda_backend(0, drv.granularity // 2, 4)
+    assert drv.live("primary_refs") == 0 and not C.cuda_primary_context_held(0)
+    for _ in range(3):
+        backend, pool = make_pool(drv, 2, 1)
+        assert C.cuda_primary_context_held(0)
+        assert drv.live("primary_refs") == 2  # the backend's own and the process's
+        del backend, pool
+        gc.collect()
+        assert drv.live_objects() == AFTER_TEARDOWN
+
+
+@fake_driver_check()
 def test_teardown_releases_every_driver_object(drv, rng):
     g = drv.granularity
     backend, pool = make_pool(drv, 8, 4)
@@ -945,12 +967,12 @@ def test_teardown_releases_every_driver_object(drv, rng):
         "allocations": 4,
         "mappings": 4 + 3 + 3,
         "reservations": 3,
-        "primary_refs": 1,
+        "primary_refs": 2,  # the backend's and the process's
         "context_depth": 0,
     }
     del backend, pool  # the ranges keep pool and backend alive
     gc.collect()
-    assert drv.live("allocations") == 4 and drv.live("primary_refs") == 1
+    assert drv.live("allocations") == 4 and drv.live("primary_refs") == 2
     del r1
     gc.collect()
     assert (drv.live("mappings"), drv.live("reservations")) == (4 + 3, 2)
@@ -959,7 +981,7 @@ def test_teardown_releases_every_driver_object(drv, rng):
     assert (drv.live("mappings"), drv.live("reservations")) == (4 + 3, 2)
     del view
     gc.collect()
-    assert drv.live_objects() == dict.fromkeys(LIVE_OBJECTS, 0)
+    assert drv.live_objects() == AFTER_TEARDOWN
 
     # A backend whose construction fails part way leaves nothing behind either.
     for call, skip in (
@@ -973,7 +995,7 @@ def test_teardown_releases_every_driver_object(drv, rng):
         drv.fail(call, skip)
         with pytest.raises(BackendError, match=call):
             C.cuda_backend(0, g, 8, 3)
-        assert drv.live_objects() == dict.fromkeys(LIVE_OBJECTS, 0), call
+        assert drv.live_objects() == AFTER_TEARDOWN, call
         drv.lib.fake_cuda_clear_failures()
 
 

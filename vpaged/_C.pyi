@@ -27,6 +27,7 @@ def cuda_backend(device: int, page_size: int, capacity_pages: int, reserve_pages
 def cuda_unavailable_reason(device: int = 0) -> str: ...  # "" when CUDA is usable
 def cuda_granularity(device: int = 0) -> int: ...  # 0 when CUDA is unusable
 def cuda_device_count() -> int: ...
+def cuda_primary_context_held(device: int = 0) -> bool: ...  # the process's own reference, from its first backend
 def built_with_cuda() -> bool: ...
 
 class PoolStats:

@@ -39,6 +39,7 @@ bool built_with_cuda() { return false; }
 std::string cuda_unavailable_reason(int) { return "vpaged was built without CUDA"; }
 size_t cuda_granularity(int) { return 0; }
 int cuda_device_count() { return 0; }
+bool cuda_primary_context_held(int) { return false; }
 std::shared_ptr<Backend> make_cuda_backend(int device, size_t, size_t, size_t) {
   throw BackendUnavailable(cuda_unavailable_reason(device));
 }
@@ -242,6 +243,21 @@ class PrimaryContext {
   CUcontext ctx_ = nullptr;
 };
 
+// The process keeps one reference on a device's primary context from its first backend on, never
+// released: otherwise, until torch initializes CUDA (torch holds its own reference from then on), closing the
+// last cache would destroy the primary context and the next cache would create it again, 0.1-0.5 s each.
+// The driver destroys it with the process. Taken only once a backend is fully built, so that a refused
+// construction leaves no reference behind.
+std::mutex process_contexts_mu;
+std::vector<CUdevice> process_contexts;  // devices whose primary context the process holds
+
+void retain_for_process(CUdevice dev) {
+  std::lock_guard<std::mutex> lock(process_contexts_mu);
+  if (std::find(process_contexts.begin(), process_contexts.end(), dev) != process_contexts.end()) return;
+  CUcontext ctx = nullptr;
+  if (driver().cuDevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS) process_contexts.push_back(dev);
+}
+
 bool is_power_of_two(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
 
 class CudaBackend final : public Backend {
@@ -280,6 +296,7 @@ class CudaBackend final : public Backend {
       free_all();
       throw;
     }
+    retain_for_process(dev_);
   }
 
   ~CudaBackend() override { free_all(); }
@@ -538,6 +555,14 @@ size_t cuda_granularity(int device) {
 
 std::shared_ptr<Backend> make_cuda_backend(int device, size_t page_size, size_t capacity_pages, size_t reserve_pages) {
   return std::make_shared<CudaBackend>(device, page_size, capacity_pages, reserve_pages);
+}
+
+bool cuda_primary_context_held(int device) {
+  const Driver& d = driver();
+  CUdevice dev = 0;
+  if (!d.unavailable.empty() || d.cuDeviceGet(&dev, device) != CUDA_SUCCESS) return false;
+  std::lock_guard<std::mutex> lock(process_contexts_mu);
+  return std::find(process_contexts.begin(), process_contexts.end(), dev) != process_contexts.end();
 }
 
 }  // namespace vpaged

@@ -103,6 +103,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("reserve_pages") = 0);
   m.def("cuda_unavailable_reason", &cuda_unavailable_reason, py::arg("device") = 0);
   m.def("cuda_granularity", &cuda_granularity, py::arg("device") = 0);
+  m.def("cuda_primary_context_held", &cuda_primary_context_held, py::arg("device") = 0);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("built_with_cuda", &built_with_cuda);
 

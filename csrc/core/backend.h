@@ -187,5 +187,8 @@ std::string cuda_unavailable_reason(int device);
 size_t cuda_granularity(int device);
 int cuda_device_count();
 bool built_with_cuda();
+// Whether the process holds its own reference on the device's primary context (from its first CUDA backend
+// on, to the end: closing the last cache then never destroys the context).
+bool cuda_primary_context_held(int device);
 
 }  // namespace vpaged
