@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vpaged import _hf_compat
+from vpaged.hf import compat as _hf_compat
 from vpaged.errors import InvalidArgumentError
 
 transformers = pytest.importorskip("transformers")
