@@ -272,9 +272,62 @@ def test_fork_without_free_slots_changes_nothing(rng):
     assert_same(snap, snapshot(cache))
 
 
-def test_prefix_caching_needs_whole_tokens_per_page():
+# Geometries whose pages hold part tokens (page / token row bytes, per run): interleaved 3 layers x 2 heads x 64
+# fp32 (3 KiB rows: 21.33 tokens per 64 KiB page), 3 KV heads x 64 fp32 per_layer (768-byte rows, SmolLM2:
+# 85.33), head_major 5 heads... (1 head's 96 fp32 = 384 bytes: 170.67), and a token row longer than a page
+# (interleaved 24 layers x 4 heads x 96 fp32 = 72 KiB: 0.89 tokens per page).
+PART_TOKEN_GEOMETRIES = [
+    dict(layout="interleaved", num_layers=3, num_kv_heads=2, head_dim=64),
+    dict(layout="per_layer", num_layers=2, num_kv_heads=3, head_dim=64),
+    dict(layout="head_major", num_layers=2, num_kv_heads=5, head_dim=96),
+    dict(layout="interleaved", num_layers=24, num_kv_heads=4, head_dim=96),
+]
+
+
+@pytest.mark.parametrize(
+    "geometry", PART_TOKEN_GEOMETRIES, ids=lambda g: f"{g['layout']}-{g['num_kv_heads']}x{g['head_dim']}"
+)
+def test_prefix_caching_with_pages_that_hold_part_tokens(geometry, rng):
+    """A second identical prompt maps every full page of the first one's K/V shared and starts with the
+    tokens wholly inside them; the token straddling the last shared page is computed again, and writing it
+    copies that page, so the cached K/V never change. Data end to end equals a sequence computed alone."""
+    g = dict(geometry)
     cache = VirtualKVCache(
-        3, 2, 64, dtype=torch.float32, max_seqs=2, max_seq_len=100, capacity_bytes=16 * PAGE, layout="interleaved"
-    )  # 3 KiB per token: 21.3 tokens per page
-    with pytest.raises(vpaged.InvalidArgumentError, match="whole number"):
-        cache.allocate(tokens=[1, 2, 3])
+        g.pop("num_layers"), g.pop("num_kv_heads"), g.pop("head_dim"), dtype=torch.float32, max_seqs=6,
+        max_seq_len=4096, capacity_bytes=600 * PAGE, **g,
+    )  # fmt: skip
+    lay = cache.layout
+    tpp = lay.page_size / lay.token_bytes
+    assert not tpp.is_integer()
+    prompt = torch.randint(0, 1000, (int(7.5 * max(tpp, 1)) + 3,), generator=rng).tolist()
+    full_pages = len(prompt) * lay.token_bytes // lay.page_size
+    a = cache.allocate(tokens=prompt)
+    fill(cache, a, len(prompt), rng)
+    original = data(cache, a)
+    cached = cache.cache_prefix(a, prompt)
+    assert cached == int(full_pages * lay.page_size // lay.token_bytes) or tpp < 1
+    before = cache.stats()
+    b = cache.allocate(tokens=prompt)
+    hit = cache.seq_len(b)
+    after = cache.stats()
+    shared_pages = -(-hit * lay.token_bytes // lay.page_size) if tpp < 1 else full_pages
+    assert hit == int(shared_pages * lay.page_size // lay.token_bytes)
+    assert hit >= 0.9 * full_pages * lay.page_size // lay.token_bytes - (1 if tpp < 1 else 0)
+    assert after.pool_used_pages == before.pool_used_pages  # everything it holds is shared
+    assert after.prefix_hit_tokens == hit and hit > 0
+    for layer in range(cache.num_layers):
+        for x, y in zip(cache.kv(layer, b), original[layer]):
+            assert torch.equal(x, y[:hit])
+    # The rest of the prompt computed again (the straddling token first): its K/V as the first sequence had.
+    cache.extend(b, len(prompt) - hit)
+    first, _ = cache.writable_range(b)
+    assert first <= hit  # from the copied page on
+    for layer in range(cache.num_layers):
+        k, v = original[layer]
+        cache.write(layer, b, k[hit:], v[hit:])
+    straddles = hit * lay.token_bytes % lay.page_size != 0
+    assert cache.stats().cow_copies - before.cow_copies == (lay.runs if straddles else 0)  # that page, each run
+    assert same(data(cache, a), original) and same(data(cache, b), original)
+    cache.free(a)
+    c = cache.allocate(tokens=prompt + [5, 6])  # a is gone: its pages are still cached
+    assert cache.seq_len(c) == hit

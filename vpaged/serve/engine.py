@@ -13,6 +13,7 @@ state in the scheduler. Not thread-safe: one thread drives an engine.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections.abc import Iterable, Iterator
@@ -33,6 +34,8 @@ from .sampler import sample
 from .scheduler import Draw, Scheduler, StepUpdate
 from .sequence import Request, Sequence
 from .stores import make_store
+
+_log = logging.getLogger("vpaged.serve")
 
 
 @dataclass
@@ -114,6 +117,13 @@ class LLMEngine:
         self.store = make_store(config, KVGeometry(layers, kv_heads, head_dim, model.dtype), limit)
         self.scheduler = Scheduler(self.store, config)
         self.runner = ModelRunner(model, self.store, config)
+        store = self.store
+        if store.prefix_caching:
+            _log.info("prefix caching: on, %.2f tokens per cached page", store.prefix_tokens_per_page)
+        elif config.enable_prefix_caching:  # asked for (the default) but this kind cannot: said, not silent
+            _log.warning("prefix caching is off: %s", store.prefix_caching_off)
+        if store.decode_unsupported is not None:
+            _log.warning("decode rows go to SDPA, not the decode kernel: %s", store.decode_unsupported)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if eos is None:
             eos = getattr(model_config, "eos_token_id", None)
@@ -284,6 +294,8 @@ class LLMEngine:
             kv_budget_bytes=mem.budget_bytes,
             kv_utilization=mem.live_bytes / held if held else 1.0,
             prefix_hit_tokens=sched.prefix_hit_tokens,
+            prefix_tokens_per_page=self.store.prefix_tokens_per_page,
+            prefix_caching=self.store.prefix_caching_off or "on",
             preemptions_swap=sched.preemptions_swap,
             preemptions_recompute=sched.preemptions_recompute,
             kv=self.kv,

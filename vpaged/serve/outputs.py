@@ -63,6 +63,8 @@ class EngineStats:
     kv_budget_bytes: int
     kv_utilization: float  # bytes of live tokens / bytes held (> 1 when pages are shared)
     prefix_hit_tokens: int  # prompt tokens served from the prefix cache, all requests
+    prefix_tokens_per_page: float  # granularity of the prefix cache: tokens per cached page (0.0 when off)
+    prefix_caching: str  # "on", or why it is off
     preemptions_swap: int
     preemptions_recompute: int
     requests_finished: int

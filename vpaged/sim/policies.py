@@ -241,8 +241,7 @@ class VirtualMemory(Policy):
             pool=self.pool,
             layout=layout,
         )
-        # Prefix caching needs pages holding whole tokens (see VirtualKVCache.cache_prefix).
-        self._prefix = share and float(self.cache.layout.tokens_per_page).is_integer()
+        self._prefix = share  # prefix blocks are pages, whole tokens or not (kvcache/virtual/prefix.py)
         self._ids = _TokenIds()
 
     def admit(self, req, prompt_len):

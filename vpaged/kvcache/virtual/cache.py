@@ -42,7 +42,7 @@ from ..records import BatchedKV, CacheStats
 from .layout import Layout
 from .limits import check_cache
 from .page_map import PageMap
-from .prefix import HashFn, PrefixIndex, prefix_unavailable
+from .prefix import HashFn, PrefixIndex
 from .reclaim import SlotReclaim
 from .stats import virtual_cache_stats
 from .swap import SwappedSlots, SwapSpace
@@ -121,14 +121,16 @@ class VirtualKVCache(KVCacheBase):
             if slot is None:
                 raise self._page_map.exhausted("a free sequence slot")
             return t.bind(self._take_clean_slot(slot))
-        index = self._prefix_index()
+        index = self._prefix
         hits = index.match(tokens)
         slot = self._take_clean_slot()
         if hits:
             pages = [b.pages[r] for r in range(self.layout.runs) for b in hits]  # run-major, like page_indices
             self._page_map.map_shared(slot, pages, len(hits))
         seq = t.bind(slot)
-        t.length_tokens[slot] = t.new_from_token[slot] = n = len(hits) * index.block_tokens
+        # The tokens wholly in the shared pages; one that straddles the last of them is computed again, and
+        # writing it copies that page first (it is below the shared watermark).
+        t.length_tokens[slot] = t.new_from_token[slot] = n = index.tokens_in(len(hits))
         self._prefix_hits += n
         return seq
 
@@ -368,20 +370,12 @@ class VirtualKVCache(KVCacheBase):
         of the sequence (at least its full pages' worth); their K/V must be written. Returns the number of
         tokens now cached for this prefix."""
         slot = self._live_slot(seq)
-        index = self._prefix_index()
-        tokens = list(tokens)
-        nblocks = min(len(tokens), self._slots.length_tokens[slot]) // index.block_tokens
-        cached = index.insert_prefix(
-            tokens[: nblocks * index.block_tokens], lambda d: self._page_map.pages(slot, d, d + 1)
-        )
+        index = self._prefix
+        tokens = list(tokens)[: self._slots.length_tokens[slot]]  # only tokens the sequence holds
+        blocks = index.insert_blocks(tokens, lambda d: self._page_map.pages(slot, d, d + 1))
         # Its pages the index now holds are read-only for the sequence too (also when a collision cut it short).
-        self._slots.mark_shared(slot, cached // index.block_tokens)
-        return cached
-
-    def _prefix_index(self) -> PrefixIndex:
-        if self._prefix is None:
-            raise prefix_unavailable(self.layout)
-        return self._prefix
+        self._slots.mark_shared(slot, blocks)
+        return index.tokens_in(blocks)
 
     # ----------------------------------------------------------------------------------------- swapping
     def swap_out(self, seq: int) -> int:

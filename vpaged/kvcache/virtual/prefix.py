@@ -1,22 +1,37 @@
 """Prefix index: full pages of token prefixes that earlier sequences computed, for reuse.
 
-A block is the run of tokens that fills one page of every region. Its key chains the key of the block before
-it with its own token ids (so a key names the whole prefix up to it); on a key hit the stored token ids are
-compared too, so a hash collision is never taken for a hit. The index owns one pool reference on each
-page of a block: insert() takes them, evict() and clear() drop them. Blocks that nothing else maps are
-evicted least recently used first when the pool runs low.
+A block is page d of every run of a sequence; its tokens are every token with bytes in that page. A page
+need not hold a whole number of tokens (a 64 KiB page holds 85.33 tokens of a 768-byte row: 3 KV heads x 64
+x fp32), so a token may straddle two pages and then belongs to both blocks' token windows:
+
+    tokens   |  0 .. 84  | 85 |  86 .. 169  | 170 | 171 ...
+    pages    |<------ page 0 ------>|<------ page 1 ------>|<-- page 2
+    block 0 window: tokens 0..85 (85 straddles)   block 1 window: tokens 85..170
+
+Block d is complete once every token of its window is written; a hit of blocks 0..d maps those pages shared
+and gives the new sequence the tokens that lie wholly in them (tokens_in(d + 1): 170 above). The token that
+straddles the last shared page is computed again: writing it copies that one page first (copy-on-write, as
+for any shared page), so the cached page never changes. Where pages hold whole tokens nothing straddles and
+a block is exactly the tokens that fill one page; where a token spans several pages (rows longer than a
+page), a hit ends at the last page that completes a token.
+
+A block's key chains the key of the block before it with its own window's token ids (so a key names the
+whole prefix up to it); on a key hit the stored token ids are compared too, so a hash collision is never
+taken for a hit. The index owns one pool reference on each page of a block: insert() takes them, evict()
+and clear() drop them. Blocks that nothing else maps are evicted least recently used first when the pool
+runs low.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from ...errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from ...memory.pool import PagePool
@@ -40,29 +55,43 @@ class PrefixBlock:
     last_used: int
 
 
-def prefix_unavailable(layout: Layout) -> InvalidArgumentError:
-    """The error for prefix caching on a layout whose pages do not hold a whole number of tokens."""
-    return InvalidArgumentError(
-        f"prefix caching needs pages that hold a whole number of tokens; a page of {layout.page_size} "
-        f"bytes holds {layout.tokens_per_page:.3f} (choose a page size that is a multiple of "
-        f"{layout.token_bytes} bytes)"
-    )
-
-
 class PrefixIndex:
-    def __init__(self, block_tokens: int, pool: PagePool, hash_fn: HashFn | None = None):
-        self.block_tokens = block_tokens
+    def __init__(self, tokens_per_page: int | Fraction, pool: PagePool, hash_fn: HashFn | None = None):
+        """tokens_per_page: page size / token row bytes, exactly (a Fraction where a page holds a part token)."""
+        self.tokens_per_page = Fraction(tokens_per_page)
+        if self.tokens_per_page <= 0:
+            raise ValueError(f"tokens_per_page must be positive, got {tokens_per_page}")
         self.pool = pool
         self.hash_fn = hash_fn or chained_hash
         self._blocks: dict[bytes, PrefixBlock] = {}
         self._clock = 0
 
     @classmethod
-    def for_layout(cls, layout: Layout, pool: PagePool, hash_fn: HashFn | None = None) -> PrefixIndex | None:
-        """An index whose blocks are the tokens filling one page of every run; None when a page does not
-        hold a whole number of tokens (see prefix_unavailable)."""
-        tokens = layout.page_size / layout.token_bytes
-        return cls(int(tokens), pool, hash_fn) if tokens == int(tokens) else None
+    def for_layout(cls, layout: Layout, pool: PagePool, hash_fn: HashFn | None = None) -> PrefixIndex:
+        """An index whose blocks are one page of every run of the layout."""
+        return cls(Fraction(layout.page_size, layout.token_bytes), pool, hash_fn)
+
+    @property
+    def block_tokens(self) -> int:
+        """The most tokens a block's window spans: tokens_per_page where pages hold whole tokens, else one more
+        than it rounded up (a straddling token at either end)."""
+        if self.tokens_per_page.denominator == 1:
+            return int(self.tokens_per_page)
+        return math.ceil(self.tokens_per_page) + 1
+
+    def tokens_in(self, pages: int) -> int:
+        """Tokens whose bytes lie wholly in the first `pages` pages."""
+        return math.floor(pages * self.tokens_per_page)
+
+    def tokens_to_fill(self, pages: int) -> int:
+        """Tokens that must be written before the first `pages` pages are complete (straddlers included)."""
+        return math.ceil(pages * self.tokens_per_page)
+
+    def usable_pages(self, pages: int) -> int:
+        """The most of the first `pages` pages a hit maps: up to the last one that completes a token (all of
+        them unless a token spans more than a page)."""
+        tokens = self.tokens_in(pages)
+        return min(pages, math.ceil(tokens / self.tokens_per_page))
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -71,16 +100,18 @@ class PrefixIndex:
         return list(self._blocks.values())
 
     def keys(self, tokens: Sequence[int]) -> list[tuple[bytes, tuple[int, ...]]]:
-        """(key, token ids) of each full block of `tokens`."""
-        out, parent, b = [], b"", self.block_tokens
-        for start in range(0, len(tokens) - b + 1, b):
-            block = tuple(int(t) for t in tokens[start : start + b])
+        """(key, token ids of its window) of each complete block of `tokens`."""
+        out, parent, depth = [], b"", 0
+        while (end := self.tokens_to_fill(depth + 1)) <= len(tokens):
+            block = tuple(int(t) for t in tokens[self.tokens_in(depth) : end])
             parent = self.hash_fn(parent, block)
             out.append((parent, block))
+            depth += 1
         return out
 
     def match(self, tokens: Sequence[int]) -> list[PrefixBlock]:
-        """The longest run of cached blocks that starts at token 0 and whose token ids all match."""
+        """The longest run of cached blocks that starts at token 0 and whose token ids all match (ending at a
+        page that completes a token: see usable_pages)."""
         self._clock += 1
         hits = []
         for key, block in self.keys(tokens):
@@ -89,7 +120,7 @@ class PrefixIndex:
                 break
             found.last_used = self._clock
             hits.append(found)
-        return hits
+        return hits[: self.usable_pages(len(hits))]
 
     @property
     def pages(self) -> int:
@@ -106,16 +137,21 @@ class PrefixIndex:
         return True
 
     def insert_prefix(self, tokens: Sequence[int], pages_of: Callable[[int], list[int]]) -> int:
-        """Add the full blocks of `tokens` that are not cached yet; pages_of(depth) gives the pages of block
-        `depth` (one reference taken on each). Stops at a key that a different prefix owns (a hash
-        collision). Returns the number of tokens cached for this prefix."""
-        for depth, (key, block) in enumerate(self.keys(tokens)):
+        """Add the complete blocks of `tokens` that are not cached yet; pages_of(depth) gives the pages of
+        block `depth` (one reference taken on each). Stops at a key that a different prefix owns (a hash
+        collision). Returns the number of tokens wholly in the blocks now cached for this prefix."""
+        return self.tokens_in(self.insert_blocks(tokens, pages_of))
+
+    def insert_blocks(self, tokens: Sequence[int], pages_of: Callable[[int], list[int]]) -> int:
+        """insert_prefix(), returning the number of blocks (pages of each run) cached for this prefix."""
+        keys = self.keys(tokens)
+        for depth, (key, block) in enumerate(keys):
             found = self._blocks.get(key)
             if found is None:
                 self.insert(key, depth, block, pages_of(depth))
             elif found.tokens != block or found.depth != depth:
-                return depth * self.block_tokens
-        return len(tokens) // self.block_tokens * self.block_tokens
+                return depth
+        return len(keys)
 
     def lookup(self, key: bytes) -> PrefixBlock | None:
         return self._blocks.get(key)

@@ -60,6 +60,8 @@ class KVStore(Protocol):
     device: torch.device
     page_bytes: int  # bytes one page (vpaged, static) or one block (paged) holds
     prefix_caching: bool  # allocate() may find tokens in the prefix cache
+    prefix_tokens_per_page: float  # tokens a cached block (one page of every run) holds; 0.0 when off
+    prefix_caching_off: str | None  # why prefix caching is off (None: it is on)
     swap_capacity: int  # bytes of host swap space (0: a preempted sequence is recomputed)
     decode_unsupported: str | None  # why decode rows go to SDPA instead of the kernel (None: the kernel)
 

@@ -80,6 +80,7 @@ class PagedStore:
 
     kind = "paged"
     prefix_caching = False
+    prefix_tokens_per_page = 0.0
     swap_capacity = 0
 
     def __init__(self, config: EngineConfig, geometry: KVGeometry, max_seq_len: int):
@@ -96,6 +97,10 @@ class PagedStore:
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.block_bytes
+        self.prefix_caching_off = (
+            "kv='paged' (the block-table baseline) does not cache prefixes" if config.enable_prefix_caching else
+            "turned off (enable_prefix_caching=False)"
+        )  # fmt: skip
         # Why decode rows cannot go to the kernel on this device (None: they do); SDPA serves them then.
         heads, dim, v_dim = geometry.num_kv_heads, geometry.head_dim, geometry.v_head_dim
         self.decode_unsupported = decode_unsupported(

@@ -28,6 +28,8 @@ class StaticStore(VirtualStore):
 
     def __init__(self, config: EngineConfig, geometry: KVGeometry, max_seq_len: int):
         super().__init__(config, geometry, max_seq_len, swap_bytes=0, prefix_caching=False)
+        if config.enable_prefix_caching:
+            self.prefix_caching_off = "kv='static' reserves a whole slot per sequence and shares no pages"
         self._reserved: dict[int, list[int]] = {}  # handle -> reservations for its other completions
         # Tokens extended into each reservation: the live ones (the cache holds every reservation in full).
         self._lengths: dict[int, int] = {}

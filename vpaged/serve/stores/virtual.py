@@ -111,9 +111,10 @@ class VirtualStore:
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.pool.page_size
-        lay = self.cache.layout
-        # The prefix index needs pages that hold a whole number of tokens.
-        self.prefix_caching = prefix_caching and lay.page_size % lay.token_bytes == 0
+        # Prefix blocks are pages of every run, whatever part of a token a page ends in (kvcache/virtual/prefix.py).
+        self.prefix_caching = prefix_caching
+        self.prefix_tokens_per_page = float(self.cache.layout.tokens_per_page) if prefix_caching else 0.0
+        self.prefix_caching_off = None if prefix_caching else "turned off (enable_prefix_caching=False)"
         self.swap_capacity = swap_bytes
         self.layer_kv = [self.cache.batch(layer, []) for layer in range(geometry.num_layers)]  # pointers per layer
         first = self.layer_kv[0]
