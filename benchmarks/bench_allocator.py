@@ -13,7 +13,11 @@ GPU (when torch and vpaged can use CUDA):
 
     python benchmarks/bench_allocator.py [--quick]
 
-Writes benchmarks/results/allocator_cpu.json (no GPU) or allocator_gpu.json. Runs in well under a minute.
+Writes benchmarks/results/allocator_cpu.json (no GPU) or allocator_gpu.json, after every part (host, GPU
+latency, each workload process), so a run stopped part way keeps the parts it finished: "complete" says
+whether it got to the end, "failed_parts" names the parts that raised (the others still ran). The workload
+processes each import torch and initialize CUDA (~10-25 s each on a cold machine): they start together so
+that this overlaps, then measure one at a time, the vpaged mode first. Runs in well under a minute on a warm machine.
 """
 
 from __future__ import annotations
@@ -22,9 +26,13 @@ import argparse
 import ctypes
 import json
 import os
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -178,14 +186,15 @@ def gpu_latency(repeats, inner) -> dict:
 # ---------------------------------------------------------------------------------------------------
 # Mixed-size workload, one mode per process (allocator settings are fixed when torch starts).
 
-MODES = {
+MODES = {  # in the order they run: vpaged's own first, so that a run stopped at its cap still has it
+    "vpaged_scope": {},
     "default": {},
     "expandable_segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},  # read by every torch 2.x
-    "vpaged_scope": {},
 }
+WORKER_TIMEOUT_S = 90
 
 
-def workload(mode: str, steps: int, seed: int) -> dict:
+def workload(mode: str, steps: int, seed: int, wait_go: bool = False) -> dict:
     import contextlib
     import random
 
@@ -200,6 +209,9 @@ def workload(mode: str, steps: int, seed: int) -> dict:
         hook = vpaged.torch_allocator(pool, dev)
         scope = hook.scope()
     torch.cuda.synchronize()
+    if wait_go:  # started with the other modes' processes: measure only when the parent says so
+        print("ready", flush=True)
+        sys.stdin.readline()
     base_res, base_alloc = torch.cuda.memory_reserved(dev), torch.cuda.memory_allocated(dev)
     gaps, live = [], []
     t0 = time.perf_counter()
@@ -231,33 +243,98 @@ def workload(mode: str, steps: int, seed: int) -> dict:
     return out
 
 
-def run_workloads(steps: int, seed: int) -> dict:
-    results, rows = {}, []
-    for mode, env_extra in MODES.items():
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
-        env.update(env_extra)
-        proc = subprocess.run(
-            [sys.executable, __file__, "--worker", mode, "--steps", str(steps), "--seed", str(seed)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if proc.returncode != 0:
-            results[mode] = {"error": proc.stderr[-2000:]}
-            rows.append([mode, "error", "", "", ""])
-            continue
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
-        results[mode] = r
-        rows.append(
-            [
-                mode,
-                f"{r['gap_mean_mib']:.1f}",
-                f"{r['gap_max_mib']:.1f}",
-                f"{r['peak_allocated_mib']:.0f}",
-                f"{r['seconds'] * 1e3:.0f}",
-            ]
-        )
+def _start_worker(mode: str, steps: int, seed: int, stderr) -> tuple:
+    """A worker process for `mode`, started at once; it reports "ready" after torch's import and CUDA's
+    initialization, then waits for a line on stdin before it measures. Its stdout lines arrive in a queue."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    env.update(MODES[mode])
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--worker", mode, "--steps", str(steps), "--seed", str(seed), "--wait-go"],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+    lines: queue.Queue = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line.strip())
+        lines.put(None)  # end of output
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc, lines
+
+
+def _next_line(lines: queue.Queue, deadline: float):
+    """The worker's next non-empty stdout line; None at its end; raises TimeoutError past the deadline."""
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError from None
+        if line is None or line:
+            return line
+
+
+def run_workloads(steps: int, seed: int, results: dict, save=lambda: None) -> dict:
+    """One process per mode, into `results` (mode -> outcome); save() after each. The processes start
+    together, so their imports and CUDA initializations (the slow part on a cold machine) overlap, and measure
+    one at a time, in MODES order."""
+    rows = []
+    t_start = time.monotonic()
+    workers = {}
+    for mode in MODES:
+        err = tempfile.TemporaryFile(mode="w+")
+        workers[mode] = (*_start_worker(mode, steps, seed, err), err)
+    try:
+        for mode, (proc, lines, err) in workers.items():
+            deadline = time.monotonic() + WORKER_TIMEOUT_S
+            r = None
+            try:
+                if _next_line(lines, deadline) == "ready":
+                    ready_s = round(time.monotonic() - t_start, 2)  # with torch's import and CUDA's initialization
+                    proc.stdin.write("go\n")
+                    proc.stdin.flush()
+                    line = _next_line(lines, deadline)
+                    if line is not None:
+                        r = json.loads(line)
+                        r["ready_seconds"] = ready_s
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except (TimeoutError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+                results[mode] = {"error": f"the worker process ran past {WORKER_TIMEOUT_S}s"}
+            except (OSError, ValueError) as e:  # a broken pipe, a line that is not JSON
+                proc.kill()
+                proc.wait()
+                results[mode] = {"error": f"{type(e).__name__}: {e}"}
+            if mode not in results:
+                if r is not None and proc.returncode == 0:
+                    results[mode] = r
+                else:
+                    err.seek(0)
+                    results[mode] = {"error": f"exit status {proc.returncode}: {err.read()[-2000:]}"}
+            save()
+            if "error" in results[mode]:
+                rows.append([mode, "error", "", "", ""])
+                continue
+            rows.append(
+                [
+                    mode,
+                    f"{r['gap_mean_mib']:.1f}",
+                    f"{r['gap_max_mib']:.1f}",
+                    f"{r['peak_allocated_mib']:.0f}",
+                    f"{r['seconds'] * 1e3:.0f}",
+                ]
+            )
+    finally:
+        for proc, _, err in workers.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            err.close()
     print(f"GPU mixed-size workload ({steps} steps, seed {seed}): reserved - allocated")
     print_table(["mode", "mean MiB", "max MiB", "peak allocated MiB", "ms"], rows)
     return results
@@ -269,24 +346,46 @@ def main() -> None:
     ap.add_argument("--worker", choices=list(MODES))
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--wait-go", action="store_true", help=argparse.SUPPRESS)  # worker: wait for "go" on stdin
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(workload(args.worker, args.steps, args.seed)))
+        print(json.dumps(workload(args.worker, args.steps, args.seed, args.wait_go)))
         return
     repeats, inner = (5, 20) if args.quick else (9, 50)
-    payload = {"machine": machine(), "host": host_part(repeats, inner)}
     gpu = torch.cuda.is_available() and C.cuda_unavailable_reason(0) == ""
-    payload["gpu"] = gpu
+    name = "allocator_gpu.json" if gpu else "allocator_cpu.json"
+    payload = {"benchmark": "allocator", "complete": False, "machine": machine(), "gpu": gpu, "seconds": {}}
+    failed: list = []
+    payload["failed_parts"] = failed
+
+    def save():  # after every part: a run stopped part way keeps the parts it finished
+        return write_json(name, payload)
+
+    def part(key, fn):
+        t0 = time.perf_counter()
+        try:
+            payload[key] = fn()
+        except Exception as e:  # noqa: BLE001 - recorded; the other parts still run
+            traceback.print_exc()
+            payload[key] = {**(payload.get(key) or {}), "error": f"{type(e).__name__}: {e}"}  # keeps what it wrote
+            failed.append(key)
+        payload["seconds"][key] = round(time.perf_counter() - t0, 2)
+        save()
+
+    save()  # the machine facts, before anything can be stopped
+    part("host", lambda: host_part(repeats, inner))
     if gpu:
-        payload["gpu_latency"] = gpu_latency(repeats, inner)
-        payload["gpu_workload"] = run_workloads(400 if args.quick else 1000, seed=1234)
+        part("gpu_latency", lambda: gpu_latency(repeats, inner))
+        payload["gpu_workload"] = {}
+        part("gpu_workload", lambda: run_workloads(400 if args.quick else 1000, 1234, payload["gpu_workload"], save))
     else:
         payload["gpu_skipped"] = (
             "torch has no CUDA device" if not torch.cuda.is_available() else C.cuda_unavailable_reason(0)
         )
         print(f"GPU part skipped: {payload['gpu_skipped']}")
-    path = write_json("allocator_gpu.json" if gpu else "allocator_cpu.json", payload)
-    print(f"wrote {path}")
+    payload["complete"] = True
+    path = save()
+    print(f"wrote {path}" + (f"; failed parts: {failed}" if failed else ""))
 
 
 if __name__ == "__main__":

@@ -61,6 +61,8 @@ CHECK_TIMEOUT_S = 30  # per check, in its child
 # CUresult and flag values (cuda.h).
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_ILLEGAL_ADDRESS = 700
+CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
+CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
 CUDA_ERROR_UNKNOWN = 999
 CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1
 KDL_UINT = 1
@@ -90,6 +92,8 @@ ENTRY_POINTS = (
     "cuMemcpyDtoHAsync",
     "cuMemcpyHtoDAsync",
     "cuStreamSynchronize",
+    "cuCtxSynchronize",
+    "cuStreamIsCapturing",
 )
 VMM_CALLS = (
     "cuMemCreate",
@@ -136,6 +140,8 @@ class FakeDriver:
         lib.fake_cuda_stream_synchronize.argtypes = [ctypes.c_void_p]
         lib.fake_cuda_sticky_error.argtypes = [ctypes.c_int]
         lib.fake_cuda_clear_sticky_error.argtypes = [ctypes.c_int]
+        lib.fake_cuda_begin_capture.argtypes = [ctypes.c_void_p]
+        lib.fake_cuda_end_capture.argtypes = [ctypes.c_void_p]
         self.lib = lib
         self.granularity = int(os.environ.get("FAKE_CUDA_GRANULARITY", 2 << 20))
 
@@ -197,6 +203,14 @@ class FakeDriver:
 
     def sync_stream(self, stream: int) -> int:
         return self.lib.fake_cuda_stream_synchronize(stream)
+
+    def begin_capture(self, stream: int) -> None:
+        """Make `stream` (one of drv.stream()) capture a CUDA graph until end_capture."""
+        assert self.lib.fake_cuda_begin_capture(stream) == 0
+
+    def end_capture(self, stream: int) -> int:
+        """End the capture: 0 when it is valid, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED when a call broke it."""
+        return self.lib.fake_cuda_end_capture(stream)
 
     def sticky_error(self, device: int = 0) -> int:
         return self.lib.fake_cuda_sticky_error(device)

@@ -85,3 +85,18 @@ def test_every_gpu_test_file_has_its_own_stage():
         if re.search(r"pytest\.mark\.gpu\b", path.read_text()):
             rel = f"tests/{path.name}"
             assert f"pytest_file {rel}" in commands, f"{rel} has GPU tests but no stage in gpu_check.sh"
+
+
+def test_caps_leave_room_for_the_environment_probe_and_the_header_table_matches():
+    """The caps' table in the script's header names every stage with its cap, and the sum, which leaves the
+    environment probe's reserve free."""
+    text = SCRIPT.read_text()
+    budget = int(re.search(r"BUDGET=\$\{GPU_CHECK_BUDGET_S:-(\d+)\}", text)[1])
+    reserve = int(re.search(r"REPORT_RESERVE=(\d+)", text)[1])
+    probe = int(re.search(r"PROBE_RESERVE=(\d+)", text)[1])
+    caps = sum(cap for _, cap, *_ in stages())
+    assert caps <= budget - reserve - probe, f"caps {caps}s, budget {budget}s - report {reserve}s - probe {probe}s"
+    table = dict(re.findall(r"^#   (\S+)\s+(\d+)\s{2,}\d+:", text, re.MULTILINE))
+    assert {name: int(cap) for name, cap in table.items()} == {name: cap for name, cap, *_ in stages()}
+    total = re.search(r"^#   caps' sum\s+(\d+)\s+of (\d+)", text, re.MULTILINE)
+    assert total and (int(total[1]), int(total[2])) == (caps, budget)

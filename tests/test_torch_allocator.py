@@ -43,6 +43,7 @@ class CStats(ctypes.Structure):
             "failures",
             "bad_frees",
             "max_bytes",
+            "deferred_frees",
         )
     ]
 

@@ -61,11 +61,12 @@ class Hook:
         self.allocator = C.PoolAllocator(self.pool._pool, max_bytes)
         C.bind_device_allocator(DEVICE, self.allocator)
 
-    def malloc(self, size):
-        return self.lib.vpaged_torch_malloc(size, DEVICE, None)
+    def malloc(self, size, stream=None):
+        return self.lib.vpaged_torch_malloc(size, DEVICE, stream)
 
-    def free(self, ptr, size):
-        self.lib.vpaged_torch_free(ptr, size, DEVICE, None)
+    def free(self, ptr, size, stream=None):
+        """vpaged_torch_free with the stream torch would pass (None: the legacy stream)."""
+        self.lib.vpaged_torch_free(ptr, size, DEVICE, stream)
 
     def error(self) -> str:
         return self.lib.vpaged_torch_last_error().decode()
@@ -246,6 +247,136 @@ def test_fake_two_threads_allocate_and_free_at_once(drv, rng):
     s = hook.stats()
     assert (s.segments, s.bytes, s.bad_frees) == (0, 0, 0) and s.mallocs == s.frees > 0
     assert hook.pool.stats().used_pages == 0
+    hook.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Frees while a CUDA graph is being captured: the device cannot be waited for then (cuCtxSynchronize
+# returns CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), so the free is deferred, not failed or leaked.
+
+
+def held(drv, hook):
+    """What a deferred free keeps: the pool's allocator pages and the driver's mappings and reservations."""
+    return hook.pool.stats().allocator_pages, drv.live("mappings"), drv.live("reservations")
+
+
+@check()
+def test_fake_free_on_the_capturing_stream_is_deferred_without_waiting(drv, rng):
+    """torch frees on the segment's stream; when that stream captures, vpaged asks the driver and defers the
+    free without calling cuCtxSynchronize (which would invalidate the capture). The next call after the
+    capture completes it."""
+    hook = Hook(drv, capacity_pages=8)
+    page = hook.page
+    size = 2 * page + int(rng.integers(1, page))
+    ptr = hook.malloc(size)
+    keep = hook.malloc(page)
+    assert ptr is not None and keep is not None, hook.error()
+    data = fake.random_bytes(rng, size)
+    fake.host_bytes(ptr, size)[:] = data
+    stream = drv.stream()
+    drv.begin_capture(stream)
+    before_held, before = held(drv, hook), drv.snapshot()
+
+    hook.free(ptr, size, stream)
+    assert hook.error() == "", hook.error()
+    assert drv.calls_since(before, "cuCtxSynchronize", "cuMemUnmap", "cuMemAddressFree") == {}
+    assert held(drv, hook) == before_held, "nothing may be unmapped or given back during the capture"
+    assert np.array_equal(fake.host_bytes(ptr, size), data)  # still mapped: a replay may still use it
+    s = hook.stats()
+    assert (s.segments, s.bytes, s.frees, s.bad_frees, s.deferred_frees) == (1, page, 0, 0, 1), s
+    assert s.mapped_bytes == 4 * page  # the deferred allocation's pages are still mapped
+    assert not hook.allocator.owns(ptr)  # freed as far as torch is concerned
+
+    # A second free of the deferred pointer is still refused, and changes nothing.
+    hook.free(ptr, size, stream)
+    assert "freed already" in hook.error(), hook.error()
+    s = hook.stats()
+    assert (s.bad_frees, s.deferred_frees) == (1, 1) and held(drv, hook) == before_held
+
+    # Allocations on the capturing stream still work, and never wait for the device.
+    other = hook.malloc(page, stream)
+    assert other is not None, hook.error()
+    hook.free(other, page, stream)
+    assert hook.error() == "" and hook.stats().deferred_frees == 2
+    assert drv.calls_since(before, "cuCtxSynchronize", "cuMemUnmap") == {}
+    assert drv.end_capture(stream) == 0, "vpaged invalidated the capture"
+
+    # The capture is over: the next call (stats here) completes both deferred frees with one wait.
+    s = hook.stats()
+    assert (s.segments, s.deferred_frees, s.frees, s.bad_frees) == (1, 0, 2, 1), s
+    assert s.mapped_bytes == page
+    assert drv.calls_since(before, "cuCtxSynchronize", "cuMemUnmap")["cuMemUnmap"] == 2
+    assert fake.protection(ptr) in ("", "---p"), "the deferred range must be unmapped now"
+    assert hook.pool.stats().allocator_pages == 1
+    hook.free(keep, page)
+    assert hook.error() == "" and hook.pool.stats().used_pages == 0
+    hook.close()
+
+
+@check()
+def test_fake_free_that_finds_the_device_capturing_is_deferred(drv, rng):
+    """A free on a stream that does not capture, while another stream does: the wait fails with
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and the free is deferred instead of failing (the allocation used
+    to stay live, counted as a bad free, its pages lost to the pool until torch freed it again, which it
+    never does). The next malloc after the capture completes it."""
+    hook = Hook(drv, capacity_pages=4)
+    page = hook.page
+    ptr = hook.malloc(3 * page)
+    assert ptr is not None, hook.error()
+    stream = drv.stream()
+    drv.begin_capture(stream)
+    before_held, unmaps = held(drv, hook), drv.calls("cuMemUnmap")
+    hook.free(ptr, 3 * page)  # the legacy stream: not capturing itself
+    assert hook.error() == "", hook.error()
+    assert drv.calls("cuMemUnmap") == unmaps and held(drv, hook) == before_held
+    s = hook.stats()  # tries again (the capture still runs): still deferred
+    assert (s.segments, s.bytes, s.frees, s.bad_frees, s.deferred_frees) == (0, 0, 0, 0, 1), s
+    # The pages are still held: the pool cannot serve 2 more pages of its 4 yet.
+    assert hook.malloc(2 * page, stream) is None and "exhausted" in hook.error(), hook.error()
+    assert drv.end_capture(stream) != 0  # the failed wait broke this capture (global capture mode)
+
+    ptr2 = hook.malloc(2 * page)  # completes the deferred free first, so the pages are there
+    assert ptr2 is not None, hook.error()
+    s = hook.stats()
+    assert (s.segments, s.frees, s.deferred_frees, s.mapped_bytes) == (1, 1, 0, 2 * page), s
+    assert drv.calls("cuMemUnmap") == unmaps + 1
+    hook.free(ptr2, 2 * page)
+    assert hook.error() == "" and hook.pool.stats().used_pages == 0
+    hook.close()
+
+
+@check()
+def test_fake_deferred_frees_wait_for_the_capture_they_saw(drv, rng):
+    """Once a free was deferred because its stream captures, later calls on other streams do not try the
+    wait (and so do not break the capture) until that stream has ended its capture; flush() completes them
+    once it has. Other failures of the wait still fail the free."""
+    hook = Hook(drv, capacity_pages=8)
+    page = hook.page
+    a, b, c = (hook.malloc(page) for _ in range(3))
+    assert None not in (a, b, c), hook.error()
+    stream = drv.stream()
+    drv.begin_capture(stream)
+    syncs = drv.calls("cuCtxSynchronize")
+    hook.free(a, page, stream)
+    hook.free(b, page)  # legacy stream, but a capture vpaged knows of still runs
+    assert hook.error() == "", hook.error()
+    assert hook.allocator.flush() == 2  # still pending
+    assert hook.allocator.stats().deferred_frees == 2
+    assert drv.calls("cuCtxSynchronize") == syncs
+    assert drv.end_capture(stream) == 0
+
+    assert hook.allocator.flush() == 0
+    st = hook.allocator.stats()
+    assert (st.segments, st.frees, st.deferred_frees) == (1, 2, 0)
+    assert hook.pool.stats().allocator_pages == 1
+
+    drv.fail("cuCtxSynchronize")  # not a capture error: the free fails as before and keeps the allocation
+    hook.free(c, page)
+    assert "cuCtxSynchronize failed" in hook.error(), hook.error()
+    s = hook.stats()
+    assert (s.segments, s.bad_frees, s.deferred_frees) == (1, 1, 0), s
+    hook.free(c, page)
+    assert hook.error() == "" and hook.pool.stats().used_pages == 0
     hook.close()
 
 

@@ -82,7 +82,8 @@ constexpr int kDriverApi = 12000;
   X(cuCtxGetCurrent) X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuCtxSynchronize)                    \
   X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease)                                  \
   X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)           \
-  X(cuMemcpyDtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemcpyHtoDAsync) X(cuStreamSynchronize)
+  X(cuMemcpyDtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemcpyHtoDAsync) X(cuStreamSynchronize)             \
+  X(cuStreamIsCapturing)
 // clang-format on
 
 // The process-wide driver table: written once under std::call_once, read-only afterwards.
@@ -455,14 +456,39 @@ class CudaBackend final : public Backend {
     check(driver().cuStreamSynchronize(as_stream(stream)), "cuStreamSynchronize");
   }
 
-  // Every stream of the primary context torch uses, including streams vpaged never saw.
+  // Every stream of the primary context torch uses, including streams vpaged never saw. While a stream
+  // captures a CUDA graph the driver refuses the wait (and, in the global capture mode torch.cuda.graph uses
+  // by default, invalidates the capture): that is CaptureActive, so that callers can defer what waited.
   void synchronize_device() override {
     ScopedContext current(context_->get());
-    check(driver().cuCtxSynchronize(), "cuCtxSynchronize");
+    const CUresult r = driver().cuCtxSynchronize();
+    if (is_capture_error(r)) throw CaptureActive(call_error("cuCtxSynchronize", r));
+    check(r, "cuCtxSynchronize");
+  }
+
+  // cuStreamIsCapturing: any status but NONE (ACTIVE, or INVALIDATED: a capture that is still to be ended)
+  // counts; for the legacy stream CUDA_ERROR_STREAM_CAPTURE_IMPLICIT says a blocking stream captures in the
+  // global mode. Another error (a destroyed stream, a sticky error) answers false: the wait that follows
+  // then reports what is wrong.
+  bool capturing(uintptr_t stream) override {
+    try {
+      ScopedContext current(context_->get());
+      CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+      const CUresult r = driver().cuStreamIsCapturing(as_stream(stream), &status);
+      if (r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
+      return r == CUDA_SUCCESS && status != CU_STREAM_CAPTURE_STATUS_NONE;
+    } catch (const std::exception&) {
+      return false;
+    }
   }
 
  private:
   static CUstream as_stream(uintptr_t stream) { return reinterpret_cast<CUstream>(stream); }
+  // The errors a device-wide wait returns because a stream is capturing a graph.
+  static bool is_capture_error(CUresult r) {
+    return r == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED || r == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED ||
+           r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT || r == CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
+  }
   CUdeviceptr window_address(PageId page) const { return window_ + static_cast<CUdeviceptr>(page) * page_size_; }
 
   // Only created pages have a handle and a window mapping.

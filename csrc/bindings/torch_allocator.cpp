@@ -80,20 +80,35 @@ void register_torch_allocator(py::module_& m) {
       .def_readonly("frees", &AllocatorStats::frees)
       .def_readonly("failures", &AllocatorStats::failures)
       .def_readonly("bad_frees", &AllocatorStats::bad_frees)
-      .def_readonly("max_bytes", &AllocatorStats::max_bytes);
+      .def_readonly("max_bytes", &AllocatorStats::max_bytes)
+      .def_readonly("deferred_frees", &AllocatorStats::deferred_frees);
 
   py::class_<PoolAllocator, std::shared_ptr<PoolAllocator>>(m, "PoolAllocator")
       .def(py::init<std::shared_ptr<PagePool>, size_t>(), py::arg("pool"), py::arg("max_bytes") = 0)
       .def(
-          "allocate", [](PoolAllocator& a, size_t size) { return reinterpret_cast<uintptr_t>(a.allocate(size)); },
-          py::arg("size"), py::call_guard<py::gil_scoped_release>())
+          "allocate",
+          [](PoolAllocator& a, size_t size, uintptr_t stream) {
+            return reinterpret_cast<uintptr_t>(a.allocate(size, stream));
+          },
+          py::arg("size"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def(
           "free",
-          [](PoolAllocator& a, uintptr_t ptr, size_t size) { a.deallocate(reinterpret_cast<void*>(ptr), size); },
-          py::arg("ptr"), py::arg("size") = 0, py::call_guard<py::gil_scoped_release>())
+          [](PoolAllocator& a, uintptr_t ptr, size_t size, uintptr_t stream) {
+            a.deallocate(reinterpret_cast<void*>(ptr), size, stream);
+          },
+          py::arg("ptr"), py::arg("size") = 0, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("flush", &PoolAllocator::flush_deferred, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+           "Complete the frees deferred during a CUDA graph capture where no capture is known to run; returns "
+           "how many are still deferred.")
       .def("owns", [](const PoolAllocator& a, uintptr_t ptr) { return a.owns(reinterpret_cast<void*>(ptr)); })
       .def("contains", [](const PoolAllocator& a, uintptr_t ptr) { return a.contains(reinterpret_cast<void*>(ptr)); })
-      .def("stats", &PoolAllocator::stats)
+      .def(
+          "stats",
+          [](PoolAllocator& a) {
+            a.flush_deferred();  // as vpaged_torch_stats: completed frees show as frees
+            return a.stats();
+          },
+          py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("live_segments", &PoolAllocator::live_segments)
       .def_property_readonly("max_bytes", &PoolAllocator::max_bytes)
       .def("tensor", &allocation_tensor, py::arg("nbytes"),

@@ -159,8 +159,16 @@ class Backend {
   virtual void synchronize(uintptr_t stream) = 0;
   // Wait for all work queued on the device, on every stream (CUDA: cuCtxSynchronize in the device's
   // primary context). Needed before unmapping memory whose users' streams are unknown. The host has
-  // no queued work: its copies and kernels finish before they return.
+  // no queued work: its copies and kernels finish before they return. Throws CaptureActive when a CUDA
+  // graph capture forbids the wait (the call may also have invalidated that capture: see capturing()).
   virtual void synchronize_device() {}
+  // Whether `stream` (0: the legacy default stream) is capturing a CUDA graph now, or (stream 0) a capture
+  // makes using the legacy stream an error. Asking never disturbs a capture, unlike synchronize_device().
+  // False on backends without streams, and when the driver cannot answer.
+  virtual bool capturing(uintptr_t stream) {
+    (void)stream;
+    return false;
+  }
 
   // Backend-level call counters, for benchmarks (map/unmap calls issued to the OS or driver).
   size_t map_calls() const { return map_calls_; }

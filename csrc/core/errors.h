@@ -22,6 +22,11 @@ struct AddressSpace : MappingLimit {
 struct BackendFailure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// The device cannot be waited for because a stream is capturing a CUDA graph (the driver returned one of the
+// CUDA_ERROR_STREAM_CAPTURE_* errors). A subclass: code catching BackendFailure still catches it.
+struct CaptureActive : BackendFailure {
+  using BackendFailure::BackendFailure;
+};
 // A backend that cannot be used on this machine or build (no driver, no device, built without CUDA).
 struct BackendUnavailable : std::runtime_error {
   using std::runtime_error::runtime_error;

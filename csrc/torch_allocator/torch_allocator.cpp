@@ -9,6 +9,18 @@
 // This costs a device sync per free, which is why the hook is meant for a MemPool scope (segments are
 // freed only at scope exit or empty_cache), not as the process-wide allocator.
 //
+// Frees during a CUDA graph capture. While any stream of the context captures, cuCtxSynchronize is refused
+// (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and, in the global capture mode torch.cuda.graph uses by default,
+// the refused call invalidates the capture. Such a free is deferred rather than failed: the allocation
+// leaves live_ (torch has freed it: a second free of the pointer is still refused), its pages stay mapped
+// and held by the allocator (a replay or kernel still queued may use them), and stats().deferred_frees
+// counts it. A capture is detected without waiting where possible: the stream torch passes to free is asked
+// (cuStreamIsCapturing), so is the legacy stream, and so are the streams earlier deferred frees saw
+// capturing; only when none of these says so is the wait tried, and a capture error from it defers too.
+// Every later allocate, deallocate and stats call, and vpaged_torch_flush, first retries the deferred frees
+// (one wait for all of them); they complete once no known capture runs. A capture on a stream vpaged never
+// saw shows only as the wait's error, so until the deferred frees complete each retry costs a refused wait.
+//
 // Lock order: the registry's mutex, then an allocator's, then the pool's (inside acquire / decref). No
 // lock is held across a backend call except the pool's own, and no call takes the GIL.
 #include "torch_allocator/torch_allocator.h"
@@ -30,7 +42,9 @@ PoolAllocator::PoolAllocator(std::shared_ptr<PagePool> pool, size_t max_bytes)
 
 PoolAllocator::~PoolAllocator() {
   // Only reached with live allocations when their owners are gone too (process exit, or a DLPack tensor
-  // freed through another path): give the pages back as a free would.
+  // freed through another path), or with deferred frees that no later call completed: give the pages back
+  // as a free would.
+  for (auto& [va, a] : deferred_) live_.emplace(va, std::move(a));
   for (auto& [va, a] : live_) {
     try {
       pool_->backend().synchronize_device();
@@ -40,8 +54,83 @@ PoolAllocator::~PoolAllocator() {
   }
 }
 
-void* PoolAllocator::allocate(size_t size) {
+bool PoolAllocator::capture_running(uintptr_t stream) {
+  Backend& backend = pool_->backend();
+  bool running = false;
+  if (stream != 0 && backend.capturing(stream)) {
+    running = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (std::find(capture_streams_.begin(), capture_streams_.end(), stream) == capture_streams_.end()) {
+      capture_streams_.push_back(stream);
+    }
+  }
+  if (!running && backend.capturing(0)) running = true;
+  std::vector<uintptr_t> known;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    known = capture_streams_;
+  }
+  std::vector<uintptr_t> ended;
+  for (uintptr_t s : known) {
+    if (s == stream && running) continue;
+    if (backend.capturing(s)) {
+      running = true;
+    } else {
+      ended.push_back(s);
+    }
+  }
+  if (!ended.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& c = capture_streams_;
+    c.erase(std::remove_if(c.begin(), c.end(),
+                           [&](uintptr_t s) { return std::find(ended.begin(), ended.end(), s) != ended.end(); }),
+            c.end());
+  }
+  return running;
+}
+
+size_t PoolAllocator::flush_deferred(uintptr_t stream) noexcept {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (deferred_.empty()) return 0;
+  }
+  std::vector<std::pair<uintptr_t, Allocation>> batch;
+  size_t done = 0;
+  try {
+    if (!capture_running(stream)) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        batch.swap(deferred_);
+      }
+      if (!batch.empty()) {
+        pool_->backend().synchronize_device();  // one wait for all; throws (CaptureActive) while a capture runs
+        for (; done < batch.size(); ++done) {
+          pool_->backend().unmap(batch[done].first, batch[done].second.pages);
+          finish_free(batch[done].first, batch[done].second);
+        }
+      }
+    }
+  } catch (...) {
+    // Still deferred (a capture runs, or the wait or an unmap failed): a later call tries again.
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = done; i < batch.size(); ++i) deferred_.push_back(std::move(batch[i]));
+  return deferred_.size();
+}
+
+size_t PoolAllocator::deferred_frees() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return deferred_.size();
+}
+
+bool PoolAllocator::idle() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return live_.empty() && deferred_.empty();
+}
+
+void* PoolAllocator::allocate(size_t size, uintptr_t stream) {
   if (size == 0) throw InvalidArgument("allocation of 0 bytes");
+  flush_deferred(stream);  // their pages may be what this allocation needs
   if (size > std::numeric_limits<size_t>::max() - page_size_) {
     throw InvalidArgument("allocation of " + std::to_string(size) + " bytes is too large");
   }
@@ -101,7 +190,27 @@ void PoolAllocator::unmap_and_release(uintptr_t va, const Allocation& a) {
   backend.release(va, a.pages * page_size_);
 }
 
-void PoolAllocator::deallocate(void* ptr, size_t size) {
+void PoolAllocator::finish_free(uintptr_t va, const Allocation& a) noexcept {
+  for (PageId p : a.page_ids) {
+    try {
+      pool_->decref(p);
+    } catch (...) {
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    bytes_ -= a.size;
+    mapped_bytes_ -= a.pages * page_size_;
+    ++frees_;
+  }
+  try {
+    pool_->backend().release(va, a.pages * page_size_);  // the pages are back; only address space could leak
+  } catch (...) {
+  }
+}
+
+void PoolAllocator::deallocate(void* ptr, size_t size, uintptr_t stream) {
+  flush_deferred(stream);
   const uintptr_t va = reinterpret_cast<uintptr_t>(ptr);
   Allocation a;
   {
@@ -125,22 +234,29 @@ void PoolAllocator::deallocate(void* ptr, size_t size) {
     ++bad_frees_;
     live_.emplace(va, std::move(a));
   };
-  // See the note at the top of the file: nothing may still use the pages when they are unmapped.
+  // See the note at the top of the file: nothing may still use the pages when they are unmapped, and a
+  // capture forbids the wait (the free is deferred then).
+  bool defer = false;
   try {
-    pool_->backend().synchronize_device();
-    pool_->backend().unmap(va, a.pages);
+    defer = capture_running(stream);
+    if (!defer) {
+      try {
+        pool_->backend().synchronize_device();
+      } catch (const CaptureActive&) {
+        defer = true;
+      }
+    }
+    if (!defer) pool_->backend().unmap(va, a.pages);
   } catch (...) {
     put_back();  // still mapped, pages still held: a later free can retry
     throw;
   }
-  for (PageId p : a.page_ids) pool_->decref(p);
-  {
+  if (defer) {
     std::lock_guard<std::mutex> lock(mu_);
-    bytes_ -= a.size;
-    mapped_bytes_ -= a.pages * page_size_;
-    ++frees_;
+    deferred_.emplace_back(va, std::move(a));  // bytes_ and mapped_bytes_ keep counting it until it completes
+    return;
   }
-  pool_->backend().release(va, a.pages * page_size_);  // the pages are back; only address space could leak
+  finish_free(va, a);
 }
 
 bool PoolAllocator::owns(const void* ptr) const {
@@ -170,8 +286,8 @@ AllocatorStats PoolAllocator::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   size_t requested = 0;
   for (const auto& kv : live_) requested += kv.second.size;
-  return AllocatorStats{page_size_, live_.size(), requested, mapped_bytes_, peak_bytes_,
-                        mallocs_,   frees_,       failures_, bad_frees_,    max_bytes_};
+  return AllocatorStats{page_size_, live_.size(), requested,  mapped_bytes_, peak_bytes_,     mallocs_,
+                        frees_,     failures_,    bad_frees_, max_bytes_,    deferred_.size()};
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -197,7 +313,7 @@ Registry& registry() {
 
 void prune_locked(DeviceEntry& entry) {
   auto& r = entry.retired;
-  r.erase(std::remove_if(r.begin(), r.end(), [](const auto& a) { return a->live_segments() == 0; }), r.end());
+  r.erase(std::remove_if(r.begin(), r.end(), [](const auto& a) { return a->idle(); }), r.end());
 }
 
 // Allocators of `device` that may own a pointer: the bound one first, then retired ones.
@@ -274,7 +390,8 @@ std::string no_allocator_reason(int device) {
 
 extern "C" {
 
-void* vpaged_torch_malloc(size_t size, int device, void* /*stream: mapping is not stream-ordered*/) noexcept {
+// The stream only serves to notice a graph capture: mapping is not stream-ordered.
+void* vpaged_torch_malloc(size_t size, int device, void* stream) noexcept {
   last_error.clear();
   try {
     std::shared_ptr<vpaged::PoolAllocator> a = vpaged::device_allocator(device);
@@ -282,7 +399,7 @@ void* vpaged_torch_malloc(size_t size, int device, void* /*stream: mapping is no
       set_error(no_allocator_reason(device));
       return nullptr;
     }
-    return a->allocate(size);
+    return a->allocate(size, reinterpret_cast<uintptr_t>(stream));
   } catch (const std::exception& e) {
     set_error(std::string("vpaged_torch_malloc(") + std::to_string(size) + " bytes, device " + std::to_string(device) +
               "): " + e.what());
@@ -292,14 +409,19 @@ void* vpaged_torch_malloc(size_t size, int device, void* /*stream: mapping is no
   return nullptr;
 }
 
-void vpaged_torch_free(void* ptr, size_t size, int device, void* /*stream: the whole device is waited for*/) noexcept {
+// The whole device is waited for; the stream serves to notice a graph capture without waiting.
+void vpaged_torch_free(void* ptr, size_t size, int device, void* stream) noexcept {
   last_error.clear();
   try {
     if (ptr == nullptr) return;  // as free(NULL)
+    const uintptr_t s = reinterpret_cast<uintptr_t>(stream);
     auto all = vpaged::candidates(device);
     for (const auto& a : all) {
-      if (!a->owns(ptr)) continue;
-      a->deallocate(ptr, size);  // throws on a concurrent double free or a failed wait / unmap
+      if (!a->owns(ptr)) {
+        a->flush_deferred(s);
+        continue;
+      }
+      a->deallocate(ptr, size, s);  // throws on a concurrent double free or a failed wait / unmap
       return;
     }
     if (!all.empty()) all.front()->count_bad_free();
@@ -324,9 +446,10 @@ int vpaged_torch_stats(int device, vpaged_torch_stats_t* out) noexcept {
       set_error(no_allocator_reason(device));
       return -1;
     }
+    a->flush_deferred();
     const vpaged::AllocatorStats s = a->stats();
-    *out = vpaged_torch_stats_t{s.page_size, s.segments, s.bytes,    s.mapped_bytes, s.peak_bytes,
-                                s.mallocs,   s.frees,    s.failures, s.bad_frees,    s.max_bytes};
+    *out = vpaged_torch_stats_t{s.page_size, s.segments, s.bytes,     s.mapped_bytes, s.peak_bytes,    s.mallocs,
+                                s.frees,     s.failures, s.bad_frees, s.max_bytes,    s.deferred_frees};
     return 0;
   } catch (const std::exception& e) {
     set_error(std::string("vpaged_torch_stats: ") + e.what());
@@ -334,6 +457,20 @@ int vpaged_torch_stats(int device, vpaged_torch_stats_t* out) noexcept {
     set_error("vpaged_torch_stats: unknown error");
   }
   return -1;
+}
+
+int64_t vpaged_torch_flush(int device) noexcept {
+  last_error.clear();
+  try {
+    size_t left = 0;
+    for (const auto& a : vpaged::candidates(device)) left += a->flush_deferred();
+    return static_cast<int64_t>(left);
+  } catch (const std::exception& e) {
+    set_error(std::string("vpaged_torch_flush: ") + e.what());
+  } catch (...) {
+    set_error("vpaged_torch_flush: unknown error");
+  }
+  return 0;
 }
 
 const char* vpaged_torch_last_error() noexcept { return last_error.c_str(); }

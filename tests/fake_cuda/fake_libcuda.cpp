@@ -13,6 +13,12 @@
 //                                         on a stream of the tests (fake_cuda_stream_create): queued, and
 //                                         done only when that stream is synchronized
 //   kernels (fake_cuda_launch_read)       a queued read of a device range, done at the stream's sync
+//   graph capture (fake_cuda_begin_capture / fake_cuda_end_capture)  a test stream marked as capturing:
+//                                         cuStreamIsCapturing reports it; cuCtxSynchronize (and
+//                                         cuStreamSynchronize of that stream) return
+//                                         CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture
+//                                         (the real driver does so in the default, global capture mode), which
+//                                         fake_cuda_end_capture then reports as CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
 //
 // Streams made by fake_cuda_stream_create behave like torch's (created non-blocking): work on them is
 // ordered neither with the legacy stream nor with each other, so a missing cuStreamSynchronize shows as
@@ -128,6 +134,8 @@ struct PendingOp {
 struct FakeStream {  // made by fake_cuda_stream_create; belongs to one device's primary context
   int device;
   std::vector<PendingOp> queue;
+  bool capturing = false;    // between fake_cuda_begin_capture and fake_cuda_end_capture
+  bool invalidated = false;  // a call during the capture broke it (cuCtxSynchronize)
 };
 
 struct InjectedFailure {
@@ -376,6 +384,8 @@ CUresult fake_cuGetErrorName(CUresult error, const char** out) {
     NAME(CUDA_ERROR_NOT_SUPPORTED)
     NAME(CUDA_ERROR_NOT_PERMITTED)
     NAME(CUDA_ERROR_ILLEGAL_ADDRESS)
+    NAME(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+    NAME(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
     NAME(CUDA_ERROR_UNKNOWN)
 #undef NAME
     default:
@@ -706,6 +716,12 @@ CUresult fake_cuStreamSynchronize(CUstream stream) {
   FakeStream& st = *s.streams.at(stream);
   if (st.device != context_stack.back()->device)
     REFUSE(CUDA_ERROR_INVALID_HANDLE, "stream of another device's context");
+  // A capturing stream cannot be waited for: the call fails and breaks the capture (not a violation: the
+  // caller may not know the stream captures, and the driver's answer is the documented one).
+  if (st.capturing) {
+    st.invalidated = true;
+    return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  }
   drain(s, st);
   return s.sticky[st.device];
 }
@@ -713,7 +729,36 @@ CUresult fake_cuStreamSynchronize(CUstream stream) {
 CUresult fake_cuCtxSynchronize() {
   ENTER("cuCtxSynchronize");
   NEED_CONTEXT;
-  return CUDA_SUCCESS;  // no work is ever queued
+  // While a stream of the context captures a graph, waiting for the device is not permitted: the driver
+  // returns CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and, in the global capture mode torch.cuda.graph uses by
+  // default, invalidates the capture. Not a violation: see cuStreamSynchronize.
+  bool capture = false;
+  for (auto& [handle, st] : s.streams) {
+    if (st->device != context_stack.back()->device || !st->capturing) continue;
+    st->invalidated = true;
+    capture = true;
+  }
+  return capture ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED : CUDA_SUCCESS;  // otherwise no work is ever queued
+}
+
+CUresult fake_cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus* status) {
+  ENTER("cuStreamIsCapturing");
+  NEED_CONTEXT;
+  if (status == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null status");
+  if (!known_stream(s, stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
+  // The legacy stream never captures itself, and the tests' streams are non-blocking (as torch's are), so a
+  // capture on them does not make the legacy stream report CUDA_ERROR_STREAM_CAPTURE_IMPLICIT.
+  if (legacy_stream(stream)) {
+    *status = CU_STREAM_CAPTURE_STATUS_NONE;
+    return CUDA_SUCCESS;
+  }
+  const FakeStream& st = *s.streams.at(stream);
+  if (st.device != context_stack.back()->device)
+    REFUSE(CUDA_ERROR_INVALID_HANDLE, "stream of another device's context");
+  *status = !st.capturing    ? CU_STREAM_CAPTURE_STATUS_NONE
+            : st.invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
+                             : CU_STREAM_CAPTURE_STATUS_ACTIVE;
+  return CUDA_SUCCESS;
 }
 
 // The entry points cuGetProcAddress hands out, with the CUDA version that introduced the signature
@@ -750,6 +795,7 @@ const EntryPoint kEntryPoints[] = {
     ENTRY(cuMemcpyHtoDAsync, 3020),
     ENTRY(cuStreamSynchronize, 2000),
     ENTRY(cuCtxSynchronize, 2000),
+    ENTRY(cuStreamIsCapturing, 10000),
 };
 #undef ENTRY
 
@@ -862,6 +908,31 @@ FAKE_EXPORT int fake_cuda_launch_read(CUstream stream, CUdeviceptr ptr, size_t b
   }
   st.queue.push_back(PendingOp{PendingOp::kRead, 0, ptr, bytes});
   return CUDA_SUCCESS;
+}
+
+// Start capturing a graph on a test stream (as cudaStreamBeginCapture would): 0, or
+// CUDA_ERROR_INVALID_HANDLE for the legacy stream, CUDA_ERROR_ILLEGAL_STATE when it captures already.
+FAKE_EXPORT int fake_cuda_begin_capture(CUstream stream) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (legacy_stream(stream) || !s.streams.count(stream)) return CUDA_ERROR_INVALID_HANDLE;
+  FakeStream& st = *s.streams.at(stream);
+  if (st.capturing) return CUDA_ERROR_ILLEGAL_STATE;
+  st.capturing = true;
+  st.invalidated = false;
+  return CUDA_SUCCESS;
+}
+
+// End the capture: 0 when the graph was captured, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED when a call during
+// the capture broke it, CUDA_ERROR_ILLEGAL_STATE when the stream was not capturing.
+FAKE_EXPORT int fake_cuda_end_capture(CUstream stream) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (legacy_stream(stream) || !s.streams.count(stream)) return CUDA_ERROR_INVALID_HANDLE;
+  FakeStream& st = *s.streams.at(stream);
+  if (!st.capturing) return CUDA_ERROR_ILLEGAL_STATE;
+  st.capturing = false;
+  return st.invalidated ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED : CUDA_SUCCESS;
 }
 
 // Work still queued on a stream (copies and kernels).

@@ -40,7 +40,7 @@ FREE_SYMBOL = "vpaged_torch_free"
 class AllocatorStats:
     segments: int  # live allocations (torch segments)
     bytes: int  # their requested sizes, summed: what torch counts as reserved
-    mapped_bytes: int  # their pages, summed (bytes rounded up to whole pages)
+    mapped_bytes: int  # their pages and those of deferred frees, summed (bytes rounded up to whole pages)
     peak_bytes: int
     mallocs: int
     frees: int
@@ -48,6 +48,10 @@ class AllocatorStats:
     bad_frees: int  # frees of unknown or already freed pointers, or frees that failed
     max_bytes: int  # the cap (0: only the pool's capacity)
     page_size: int
+    # Frees that came during a CUDA graph capture (the device cannot be waited for then): not in segments,
+    # their pages still mapped (in mapped_bytes), held and counted against the cap until the first call after
+    # the capture completes them (stats() and flush() are such calls).
+    deferred_frees: int = 0
 
 
 def _stats(s) -> AllocatorStats:
@@ -62,6 +66,7 @@ def _stats(s) -> AllocatorStats:
         s.bad_frees,
         s.max_bytes,
         s.page_size,
+        s.deferred_frees,
     )
 
 
@@ -132,7 +137,14 @@ class TorchAllocator:
         return self._mempool
 
     def stats(self) -> AllocatorStats:
+        """The allocator's counters, after completing the frees deferred by a graph capture that has ended."""
         return _stats(self._allocator.stats())
+
+    def flush(self) -> int:
+        """Complete the frees deferred during a CUDA graph capture (they wait for the device, which a capture
+        forbids); returns how many are still deferred because a capture still runs. Any later allocation, free
+        or stats() call does the same."""
+        return self._allocator.flush()
 
     def contains(self, tensor_or_address) -> bool:
         """True when the tensor's data (or the address) lies in a live allocation of this hook."""
