@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vpaged.hf import compat as _hf_compat
 from vpaged.errors import InvalidArgumentError
+from vpaged.hf import compat as _hf_compat
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
