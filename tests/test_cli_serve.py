@@ -248,3 +248,26 @@ def test_serve_subprocess_answers_openai_client(model_dir):
             proc.kill()
             proc.wait(10)
     assert proc.returncode == 0, proc.stderr.read()
+
+
+def test_serve_names_the_model_by_its_argument_and_passes_the_limits(monkeypatch):
+    import vpaged.serve.http.server as server
+
+    seen = {}
+
+    def fake_serve(engine, **kw):
+        seen.update(kw)
+
+    monkeypatch.setattr(server, "serve", fake_serve)
+    argv = ["serve", "random:llama-tiny", "--kv-budget-mib", "8", "--port", "0", "--max-n", "3", "--api-key", "k"]
+    argv += ["--allowed-hosts", "a.example, b.example", "--max-body-kib", "16", "--header-timeout", "2"]
+    assert main(argv) == 0
+    assert seen["model_name"] == "random:llama-tiny"
+    limits = seen["limits"]
+    assert limits.max_n == 3 and limits.api_key == "k" and limits.allowed_hosts == ("a.example", "b.example")
+    assert limits.max_body_bytes == 16 << 10 and limits.header_timeout_s == 2.0
+
+
+def test_serve_refuses_bad_limits(capsys):
+    assert main(["serve", "random:llama-tiny", "--max-n", "0"]) == 2
+    assert "max_n" in capsys.readouterr().err

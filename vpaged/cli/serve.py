@@ -212,15 +212,44 @@ def _as_dict(obj) -> dict:
 # ---------------------------------------------------------------------------------------------- serve
 
 
+def _server_limits(args):
+    from ..serve.http.guard import ServerLimits
+
+    hosts = None
+    if args.allowed_hosts is not None:
+        hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+    try:
+        return ServerLimits(
+            max_body_bytes=args.max_body_kib << 10,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_n=args.max_n,
+            max_prompts=args.max_prompts,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_token_ids=args.max_stop_token_ids,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            keep_alive_s=args.keep_alive_timeout,
+            api_key=args.api_key,
+            allowed_hosts=hosts,
+        )
+    except VPagedError as e:
+        raise _EngineError(f"{type(e).__name__}: {e}") from None
+
+
 def cmd_serve(args) -> int:
+    import os
+
     from ..serve.http.server import serve
 
+    if args.api_key is None:
+        args.api_key = os.environ.get("VPAGED_API_KEY") or None
+    limits = _server_limits(args)
     engine = _make_engine(args)
+    name = args.served_model_name or args.model
 
     def ready(url: str) -> None:
         print(
-            f"vpaged: serving {args.served_model_name or engine.model_name} at {url}/v1 "
-            f"(kv={args.kv}, budget {args.kv_budget_mib} MiB)",
+            f"vpaged: serving {name} at {url}/v1 (kv={args.kv}, budget {args.kv_budget_mib} MiB)",
             flush=True,
         )
 
@@ -228,10 +257,11 @@ def cmd_serve(args) -> int:
         engine,
         host=args.host,
         port=args.port,
-        model_name=args.served_model_name,
+        model_name=name,
         log_level=args.log_level,
         default_max_tokens=args.default_max_tokens,
         on_ready=ready,
+        limits=limits,
     )
     return 0
 
@@ -355,6 +385,29 @@ def add_serve_commands(sub) -> None:
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     srv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of chat requests that give none")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    lim = srv.add_argument_group("limits (checked before any work)")
+    lim.add_argument("--max-body-kib", type=int, default=4096, help="request body size (413 beyond)")
+    lim.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="tokens of one prompt (default: max model length - 1)"
+    )
+    lim.add_argument("--max-n", type=int, default=16, help="completions per prompt")
+    lim.add_argument("--max-prompts", type=int, default=64, help="prompts in one /v1/completions request")
+    lim.add_argument("--max-stop-strings", type=int, default=4)
+    lim.add_argument("--max-stop-token-ids", type=int, default=64)
+    lim.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send a request's headers")
+    lim.add_argument("--body-timeout", type=float, default=30.0, help="seconds to send a request's body (408)")
+    lim.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle connection stays open")
+    lim.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health (default: $VPAGED_API_KEY; none)",
+    )
+    lim.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host header names accepted, '*' for any "
+        "(default: the bind address; localhost, 127.0.0.1 and ::1 for a loopback one; any for 0.0.0.0)",
+    )
     srv.set_defaults(func=_reporting_errors(cmd_serve))
 
     bench = sub.add_parser(

@@ -284,6 +284,7 @@ class LLMEngine:
         mem = self.store.memory()
         sched = self.scheduler
         held = mem.held_bytes
+        hits = sched.prefix_hit_tokens
         return EngineStats(
             running=len(sched.running),
             waiting=len(sched.waiting),
@@ -292,7 +293,7 @@ class LLMEngine:
             kv_mapped_bytes=held,
             kv_high_water_bytes=mem.high_water_bytes,
             kv_budget_bytes=mem.budget_bytes,
-            kv_utilization=mem.live_bytes / held if held else 1.0,
+            kv_utilization=mem.live_bytes / held if held else 0.0,
             prefix_hit_tokens=sched.prefix_hit_tokens,
             prefix_tokens_per_page=self.store.prefix_tokens_per_page,
             prefix_caching=self.store.prefix_caching_off or "on",
@@ -304,6 +305,10 @@ class LLMEngine:
             time_forward_s=self.times.forward,
             time_sample_s=self.times.sample,
             time_output_s=self.times.output,
+            kv_free_pages=mem.free_pages,
+            kv_used_pages=mem.used_pages,
+            kv_dormant_pages=mem.dormant_pages,
+            prefix_hit_rate=hits / (hits + self.counters.prompt_tokens_total) if hits else 0.0,
             **asdict(self.counters),
         )
 

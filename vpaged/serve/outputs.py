@@ -61,7 +61,7 @@ class EngineStats:
     kv_mapped_bytes: int  # KV memory held now (pages mapped / blocks taken / slots reserved)
     kv_high_water_bytes: int  # most KV memory held at once
     kv_budget_bytes: int
-    kv_utilization: float  # bytes of live tokens / bytes held (> 1 when pages are shared)
+    kv_utilization: float  # live KV bytes / mapped KV bytes (> 1 when pages are shared; 0 when nothing is mapped)
     prefix_hit_tokens: int  # prompt tokens served from the prefix cache, all requests
     prefix_tokens_per_page: float  # granularity of the prefix cache: tokens per cached page (0.0 when off)
     prefix_caching: str  # "on", or why it is off
@@ -79,6 +79,10 @@ class EngineStats:
     time_forward_s: float = 0.0
     time_sample_s: float = 0.0
     time_output_s: float = 0.0
+    kv_free_pages: int = 0  # pages (blocks for kv="paged") of the pool not taken
+    kv_used_pages: int = 0  # pages taken: by live sequences, swapped-in copies, freed slots kept, the prefix cache
+    kv_dormant_pages: int = 0  # of the used pages, those kept only for reuse (reclaimable on demand)
+    prefix_hit_rate: float = 0.0  # prefix_hit_tokens / (prefix_hit_tokens + prompt_tokens_total); 0 before any
     extra: dict = field(default_factory=dict)
 
 

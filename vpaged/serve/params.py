@@ -19,8 +19,8 @@ class SamplingParams:
     temperature: 0 is greedy (argmax); otherwise logits are divided by it before sampling.
     top_k: keep the k most likely tokens (-1 or 0: all).
     top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1.0: all).
-    seed: seeds this request's own random generator, so its tokens do not depend on the other requests
-        that share its batches (None: a seed drawn from the engine's generator).
+    seed: an int in [-2**63, 2**64); seeds this request's own random generator, so its tokens do not depend
+        on the other requests that share its batches (None: a seed drawn from the engine's generator).
     stop_token_ids: tokens that end the request (finish_reason "stop"); the stop token is kept in the output.
     ignore_eos: keep generating past the model's end-of-sequence token.
     n: completions of the same prompt; they share the prompt's KV pages.
@@ -49,8 +49,9 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_k must be -1 (all tokens) or an int >= 1, got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidArgumentError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            # torch generators take a 64-bit seed: anything wider is refused here, not in the middle of a step
+            raise InvalidArgumentError(f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}")
         try:
             stops = tuple(self.stop_token_ids)
         except TypeError:

@@ -4,7 +4,9 @@ Endpoints: POST /v1/completions (prompt as text, token ids, or a batch of either
 (when the tokenizer has a chat template), both with SSE streaming (`"stream": true`); GET /v1/models,
 GET /metrics (Prometheus text: the engine's stats() and request counters), GET /health. A request the engine
 refuses (prompt too long, bad sampling parameters) gets HTTP 400 and changes nothing for the others; a client
-that disconnects has its request aborted, so its pages go back at once.
+that disconnects has its request aborted, streamed or not, so its pages go back at once. Every error answers in
+the OpenAI error shape (unknown routes and methods included). The limits of ServerLimits are checked before
+any work: those about HTTP by the Guard middleware (guard.py), those about what is asked for here.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from ...errors import EngineStepError, VPagedError
 from . import protocol as proto
 from .generation import Generation
+from .guard import Guard, ServerLimits
 from .loop import EngineLoop
 from .metrics import prometheus_text
 from .protocol import RequestError
@@ -26,6 +29,7 @@ from .protocol import RequestError
 try:
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("the vpaged server needs FastAPI and uvicorn: pip install 'vpaged[serve]'") from e
 
@@ -43,8 +47,9 @@ def _error(
 class _Server:
     """The request handlers, bound to one engine loop."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, default_max_tokens: int):
+    def __init__(self, loop: EngineLoop, model_name: str, default_max_tokens: int, limits: ServerLimits):
         self.loop = loop
+        self.limits = limits
         self.engine = loop.engine
         self.tokenizer = getattr(self.engine, "tokenizer", None)
         self.model_name = model_name
@@ -61,15 +66,67 @@ class _Server:
                 code="model_not_found",
             )
 
+    def _max_model_len(self) -> int | None:
+        limit = getattr(self.engine, "max_model_len", None)
+        return limit if isinstance(limit, int) else None
+
+    def _max_prompt_tokens(self) -> int | None:
+        limits = [x for x in (self.limits.max_prompt_tokens, self._max_model_len()) if x is not None]
+        if self._max_model_len() is not None:
+            limits[-1] -= 1  # a prompt must leave room for one token
+        return min(limits) if limits else None
+
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        limit = self._max_prompt_tokens()
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer: send the prompt as token ids", param="prompt")
-            return list(self.tokenizer.encode(prompt))
-        vocab = self._vocab_size()
-        if vocab is not None and any(t < 0 or t >= vocab for t in prompt):
-            raise RequestError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
-        return list(prompt)
+            if limit is not None and len(prompt) > 64 * limit:  # no tokenizer makes a token of < 1 character
+                self._prompt_too_long(f"over {64 * limit} characters", limit)
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            vocab = self._vocab_size()
+            if vocab is not None and any(t < 0 or t >= vocab for t in prompt):
+                raise RequestError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+            ids = list(prompt)
+        if limit is not None and len(ids) > limit:
+            self._prompt_too_long(f"{len(ids)} tokens", limit)
+        return ids
+
+    @staticmethod
+    def _prompt_too_long(what: str, limit: int):
+        raise RequestError(
+            f"prompt of {what}: this server takes prompts of at most {limit} tokens",
+            param="prompt",
+            code="PromptTooLongError",
+        )
+
+    def _check_limits(self, req, num_prompts: int) -> tuple[str, ...]:
+        """The limits of what one request asks for; returns its stop strings."""
+        lim = self.limits
+        if num_prompts > lim.max_prompts:
+            raise RequestError(f"at most {lim.max_prompts} prompts per request, got {num_prompts}", param="prompt")
+        if req.n > lim.max_n:
+            raise RequestError(f"n must be at most {lim.max_n}, got {req.n}", param="n")
+        if req.stop_token_ids and len(req.stop_token_ids) > lim.max_stop_token_ids:
+            raise RequestError(f"at most {lim.max_stop_token_ids} stop_token_ids", param="stop_token_ids")
+        stops = req.stop_strings(lim.max_stop_strings)
+        if stops and self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: stop strings cannot be matched", param="stop")
+        return stops
+
+    def _check_max_tokens(self, prompts: list[list[int]], max_tokens: int | None, param: str) -> None:
+        """A max_tokens the client gave that cannot fit the model's length is refused (as vLLM does)."""
+        limit = self._max_model_len()
+        if max_tokens is None or limit is None or not prompts:
+            return
+        longest = max(len(p) for p in prompts)
+        if longest + max_tokens > limit:
+            raise RequestError(
+                f"this model's maximum context length is {limit} tokens; the request asks for {longest + max_tokens} "
+                f"({longest} in the prompt, {max_tokens} to generate): lower {param} or the prompt",
+                param=param,
+            )
 
     def _vocab_size(self) -> int | None:
         cfg = getattr(getattr(self.engine, "model", None), "config", None)
@@ -90,9 +147,11 @@ class _Server:
         except (VPagedError, ValueError, TypeError) as e:
             raise RequestError(str(e)) from None
 
-    async def _start(self, req, prompts: list[list[int]], max_tokens: int | None, prefix: str) -> Generation:
+    async def _start(
+        self, req, prompts: list[list[int]], max_tokens: int | None, prefix: str, stops: tuple[str, ...]
+    ) -> Generation:
         params = self._params(req, prompts, max_tokens)
-        gen = Generation(self.loop, self.tokenizer, prompts, params, req.n, req.stop_strings(), prefix)
+        gen = Generation(self.loop, self.tokenizer, prompts, params, req.n, stops, prefix)
         try:
             await gen.start()
         except VPagedError as e:  # the engine refused this request (too long, bad parameters, ...)
@@ -101,26 +160,30 @@ class _Server:
             ) from None
         return gen
 
-    async def _collect(self, request: Request, gen: Generation) -> None:
-        """Wait for every choice to finish; abort if the client goes away."""
+    async def _collect(self, request: Request, gen: Generation) -> bool:
+        """Wait for every choice to finish; False (the request aborted) if the client went away meanwhile.
+
+        The client is checked after every update and every 0.2 s without one, so a busy generation (an update
+        each step) notices a disconnect as soon as an idle one does."""
         try:
             while not gen.done:
-                try:
-                    await asyncio.wait_for(gen.next_update(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        gen.abort_unfinished()
-                        return
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(gen.next_update(), timeout=0.2)
+                if await request.is_disconnected():
+                    return False
+            return True
         finally:
             gen.abort_unfinished()
 
     # ---- endpoints
     async def completions(self, request: Request):
-        req = proto.parse_request(proto.CompletionRequest, await _json_body(request))
+        req = await _parse(request, proto.CompletionRequest)
         self._check_model(req)
+        stops = self._check_limits(req, len(req.prompts()))
         prompts = [self._tokenize(p) for p in req.prompts()]
+        self._check_max_tokens(prompts, req.max_tokens, "max_tokens")
         rid, created = proto.new_id("cmpl"), proto.now()
-        gen = await self._start(req, prompts, req.max_tokens if req.max_tokens is not None else 16, rid)
+        gen = await self._start(req, prompts, req.max_tokens if req.max_tokens is not None else 16, rid, stops)
         if req.stream:
 
             def chunk(k, text, toks, finish):
@@ -131,13 +194,15 @@ class _Server:
             return self._sse_response(
                 gen, chunk, [], req, lambda u: proto.completion_chunk(rid, self.model_name, created, [], u)
             )
-        await self._collect(request, gen)
+        if not await self._collect(request, gen):
+            return _error(499, "the client closed the request", "invalid_request_error")
         choices = [proto.completion_choice(k, c.text, c.token_ids, c.finish_reason) for k, c in enumerate(gen.choices)]
         return proto.completion_body(rid, self.model_name, created, choices, gen.usage())
 
     async def chat(self, request: Request):
-        req = proto.parse_request(proto.ChatCompletionRequest, await _json_body(request))
+        req = await _parse(request, proto.ChatCompletionRequest)
         self._check_model(req)
+        stops = self._check_limits(req, 1)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
                 "this model's tokenizer has no chat template: use /v1/completions", code="no_chat_template"
@@ -147,9 +212,14 @@ class _Server:
         except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. role order)
             raise RequestError(f"the chat template refused these messages: {e}", param="messages") from None
         prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
+        limit = self._max_prompt_tokens()
+        if limit is not None and len(prompt) > limit:
+            self._prompt_too_long(f"{len(prompt)} tokens", limit)
+        given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        self._check_max_tokens([prompt], max_tokens, given)
         rid, created = proto.new_id("chatcmpl"), proto.now()
-        gen = await self._start(req, [prompt], max_tokens, rid)
+        gen = await self._start(req, [prompt], max_tokens, rid, stops)
         if req.stream:
 
             def chunk(k, text, toks, finish):
@@ -170,7 +240,8 @@ class _Server:
             return self._sse_response(
                 gen, chunk, first, req, lambda u: proto.chat_chunk(rid, self.model_name, created, [], u)
             )
-        await self._collect(request, gen)
+        if not await self._collect(request, gen):
+            return _error(499, "the client closed the request", "invalid_request_error")
         choices = [proto.chat_choice(k, c.text, c.token_ids, c.finish_reason) for k, c in enumerate(gen.choices)]
         return proto.chat_body(rid, self.model_name, created, choices, gen.usage())
 
@@ -209,19 +280,39 @@ class _Server:
         )
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+# Bodies larger than this are decoded and validated on a worker thread, so the event loop goes on meanwhile.
+_THREAD_PARSE_BYTES = 64 << 10
+
+
+def _decode(raw: bytes) -> Any:
     try:
         return json.loads(raw)
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
 
 
-def create_app(engine, model_name: str | None = None, default_max_tokens: int = 256) -> FastAPI:
-    """A FastAPI app serving `engine`; the engine thread starts and stops with the app's lifespan."""
+def _decode_and_validate(cls, raw: bytes):
+    return proto.parse_request(cls, _decode(raw))
+
+
+async def _parse(request: Request, cls):
+    raw = await request.body()
+    if len(raw) > _THREAD_PARSE_BYTES:
+        return await asyncio.to_thread(_decode_and_validate, cls, raw)
+    return _decode_and_validate(cls, raw)
+
+
+def create_app(
+    engine, model_name: str | None = None, default_max_tokens: int = 256, limits: ServerLimits | None = None
+) -> FastAPI:
+    """A FastAPI app serving `engine`; the engine thread starts and stops with the app's lifespan. `limits`:
+    what one request may ask for (ServerLimits(): the defaults)."""
     loop = EngineLoop(engine)
     name = model_name or getattr(engine, "model_name", None) or "vpaged"
-    srv = _Server(loop, name, default_max_tokens)
+    limits = limits if limits is not None else ServerLimits()
+    srv = _Server(loop, name, default_max_tokens, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -235,11 +326,7 @@ def create_app(engine, model_name: str | None = None, default_max_tokens: int = 
     app.state.engine_loop = loop
     app.state.server = srv
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        srv.http_counts[(request.url.path, response.status_code)] += 1
-        return response
+    app.add_middleware(Guard, limits=limits, counts=srv.http_counts)
 
     @app.exception_handler(RequestError)
     async def bad_request(_request, e: RequestError):
@@ -248,6 +335,20 @@ def create_app(engine, model_name: str | None = None, default_max_tokens: int = 
     @app.exception_handler(EngineStepError)
     async def engine_failed(_request, e: EngineStepError):
         return _error(500, str(e), "server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, e: StarletteHTTPException):
+        # unknown routes (404) and methods (405) answer in the OpenAI error shape too
+        response = _error(
+            e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error"
+        )
+        for k, v in (e.headers or {}).items():
+            response.headers[k] = v
+        return response
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request, e: Exception):
+        return _error(500, f"internal error: {type(e).__name__}", "server_error")
 
     app.post("/v1/completions")(srv.completions)
     app.post("/v1/chat/completions")(srv.chat)

@@ -1,4 +1,7 @@
-"""The Prometheus exposition text of GET /metrics: the engine's stats() and the HTTP request counts."""
+"""The Prometheus exposition text of GET /metrics: the engine's stats() and the HTTP request counts.
+
+The request counts are labelled by route template (guard.route_label: the known routes, every other path
+"other"), so clients cannot grow the number of series, and label values are escaped as the format asks."""
 
 from __future__ import annotations
 
@@ -27,6 +30,11 @@ def _stats_items(stats) -> list[tuple[str, float]]:
     return [(k, float(v)) for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
+def escape_label(value) -> str:
+    """A label value as the Prometheus text format writes it: backslash, double quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def prometheus_text(stats, http_counts: Counter, extra: dict[str, float] | None = None) -> str:
     """The Prometheus exposition text: one metric per numeric field of the engine's stats, `vpaged_<field>`."""
     lines = []
@@ -41,5 +49,6 @@ def prometheus_text(stats, http_counts: Counter, extra: dict[str, float] | None 
         "# TYPE vpaged_http_requests_total counter",
     ]
     for (path, status), count in sorted(http_counts.items()):
-        lines.append(f'vpaged_http_requests_total{{path="{path}",status="{status}"}} {float(count)!r}')
+        labels = f'path="{escape_label(path)}",status="{escape_label(status)}"'
+        lines.append(f"vpaged_http_requests_total{{{labels}}} {float(count)!r}")
     return "\n".join(lines) + "\n"

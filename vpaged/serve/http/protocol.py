@@ -4,6 +4,8 @@ to SamplingParams, incremental detokenization with stop strings, and the JSON of
 Kept apart from server.py so that what a request means is testable without HTTP or an engine. Fields of the
 OpenAI API that the engine cannot honour (logprobs, penalties, logit bias, tools, ...) are refused with a
 clear message rather than silently ignored; unknown extra fields are ignored, as OpenAI-compatible servers do.
+Types are strict (pydantic strict mode): `"max_tokens": "5"`, `"n": 2.0`, `"stream": "yes"` or a token id
+`true` are refused, not coerced (an int is still a valid float).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def error_body(
 class _Sampling(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = None
@@ -49,6 +51,10 @@ class _Sampling(BaseModel):
     logit_bias: dict | None = None
     logprobs: Any = None
     best_of: int | None = None
+    # Structured output and tool calling: refused when given (see unsupported()).
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
 
     def unsupported(self) -> list[str]:
         bad = []
@@ -62,16 +68,22 @@ class _Sampling(BaseModel):
             bad.append("logprobs")
         if self.best_of not in (None, self.n):
             bad.append("best_of")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            bad.append("response_format")
+        if self.tools is not None and self.tools != []:
+            bad.append("tools")
+        if self.tool_choice is not None and self.tool_choice != "none":
+            bad.append("tool_choice")
         return bad
 
-    def stop_strings(self) -> tuple[str, ...]:
+    def stop_strings(self, max_count: int = 4) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not s for s in stops):
             raise RequestError("stop strings must not be empty", param="stop")
-        if len(stops) > 4:
-            raise RequestError("at most 4 stop strings", param="stop")
+        if len(stops) > max_count:
+            raise RequestError(f"at most {max_count} stop strings", param="stop")
         return stops
 
     def include_usage_in_stream(self) -> bool:
@@ -109,7 +121,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     # OpenAI allows content as a list of parts; only text parts can be rendered by a text chat template.
@@ -131,13 +143,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    tools: list | None = None
-
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        if self.tools:
-            bad.append("tools")
-        return bad
 
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -149,11 +154,14 @@ def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
         raise RequestError("the request body must be a JSON object")
     try:
         req = cls.model_validate(body)
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply") from None
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
+        loc = first.get("loc", ())
+        where = ".".join(str(x) for x in loc)
         raise RequestError(
-            f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None
+            f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=str(loc[0]) if loc else None
         ) from None
     bad = req.unsupported()
     if bad:

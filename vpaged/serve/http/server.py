@@ -11,36 +11,106 @@ GET /metrics (Prometheus text: the engine's stats() and request counters), GET /
 
 The parts, one file each: loop.py (EngineLoop, the thread that owns the engine), generation.py (one HTTP
 request's choices), metrics.py (the Prometheus text), app.py (the FastAPI app and its routes), and this file:
-running the app with uvicorn (serve, ServerThread). create_app, EngineLoop and prometheus_text are importable
-from here too.
+running the app with uvicorn (serve, ServerThread). create_app, EngineLoop, ServerLimits and prometheus_text
+are importable from here too.
+
+Connections: the listening socket is a TCP one by protocol (IPPROTO_TCP), so asyncio sets TCP_NODELAY on
+every accepted connection (and the protocol sets it again): small responses on a kept-alive connection are not
+held back by Nagle's algorithm waiting for a delayed ACK (40 ms). A connection must send each request's
+headers within ServerLimits.header_timeout_s (a slowloris sender is closed) and is closed after
+keep_alive_s idle. Unless ServerLimits.allowed_hosts says otherwise, the Host header must name the bind
+address (for a loopback address: localhost, 127.0.0.1 or ::1; a wildcard address checks nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import socket
 import threading
 import time
 from collections.abc import Callable
 
 from .app import create_app
+from .guard import ServerLimits, hosts_for_bind
 from .loop import EngineLoop
 from .metrics import prometheus_text
 
 try:
+    import h11
     import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("the vpaged server needs FastAPI and uvicorn: pip install 'vpaged[serve]'") from e
 
-__all__ = ["EngineLoop", "ServerThread", "create_app", "prometheus_text", "serve"]
+__all__ = ["EngineLoop", "ServerLimits", "ServerThread", "create_app", "prometheus_text", "serve"]
 
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: accepted sockets inherit it, and asyncio sets TCP_NODELAY only on sockets that say so
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     return sock
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol with TCP_NODELAY set on the connection and a deadline for request headers."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._header_timer = None
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        # their_state IDLE: the next request's headers have not all arrived (a request in progress is past it)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._header_timer is not None and self.conn.their_state is not h11.IDLE:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_header_timer()
+
+    def connection_lost(self, exc) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+
+def _limits_for(limits: ServerLimits | None, host: str) -> ServerLimits:
+    limits = limits if limits is not None else ServerLimits()
+    if limits.allowed_hosts is None:
+        limits = dataclasses.replace(limits, allowed_hosts=hosts_for_bind(host))
+    return limits
+
+
+def _uvicorn_config(app, limits: ServerLimits, log_level: str) -> uvicorn.Config:
+    protocol = type("VPagedH11Protocol", (_Protocol,), {"header_timeout_s": float(limits.header_timeout_s)})
+    return uvicorn.Config(
+        app, log_level=log_level, lifespan="on", http=protocol, timeout_keep_alive=limits.keep_alive_s
+    )
 
 
 def _url(sock: socket.socket) -> str:
@@ -56,12 +126,14 @@ def serve(
     log_level: str = "info",
     default_max_tokens: int = 256,
     on_ready: Callable[[str], None] | None = None,
+    limits: ServerLimits | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM). Port 0 takes a free port; `on_ready(url)` is called once
-    the server accepts connections."""
+    the server accepts connections. `limits`: ServerLimits (default: its defaults, Host checked against `host`)."""
     sock = _bind(host, port)
+    limits = _limits_for(limits, host)
     server = uvicorn.Server(
-        uvicorn.Config(create_app(engine, model_name, default_max_tokens), log_level=log_level, lifespan="on")
+        _uvicorn_config(create_app(engine, model_name, default_max_tokens, limits), limits, log_level)
     )
 
     async def announce():
@@ -100,12 +172,14 @@ class ServerThread:
         model_name: str | None = None,
         default_max_tokens: int = 256,
         log_level: str = "warning",
+        limits: ServerLimits | None = None,
     ):
-        self.app = create_app(engine, model_name, default_max_tokens)
+        self.limits = _limits_for(limits, host)
+        self.app = create_app(engine, model_name, default_max_tokens, self.limits)
         self._sock = _bind(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = _url(self._sock)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, lifespan="on"))
+        self.server = uvicorn.Server(_uvicorn_config(self.app, self.limits, log_level))
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self._sock]}, name="vpaged-http", daemon=True
         )

@@ -41,6 +41,11 @@ class StoreMemory:
     budget_bytes: int  # the pool's size
     prefix_hit_tokens: int  # tokens the prefix cache supplied (0 without prefix caching)
     swapped_bytes: int  # bytes in host swap space now
+    # Pages (vpaged / static) or blocks (paged) of the pool: free, taken, and of the taken ones those kept only
+    # for reuse (freed slots, the prefix cache: reclaimable on demand).
+    free_pages: int = 0
+    used_pages: int = 0
+    dormant_pages: int = 0
 
 
 @dataclass(frozen=True)

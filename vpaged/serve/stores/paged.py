@@ -186,6 +186,8 @@ class PagedStore:
             budget_bytes=c.num_blocks * c.block_bytes,
             prefix_hit_tokens=0,
             swapped_bytes=0,
+            free_pages=c.num_blocks - used,
+            used_pages=used,
         )
 
     def close(self) -> None:

@@ -221,6 +221,9 @@ class VirtualStore:
             budget_bytes=pool.total_bytes,
             prefix_hit_tokens=s.prefix_hit_tokens,
             swapped_bytes=s.swapped_bytes,
+            free_pages=pool.free_pages,
+            used_pages=pool.used_pages,
+            dormant_pages=s.dormant_bytes // pool.page_size,
         )
 
     def close(self) -> None:
