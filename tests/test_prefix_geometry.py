@@ -94,3 +94,18 @@ def test_the_engine_says_why_prefix_caching_is_off(smol_like, kv, caplog):
     stats = llm.engine.stats()
     assert stats.prefix_caching != "on" and kv in stats.prefix_caching and stats.prefix_tokens_per_page == 0.0
     assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
+
+
+def test_metrics_say_whether_prefix_caching_is_on(smol_like):
+    pytest.importorskip("fastapi")
+    from collections import Counter
+
+    from vpaged.serve.http.metrics import prometheus_text
+
+    on = LLM(smol_like, kv_budget_bytes=32 << 20).engine.stats()
+    off = LLM(smol_like, kv="paged", kv_budget_bytes=32 << 20, max_model_len=512).engine.stats()
+    text_on, text_off = prometheus_text(on, Counter()), prometheus_text(off, Counter())
+    assert 'vpaged_prefix_caching_info{state="on",reason=""} 1.0' in text_on
+    assert f"vpaged_prefix_tokens_per_page {65536 / ROW!r}" in text_on
+    assert 'vpaged_prefix_caching_info{state="off",reason="kv=\'paged\'' in text_off
+    assert "vpaged_prefix_tokens_per_page 0.0" in text_off

@@ -44,6 +44,15 @@ def prometheus_text(stats, http_counts: Counter, extra: dict[str, float] | None 
         lines += [f"# HELP {metric} LLMEngine.stats().{name}", f"# TYPE {metric} {kind}", f"{metric} {value!r}"]
     for name, value in (extra or {}).items():
         lines += [f"# TYPE vpaged_{name} counter", f"vpaged_{name} {float(value)!r}"]
+    state = getattr(stats, "prefix_caching", None)
+    if isinstance(state, str):  # an info metric: whether prefix caching is on, and why not when it is off
+        on = state == "on"
+        labels = f'state="{"on" if on else "off"}",reason="{escape_label("" if on else state)}"'
+        lines += [
+            "# HELP vpaged_prefix_caching_info prefix caching on or off (LLMEngine.stats().prefix_caching)",
+            "# TYPE vpaged_prefix_caching_info gauge",
+            f"vpaged_prefix_caching_info{{{labels}}} 1.0",
+        ]
     lines += [
         "# HELP vpaged_http_requests_total HTTP requests by path and status",
         "# TYPE vpaged_http_requests_total counter",
