@@ -205,6 +205,23 @@ def test_prefix_caching_hits_map_fewer_bytes_same_outputs(model, prng):
     assert stats_on.prompt_tokens_total == stats_off.prompt_tokens_total - 7 * 2 * TOKENS_PER_PAGE
 
 
+def test_a_prompt_token_computed_as_a_one_token_row_counts_and_offers_the_prefix(model, prng):
+    """A chunk budget can leave a prompt one token, which then runs as a one-token (decode) row: it is a
+    prompt token (prompt_tokens_total counted 1 fewer, so the caching-on/off comparison above failed for
+    some random prompts) and it completes the prompt, whose pages are then offered to the prefix cache."""
+    prompt = random_prompt(prng, 2 * TOKENS_PER_PAGE + 1, 2 * TOKENS_PER_PAGE + 1)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    eng = engine(model, max_num_batched_tokens=2 * TOKENS_PER_PAGE)  # 64 of the 65 tokens, then 1
+    first = eng.add_request(prompt, params)
+    done = run_all(eng)
+    assert eng.stats().prompt_tokens_total == len(prompt)
+    second = eng.add_request(prompt, params)
+    final = run_all(eng)
+    assert final[second].metrics.prefix_hit_tokens == 2 * TOKENS_PER_PAGE
+    assert final[second].token_ids == done[first].token_ids
+    assert eng.stats().prompt_tokens_total == len(prompt) + 1
+
+
 def test_fully_cached_page_aligned_prompt_yields_its_first_token(model, reference, prng):
     prompt = random_prompt(prng, 2 * TOKENS_PER_PAGE, 2 * TOKENS_PER_PAGE)
     llm = LLM(model, kv_budget_bytes=4 << 20, page_size=PAGE)

@@ -25,6 +25,7 @@ the way nano-vllm's Scheduler.postprocess does: the scheduler is the one place a
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Collection
@@ -257,11 +258,14 @@ class Scheduler:
         engine's, read at each step)."""
         update = StepUpdate()
         for seq in plan.decodes:
+            # A one-token row may be a prompt's last token (a chunk budget that left one): a prompt token too.
+            update.prompt_tokens += seq.num_computed < seq.prompt_len
             seq.num_computed += 1
         for seq, start, n in plan.prefills:
             seq.num_computed = start + n
             update.prompt_tokens += min(n, max(0, seq.prompt_len - start))
-            if not seq.prefix_offered and seq.num_computed >= seq.prompt_len:
+        for seq in itertools.chain(plan.decodes, (seq for seq, _, _ in plan.prefills)):
+            if not seq.prefix_offered and seq.num_computed >= seq.prompt_len:  # its prompt is all computed
                 self.store.cache_prefix(seq.handle, seq.request.prompt)
                 seq.prefix_offered = True
         changed: dict[str, Request] = {}
