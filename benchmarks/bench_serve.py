@@ -45,6 +45,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, print_table, write_json  # noqa: E402
 
+from vpaged.hf.prepack import unprepack  # noqa: E402
 from vpaged.serve import LLMEngine, SamplingParams, load_model  # noqa: E402
 from vpaged.serve.bench import Workload, percentile, poisson_arrivals, random_prompts, run_workload  # noqa: E402
 
@@ -107,7 +108,11 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def engine_row(model, workload, kv: str, budget: int, cfg: dict, **kw) -> dict:
+def engine_row(model, workload, kv: str, budget: int, cfg: dict, label: str | None = None, **kw) -> dict:
+    # A row with cpu_prepack=False runs the plain layers: the model is shared by the rows and an earlier row's
+    # engine prepared it in place, so it is unprepared first (the next prepacked row prepares it again).
+    if kw.get("cpu_prepack") is False:
+        unprepack(model)
     # Every row declares the workload's longest sequence as max_model_len (as a deployment sizes it for its
     # traffic): kv=static reserves exactly that per request, the others only bound their sequences by it.
     kw.setdefault("max_model_len", max(map(len, workload.prompts)) + workload.max_tokens)
@@ -122,18 +127,21 @@ def engine_row(model, workload, kv: str, budget: int, cfg: dict, **kw) -> dict:
         **kw,
     )
     try:
-        r = run_workload(engine, workload, greedy(workload.max_tokens), kv=kv, keep_outputs=True)
+        r = run_workload(engine, workload, greedy(workload.max_tokens), kv=label or kv, keep_outputs=True)
+        prepacked = engine.prepacked_layers
     finally:
         with contextlib.suppress(Exception):
             engine.close()
         del engine
         gc.collect()
-    return r.as_dict(with_outputs=True)
+    return dict(r.as_dict(with_outputs=True), prepacked_layers=prepacked)
 
 
 def generate_batch_row(model, workload, budget: int) -> dict:
     """transformers' continuous batching with its paged cache sized to the same KV budget (its pages hold 256
-    tokens of every layer; the cache is allocated whole up front, so its peak KV bytes are its size)."""
+    tokens of every layer; the cache is allocated whole up front, so its peak KV bytes are its size), on the
+    model's plain layers (an engine row before it prepared them: undone here)."""
+    unprepack(model)
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -227,41 +235,51 @@ HEAD = [
 # ------------------------------------------------------------------------------------------------ sections
 
 
-def section_throughput(model, cfg, vocab, rows_wanted, log, save) -> dict:
+def section_throughput(model, cfg, vocab, rows_wanted, log, save, repeat: int = 1) -> dict:
     prompts = random_prompts(cfg["requests"], cfg["min_prompt"], cfg["max_prompt"], vocab, seed=0)
     wl = Workload(prompts, [0.0] * len(prompts), cfg["max_tokens"], "throughput")
     budget = cfg["budget_mib"] * MIB
     rows = []
-    for kv in rows_wanted:  # in the order given: lets a run check that the order does not matter
-        if kv in ("vpaged", "paged", "generate_batch", "static"):
-            log(f"throughput: {kv}")
-            rows.append(
-                generate_batch_row(model, wl, budget)
-                if kv == "generate_batch"
-                else engine_row(model, wl, kv, budget, cfg)
-            )
+    for round_ in range(repeat):
+        for kv in rows_wanted:  # in the order given: lets a run check that the order does not matter
+            base, _, variant = kv.partition("-")
+            if base not in ("vpaged", "paged", "generate_batch", "static") or variant not in ("", "noprepack"):
+                continue
+            log(f"throughput: {kv}" + (f" (round {round_ + 1} of {repeat})" if repeat > 1 else ""))
+            if kv == "generate_batch":
+                rows.append(generate_batch_row(model, wl, budget))
+            elif variant:  # <kv>-noprepack: the engine on the model's plain linear layers (cpu_prepack=False)
+                rows.append(engine_row(model, wl, base, budget, cfg, label=kv, cpu_prepack=False))
+            else:
+                rows.append(engine_row(model, wl, kv, budget, cfg))
+            rows[-1]["round"] = round_
             log(f"  {fmt_row(rows[-1])}")
             save({"partial_rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]})
     ref = next((r for r in rows if r["kv"] == "vpaged"), None)
     if ref is not None:
         same_tokens(rows, ref)
     print_table(HEAD, [fmt_row(r) for r in rows])
-    by = {r["kv"]: r for r in rows}
+    # Repeated rows (--repeat): each ratio is of the medians of the rows' tokens/s.
+    by = {}
+    for r in rows:
+        by.setdefault(r["kv"], []).append(r["output_tokens_per_s"])
+    by = {kv: {"output_tokens_per_s": statistics.median(v)} for kv, v in by.items()}
     ratios = {}
-    if "vpaged" in by and "generate_batch" in by:
-        ratios["vpaged_over_generate_batch"] = (
-            by["vpaged"]["output_tokens_per_s"] / by["generate_batch"]["output_tokens_per_s"]
-        )
-    if "vpaged" in by and "paged" in by:
-        ratios["vpaged_over_paged"] = by["vpaged"]["output_tokens_per_s"] / by["paged"]["output_tokens_per_s"]
-    if "vpaged" in by and "static" in by:
-        ratios["vpaged_over_static"] = by["vpaged"]["output_tokens_per_s"] / by["static"]["output_tokens_per_s"]
+    for kv, other in (("vpaged", "generate_batch"), ("vpaged", "paged"), ("vpaged", "static")):
+        if kv in by and other in by:
+            ratios[f"{kv}_over_{other}"] = by[kv]["output_tokens_per_s"] / by[other]["output_tokens_per_s"]
+    for kv in ("vpaged", "paged", "static"):
+        if kv in by and f"{kv}-noprepack" in by:
+            ratios[f"{kv}_prepack_over_noprepack"] = (
+                by[kv]["output_tokens_per_s"] / by[f"{kv}-noprepack"]["output_tokens_per_s"]
+            )
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
     return {
         "budget_bytes": budget,
         "requests": len(prompts),
         "prompt_tokens": wl.prompt_tokens,
         "rows": rows,
+        "median_output_tokens_per_s": {kv: v["output_tokens_per_s"] for kv, v in by.items()},
         "ratios": ratios,
     }
 
@@ -450,8 +468,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sections", default="throughput,poisson,shared-prefix,static-slots,step-breakdown")
     ap.add_argument(
-        "--rows", default="vpaged,paged,static,generate_batch", help="rows of the throughput section, run in this order"
+        "--rows",
+        default="vpaged,paged,static,generate_batch",
+        help="rows of the throughput section, run in this order; <kv>-noprepack: the engine with cpu_prepack=False",
     )
+    ap.add_argument("--repeat", type=int, default=1, help="run the throughput rows this many times, alternated")
     ap.add_argument("--requests", type=int, default=None, help="override: requests of sections 1 and 4")
     ap.add_argument("--max-tokens", type=int, default=None, help="override: output tokens of sections 1, 2, 4")
     ap.add_argument("--min-prompt", type=int, default=None, help="override: shortest prompt of sections 1, 2, 4")
@@ -522,7 +543,7 @@ def main(argv=None) -> int:
         return save
 
     runs = {
-        "throughput": lambda: section_throughput(model, cfg, vocab, rows_wanted, log, saver("throughput")),
+        "throughput": lambda: section_throughput(model, cfg, vocab, rows_wanted, log, saver("throughput"), args.repeat),
         "poisson": lambda: section_poisson(model, cfg, vocab, ["vpaged", "paged"], log),
         "shared-prefix": lambda: section_shared_prefix(model, cfg, vocab, [("vpaged", True), ("vpaged", False)], log),
         "static-slots": lambda: section_static_slots(model, cfg, vocab, log),

@@ -7,8 +7,9 @@ each, bench-llama fp32) and prices them at rates measured here, in this process,
 
   products   the model's own linear layers (every decoder layer's, then the LM head), run in forward order on
              M rows with their real weights, so the weights stream from memory as in a step, at M = 512
-             (bench_serve's token budget per step) and M = 64 (its batch); prompt attention (causal, every
-             query head) counts as product flops
+             (bench_serve's token budget per step) and M = 64 (its batch), each at the faster of F.linear and
+             oneDNN's matmul on weights packed once (the engine's cpu_prepack path); prompt attention
+             (causal, every query head) counts as product flops
   K/V        bytes a decode token reads over every layer, at the rate of a large torch max reduction
 
 The floor prices every product at the better of the two rates (a decode row may ride in a prompt step's
@@ -41,6 +42,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, machine, write_json  # noqa: E402
 
+from vpaged.hf.prepack import pack_weight, packed_linear_ops  # noqa: E402
 from vpaged.serve import load_model  # noqa: E402
 from vpaged.serve.bench import random_prompts  # noqa: E402
 from vpaged.serve.models import model_geometry  # noqa: E402
@@ -56,14 +58,27 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def products_rate(layer_linears: list, head, rows: int, repeats: int) -> float:
-    """Flops per second of the model's linear layers in forward order on `rows` rows (LM head included)."""
+def products_rate(layer_linears: list, head, rows: int, repeats: int, packed: bool = False) -> float:
+    """Flops per second of the model's linear layers in forward order on `rows` rows (LM head included):
+    F.linear on the plain weights, or (packed) oneDNN's matmul on weights packed once for `rows` rows, the
+    engine's cpu_prepack path (0.0 where this torch / CPU cannot pack them)."""
     linears = [*layer_linears, head]
     inputs = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
+    if packed:
+        ops = packed_linear_ops()
+        weights = [pack_weight(m.weight, rows) for m in linears]
+        if ops is None or any(w is None for w in weights):
+            return 0.0
+        matmul = ops[1]
 
-    def forward_products():
-        for m in linears:
-            torch.nn.functional.linear(inputs[m.in_features], m.weight)
+        def forward_products():
+            for m, w in zip(linears, weights):
+                matmul(inputs[m.in_features], w, None)
+    else:
+
+        def forward_products():
+            for m in linears:
+                torch.nn.functional.linear(inputs[m.in_features], m.weight)
 
     flops = sum(2 * rows * m.weight.numel() for m in linears)
     with torch.inference_mode():
@@ -146,10 +161,18 @@ def main(argv=None) -> int:
     prompts = random_prompts(args.requests, args.min_prompt, args.max_prompt, vocab, seed=0)
     counts = workload_counts(model, prompts, args.max_tokens)
     linears, head = layer_linears(model), model.get_output_embeddings()
+    # Each product at the faster of the two GEMM paths an engine may take on CPU: F.linear (MKL, plain weights)
+    # and oneDNN's matmul on weights packed once (the engine's default, cpu_prepack).
+    paths = {
+        f"{kind}_{path}_flops_per_s": products_rate(linears, head, rows, args.repeats, packed=path == "packed")
+        for kind, rows in (("prompt", args.prompt_rows), ("decode", args.decode_rows))
+        for path in ("f_linear", "packed")
+    }
     rates = {
-        "prompt_products_flops_per_s": products_rate(linears, head, args.prompt_rows, args.repeats),
-        "decode_products_flops_per_s": products_rate(linears, head, args.decode_rows, args.repeats),
+        "prompt_products_flops_per_s": max(paths["prompt_f_linear_flops_per_s"], paths["prompt_packed_flops_per_s"]),
+        "decode_products_flops_per_s": max(paths["decode_f_linear_flops_per_s"], paths["decode_packed_flops_per_s"]),
         "read_bytes_per_s": read_rate(args.repeats),
+        **paths,
     }
     # The floor: every product at the best rate measured (decode rows may ride in a prompt step's 512-row
     # products, so even they need not run at the 64-row rate). The estimate: prompt tokens at the 512-row rate,

@@ -19,6 +19,9 @@ THIRD_PARTY = {
     "_global_mapping": "transformers' AttentionInterface registry has no public way to unregister a function",
     "_attn_implementation": "transformers' config records the attention implementation a model runs there",
     "_foreach_copy_": "torch's multi-tensor copy: one call writes a step's K/V into every layer",
+    "_reorder_linear_weight": "torch's oneDNN weight packing (inductor's freezing pass emits it); hf/prepack.py",
+    "_linear_pointwise": "torch's oneDNN matmul on a packed weight (inductor's freezing pass emits it); hf/prepack.py",
+    "_version": "torch's version counter of a tensor: hf/prepack.py repacks a weight changed in place",
 }
 
 

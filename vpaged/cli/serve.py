@@ -33,6 +33,11 @@ def _engine_args(p: argparse.ArgumentParser, model_optional: bool = False) -> No
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--no-cpu-prepack",
+        action="store_true",
+        help="run the model's linear layers as they are (default on CPU: on oneDNN weights packed once)",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
@@ -64,6 +69,7 @@ def _build_engine(args):
         kv=args.kv,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
+        cpu_prepack=not args.no_cpu_prepack,
     )
 
 

@@ -2,8 +2,8 @@
 
 VPagedCache (cache.py) is a `transformers.Cache` whose K/V live in a VirtualKVCache; groups.py holds its
 layer groups, attention.py the attention function `attn_implementation="vpaged"` runs, compat.py what
-differs between the supported transformers releases. Names are loaded on first use, so that
-`vpaged.hf.compat` (read by `vpaged info`) never imports transformers.
+differs between the supported transformers releases, prepack.py the linear layers on oneDNN-packed weights.
+Names are loaded on first use, so that `vpaged.hf.compat` (read by `vpaged info`) never imports transformers.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ _NAMES = {
     "unregister_attention": "compat",
     "support_status": "compat",
     "serving_support": "compat",
+    "PrepackedLinear": "prepack",
+    "prepack_linears": "prepack",
+    "unprepack": "prepack",
 }
 
 __all__ = sorted(_NAMES)

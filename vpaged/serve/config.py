@@ -49,6 +49,9 @@ class EngineConfig:
         record_steps: keep a per-step timing record in LLMEngine.step_log (for benchmarks).
         watermark_fraction: share of the KV pages an admission must leave free while other sequences run
             (vLLM's watermark), so that admitting a request does not force the next decode step to preempt.
+        cpu_prepack: on CPU, run the model's linear layers on oneDNN weights packed once at construction
+            (vpaged.hf.prepack; parameters and state_dict unchanged). Ignored on CUDA. False leaves the
+            model's layers as they are (a model prepared before stays so: vpaged.hf.unprepack undoes it).
     """
 
     kv_budget_bytes: int
@@ -66,6 +69,7 @@ class EngineConfig:
     seed: int = 0
     record_steps: bool = False
     watermark_fraction: float = 0.01
+    cpu_prepack: bool = True
 
     def __post_init__(self):
         # The order of the checks is the order LLMEngine has always reported them in.
@@ -83,6 +87,8 @@ class EngineConfig:
         f = self.watermark_fraction
         if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 <= f < 1:
             raise InvalidArgumentError(f"watermark_fraction must be a number in [0, 1), got {f!r}")
+        if not isinstance(self.cpu_prepack, bool):
+            raise InvalidArgumentError(f"cpu_prepack must be a bool, got {self.cpu_prepack!r}")
         object.__setattr__(self, "device", normalize_device(self.device))
 
     @property

@@ -24,6 +24,7 @@ import torch
 from ..errors import BackendUnavailableError, InvalidArgumentError, PromptTooLongError, UnknownRequestError
 from ..hf.attention import NAME as ATTN_NAME
 from ..hf.compat import serving_support
+from ..hf.prepack import prepack_linears, prepack_supported
 from ..kvcache.geometry import KVGeometry
 from .config import EngineConfig
 from .models import attention_window, load_model, model_geometry
@@ -100,6 +101,13 @@ class LLMEngine:
                 f"{type(model).__name__} does not dispatch attention through transformers' "
                 "AttentionInterface; the engine cannot serve it"
             )
+        self.prepacked_layers = 0
+        if config.cpu_prepack and self.device.type == "cpu":
+            ok, why = prepack_supported(model.dtype)
+            if ok:
+                self.prepacked_layers = prepack_linears(model, batch_hint=max(16, config.max_num_seqs))
+            else:
+                _log.info("cpu prepack is off: %s", why)
         self.model = model
         model_config = model.config
         self.model_name = getattr(model_config, "name_or_path", None) or type(model).__name__

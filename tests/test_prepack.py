@@ -1,0 +1,281 @@
+"""vpaged.hf.prepack: linear layers on oneDNN-packed weights against the same model left plain.
+
+torch's private ops are checked against F.linear on the installed torch; every random-weight family the
+engine serves (and a tied-embedding Gemma 3) gives the plain model's logits in fp32 and bf16; what users do
+to a model (to(dtype), to(device), load_state_dict, in-place updates, deepcopy, training, a second prepare)
+repacks, falls back or leaves the model as it was; the engine's greedy tokens with prepack on equal
+model.generate's and the engine's with it off."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from vpaged.errors import InvalidArgumentError  # noqa: E402
+from vpaged.hf.compat import serving_support  # noqa: E402
+from vpaged.hf.prepack import (  # noqa: E402
+    PrepackedLinear,
+    pack_weight,
+    packed_linear_ops,
+    prepack_linears,
+    prepack_supported,
+    prepacked_layers,
+    unprepack,
+)
+from vpaged.serve import RANDOM_CONFIGS, LLMEngine, SamplingParams, load_model  # noqa: E402
+
+FAMILIES = sorted(n for n in RANDOM_CONFIGS if n.endswith("-tiny"))
+FP32_OK, _ = prepack_supported(torch.float32)
+needs_ops = pytest.mark.skipif(not FP32_OK, reason="this torch / CPU cannot pack fp32 weights with oneDNN")
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def gemma3_tied():
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def pair(name):
+    """(model to prepare, plain reference) with equal weights."""
+    if name == "gemma3-tied":
+        return gemma3_tied(), gemma3_tied()
+    return load_model(f"random:{name}")[0], load_model(f"random:{name}")[0]
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def ids(n=2, t=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (n, t), generator=g)
+
+
+# ------------------------------------------------------------------------------------------ torch's ops
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_torchs_private_ops_exist_and_match_f_linear(rows, bias):
+    reorder, linear = packed_linear_ops()
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 80, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    packed = reorder(w, 64)
+    for x in (torch.randn(rows, 80, generator=g), torch.randn(1, rows, 80, generator=g), torch.randn(80, rows).t()):
+        torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), atol=2e-5, rtol=1e-4)
+
+
+def test_weights_that_cannot_be_packed_are_refused_not_guessed():
+    assert pack_weight(torch.zeros(4, 4, dtype=torch.float64)) is None
+    assert pack_weight(torch.zeros(4, 4, dtype=torch.float16)) is None
+    assert prepack_supported(torch.float64)[0] is False
+    with pytest.raises(InvalidArgumentError):
+        prepack_linears(torch.nn.Linear(2, 2), batch_hint=0)
+    with pytest.raises(InvalidArgumentError):
+        prepack_linears("model")
+
+
+# ------------------------------------------------------------------------------------------ equal outputs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", [*FAMILIES, "gemma3-tied"])
+def test_a_prepared_model_gives_the_plain_models_logits(name, dtype):
+    model, ref = pair(name)
+    model.to(dtype), ref.to(dtype)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert prepack_linears(model) == linears > 0
+    assert model.get_output_embeddings() is not None and type(model.get_output_embeddings()) is PrepackedLinear
+    x = ids()
+    torch.testing.assert_close(logits(model, x), logits(ref, x), **TOL[dtype])
+    # a batch of one row (a decode step's shape) and a longer one
+    torch.testing.assert_close(logits(model, x[:1, :1]), logits(ref, x[:1, :1]), **TOL[dtype])
+    torch.testing.assert_close(logits(model, ids(1, 70, 1)), logits(ref, ids(1, 70, 1)), **TOL[dtype])
+
+
+@needs_ops
+def test_layers_hold_a_packed_weight_once_prepared():
+    model, _ = pair("llama-tiny")
+    prepack_linears(model)
+    assert all(m.packed_weight is not None for m in model.modules() if type(m) is PrepackedLinear)
+
+
+def test_state_dict_keys_and_values_are_unchanged():
+    model, ref = pair("qwen2-tiny")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prepack_linears(model)
+    after = model.state_dict()
+    assert list(after) == list(before) == list(ref.state_dict())
+    for k, v in after.items():
+        assert v.layout == torch.strided and torch.equal(v, before[k]), k
+    assert not any("packed" in k for k in after)
+
+
+def test_tied_weights_stay_tied_and_follow_the_embedding():
+    model, ref = pair("gemma3-tied")
+    assert model.config.tie_word_embeddings
+    prepack_linears(model)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    assert head.weight is embed.weight
+    x = ids()
+    with torch.no_grad():  # an in-place update of the shared weight reaches the LM head's products
+        embed.weight.mul_(1.5)
+        ref.get_input_embeddings().weight.mul_(1.5)
+    torch.testing.assert_close(logits(model, x), logits(ref, x), **TOL[torch.float32])
+    assert head.weight is embed.weight
+
+
+# ------------------------------------------------------------------------------------------ what users do
+def test_to_another_dtype_repacks_or_falls_back_never_wrong():
+    model, ref = pair("llama-tiny")
+    prepack_linears(model)
+    x = ids()
+    logits(model, x)  # packed at fp32
+    model.to(torch.bfloat16), ref.to(torch.bfloat16)
+    torch.testing.assert_close(logits(model, x), logits(ref, x), **TOL[torch.bfloat16])
+    model.to(torch.float64), ref.to(torch.float64)  # oneDNN cannot pack fp64: F.linear, exactly
+    assert torch.equal(logits(model, x), logits(ref, x))
+    for m in model.modules():
+        if type(m) is PrepackedLinear:
+            assert m.packed_weight is None
+
+
+def test_to_device_falls_back_off_cpu():
+    model, ref = pair("llama-tiny")
+    prepack_linears(model)
+    model.to("meta")  # not a CPU tensor: the layer runs F.linear (no real device needed to check it)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        out = head(torch.empty(3, 64, device="meta"))
+    assert out.device.type == "meta" and out.shape == (3, 512) and head.packed_weight is None
+
+
+def test_load_state_dict_and_in_place_updates_repack():
+    model, _ = pair("phi3-tiny")
+    other, _ = pair("phi3-tiny")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    prepack_linears(model)
+    x = ids()
+    logits(model, x)
+    model.load_state_dict(other.state_dict())
+    torch.testing.assert_close(logits(model, x), logits(other, x), **TOL[torch.float32])
+    head = model.get_output_embeddings()  # a new Parameter (the tie broken, or a user's swap)
+    head.weight = torch.nn.Parameter(other.get_output_embeddings().weight.clone() * 2)
+    with torch.no_grad():
+        other.get_output_embeddings().weight.mul_(2)
+    torch.testing.assert_close(logits(model, x), logits(other, x), **TOL[torch.float32])
+
+
+def test_prepare_twice_is_idempotent_and_unprepack_restores_plain_layers():
+    model, ref = pair("mistral-tiny")
+    n = prepack_linears(model)
+    packed = [m.packed_weight for m in model.modules() if type(m) is PrepackedLinear]
+    assert prepack_linears(model) == n == len(prepacked_layers(model))
+    assert [m.packed_weight for m in model.modules() if type(m) is PrepackedLinear] == packed  # same objects
+    assert unprepack(model) == n and prepacked_layers(model) == []
+    assert all(
+        type(m) is torch.nn.Linear and not hasattr(m, "packed_weight")
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+    )
+    x = ids()
+    assert torch.equal(logits(model, x), logits(ref, x))
+
+
+def test_deepcopy_and_pickle_take_the_parameters_only(tmp_path):
+    model, ref = pair("llama-tiny")
+    prepack_linears(model)
+    logits(model, ids())
+    twin = copy.deepcopy(model)
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    for m in (twin, loaded):
+        torch.testing.assert_close(logits(m, ids()), logits(ref, ids()), **TOL[torch.float32])
+
+
+def test_training_runs_the_plain_layer_and_gets_its_gradients():
+    model, ref = pair("llama-tiny")
+    prepack_linears(model)
+    model.train(), ref.train()
+    x = ids()
+    model(x, labels=x).loss.backward()
+    ref(x, labels=x).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ the engine
+SERVING, WHY_NOT = serving_support()
+needs_serving = pytest.mark.skipif(not SERVING, reason=WHY_NOT or "")
+
+
+def run_greedy(eng, prompts, max_new):
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    ids_ = [eng.add_request(p, params) for p in prompts]
+    final = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out.token_ids
+    return [final[i] for i in ids_]
+
+
+@needs_serving
+def test_engine_prepares_by_default_and_cpu_prepack_false_leaves_every_linear():
+    on = LLMEngine(load_model("random:llama-tiny")[0], kv_budget_bytes=4 << 20)
+    assert on.prepacked_layers == (15 if FP32_OK else 0)
+    off = LLMEngine(load_model("random:llama-tiny")[0], kv_budget_bytes=4 << 20, cpu_prepack=False)
+    assert off.prepacked_layers == 0
+    assert all(type(m) is torch.nn.Linear for m in off.model.modules() if isinstance(m, torch.nn.Linear))
+    with pytest.raises(InvalidArgumentError):
+        LLMEngine("random:llama-tiny", kv_budget_bytes=4 << 20, cpu_prepack=1)
+
+
+@needs_serving
+@pytest.mark.parametrize("name", FAMILIES)
+def test_engine_greedy_tokens_equal_generate_and_the_plain_engine(name):
+    from test_serve_engine import check_greedy_against_generate
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in (5, 33, 70, 1)]
+    max_new = 8
+    on = LLMEngine(load_model(f"random:{name}")[0], kv_budget_bytes=4 << 20, max_num_batched_tokens=32)
+    off = LLMEngine(
+        load_model(f"random:{name}")[0], kv_budget_bytes=4 << 20, max_num_batched_tokens=32, cpu_prepack=False
+    )
+    second = LLMEngine(on.model, kv_budget_bytes=4 << 20, max_num_batched_tokens=32)  # the same model again
+    assert second.prepacked_layers == on.prepacked_layers
+    tokens_on, tokens_off, tokens_second = (run_greedy(e, prompts, max_new) for e in (on, off, second))
+    reference = load_model(f"random:{name}")[0]
+    tolerated = sum(check_greedy_against_generate(reference, p, t, max_new) for p, t in zip(prompts, tokens_on))
+    assert tolerated <= 1
+    near_ties = sum(check_greedy_against_generate(reference, p, t, max_new) for p, t in zip(prompts, tokens_off))
+    if tolerated == near_ties == 0:
+        assert tokens_on == tokens_off == tokens_second

@@ -1,0 +1,179 @@
+"""prepack_linears: run a transformers model's dense linear layers through oneDNN on weights packed once.
+
+On CPU, F.linear hands each product to MKL with the weight in its plain [out, in] layout, and MKL re-blocks
+the weight on every call. oneDNN can take the weight already blocked for the machine's kernels: torch ships
+the two ops its inductor freezing pass emits for this (the ones vLLM's CPU backend relies on too),
+
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)         # once
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")      # every call
+
+and prepack_linears puts them under every nn.Linear of a model (the LM head included) without touching the
+model's code:
+
+    from vpaged.hf.prepack import prepack_linears, unprepack
+    prepack_linears(model)          # model.generate(...) and the serving engine run the packed products
+    unprepack(model)                # every layer back to a plain nn.Linear
+
+Each layer keeps its parameters (state_dict, load_state_dict, tied weights and optimizers see the model as
+before); only its class changes, to PrepackedLinear, a subclass of nn.Linear whose forward keeps the packed
+weight beside the parameter, keyed by what the weight is (its storage, version counter, dtype, device and
+shape). Whatever changes the weight - model.to(dtype or device), load_state_dict, an in-place update, a new
+Parameter - changes the key, and the next call packs again, or runs F.linear where packing cannot apply
+(not on CPU, not fp32 / bf16, no oneDNN, a CPU without the instructions oneDNN's bf16 path needs). A call
+that autograd records (grad enabled and a weight or input that requires grad) runs F.linear: the packed
+weight is for inference, training sees the plain layer. The cost is memory: the packed copy sits beside the
+plain weight, which state_dict() must keep returning.
+
+torch's ops are private: they are named in one place, `packed_linear_ops()`, which says whether they exist
+here, and tests/test_prepack.py checks them against F.linear on the installed torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import InvalidArgumentError
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+DEFAULT_BATCH_HINT = 64
+_OPS: tuple | None = None
+
+
+def packed_linear_ops():
+    """(reorder, linear) - torch's oneDNN weight packing and the matmul on a packed weight - or None where this
+    torch has no oneDNN or lacks the ops. The only place vpaged names them."""
+    global _OPS
+    if _OPS is None:
+        ops = None
+        if torch.backends.mkldnn.is_available():
+            mkldnn = torch.ops.mkldnn
+            if hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise"):
+                reorder, pointwise = mkldnn._reorder_linear_weight, mkldnn._linear_pointwise
+
+                def linear(x, packed, bias):
+                    return pointwise(x, packed, bias, "none", [], "")
+
+                ops = (reorder, linear)
+        _OPS = (ops,)
+    return _OPS[0]
+
+
+def _weight_key(weight: torch.Tensor):
+    """What the packed copy was made from, or None where the weight cannot be tracked (an inference tensor
+    has no version counter: an in-place change would go unseen, so such a weight is never packed)."""
+    try:
+        version = weight._version
+    except RuntimeError:
+        return None
+    return (weight.data_ptr(), version, weight.dtype, weight.device, tuple(weight.shape))
+
+
+class PrepackedLinear(nn.Linear):
+    """An nn.Linear whose forward runs oneDNN's matmul on its weight packed once (see the module's text).
+
+    Built by prepack_linears from an existing nn.Linear (its class is swapped; parameters stay); the packed
+    copy is a plain attribute, not a parameter or buffer, so state_dict and .to() see the layer as before."""
+
+    batch_hint: int
+    packed_weight: torch.Tensor | None
+    packed_key: tuple | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+            return F.linear(x, weight, self.bias)
+        key = _weight_key(weight)
+        if key is None:
+            return F.linear(x, weight, self.bias)
+        if key != self.packed_key:
+            self.packed_weight = pack_weight(weight, self.batch_hint)
+            self.packed_key = key
+        packed = self.packed_weight
+        if packed is None or x.dtype != weight.dtype or x.device != weight.device:
+            return F.linear(x, weight, self.bias)
+        bias = self.bias
+        if bias is not None and (bias.dtype != weight.dtype or bias.device != weight.device):
+            return F.linear(x, weight, bias)
+        return packed_linear_ops()[1](x, packed, bias)
+
+    def __getstate__(self):
+        # copy.deepcopy and pickle take the parameters; the packed copy is made again by the next call.
+        state = self.__dict__.copy()
+        state["packed_weight"] = state["packed_key"] = None
+        return state
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", prepacked (batch_hint={self.batch_hint})"
+
+
+def pack_weight(weight: torch.Tensor, batch_hint: int = DEFAULT_BATCH_HINT) -> torch.Tensor | None:
+    """The weight packed by oneDNN for `batch_hint`-row products, or None where it cannot be (see
+    prepack_linears): the caller then runs F.linear."""
+    ops = packed_linear_ops()
+    if ops is None or weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2:
+        return None
+    try:
+        with torch.no_grad():
+            return ops[0](weight.detach(), batch_hint)
+    except RuntimeError:
+        return None  # e.g. bf16 on a CPU without avx512bw/vl/dq or avx_ne_convert
+
+
+def prepack_supported(dtype: torch.dtype = torch.float32) -> tuple[bool, str | None]:
+    """(True, None) when this torch and CPU pack weights of `dtype`, else (False, why)."""
+    if packed_linear_ops() is None:
+        return False, "this torch has no oneDNN linear ops (torch.ops.mkldnn._reorder_linear_weight)"
+    if dtype not in PACKABLE_DTYPES:
+        return False, f"oneDNN packs {[str(d) for d in PACKABLE_DTYPES]} weights, not {dtype}"
+    if pack_weight(torch.zeros(8, 8, dtype=dtype)) is None:
+        return False, f"oneDNN cannot pack {dtype} weights on this CPU"
+    return True, None
+
+
+def prepack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
+    """Turn every dense nn.Linear of `model` into a PrepackedLinear; returns how many layers are prepared.
+
+    Idempotent: a layer prepared before keeps its packed weight (a new batch_hint repacks it on the next
+    call). Subclasses of nn.Linear other than PrepackedLinear (quantized or LoRA layers) are left alone: their
+    forward is theirs. Packing happens here for the layers that can be packed, so the first forward does not
+    pay for it; a layer whose weight cannot be packed (see the module's text) runs F.linear."""
+    if not isinstance(model, nn.Module):
+        raise InvalidArgumentError(f"prepack_linears needs an nn.Module, got {type(model).__name__}")
+    if isinstance(batch_hint, bool) or not isinstance(batch_hint, int) or batch_hint < 1:
+        raise InvalidArgumentError(f"batch_hint must be an int >= 1, got {batch_hint!r}")
+    prepared = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = PrepackedLinear
+            module.packed_weight = None
+            module.packed_key = None
+        elif type(module) is not PrepackedLinear:
+            continue
+        if getattr(module, "batch_hint", None) != batch_hint:
+            module.batch_hint = batch_hint
+            module.packed_key = None
+        key = _weight_key(module.weight)
+        if key is not None and key != module.packed_key:
+            module.packed_weight = pack_weight(module.weight, batch_hint)
+            module.packed_key = key
+        prepared += 1
+    return prepared
+
+
+def unprepack(model: nn.Module) -> int:
+    """Every PrepackedLinear of `model` back to a plain nn.Linear (packed copies dropped); returns how many."""
+    undone = 0
+    for module in model.modules():
+        if type(module) is PrepackedLinear:
+            for name in ("packed_weight", "packed_key", "batch_hint"):
+                module.__dict__.pop(name, None)
+            module.__class__ = nn.Linear
+            undone += 1
+    return undone
+
+
+def prepacked_layers(model: nn.Module) -> list[str]:
+    """Names of the model's layers that run prepacked."""
+    return [name for name, m in model.named_modules() if type(m) is PrepackedLinear]
