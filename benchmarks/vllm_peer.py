@@ -75,13 +75,26 @@ def run_runner(
             raise PeerError(f"{command} timed out after {timeout} s") from e
     result = parse_result(proc.stdout)
     tail = " | ".join(proc.stderr.strip().splitlines()[-5:])
+    cause = root_cause(proc.stderr)
     if result is None:
         raise PeerError(f"{command}: no result line (exit {proc.returncode}); stderr: {tail}")
     if "error" in result:
-        raise PeerError(f"{command}: {result['error']}")
+        extra = f" (root cause: {cause})" if cause and cause not in result["error"] else ""
+        raise PeerError(f"{command}: {result['error']}{extra}")
     if proc.returncode != 0:
         raise PeerError(f"{command}: exit {proc.returncode}; stderr: {tail}")
     return result
+
+
+def root_cause(stderr: str) -> str | None:
+    """The first `SomeError: message` line of a runner's stderr that is not vLLM's generic EngineDeadError (its
+    engine core and workers are processes of their own, which log the real error there)."""
+    for line in stderr.splitlines():
+        text = line.rsplit("] ", 1)[-1].strip()
+        head = text.split(":", 1)[0]
+        if head.endswith(("Error", "Exception")) and " " not in head and "EngineDeadError" not in head:
+            return text[:300]
+    return None
 
 
 def probe(python: str, timeout: float = 300) -> tuple[dict | None, str | None]:

@@ -67,6 +67,16 @@ def test_parse_result_takes_the_marked_line():
     assert vllm_peer.parse_result("nothing here\n") is None
 
 
+def test_root_cause_skips_engine_dead():
+    err = (
+        "(Worker pid=1) ERROR [x.py:1] Traceback (most recent call last):\n"
+        "(Worker pid=1) ERROR [x.py:1] RuntimeError: Unsupported CPU attention configuration: head_dim=16\n"
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n"
+    )
+    assert vllm_peer.root_cause(err) == "RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+    assert vllm_peer.root_cause("EngineDeadError: x\n") is None
+
+
 def test_runner_marker_matches(tmp_path):
     sys.path.insert(0, str(BENCH))
     try:
@@ -203,8 +213,26 @@ def test_real_vllm_row(tmp_path):
     facts, why = vllm_peer.probe(VLLM_PYTHON)
     if facts is None:
         pytest.skip(f"VPAGED_VLLM_PYTHON={VLLM_PYTHON}: {why}")
+    # vLLM's CPU attention needs head_dim >= 32 (llama-tiny's is 16): bench-llama, a short workload
     data, proc = _bench_serve(
-        tmp_path, "--sections", "throughput", "--rows", "vpaged,vllm", "--vllm-python", VLLM_PYTHON, timeout=1200
+        tmp_path,
+        "--sections",
+        "throughput",
+        "--rows",
+        "vpaged,vllm",
+        "--vllm-python",
+        VLLM_PYTHON,
+        "--set",
+        "model=random:bench-llama",
+        "--requests",
+        "6",
+        "--min-prompt",
+        "32",
+        "--max-prompt",
+        "96",
+        "--max-tokens",
+        "8",
+        timeout=1200,
     )
     tp = data["throughput"]
     assert "error" not in tp, tp
