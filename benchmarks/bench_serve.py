@@ -61,6 +61,7 @@ from vllm_peer import PeerError, peer_env, prepare_model_dir, probe, run_runner 
 
 from vpaged.serve import LLMEngine, SamplingParams, load_model  # noqa: E402
 from vpaged.serve.bench import Workload, percentile, poisson_arrivals, random_prompts, run_workload  # noqa: E402
+from vpaged.serve.models import model_geometry  # noqa: E402
 
 MIB = 2**20
 
@@ -650,6 +651,15 @@ def main(argv=None) -> int:
     peer, model_tmp = None, None
     if args.vllm_python:
         facts, why = probe(args.vllm_python)
+        head_dim = model_geometry(model.config)[2]
+        if facts is not None and (head_dim < 32 or head_dim % 16):
+            facts, why = (
+                None,
+                (
+                    f"vLLM's CPU attention takes head_dim 32..512 (multiples of 16); {cfg['model']} has {head_dim}: "
+                    "use --set model=random:bench-llama"
+                ),
+            )
         if facts is None:
             print(f"vllm row skipped: {why}", file=sys.stderr)
             report["vllm"] = {"python": args.vllm_python, "skipped": why}

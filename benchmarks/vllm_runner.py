@@ -56,6 +56,12 @@ def probe() -> dict:
     except Exception as e:  # noqa: BLE001
         info["platform"] = f"unknown: {e.__class__.__name__}: {e}"
         info["is_cpu"] = False
+    try:  # the head sizes its CPU attention backend takes (a model outside them fails at its first step)
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        info["head_sizes"] = list(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # noqa: BLE001
+        pass
     return info
 
 

@@ -24,7 +24,7 @@ import vllm_peer  # noqa: E402
 sys.path.remove(str(BENCH))
 
 
-def fake_python(tmp_path: Path, is_cpu: bool = True, fail_serve: bool = False) -> Path:
+def fake_python(tmp_path: Path, is_cpu: bool = True, fail_serve: bool = False, head_sizes=(16, 64)) -> Path:
     """An 'interpreter' that ignores the runner script it is given and answers as vllm_runner.py would: each
     request's completion is its last prompt token repeated, and the job it was sent is kept beside it."""
     log = tmp_path / "jobs"
@@ -39,7 +39,9 @@ def fake_python(tmp_path: Path, is_cpu: bool = True, fail_serve: bool = False) -
         assert runner.endswith("vllm_runner.py"), runner
         print("some vLLM log line on stdout")
         if cmd == "probe":
-            print(marker + json.dumps({{"vllm_version": "0.0-fake", "is_cpu": {is_cpu!r}, "platform": "Fake"}}))
+            facts = {{"vllm_version": "0.0-fake", "is_cpu": {is_cpu!r}, "platform": "Fake"}}
+            facts["head_sizes"] = {list(head_sizes)!r}
+            print(marker + json.dumps(facts))
             sys.exit(0)
         job = json.load(open(rest[0]))
         n = len(glob.glob({str(log)!r} + "/*.json"))
@@ -195,6 +197,50 @@ def test_bench_serve_without_vllm_says_why(tmp_path):
     assert "not its CPU build" in data["vllm"]["skipped"]
     assert [r["kv"] for r in data["throughput"]["rows"]] == ["vpaged"]
     assert "vllm row skipped" in proc.stderr
+
+
+def test_bench_serve_refuses_a_head_dim_vllm_lacks(tmp_path):
+    py = fake_python(tmp_path, head_sizes=[32, 64])
+    data, proc = _bench_serve(tmp_path, "--sections", "throughput", "--rows", "vpaged,vllm", "--vllm-python", str(py))
+    assert "head_dim [32, 64]" in data["vllm"]["skipped"] and "has 16" in data["vllm"]["skipped"]
+    assert [r["kv"] for r in data["throughput"]["rows"]] == ["vpaged"]
+
+
+def test_suite_reads_the_vllm_row():
+    from vpaged.cli.suite import _serve
+
+    d = {
+        "throughput": {
+            "rows": [{"kv": "vpaged", "output_tokens_per_s": 1.0}],
+            "medians": {
+                "vpaged": {"output_tokens_per_s": 30.0},
+                "vllm": {"output_tokens_per_s": 20.0},
+                "generate_batch": {"output_tokens_per_s": 25.0},
+            },
+        }
+    }
+    rows = {(r.comparison, r.baseline_name): (r.vpaged, r.baseline) for r in _serve(d)}
+    assert rows[("output tokens/s, engine kv=vpaged", "vLLM CPU")] == (30.0, 20.0)
+    assert rows[("output tokens/s, engine kv=vpaged", "generate_batch")] == (30.0, 25.0)
+    assert len(rows) == 2
+
+
+def test_suite_passes_vllm_python(tmp_path):
+    from vpaged.cli.suite import Bench, run_one
+
+    bench = tmp_path / "b"
+    bench.mkdir()
+    (bench / "s.py").write_text(
+        "import json, os, sys\n"
+        "out = os.path.join(os.environ['VPAGED_RESULTS_DIR'], 'r.json')\n"
+        "open(out, 'w').write(json.dumps({'argv': sys.argv[1:]}))\n"
+    )
+    seen = []
+    b = Bench("serving", "s.py", "r.json", ("--quick",), (), lambda d: seen.append(d["argv"]) or [])
+    assert run_one(b, bench, tmp_path / "out", True, 60, "/x/python").status == "ok"
+    assert seen == [["--quick", "--vllm-python", "/x/python"]]
+    run_one(b, bench, tmp_path / "out", True, 60)
+    assert seen[-1] == ["--quick"]
 
 
 def test_bench_serve_vllm_failure_is_recorded(tmp_path):
