@@ -652,11 +652,12 @@ def main(argv=None) -> int:
     if args.vllm_python:
         facts, why = probe(args.vllm_python)
         head_dim = model_geometry(model.config)[2]
-        if facts is not None and (head_dim < 32 or head_dim % 16):
+        sizes = (facts or {}).get("head_sizes")
+        if facts is not None and sizes and head_dim not in sizes:
             facts, why = (
                 None,
                 (
-                    f"vLLM's CPU attention takes head_dim 32..512 (multiples of 16); {cfg['model']} has {head_dim}: "
+                    f"vLLM's CPU attention takes head_dim {sizes}; {cfg['model']} has {head_dim}: "
                     "use --set model=random:bench-llama"
                 ),
             )

@@ -4,7 +4,7 @@ The op is the one vLLM's CPU attention backend (vllm/v1/attention/backends/cpu_a
 calls for every attention layer: `vllm._custom_ops.cpu_attention_with_kv_cache` (torch.ops._C), with the
 scheduler metadata its metadata builder makes (`cpu_attn_get_scheduler_metadata`, KV split as
 VLLM_CPU_ATTN_SPLIT_KV says) and the ISA its `_get_attn_isa` picks. Its cache is laid out as the backend lays
-it: one [num_blocks, kv_heads, block_size, 2 * head_dim] tensor viewed as [num_blocks, kv_heads,
+it (filled by its own `cpu_attn_reshape_and_cache`): one [num_blocks, kv_heads, block_size, 2 * head_dim] tensor viewed as [num_blocks, kv_heads,
 2 * block_size, head_dim] and split in two along dim 2 (keys, then values, of each block). Block size 128,
 vLLM's CPU default.
 
@@ -41,16 +41,15 @@ def decode(job: dict) -> dict:
         num_blocks = batch * per_seq
         kv = torch.zeros(num_blocks, kv_heads, BLOCK_SIZE, 2 * dim, dtype=dtype)
         key_cache, value_cache = kv.view(num_blocks, kv_heads, 2 * BLOCK_SIZE, dim).chunk(2, dim=2)
-        # sequence b owns blocks b*per_seq .. ; token t of it sits at block t // 128, slot t % 128
+        isa = _get_attn_isa(dtype, BLOCK_SIZE, dim)
+        # sequence b owns blocks b*per_seq ..; token t of it goes to slot (b*per_seq + t // 128) * 128 + t % 128,
+        # written by the backend's own op (its block interior depends on the ISA)
         for b in range(batch):
-            for j in range(per_seq):
-                lo, hi = j * BLOCK_SIZE, min(ctx, (j + 1) * BLOCK_SIZE)
-                key_cache[b * per_seq + j, :, : hi - lo] = k[b, lo:hi].transpose(0, 1)
-                value_cache[b * per_seq + j, :, : hi - lo] = v[b, lo:hi].transpose(0, 1)
+            slots = (b * per_seq * BLOCK_SIZE + torch.arange(ctx)).to(torch.int64)
+            ops.cpu_attn_reshape_and_cache(k[b].contiguous(), v[b].contiguous(), key_cache, value_cache, slots, isa)
         block_table = torch.arange(num_blocks, dtype=torch.int32).view(batch, per_seq)
         seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
         query_start_loc = torch.arange(batch + 1, dtype=torch.int32)
-        isa = _get_attn_isa(dtype, BLOCK_SIZE, dim)
         meta = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=batch,
             num_heads=heads,
