@@ -34,6 +34,14 @@ context (fixed per-call cost: checks, descriptor, launch), without flushing.
     python benchmarks/bench_decode.py --quick --threads 1 --clock cpu   # on a machine busy with other work
     python benchmarks/bench_decode.py --quick --threads 2 --warm-path   # K/V cold, the call's own path warm
 
+Against vLLM's CPU attention op (--vllm-python PATH, an interpreter with vLLM's CPU build; --vllm-only skips
+the grid): batch 8, 16 query / 8 KV heads, head_dim 128, 2K context, fp32 and bf16, the same K/V in both.
+vpaged's contiguous kernel (decode_attention on a VirtualKVCache) is timed here; vLLM's
+`cpu_attention_with_kv_cache` (what its CPU attention backend calls, on its own block layout, block size 128)
+by benchmarks/vllm_decode.py in the other interpreter, flushed the same way; vpaged is timed before and after
+that process (median of both). Rows: ms each, ratio vpaged contiguous / vLLM, and the two outputs' max
+difference.
+
 Writes benchmarks/results/decode_<device>.json. On CUDA the contiguous kernel reads a VirtualKVCache on the
 CUDA VMM backend; where that backend is unusable (vpaged.backends() says why) it runs on a plain tensor with
 the per_layer layout's strides instead, and the JSON says so.
@@ -380,6 +388,8 @@ def main() -> None:
         help="cpu: time by the thread's CPU time (needs --threads 1; for machines shared with other work)",
     )
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<device>.json)")
+    ap.add_argument("--vllm-python", default=None, metavar="PATH", help="compare with vLLM's CPU attention op")
+    ap.add_argument("--vllm-only", action="store_true", help="with --vllm-python: only the vLLM comparison")
     args = ap.parse_args()
 
     device = vpaged.memory.device.normalize_device(args.device)
@@ -439,6 +449,16 @@ def main() -> None:
             "cpu_code_path": (vpaged._C.decode_cpu_isas()[-1] if device.type == "cpu" else None),
         }
 
+    vllm_cmp = None
+    if args.vllm_python:
+        vllm_cmp = vllm_comparison(args, device, timer, repeats, [d.strip() for d in args.dtypes.split(",")])
+    if args.vllm_only:
+        result = payload(complete=True)
+        result["vllm"] = vllm_cmp
+        write_json(out, result)
+        print(f"wrote {out}")
+        return
+
     header = f"{'dtype':>8} {'batch':>5} {'context':>7} {'KV MiB':>7} {'floor ms':>9}"
     for name in KERNELS:
         header += f" {name + ' ms':>14} {'x floor':>7}"
@@ -477,8 +497,103 @@ def main() -> None:
             flush=True,
         )
 
-    write_json(out, payload(complete=True))
+    result = payload(complete=True)
+    if vllm_cmp is not None:
+        result["vllm"] = vllm_cmp
+    write_json(out, result)
     print(f"wrote {out}")
+
+
+VLLM_CELL = dict(batch=8, heads=16, kv_heads=8, head_dim=128, context=2048)
+
+
+def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str]) -> dict:
+    """vpaged's contiguous kernel against vLLM's CPU attention op on the same K/V (VLLM_CELL)."""
+    import tempfile
+
+    from vllm_peer import PeerError, peer_env, probe, run_runner
+
+    if device.type != "cpu":
+        return {"skipped": "vLLM's CPU attention op runs on the CPU only"}
+    facts, why = probe(args.vllm_python)
+    if facts is None:
+        print(f"vllm comparison skipped: {why}")
+        return {"python": args.vllm_python, "skipped": why}
+    c = VLLM_CELL
+    b, h, kvh, d, ctx = c["batch"], c["heads"], c["kv_heads"], c["head_dim"], c["context"]
+    gen = torch.Generator().manual_seed(0)
+    tensors, vpaged_fns, closers, outs = {}, {}, [], {}
+    for name in dtypes:
+        dtype = DTYPES[name]
+        k = torch.randn(b, ctx, kvh, d, generator=gen).to(dtype)
+        v = torch.randn(b, ctx, kvh, d, generator=gen).to(dtype)
+        q = torch.randn(b, h, d, generator=gen).to(dtype)
+        tensors[name] = {"q": q, "k": k, "v": v}
+        token_bytes = kvh * d * q.element_size()
+        virt = VirtualKVCache(
+            1,
+            kvh,
+            d,
+            dtype,
+            b,
+            ctx,
+            device=device,
+            layout=args.layout,
+            capacity_bytes=2 * b * (ctx * token_bytes + (2 << 20)),
+        )
+        seqs = virt.allocate_many(b)
+        for i in range(b):
+            virt.extend(seqs[i], ctx)
+            virt.write(0, seqs[i], k[i], v[i])
+        outs[name] = torch.empty_like(q)
+        vpaged_fns[name] = lambda q=q, virt=virt, seqs=seqs, o=outs[name]: ops.decode_attention(q, virt, seqs, 0, out=o)
+        closers.append(virt.close)
+    before = timer.many(vpaged_fns, repeats)
+    try:
+        with tempfile.TemporaryDirectory(prefix="vpaged-vllm-decode-") as tmp:
+            tpath, opath = Path(tmp) / "kv.pt", Path(tmp) / "out.pt"
+            torch.save(tensors, tpath)
+            job = {
+                "tensors": str(tpath),
+                "out": str(opath),
+                "repeats": repeats,
+                "threads": torch.get_num_threads(),
+                "flush_bytes": timer.flush.numel() * 4,
+            }
+            res = run_runner(args.vllm_python, "decode", job, env=peer_env(torch.get_num_threads()), timeout=900)
+            vouts = torch.load(opath)
+    except PeerError as e:
+        for close in closers:
+            close()
+        print(f"vllm comparison failed: {e}")
+        return {"python": args.vllm_python, "error": str(e), "vllm_version": facts.get("vllm_version")}
+    after = timer.many(vpaged_fns, repeats)
+    rows = []
+    for name in dtypes:
+        vp = statistics.median([before[name], after[name]]) * 1e3
+        vl = res["ops"][name]["median_ms"]
+        diff = (outs[name].float() - vouts[name].float()).abs().max().item()
+        rows.append(
+            {
+                "dtype": name,
+                **VLLM_CELL,
+                "vpaged_contiguous_ms": vp,
+                "vpaged_before_after_ms": [before[name] * 1e3, after[name] * 1e3],
+                "vllm_ms": vl,
+                "vllm_isa": res["ops"][name]["isa"],
+                "vllm_block_size": res["ops"][name]["block_size"],
+                "vpaged_over_vllm": vp / vl,
+                "max_abs_diff": diff,
+            }
+        )
+        print(
+            f"vs vLLM {res['vllm_version']} ({name}, batch {b}, {h}/{kvh} heads, d{d}, ctx {ctx}): vpaged contiguous "
+            f"{vp:.3f} ms, vLLM cpu_attention_with_kv_cache {vl:.3f} ms (isa {res['ops'][name]['isa']}): "
+            f"ratio {vp / vl:.2f}, max |diff| {diff:.2e}"
+        )
+    for close in closers:
+        close()
+    return {"python": args.vllm_python, "vllm_version": res["vllm_version"], "threads": res["threads"], "rows": rows}
 
 
 if __name__ == "__main__":

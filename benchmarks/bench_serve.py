@@ -21,6 +21,17 @@ intermediate 2816, vocab 32000), fp32, 2 threads. Sections:
 5. step-breakdown: decode steps at batch 32 (after every prefill is done): the step's time inside the model's
    forward (attention included) and outside it (scheduling, bookkeeping, sampling).
 
+vLLM's CPU engine as a row (--vllm-python PATH: an interpreter whose venv has vLLM's CPU build, see
+vllm_peer.py): the model is saved with save_pretrained (safetensors + config) so vLLM loads the same weights,
+and benchmarks/vllm_runner.py serves the same token-id prompts on vllm.LLMEngine in a process of its own
+(same thread count, greedy, EOS ignored, same max tokens / max_num_seqs / batched tokens; its KV space is
+VLLM_CPU_KVCACHE_SPACE, --vllm-kv-space-gib). It joins the throughput rows (run in the order given, the whole
+list --repeats times: vpaged, vllm, vpaged, vllm, ...; medians per row) and the poisson rows, and its greedy
+outputs are compared with vpaged's (identical completions, mean common-prefix tokens).
+
+  python benchmarks/bench_serve.py --sections throughput --rows vpaged,vllm --repeats 2 \
+      --vllm-python /work/venv-vllm/bin/python
+
 JSON to benchmarks/results/serve_cpu.json (serve_cpu_quick.json with --quick).
 """
 
@@ -30,8 +41,10 @@ import argparse
 import contextlib
 import gc
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,10 +57,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, print_table, write_json  # noqa: E402
+from vllm_peer import PeerError, peer_env, prepare_model_dir, probe, run_runner  # noqa: E402
 
 from vpaged.hf.prepack import unprepack  # noqa: E402
 from vpaged.serve import LLMEngine, SamplingParams, load_model  # noqa: E402
 from vpaged.serve.bench import Workload, percentile, poisson_arrivals, random_prompts, run_workload  # noqa: E402
+from vpaged.serve.models import model_geometry  # noqa: E402
 
 MIB = 2**20
 
@@ -177,6 +192,66 @@ def generate_batch_row(model, workload, budget: int) -> dict:
     }
 
 
+class VllmPeer:
+    """vLLM's CPU engine in another interpreter: the model directory it loads and how its runs are made."""
+
+    def __init__(self, python: str, model_dir: Path, threads: int, kv_space_gib: float, facts: dict):
+        self.python = python
+        self.model_dir = Path(model_dir)
+        self.threads = threads
+        self.kv_space_gib = kv_space_gib
+        self.facts = facts
+
+    def job(self, workload, cfg: dict) -> dict:
+        return {
+            "model_dir": str(self.model_dir),
+            "prompts": [list(p) for p in workload.prompts],
+            "arrivals": list(workload.arrivals),
+            "max_tokens": workload.max_tokens,
+            "max_model_len": max(map(len, workload.prompts)) + workload.max_tokens,
+            "max_num_seqs": cfg["max_num_seqs"],
+            "max_num_batched_tokens": cfg["max_batched"],
+            "dtype": "float32",
+            "seed": 0,
+        }
+
+    def row(self, workload, cfg: dict, timeout: float | None = None) -> dict:
+        env = peer_env(self.threads, self.kv_space_gib)
+        r = run_runner(self.python, "serve", self.job(workload, cfg), env=env, timeout=timeout)
+        return vllm_result_row(r, workload, int(self.kv_space_gib * 2**30))
+
+
+def vllm_result_row(r: dict, workload, kv_reserved_bytes: int) -> dict:
+    """A bench_serve row (the keys engine_row's rows have) from vllm_runner.py's serve result."""
+    seconds = float(r["seconds"])
+    out_tokens = int(r["output_tokens"])
+    ttft, tpot = r.get("ttft") or [], r.get("tpot") or []
+    return {
+        "kv": "vllm",
+        "requests": int(r["requests"]),
+        "seconds": seconds,
+        "prompt_tokens": workload.prompt_tokens,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / seconds,
+        "total_tokens_per_s": (out_tokens + workload.prompt_tokens) / seconds,
+        "peak_kv_bytes": None,  # vLLM allocates its whole KV space up front
+        "kv_reserved_bytes": kv_reserved_bytes,
+        "peak_running": None,
+        "preemptions_swap": None,
+        "preemptions_recompute": None,
+        "prefix_hit_tokens": None,
+        "steps": r.get("steps"),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "tpot_p50": percentile(tpot, 50),
+        "tpot_p99": percentile(tpot, 99),
+        "finish_reasons": r.get("finish_reasons", {}),
+        "vllm_version": r.get("vllm_version"),
+        "load_seconds": r.get("load_seconds"),
+        "outputs": r["outputs"],
+    }
+
+
 @contextlib.contextmanager
 def warnings_quiet():
     import logging
@@ -195,13 +270,27 @@ def warnings_quiet():
                 lg.setLevel(lv)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def same_tokens(rows: list[dict], ref: dict) -> None:
-    """Mark each row with how many requests produced exactly the reference row's tokens."""
+    """Mark each row with how many requests produced exactly the reference row's tokens (and, for rows of
+    another engine, the mean number of leading tokens they share with it)."""
     expected = ref["outputs"]
     for row in rows:
-        outs = row.pop("outputs", None)
+        outs = row.get("outputs")
         if outs is not None and row is not ref:
             row["same_tokens_as_vpaged"] = sum(a == b for a, b in zip(outs, expected))
+            if row["kv"] == "vllm":
+                row["common_prefix_tokens_mean"] = statistics.mean(common_prefix(a, b) for a, b in zip(outs, expected))
+    for row in rows:
+        row.pop("outputs", None)
 
 
 def fmt_row(r: dict) -> list:
@@ -235,64 +324,91 @@ HEAD = [
 # ------------------------------------------------------------------------------------------------ sections
 
 
-def section_throughput(model, cfg, vocab, rows_wanted, log, save, repeat: int = 1) -> dict:
+def section_throughput(model, cfg, vocab, rows_wanted, log, save, repeats: int = 1, peer=None) -> dict:
     prompts = random_prompts(cfg["requests"], cfg["min_prompt"], cfg["max_prompt"], vocab, seed=0)
     wl = Workload(prompts, [0.0] * len(prompts), cfg["max_tokens"], "throughput")
     budget = cfg["budget_mib"] * MIB
     rows = []
-    for round_ in range(repeat):
+    for rep in range(repeats):
         for kv in rows_wanted:  # in the order given: lets a run check that the order does not matter
             base, _, variant = kv.partition("-")
-            if base not in ("vpaged", "paged", "generate_batch", "static") or variant not in ("", "noprepack"):
+            if base not in ("vpaged", "paged", "generate_batch", "static", "vllm") or variant not in ("", "noprepack"):
                 continue
-            log(f"throughput: {kv}" + (f" (round {round_ + 1} of {repeat})" if repeat > 1 else ""))
+            if kv == "vllm" and peer is None:
+                continue
+            log(f"throughput: {kv}" + (f" (round {rep + 1}/{repeats})" if repeats > 1 else ""))
             if kv == "generate_batch":
-                rows.append(generate_batch_row(model, wl, budget))
+                row = generate_batch_row(model, wl, budget)
+            elif kv == "vllm":
+                row = peer.row(wl, cfg)
             elif variant:  # <kv>-noprepack: the engine on the model's plain linear layers (cpu_prepack=False)
-                rows.append(engine_row(model, wl, base, budget, cfg, label=kv, cpu_prepack=False))
+                row = engine_row(model, wl, base, budget, cfg, label=kv, cpu_prepack=False)
             else:
-                rows.append(engine_row(model, wl, kv, budget, cfg))
-            rows[-1]["round"] = round_
+                row = engine_row(model, wl, kv, budget, cfg)
+            row["round"] = rep
+            rows.append(row)
             log(f"  {fmt_row(rows[-1])}")
             save({"partial_rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]})
     ref = next((r for r in rows if r["kv"] == "vpaged"), None)
     if ref is not None:
         same_tokens(rows, ref)
-    print_table(HEAD, [fmt_row(r) for r in rows])
-    # Repeated rows (--repeat): each ratio is of the medians of the rows' tokens/s.
-    by = {}
     for r in rows:
-        by.setdefault(r["kv"], []).append(r["output_tokens_per_s"])
-    by = {kv: {"output_tokens_per_s": statistics.median(v)} for kv, v in by.items()}
+        r.pop("outputs", None)
+    print_table(HEAD, [fmt_row(r) for r in rows])
+    # Repeated rows (--repeats, alternated): each ratio is of the medians of the rows' tokens/s.
+    medians = {}
+    for kv in dict.fromkeys(r["kv"] for r in rows):
+        tps = [r["output_tokens_per_s"] for r in rows if r["kv"] == kv]
+        medians[kv] = {"runs": len(tps), "output_tokens_per_s": statistics.median(tps), "all": tps}
+    by = {kv: {"output_tokens_per_s": m["output_tokens_per_s"]} for kv, m in medians.items()}
     ratios = {}
-    for kv, other in (("vpaged", "generate_batch"), ("vpaged", "paged"), ("vpaged", "static")):
-        if kv in by and other in by:
-            ratios[f"{kv}_over_{other}"] = by[kv]["output_tokens_per_s"] / by[other]["output_tokens_per_s"]
+    for other in ("generate_batch", "paged", "static", "vllm"):
+        if "vpaged" in by and other in by:
+            ratios[f"vpaged_over_{other}"] = by["vpaged"]["output_tokens_per_s"] / by[other]["output_tokens_per_s"]
     for kv in ("vpaged", "paged", "static"):
         if kv in by and f"{kv}-noprepack" in by:
             ratios[f"{kv}_prepack_over_noprepack"] = (
                 by[kv]["output_tokens_per_s"] / by[f"{kv}-noprepack"]["output_tokens_per_s"]
             )
+    if repeats > 1:
+        print("median output tok/s:", {k: round(m["output_tokens_per_s"], 1) for k, m in medians.items()})
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
-    return {
+    vr = [r for r in rows if r["kv"] == "vllm"]
+    if vr:
+        print(
+            f"vllm greedy outputs: {vr[0].get('same_tokens_as_vpaged')} of {len(prompts)} completions identical to "
+            f"vpaged's, {vr[0].get('common_prefix_tokens_mean', 0):.1f} of {cfg['max_tokens']} leading tokens shared "
+            "on average"
+        )
+    out = {
         "budget_bytes": budget,
         "requests": len(prompts),
         "prompt_tokens": wl.prompt_tokens,
+        "repeats": repeats,
         "rows": rows,
-        "median_output_tokens_per_s": {kv: v["output_tokens_per_s"] for kv, v in by.items()},
+        "medians": medians,
         "ratios": ratios,
     }
+    if peer is not None:
+        out["vllm"] = dict(peer.facts, kv_space_gib=peer.kv_space_gib, threads=peer.threads)
+    return out
 
 
-def section_poisson(model, cfg, vocab, kvs, log) -> dict:
+def section_poisson(model, cfg, vocab, kvs, log, peer=None) -> dict:
     prompts = random_prompts(cfg["poisson_requests"], cfg["min_prompt"], cfg["max_prompt"], vocab, seed=1)
     wl = Workload(prompts, poisson_arrivals(len(prompts), cfg["poisson_rate"], seed=1), cfg["max_tokens"], "poisson")
     rows = []
+    if peer is not None:  # vpaged, vllm, then the other kinds
+        kvs = list(kvs[:1]) + ["vllm"] + list(kvs[1:])
     for kv in kvs:
         log(f"poisson: kv={kv}")
-        r = engine_row(model, wl, kv, cfg["budget_mib"] * MIB, cfg)
-        r.pop("outputs", None)
+        r = peer.row(wl, cfg) if kv == "vllm" else engine_row(model, wl, kv, cfg["budget_mib"] * MIB, cfg)
         rows.append(r)
+    ref = next((r for r in rows if r["kv"] == "vpaged"), None)
+    if ref is not None:
+        same_tokens(rows, ref)
+    for r in rows:
+        r.pop("outputs", None)
     print_table(
         ["row", "seconds", "out tok/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms"],
         [
@@ -469,10 +585,23 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default="throughput,poisson,shared-prefix,static-slots,step-breakdown")
     ap.add_argument(
         "--rows",
-        default="vpaged,paged,static,generate_batch",
-        help="rows of the throughput section, run in this order; <kv>-noprepack: the engine with cpu_prepack=False",
+        default=None,
+        help="rows of the throughput section, run in this order (default vpaged,paged,static,generate_batch, "
+        "and vllm with --vllm-python); <kv>-noprepack: the engine with cpu_prepack=False",
     )
-    ap.add_argument("--repeat", type=int, default=1, help="run the throughput rows this many times, alternated")
+    ap.add_argument("--repeats", type=int, default=1, help="run the throughput rows this many rounds, alternated")
+    ap.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="an interpreter with vLLM's CPU build: adds vLLM's engine as a row (throughput and poisson)",
+    )
+    ap.add_argument("--vllm-kv-space-gib", type=float, default=4, help="VLLM_CPU_KVCACHE_SPACE of the vllm row")
+    ap.add_argument(
+        "--vllm-model-dir",
+        default=None,
+        help="where to save the model for vLLM (default: a temporary folder, removed at the end)",
+    )
     ap.add_argument("--requests", type=int, default=None, help="override: requests of sections 1 and 4")
     ap.add_argument("--max-tokens", type=int, default=None, help="override: output tokens of sections 1, 2, 4")
     ap.add_argument("--min-prompt", type=int, default=None, help="override: shortest prompt of sections 1, 2, 4")
@@ -514,7 +643,10 @@ def main(argv=None) -> int:
         cfg[key] = type(cfg[key])(value) if cfg[key] is not None else int(value)
     torch.set_num_threads(args.threads)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    rows_wanted = list(dict.fromkeys(s.strip() for s in args.rows.split(",")))
+    rows_arg = args.rows or ("vpaged,paged,static,generate_batch" + (",vllm" if args.vllm_python else ""))
+    rows_wanted = list(dict.fromkeys(s.strip() for s in rows_arg.split(",")))
+    if "vllm" in rows_wanted and not args.vllm_python:
+        ap.error("row vllm needs --vllm-python PATH (an interpreter with vLLM's CPU build)")
     t_start = time.perf_counter()
 
     def log(msg):
@@ -534,6 +666,31 @@ def main(argv=None) -> int:
         "kv_bytes_per_token": kv_bytes_per_token(model),
     }
     name = args.output or ("serve_cpu_quick.json" if args.quick else "serve_cpu.json")
+    peer, model_tmp = None, None
+    if args.vllm_python:
+        facts, why = probe(args.vllm_python)
+        head_dim = model_geometry(model.config)[2]
+        sizes = (facts or {}).get("head_sizes")
+        if facts is not None and sizes and head_dim not in sizes:
+            facts, why = (
+                None,
+                (
+                    f"vLLM's CPU attention takes head_dim {sizes}; {cfg['model']} has {head_dim}: "
+                    "use --set model=random:bench-llama"
+                ),
+            )
+        if facts is None:
+            print(f"vllm row skipped: {why}", file=sys.stderr)
+            report["vllm"] = {"python": args.vllm_python, "skipped": why}
+        else:
+            if args.vllm_model_dir:
+                model_dir = Path(args.vllm_model_dir)
+            else:
+                model_dir = model_tmp = Path(tempfile.mkdtemp(prefix="vpaged-bench-model-"))
+            log(f"vllm {facts.get('vllm_version')} at {args.vllm_python}: saving the model to {model_dir}")
+            prepare_model_dir(model, model_dir)
+            peer = VllmPeer(args.vllm_python, model_dir, torch.get_num_threads(), args.vllm_kv_space_gib, facts)
+            report["vllm"] = dict(facts, python=args.vllm_python, kv_space_gib=args.vllm_kv_space_gib)
 
     def saver(section):
         def save(partial):
@@ -543,18 +700,28 @@ def main(argv=None) -> int:
         return save
 
     runs = {
-        "throughput": lambda: section_throughput(model, cfg, vocab, rows_wanted, log, saver("throughput"), args.repeat),
-        "poisson": lambda: section_poisson(model, cfg, vocab, ["vpaged", "paged"], log),
+        "throughput": lambda: section_throughput(
+            model, cfg, vocab, rows_wanted, log, saver("throughput"), repeats=args.repeats, peer=peer
+        ),
+        "poisson": lambda: section_poisson(model, cfg, vocab, ["vpaged", "paged"], log, peer=peer),
         "shared-prefix": lambda: section_shared_prefix(model, cfg, vocab, [("vpaged", True), ("vpaged", False)], log),
         "static-slots": lambda: section_static_slots(model, cfg, vocab, log),
         "step-breakdown": lambda: section_breakdown(model, cfg, vocab, log),
     }
-    for section in sections:
-        report[section.replace("-", "_")] = runs[section]()
-        with open("/proc/loadavg") as f:
-            report["load_average_after"] = f.read().split()[:3]
-        report["seconds"] = time.perf_counter() - t_start
-        path = write_json(name, report)  # after every section: a long run keeps what it finished
+    try:
+        for section in sections:
+            try:
+                report[section.replace("-", "_")] = runs[section]()
+            except PeerError as e:  # the vllm row failed: say why, keep the other sections
+                print(f"{section}: the vllm row failed: {e}", file=sys.stderr)
+                report[section.replace("-", "_")] = {"error": f"vllm row: {e}"}
+            with open("/proc/loadavg") as f:
+                report["load_average_after"] = f.read().split()[:3]
+            report["seconds"] = time.perf_counter() - t_start
+            path = write_json(name, report)  # after every section: a long run keeps what it finished
+    finally:
+        if model_tmp is not None:
+            shutil.rmtree(model_tmp, ignore_errors=True)
     print(f"wrote {path}")
     return 0
 

@@ -25,6 +25,11 @@ def add_parser(sub) -> None:
     p.add_argument("--only", metavar="NAMES", help="comma-separated: mapping, sharing, decode, transformers, serving")
     p.add_argument("--out", metavar="DIR", help="results folder (default: vpaged-bench-<UTC time>)")
     p.add_argument("--benchmarks", metavar="DIR", help="the benchmark scripts (default: the checkout's benchmarks/)")
+    p.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="an interpreter with vLLM's CPU build: the serving and decode benchmarks add vLLM rows",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per script (default 3600)")
     p.set_defaults(func=run, parser=p)
 
@@ -50,12 +55,12 @@ def run(args) -> int:
             task = progress.add_task("benchmarks", total=len(suite))
             for bench in suite:
                 progress.update(task, description=f"running {bench.name}")
-                outcomes.append(bs.run_one(bench, bench_dir, out, args.quick, args.timeout))
+                outcomes.append(bs.run_one(bench, bench_dir, out, args.quick, args.timeout, args.vllm_python))
                 progress.advance(task)
     except ImportError:
         for bench in suite:
             print(f"running {bench.name} ...", flush=True)
-            outcomes.append(bs.run_one(bench, bench_dir, out, args.quick, args.timeout))
+            outcomes.append(bs.run_one(bench, bench_dir, out, args.quick, args.timeout, args.vllm_python))
     rows = [r for o in outcomes for r in o.rows]
     _print(facts, outcomes, rows)
     payload = {

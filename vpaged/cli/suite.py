@@ -197,17 +197,36 @@ def _hf(d: dict) -> list[Row]:
 
 def _serve(d: dict) -> list[Row]:
     """Serving (bench_serve.py's throughput section): output tokens/s of each engine KV backend against
-    transformers' generate_batch on the same requests."""
-    rows = _get(d, "throughput", "rows", default=[]) or []
-    tps = {str(r.get("kv")): float(r["output_tokens_per_s"]) for r in rows if r.get("output_tokens_per_s")}
+    transformers' generate_batch on the same requests, and kv=vpaged against vLLM's CPU engine when the run
+    had that row (--vllm-python). With --repeats, each row's median."""
+    tp = _get(d, "throughput", default={}) or {}
+    medians = tp.get("medians") or {}
+    if medians:
+        tps = {str(k): float(m["output_tokens_per_s"]) for k, m in medians.items() if m.get("output_tokens_per_s")}
+    else:
+        rows = tp.get("rows") or []
+        tps = {str(r.get("kv")): float(r["output_tokens_per_s"]) for r in rows if r.get("output_tokens_per_s")}
+    out = []
     base = tps.get("generate_batch")
-    if not base:
-        return []
-    return [
-        Row("serving", f"output tokens/s, engine kv={name}", value, base, "generate_batch", "tok/s", "higher")
-        for name, value in tps.items()
-        if name != "generate_batch"
-    ]
+    if base:
+        out += [
+            Row("serving", f"output tokens/s, engine kv={name}", value, base, "generate_batch", "tok/s", "higher")
+            for name, value in tps.items()
+            if name not in ("generate_batch", "vllm")
+        ]
+    if tps.get("vllm") and tps.get("vpaged"):
+        out.append(
+            Row(
+                "serving",
+                "output tokens/s, engine kv=vpaged",
+                tps["vpaged"],
+                tps["vllm"],
+                "vLLM CPU",
+                "tok/s",
+                "higher",
+            )
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -281,7 +300,13 @@ class Outcome:
     log: Path | None
 
 
-def run_one(bench: Bench, bench_dir: Path, out_dir: Path, quick: bool, timeout: float) -> Outcome:
+# The benchmarks that take --vllm-python PATH (an interpreter with vLLM's CPU build) for their vLLM rows.
+VLLM_BENCHES = ("serving", "decode")
+
+
+def run_one(
+    bench: Bench, bench_dir: Path, out_dir: Path, quick: bool, timeout: float, vllm_python: str | None = None
+) -> Outcome:
     script = bench_dir / bench.script
     if not script.is_file():
         return Outcome(bench, "missing", 0.0, [], None)
@@ -290,6 +315,8 @@ def run_one(bench: Bench, bench_dir: Path, out_dir: Path, quick: bool, timeout: 
     args = list(bench.quick if quick else bench.full)
     if bench.name == "decode":
         args += ["--out", str(out_dir / bench.result)]
+    if vllm_python and bench.name in VLLM_BENCHES:
+        args += ["--vllm-python", vllm_python]
     env = {**os.environ, "VPAGED_RESULTS_DIR": str(out_dir)}
     t0 = time.perf_counter()
     with log.open("w") as f:
