@@ -37,11 +37,15 @@ class LayerPlan(ABC):
         self.num_kv_heads, self.head_dim, self.v_head_dim = params.num_kv_heads, params.head_dim, params.v_head_dim
         self.scale = 1.0 / math.sqrt(params.head_dim)
 
-    def current(self, cache, layer: int) -> bool:
-        """Whether the parameters still describe the cache's memory."""
+    # Whether each step compares the cache's source record with the plan (a source that can change under it).
+    checks_source = False
+
+    def describes(self, source) -> bool:
+        """Whether the parameters still describe `source`, the cache's record of this step (None where
+        checks_source is False: such a plan always does)."""
         return True
 
-    def run_cpu(self, q, cache, seqs: list, layer: int, scale, out) -> torch.Tensor:
+    def run_cpu(self, q, cache, seqs: list, scale, out) -> torch.Tensor:
         """The per-step CPU entry: rows and lengths as lists straight from the cache (the kernel entry checks
         them against the plan's capacity, and block ids against the pool, before it reads anything)."""
         where, lengths = cache.decode_rows(seqs)  # raises first on a closed cache or an unknown sequence
@@ -60,8 +64,9 @@ class LayerPlan(ABC):
         """The extension's per-step CPU entry for this kind of source."""
 
     @abstractmethod
-    def run_device(self, q, cache, seqs: list, layer: int, scale, out) -> torch.Tensor:
-        """The step on a CUDA cache (tensors of rows and lengths, the longest length as a hint)."""
+    def run_device(self, q, cache, seqs: list, layer: int, scale, out, source) -> torch.Tensor:
+        """The step on a CUDA cache (tensors of rows and lengths, the longest length as a hint); `source` as
+        describes() got it."""
 
 
 class ContiguousPlan(LayerPlan):
@@ -81,7 +86,7 @@ class ContiguousPlan(LayerPlan):
     def cpu_entry(self):
         return _C.decode_cpu_rows  # looked up per call: tests replace it to watch the calls
 
-    def run_device(self, q, cache, seqs: list, layer: int, scale, out) -> torch.Tensor:
+    def run_device(self, q, cache, seqs: list, layer: int, scale, out, source) -> torch.Tensor:
         max_len = cache_max_len(cache, seqs)
         return decode_attention_contiguous(q, cache.batch(layer, seqs), scale, out, max_len=max_len)
 
@@ -121,23 +126,17 @@ class BlockTablePlan(LayerPlan):
         plan.pools = _pool_fingerprint(source)
         return plan
 
-    def current(self, cache, layer: int) -> bool:
-        fingerprint = _pool_fingerprint(cache.decode_source(layer))
+    checks_source = True
+
+    def describes(self, source) -> bool:
+        fingerprint = _pool_fingerprint(source)
         return fingerprint is not None and fingerprint == self.pools
 
     def cpu_entry(self):
         return _C.decode_cpu_tables
 
-    def run_cpu(self, q, cache, seqs: list, layer: int, scale, out) -> torch.Tensor:
-        # Held for the call: the kernel runs without the GIL, and the plan keeps no reference to the pools.
-        source = cache.decode_source(layer)
-        out = super().run_cpu(q, cache, seqs, layer, scale, out)
-        del source
-        return out
-
-    def run_device(self, q, cache, seqs: list, layer: int, scale, out) -> torch.Tensor:
+    def run_device(self, q, cache, seqs: list, layer: int, scale, out, source) -> torch.Tensor:
         max_len = cache_max_len(cache, seqs)
-        source = cache.decode_source(layer)
         tables, lengths = cache.block_tables(seqs), cache.lengths(seqs)
         return decode_attention_paged(
             q, source.key_cache, source.value_cache, tables, lengths, scale, out, max_len=max_len
@@ -159,18 +158,26 @@ def _pool_fingerprint(source: BlockPools) -> tuple | None:
 def layer_plan(cache, layer: int) -> LayerPlan:
     """The cache's plan for `layer`, built on first use and whenever the old one no longer describes the
     cache's memory (a refused rebuild leaves no plan behind)."""
+    return _plan_and_source(cache, layer)[0]
+
+
+def _plan_and_source(cache, layer: int) -> tuple[LayerPlan, object]:
+    """layer_plan(), and the source record it was checked against this call (None when the plan needed no
+    check): the step uses that same record, so a paged step builds one BlockPools, not one per use."""
     check_layer(layer, cache.num_layers)
     plans = cache.kernel_plans
     plan = plans.get(layer)
-    if plan is not None and plan.current(cache, layer):
-        return plan
+    source = cache.decode_source(layer) if plan is None or plan.checks_source else None  # refuses accounting-only
+    if plan is not None and plan.describes(source):
+        return plan, source
     plans.pop(layer, None)
-    source = cache.decode_source(layer)  # refuses an accounting-only cache
+    if source is None:
+        source = cache.decode_source(layer)
     kind = PLANS.get(type(source))
     if kind is None:
         raise InvalidArgumentError(f"no decode kernel reads a {type(source).__name__}")
     plan = plans[layer] = kind.build(cache, source)
-    return plan
+    return plan, source
 
 
 def decode_attention(
@@ -183,7 +190,9 @@ def decode_attention(
         raise ShapeError(f"q has {q.shape[0]} rows for {len(seqs)} sequences")
     if not isinstance(cache, KVCacheBase):
         raise InvalidArgumentError(f"cache must be a VirtualKVCache or a PagedKVCache, got {type(cache).__name__}")
-    plan = layer_plan(cache, layer)
+    # `source` is held for the call: the CPU kernel runs without the GIL, and a plan keeps no reference to
+    # the memory it describes (a PagedKVCache's pools).
+    plan, source = _plan_and_source(cache, layer)
     if cache.device.type == "cpu":
-        return plan.run_cpu(q, cache, seqs, layer, scale, out)
-    return plan.run_device(q, cache, seqs, layer, scale, out)
+        return plan.run_cpu(q, cache, seqs, scale, out)
+    return plan.run_device(q, cache, seqs, layer, scale, out, source)
