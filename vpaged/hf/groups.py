@@ -48,8 +48,12 @@ class KVGroup:
         head_dim: int | None = None,
         v_head_dim: int | None = None,
         share_prefill: bool = False,
+        kv_dtype=None,
+        kv_scales=None,
     ):
         self.layers = list(layers)
+        # A quantized format (kvcache/formats.py): what the layers attend over is what is stored, dequantized.
+        self.kv_dtype, self.kv_scales = kv_dtype, kv_scales
         self.local = {layer: i for i, layer in enumerate(self.layers)}
         self.max_len = max_len
         self.max_batch_size = max_batch_size
@@ -144,6 +148,8 @@ class KVGroup:
             layout=self.layout,
             page_size=None if pool is not None else self.page_size,
             v_head_dim=value_states.shape[3],
+            kv_dtype=self.kv_dtype,
+            kv_scales=self.kv_scales,
         )
         rows = kv.allocate_many(batch)
         self.num_kv_heads, self.head_dim, self.v_head_dim = kv.num_kv_heads, kv.head_dim, kv.v_head_dim
@@ -206,6 +212,8 @@ class KVGroup:
 
     def write(self, i: int, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """Store layer i's new K/V at tokens past.. of every row; return what the layer attends to."""
+        if self.kv.kv_format.quantized:
+            return self._write_quantized(i, past, key_states, value_states)
         if self.dup_of:  # only in a prefill, where past == 0
             self._write_rows(i, key_states, value_states)
             return key_states, value_states
@@ -220,6 +228,17 @@ class KVGroup:
             # Nothing was cached before: the layer's whole K/V is what it was just given.
             return key_states, value_states
         return k_all.transpose(1, 2), v_all.transpose(1, 2)
+
+    def _write_quantized(self, i: int, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """write() on a quantized cache: each row's new tokens quantized into its sequence; the layer attends
+        over the dequantized rows, its new tokens included (what later steps will read back)."""
+        if self.dup_of:
+            self._write_rows(i, key_states, value_states)
+        else:
+            for row, seq in enumerate(self.rows):
+                self.kv.write(i, seq, key_states[row].transpose(0, 1), value_states[row].transpose(0, 1), start=past)
+        k, v = self.kv.kv_batch(i, self.rows, past + key_states.shape[2])
+        return k.dequantize().transpose(1, 2), v.dequantize().transpose(1, 2)
 
     def end_step(self) -> None:
         if self.dup_of:
@@ -248,7 +267,7 @@ class KVGroup:
         del self.dup_of[row]
         for earlier in range(len(self.layers)):
             if self.written[earlier] == self.length:  # written in this step already
-                self.kv.write(earlier, seq, *self.kv.kv(earlier, src_seq))
+                self.kv.write(earlier, seq, *self.kv.dequantized_kv(earlier, src_seq))
         # Rows that pointed at this one keep pointing at it: it now holds the same data they matched.
 
     # ------------------------------------------------------------------------------------------ reading
@@ -265,6 +284,8 @@ class KVGroup:
             return None, None
         i = self.local[layer]
         k, v = self.kv.kv_batch(i, self.rows, self.written[i])
+        if self.kv.kv_format.quantized:
+            k, v = k.dequantize(), v.dequantize()
         return k.transpose(1, 2), v.transpose(1, 2)
 
     @property
@@ -364,6 +385,11 @@ class WindowGroup(KVGroup):
 
     def __init__(self, layers: list[int], *, window: int, **kwargs):
         super().__init__(layers, **kwargs)
+        if self.kv_dtype is not None and self.kv_dtype != self.dtype and self.kv_dtype != "auto":
+            raise InvalidArgumentError(
+                "kv_dtype: bounded sliding-window layers keep full-precision K/V (they move their window "
+                "in place); build the cache with bounded_sliding=False to quantize every layer"
+            )
         self.window = window
         self.seen = 0  # tokens the layers have seen per row (cumulative)
 

@@ -17,6 +17,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import torch
 
 from .checks import check_positive_int
+from .formats import check_scales
 from .geometry import KVGeometry
 
 C = TypeVar("C", bound="KVCacheBase")
@@ -30,7 +31,8 @@ class KVCache(Protocol):
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the K/V written and read
+    kv_dtype: torch.dtype  # what is stored: dtype, or a quantized format (formats.py)
     device: torch.device
     max_seqs: int
     max_seq_len: int
@@ -46,7 +48,8 @@ class KVCache(Protocol):
     def pages_available(self) -> int: ...
     def seq_len(self, seq: int) -> int: ...
     def sequences(self) -> list[int]: ...
-    def kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # QuantizedKV when quantized
+    def dequantized_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def write(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None: ...
     def decode_source(self, layer: int) -> object: ...
     def decode_rows(self, seqs: list[int]) -> tuple[list, list[int]]: ...
@@ -66,12 +69,19 @@ class KVCacheBase:
         max_seqs: int,
         max_seq_len: int,
         v_head_dim: int | None = None,
+        kv_dtype=None,
+        kv_scales=None,
     ) -> None:
-        self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype, v_head_dim)  # checks them; DTypeError
+        # Checks them (DTypeError, ShapeError); kv_dtype: what is stored (kvcache/formats.py).
+        self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype, v_head_dim, kv_dtype)
         self.v_head_dim = self.geometry.v_head_dim  # V's head size: head_dim unless the model's differs
         check_positive_int("max_seqs", max_seqs)
         check_positive_int("max_seq_len", max_seq_len)
-        self.dtype = dtype
+        self.dtype = dtype  # of the K/V written and read (the model's)
+        self.kv_dtype = self.geometry.kv_dtype  # what is stored: dtype, or a quantized format
+        self.kv_format = self.geometry.format
+        # fp8: each layer's (K, V) scales, [num_layers, 2] float32 (NaN: calibrated by the layer's first write).
+        self.kv_scales = check_scales(kv_scales, num_layers, self.kv_format)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_seqs, self.max_seq_len = max_seqs, max_seq_len
         # layer -> the kernel plan vpaged.ops built for it (ops/plans.py); emptied by close().

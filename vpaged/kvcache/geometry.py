@@ -15,6 +15,7 @@ import torch
 
 from ..memory.dtypes import itemsize
 from .checks import check_positive_int
+from .formats import KVFormat, resolve_kv_dtype
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class KVGeometry:
     head_dim: int
     dtype: torch.dtype
     v_head_dim: int | None = None  # None: the same as head_dim
+    kv_dtype: torch.dtype | None = None  # what the cache stores (formats.py); None: dtype
 
     def __post_init__(self):
         if self.v_head_dim is None:
@@ -31,6 +33,24 @@ class KVGeometry:
         for name in ("num_layers", "num_kv_heads", "head_dim", "v_head_dim"):
             check_positive_int(name, getattr(self, name))
         itemsize(self.dtype)  # DTypeError for a dtype a cache cannot hold
+        object.__setattr__(self, "kv_dtype", resolve_kv_dtype(self.kv_dtype, self.dtype))
+        self.format.check_dims(self.head_dim, self.v_head_dim)
+
+    @property
+    def format(self) -> KVFormat:
+        return KVFormat(self.dtype, self.kv_dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype != self.dtype
+
+    def storage_dims(self) -> tuple[int, int, int]:
+        """(head_dim, v_head_dim, itemsize) as the memory layers see a token's rows: for a quantized format
+        1-byte elements, scales included in the row; else the model's."""
+        if not self.quantized:
+            return self.head_dim, self.v_head_dim, self.itemsize
+        f = self.format
+        return f.storage_dim(self.head_dim), f.storage_dim(self.v_head_dim), 1
 
     @property
     def itemsize(self) -> int:
@@ -49,13 +69,17 @@ class KVGeometry:
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token over all layers."""
+        if self.quantized:
+            f = self.format
+            return self.num_layers * self.num_kv_heads * (f.row_bytes(self.head_dim) + f.row_bytes(self.v_head_dim))
         return self.num_layers * (self.token_row_elements + self.v_token_row_elements) * self.itemsize
 
     def describe(self) -> str:
         """The geometry as repr() fields: 'layers=.., kv_heads=.., head_dim=.., dtype=..'."""
         v = f", v_head_dim={self.v_head_dim}" if self.v_head_dim != self.head_dim else ""
         dims = f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{v}"
-        return f"layers={self.num_layers}, {dims}, dtype={self.dtype}"
+        kv = f", kv_dtype={self.kv_dtype}" if self.quantized else ""
+        return f"layers={self.num_layers}, {dims}, dtype={self.dtype}{kv}"
 
     def static_bytes(self, num_seqs: int, max_seq_len: int) -> int:
         """What reserving max_seq_len tokens for each of num_seqs sequences takes (a static cache)."""

@@ -29,6 +29,7 @@ from ..errors import (
 from ..memory.device import normalize_device
 from .base import KVCacheBase
 from .checks import check_kv, check_layer, check_positive_int, check_token_count, is_int, lookup_sequence, write_start
+from .formats import QuantizedKV, layer_scale, read_scale
 from .records import BlockPools, PagedCacheStats
 
 BLOCK_SIZES = (8, 16, 32)
@@ -49,6 +50,8 @@ class PagedKVCache(KVCacheBase):
         block_size: tokens per block, 8, 16 or 32.
         accounting_only: keep the block tables and counts but allocate no block pools (the simulator's mode:
             any scale on any host); write(), kv() and kernels then raise InvalidArgumentError.
+        kv_dtype, kv_scales: a quantized format for what is stored, as VirtualKVCache's (kvcache/formats.py):
+            the pools then hold bytes (an int8 row's scale after it), write() quantizes, kv() gives QuantizedKV.
     """
 
     def __init__(
@@ -66,8 +69,12 @@ class PagedKVCache(KVCacheBase):
         block_size: int = 16,
         accounting_only: bool = False,
         v_head_dim: int | None = None,
+        kv_dtype=None,
+        kv_scales=None,
     ):
-        self._init_shape(num_layers, num_kv_heads, head_dim, dtype, max_seqs, max_seq_len, v_head_dim)
+        self._init_shape(
+            num_layers, num_kv_heads, head_dim, dtype, max_seqs, max_seq_len, v_head_dim, kv_dtype, kv_scales
+        )
         if block_size not in BLOCK_SIZES:
             raise InvalidArgumentError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
         self.device = normalize_device(device)
@@ -83,12 +90,15 @@ class PagedKVCache(KVCacheBase):
             )
         self.num_blocks = num_blocks
         self.accounting_only = bool(accounting_only)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # The pools hold stored rows: values of dtype, or bytes of a quantized format (scales included).
+        self._row_dims = self.geometry.storage_dims()[:2]
+        store = self.kv_format.storage_dtype
+        shape = (num_blocks, block_size, num_kv_heads, self._row_dims[0])
         pools = 0 if self.accounting_only else num_layers
         # torch.empty: on the host, untouched pages of a large allocation cost no RAM until written.
-        self.key_caches = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(pools)]
-        v_shape = (num_blocks, block_size, num_kv_heads, self.v_head_dim)
-        self.value_caches = [torch.empty(v_shape, dtype=dtype, device=self.device) for _ in range(pools)]
+        self.key_caches = [torch.empty(shape, dtype=store, device=self.device) for _ in range(pools)]
+        v_shape = (num_blocks, block_size, num_kv_heads, self._row_dims[1])
+        self.value_caches = [torch.empty(v_shape, dtype=store, device=self.device) for _ in range(pools)]
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
         self._ref = [0] * num_blocks
         self._blocks: dict[int, list[int]] = {}  # live sequence -> its block table
@@ -259,7 +269,7 @@ class PagedKVCache(KVCacheBase):
             table[i] = self._copy_on_write(table[i])
         tokens = torch.arange(start, start + n)
         blocks = torch.tensor(table[first : last + 1], dtype=torch.int64)[tokens // bs - first]
-        self._write_slots(layer, (blocks * bs + tokens % bs).to(self.device), k, v)
+        self.write_rows(layer, (blocks * bs + tokens % bs).to(self.device), k, v)
 
     def write_many(self, layer: int, seqs, k: torch.Tensor, v: torch.Tensor) -> None:
         """The last token of each sequence in one copy (a decode step, after extend_many(seqs, 1)):
@@ -282,25 +292,58 @@ class PagedKVCache(KVCacheBase):
         for table, i in shared:
             table[i] = self._copy_on_write(table[i])
         slots = [t[i] * bs + (self._len[s] - 1) % bs for s, t, i in zip(seqs, tables, last)]
-        self._write_slots(layer, torch.tensor(slots, dtype=torch.int64, device=self.device), k, v)
+        self.write_rows(layer, torch.tensor(slots, dtype=torch.int64, device=self.device), k, v)
 
-    def _write_slots(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_rows(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (values, [n, heads, dim]) in pool rows `slots` (block * block_size + offset; int64 on the
+        cache's device) of one layer, quantized for a quantized format. No block-table or copy-on-write
+        checks: for callers that computed the rows from the tables (write(), the serving store's step)."""
         # A block pool viewed as [num_blocks * block_size, heads, dim] rows: token slot s is row s.
-        self.key_caches[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
-        self.value_caches[layer].view(-1, self.num_kv_heads, self.v_head_dim).index_copy_(0, slots, v)
+        fmt, (k_dim, v_dim) = self.kv_format, self._row_dims
+        if fmt.quantized:
+            scales = self.kv_scales[layer] if self.kv_scales is not None else None
+            k = fmt.quantize(k, layer_scale(scales, 0, k, fmt))
+            v = fmt.quantize(v, layer_scale(scales, 1, v, fmt))
+        self.key_caches[layer].view(-1, self.num_kv_heads, k_dim).index_copy_(0, slots, k)
+        self.value_caches[layer].view(-1, self.num_kv_heads, v_dim).index_copy_(0, slots, v)
 
-    def kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(self, layer: int, seq: int):
         """(K, V) of the sequence as [seq_len, num_kv_heads, head_dim / v_head_dim] tensors gathered from its blocks
-        (copies, unlike VirtualKVCache.kv(): a block table has no strided view)."""
+        (copies, unlike VirtualKVCache.kv(): a block table has no strided view). A quantized cache gives
+        QuantizedKV records of the gathered rows (dequantized_kv(): values)."""
         self._check_layer(layer)
         self._check_data()
         table = self._table(seq)
         n = self._len[seq]
         idx = torch.tensor(table, dtype=torch.int64, device=self.device)
+        (k_dim, v_dim), fmt = self._row_dims, self.kv_format
+        k = self.key_caches[layer].index_select(0, idx).view(-1, self.num_kv_heads, k_dim)[:n]
+        v = self.value_caches[layer].index_select(0, idx).view(-1, self.num_kv_heads, v_dim)[:n]
+        if not fmt.quantized:
+            return k, v
+        out = []
+        for i, (rows, dim) in enumerate(((k, self.head_dim), (v, self.v_head_dim))):
+            data, scale = fmt.split(rows, dim)
+            out.append(QuantizedKV(data, self.kv_scales[layer, i] if scale is None else scale, fmt))
+        return tuple(out)
+
+    def gather_rows(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V values ([n, heads, dim], copies in the model dtype) of pool rows `slots` of one layer."""
+        (k_dim, v_dim), fmt = self._row_dims, self.kv_format
+        k = self.key_caches[layer].view(-1, self.num_kv_heads, k_dim).index_select(0, slots)
+        v = self.value_caches[layer].view(-1, self.num_kv_heads, v_dim).index_select(0, slots)
+        if not fmt.quantized:
+            return k, v
+        scales = self.kv_scales[layer] if self.kv_scales is not None else (None, None)
         return (
-            self.key_caches[layer].index_select(0, idx).view(-1, self.num_kv_heads, self.head_dim)[:n],
-            self.value_caches[layer].index_select(0, idx).view(-1, self.num_kv_heads, self.v_head_dim)[:n],
+            fmt.dequantize(k, self.head_dim, None if scales[0] is None else read_scale(scales, 0)),
+            fmt.dequantize(v, self.v_head_dim, None if scales[1] is None else read_scale(scales, 1)),
         )
+
+    def dequantized_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv() as values in the model dtype."""
+        k, v = self.kv(layer, seq)
+        return (k.dequantize(), v.dequantize()) if self.kv_format.quantized else (k, v)
 
     def block_tables(self, seqs, width: int | None = None) -> torch.Tensor:
         """int32 [len(seqs), width] block tables on the cache's device, padded with 0 (kernels read only the
@@ -336,11 +379,12 @@ class PagedKVCache(KVCacheBase):
             self.num_blocks,
             self.block_size,
             self.num_kv_heads,
-            self.head_dim,
-            self.v_head_dim,
-            self.dtype,
+            *self._row_dims,
+            self.kv_format.storage_dtype,
             self.device,
             self.max_seq_len,
+            kv_format=self.kv_format if self.kv_format.quantized else None,
+            kv_scales=self.kv_scales[layer] if self.kv_scales is not None else None,
         )
 
     def decode_rows(self, seqs) -> tuple[list[list[int]], list[int]]:

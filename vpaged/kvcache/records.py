@@ -10,6 +10,7 @@ import torch
 
 from ..errors import InvalidArgumentError, ShapeError
 from .checks import check_kernel_dtype, check_lengths, index_tensor
+from .formats import KVFormat
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ class BatchedKV:
     heads (head_dim except for the head_major layout). V may have its own head dim and strides (v_head_dim,
     v_slot_stride, v_token_stride, v_head_stride; None: the same as K's, filled in on construction).
     Only memory below each length is guaranteed mapped: a kernel must not read past it. Valid until one of
-    the sequences is freed, truncated or swapped out.
+    the sequences is freed, truncated or swapped out. A quantized cache describes its stored bytes (see
+    kv_format below).
     """
 
     k_ptr: int
@@ -105,6 +107,22 @@ class BatchedKV:
     v_slot_stride: int | None = None
     v_token_stride: int | None = None
     v_head_stride: int | None = None
+    # A quantized cache (formats.py): dtype is torch.uint8 and the dims and strides count bytes of its stored
+    # rows (an int8 head's row: head_dim values, then the 4-byte scale); kv_format tells what they hold and
+    # kv_scales (fp8) is the layer's (k, v) scales, a view of the cache's. None: plain values of dtype.
+    kv_format: KVFormat | None = None
+    kv_scales: torch.Tensor | None = None
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        """The dtype of the values K/V stand for (the model's): what q, out and written K/V have."""
+        return self.kv_format.dtype if self.kv_format is not None else self.dtype
+
+    @property
+    def value_head_dims(self) -> tuple[int, int]:
+        """(head_dim, v_head_dim) of the values (the storage dims less an int8 row's scale)."""
+        extra = self.kv_format.scale_bytes if self.kv_format is not None else 0
+        return self.head_dim - extra, self.v_head_dim - extra
 
     def __post_init__(self) -> None:
         # Frozen: fill the "same as K" defaults through object.__setattr__.
@@ -223,3 +241,15 @@ class BlockPools:
     dtype: torch.dtype
     device: torch.device
     max_seq_len: int  # tokens a sequence may hold: the capacity a length is checked against
+    # A quantized cache: the pools hold bytes (dtype uint8, head dims of the stored rows), as in BatchedKV.
+    kv_format: KVFormat | None = None
+    kv_scales: torch.Tensor | None = None
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        return self.kv_format.dtype if self.kv_format is not None else self.dtype
+
+    @property
+    def value_head_dims(self) -> tuple[int, int]:
+        extra = self.kv_format.scale_bytes if self.kv_format is not None else 0
+        return self.head_dim - extra, self.v_head_dim - extra

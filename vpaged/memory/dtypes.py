@@ -10,6 +10,8 @@ _DLPACK = {
     torch.bfloat16: (4, 16),
     torch.float64: (2, 64),
 }
+# Bytes: what the memory layers see of a quantized cache (vpaged/kvcache/formats.py).
+_STORAGE = {**_DLPACK, torch.uint8: (1, 8)}
 
 
 def dlpack_code(dtype: torch.dtype) -> tuple[int, int]:
@@ -22,3 +24,8 @@ def dlpack_code(dtype: torch.dtype) -> tuple[int, int]:
 
 def itemsize(dtype: torch.dtype) -> int:
     return dlpack_code(dtype)[1] // 8
+
+
+def storage_dlpack_code(dtype: torch.dtype) -> tuple[int, int]:
+    """dlpack_code(), and bytes (uint8) for the rows of a quantized cache."""
+    return _STORAGE[dtype] if dtype in _STORAGE else dlpack_code(dtype)

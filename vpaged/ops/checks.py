@@ -104,7 +104,7 @@ def check_extent(kv: BatchedKV, slots: list[int], lengths: list[int]) -> None:
     extents = [owner_extent(o) for o in owners]
     if None in extents or not slots:
         return
-    item = itemsize(kv.dtype)
+    item = kv.dtype.itemsize if kv.kv_format is not None else itemsize(kv.dtype)
     # (name, base, extent, head dim, head stride, token stride, slot stride) of K and of V
     tensors = (
         ("K", kv.k_ptr, extents[0], kv.head_dim, kv.head_stride, kv.token_stride, kv.slot_stride),

@@ -25,12 +25,21 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidArgumentError, ShapeError
+from ..errors import DTypeError, InvalidArgumentError, ShapeError
 from ..kvcache.base import KVCacheBase
 from ..kvcache.checks import check_kernel_dtype, check_lengths, index_tensor
+from ..kvcache.formats import read_scale
 from ..kvcache.records import BatchedKV
 from .checks import cache_max_len, check_extent, check_max_len, check_out, check_pools, check_q, kv_capacity
-from .launch import describe_contiguous, describe_paged, kernel_params, launch
+from .launch import (
+    KV_DTYPE_CODES,
+    describe_contiguous,
+    describe_format,
+    describe_paged,
+    float32_io,
+    kernel_params,
+    launch,
+)
 
 
 def decode_attention_contiguous(
@@ -47,11 +56,12 @@ def decode_attention_contiguous(
     kv = batched_kv
     if not isinstance(kv, BatchedKV):
         raise InvalidArgumentError(f"batched_kv must be a BatchedKV (VirtualKVCache.batch()), got {type(kv).__name__}")
-    check_kernel_dtype(kv.dtype, "the cache")
-    q = check_q(q, kv.num_kv_heads, kv.head_dim, kv.dtype, kv.device)
-    if not isinstance(kv.v_head_dim, int) or not 1 <= kv.v_head_dim <= 256:
-        raise ShapeError(f"v_head_dim must be an int in 1..256, got {kv.v_head_dim!r}")
-    out = check_out(out, q, kv.v_head_dim)
+    check_kernel_dtype(kv.value_dtype, "the cache")
+    head_dim, v_head_dim = kv.value_head_dims  # a quantized cache's descriptor counts bytes of its rows
+    q = check_q(q, kv.num_kv_heads, head_dim, kv.value_dtype, kv.device)
+    if not isinstance(v_head_dim, int) or not 1 <= v_head_dim <= 256:
+        raise ShapeError(f"v_head_dim must be an int in 1..256, got {v_head_dim!r}")
+    out = check_out(out, q, v_head_dim)
     num_seqs = q.shape[0]
     slots = index_tensor(kv.slots, "slots", (num_seqs,), q.device)
     lengths = index_tensor(kv.lengths, "lengths", (num_seqs,), q.device)
@@ -63,10 +73,14 @@ def decode_attention_contiguous(
         max_len = check_max_len(max_len, capacity)
     if num_seqs == 0:
         return out
-    p = kernel_params(q, out, kv.k_ptr, kv.v_ptr, kv.num_kv_heads, kv.token_stride, lengths, max_len, scale)
+    qk, outk = float32_io(q, out) if kv.kv_format is not None else (q, out)
+    p = kernel_params(qk, outk, kv.k_ptr, kv.v_ptr, kv.num_kv_heads, kv.token_stride, lengths, max_len, scale)
     describe_contiguous(p, kv)
+    describe_format(p, kv)
     p.slots = slots.data_ptr()
-    launch(p, q)
+    launch(p, qk)
+    if outk is not out:
+        out.copy_(outk)
     return out
 
 
@@ -80,16 +94,26 @@ def decode_attention_paged(
     out: torch.Tensor | None = None,
     *,
     max_len: int | None = None,
+    kv_format=None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over block pools key_cache [num_blocks, block_size, num_kv_heads, head_dim] and
     value_cache [num_blocks, block_size, num_kv_heads, v_head_dim] (dense; block_size a power of two) through
     block_tables [num_seqs, width] (block ids) and lengths [num_seqs]; token t of sequence i is row
-    t % block_size of block block_tables[i, t // block_size]. The result is [num_seqs, num_heads, v_head_dim]."""
+    t % block_size of block block_tables[i, t // block_size]. The result is [num_seqs, num_heads, v_head_dim].
+    kv_format / kv_scales: the pools of a quantized PagedKVCache (its BlockPools record): bytes of stored
+    rows, read by the kernel as that format."""
     check_pools(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     v_head_dim = value_cache.shape[3]
-    check_kernel_dtype(key_cache.dtype, "key_cache")
-    q = check_q(q, num_kv_heads, head_dim, key_cache.dtype, key_cache.device)
+    value_dtype = key_cache.dtype
+    if kv_format is not None:
+        if key_cache.dtype != kv_format.storage_dtype:
+            raise DTypeError(f"the pools of a {kv_format.name} cache hold bytes, got {key_cache.dtype}")
+        value_dtype = kv_format.dtype
+        head_dim, v_head_dim = head_dim - kv_format.scale_bytes, v_head_dim - kv_format.scale_bytes
+    check_kernel_dtype(value_dtype, "key_cache")
+    q = check_q(q, num_kv_heads, head_dim, value_dtype, key_cache.device)
     out = check_out(out, q, v_head_dim)
     num_seqs = q.shape[0]
     if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
@@ -106,21 +130,19 @@ def decode_attention_paged(
         max_len = check_max_len(max_len, capacity)
     if num_seqs == 0:
         return out
-    p = kernel_params(
-        q,
-        out,
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        num_kv_heads,
-        num_kv_heads * head_dim,
-        lengths,
-        max_len,
-        scale,
-    )
+    qk, outk = float32_io(q, out) if kv_format is not None else (q, out)
+    p = kernel_params(qk, outk, key_cache.data_ptr(), value_cache.data_ptr(), num_kv_heads, 0, lengths, max_len, scale)
     describe_paged(p, key_cache, value_cache)
+    if kv_format is not None:
+        p.dtype = 0  # float32 q and out
+        p.kv_dtype = KV_DTYPE_CODES[kv_format.kv_dtype]
+        p.head_dim, p.v_head_dim = head_dim, v_head_dim
+        p.k_scale, p.v_scale = read_scale(kv_scales, 0), read_scale(kv_scales, 1)
     p.block_tables = tables.data_ptr()
     p.bt_stride = tables.stride(0)
-    launch(p, q)
+    launch(p, qk)
+    if outk is not out:
+        out.copy_(outk)
     return out
 
 
@@ -138,7 +160,7 @@ def decode_attention_reference(
     out = check_out(out, q, getattr(cache, "v_head_dim", cache.head_dim))
     cache_max_len(cache, seqs)  # every sequence holds at least one token
     for i, seq in enumerate(seqs):
-        k, v = cache.kv(layer, seq)  # [T, kv_heads, D]
+        k, v = cache.dequantized_kv(layer, seq)  # [T, kv_heads, D]: views, or values of a quantized cache
         o = torch.nn.functional.scaled_dot_product_attention(
             q[i].unsqueeze(1), k.transpose(0, 1), v.transpose(0, 1), scale=scale, enable_gqa=True
         )

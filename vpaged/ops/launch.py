@@ -8,9 +8,12 @@ import math
 import torch
 
 from .. import _C
+from ..kvcache.formats import read_scale
 from ..kvcache.records import BatchedKV
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# Stored formats of a quantized cache (kvcache/formats.py); the kernels then take q and out in float32.
+KV_DTYPE_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
 
 
 def kernel_params(
@@ -37,6 +40,26 @@ def describe_contiguous(p: _C.DecodeParams, kv: BatchedKV) -> None:
     p.token_stride, p.v_token_stride = kv.token_stride, kv.v_token_stride
     p.head_stride, p.v_head_stride = kv.head_stride, kv.v_head_stride
     p.slot_stride, p.v_slot_stride = kv.slot_stride, kv.v_slot_stride
+
+
+def describe_format(p: _C.DecodeParams, kv: BatchedKV) -> None:
+    """A quantized cache's format into the parameters (nothing for plain values): K/V as stored (bytes,
+    strides in bytes), the value head dims, the layer's fp8 scales (read now: calibration sets them at the
+    layer's first write), q and out in float32."""
+    fmt = kv.kv_format
+    if fmt is None:
+        return
+    p.dtype = DTYPE_CODES[torch.float32]
+    p.kv_dtype = KV_DTYPE_CODES[fmt.kv_dtype]
+    p.head_dim, p.v_head_dim = kv.value_head_dims
+    p.k_scale, p.v_scale = read_scale(kv.kv_scales, 0), read_scale(kv.kv_scales, 1)
+
+
+def float32_io(q: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and an output buffer in float32 for a kernel over quantized K/V (the given ones when already so)."""
+    if q.dtype == torch.float32:
+        return q, out
+    return q.float().contiguous(), torch.empty(out.shape, dtype=torch.float32, device=out.device)
 
 
 def describe_paged(p: _C.DecodeParams, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:

@@ -23,19 +23,22 @@ from ..kvcache.checks import check_kernel_dtype, check_layer
 from ..kvcache.records import BatchedKV, BlockPools
 from .checks import cache_max_len, check_held, check_out, check_pools, check_q, kv_capacity
 from .decode import decode_attention_contiguous, decode_attention_paged
-from .launch import DTYPE_CODES, describe_contiguous, describe_paged
+from .launch import DTYPE_CODES, describe_contiguous, describe_format, describe_paged, float32_io
 
 
 class LayerPlan(ABC):
     """A layer's kernel parameters (max_tokens = the capacity per sequence), built once, reused every step."""
 
-    __slots__ = ("params", "num_kv_heads", "head_dim", "v_head_dim", "scale")
+    __slots__ = ("params", "num_kv_heads", "head_dim", "v_head_dim", "scale", "quantized")
 
-    def __init__(self, params: _C.DecodeParams, capacity: int):
+    def __init__(self, params: _C.DecodeParams, capacity: int, quantized: BatchedKV | None = None):
         params.max_tokens = min(capacity, 2**31 - 1)
         self.params = params
         self.num_kv_heads, self.head_dim, self.v_head_dim = params.num_kv_heads, params.head_dim, params.v_head_dim
         self.scale = 1.0 / math.sqrt(params.head_dim)
+        # A quantized cache's source (kv_format set): its fp8 scales are read at each step (calibration may
+        # set them after the plan is built), q and out cross in float32.
+        self.quantized = quantized
 
     # Whether each step compares the cache's source record with the plan (a source that can change under it).
     checks_source = False
@@ -55,8 +58,14 @@ class LayerPlan(ABC):
         if not seqs:
             return out
         scale = self.scale if scale is None else float(scale)
-        self.cpu_entry()(self.params, q.data_ptr(), out.data_ptr(), q.shape[1], scale, where, lengths,
+        qk, outk = q, out
+        if self.quantized is not None:
+            describe_format(self.params, self.quantized)
+            qk, outk = float32_io(q, out)
+        self.cpu_entry()(self.params, qk.data_ptr(), outk.data_ptr(), q.shape[1], scale, where, lengths,
                          torch.get_num_threads())  # fmt: skip
+        if outk is not out:
+            out.copy_(outk)
         return out
 
     @abstractmethod
@@ -76,12 +85,13 @@ class ContiguousPlan(LayerPlan):
 
     @classmethod
     def build(cls, cache, kv: BatchedKV) -> ContiguousPlan:
-        check_kernel_dtype(kv.dtype, "the cache")
+        check_kernel_dtype(kv.value_dtype, "the cache")
         p = _C.DecodeParams()
-        p.dtype = DTYPE_CODES[kv.dtype]
+        p.dtype = DTYPE_CODES[kv.value_dtype]
         p.head_dim, p.v_head_dim = kv.head_dim, kv.v_head_dim
         describe_contiguous(p, kv)
-        return cls(p, kv_capacity(kv))
+        describe_format(p, kv)  # a quantized cache: its format, value head dims, q/out in float32
+        return cls(p, kv_capacity(kv), kv if kv.kv_format is not None else None)
 
     def cpu_entry(self):
         return _C.decode_cpu_rows  # looked up per call: tests replace it to watch the calls
@@ -117,12 +127,13 @@ class BlockTablePlan(LayerPlan):
                 f"the layer's block pools are {list(key_cache.shape)} and {list(value_cache.shape)}; the cache's "
                 f"geometry needs {list(want_k)} and {list(want_v)}"
             )
-        check_kernel_dtype(key_cache.dtype, "the cache")
+        check_kernel_dtype(source.value_dtype, "the cache")
         p = _C.DecodeParams()
-        p.dtype = DTYPE_CODES[key_cache.dtype]
+        p.dtype = DTYPE_CODES[source.value_dtype]
         p.head_dim, p.v_head_dim = key_cache.shape[3], value_cache.shape[3]
         describe_paged(p, key_cache, value_cache)
-        plan = cls(p, source.max_seq_len)
+        describe_format(p, source)  # a quantized cache: its format, value head dims, q/out in float32
+        plan = cls(p, source.max_seq_len, source if source.kv_format is not None else None)
         plan.pools = _pool_fingerprint(source)
         return plan
 
@@ -139,8 +150,9 @@ class BlockTablePlan(LayerPlan):
         max_len = cache_max_len(cache, seqs)
         tables, lengths = cache.block_tables(seqs), cache.lengths(seqs)
         return decode_attention_paged(
-            q, source.key_cache, source.value_cache, tables, lengths, scale, out, max_len=max_len
-        )
+            q, source.key_cache, source.value_cache, tables, lengths, scale, out, max_len=max_len,
+            kv_format=source.kv_format, kv_scales=source.kv_scales,
+        )  # fmt: skip
 
 
 # Which plan reads which source record. A new cache type or KV format registers its record here.

@@ -13,19 +13,30 @@ from __future__ import annotations
 import torch
 
 from ..kvcache.checks import KERNEL_DTYPES
+from ..kvcache.formats import QUANTIZED_DTYPES
 from ..memory.dtypes import itemsize
 
 CUDA_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
 CUDA_ALIGNMENT = 16  # bytes
+QUANTIZED_ALIGNMENT = 4  # bytes: quantized rows are read 4 bytes at a time
 
 
 def decode_unsupported(
-    device, dtype: torch.dtype, head_dim: int, v_head_dim: int | None = None, strides: tuple[int, ...] = ()
+    device,
+    dtype: torch.dtype,
+    head_dim: int,
+    v_head_dim: int | None = None,
+    strides: tuple[int, ...] = (),
+    kv_dtype: torch.dtype | None = None,
 ) -> str | None:
     """Why the decode kernel cannot take a layer on `device` with these sizes (None: it can). `strides` are
     the element strides of the K/V rows the kernel would step by (token, head and slot strides); each must
-    keep rows on the CUDA kernels' alignment."""
+    keep rows on the CUDA kernels' alignment. kv_dtype: a quantized cache's stored format (strides then
+    count bytes, and its rows need only 4-byte alignment: an int8 row is head_dim + 4 bytes)."""
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    quantized = kv_dtype is not None and kv_dtype != dtype
+    if quantized and kv_dtype not in QUANTIZED_DTYPES:
+        return f"the decode kernels read stored K/V of {dtype} or a quantized format, not {kv_dtype}"
     if dtype not in KERNEL_DTYPES:
         return f"the decode kernels read float32, float16 and bfloat16, not {dtype}"
     if not (1 <= head_dim <= 256 and 1 <= v_head_dim <= 256):
@@ -35,11 +46,11 @@ def decode_unsupported(
     if (head_dim, v_head_dim) not in CUDA_HEAD_DIMS:
         dims = ", ".join(f"{k}/{v}" for k, v in sorted(CUDA_HEAD_DIMS))
         return f"the CUDA decode kernels are built for head sizes {dims}, not {head_dim}/{v_head_dim}"
-    item = itemsize(dtype)
-    if any((s * item) % CUDA_ALIGNMENT for s in strides):
-        return f"the CUDA decode kernels need K/V rows on {CUDA_ALIGNMENT}-byte boundaries (strides {strides})"
+    item, align = (1, QUANTIZED_ALIGNMENT) if quantized else (itemsize(dtype), CUDA_ALIGNMENT)
+    if any((s * item) % align for s in strides):
+        return f"the CUDA decode kernels need K/V rows on {align}-byte boundaries (strides {strides})"
     return None
 
 
-def decode_supported(device, dtype, head_dim: int, v_head_dim: int | None = None, strides=()) -> bool:
-    return decode_unsupported(device, dtype, head_dim, v_head_dim, tuple(strides)) is None
+def decode_supported(device, dtype, head_dim: int, v_head_dim: int | None = None, strides=(), kv_dtype=None) -> bool:
+    return decode_unsupported(device, dtype, head_dim, v_head_dim, tuple(strides), kv_dtype) is None

@@ -7,6 +7,7 @@ import torch
 from .. import _C
 from ..errors import DTypeError, InvalidArgumentError, ShapeError
 from ..kvcache.checks import index_tensor
+from ..kvcache.formats import layer_scale
 from ..kvcache.records import BatchedKV
 from ..memory.dtypes import itemsize
 from .checks import check_extent, owner_extent
@@ -30,7 +31,9 @@ def write_kv(
     and head strides, each head's elements dense): row i goes to token positions[i] of sequence rows[i] of the
     descriptor (its slot batched_kv.slots[rows[i]]), through the descriptor's base pointers and strides, so
     every layout the decode kernel reads (per_layer, interleaved, head_major) is written alike. Rows naming the
-    same token leave one of them there (which one is unspecified).
+    same token leave one of them there (which one is unspecified). For a quantized cache (batched_kv.kv_format
+    set) k and v are values in the model dtype with the value head dims: they are quantized here (int8: a scale
+    per row; fp8: the layer's scales, calibrated by its first write when asked to) and scattered as bytes.
 
     Every row is checked before anything is written (in the extension, on host copies of the indices): the
     sequence index in 0..B-1, the position below that sequence's length in the descriptor (the tokens it has
@@ -46,7 +49,16 @@ def write_kv(
     kv = batched_kv
     if not isinstance(kv, BatchedKV):
         raise InvalidArgumentError(f"batched_kv must be a BatchedKV (VirtualKVCache.batch()), got {type(kv).__name__}")
-    if kv.dtype not in _WRITE_DTYPES:
+    fmt = kv.kv_format
+    if fmt is not None:
+        # A quantized cache: values in the model dtype are quantized here (int8: a scale per row, stored
+        # after it; fp8: the layer's scales, calibrated by its first write), then scattered as bytes.
+        head_dim, v_head_dim = kv.value_head_dims
+        _check_rows("k", k, None, kv.num_kv_heads, head_dim, kv.value_dtype, kv.device)
+        _check_rows("v", v, k.shape[0], kv.num_kv_heads, v_head_dim, kv.value_dtype, kv.device)
+        k = fmt.quantize(k, layer_scale(kv.kv_scales, 0, k, fmt))
+        v = fmt.quantize(v, layer_scale(kv.kv_scales, 1, v, fmt))
+    elif kv.dtype not in _WRITE_DTYPES:
         raise DTypeError(f"write_kv supports {', '.join(map(str, _WRITE_DTYPES))}; the cache holds {kv.dtype}")
     n = _check_rows("k", k, None, kv.num_kv_heads, kv.head_dim, kv.dtype, kv.device)
     _check_rows("v", v, n, kv.num_kv_heads, kv.v_head_dim, kv.dtype, kv.device)
@@ -65,7 +77,7 @@ def write_kv(
     if writable_from is not None:
         from_h = index_tensor(_host(writable_from, "writable_from"), "writable_from", (num_seqs,), host)
     p = _C.WriteKVParams()
-    p.itemsize = itemsize(kv.dtype)
+    p.itemsize = kv.dtype.itemsize if fmt is not None else itemsize(kv.dtype)
     p.num_rows, p.num_seqs = n, num_seqs
     p.num_kv_heads, p.head_dim, p.v_head_dim = kv.num_kv_heads, kv.head_dim, kv.v_head_dim
     p.k, p.v = k.data_ptr(), v.data_ptr()

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..kvcache.checks import check_positive_int, is_int
+from ..kvcache.formats import resolve_kv_dtype
 from ..memory.device import normalize_device
 from .stores.base import KV_KINDS
 
@@ -49,6 +50,11 @@ class EngineConfig:
         record_steps: keep a per-step timing record in LLMEngine.step_log (for benchmarks).
         watermark_fraction: share of the KV pages an admission must leave free while other sequences run
             (vLLM's watermark), so that admitting a request does not force the next decode step to preempt.
+        kv_dtype: what the cache stores: None / "auto" (the model dtype), "int8" (a scale per token and KV
+            head), "fp8" / "fp8_e4m3" or "fp8_e5m2" (per-layer scales), or the torch dtype. A quantized
+            format holds ~2x (bf16 models) or ~4x (fp32) the tokens in the same kv_budget_bytes.
+        kv_scales: fp8 only: per-layer (K, V) scales, a float, or "calibrate" (from each layer's first
+            write, i.e. the first prompt); default 1.0.
         cpu_prepack: on CPU, run the model's linear layers on oneDNN weights packed once at construction
             (vpaged.hf.prepack; parameters and state_dict unchanged). Ignored on CUDA. False leaves the
             model's layers as they are (a model prepared before stays so: vpaged.hf.unprepack undoes it).
@@ -70,6 +76,8 @@ class EngineConfig:
     record_steps: bool = False
     watermark_fraction: float = 0.01
     cpu_prepack: bool = True
+    kv_dtype: torch.dtype | str | None = None
+    kv_scales: object = None
 
     def __post_init__(self):
         # The order of the checks is the order LLMEngine has always reported them in.
@@ -89,6 +97,8 @@ class EngineConfig:
             raise InvalidArgumentError(f"watermark_fraction must be a number in [0, 1), got {f!r}")
         if not isinstance(self.cpu_prepack, bool):
             raise InvalidArgumentError(f"cpu_prepack must be a bool, got {self.cpu_prepack!r}")
+        if self.kv_dtype is not None:
+            resolve_kv_dtype(self.kv_dtype, self.dtype or torch.float32)  # DTypeError for an unknown format
         object.__setattr__(self, "device", normalize_device(self.device))
 
     @property

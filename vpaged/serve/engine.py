@@ -122,7 +122,8 @@ class LLMEngine:
         self.max_model_len = limit
         self.vocab_size = int(text_config.vocab_size)
         self.kv = config.kv
-        self.store = make_store(config, KVGeometry(layers, kv_heads, head_dim, model.dtype), limit)
+        geometry = KVGeometry(layers, kv_heads, head_dim, model.dtype, kv_dtype=config.kv_dtype)
+        self.store = make_store(config, geometry, limit)
         self.scheduler = Scheduler(self.store, config)
         self.runner = ModelRunner(model, self.store, config)
         store = self.store

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidArgumentError
-from ..memory.dtypes import itemsize
+from ..kvcache.geometry import KVGeometry
 
 
 @dataclass(frozen=True)
@@ -18,11 +18,14 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.bfloat16
+    kv_dtype: torch.dtype | None = None  # what the caches store (kvcache/formats.py); None: dtype
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize(self.dtype)
+        """K and V of one token over all layers (a quantized format's scales included)."""
+        return KVGeometry(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, kv_dtype=self.kv_dtype
+        ).bytes_per_token
 
 
 # Attention geometry from each model's published config (num_hidden_layers, num_key_value_heads, head_dim).

@@ -68,6 +68,12 @@ class VirtualKVCache(KVCacheBase):
         page_size: bytes per page for a private/default pool (must match a given pool).
         swap_bytes: capacity of the host swap space for swap_out() (0: no swapping).
         prefix_hash: hash(parent_key, block_token_ids) -> bytes for the prefix index (default: blake2b chain).
+        kv_dtype: what is stored (default: dtype): torch.int8 (a scale per token and KV head, beside it),
+            torch.float8_e4m3fn or torch.float8_e5m2 (per-layer K and V scales), or their names "int8", "fp8",
+            "fp8_e5m2". write() takes values in dtype and quantizes; kv() returns QuantizedKV records,
+            dequantized_kv() values. See kvcache/formats.py.
+        kv_scales: fp8 only: the per-layer (K, V) scales: a float, a (k, v) pair, [num_layers, 2], or
+            "calibrate" (set from each layer's first write). Default 1.0.
     """
 
     def __init__(
@@ -86,15 +92,19 @@ class VirtualKVCache(KVCacheBase):
         swap_bytes: int = 0,
         prefix_hash: HashFn | None = None,
         v_head_dim: int | None = None,
+        kv_dtype=None,
+        kv_scales=None,
     ):
-        self._init_shape(num_layers, num_kv_heads, head_dim, dtype, max_seqs, max_seq_len, v_head_dim)
+        self._init_shape(
+            num_layers, num_kv_heads, head_dim, dtype, max_seqs, max_seq_len, v_head_dim, kv_dtype, kv_scales
+        )
         self.device, self.pool = resolve_pool(device, pool, capacity_bytes, page_size)
         self.layout = lay = Layout.of(layout, self.geometry, max_seqs, max_seq_len, self.pool.page_size)
         if not self.pool.accounting_only:  # address space and mapping limit: said now, not mid-serving
             check_cache(lay, self.device)
         self._page_map = PageMap(self.pool.new_range(lay.total_bytes), lay, self.pool)
         self._range, self._slots = self._page_map.range, self._page_map.table
-        self._views = SlotViews(self._range, lay, dtype, self.device)
+        self._views = SlotViews(self._range, lay, self.kv_format, self.device, self.kv_scales)
         self._prefix_hits = 0
         self._prefix = PrefixIndex.for_layout(lay, self.pool, prefix_hash)
         pin = self.device.type == "cuda" and torch.cuda.is_available()
@@ -216,13 +226,20 @@ class VirtualKVCache(KVCacheBase):
         return self._slots.sequences if not self._closed else []
 
     # ----------------------------------------------------------------------------------------- views
-    def kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(self, layer: int, seq: int):
         """Zero-copy (K, V) views of shape [seq_len, num_kv_heads, head_dim] covering exactly the tokens
-        present (strided for the interleaved layout). While a view lives, its pages stay mapped."""
+        present (strided for the interleaved layout). While a view lives, its pages stay mapped. A quantized
+        cache gives two QuantizedKV records (stored data and scales, views); dequantized_kv() gives values."""
         check_layer(layer, self.num_layers)
         slot = self._live_slot(seq)
         n = self._slots.length_tokens[slot]
-        return self._views.tokens(layer, 0, slot, 0, n), self._views.tokens(layer, 1, slot, 0, n)
+        return self._views.values(layer, 0, slot, 0, n), self._views.values(layer, 1, slot, 0, n)
+
+    def dequantized_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of the tokens present as values in the model dtype: copies for a quantized cache, kv()'s
+        views otherwise."""
+        k, v = self.kv(layer, seq)
+        return (k.dequantize(), v.dequantize()) if self.kv_format.quantized else (k, v)
 
     def new_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writable (K, V) views of the tokens the sequence's last extend() added (extend() made their pages
@@ -234,7 +251,7 @@ class VirtualKVCache(KVCacheBase):
         # last extend() may lie in pages shared with other sequences or the prefix index.
         start = max(min(t.new_from_token[slot], t.length_tokens[slot]), self._page_map.first_writable(slot))
         n = t.length_tokens[slot] - start
-        return self._views.tokens(layer, 0, slot, start, n), self._views.tokens(layer, 1, slot, start, n)
+        return self._views.values(layer, 0, slot, start, n), self._views.values(layer, 1, slot, start, n)
 
     def writable_range(self, seq: int) -> tuple[int, int]:
         """(first, end): the tokens write() may write. Tokens in pages the sequence may share with others
@@ -244,15 +261,16 @@ class VirtualKVCache(KVCacheBase):
         return self._page_map.first_writable(slot), self._slots.length_tokens[slot]
 
     def kv_batch(self, layer: int, seqs, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of several sequences as [B, length, num_kv_heads, head_dim] views. The sequences must sit
-        in evenly spaced slots (allocate_many gives consecutive ones); length defaults to their common length
-        and may not exceed the shortest."""
+        """(K, V) of several sequences as [B, length, num_kv_heads, head_dim] views (QuantizedKV records on a
+        quantized cache). The sequences must sit in evenly spaced slots (allocate_many gives consecutive
+        ones); length defaults to their common length and may not exceed the shortest."""
         check_layer(layer, self.num_layers)
         seqs = list(seqs)
         if not seqs:
             raise InvalidArgumentError("kv_batch needs at least one sequence")
         slots = [self._live_slot(s) for s in seqs]
-        return self._views.rows(layer, slots, [self._slots.length_tokens[s] for s in slots], length)
+        k, v = self._views.rows(layer, slots, [self._slots.length_tokens[s] for s in slots], length)
+        return self._views.as_values(k, layer, 0), self._views.as_values(v, layer, 1)
 
     def batch(self, layer: int, seqs) -> BatchedKV:
         """Descriptor of one layer's K/V of `seqs` for decode kernels with per-sequence lengths."""
@@ -284,7 +302,8 @@ class VirtualKVCache(KVCacheBase):
         """K/V of tokens start..stop-1 (default: all present) in every layer, as one zero-copy view of shape
         [num_layers, 2, stop - start, num_kv_heads, head_dim] ([:, 0] is K, [:, 1] is V). One view per
         sequence and step instead of two per layer. For reading; the tokens of writable_range() may also be
-        written through it (after extend(), the tokens it added)."""
+        written through it (after extend(), the tokens it added). A quantized cache's rows are its stored
+        bytes (uint8, an int8 row's scale included): kv_format.dequantize() turns them into values."""
         slot = self._live_slot(seq)
         length = self._slots.length_tokens[slot]
         stop = length if stop is None else stop
@@ -293,8 +312,9 @@ class VirtualKVCache(KVCacheBase):
 
     def write(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
         """Copy k, v of shape [n, num_kv_heads, head_dim] into tokens start..start+n-1 of the sequence
-        (default: its last n tokens). Only writable_range() may be written: tokens in pages the sequence
-        may share with others raise ReadOnlyTokensError."""
+        (default: its last n tokens; values in the cache's dtype, quantized when kv_dtype is a quantized
+        format). Only writable_range() may be written: tokens in pages the sequence may share with others
+        raise ReadOnlyTokensError."""
         check_layer(layer, self.num_layers)
         slot = self._live_slot(seq)
         check_kv(k, v, self.dtype, self.num_kv_heads, self.head_dim, self.device, self.v_head_dim)
@@ -306,8 +326,7 @@ class VirtualKVCache(KVCacheBase):
                 f"tokens before {first} are read-only (they may share pages with other "
                 f"sequences); write the tokens the last extend() added, or truncate() and extend() again"
             )
-        self._views.tokens(layer, 0, slot, start, n).copy_(k)
-        self._views.tokens(layer, 1, slot, start, n).copy_(v)
+        self._views.write(layer, slot, start, k, v)  # quantized on the way in for a quantized format
 
     # ----------------------------------------------------------------------------------------- sharing
     def fork(self, seq: int) -> int:

@@ -62,11 +62,11 @@ class Layout:
 
     @classmethod
     def of(cls, kind: str, geometry: KVGeometry, max_seqs: int, max_seq_len: int, page_size: int) -> Layout:
-        """The layout of a cache of `geometry`'s K/V."""
+        """The layout of a cache of `geometry`'s K/V (of its stored rows: head_dim and itemsize here are the
+        storage's, e.g. head_dim + 4 bytes per int8 row)."""
         g = geometry
-        return cls(
-            kind, g.num_layers, g.num_kv_heads, g.head_dim, g.itemsize, max_seqs, max_seq_len, page_size, g.v_head_dim
-        )
+        head_dim, v_head_dim, item = g.storage_dims()  # a quantized format: byte rows, scales included
+        return cls(kind, g.num_layers, g.num_kv_heads, head_dim, item, max_seqs, max_seq_len, page_size, v_head_dim)
 
     @property
     def regions(self) -> int:

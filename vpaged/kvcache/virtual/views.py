@@ -11,21 +11,55 @@ import numpy as np
 import torch
 
 from ...errors import InvalidArgumentError
-from ...memory.dtypes import dlpack_code
+from ...memory.dtypes import storage_dlpack_code
+from ..formats import KVFormat, QuantizedKV, layer_scale
 from ..records import BatchedKV
 from .layout import Layout
 
 
 class SlotViews:
-    def __init__(self, vrange, layout: Layout, dtype: torch.dtype, device: torch.device):
-        self.range, self.layout, self.dtype, self.device = vrange, layout, dtype, device
-        self._dl_code, self._dl_bits = dlpack_code(dtype)
+    """Views of stored rows. For a quantized format (kvcache/formats.py) the memory holds bytes: tokens() and
+    layers() view them as uint8 rows (scales included), values() as QuantizedKV, write() quantizes."""
+
+    def __init__(self, vrange, layout: Layout, fmt: KVFormat, device: torch.device, scales: torch.Tensor | None = None):
+        self.range, self.layout, self.format, self.device = vrange, layout, fmt, device
+        self.dtype = fmt.storage_dtype
+        self.scales = scales  # fp8: [num_layers, 2] (K, V) per layer
+        self._dl_code, self._dl_bits = storage_dlpack_code(self.dtype)
 
     def tokens(self, layer: int, kv: int, slot: int, start: int, n: int) -> torch.Tensor:
         """K (kv=0) or V (kv=1) of tokens start..start+n-1 of a slot as a [n, kv_heads, dim] view (dim: the
         layout's head_dim for K, v_head_dim for V)."""
         shape, strides, perm = self.layout.view_dims(n, kv)
         return self._make(self.layout.offset(layer, kv, slot, start), shape, strides).permute(perm)
+
+    def values(self, layer: int, kv: int, slot: int, start: int, n: int):
+        """tokens() as the values they stand for: the view itself, or a QuantizedKV of views."""
+        rows = self.tokens(layer, kv, slot, start, n)
+        return self.as_values(rows, layer, kv)
+
+    def as_values(self, rows: torch.Tensor, layer: int, kv: int):
+        fmt = self.format
+        if not fmt.quantized:
+            return rows
+        data, scale = fmt.split(rows, self.value_dim(kv))
+        if scale is None:
+            scale = self.scales[layer, kv]
+        return QuantizedKV(data, scale, fmt)
+
+    def value_dim(self, kv: int) -> int:
+        """Head size of the values of K (kv=0) or V (kv=1): the stored row's less its scale."""
+        return self.layout.dim(kv) - self.format.scale_bytes
+
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (values in the model dtype, [n, heads, dim]) at tokens start.. of a slot."""
+        n = k.shape[0]
+        for kv, x in ((0, k), (1, v)):
+            rows = self.tokens(layer, kv, slot, start, n)
+            if self.format.quantized:
+                scales = self.scales[layer] if self.scales is not None else None
+                x = self.format.quantize(x, layer_scale(scales, kv, x, self.format))
+            rows.copy_(x)
 
     def rows(self, layer: int, slots: list[int], lengths: list[int], length: int | None):
         """(K, V) of evenly spaced slots as [B, length, kv_heads, dim] views; length defaults to the
@@ -72,6 +106,8 @@ class SlotViews:
             device=self.device,
             layout=lay.kind,
             owner=self.range,
+            kv_format=self.format if self.format.quantized else None,
+            kv_scales=self.scales[layer] if self.scales is not None else None,
             **values,
         )
 

@@ -30,6 +30,7 @@ class PagedStep(StepAttention):
         super().__init__(len(decodes), prefill_rows(row_offsets, prefills), num_tokens, store.device)
         cache, bs = store.cache, store.cache.block_size
         self._cache = cache
+        self._kv_format = cache.kv_format if cache.kv_format.quantized else None
         rows: list[int] = []  # pool row (block * block_size + offset) of each new token
         for seq in decodes:
             t = seq.num_computed
@@ -52,9 +53,7 @@ class PagedStep(StepAttention):
             )
 
     def write(self, layer, k, v):
-        shape = (-1, k.shape[1], k.shape[2])
-        self._cache.key_caches[layer].view(shape).index_copy_(0, self._rows, k)
-        self._cache.value_caches[layer].view(shape).index_copy_(0, self._rows, v)
+        self._cache.write_rows(layer, self._rows, k, v)  # quantized on the way in for a quantized format
 
     def decode(self, layer, q, scale, out):
         decode_attention_paged(
@@ -66,13 +65,12 @@ class PagedStep(StepAttention):
             scale,
             out,
             max_len=self._max_len,
+            kv_format=self._kv_format,
+            kv_scales=None if self._cache.kv_scales is None else self._cache.kv_scales[layer],
         )
 
     def prefill_kv(self, layer, i):
-        rows = self._prefill_rows[i]
-        k_pool, v_pool = self._cache.key_caches[layer], self._cache.value_caches[layer]
-        shape = (-1, k_pool.shape[2], k_pool.shape[3])
-        return k_pool.view(shape).index_select(0, rows), v_pool.view(shape).index_select(0, rows)
+        return self._cache.gather_rows(layer, self._prefill_rows[i])  # values, dequantized when stored so
 
 
 class PagedStore:
@@ -94,6 +92,8 @@ class PagedStore:
             device=config.device,
             capacity_bytes=config.kv_budget_bytes,
             block_size=config.block_size,
+            kv_dtype=geometry.kv_dtype,
+            kv_scales=config.kv_scales,
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.block_bytes
@@ -103,8 +103,9 @@ class PagedStore:
         )  # fmt: skip
         # Why decode rows cannot go to the kernel on this device (None: they do); SDPA serves them then.
         heads, dim, v_dim = geometry.num_kv_heads, geometry.head_dim, geometry.v_head_dim
+        row, v_row, _ = geometry.storage_dims()  # the pools' rows (bytes of a quantized format)
         self.decode_unsupported = decode_unsupported(
-            self.device, geometry.dtype, dim, v_dim, (heads * dim, dim, heads * v_dim, v_dim)
+            self.device, geometry.dtype, dim, v_dim, (heads * row, row, heads * v_row, v_row), geometry.kv_dtype
         )
         # The block pool is preallocated: the high water mark is of blocks taken, tracked as they are taken.
         self._high_water_blocks = 0

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...kvcache import VirtualKVCache
+from ...kvcache.formats import read_scale
 from ...kvcache.geometry import KVGeometry
 from ...ops import decode_attention_contiguous, decode_unsupported, write_kv
 from .attention import StepAttention, decodes_as_prefills, prefill_rows
@@ -29,6 +30,8 @@ class VirtualStep(StepAttention):
     def __init__(self, store: VirtualStore, decodes, prefills, row_offsets, num_tokens):
         super().__init__(len(decodes), prefill_rows(row_offsets, prefills), num_tokens, store.device)
         cache = store.cache
+        self._kv_format, self._kv_scales = store.kv_format, cache.kv_scales
+        self._value_dims = (cache.head_dim, cache.v_head_dim)
         # Prefill chunks attend over one view of the sequence's whole prefix (split per layer in prefill_kv).
         self._prefill_views = [cache.kv_layers(seq.handle, 0, start + n) for seq, start, n in prefills]
         if decodes:
@@ -73,7 +76,16 @@ class VirtualStep(StepAttention):
 
     def prefill_kv(self, layer, i):
         view = self._prefill_views[i]
-        return view[layer, 0], view[layer, 1]
+        fmt = self._kv_format
+        if fmt is None:
+            return view[layer, 0], view[layer, 1]
+        # A quantized cache: only what this chunk reads is dequantized (the rows of its sequence's prefix).
+        scales = self._kv_scales
+        k_scale, v_scale = (
+            (None, None) if scales is None else (read_scale(scales[layer], 0), read_scale(scales[layer], 1))
+        )
+        dim, v_dim = self._value_dims
+        return fmt.dequantize(view[layer, 0], dim, k_scale), fmt.dequantize(view[layer, 1], v_dim, v_scale)
 
 
 class VirtualStore:
@@ -108,6 +120,8 @@ class VirtualStore:
             page_size=config.page_size,
             layout=config.layout,
             swap_bytes=swap_bytes,
+            kv_dtype=geometry.kv_dtype,
+            kv_scales=config.kv_scales,
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.pool.page_size
@@ -125,7 +139,10 @@ class VirtualStore:
             geometry.head_dim,
             geometry.v_head_dim,
             (first.token_stride, first.head_stride, first.slot_stride, first.v_token_stride, first.v_head_stride),
+            kv_dtype=geometry.kv_dtype,
         )
+        # A quantized cache's prefill chunks attend over values made from its stored rows (format.dequantize).
+        self.kv_format = self.cache.kv_format if self.cache.kv_format.quantized else None
         self._swapped_bytes = 0  # swap space in use, tracked here so planning needs no stats() call
         self._swapped: dict[int, int] = {}  # handle -> bytes it holds in swap space
 
