@@ -230,8 +230,7 @@ class KVGroup:
         return k_all.transpose(1, 2), v_all.transpose(1, 2)
 
     def _write_quantized(self, i: int, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        """write() on a quantized cache: each row's new tokens quantized into its sequence; the layer attends
-        over the dequantized rows, its new tokens included (what later steps will read back)."""
+        """write() on a quantized cache: the layer attends over what is stored (dequantized), new tokens too."""
         if self.dup_of:
             self._write_rows(i, key_states, value_states)
         else:
