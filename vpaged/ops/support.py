@@ -18,7 +18,7 @@ from ..memory.dtypes import itemsize
 
 CUDA_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
 CUDA_ALIGNMENT = 16  # bytes
-QUANTIZED_ALIGNMENT = 4  # bytes: quantized rows are read 4 bytes at a time
+INT8_ALIGNMENT = 4  # bytes: an int8 row is head_dim + 4 bytes (its scale), read in 4-byte words
 
 
 def decode_unsupported(
@@ -32,7 +32,7 @@ def decode_unsupported(
     """Why the decode kernel cannot take a layer on `device` with these sizes (None: it can). `strides` are
     the element strides of the K/V rows the kernel would step by (token, head and slot strides); each must
     keep rows on the CUDA kernels' alignment. kv_dtype: a quantized cache's stored format (strides then
-    count bytes, and its rows need only 4-byte alignment: an int8 row is head_dim + 4 bytes)."""
+    count bytes; int8 rows, head_dim + 4 bytes with their scale, need only 4-byte alignment)."""
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     quantized = kv_dtype is not None and kv_dtype != dtype
     if quantized and kv_dtype not in QUANTIZED_DTYPES:
@@ -46,7 +46,8 @@ def decode_unsupported(
     if (head_dim, v_head_dim) not in CUDA_HEAD_DIMS:
         dims = ", ".join(f"{k}/{v}" for k, v in sorted(CUDA_HEAD_DIMS))
         return f"the CUDA decode kernels are built for head sizes {dims}, not {head_dim}/{v_head_dim}"
-    item, align = (1, QUANTIZED_ALIGNMENT) if quantized else (itemsize(dtype), CUDA_ALIGNMENT)
+    item = 1 if quantized else itemsize(dtype)
+    align = INT8_ALIGNMENT if kv_dtype == torch.int8 else CUDA_ALIGNMENT
     if any((s * item) % align for s in strides):
         return f"the CUDA decode kernels need K/V rows on {align}-byte boundaries (strides {strides})"
     return None
