@@ -103,7 +103,8 @@ class VirtualRange:
 class DecodeParams:
     """Arguments of a decode attention launch (csrc/kernels/decode.h); pointers are ints."""
 
-    dtype: int
+    dtype: int  # of q and out: 0 float32, 1 float16, 2 bfloat16
+    kv_dtype: int  # of K/V storage: -1 as dtype; 3 int8 (float32 scale after each head's row), 4 fp8 e4m3fn, 5 fp8 e5m2
     num_seqs: int
     num_heads: int
     num_kv_heads: int
@@ -121,6 +122,8 @@ class DecodeParams:
     block_size: int
     num_blocks: int
     scale: float
+    k_scale: float  # fp8 K: value = stored * k_scale
+    v_scale: float  # fp8 V: value = stored * v_scale
     q: int
     out: int
     k: int

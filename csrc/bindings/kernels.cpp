@@ -103,6 +103,7 @@ void register_kernels(py::module_& m) {
                                   "Arguments of a decode attention launch (see csrc/kernels/decode.h).");
   params.def(py::init<>())
       .def_readwrite("dtype", &DecodeParams::dtype)
+      .def_readwrite("kv_dtype", &DecodeParams::kv_dtype)
       .def_readwrite("num_seqs", &DecodeParams::num_seqs)
       .def_readwrite("num_heads", &DecodeParams::num_heads)
       .def_readwrite("num_kv_heads", &DecodeParams::num_kv_heads)
@@ -119,7 +120,9 @@ void register_kernels(py::module_& m) {
       .def_readwrite("bt_stride", &DecodeParams::bt_stride)
       .def_readwrite("block_size", &DecodeParams::block_size)
       .def_readwrite("num_blocks", &DecodeParams::num_blocks)
-      .def_readwrite("scale", &DecodeParams::scale);
+      .def_readwrite("scale", &DecodeParams::scale)
+      .def_readwrite("k_scale", &DecodeParams::k_scale)
+      .def_readwrite("v_scale", &DecodeParams::v_scale);
   address_field(params, "q", &DecodeParams::q);
   address_field(params, "out", &DecodeParams::out);
   address_field(params, "k", &DecodeParams::k);

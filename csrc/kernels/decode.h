@@ -9,6 +9,18 @@
 // [num_seqs, num_heads, head_dim], output [num_seqs, num_heads, v_head_dim]; query head j reads kv head
 // j / (num_heads / num_kv_heads) (GQA). Scores and accumulators are fp32 whatever the storage type.
 //
+// Quantized K/V (kv_dtype kInt8, kFloat8E4M3, kFloat8E5M2; q and out then float32): K and V are stored as
+// 1-byte elements and dequantized as they are read, scores and accumulators stay fp32.
+//   fp8 (e4m3 is the "fn" variant: bias 7, no inf, max 448; e5m2 is IEEE-like, bias 15): the value of a stored
+//   element x is float(x) * k_scale (K) or * v_scale (V), one scale per tensor. Every finite byte decodes
+//   exactly (subnormals included); the NaN codes of e4m3 (0x7f, 0xff) are not special-cased (they read as
+//   +-480 * scale).
+//   int8: each kv head's row of head_dim int8 values (V: v_head_dim) is followed by its float32 scale (4
+//   bytes, little-endian, any alignment) at byte offset head_dim (V: v_head_dim) from the row's start; value =
+//   int8 * that scale. A head's footprint is head_dim + 4 bytes, so head_stride >= head_dim + 4 (dense heads:
+//   head_stride == head_dim + 4, token_stride >= num_kv_heads * (head_dim + 4)). k_scale / v_scale are unused.
+// Strides are in elements of the K/V storage type, i.e. bytes for the 1-byte formats.
+//
 // Tensors cross as raw pointers: the extension does not link libtorch, vpaged/ops/ checks shapes,
 // dtypes and devices before calling, and the kernels never read a token at or past a sequence's length.
 #pragma once
@@ -17,10 +29,15 @@
 namespace vpaged {
 namespace kernels {
 
-enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt8 = 3, kFloat8E4M3 = 4, kFloat8E5M2 = 5 };
+// kv_dtype is one of the 1-byte quantized formats.
+constexpr bool is_quantized(int kv_dtype) {
+  return kv_dtype == kInt8 || kv_dtype == kFloat8E4M3 || kv_dtype == kFloat8E5M2;
+}
 
 struct DecodeParams {
-  int dtype = kFloat32;
+  int dtype = kFloat32;  // of q and out (and of K/V unless kv_dtype says otherwise)
+  int kv_dtype = -1;     // of K and V storage: -1 (or dtype) as dtype; quantized formats need dtype kFloat32
   int num_seqs = 0;
   int num_heads = 0;
   int num_kv_heads = 0;
@@ -45,9 +62,11 @@ struct DecodeParams {
   int block_size = 0;      // paged: a power of two
   int32_t num_blocks = 0;  // paged: block ids are clamped to 0..num_blocks-1
   float scale = 1.0f;      // softmax scale (usually 1/sqrt(head_dim))
+  float k_scale = 1.0f;    // fp8 K: stored value * k_scale (per tensor; ignored otherwise)
+  float v_scale = 1.0f;    // fp8 V: stored value * v_scale
 };
 
-// The parameters with every "as K's" V field (and head_stride 0) spelled out.
+// The parameters with every "as K's" V field (and head_stride 0, kv_dtype -1) spelled out.
 DecodeParams resolve_params(const DecodeParams& p);
 // Throws InvalidArgument when the parameters are inconsistent (shared by the CPU and CUDA paths; takes
 // resolved or unresolved parameters).
@@ -55,7 +74,9 @@ void check_params(const DecodeParams& p);
 
 // CPU code paths, chosen at run time: the portable x86-64 build (the reference), AVX2+FMA, AVX-512
 // (F/BW/VL/DQ; head_dim = v_head_dim = 64, 128 or 256, and K 192 / V 128; other head dims run the AVX2 build),
-// and AVX-512 with BF16 dot products (bf16 scores by vdpbf16ps; other dtypes as AVX-512).
+// and AVX-512 with BF16 dot products (bf16 scores by vdpbf16ps; other dtypes as AVX-512). Quantized K/V run
+// the AVX2 build (rows dequantized by AVX2 + F16C) on the AVX2 and both AVX-512 paths, the portable build on
+// baseline.
 enum CpuIsa : int { kIsaAuto = -1, kIsaBaseline = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3 };
 // The best path this CPU (and OS) supports.
 int cpu_best_isa();

@@ -17,6 +17,11 @@
 // layout are not adjacent anyway. Prefetching into L1 instead stalled on L1 miss buffers (measured on
 // the dev box: bf16 from DRAM 4.5 -> 6.7 GB/s per core with L2 hints).
 //
+// Quantized K/V (1-byte int8 / fp8 elements, fp32 q and out) take the same item loop: per chunk and kv head
+// the chunk's rows are dequantized into the fp32 row buffer (scale applied), by AVX2 + F16C code in the AVX2
+// build, and the next chunk's rows are prefetched a chunk ahead. At a byte per element the conversion, not
+// only the memory traffic, bounds the loop, which is why it is done 16 elements per step with intrinsics.
+//
 // Every helper is always_inline and the per-item entry points are compiled twice, for the baseline
 // x86-64 ISA and for AVX2+FMA, and picked at run time: the extension must run on any x86-64 (no -march),
 // yet decode at long contexts is bound by how fast rows are consumed, so 256-bit FMAs matter.
@@ -28,6 +33,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/errors.h"
@@ -40,10 +46,13 @@ namespace kernels {
 
 DecodeParams resolve_params(const DecodeParams& in) {
   DecodeParams p = in;
-  if (p.head_stride == 0) p.head_stride = p.head_dim;
+  if (p.kv_dtype == -1) p.kv_dtype = p.dtype;
+  // int8 rows carry their float32 scale after the values: a dense head is 4 bytes wider than its head dim.
+  const int extra = p.kv_dtype == kInt8 ? 4 : 0;
+  if (p.head_stride == 0) p.head_stride = p.head_dim + extra;
   if (p.v_head_dim == 0) p.v_head_dim = p.head_dim;
   if (p.v_token_stride == 0) p.v_token_stride = p.token_stride;
-  if (p.v_head_stride == 0) p.v_head_stride = p.v_head_dim == p.head_dim ? p.head_stride : p.v_head_dim;
+  if (p.v_head_stride == 0) p.v_head_stride = p.v_head_dim == p.head_dim ? p.head_stride : p.v_head_dim + extra;
   if (p.v_slot_stride == -1) p.v_slot_stride = p.slot_stride;
   return p;
 }
@@ -53,6 +62,15 @@ void check_params(const DecodeParams& in) {
   auto fail = [](const std::string& m) { throw InvalidArgument("decode attention: " + m); };
   if (p.dtype != kFloat32 && p.dtype != kFloat16 && p.dtype != kBFloat16)
     fail("unsupported dtype code " + std::to_string(p.dtype));
+  if (p.kv_dtype != p.dtype) {
+    if (!is_quantized(p.kv_dtype))
+      fail("unsupported kv_dtype code " + std::to_string(p.kv_dtype) + " (-1 or dtype " + std::to_string(p.dtype) +
+           ", or 3 int8, 4 float8_e4m3fn, 5 float8_e5m2)");
+    if (p.dtype != kFloat32)
+      fail("quantized K/V (kv_dtype " + std::to_string(p.kv_dtype) + ") need float32 q and out (dtype 0), got dtype " +
+           std::to_string(p.dtype));
+    if (!std::isfinite(p.k_scale) || !std::isfinite(p.v_scale)) fail("k_scale and v_scale must be finite");
+  }
   if (p.num_seqs < 0) fail("num_seqs < 0");
   if (p.num_heads <= 0 || p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0)
     fail("num_heads (" + std::to_string(p.num_heads) + ") must be a positive multiple of num_kv_heads (" +
@@ -60,10 +78,15 @@ void check_params(const DecodeParams& in) {
   if (p.head_dim <= 0 || p.head_dim > 256) fail("head_dim must be in 1..256, got " + std::to_string(p.head_dim));
   if (p.v_head_dim <= 0 || p.v_head_dim > 256)
     fail("v_head_dim must be in 1..256, got " + std::to_string(p.v_head_dim));
-  // Each of K and V: a head's row fits its head stride, and tokens do not overlap.
+  // Each of K and V: a head's row (int8: its values and their 4-byte scale) fits its head stride, and tokens
+  // do not overlap.
+  const int extra = p.kv_dtype == kInt8 ? 4 : 0;
   auto check_strides = [&](const char* name, int dim, int64_t hs, int64_t ts, int64_t ss) {
-    if (hs < dim) fail(std::string(name) + " head_stride " + std::to_string(hs) + " is smaller than its head dim");
-    if (hs == dim ? ts < int64_t(p.num_kv_heads) * dim : ts < dim)
+    const int row = dim + extra;
+    if (hs < row)
+      fail(std::string(name) + " head_stride " + std::to_string(hs) + " is smaller than its head dim" +
+           (extra ? " + 4 (the int8 row's float32 scale)" : ""));
+    if (hs == row ? ts < int64_t(p.num_kv_heads) * row : ts < row)
       fail(std::string(name) + " token_stride " + std::to_string(ts) + " overlaps the tokens' heads");
     if (!p.paged && ss < 0) fail(std::string(name) + " slot_stride is negative");
   };
@@ -305,6 +328,91 @@ VP_INLINE void prefetch_row(const T* row, int bytes) {
   for (int b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
 }
 
+// ------------------------------------------------------------------------------------ quantized K/V
+// The 1-byte formats (decode.h) are dequantized a chunk's rows of one kv head at a time into the fp32 row
+// buffer, the row's scale applied there (int8: the float32 after the row; fp8: k_scale / v_scale), so the
+// dot products and P.V run on fp32 rows exactly as for 16-bit types. fp8 goes through fp16 bits: an e5m2 byte
+// is the high byte of an fp16; the 7 low bits of an e4m3 byte shifted up by 7 are an fp16 of 2^-8 times its
+// value (normal and subnormal alike, both exponents' extra bias being 8), so e4m3 rows take scale * 2^8.
+VP_INLINE float quant_value(int kt, uint32_t b) {
+  if (kt == kInt8) return float(int8_t(uint8_t(b)));
+  if (kt == kFloat8E5M2) return f16_to_f32(b << 8);
+  return f16_to_f32(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));  // e4m3: 2^-8 of its value
+}
+
+// What every element of a row is multiplied by: the int8 row's own scale, or the per-tensor one (e4m3: * 2^8).
+template <int KT>
+VP_INLINE float row_factor(const uint8_t* row, int dim, float tensor_factor) {
+  if constexpr (KT == kInt8) {
+    float s;
+    std::memcpy(&s, row + dim, 4);  // right after the row's values, not necessarily 4-byte aligned
+    return s;
+  } else {
+    return tensor_factor;
+  }
+}
+
+template <int KT>
+VP_INLINE float tensor_factor(float scale) {
+  return KT == kFloat8E4M3 ? scale * 256.0f : scale;
+}
+
+// Rows base + off[i] + hoff (i < n) of `dim` 1-byte elements into buf (rows `dim` floats apart). Portable.
+template <int KT, int DC>
+VP_INLINE void dequant_rows(const uint8_t* base, const int64_t* off, int64_t hoff, int n, int D, float tf,
+                            float* __restrict buf) {
+  const int dim = DC ? DC : D;
+  for (int i = 0; i < n; ++i) {
+    const uint8_t* __restrict r = base + off[i] + hoff;
+    const float s = row_factor<KT>(r, dim, tf);
+    float* __restrict o = buf + i * dim;
+#pragma omp simd
+    for (int d = 0; d < dim; ++d) o[d] = quant_value(KT, r[d]) * s;
+  }
+}
+
+// The same with AVX2 + F16C, 16 elements per step: int8 sign-extended to int32 and converted; fp8 made fp16
+// bits in 16-bit lanes (e5m2: the byte as high byte; e4m3: sign-extended, shifted by 7, bit 14 cleared) and
+// widened by vcvtph2ps (exact, also for fp16 subnormals). Out of line: the item function that calls it is
+// shared with the portable build, which cannot inline F16C code (one call per chunk and kv head).
+template <int KT>
+__attribute__((noinline, target("avx2,fma,f16c"))) void dequant_rows_avx2(const uint8_t* base, const int64_t* off,
+                                                                          int64_t hoff, int n, int dim, float tf,
+                                                                          float* __restrict buf) {
+  for (int i = 0; i < n; ++i) {
+    const uint8_t* r = base + off[i] + hoff;
+    const float s = row_factor<KT>(r, dim, tf);
+    const __m256 vs = _mm256_set1_ps(s);
+    float* o = buf + i * dim;
+    int d = 0;
+    for (; d + 16 <= dim; d += 16) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + d));
+      __m256 a, b;
+      if constexpr (KT == kInt8) {
+        a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+        b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
+      } else if constexpr (KT == kFloat8E5M2) {
+        a = _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), x));
+        b = _mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), x));
+      } else {
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(x), 7), _mm256_set1_epi16(-16385));
+        a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+      }
+      _mm256_storeu_ps(o + d, _mm256_mul_ps(a, vs));
+      _mm256_storeu_ps(o + d + 8, _mm256_mul_ps(b, vs));
+    }
+    for (; d < dim; ++d) o[d] = quant_value(KT, r[d]) * s;
+  }
+}
+
+// Prefetch (into L2) the lines of [p, p + bytes).
+VP_INLINE void prefetch_span(const uint8_t* p, int64_t bytes) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes);
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); a < end; a += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
+}
+
 // ------------------------------------------------------------------------------------ items
 struct Item {
   int b;
@@ -367,10 +475,30 @@ VP_INLINE void finish_item(const DecodeParams& p, const Item& it, const float* a
   }
 }
 
-// DC, DVC: head_dim and v_head_dim as compile-time constants, or 0 for run-time dims.
-template <int DT, int DC, int DVC>
+// Prefetch token rows at k_off / v_off: all heads when they are dense (head stride == footprint), else each
+// head's footprint.
+VP_INLINE void prefetch_token(const uint8_t* K, const uint8_t* V, int64_t k_off, int64_t v_off, int HKV, int64_t HS,
+                              int64_t VHS, int k_foot, int v_foot) {
+  if (HS == k_foot) {
+    prefetch_span(K + k_off, HKV * HS);
+  } else {
+    for (int kh = 0; kh < HKV; ++kh) prefetch_span(K + k_off + kh * HS, k_foot);
+  }
+  if (VHS == v_foot) {
+    prefetch_span(V + v_off, HKV * VHS);
+  } else {
+    for (int kh = 0; kh < HKV; ++kh) prefetch_span(V + v_off + kh * VHS, v_foot);
+  }
+}
+
+// DT: type of q and out; KT: of K and V (DT, or a quantized format with DT == kFloat32). DC, DVC: head_dim and
+// v_head_dim as compile-time constants, or 0 for run-time dims. V3: compiled for AVX2 (quantized rows are then
+// dequantized by dequant_rows_avx2).
+template <int DT, int KT, int DC, int DVC, bool V3>
 VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, float* part_acc, float* part_ml) {
   using T = typename Elem<DT>::T;
+  constexpr bool kQuant = is_quantized(KT);
+  static_assert(kQuant ? DT == kFloat32 : KT == DT, "quantized K/V come with fp32 q/out, others with their own");
   const int D = DC ? DC : p.head_dim;
   const int DV = DVC ? DVC : p.v_head_dim;
   const int H = p.num_heads, HKV = p.num_kv_heads, G = H / HKV;
@@ -388,8 +516,9 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
   std::fill(l, l + H, 0.0f);
 
-  const T* K = static_cast<const T*>(p.k);
-  const T* V = static_cast<const T*>(p.v);
+  using KV = std::conditional_t<kQuant, uint8_t, T>;
+  const KV* K = static_cast<const KV*>(p.k);
+  const KV* V = static_cast<const KV*>(p.v);
   const RowFinder row(p, it.b);
   const int64_t HS = p.head_stride, VHS = p.v_head_stride;  // elements between kv heads of a token
   // Prefetch a token's whole row when its heads are dense, else the first head's slice.
@@ -397,34 +526,74 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
   const int v_row_bytes = (VHS == DV ? HKV : 1) * DV * int(sizeof(T));
   int64_t off[kChunk], voff[kChunk];
   const float* vr[kChunk];
+  // Quantized: bytes of a head's row (int8: with its scale) and the per-tensor factors (fp8).
+  const int k_foot = D + (KT == kInt8 ? 4 : 0), v_foot = DV + (KT == kInt8 ? 4 : 0);
+  const float ktf = tensor_factor<KT>(p.k_scale), vtf = tensor_factor<KT>(p.v_scale);
+  if constexpr (kQuant) {
+    // The first chunk's rows, asked for together (later chunks are prefetched a chunk ahead, below).
+    for (int t = it.t0; t < std::min(it.t1, it.t0 + kChunk); ++t) {
+      int64_t ko, vo;
+      row(t, ko, vo);
+      prefetch_token(K, V, ko, vo, HKV, HS, VHS, k_foot, v_foot);
+    }
+  }
 
   for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
     const int n = std::min(kChunk, it.t1 - c0);
     for (int i = 0; i < n; ++i) row(c0 + i, off[i], voff[i]);
-
-    // Scores of the chunk, all heads, two tokens at a time (an odd last token is paired with itself; the
-    // spare score lands in an unused column). Meanwhile K rows kAhead tokens on and this chunk's V rows,
-    // which P·V reads next, are prefetched.
-    for (int i = 0; i < n; i += 2) {
-      const int i1 = i + 1 < n ? i + 1 : i;
-      for (int j = i; j <= i1; ++j) {
-        if (c0 + j + kAhead < it.t1) {
-          int64_t ka, va;
-          row(c0 + j + kAhead, ka, va);
-          prefetch_row(K + ka, row_bytes);
-          prefetch_row(V + va, v_row_bytes);
-        }
+    if constexpr (kQuant) {
+      // Scores: the next chunk's rows are prefetched (a whole chunk's time before they are read), then per kv
+      // head the chunk's K rows are dequantized into the row buffer and dotted two at a time.
+      for (int t = c0 + kChunk; t < std::min(it.t1, c0 + 2 * kChunk); ++t) {
+        int64_t ko, vo;
+        row(t, ko, vo);
+        prefetch_token(K, V, ko, vo, HKV, HS, VHS, k_foot, v_foot);
       }
       for (int kh = 0; kh < HKV; ++kh) {
-        const float* k0 = widen<DT, DC>(K + off[i] + kh * HS, rows, D);
-        const float* k1 = widen<DT, DC>(K + off[i1] + kh * HS, rows + D, D);
+        if constexpr (V3) {
+          dequant_rows_avx2<KT>(K, off, kh * HS, n, D, ktf, rows);
+        } else {
+          dequant_rows<KT, DC>(K, off, kh * HS, n, D, ktf, rows);
+        }
         const float* qg = qf + kh * G * D;
-        float* sg = sc + kh * G * kChunk + i;
-        int g = 0;
-        for (; g + 4 <= G; g += 4) dot4x2<DC>(qg + g * D, D, k0, k1, D, sg + g * kChunk, kChunk);
-        for (; g < G; ++g) {
-          sg[g * kChunk] = dot1<DC>(qg + g * D, k0, D);
-          sg[g * kChunk + 1] = dot1<DC>(qg + g * D, k1, D);
+        for (int i = 0; i < n; i += 2) {
+          const int i1 = i + 1 < n ? i + 1 : i;
+          const float* k0 = rows + i * D;
+          const float* k1 = rows + i1 * D;
+          float* sg = sc + kh * G * kChunk + i;
+          int g = 0;
+          for (; g + 4 <= G; g += 4) dot4x2<DC>(qg + g * D, D, k0, k1, D, sg + g * kChunk, kChunk);
+          for (; g < G; ++g) {
+            sg[g * kChunk] = dot1<DC>(qg + g * D, k0, D);
+            sg[g * kChunk + 1] = dot1<DC>(qg + g * D, k1, D);
+          }
+        }
+      }
+    } else {
+      // Scores of the chunk, all heads, two tokens at a time (an odd last token is paired with itself; the
+      // spare score lands in an unused column). Meanwhile K rows kAhead tokens on and this chunk's V rows,
+      // which P·V reads next, are prefetched.
+      for (int i = 0; i < n; i += 2) {
+        const int i1 = i + 1 < n ? i + 1 : i;
+        for (int j = i; j <= i1; ++j) {
+          if (c0 + j + kAhead < it.t1) {
+            int64_t ka, va;
+            row(c0 + j + kAhead, ka, va);
+            prefetch_row(K + ka, row_bytes);
+            prefetch_row(V + va, v_row_bytes);
+          }
+        }
+        for (int kh = 0; kh < HKV; ++kh) {
+          const float* k0 = widen<DT, DC>(K + off[i] + kh * HS, rows, D);
+          const float* k1 = widen<DT, DC>(K + off[i1] + kh * HS, rows + D, D);
+          const float* qg = qf + kh * G * D;
+          float* sg = sc + kh * G * kChunk + i;
+          int g = 0;
+          for (; g + 4 <= G; g += 4) dot4x2<DC>(qg + g * D, D, k0, k1, D, sg + g * kChunk, kChunk);
+          for (; g < G; ++g) {
+            sg[g * kChunk] = dot1<DC>(qg + g * D, k0, D);
+            sg[g * kChunk + 1] = dot1<DC>(qg + g * D, k1, D);
+          }
         }
       }
     }
@@ -454,7 +623,16 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
 
     // P·V: widen each V row of the chunk once, use it for the G heads that share it.
     for (int kh = 0; kh < HKV; ++kh) {
-      for (int i = 0; i < n; ++i) vr[i] = widen<DT, DVC>(V + voff[i] + kh * VHS, rows + i * DV, DV);
+      if constexpr (kQuant) {
+        if constexpr (V3) {
+          dequant_rows_avx2<KT>(V, voff, kh * VHS, n, DV, vtf, rows);
+        } else {
+          dequant_rows<KT, DVC>(V, voff, kh * VHS, n, DV, vtf, rows);
+        }
+        for (int i = 0; i < n; ++i) vr[i] = rows + i * DV;
+      } else {
+        for (int i = 0; i < n; ++i) vr[i] = widen<DT, DVC>(V + voff[i] + kh * VHS, rows + i * DV, DV);
+      }
       int g = 0;
       if (DV % 16 == 0) {
         for (; g + 4 <= G; g += 4) pv4x16(acc + (kh * G + g) * DV, vr, sc + (kh * G + g) * kChunk, n, DV);
@@ -820,19 +998,24 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
 
 using ItemFn = void (*)(const DecodeParams&, const Item&, float*, float*, float*);
 
-template <int DT, int DC, int DVC>
+template <int DT, int DC, int DVC, int KT = DT>
 void run_item_base(const DecodeParams& p, const Item& it, float* ws, float* pa, float* pm) {
-  run_item_impl<DT, DC, DVC>(p, it, ws, pa, pm);
+  run_item_impl<DT, KT, DC, DVC, false>(p, it, ws, pa, pm);
 }
 
-template <int DT, int DC, int DVC>
+template <int DT, int DC, int DVC, int KT = DT>
 __attribute__((target("avx2,fma"))) void run_item_avx2(const DecodeParams& p, const Item& it, float* ws, float* pa,
                                                        float* pm) {
-  run_item_impl<DT, DC, DVC>(p, it, ws, pa, pm);
+  run_item_impl<DT, KT, DC, DVC, true>(p, it, ws, pa, pm);
 }
 
 bool cpu_has_avx2() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+bool cpu_has_f16c() {
+  static const bool has = __builtin_cpu_supports("f16c");
   return has;
 }
 
@@ -892,7 +1075,37 @@ ItemFn select_dim(int D, int DV, int isa) {
   return avx2 ? run_item_avx2<DT, 0, 0> : run_item_base<DT, 0, 0>;
 }
 
-ItemFn select_item_fn(int dtype, int D, int DV, int isa) {
+// Quantized K/V (fp32 q/out): the AVX2 build (AVX2 + F16C dequantization) on every path from AVX2 up, AVX-512
+// included (no AVX-512 build of the 1-byte formats: dequantization by AVX2 is not their bound), else portable.
+template <int KT>
+ItemFn select_quant(int D, int DV, int isa) {
+  const bool v3 = isa >= kIsaAvx2 && cpu_has_f16c();  // every AVX2 CPU has F16C; checked all the same
+  if (D == DV) {
+    switch (D) {
+      case 64:
+        return v3 ? run_item_avx2<kFloat32, 64, 64, KT> : run_item_base<kFloat32, 64, 64, KT>;
+      case 128:
+        return v3 ? run_item_avx2<kFloat32, 128, 128, KT> : run_item_base<kFloat32, 128, 128, KT>;
+      case 256:
+        return v3 ? run_item_avx2<kFloat32, 256, 256, KT> : run_item_base<kFloat32, 256, 256, KT>;
+      default:
+        break;
+    }
+  }
+  return v3 ? run_item_avx2<kFloat32, 0, 0, KT> : run_item_base<kFloat32, 0, 0, KT>;
+}
+
+ItemFn select_item_fn(int dtype, int kv_dtype, int D, int DV, int isa) {
+  switch (kv_dtype) {
+    case kInt8:
+      return select_quant<kInt8>(D, DV, isa);
+    case kFloat8E4M3:
+      return select_quant<kFloat8E4M3>(D, DV, isa);
+    case kFloat8E5M2:
+      return select_quant<kFloat8E5M2>(D, DV, isa);
+    default:
+      break;
+  }
   switch (dtype) {
     case kFloat32:
       return select_dim<kFloat32>(D, DV, isa);
@@ -961,7 +1174,9 @@ void decode_cpu(const DecodeParams& params, int num_threads, int isa) {
   }
   // Small calls (a few short sequences) run on the calling thread: waking a team costs more than their
   // memory traffic (~256 KiB of K/V is ~20 us of one core), and on a busy machine far more.
-  const int64_t kv_bytes = total * int64_t(p.num_kv_heads) * (D + DV) * (p.dtype == kFloat32 ? 4 : 2);
+  const int elem = p.kv_dtype == kFloat32 ? 4 : is_quantized(p.kv_dtype) ? 1 : 2;
+  const int row_extra = p.kv_dtype == kInt8 ? 8 : 0;  // int8: a float32 scale per K and per V row
+  const int64_t kv_bytes = total * int64_t(p.num_kv_heads) * ((D + DV) * elem + row_extra);
   if (kv_bytes < (int64_t(1) << 18)) nt = 1;
   // Aim at >= 4 items per thread (dynamic scheduling evens out mixed lengths), but never below kMinSplit
   // tokens per item, where merging would cost more than it balances. Multiple of kChunk: full chunks.
@@ -988,7 +1203,7 @@ void decode_cpu(const DecodeParams& params, int num_threads, int isa) {
   }
   std::vector<float> part_acc(size_t(partials) * H * DV), part_ml(size_t(partials) * H * 2);
 
-  const ItemFn fn = select_item_fn(p.dtype, D, DV, isa);
+  const ItemFn fn = select_item_fn(p.dtype, p.kv_dtype, D, DV, isa);
   const size_t ws_floats = workspace_floats(p);
   const int64_t n_items = int64_t(items.size());
   if (nt == 1 || n_items == 1) {

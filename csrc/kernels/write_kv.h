@@ -17,7 +17,9 @@ namespace vpaged {
 namespace kernels {
 
 struct WriteKVParams {
-  int itemsize = 4;  // bytes per element (4: float32, 2: float16 / bfloat16; 8: float64)
+  // Bytes per element (4: float32, 2: float16 / bfloat16; 8: float64; 1: quantized rows as raw bytes, e.g.
+  // int8 K/V of decode.h, whose head_dim here is the row's footprint: head_dim + 4 bytes with its scale).
+  int itemsize = 4;
   int num_rows = 0;
   int num_seqs = 0;  // sequences of the descriptor (entries of slots / lengths / writable_from)
   int num_kv_heads = 0;

@@ -24,7 +24,7 @@ constexpr int64_t kParallelBytes = 256 << 10;
 int v_dim(const WriteKVParams& p) { return p.v_head_dim ? p.v_head_dim : p.head_dim; }
 
 void check_layout(const WriteKVParams& p) {
-  if (p.itemsize != 2 && p.itemsize != 4 && p.itemsize != 8) fail("itemsize must be 2, 4 or 8");
+  if (p.itemsize != 1 && p.itemsize != 2 && p.itemsize != 4 && p.itemsize != 8) fail("itemsize must be 1, 2, 4 or 8");
   if (p.num_rows < 0 || p.num_seqs < 0) fail("negative row or sequence count");
   if (p.num_kv_heads <= 0 || p.head_dim <= 0 || v_dim(p) <= 0) fail("heads and head dims must be positive");
   const int64_t strides[] = {p.k_row_stride, p.k_head_stride, p.v_row_stride,  p.v_head_stride,  p.slot_stride,

@@ -50,8 +50,8 @@ __global__ void write_kv_kernel(const WriteKVParams p) {
 }  // namespace
 
 void write_kv_cuda(const WriteKVParams& p, int device, uintptr_t stream_handle) {
-  if (p.itemsize != 2 && p.itemsize != 4 && p.itemsize != 8)
-    throw InvalidArgument("write_kv: itemsize must be 2, 4 or 8");
+  if (p.itemsize != 1 && p.itemsize != 2 && p.itemsize != 4 && p.itemsize != 8)
+    throw InvalidArgument("write_kv: itemsize must be 1, 2, 4 or 8");
   if (p.num_rows < 0) throw InvalidArgument("write_kv: negative row count");
   if (p.num_rows == 0) return;
   if (!p.k || !p.v || !p.k_cache || !p.v_cache || !p.slots || !p.lengths || !p.rows || !p.positions)
@@ -60,6 +60,9 @@ void write_kv_cuda(const WriteKVParams& p, int device, uintptr_t stream_handle) 
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const dim3 grid(static_cast<unsigned>(p.num_rows));
   switch (p.itemsize) {
+    case 1:
+      write_kv_kernel<uint8_t><<<grid, kThreads, 0, stream>>>(p);
+      break;
     case 2:
       write_kv_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(p);
       break;
