@@ -28,31 +28,39 @@ def loaded():
     before = torch.get_num_threads()
     torch.set_num_threads(min(2, before))
     model, tok = real_model.load()
-    yield model, real_model.prose_ids(tok, 1024)
+    yield model, real_model.prose_ids(tok, 1024), tok
     torch.set_num_threads(before)
 
 
-def test_perplexity_within_each_formats_bound(loaded):
+@pytest.fixture(scope="module")
+def perplexities(loaded):
+    """Perplexity of the text with full-precision K/V (None) and with each format, computed once."""
     from bench_kv_quant import perplexity
 
-    model, ids = loaded
-    base = perplexity(model, ids)
+    model, ids, _ = loaded
+    out = {None: perplexity(model, ids)}
+    for kv_dtype, scales in BOUNDS:
+        out[kv_dtype] = perplexity(model, ids, kv_dtype, scales)
+    return out
+
+
+def test_perplexity_within_each_formats_bound(perplexities):
+    base = perplexities[None]
     assert 1.0 < base < 100.0, base  # a real model on real text
-    for (kv_dtype, scales), bound in BOUNDS.items():
-        ppl = perplexity(model, ids, kv_dtype, scales)
+    for (kv_dtype, _), bound in BOUNDS.items():
+        ppl = perplexities[kv_dtype]
         assert ppl / base - 1 <= bound, (kv_dtype, ppl, base)
         assert ppl != base  # the format did change what the layers attend over
 
 
-def test_perplexity_equals_an_independent_quantizer(loaded):
+def test_perplexity_equals_an_independent_quantizer(loaded, perplexities):
     """The same perplexity as quantizing and dequantizing each layer's new K/V with torch alone (int8 by its
     definition, fp8 by torch's float8 conversion) inside transformers' DynamicCache."""
     import math
 
-    from bench_kv_quant import perplexity
     from transformers import DynamicCache
 
-    model, ids = loaded
+    model, ids, _ = loaded
 
     def fake(x, kind):
         if kind == torch.int8:
@@ -71,7 +79,7 @@ def test_perplexity_equals_an_independent_quantizer(loaded):
         with torch.no_grad():
             logits = model(x, past_key_values=cache, use_cache=True).logits[0, :-1].float()
         want = math.exp(float(torch.nn.functional.cross_entropy(logits, x[0, 1:])))
-        assert perplexity(model, ids, name) == pytest.approx(want, rel=1e-5)
+        assert perplexities[name] == pytest.approx(want, rel=1e-5)
 
 
 def test_engine_with_int8_kv_answers_like_the_cache(loaded):
@@ -81,16 +89,15 @@ def test_engine_with_int8_kv_answers_like_the_cache(loaded):
 
     from vpaged.serve import LLMEngine, SamplingParams
 
-    model, ids = loaded
-    tok = real_model.load()[1]
+    model, _, tok = loaded
     prompt = real_model.CHAT_PROMPTS[0]
-    want = greedy_answer(model, tok, prompt, "int8", max_new=12)
+    want = greedy_answer(model, tok, prompt, "int8", max_new=12)  # stops at EOS; the engine ignores it
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    eng = LLMEngine(real_model.load()[0], tok, kv_budget_bytes=64 << 20, kv_dtype="int8", cpu_prepack=False)
+    eng = LLMEngine(model, tok, kv_budget_bytes=64 << 20, kv_dtype="int8", cpu_prepack=False)
     eng.add_request(tok(text)["input_ids"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     final = None
     while eng.has_unfinished():
         for out in eng.step():
             if out.finished:
                 final = out
-    assert final.token_ids == want
+    assert len(want) >= 4 and final.token_ids[: len(want)] == want

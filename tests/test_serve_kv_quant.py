@@ -13,7 +13,7 @@ from vpaged.hf.compat import serving_support
 pytest.importorskip("transformers")
 
 from vpaged.errors import DTypeError  # noqa: E402
-from vpaged.hf import VPagedCache  # noqa: E402
+from vpaged.hf import VPagedCache, cache_kwargs  # noqa: E402
 from vpaged.serve import LLM, LLMEngine, SamplingParams, load_model  # noqa: E402
 
 SERVING, WHY_NOT_SERVING = serving_support()
@@ -60,7 +60,7 @@ def generate_quantized(reference, prompt, max_new, kv_dtype):
     cache = VPagedCache(reference.config, max_cache_len=len(prompt) + max_new, kv_dtype=kv_dtype, layout="per_layer")
     out = reference.generate(
         torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, output_scores=True,
-        return_dict_in_generate=True, eos_token_id=None, pad_token_id=0, past_key_values=cache,
+        return_dict_in_generate=True, eos_token_id=None, pad_token_id=0, **cache_kwargs(cache),
     )  # fmt: skip
     cache.close()
     tokens = out.sequences[0, len(prompt) :].tolist()
@@ -103,12 +103,14 @@ def test_greedy_equals_generate_over_the_same_format(model, reference, prng, kv,
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("swap_seqs", [8, 0])
 def test_preemption_with_quantized_kv_changes_no_output(model, prng, kv_dtype, swap_seqs):
+    # Every sequence grows past a page boundary after admission (fp8 pages hold 128 tokens here, int8 102).
     prompts = [random_prompt(prng, 60, 90) for _ in range(6)]
-    params = SamplingParams(max_tokens=40, **GREEDY)
+    params = SamplingParams(max_tokens=100, **GREEDY)
     roomy = LLM(model, kv_dtype=kv_dtype, kv_budget_bytes=8 << 20, page_size=PAGE).generate(prompts, params)
-    eng = LLM(model, kv_dtype=kv_dtype, kv_budget_bytes=8 << 20, page_size=PAGE).engine
-    seq_bytes = eng.store.pages_for_tokens(130) * PAGE
-    tight = LLM(model, kv_dtype=kv_dtype, kv_budget_bytes=3 * seq_bytes, page_size=PAGE,
+    store = LLM(model, kv_dtype=kv_dtype, kv_budget_bytes=8 << 20, page_size=PAGE).engine.store
+    need = sum(store.pages_for_tokens(len(p) + 100) for p in prompts) * PAGE  # every sequence at its longest
+    seq_bytes = store.pages_for_tokens(190) * PAGE
+    tight = LLM(model, kv_dtype=kv_dtype, kv_budget_bytes=max(need // 2, seq_bytes), page_size=PAGE,
                 swap_bytes=swap_seqs * seq_bytes, max_num_batched_tokens=64)  # fmt: skip
     outs = tight.generate(prompts, params)
     stats = tight.stats()
