@@ -48,14 +48,14 @@ def perplexity(model, ids: list[int], kv_dtype=None, kv_scales=None) -> float:
 
 @torch.no_grad()
 def greedy_answer(model, tok, prompt: str, kv_dtype=None, kv_scales=None, max_new=32) -> list[int]:
-    from vpaged.hf import VPagedCache
+    from vpaged.hf import VPagedCache, cache_kwargs
 
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     ids = tok(text, return_tensors="pt")["input_ids"]
     cache = VPagedCache(model.config, max_cache_len=ids.shape[1] + max_new, kv_dtype=kv_dtype, kv_scales=kv_scales,
                         layout="per_layer")  # fmt: skip
     out = model.generate(
-        ids, max_new_tokens=max_new, do_sample=False, past_key_values=cache, pad_token_id=tok.eos_token_id
+        ids, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.eos_token_id, **cache_kwargs(cache)
     )
     cache.close()
     return out[0, ids.shape[1] :].tolist()
