@@ -52,6 +52,9 @@ class EngineConfig:
         cpu_prepack: on CPU, run the model's linear layers on oneDNN weights packed once at construction
             (vpaged.hf.prepack; parameters and state_dict unchanged). Ignored on CUDA. False leaves the
             model's layers as they are (a model prepared before stays so: vpaged.hf.unprepack undoes it).
+        tensor_parallel_size: ranks the model is sharded over (transformers' tp_plan="auto" on
+            torch.distributed; see vpaged.serve.distributed). Each rank keeps the K/V of its own KV heads in
+            its own store of kv_budget_bytes (and swap_bytes): the budgets are per rank.
     """
 
     kv_budget_bytes: int
@@ -70,6 +73,7 @@ class EngineConfig:
     record_steps: bool = False
     watermark_fraction: float = 0.01
     cpu_prepack: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         # The order of the checks is the order LLMEngine has always reported them in.
@@ -89,6 +93,7 @@ class EngineConfig:
             raise InvalidArgumentError(f"watermark_fraction must be a number in [0, 1), got {f!r}")
         if not isinstance(self.cpu_prepack, bool):
             raise InvalidArgumentError(f"cpu_prepack must be a bool, got {self.cpu_prepack!r}")
+        check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         object.__setattr__(self, "device", normalize_device(self.device))
 
     @property
