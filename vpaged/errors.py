@@ -106,6 +106,7 @@ class EngineStepError(VPagedError, RuntimeError):
     carries the cause."""
 
 
-class TensorParallelError(VPagedError, RuntimeError):
+class TensorParallelError(EngineStepError):
     """A tensor-parallel engine lost a rank (it died, raised, or a collective timed out): the message names
-    the rank and the cause. The engine cannot go on; close it and start a new one."""
+    the rank and the cause. The engine cannot go on; close it and start a new one (the server answers 503 and
+    exits non-zero)."""
