@@ -93,9 +93,12 @@ def load_model(
         )
     sharding = {}
     if tensor_parallel_size > 1:
-        from transformers.distributed import DistributedConfig
-
-        sharding["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tensor_parallel_size)
+        try:
+            from transformers.distributed import DistributedConfig
+        except ImportError:  # releases before DistributedConfig take the plan as from_pretrained arguments
+            sharding = dict(tp_plan="auto", tp_size=tensor_parallel_size)
+        else:
+            sharding["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tensor_parallel_size)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             spec, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation, **sharding

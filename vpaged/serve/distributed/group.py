@@ -9,11 +9,13 @@ Two process groups over the same ranks:
            gloo on every device, so that no step plan goes through a CUDA buffer.
 
 Every collective has a timeout (VPAGED_TP_TIMEOUT_S seconds, default 120): a rank that stops answering ends
-the others' wait with an error instead of a hang. An idle engine sends a ping on the control group every
-quarter of that, so that the other ranks, waiting for the next step, do not time out while rank 0 simply has
-nothing to do. A rank that fails writes its cause into the rendezvous store (`vpaged/error/<rank>`) before it
-exits; its exit closes its connections, the other ranks' collectives fail at once, and rank 0 reads the
-cause there (or, for a process it spawned, its exit code) to name the rank and why in a TensorParallelError.
+the others' wait with an error instead of a hang (a checkpoint whose shards take longer to load than that
+needs a larger VPAGED_TP_TIMEOUT_S). Once every rank is loaded, an idle rank 0 sends a ping on the control
+group every quarter of the timeout, so that the other ranks, waiting for the next step, do not time out
+while rank 0 simply has nothing to do. A rank that fails writes its cause into the rendezvous store
+(`vpaged/error/<rank>`) before it exits; its exit closes its connections, the other ranks' collectives
+fail at once, and rank 0 reads the cause there (or, for a process it spawned, its exit code) to name the
+rank and why in a TensorParallelError.
 """
 
 from __future__ import annotations
@@ -76,8 +78,11 @@ class Group:
             backend, store=dist.PrefixStore("vpaged/pg", store), rank=rank, world_size=size, timeout=timeout
         )
         self.control = dist.new_group(backend="gloo", timeout=timeout)
-        if rank == 0:
-            threading.Thread(target=self._keepalive, name="vpaged-tp-keepalive", daemon=True).start()
+
+    def start_keepalive(self) -> None:
+        """Rank 0, once every rank has its model and store: ping the others while there is nothing to do (not
+        before: a rank still loading its shard is not listening yet)."""
+        threading.Thread(target=self._keepalive, name="vpaged-tp-keepalive", daemon=True).start()
 
     # ---- rank 0
     def send(self, message: Message) -> None:

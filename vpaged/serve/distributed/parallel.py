@@ -69,8 +69,10 @@ class TensorParallel:
         return self._store
 
     def runner(self, model, store, config) -> ModelRunner:
+        """The rank's runner; built last, once this rank has its model and store: rank 0 starts its pings."""
         if self.rank != 0:
             return ModelRunner(model, store, config)
+        self.group.start_keepalive()
         return TensorParallelRunner(model, store, config, self.group)
 
     def memories(self, own: StoreMemory) -> list[StoreMemory]:
