@@ -10,6 +10,7 @@ that both hold the same tokens.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import pytest
@@ -199,3 +200,47 @@ def test_one_process_config_is_unchanged():
     config = EngineConfig(kv_budget_bytes=1 << 20)
     assert config.tensor_parallel_size == 1
     assert dataclasses.replace(config, tensor_parallel_size=2).tensor_parallel_size == 2
+
+
+class _FailsOnRank1(LLMEngine):
+    """An engine whose rank 1 raises in its third step (its worker loop's run_step patched in that process)."""
+
+    def __init__(self, *args, **kwargs):
+        if os.environ.get("RANK") == "1":
+            from vpaged.serve.distributed import worker
+
+            real, calls = worker.run_step, []
+
+            def run_step(engine, replica, step):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise RuntimeError("injected failure on rank 1")
+                return real(engine, replica, step)
+
+            worker.run_step = run_step
+        super().__init__(*args, **kwargs)
+
+
+class _FailsToStartOnRank1(LLMEngine):
+    def __init__(self, *args, **kwargs):
+        if os.environ.get("RANK") == "1":
+            raise ValueError("rank 1 cannot start")
+        super().__init__(*args, **kwargs)
+
+
+def test_a_rank_that_raises_is_named_with_its_cause():
+    engine = _FailsOnRank1(MODEL, kv_budget_bytes=1 << 20, page_size=PAGE, tensor_parallel_size=2, cpu_prepack=False)
+    try:
+        engine.add_request(list(range(5, 40)), SamplingParams(max_tokens=20, **GREEDY))
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: injected failure on rank 1"):
+            for _ in range(20):
+                engine.step()
+        assert time.monotonic() - t0 < 30
+    finally:
+        engine.close()
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 failed while starting: ValueError: rank 1 cannot start"):
+        _FailsToStartOnRank1(MODEL, kv_budget_bytes=1 << 20, tensor_parallel_size=2)
+    assert time.monotonic() - t0 < 60
+    assert not torch.distributed.is_initialized()
