@@ -10,6 +10,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -129,3 +130,44 @@ def test_serve_with_two_ranks_answers_openai_and_dies_cleanly(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+import torch
+from vpaged.serve import LLM, SamplingParams
+
+torch.set_num_threads(1)
+prompts = [[5 + (7 * i + j) % 400 for j in range(10 + 9 * i)] for i in range(4)]
+params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+llm = LLM("random:llama-tiny", kv_budget_bytes=1 << 20, page_size=4096, cpu_prepack=False, tensor_parallel_size=2)
+# only rank 0 gets here: the other rank's constructor served it and ended that process
+outs = [o.token_ids for o in llm.generate(prompts, params)]
+stats = llm.stats()
+llm.engine.close()
+print("RESULT " + json.dumps({"tokens": outs, "ranks": len(stats.ranks)}), flush=True)
+"""
+
+
+def test_torchrun_launch_matches_one_process(tmp_path):
+    from vpaged.serve import LLM, SamplingParams
+
+    script = tmp_path / "tp_script.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    env["VPAGED_TP_TIMEOUT_S"] = "60"
+    with socket.socket() as sock:  # a free port for torchrun's store (port 0 would reach the ranks as 0)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+    done = subprocess.run([*args, str(script)], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    got = json.loads(line[len("RESULT ") :])
+    prompts = [[5 + (7 * i + j) % 400 for j in range(10 + 9 * i)] for i in range(4)]
+    llm = LLM("random:llama-tiny", kv_budget_bytes=2 << 20, page_size=4096, cpu_prepack=False)
+    expected = [
+        o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    ]
+    llm.engine.close()
+    assert got == {"tokens": expected, "ranks": 2}
