@@ -33,18 +33,19 @@ def _prompts(count: int, shared: int = 40) -> list[list[int]]:
     return [system + [5 + (11 * i + 3 * j) % 500 for j in range(20 + 17 * (i % 5))] for i in range(count)]
 
 
-def _drive(engine: LLMEngine, prompts, params, every: int = 2, probe=None) -> dict[str, list[list[int]]]:
-    """Requests arrive one every `every` steps; returns each request's completions' tokens by arrival index.
-    probe(engine) runs after every step."""
+def _drive(engine: LLMEngine, prompts, params, every: int = 2, abort: dict | None = None) -> dict:
+    """Requests arrive one every `every` steps; returns each request's completions' tokens by request id
+    (an aborted one: "abort"). abort: {step: request id} aborted before that step."""
     ids, done, step = [], {}, 0
     while len(done) < len(prompts):
+        if abort and step in abort and abort[step] not in done:
+            engine.abort(abort[step])
         if len(ids) < len(prompts) and step % every == 0:
             ids.append(engine.add_request(prompts[len(ids)], params[len(ids)], request_id=f"r{len(ids)}"))
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = [list(c.token_ids) for c in out.outputs]
-        if probe is not None:
-            probe(engine)
+                aborted = out.finish_reason == "abort"
+                done[out.request_id] = "abort" if aborted else [list(c.token_ids) for c in out.outputs]
         step += 1
     return done
 
@@ -65,17 +66,19 @@ def test_tensor_parallel_matches_one_process_under_preemption():
     prompts = _prompts(16, shared=140)
     params = [SamplingParams(max_tokens=24, n=2 if i == 5 else 1, **GREEDY) for i in range(16)]
     options = dict(kv_budget_bytes=96 * PAGE, swap_bytes=32 * PAGE, max_num_batched_tokens=48, max_num_seqs=8)
+    abort = {12: "r3"}  # request r3 is aborted mid-run (its pages go back on every rank)
     one = _engine(1, **options)
-    expected = _drive(one, prompts, params)
+    expected = _drive(one, prompts, params, abort=abort)
     one_stats = one.stats()
     one.close()
     two = _engine(2, **options)
     try:
-        got = _drive(two, prompts, params)
+        got = _drive(two, prompts, params, abort=abort)
         stats = two.stats()
     finally:
         two.close()
-    assert got == expected
+    assert got == expected and got["r3"] == "abort"
+    assert stats.running == stats.waiting == stats.swapped == 0 and stats.ranks[1].live_tokens == 0
     assert stats.preemptions_swap + stats.preemptions_recompute > 0, "the budget must be tight enough to preempt"
     assert one_stats.preemptions_swap + one_stats.preemptions_recompute > 0
     assert stats.tensor_parallel_size == 2 and len(stats.ranks) == 2

@@ -66,6 +66,11 @@ def test_generate_command_with_two_ranks_is_the_one_process_output(model_dir, ca
     two = json.loads(capsys.readouterr().out)
     assert two["results"] == one["results"]
     assert two["stats"]["tensor_parallel_size"] == 2 and len(two["stats"]["ranks"]) == 2
+    bench = ["bench-serve", "random:llama-tiny", "--num-requests", "4", "--min-prompt", "8", "--max-prompt"]
+    bench += ["16", "--max-tokens", "4", "--kv-budget-mib", "2", "--json", "--no-progress", "--tensor-parallel-size"]
+    assert main([*bench, "2"]) == 0
+    r = json.loads(capsys.readouterr().out)["result"]
+    assert r["requests"] == 4 and r["output_tokens"] == 16
     assert main(common + ["--tensor-parallel-size", "3"]) == 2
     assert "must divide" in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
