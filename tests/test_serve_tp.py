@@ -231,9 +231,12 @@ class _FailsToStartOnRank1(LLMEngine):
         super().__init__(*args, **kwargs)
 
 
-def test_a_rank_that_raises_is_named_with_its_cause():
+def test_a_rank_that_raises_is_named_with_its_cause(monkeypatch):
+    # Collectives time out after 4 s here: an engine left idle for longer still works (rank 0 pings the others).
+    monkeypatch.setenv("VPAGED_TP_TIMEOUT_S", "4")
     engine = _FailsOnRank1(MODEL, kv_budget_bytes=1 << 20, page_size=PAGE, tensor_parallel_size=2, cpu_prepack=False)
     try:
+        time.sleep(6)
         engine.add_request(list(range(5, 40)), SamplingParams(max_tokens=20, **GREEDY))
         t0 = time.monotonic()
         with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: injected failure on rank 1"):

@@ -34,6 +34,9 @@ from .group import Group, collective_timeout
 from .worker import spawned
 
 JOINED_KEY = "vpaged/joined/{}"
+# Seconds a spawned rank may take to import and reach the process group (interpreter start, torch and
+# transformers imports: ~6 s on a 2-core box), whatever the collectives' timeout.
+START_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -125,7 +128,8 @@ def _spawn(path: str, config, size: int, backend: str, timeout: float, engine_cl
 def _wait_joined(store, processes: dict, timeout: float) -> None:
     """Wait until every spawned rank is about to join the process group; a rank that dies first (a failed
     import, a model it cannot load) is reported with its cause instead of a wait for the timeout."""
-    deadline = time.monotonic() + timeout
+    limit = max(timeout, START_TIMEOUT_S)
+    deadline = time.monotonic() + limit
     waiting = set(processes)
     while waiting:
         for rank in sorted(waiting):
@@ -137,5 +141,5 @@ def _wait_joined(store, processes: dict, timeout: float) -> None:
                 cause = store.get(key).decode() if store.check([key]) else f"exit code {processes[rank].exitcode}"
                 raise TensorParallelError(f"rank {rank} failed while starting: {cause}")
         if time.monotonic() > deadline:
-            raise TensorParallelError(f"ranks {sorted(waiting)} did not start within {timeout:.0f} s")
+            raise TensorParallelError(f"ranks {sorted(waiting)} did not start within {limit:.0f} s")
         time.sleep(0.05)
