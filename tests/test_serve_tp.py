@@ -194,6 +194,10 @@ def test_bad_configurations_are_refused_before_any_rank_starts(tmp_path, monkeyp
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(InvalidArgumentError, match="WORLD_SIZE=4"):
         LLMEngine(MODEL, kv_budget_bytes=1 << 20, tensor_parallel_size=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "0")
+    with pytest.raises(InvalidArgumentError, match="MASTER_PORT=0"):
+        LLMEngine(MODEL, kv_budget_bytes=1 << 20, tensor_parallel_size=2)
     assert not torch.distributed.is_initialized()
 
 

@@ -76,6 +76,8 @@ def start(spec, config, engine_class) -> Launch:
     env = torchrun_env()
     if env is not None and env[1] != size:
         raise InvalidArgumentError(f"tensor_parallel_size={size}, but this launch has WORLD_SIZE={env[1]} processes")
+    if env is not None and os.environ.get("MASTER_PORT") == "0":  # torchrun --master-port 0 hands the ranks 0
+        raise InvalidArgumentError("MASTER_PORT=0: give torchrun a real --master-port (or use --rdzv-endpoint)")
     if dist.is_initialized():
         raise InvalidArgumentError("torch.distributed is already initialised in this process: one engine per launch")
     dtype = config.dtype or torch.float32
