@@ -126,7 +126,15 @@ def greedy(max_tokens: int) -> SamplingParams:
 def engine_row(model, workload, kv: str, budget: int, cfg: dict, label: str | None = None, **kw) -> dict:
     # A row with cpu_prepack=False runs the plain layers: the model is shared by the rows and an earlier row's
     # engine prepared it in place, so it is unprepared first (the next prepacked row prepares it again).
-    if kw.get("cpu_prepack") is False:
+    # A tensor-parallel row gets the model as a saved directory (each rank loads its shard) and the budget of
+    # one rank: budget / N, so that the ranks hold the same tokens as one process.
+    # Its ranks share the machine's threads: each runs threads / N (the spawned ranks take rank 0's count).
+    tp = kw.get("tensor_parallel_size", 1)
+    threads = torch.get_num_threads()
+    if tp > 1:
+        budget //= tp
+        torch.set_num_threads(max(1, threads // tp))
+    elif kw.get("cpu_prepack") is False:
         unprepack(model)
     # Every row declares the workload's longest sequence as max_model_len (as a deployment sizes it for its
     # traffic): kv=static reserves exactly that per request, the others only bound their sequences by it.
@@ -144,12 +152,14 @@ def engine_row(model, workload, kv: str, budget: int, cfg: dict, label: str | No
     try:
         r = run_workload(engine, workload, greedy(workload.max_tokens), kv=label or kv, keep_outputs=True)
         prepacked = engine.prepacked_layers
+        per_rank = [m.high_water_bytes for m in engine.stats().ranks]
     finally:
         with contextlib.suppress(Exception):
             engine.close()
         del engine
         gc.collect()
-    return dict(r.as_dict(with_outputs=True), prepacked_layers=prepacked)
+        torch.set_num_threads(threads)
+    return dict(r.as_dict(with_outputs=True), prepacked_layers=prepacked, kv_high_water_bytes_per_rank=per_rank)
 
 
 def generate_batch_row(model, workload, budget: int) -> dict:
@@ -329,10 +339,14 @@ def section_throughput(model, cfg, vocab, rows_wanted, log, save, repeats: int =
     wl = Workload(prompts, [0.0] * len(prompts), cfg["max_tokens"], "throughput")
     budget = cfg["budget_mib"] * MIB
     rows = []
+    saved = None  # the model saved for tensor-parallel rows (<kv>-tp<N>), made at the first one
     for rep in range(repeats):
         for kv in rows_wanted:  # in the order given: lets a run check that the order does not matter
             base, _, variant = kv.partition("-")
-            if base not in ("vpaged", "paged", "generate_batch", "static", "vllm") or variant not in ("", "noprepack"):
+            tp = int(variant[2:]) if variant[:2] == "tp" and variant[2:].isdigit() else 1
+            if base not in ("vpaged", "paged", "generate_batch", "static", "vllm") or (
+                variant not in ("", "noprepack") and tp == 1
+            ):
                 continue
             if kv == "vllm" and peer is None:
                 continue
@@ -341,6 +355,11 @@ def section_throughput(model, cfg, vocab, rows_wanted, log, save, repeats: int =
                 row = generate_batch_row(model, wl, budget)
             elif kv == "vllm":
                 row = peer.row(wl, cfg)
+            elif tp > 1:  # <kv>-tp<N>: N ranks spawned on this host (gloo), each on its shard's plain layers
+                if saved is None:
+                    saved = tempfile.mkdtemp(prefix="bench-serve-tp-")
+                    model.save_pretrained(saved)
+                row = engine_row(saved, wl, base, budget, cfg, label=kv, cpu_prepack=False, tensor_parallel_size=tp)
             elif variant:  # <kv>-noprepack: the engine on the model's plain linear layers (cpu_prepack=False)
                 row = engine_row(model, wl, base, budget, cfg, label=kv, cpu_prepack=False)
             else:
@@ -349,7 +368,11 @@ def section_throughput(model, cfg, vocab, rows_wanted, log, save, repeats: int =
             rows.append(row)
             log(f"  {fmt_row(rows[-1])}")
             save({"partial_rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]})
-    ref = next((r for r in rows if r["kv"] == "vpaged"), None)
+    if saved is not None:
+        shutil.rmtree(saved, ignore_errors=True)
+    ref = next((r for r in rows if r["kv"] == "vpaged"), None) or next(
+        (r for r in rows if r["kv"].startswith("vpaged")), None
+    )
     if ref is not None:
         same_tokens(rows, ref)
     for r in rows:
@@ -587,7 +610,8 @@ def main(argv=None) -> int:
         "--rows",
         default=None,
         help="rows of the throughput section, run in this order (default vpaged,paged,static,generate_batch, "
-        "and vllm with --vllm-python); <kv>-noprepack: the engine with cpu_prepack=False",
+        "and vllm with --vllm-python); <kv>-noprepack: the engine with cpu_prepack=False; <kv>-tp<N>: the engine "
+        "tensor-parallel over N spawned ranks (gloo, cpu_prepack=False, each rank budget / N)",
     )
     ap.add_argument("--repeats", type=int, default=1, help="run the throughput rows this many rounds, alternated")
     ap.add_argument(

@@ -308,6 +308,7 @@ def test_cli_simulate_end_to_end(tmp_path, capsys):
         (["--budget-gib", "-1"], "--budget-gib must be a positive number"),
         (["--policies", "block 64"], "block_size must be one of"),
         (["--trace", "missing.csv"], "cannot read trace"),
+        (["--model", "Llama-3-70B", "--tensor-parallel-size", "3"], "must be positive and divide"),
     ],
 )
 def test_cli_simulate_bad_arguments_are_usage_errors(argv, message, capsys):
@@ -316,3 +317,17 @@ def test_cli_simulate_bad_arguments_are_usage_errors(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "usage:" in err and message in err
+
+
+def test_cli_simulate_one_rank_of_a_tensor_parallel_deployment(tmp_path):
+    # A rank of TP 2 keeps half the KV heads: half the bytes per token, so the same budget holds twice the tokens.
+    runs = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}.json"
+        argv = ["simulate", "--model", "2x4x16:fp32", "--budget-gib", "0.0005", "--requests", "30", "--trace"]
+        argv += ["alpaca", "--max-seq-len", "256", "--rate", "inf", "--policies", "block 16", "--json", str(out)]
+        assert cli_main([*argv, "--tensor-parallel-size", str(tp)]) == 0
+        runs[tp] = json.loads(out.read_text())
+    assert runs[2]["bytes_per_token"] * 2 == runs[1]["bytes_per_token"]
+    assert runs[2]["tensor_parallel_size"] == 2 and "TP2 rank" in runs[2]["model"]
+    assert runs[2]["policies"][0]["peak_running"] >= runs[1]["policies"][0]["peak_running"]

@@ -104,3 +104,9 @@ class RequestError(InvalidArgumentError):
 class EngineStepError(VPagedError, RuntimeError):
     """engine.step() raised inside the server's engine loop: the requests in flight were ended; the message
     carries the cause."""
+
+
+class TensorParallelError(EngineStepError):
+    """A tensor-parallel engine lost a rank (it died, raised, or a collective timed out): the message names
+    the rank and the cause. The engine cannot go on; close it and start a new one (the server answers 503 and
+    exits non-zero)."""

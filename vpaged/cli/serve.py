@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..errors import VPagedError
+from ..errors import TensorParallelError, VPagedError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -50,6 +50,12 @@ def _engine_args(p: argparse.ArgumentParser, model_optional: bool = False) -> No
         default=None,
         help="fp8 K/V scales: a number, or 'calibrate' (from each layer's first prompt); default 1.0",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks to shard the model over (transformers' tp_plan='auto'; spawned here, or one per torchrun process)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -59,7 +65,8 @@ class _EngineError(Exception):
 
 def _make_engine(args):
     try:
-        return _build_engine(args)
+        args.engine = _build_engine(args)  # kept on args: _reporting_errors closes a tensor-parallel one
+        return args.engine
     except VPagedError as e:
         raise _EngineError(f"{type(e).__name__}: {e}") from None
 
@@ -69,7 +76,12 @@ def _build_engine(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
+    tp = {}
+    if args.tensor_parallel_size != 1:  # each rank loads its own shard (and the directory's tokenizer)
+        model, tokenizer = args.model, None
+        tp = dict(tensor_parallel_size=args.tensor_parallel_size, dtype=DTYPES[args.dtype])
+    else:
+        model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
     return LLMEngine(
         model,
         tokenizer,
@@ -83,6 +95,7 @@ def _build_engine(args):
         cpu_prepack=not args.no_cpu_prepack,
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
         kv_scales=_kv_scales(args.kv_scales),
+        **tp,
     )
 
 
@@ -282,16 +295,20 @@ def cmd_serve(args) -> int:
             flush=True,
         )
 
-    serve(
-        engine,
-        host=args.host,
-        port=args.port,
-        model_name=name,
-        log_level=args.log_level,
-        default_max_tokens=args.default_max_tokens,
-        on_ready=ready,
-        limits=limits,
-    )
+    try:
+        serve(
+            engine,
+            host=args.host,
+            port=args.port,
+            model_name=name,
+            log_level=args.log_level,
+            default_max_tokens=args.default_max_tokens,
+            on_ready=ready,
+            limits=limits,
+        )
+    except TensorParallelError as e:
+        print(f"error: the engine stopped: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -381,6 +398,10 @@ def _reporting_errors(fn):
         except _EngineError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        finally:
+            engine = getattr(args, "engine", None)
+            if engine is not None and engine.tp is not None:  # its other ranks stop with it
+                engine.close()
 
     return run
 

@@ -37,6 +37,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--budget-gib", type=float, default=80.0, help="KV memory budget in GiB (default 80)")
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="simulate one rank of N: it keeps num_kv_heads / N heads of every token, within --budget-gib "
+        "(the budget of each rank); every rank holds the same tokens",
+    )
+    p.add_argument(
         "--trace",
         default="sharegpt",
         help=f"built-in trace ({', '.join(BUILTIN)}) or a CSV file with a header: arrival, prompt_len, "
@@ -90,7 +97,7 @@ def run(args) -> int:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
         if args.step_ms <= 0:
             raise InvalidArgumentError(f"--step-ms must be positive, got {args.step_ms}")
-        shape = model_shape(args.model)
+        shape = model_shape(args.model).per_rank(args.tensor_parallel_size)
         if args.kv_dtype != "auto":
             shape = dataclasses.replace(shape, kv_dtype=resolve_kv_dtype(args.kv_dtype, shape.dtype))
         if Path(args.trace).suffix.lower() == ".csv" or Path(args.trace).exists():
@@ -124,6 +131,7 @@ def run(args) -> int:
         "model": shape.name,
         "bytes_per_token": shape.bytes_per_token,
         "kv_dtype": None if shape.kv_dtype is None else args.kv_dtype,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "budget_bytes": cfg.budget_bytes,
         "trace": trace_name,
         "requests": len(trace),

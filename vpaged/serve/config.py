@@ -58,6 +58,9 @@ class EngineConfig:
         cpu_prepack: on CPU, run the model's linear layers on oneDNN weights packed once at construction
             (vpaged.hf.prepack; parameters and state_dict unchanged). Ignored on CUDA. False leaves the
             model's layers as they are (a model prepared before stays so: vpaged.hf.unprepack undoes it).
+        tensor_parallel_size: ranks the model is sharded over (transformers' tp_plan="auto" on
+            torch.distributed; see vpaged.serve.distributed). Each rank keeps the K/V of its own KV heads in
+            its own store of kv_budget_bytes (and swap_bytes): the budgets are per rank.
     """
 
     kv_budget_bytes: int
@@ -78,6 +81,7 @@ class EngineConfig:
     cpu_prepack: bool = True
     kv_dtype: torch.dtype | str | None = None
     kv_scales: object = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         # The order of the checks is the order LLMEngine has always reported them in.
@@ -99,6 +103,7 @@ class EngineConfig:
             raise InvalidArgumentError(f"cpu_prepack must be a bool, got {self.cpu_prepack!r}")
         if self.kv_dtype is not None:
             resolve_kv_dtype(self.kv_dtype, self.dtype or torch.float32)  # DTypeError for an unknown format
+        check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         object.__setattr__(self, "device", normalize_device(self.device))
 
     @property

@@ -84,10 +84,18 @@ class LLMEngine:
             raise InvalidArgumentError(f"give either config or keyword options, not both (got {sorted(options)})")
         elif not isinstance(config, EngineConfig):
             raise InvalidArgumentError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.tp = None  # tensor_parallel_size > 1: this rank's place among the ranks (vpaged.serve.distributed)
+        if config.tensor_parallel_size > 1:
+            from .distributed import TensorParallel
+
+            self.tp = TensorParallel.start(model, config, type(self))
+            model, config = self.tp.model_path, self.tp.config
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        model, loaded_tokenizer = load_model(model, config.dtype or torch.float32)
+        model, loaded_tokenizer = load_model(
+            model, config.dtype or torch.float32, tensor_parallel_size=config.tensor_parallel_size
+        )
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         self.device = config.device
         if config.dtype is not None and model.dtype != config.dtype:
@@ -102,7 +110,7 @@ class LLMEngine:
                 "AttentionInterface; the engine cannot serve it"
             )
         self.prepacked_layers = 0
-        if config.cpu_prepack and self.device.type == "cpu":
+        if config.cpu_prepack and self.device.type == "cpu" and self.tp is None:  # TP layers keep their own forward
             ok, why = prepack_supported(model.dtype)
             if ok:
                 self.prepacked_layers = prepack_linears(model, batch_hint=max(16, config.max_num_seqs))
@@ -112,6 +120,7 @@ class LLMEngine:
         model_config = model.config
         self.model_name = getattr(model_config, "name_or_path", None) or type(model).__name__
         layers, kv_heads, head_dim = model_geometry(model_config)
+        kv_heads //= config.tensor_parallel_size  # each rank keeps the K/V of its own heads
         text_config = model_config.get_text_config(decoder=True)
         limit = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 20)
         window = attention_window(model_config)
@@ -124,8 +133,12 @@ class LLMEngine:
         self.kv = config.kv
         geometry = KVGeometry(layers, kv_heads, head_dim, model.dtype, kv_dtype=config.kv_dtype)
         self.store = make_store(config, geometry, limit)
+        if self.tp is not None:
+            self.store = self.tp.mirror(self.store)
         self.scheduler = Scheduler(self.store, config)
-        self.runner = ModelRunner(model, self.store, config)
+        self.runner = (
+            ModelRunner(model, self.store, config) if self.tp is None else self.tp.runner(model, self.store, config)
+        )
         store = self.store
         if store.prefix_caching:
             _log.info("prefix caching: on, %.2f tokens per cached page", store.prefix_tokens_per_page)
@@ -144,6 +157,8 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.times = StepTimes()  # summed over all steps
         self.step_log: list[StepRecord] | None = [] if config.record_steps else None
+        if self.tp is not None and self.tp.rank != 0:
+            self.tp.follow(self)  # the other ranks' loop; ends the process when rank 0 stops
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -230,10 +245,12 @@ class LLMEngine:
             inputs, step_attention, samplers = self.runner.prepare(plan)
             prepare_s = clock.lap()
             logits = self.runner.forward(inputs, step_attention)
-        except BaseException:
+        except BaseException as e:
             # The cache grew for tokens whose K/V may be half written: the step's sequences give their pages
             # back and are recomputed later (the caller may abort them instead); other requests go on.
             step_attention = None
+            if self.tp is not None:  # the ranks are no longer in step: the engine cannot go on
+                raise self.tp.failed(e) from e
             self.scheduler.requeue(plan)
             raise
         del step_attention  # its views pin pages: gone before anything is swapped or freed
@@ -291,6 +308,11 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
         mem = self.store.memory()
+        ranks = tuple(self.tp.memories(mem)) if self.tp is not None else ()
+        if ranks:
+            from .distributed import sum_memory
+
+            mem = sum_memory(list(ranks))
         sched = self.scheduler
         held = mem.held_bytes
         hits = sched.prefix_hit_tokens
@@ -318,6 +340,8 @@ class LLMEngine:
             kv_used_pages=mem.used_pages,
             kv_dormant_pages=mem.dormant_pages,
             prefix_hit_rate=hits / (hits + self.counters.prompt_tokens_total) if hits else 0.0,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            ranks=ranks,
             **asdict(self.counters),
         )
 
@@ -326,6 +350,8 @@ class LLMEngine:
         for request_id in list(self._requests):
             self.abort(request_id)
         self._pending = []
+        if self.tp is not None:
+            self.tp.close()
         self.store.close()
 
 

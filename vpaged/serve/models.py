@@ -55,12 +55,16 @@ def random_config(name: str):
     return AutoConfig.for_model(model_type, **_COMMON, **fields)
 
 
-def load_model(spec, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+def load_model(
+    spec, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", tensor_parallel_size: int = 1
+):
     """(model, tokenizer or None) in eval mode.
 
     spec: a transformers PreTrainedModel (returned as is, tokenizer None); a local model directory (its
     tokenizer too when the directory has one); or "random:<name>" / "random:<name>:<seed>" with a name of
-    RANDOM_CONFIGS (weights drawn from a generator seeded with <seed>, default 0; no tokenizer)."""
+    RANDOM_CONFIGS (weights drawn from a generator seeded with <seed>, default 0; no tokenizer).
+    tensor_parallel_size > 1: this process's shard of a directory's model, loaded by transformers with the
+    model's own tensor-parallel plan (tp_plan="auto") in the initialised torch.distributed process group."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
     if isinstance(spec, PreTrainedModel):
@@ -87,9 +91,17 @@ def load_model(spec, dtype: torch.dtype = torch.float32, attn_implementation: st
         raise InvalidArgumentError(
             f"no model directory {spec!r} (and not 'random:<name>'; names: {sorted(RANDOM_CONFIGS)})"
         )
+    sharding = {}
+    if tensor_parallel_size > 1:
+        try:
+            from transformers.distributed import DistributedConfig
+        except ImportError:  # releases before DistributedConfig take the plan as from_pretrained arguments
+            sharding = dict(tp_plan="auto", tp_size=tensor_parallel_size)
+        else:
+            sharding["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tensor_parallel_size)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            spec, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+            spec, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation, **sharding
         )
     except (OSError, ValueError) as e:
         raise InvalidArgumentError(f"cannot load a causal LM from {spec!r}: {e}") from e

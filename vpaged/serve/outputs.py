@@ -84,6 +84,10 @@ class EngineStats:
     kv_dormant_pages: int = 0  # of the used pages, those kept only for reuse (reclaimable on demand)
     prefix_hit_rate: float = 0.0  # prefix_hit_tokens / (prefix_hit_tokens + prompt_tokens_total); 0 before any
     extra: dict = field(default_factory=dict)
+    # Tensor parallel: ranks, and each rank's StoreMemory (rank 0 first). With more than one rank the kv_*
+    # byte and page fields above are the sums over the ranks; token counts are per sequence, the same on each.
+    tensor_parallel_size: int = 1
+    ranks: tuple = ()
 
 
 @dataclass

@@ -27,6 +27,19 @@ class ModelShape:
             self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, kv_dtype=self.kv_dtype
         ).bytes_per_token
 
+    def per_rank(self, tensor_parallel_size: int) -> ModelShape:
+        """The shape one rank of a tensor-parallel deployment keeps K/V for: its share of the KV heads."""
+        n = tensor_parallel_size
+        if n <= 0 or self.num_kv_heads % n:
+            raise InvalidArgumentError(
+                f"tensor-parallel size {n} must be positive and divide {self.name}'s {self.num_kv_heads} KV heads"
+            )
+        if n == 1:
+            return self
+        return ModelShape(
+            f"{self.name} TP{n} rank", self.num_layers, self.num_kv_heads // n, self.head_dim, self.dtype, self.kv_dtype
+        )
+
 
 # Attention geometry from each model's published config (num_hidden_layers, num_key_value_heads, head_dim).
 SHAPES = {

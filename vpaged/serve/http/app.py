@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ...errors import EngineStepError, VPagedError
+from ...errors import EngineStepError, TensorParallelError, VPagedError
 from . import protocol as proto
 from .generation import Generation
 from .guard import Guard, ServerLimits
@@ -335,6 +335,10 @@ def create_app(
     @app.exception_handler(EngineStepError)
     async def engine_failed(_request, e: EngineStepError):
         return _error(500, str(e), "server_error")
+
+    @app.exception_handler(TensorParallelError)
+    async def engine_lost_a_rank(_request, e: TensorParallelError):
+        return _error(503, str(e), "server_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, e: StarletteHTTPException):

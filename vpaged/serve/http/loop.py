@@ -3,7 +3,9 @@
 The engine is not thread-safe, so one background thread owns it: it runs engine.step() while work is pending,
 runs the commands the HTTP handlers queue (add a request, abort one, read stats) between steps, and hands
 each step's outputs to the sink of the request they belong to. A failed step ends the requests in flight
-(each sink gets an EngineStepError) and the loop goes on.
+(each sink gets an EngineStepError) and the loop goes on, unless the engine cannot go on (a tensor-parallel
+engine that lost a rank: TensorParallelError): then the loop stops, keeps the error in `fatal`, answers every
+later command with it and calls on_fatal(error).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import EngineStepError, VPagedError
+from ...errors import EngineStepError, TensorParallelError, VPagedError
 
 log = logging.getLogger("vpaged.serve")
 
@@ -34,6 +36,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="vpaged-engine", daemon=True)
         self.steps = 0
         self.step_failures = 0
+        self.fatal: TensorParallelError | None = None
+        self.on_fatal: Callable[[TensorParallelError], None] | None = None
 
     # ---- any thread
     def start(self) -> EngineLoop:
@@ -48,7 +52,7 @@ class EngineLoop:
         """Run fn on the engine thread between two steps."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._stop:
-            fut.set_exception(RuntimeError("the engine loop is stopped"))
+            fut.set_exception(self.fatal or RuntimeError("the engine loop is stopped"))
             return fut
         with self._lock:
             self._commands.append((fn, fut))
@@ -119,10 +123,15 @@ class EngineLoop:
                 self.step_failures += 1
                 log.exception("engine step failed; ending the requests in flight")
                 failure = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
+                if isinstance(e, TensorParallelError):
+                    failure = self.fatal = e
+                    self._stop = True
                 sinks = list(self._sinks.values())
                 self._abort_all()
                 for sink in sinks:
                     sink(failure)
+                if self.fatal is not None and self.on_fatal is not None:
+                    self.on_fatal(self.fatal)
                 continue
             self.steps += 1
             for out in outputs:

@@ -44,6 +44,12 @@ def prometheus_text(stats, http_counts: Counter, extra: dict[str, float] | None 
         lines += [f"# HELP {metric} LLMEngine.stats().{name}", f"# TYPE {metric} {kind}", f"{metric} {value!r}"]
     for name, value in (extra or {}).items():
         lines += [f"# TYPE vpaged_{name} counter", f"vpaged_{name} {float(value)!r}"]
+    ranks = getattr(stats, "ranks", ()) or ()
+    for name in [f.name for f in fields(ranks[0])] if ranks else []:  # tensor parallel: each rank's KV store
+        metric = f"vpaged_rank_{name}"
+        kind = "counter" if name in _COUNTERS else "gauge"
+        lines += [f"# HELP {metric} LLMEngine.stats().ranks[rank].{name}", f"# TYPE {metric} {kind}"]
+        lines += [f'{metric}{{rank="{r}"}} {float(getattr(m, name))!r}' for r, m in enumerate(ranks)]
     state = getattr(stats, "prefix_caching", None)
     if isinstance(state, str):  # an info metric: whether prefix caching is on, and why not when it is off
         on = state == "on"

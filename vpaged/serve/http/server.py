@@ -129,12 +129,15 @@ def serve(
     limits: ServerLimits | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM). Port 0 takes a free port; `on_ready(url)` is called once
-    the server accepts connections. `limits`: ServerLimits (default: its defaults, Host checked against `host`)."""
+    the server accepts connections. `limits`: ServerLimits (default: its defaults, Host checked against `host`).
+    An engine that cannot go on (a tensor-parallel engine that lost a rank) shuts the server down, and serve
+    raises its TensorParallelError once the requests in flight have had their answers."""
     sock = _bind(host, port)
     limits = _limits_for(limits, host)
-    server = uvicorn.Server(
-        _uvicorn_config(create_app(engine, model_name, default_max_tokens, limits), limits, log_level)
-    )
+    app = create_app(engine, model_name, default_max_tokens, limits)
+    server = uvicorn.Server(_uvicorn_config(app, limits, log_level))
+    loop = app.state.engine_loop
+    loop.on_fatal = lambda _error: setattr(server, "should_exit", True)
 
     async def announce():
         while not server.started:
@@ -155,6 +158,8 @@ def serve(
         pass
     finally:
         sock.close()
+    if loop.fatal is not None:
+        raise loop.fatal
 
 
 class ServerThread:

@@ -46,6 +46,7 @@ class StoreMemory:
     free_pages: int = 0
     used_pages: int = 0
     dormant_pages: int = 0
+    shared_pages: int = 0  # pages mapped by more than one sequence or held by the prefix cache (vpaged, static)
 
 
 @dataclass(frozen=True)

@@ -241,6 +241,7 @@ class VirtualStore:
             free_pages=pool.free_pages,
             used_pages=pool.used_pages,
             dormant_pages=s.dormant_bytes // pool.page_size,
+            shared_pages=s.shared_pages,
         )
 
     def close(self) -> None:
