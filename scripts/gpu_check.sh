@@ -49,12 +49,13 @@
 #   probe                 15    12: torch + vpaged import (warm), cuInit + device query
 #   test:cuda_backend     25    20: pytest + torch (5-15) + CUDA init (10) + tests (~5)
 #   test:cuda_cache       25    22: the same fixed 15-25 + tests (~5)
-#   test:decode_kernels   30    28: fixed + kernels at several geometries (~8)
+#   test:decode_kernels   25    24: fixed + kernels at several geometries (~8)
+#   test:decode_quant     20    20: fixed + int8 / fp8 K/V kernels, small geometries (~4)
 #   test:torch_allocator  25    22: fixed + MemPool scopes, a graph capture (~5)
 #   test:serve_engine     40    38: fixed + transformers (~8) + two models and hundreds of steps (~10)
-#   bench:vmm_cuda        20    25: torch (5) + CUDA init (10) + parts (~10); JSON after every part
+#   bench:vmm_cuda        15    25: torch (5) + CUDA init (10) + parts (~10); JSON after every part
 #   bench:decode          20    25: the same; JSON after every part
-#   bench:allocator       35    40: parent (torch + CUDA init, host part, latency: ~20), then three workers
+#   bench:allocator       25    40: parent (torch + CUDA init, host part, latency: ~20), then three workers
 #                                   started together (imports + CUDA init overlap: ~15) that measure in turn
 #                                   (~2 s each); JSON after every part and every worker
 #   caps' sum            295    of 330: 15 for the report, 20 for the environment probe
@@ -154,12 +155,13 @@ stage build 60 build build_in_place
 stage probe 15 build vpaged_probe
 stage test:cuda_backend 25 build 'pytest_file tests/test_cuda_backend.py'
 stage test:cuda_cache 25 build 'pytest_file tests/test_cuda_cache.py'
-stage test:decode_kernels 30 build 'pytest_file tests/test_decode_kernels.py'
+stage test:decode_kernels 25 build 'pytest_file tests/test_decode_kernels.py'
+stage test:decode_quant 20 build 'pytest_file tests/test_decode_quant_kernel.py'
 stage test:torch_allocator 25 build 'pytest_file tests/test_torch_allocator_gpu.py'
 stage test:serve_engine 40 build 'pytest_file tests/test_serve_engine_gpu.py'
-stage bench:vmm_cuda 20 build 'bench benchmarks/bench_vmm_cuda.py --quick'
+stage bench:vmm_cuda 15 build 'bench benchmarks/bench_vmm_cuda.py --quick'
 stage bench:decode 20 build 'bench benchmarks/bench_decode.py --quick --device cuda'
-stage bench:allocator 35 build 'bench benchmarks/bench_allocator.py --quick'
+stage bench:allocator 25 build 'bench benchmarks/bench_allocator.py --quick'
 
 # ---------------------------------------------------------------------------------------------------
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "no git")
