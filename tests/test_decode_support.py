@@ -64,7 +64,7 @@ def test_engine_sends_decode_rows_to_sdpa_where_the_kernel_says_no(kv, monkeypat
     options = dict(kv_budget_bytes=16 << 20, kv=kv, max_num_seqs=4)
     with_kernel = [o.outputs[0].token_ids for o in LLM("random:llama-tiny", **options).generate(prompts, params)]
 
-    cuda_rule = lambda device, *a: decode_unsupported("cuda", *a)  # noqa: E731
+    cuda_rule = lambda device, *a, **kw: decode_unsupported("cuda", *a, **kw)  # noqa: E731
     for module in (virtual_store, paged_store):
         monkeypatch.setattr(module, "decode_unsupported", cuda_rule)
 

@@ -21,7 +21,9 @@ class SlotViews:
     """Views of stored rows. For a quantized format (kvcache/formats.py) the memory holds bytes: tokens() and
     layers() view them as uint8 rows (scales included), values() as QuantizedKV, write() quantizes."""
 
-    def __init__(self, vrange, layout: Layout, fmt: KVFormat, device: torch.device, scales: torch.Tensor | None = None):
+    def __init__(self, vrange, layout: Layout, fmt: KVFormat | torch.dtype, device: torch.device, scales=None):
+        if isinstance(fmt, torch.dtype):  # plain values of that dtype
+            fmt = KVFormat(fmt, fmt)
         self.range, self.layout, self.format, self.device = vrange, layout, fmt, device
         self.dtype = fmt.storage_dtype
         self.scales = scales  # fp8: [num_layers, 2] (K, V) per layer
