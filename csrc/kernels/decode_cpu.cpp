@@ -1003,7 +1003,10 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
 // in registers as they are loaded (8 per load), each (head, token) score keeps an 8-lane partial sum and 8
 // tokens' partials are reduced together (9 operations per 8 scores), and the per-row work moves out of the
 // element loops: the fp8 k_scale is folded into q and v_scale into the output, an int8 row's scale multiplies
-// its token's score (K) or probability (V). Compiled for head dims 64/64, 128/128, 256/256 and 192/128.
+// its token's score (K) or probability (V). Whole token rows (all kv heads) are prefetched kAhead tokens
+// ahead during the first kv head's scores pass, as in the generic loop: prefetching each head's rows a chunk
+// ahead, in that head's pass, left the 1-byte formats at 0.85-0.95x of bf16 from memory (0.6x in cache),
+// whole rows brought them to ~0.6x. Compiled for head dims 64/64, 128/128, 256/256 and 192/128.
 #define VP_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define VP_AVX2 VP_AVX2_TARGET VP_INLINE
 
@@ -1065,12 +1068,27 @@ VP_AVX2 __m256 reduce_rows8(const float* r) {
 
 // Partial score vectors of GB query heads (q rows D apart) against the n K rows at off[] + hoff, into
 // red[g][i][8]; two tokens at a time (8 independent FMA chains, each K vector feeds GB FMAs).
+// Whole token rows (K and V, all kv heads) to prefetch while a scores tile passes their tokens kAhead earlier.
+struct RowAhead {
+  const uint8_t *K, *V;
+  const int64_t *k_off, *v_off;  // per token of the chunk: the rows kAhead tokens on, or -1
+  int HKV;
+  int64_t HS, VHS;
+  int k_foot, v_foot;
+};
+
 template <int KT, int D, int GB>
 VP_AVX2 void scores_tile_q(const float* __restrict q, const uint8_t* K, const int64_t* off, int64_t hoff, int n,
-                           float* __restrict red) {
+                           float* __restrict red, const RowAhead* ahead) {
   static_assert(D % 8 == 0, "scores take 8 dims at a time");
   for (int i = 0; i < n; i += 2) {
     const int i1 = i + 1 < n ? i + 1 : i;  // an odd last token pairs with itself
+    if (ahead) {
+      for (int j = i; j <= i1; ++j)
+        if (ahead->k_off[j] >= 0)
+          prefetch_token(ahead->K, ahead->V, ahead->k_off[j], ahead->v_off[j], ahead->HKV, ahead->HS, ahead->VHS,
+                         ahead->k_foot, ahead->v_foot);
+    }
     const uint8_t* k0 = K + off[i] + hoff;
     const uint8_t* k1 = K + off[i1] + hoff;
     __m256 a[GB], b[GB];
@@ -1152,39 +1170,44 @@ VP_AVX2_TARGET void run_item_quant_avx2(const DecodeParams& p, const Item& it, f
   // Rows of this chunk (off, voff) and of the next one (noff, nvoff, nn of them): each kv head's rows of the
   // next chunk are prefetched in this chunk's pass over that head, so that the prefetches are spread over the
   // chunk instead of asked for all at once. The first chunk's rows are asked for here.
-  int64_t off[kChunk], voff[kChunk], noff[kChunk], nvoff[kChunk];
-  int nn = std::min(kChunk, it.t1 - it.t0);
-  for (int i = 0; i < nn; ++i) {
-    row(it.t0 + i, noff[i], nvoff[i]);
-    prefetch_token(K, V, noff[i], nvoff[i], HKV, HS, VHS, kFoot, kVFoot);
+  int64_t off[kChunk], voff[kChunk], aoff[kChunk], avoff[kChunk];
+  for (int t = it.t0; t < std::min(it.t1, it.t0 + kAhead); ++t) {
+    int64_t ko, vo;
+    row(t, ko, vo);
+    prefetch_token(K, V, ko, vo, HKV, HS, VHS, kFoot, kVFoot);
   }
+  const RowAhead ahead{K, V, aoff, avoff, HKV, HS, VHS, kFoot, kVFoot};
 
   for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
-    const int n = nn;
-    std::copy(noff, noff + n, off);
-    std::copy(nvoff, nvoff + n, voff);
-    nn = std::max(0, std::min(kChunk, it.t1 - c0 - kChunk));
-    for (int i = 0; i < nn; ++i) row(c0 + kChunk + i, noff[i], nvoff[i]);
+    const int n = std::min(kChunk, it.t1 - c0);
+    for (int i = 0; i < n; ++i) {
+      row(c0 + i, off[i], voff[i]);
+      if (c0 + i + kAhead < it.t1) {
+        row(c0 + i + kAhead, aoff[i], avoff[i]);
+      } else {
+        aoff[i] = avoff[i] = -1;
+      }
+    }
 
     for (int kh = 0; kh < HKV; ++kh) {
-      for (int i = 0; i < nn; ++i) prefetch_span(K + noff[i] + kh * HS, kFoot);
+      const RowAhead* pf = kh == 0 ? &ahead : nullptr;  // whole rows, in the first kv head's pass
       if constexpr (kRowScale)
         for (int i = 0; i < n; ++i) rs[i] = row_factor<KT>(K + off[i] + kh * HS, D, 1.0f);
-      for (int g0 = 0; g0 < G; g0 += 4) {
+      for (int g0 = 0; g0 < G; g0 += 4, pf = nullptr) {
         const int gb = std::min(4, G - g0);
         const float* qg = qf + (kh * G + g0) * D;
         switch (gb) {
           case 4:
-            scores_tile_q<KT, D, 4>(qg, K, off, kh * HS, n, red);
+            scores_tile_q<KT, D, 4>(qg, K, off, kh * HS, n, red, pf);
             break;
           case 3:
-            scores_tile_q<KT, D, 3>(qg, K, off, kh * HS, n, red);
+            scores_tile_q<KT, D, 3>(qg, K, off, kh * HS, n, red, pf);
             break;
           case 2:
-            scores_tile_q<KT, D, 2>(qg, K, off, kh * HS, n, red);
+            scores_tile_q<KT, D, 2>(qg, K, off, kh * HS, n, red, pf);
             break;
           default:
-            scores_tile_q<KT, D, 1>(qg, K, off, kh * HS, n, red);
+            scores_tile_q<KT, D, 1>(qg, K, off, kh * HS, n, red, pf);
         }
         for (int g = 0; g < gb; ++g) {
           for (int i = 0; i < n; i += 8) {
@@ -1229,7 +1252,6 @@ VP_AVX2_TARGET void run_item_quant_avx2(const DecodeParams& p, const Item& it, f
     }
 
     for (int kh = 0; kh < HKV; ++kh) {
-      for (int i = 0; i < nn; ++i) prefetch_span(V + nvoff[i] + kh * VHS, kVFoot);
       if constexpr (kRowScale)
         for (int i = 0; i < n; ++i) rs[i] = row_factor<KT>(V + voff[i] + kh * VHS, DV, 1.0f);
       for (int g0 = 0; g0 < G; g0 += 4) {
