@@ -996,6 +996,296 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
 }
 #pragma GCC diagnostic pop
 
+// ------------------------------------------------------------------------------------ AVX2 quantized path
+// The generic loop dequantizes rows into a buffer and reads them back, and ends every score in a horizontal
+// sum; at a byte per element that work, not the memory traffic, bounded it (int8 / fp8 ran 0.85-0.95x the
+// time of bf16 on the 2-core AMD EPYC dev box). Here, as in the AVX-512 path: K and V bytes are dequantized
+// in registers as they are loaded (8 per load), each (head, token) score keeps an 8-lane partial sum and 8
+// tokens' partials are reduced together (9 operations per 8 scores), and the per-row work moves out of the
+// element loops: the fp8 k_scale is folded into q and v_scale into the output, an int8 row's scale multiplies
+// its token's score (K) or probability (V). Whole token rows (all kv heads) are prefetched kAhead tokens
+// ahead during the first kv head's scores pass, as in the generic loop: prefetching each head's rows a chunk
+// ahead, in that head's pass, left the 1-byte formats at 0.85-0.95x of bf16 from memory (0.6x in cache),
+// whole rows brought them to ~0.6x. Compiled for head dims 64/64, 128/128, 256/256 and 192/128.
+#define VP_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define VP_AVX2 VP_AVX2_TARGET VP_INLINE
+
+// 8 elements of a 1-byte format at src, as floats (int8: the integer; e4m3: 2^-8 of its value; e5m2: its value).
+template <int KT>
+VP_AVX2 __m256 dequant8(const uint8_t* src) {
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  if constexpr (KT == kInt8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+  } else if constexpr (KT == kFloat8E5M2) {
+    return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), x));
+  } else {
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(x), 7), _mm_set1_epi16(-16385)));
+  }
+}
+
+// fast_exp of 8 lanes (same polynomial).
+VP_AVX2 __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 e = _mm256_set1_ps(1.0f / 720.0f);
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 120.0f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 24.0f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 6.0f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(two_n));
+}
+
+VP_AVX2 float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+VP_AVX2 float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// Lane j of the result = the sum of the 8 floats of row j (rows 8 floats apart).
+VP_AVX2 __m256 reduce_rows8(const float* r) {
+  const __m256 h01 = _mm256_hadd_ps(_mm256_loadu_ps(r), _mm256_loadu_ps(r + 8));
+  const __m256 h23 = _mm256_hadd_ps(_mm256_loadu_ps(r + 16), _mm256_loadu_ps(r + 24));
+  const __m256 h45 = _mm256_hadd_ps(_mm256_loadu_ps(r + 32), _mm256_loadu_ps(r + 40));
+  const __m256 h67 = _mm256_hadd_ps(_mm256_loadu_ps(r + 48), _mm256_loadu_ps(r + 56));
+  const __m256 a = _mm256_hadd_ps(h01, h23);  // per 128-bit half: rows 0..3, that half's dims
+  const __m256 b = _mm256_hadd_ps(h45, h67);  // rows 4..7
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// Partial score vectors of GB query heads (q rows D apart) against the n K rows at off[] + hoff, into
+// red[g][i][8]; two tokens at a time (8 independent FMA chains, each K vector feeds GB FMAs).
+// Whole token rows (K and V, all kv heads) to prefetch while a scores tile passes their tokens kAhead earlier.
+struct RowAhead {
+  const uint8_t *K, *V;
+  const int64_t *k_off, *v_off;  // per token of the chunk: the rows kAhead tokens on, or -1
+  int HKV;
+  int64_t HS, VHS;
+  int k_foot, v_foot;
+};
+
+template <int KT, int D, int GB>
+VP_AVX2 void scores_tile_q(const float* __restrict q, const uint8_t* K, const int64_t* off, int64_t hoff, int n,
+                           float* __restrict red, const RowAhead* ahead) {
+  static_assert(D % 8 == 0, "scores take 8 dims at a time");
+  for (int i = 0; i < n; i += 2) {
+    const int i1 = i + 1 < n ? i + 1 : i;  // an odd last token pairs with itself
+    if (ahead) {
+      for (int j = i; j <= i1; ++j)
+        if (ahead->k_off[j] >= 0)
+          prefetch_token(ahead->K, ahead->V, ahead->k_off[j], ahead->v_off[j], ahead->HKV, ahead->HS, ahead->VHS,
+                         ahead->k_foot, ahead->v_foot);
+    }
+    const uint8_t* k0 = K + off[i] + hoff;
+    const uint8_t* k1 = K + off[i1] + hoff;
+    __m256 a[GB], b[GB];
+    for (int g = 0; g < GB; ++g) a[g] = b[g] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < D; c += 8) {
+      const __m256 x = dequant8<KT>(k0 + c), y = dequant8<KT>(k1 + c);
+      for (int g = 0; g < GB; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + g * D + c);
+        a[g] = _mm256_fmadd_ps(qv, x, a[g]);
+        b[g] = _mm256_fmadd_ps(qv, y, b[g]);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      _mm256_storeu_ps(red + (g * kChunk + i) * 8, a[g]);
+      _mm256_storeu_ps(red + (g * kChunk + i1) * 8, b[g]);
+    }
+  }
+}
+
+// acc[g] (rows DV apart) += sum_i ps[g][i] * V row i, for GB heads, 16 dims at a time held in registers.
+template <int KT, int DV, int GB>
+VP_AVX2 void pv_tile_q(float* __restrict acc, const uint8_t* V, const int64_t* off, int64_t hoff, int n,
+                       const float* __restrict ps) {
+  static_assert(DV % 16 == 0, "P.V tiles are 16 dims wide");
+  for (int d0 = 0; d0 < DV; d0 += 16) {
+    __m256 a[GB][2];
+    for (int g = 0; g < GB; ++g) {
+      a[g][0] = _mm256_loadu_ps(acc + g * DV + d0);
+      a[g][1] = _mm256_loadu_ps(acc + g * DV + d0 + 8);
+    }
+    for (int i = 0; i < n; ++i) {
+      const uint8_t* vr = V + off[i] + hoff + d0;
+      const __m256 v0 = dequant8<KT>(vr), v1 = dequant8<KT>(vr + 8);
+      for (int g = 0; g < GB; ++g) {
+        const __m256 pg = _mm256_broadcast_ss(ps + g * kChunk + i);
+        a[g][0] = _mm256_fmadd_ps(pg, v0, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(pg, v1, a[g][1]);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      _mm256_storeu_ps(acc + g * DV + d0, a[g][0]);
+      _mm256_storeu_ps(acc + g * DV + d0 + 8, a[g][1]);
+    }
+  }
+}
+
+template <int KT, int D, int DV>
+VP_AVX2_TARGET void run_item_quant_avx2(const DecodeParams& p, const Item& it, float* ws, float* part_acc,
+                                        float* part_ml) {
+  constexpr bool kRowScale = KT == kInt8;
+  constexpr int kFoot = D + (kRowScale ? 4 : 0), kVFoot = DV + (kRowScale ? 4 : 0);
+  const int H = p.num_heads, HKV = p.num_kv_heads, G = H / HKV;
+  constexpr int DR = D > DV ? D : DV;
+  float* __restrict qf = ws;                 // [H][D] query, pre-scaled (fp8: by k_scale too)
+  float* __restrict acc = qf + H * D;        // [H][DV] unnormalised output
+  float* __restrict red = acc + H * DV;      // [4][kChunk][8] partial score vectors (kChunk * DR >= 1024)
+  float* __restrict sc = red + kChunk * DR;  // [H][kChunk] scores, then probabilities
+  float* __restrict m = sc + H * kChunk;     // [H] running max
+  float* __restrict l = m + H;               // [H] running sum of exp(score - max)
+  alignas(32) float rs[kChunk];              // int8: the chunk's row scales of one kv head (0 past n)
+  alignas(32) float pr[4 * kChunk];          // int8: probabilities times their V row's scale
+
+  const float* q = static_cast<const float*>(p.q) + int64_t(it.b) * H * D;
+  const float qs = p.scale * tensor_factor<KT>(kRowScale ? 1.0f : p.k_scale);
+  for (int i = 0; i < H * D; ++i) qf[i] = q[i] * qs;
+  std::fill(acc, acc + H * DV, 0.0f);
+  std::fill(red, red + 4 * kChunk * 8, 0.0f);  // rows past a short chunk's end are summed, never used
+  std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + H, 0.0f);
+  std::fill(rs, rs + kChunk, 0.0f);
+
+  const uint8_t* K = static_cast<const uint8_t*>(p.k);
+  const uint8_t* V = static_cast<const uint8_t*>(p.v);
+  const RowFinder row(p, it.b);
+  const int64_t HS = p.head_stride, VHS = p.v_head_stride;
+  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  // Rows of this chunk (off, voff) and of the next one (noff, nvoff, nn of them): each kv head's rows of the
+  // next chunk are prefetched in this chunk's pass over that head, so that the prefetches are spread over the
+  // chunk instead of asked for all at once. The first chunk's rows are asked for here.
+  int64_t off[kChunk], voff[kChunk], aoff[kChunk], avoff[kChunk];
+  for (int t = it.t0; t < std::min(it.t1, it.t0 + kAhead); ++t) {
+    int64_t ko, vo;
+    row(t, ko, vo);
+    prefetch_token(K, V, ko, vo, HKV, HS, VHS, kFoot, kVFoot);
+  }
+  const RowAhead ahead{K, V, aoff, avoff, HKV, HS, VHS, kFoot, kVFoot};
+
+  for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
+    const int n = std::min(kChunk, it.t1 - c0);
+    for (int i = 0; i < n; ++i) {
+      row(c0 + i, off[i], voff[i]);
+      if (c0 + i + kAhead < it.t1) {
+        row(c0 + i + kAhead, aoff[i], avoff[i]);
+      } else {
+        aoff[i] = avoff[i] = -1;
+      }
+    }
+
+    for (int kh = 0; kh < HKV; ++kh) {
+      const RowAhead* pf = kh == 0 ? &ahead : nullptr;  // whole rows, in the first kv head's pass
+      if constexpr (kRowScale)
+        for (int i = 0; i < n; ++i) rs[i] = row_factor<KT>(K + off[i] + kh * HS, D, 1.0f);
+      for (int g0 = 0; g0 < G; g0 += 4, pf = nullptr) {
+        const int gb = std::min(4, G - g0);
+        const float* qg = qf + (kh * G + g0) * D;
+        switch (gb) {
+          case 4:
+            scores_tile_q<KT, D, 4>(qg, K, off, kh * HS, n, red, pf);
+            break;
+          case 3:
+            scores_tile_q<KT, D, 3>(qg, K, off, kh * HS, n, red, pf);
+            break;
+          case 2:
+            scores_tile_q<KT, D, 2>(qg, K, off, kh * HS, n, red, pf);
+            break;
+          default:
+            scores_tile_q<KT, D, 1>(qg, K, off, kh * HS, n, red, pf);
+        }
+        for (int g = 0; g < gb; ++g) {
+          for (int i = 0; i < n; i += 8) {
+            __m256 s8 = reduce_rows8(red + (g * kChunk + i) * 8);
+            if constexpr (kRowScale) s8 = _mm256_mul_ps(s8, _mm256_load_ps(rs + i));
+            _mm256_storeu_ps(sc + (kh * G + g0 + g) * kChunk + i, s8);
+          }
+        }
+      }
+    }
+
+    // Online softmax, once per chunk and head, 8 tokens per vector; lanes past n are masked (bitwise: what
+    // they held, even inf or NaN, becomes 0).
+    __m256 valid[kChunk / 8];
+    for (int j = 0; j < kChunk / 8; ++j)
+      valid[j] = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps(float(8 * j)), iota), _mm256_set1_ps(float(n)), _CMP_LT_OQ);
+    for (int h = 0; h < H; ++h) {
+      float* s = sc + h * kChunk;
+      __m256 v[kChunk / 8];
+      __m256 vmx = ninf;
+      for (int j = 0; j < kChunk / 8; ++j) {
+        v[j] = _mm256_loadu_ps(s + 8 * j);
+        vmx = _mm256_max_ps(vmx, _mm256_blendv_ps(ninf, v[j], valid[j]));
+      }
+      const float mx = hmax8(vmx);
+      const float mn = mx > m[h] ? mx : m[h];
+      const float alpha = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : fast_exp(m[h] - mn);
+      const __m256 vmn = _mm256_set1_ps(mn);
+      __m256 vsum = _mm256_setzero_ps();
+      for (int j = 0; j < kChunk / 8; ++j) {
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(v[j], vmn)), valid[j]);
+        _mm256_storeu_ps(s + 8 * j, e);
+        vsum = _mm256_add_ps(vsum, e);
+      }
+      l[h] = l[h] * alpha + hsum8(vsum);
+      m[h] = mn;
+      if (alpha != 1.0f) {
+        float* a = acc + h * DV;
+        const __m256 va = _mm256_set1_ps(alpha);
+        for (int d = 0; d < DV; d += 8) _mm256_storeu_ps(a + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), va));
+      }
+    }
+
+    for (int kh = 0; kh < HKV; ++kh) {
+      if constexpr (kRowScale)
+        for (int i = 0; i < n; ++i) rs[i] = row_factor<KT>(V + voff[i] + kh * VHS, DV, 1.0f);
+      for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gb = std::min(4, G - g0);
+        float* a = acc + (kh * G + g0) * DV;
+        const float* ps = sc + (kh * G + g0) * kChunk;
+        if constexpr (kRowScale) {
+          for (int g = 0; g < gb; ++g)
+            for (int i = 0; i < n; ++i) pr[g * kChunk + i] = ps[g * kChunk + i] * rs[i];
+          ps = pr;
+        }
+        switch (gb) {
+          case 4:
+            pv_tile_q<KT, DV, 4>(a, V, voff, kh * VHS, n, ps);
+            break;
+          case 3:
+            pv_tile_q<KT, DV, 3>(a, V, voff, kh * VHS, n, ps);
+            break;
+          case 2:
+            pv_tile_q<KT, DV, 2>(a, V, voff, kh * VHS, n, ps);
+            break;
+          default:
+            pv_tile_q<KT, DV, 1>(a, V, voff, kh * VHS, n, ps);
+        }
+      }
+    }
+  }
+  if constexpr (!kRowScale) {
+    const float vf = tensor_factor<KT>(p.v_scale);  // fp8: v_scale (e4m3: times 2^8) on the whole output
+    for (int i = 0; i < H * DV; ++i) acc[i] *= vf;
+  }
+  finish_item<kFloat32>(p, it, acc, m, l, part_acc, part_ml);
+}
+
 using ItemFn = void (*)(const DecodeParams&, const Item&, float*, float*, float*);
 
 template <int DT, int DC, int DVC, int KT = DT>
@@ -1080,6 +1370,22 @@ ItemFn select_dim(int D, int DV, int isa) {
 template <int KT>
 ItemFn select_quant(int D, int DV, int isa) {
   const bool v3 = isa >= kIsaAvx2 && cpu_has_f16c();  // every AVX2 CPU has F16C; checked all the same
+  if (v3) {
+    if (D == DV) {
+      switch (D) {
+        case 64:
+          return run_item_quant_avx2<KT, 64, 64>;
+        case 128:
+          return run_item_quant_avx2<KT, 128, 128>;
+        case 256:
+          return run_item_quant_avx2<KT, 256, 256>;
+        default:
+          break;  // other head dims: the generic loop of the AVX2 build
+      }
+    } else if (D == 192 && DV == 128) {
+      return run_item_quant_avx2<KT, 192, 128>;
+    }
+  }
   if (D == DV) {
     switch (D) {
       case 64:
