@@ -108,3 +108,29 @@ def test_stats_count_pages_tokens_and_sharing(swap, rng):
     assert s.pages_mapped_total == sp.pages_mapped and s.pages_unmapped_total == sp.pages_unmapped
     assert s.stored_bytes == 50 * sp.layout.token_bytes * runs  # the shared pages once
     assert s.fragmentation_bytes == 2 * PS * runs - s.stored_bytes
+
+
+def test_pages_needed_counts_the_spare_pages_an_extend_keeps(rng):
+    """A sequence on a reused slot holds its predecessor's pages as a spare tail: pages_available() counts them
+    (reclaimable) but an extend of that sequence keeps them, so pages_needed() counts them too; the answer
+    "needed <= available" is then exactly whether the extend succeeds, for every length asked for."""
+    from vpaged import VirtualKVCache
+    from vpaged.errors import OutOfPagesError
+
+    page = 64 << 10
+    tokens_per_page = page // (2 * 16 * 4)  # 2 heads x 16 dims x fp32 per region
+    for n in range(1, 30 * tokens_per_page, tokens_per_page // 3 + int(torch.randint(1, 7, (), generator=rng))):
+        cache = VirtualKVCache(1, 2, 16, torch.float32, max_seqs=2, max_seq_len=40 * tokens_per_page,
+                               capacity_bytes=24 * page, page_size=page)  # fmt: skip
+        a = cache.allocate()
+        cache.extend(a, 10 * tokens_per_page)  # 20 pages (K and V)
+        cache.free(a)  # dormant: its pages stay mapped for the next sequence
+        b = cache.allocate()  # the same slot, its 20 pages a spare tail
+        fits = cache.pages_needed([b], n) <= cache.pages_available()
+        try:
+            cache.extend(b, n)
+            ok = True
+        except OutOfPagesError:
+            ok = False
+        assert fits == ok, (n, cache.pages_needed([b], n), cache.pages_available())
+        cache.close()

@@ -194,7 +194,8 @@ class VirtualKVCache(KVCacheBase):
 
     def pages_needed(self, seqs, n: int = 1) -> int:
         """Pages that extend_many(seqs, n) would take from the pool: new pages plus the copy-on-write copies
-        of shared pages the new tokens land in; for a swapped-out sequence also the pages swap_in() maps back.
+        of shared pages the new tokens land in; for a swapped-out sequence also the pages swap_in() maps back;
+        plus the sequences' own spare pages that pages_available() counts as reclaimable (an extend keeps them).
         Changes nothing: a scheduler compares it with pages_available() before it extends, and preempts
         instead of catching OutOfPagesError. The same plan as extend_many()'s."""
         self._check_open()
@@ -202,7 +203,10 @@ class VirtualKVCache(KVCacheBase):
         seqs = list(seqs)
         slots = [self._slots.slot_of(s) for s in seqs]
         swapped_in = sum(len(self._swapped[s][0]) for s in slots if s in self._swapped)
-        return swapped_in + self._page_map.plan_extend(seqs, slots, n).pages
+        # Their own spare pages count in pages_available() but are not reclaimed while they grow: count them here
+        # too, so that "needed <= available" holds exactly when the extend succeeds.
+        own_spare = self._reclaim.spare_pages_of(slots)
+        return swapped_in + own_spare + self._page_map.plan_extend(seqs, slots, n).pages
 
     def pages_available(self) -> int:
         """Pages an extend could take now: the pool's free pages plus those freed slots and unused prefix

@@ -39,6 +39,15 @@ class SlotReclaim:
                 out.append((slot, first))
         return out
 
+    def spare_pages_of(self, slots: list[int]) -> int:
+        """Pages of the spare tails of `slots` that reclaimable_pages() counts: an extend of those slots keeps
+        them (it grows into them, and reclaim skips a slot while it grows), so they are not there for it."""
+        mine = set(slots)
+        t = self.page_map.table
+        return (
+            sum(t.mapped_pages[s] - first for s, first in self.spare_tails() if s in mine) * self.page_map.layout.runs
+        )
+
     def evictable_blocks(self, dormant: list[int]):
         """Prefix blocks whose pages only the index holds once the given dormant slots let go of theirs."""
         if not self.prefix:
