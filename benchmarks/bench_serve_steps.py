@@ -66,7 +66,9 @@ def summarize(logs: dict[str, list[dict]], kinds: list[str], pick) -> dict | Non
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kv", default="paged,vpaged", help="stores, the first is the reference of the ratios")
+    ap.add_argument(
+        "--kv", default="paged,vpaged", help="stores (<kv>-noprefix: prefix caching off), the first is the reference"
+    )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--min-prompt", type=int, default=64)
@@ -86,13 +88,17 @@ def main(argv=None) -> int:
     load_before = open("/proc/loadavg").read().split()[:3]
     engines, cpu = {}, {}
     for kv in kinds:
+        store, _, option = kv.partition("-")  # "<kv>-noprefix": that store with prefix caching off
+        if option not in ("", "noprefix"):
+            raise SystemExit(f"unknown store option {option!r} in {kv!r} (use <kv> or <kv>-noprefix)")
         e = LLMEngine(
             model,
             None,
             kv_budget_bytes=args.budget_mib << 20,
             max_num_seqs=64,
             max_num_batched_tokens=512,
-            kv=kv,
+            kv=store,
+            enable_prefix_caching=option != "noprefix",
             max_model_len=args.max_prompt + args.max_tokens,
             record_steps=True,
         )
