@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_json  # noqa: E402
+from common import common_prefix, machine, write_json  # noqa: E402
 
 from vpaged import VirtualKVCache, ops  # noqa: E402
 
@@ -59,15 +59,6 @@ def greedy_answer(model, tok, prompt: str, kv_dtype=None, kv_scales=None, max_ne
     )
     cache.close()
     return out[0, ids.shape[1] :].tolist()
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def section_accuracy(quick: bool) -> dict:

@@ -56,7 +56,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, print_table, write_json  # noqa: E402
+from common import common_prefix, machine, print_table, write_json  # noqa: E402
 from vllm_peer import PeerError, peer_env, prepare_model_dir, probe, run_runner  # noqa: E402
 
 from vpaged.hf.prepack import unprepack  # noqa: E402
@@ -278,15 +278,6 @@ def warnings_quiet():
         finally:
             for lg, lv in zip(loggers, levels):
                 lg.setLevel(lv)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def same_tokens(rows: list[dict], ref: dict) -> None:

@@ -56,6 +56,16 @@ def median_time(fn, repeats: int = 7, inner: int = 1) -> float:
     return statistics.median(samples)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (how long two greedy outputs agree)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def write_json(name: str | Path, payload: dict) -> Path:
     """Write payload to RESULTS/name (or to a path). Atomic (a temporary file renamed over the old one), so
     a benchmark may call it after every part: a run stopped part way leaves the last complete file."""

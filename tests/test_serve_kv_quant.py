@@ -12,6 +12,8 @@ from vpaged.hf.compat import serving_support
 
 pytest.importorskip("transformers")
 
+from serve_helpers import one_torch_thread  # noqa: E402, F401 - the autouse fixture
+
 from vpaged.errors import DTypeError  # noqa: E402
 from vpaged.hf import VPagedCache, cache_kwargs  # noqa: E402
 from vpaged.serve import LLM, LLMEngine, SamplingParams, load_model  # noqa: E402
@@ -25,14 +27,6 @@ if not hasattr(_C.DecodeParams(), "kv_dtype"):
 PAGE = 4096
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 FORMATS = ["int8", "fp8", "fp8_e5m2"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -77,8 +77,24 @@ class PagedCacheStats:
         return self.fragmentation_bytes + self.reserved_bytes
 
 
+class StoredValues:
+    """What BatchedKV and BlockPools say of the values behind their stored rows (dtype, head_dim, v_head_dim,
+    kv_format): for a quantized cache the records count bytes of the rows; these give the values' side."""
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        """The dtype of the values K/V stand for (the model's): what q, out and written K/V have."""
+        return self.kv_format.dtype if self.kv_format is not None else self.dtype
+
+    @property
+    def value_head_dims(self) -> tuple[int, int]:
+        """(head_dim, v_head_dim) of the values (the storage dims less an int8 row's scale)."""
+        extra = self.kv_format.scale_bytes if self.kv_format is not None else 0
+        return self.head_dim - extra, self.v_head_dim - extra
+
+
 @dataclass(frozen=True)
-class BatchedKV:
+class BatchedKV(StoredValues):
     """One layer's K and V of several sequences, for decode kernels that take per-sequence lengths.
 
     k_ptr / v_ptr address token 0 of slot 0; sequence i starts `slots[i] * slot_stride` elements further
@@ -112,17 +128,6 @@ class BatchedKV:
     # kv_scales (fp8) is the layer's (k, v) scales, a view of the cache's. None: plain values of dtype.
     kv_format: KVFormat | None = None
     kv_scales: torch.Tensor | None = None
-
-    @property
-    def value_dtype(self) -> torch.dtype:
-        """The dtype of the values K/V stand for (the model's): what q, out and written K/V have."""
-        return self.kv_format.dtype if self.kv_format is not None else self.dtype
-
-    @property
-    def value_head_dims(self) -> tuple[int, int]:
-        """(head_dim, v_head_dim) of the values (the storage dims less an int8 row's scale)."""
-        extra = self.kv_format.scale_bytes if self.kv_format is not None else 0
-        return self.head_dim - extra, self.v_head_dim - extra
 
     def __post_init__(self) -> None:
         # Frozen: fill the "same as K" defaults through object.__setattr__.
@@ -225,7 +230,7 @@ def _dense_strides(name: str, t: torch.Tensor, layout: str) -> tuple[int, int, i
 
 
 @dataclass(frozen=True)
-class BlockPools:
+class BlockPools(StoredValues):
     """One layer of a PagedKVCache as a block-table kernel reads it: the two dense block pools
     key_cache [num_blocks, block_size, num_kv_heads, head_dim] and value_cache (its own head dim), and what the
     cache says they hold, which a kernel plan checks the pools against (pools of another dtype or fewer blocks
@@ -244,12 +249,3 @@ class BlockPools:
     # A quantized cache: the pools hold bytes (dtype uint8, head dims of the stored rows), as in BatchedKV.
     kv_format: KVFormat | None = None
     kv_scales: torch.Tensor | None = None
-
-    @property
-    def value_dtype(self) -> torch.dtype:
-        return self.kv_format.dtype if self.kv_format is not None else self.dtype
-
-    @property
-    def value_head_dims(self) -> tuple[int, int]:
-        extra = self.kv_format.scale_bytes if self.kv_format is not None else 0
-        return self.head_dim - extra, self.v_head_dim - extra

@@ -28,18 +28,9 @@ import torch
 from ..errors import DTypeError, InvalidArgumentError, ShapeError
 from ..kvcache.base import KVCacheBase
 from ..kvcache.checks import check_kernel_dtype, check_lengths, index_tensor
-from ..kvcache.formats import read_scale
 from ..kvcache.records import BatchedKV
 from .checks import cache_max_len, check_extent, check_max_len, check_out, check_pools, check_q, kv_capacity
-from .launch import (
-    KV_DTYPE_CODES,
-    describe_contiguous,
-    describe_format,
-    describe_paged,
-    float32_io,
-    kernel_params,
-    launch,
-)
+from .launch import describe_contiguous, describe_format, describe_paged, float32_io, kernel_params, launch, set_format
 
 
 def decode_attention_contiguous(
@@ -134,10 +125,7 @@ def decode_attention_paged(
     p = kernel_params(qk, outk, key_cache.data_ptr(), value_cache.data_ptr(), num_kv_heads, 0, lengths, max_len, scale)
     describe_paged(p, key_cache, value_cache)
     if kv_format is not None:
-        p.dtype = 0  # float32 q and out
-        p.kv_dtype = KV_DTYPE_CODES[kv_format.kv_dtype]
-        p.head_dim, p.v_head_dim = head_dim, v_head_dim
-        p.k_scale, p.v_scale = read_scale(kv_scales, 0), read_scale(kv_scales, 1)
+        set_format(p, kv_format, kv_scales, head_dim, v_head_dim)  # float32 q and out, K/V as stored
     p.block_tables = tables.data_ptr()
     p.bt_stride = tables.stride(0)
     launch(p, qk)

@@ -46,13 +46,16 @@ def describe_format(p: _C.DecodeParams, kv: BatchedKV) -> None:
     """A quantized cache's format into the parameters (nothing for plain values): K/V as stored (bytes,
     strides in bytes), the value head dims, the layer's fp8 scales (read now: calibration sets them at the
     layer's first write), q and out in float32."""
-    fmt = kv.kv_format
-    if fmt is None:
-        return
+    if kv.kv_format is not None:
+        set_format(p, kv.kv_format, kv.kv_scales, *kv.value_head_dims)
+
+
+def set_format(p: _C.DecodeParams, fmt, scales, head_dim: int, v_head_dim: int) -> None:
+    """describe_format() from its parts, for entries given pools rather than a record."""
     p.dtype = DTYPE_CODES[torch.float32]
     p.kv_dtype = KV_DTYPE_CODES[fmt.kv_dtype]
-    p.head_dim, p.v_head_dim = kv.value_head_dims
-    p.k_scale, p.v_scale = read_scale(kv.kv_scales, 0), read_scale(kv.kv_scales, 1)
+    p.head_dim, p.v_head_dim = head_dim, v_head_dim
+    p.k_scale, p.v_scale = read_scale(scales, 0), read_scale(scales, 1)
 
 
 def float32_io(q: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
