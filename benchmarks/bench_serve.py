@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import common_prefix, machine, print_table, write_json  # noqa: E402
 from vllm_peer import PeerError, peer_env, prepare_model_dir, probe, run_runner  # noqa: E402
 
+from vpaged.hf.fused import unfuse  # noqa: E402
 from vpaged.hf.prepack import unprepack  # noqa: E402
 from vpaged.serve import LLMEngine, SamplingParams, load_model  # noqa: E402
 from vpaged.serve.bench import Workload, percentile, poisson_arrivals, random_prompts, run_workload  # noqa: E402
@@ -124,8 +125,8 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def engine_row(model, workload, kv: str, budget: int, cfg: dict, label: str | None = None, **kw) -> dict:
-    # A row with cpu_prepack=False runs the plain layers: the model is shared by the rows and an earlier row's
-    # engine prepared it in place, so it is unprepared first (the next prepacked row prepares it again).
+    # A row with cpu_prepack=False runs the plain layers and modules: the model is shared by the rows and an
+    # earlier row's engine prepared it in place, so it is unprepared and unfused first (the next prepacked row prepares it again).
     # A tensor-parallel row gets the model as a saved directory (each rank loads its shard) and the budget of
     # one rank: budget / N, so that the ranks hold the same tokens as one process.
     # Its ranks share the machine's threads: each runs threads / N (the spawned ranks take rank 0's count).
@@ -136,6 +137,7 @@ def engine_row(model, workload, kv: str, budget: int, cfg: dict, label: str | No
         torch.set_num_threads(max(1, threads // tp))
     elif kw.get("cpu_prepack") is False:
         unprepack(model)
+        unfuse(model)
     # Every row declares the workload's longest sequence as max_model_len (as a deployment sizes it for its
     # traffic): kv=static reserves exactly that per request, the others only bound their sequences by it.
     kw.setdefault("max_model_len", max(map(len, workload.prompts)) + workload.max_tokens)
@@ -151,7 +153,7 @@ def engine_row(model, workload, kv: str, budget: int, cfg: dict, label: str | No
     )
     try:
         r = run_workload(engine, workload, greedy(workload.max_tokens), kv=label or kv, keep_outputs=True)
-        prepacked = engine.prepacked_layers
+        prepacked, fused = engine.prepacked_layers, engine.fused_modules
         per_rank = [m.high_water_bytes for m in engine.stats().ranks]
     finally:
         with contextlib.suppress(Exception):
@@ -159,7 +161,12 @@ def engine_row(model, workload, kv: str, budget: int, cfg: dict, label: str | No
         del engine
         gc.collect()
         torch.set_num_threads(threads)
-    return dict(r.as_dict(with_outputs=True), prepacked_layers=prepacked, kv_high_water_bytes_per_rank=per_rank)
+    return dict(
+        r.as_dict(with_outputs=True),
+        prepacked_layers=prepacked,
+        fused_modules=fused,
+        kv_high_water_bytes_per_rank=per_rank,
+    )
 
 
 def generate_batch_row(model, workload, budget: int) -> dict:
@@ -167,6 +174,7 @@ def generate_batch_row(model, workload, budget: int) -> dict:
     tokens of every layer; the cache is allocated whole up front, so its peak KV bytes are its size), on the
     model's plain layers (an engine row before it prepared them: undone here)."""
     unprepack(model)
+    unfuse(model)
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 

@@ -3,6 +3,7 @@ loaded machine does not drown.
 
   python benchmarks/bench_serve_steps.py                       # kv=paged vs kv=vpaged, 64 requests x 16 tokens
   python benchmarks/bench_serve_steps.py --kv paged,vpaged,static --requests 32 --max-tokens 64
+  python benchmarks/bench_serve_steps.py --kv vpaged-unfused,vpaged   # the fused RMSNorm / MLP forwards
 
 bench_serve.py runs its rows one after the other, so on a machine whose load changes by the minute a row's
 time follows the neighbours' work as much as the cache (here: the same two rows 1.03x and 0.55x apart in
@@ -31,6 +32,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, write_json  # noqa: E402
 
+from vpaged.hf.prepack import prepack_linears, prepack_supported  # noqa: E402
 from vpaged.serve import LLMEngine, SamplingParams, load_model  # noqa: E402
 from vpaged.serve.bench import random_prompts  # noqa: E402
 
@@ -88,11 +90,18 @@ def main(argv=None) -> int:
     load_before = open("/proc/loadavg").read().split()[:3]
     engines, cpu = {}, {}
     for kv in kinds:
-        store, _, option = kv.partition("-")  # "<kv>-noprefix": that store with prefix caching off
-        if option not in ("", "noprefix"):
-            raise SystemExit(f"unknown store option {option!r} in {kv!r} (use <kv> or <kv>-noprefix)")
+        # "<kv>-noprefix": that store with prefix caching off; "<kv>-unfused": on a second copy of the model
+        # (the same seeded weights) whose linears are prepacked but whose RMSNorms and MLPs run eager.
+        store, _, option = kv.partition("-")
+        if option not in ("", "noprefix", "unfused"):
+            raise SystemExit(f"unknown store option {option!r} in {kv!r} (use <kv>, <kv>-noprefix or <kv>-unfused)")
+        own_model = model
+        if option == "unfused":
+            own_model, _ = load_model(args.model, dtype=torch.float32)
+            if prepack_supported(own_model.dtype)[0]:
+                prepack_linears(own_model, batch_hint=64)
         e = LLMEngine(
-            model,
+            own_model,
             None,
             kv_budget_bytes=args.budget_mib << 20,
             max_num_seqs=64,
@@ -101,6 +110,7 @@ def main(argv=None) -> int:
             enable_prefix_caching=option != "noprefix",
             max_model_len=args.max_prompt + args.max_tokens,
             record_steps=True,
+            cpu_prepack=option != "unfused",  # the unfused copy stays as prepared above
         )
         for p in prompts:
             e.add_request(list(p), params)

@@ -207,3 +207,32 @@ class WriteKVParams:
 def write_kv_check(params: WriteKVParams) -> None: ...
 def write_kv_cpu(params: WriteKVParams, num_threads: int = 0) -> None: ...
 def write_kv_cuda(params: WriteKVParams, device: int, stream: int) -> None: ...
+
+# Fused element-wise ops of a forward (csrc/kernels/fused_ops.h); addresses are ints, strides in elements,
+# dtype a decode dtype code (0: float32, 2: bfloat16).
+def rms_norm_cpu(
+    x: int,
+    x_stride: int,
+    weight: int,
+    out: int,
+    out_stride: int,
+    rows: int,
+    cols: int,
+    eps: float,
+    dtype: int,
+    num_threads: int = 0,
+    isa: str = "auto",
+) -> None: ...
+def silu_mul_cpu(
+    gate: int,
+    gate_stride: int,
+    up: int,
+    up_stride: int,
+    out: int,
+    out_stride: int,
+    rows: int,
+    cols: int,
+    dtype: int,
+    num_threads: int = 0,
+    isa: str = "auto",
+) -> None: ...

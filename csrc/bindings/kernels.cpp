@@ -95,7 +95,8 @@ vpaged::kernels::DecodeParams step_params(const vpaged::kernels::DecodeParams& b
 
 }  // namespace
 
-void register_write_kv(py::module_& m);  // at the end of this file
+void register_write_kv(py::module_& m);   // at the end of this file
+void register_fused_ops(py::module_& m);  // at the end of this file
 
 void register_kernels(py::module_& m) {
   using namespace vpaged::kernels;
@@ -207,6 +208,7 @@ void register_kernels(py::module_& m) {
         "Decode attention on CUDA (asynchronous on launch.stream).");
   m.def("kernels_built_with_cuda", &kernels_built_with_cuda);
   register_write_kv(m);
+  register_fused_ops(m);
 }
 
 // The K/V scatter (csrc/kernels/write_kv.h): its own parameter struct and entry points.
@@ -252,4 +254,36 @@ void register_write_kv(py::module_& m) {
         py::call_guard<py::gil_scoped_release>(), "Check every row, then scatter the K/V rows (CPU, blocking).");
   m.def("write_kv_cuda", &write_kv_cuda, py::arg("params"), py::arg("device"), py::arg("stream"),
         py::call_guard<py::gil_scoped_release>(), "Scatter the K/V rows on CUDA (asynchronous on `stream`).");
+}
+
+// The fused element-wise ops of a forward (csrc/kernels/fused_ops.h): addresses and strides in elements;
+// vpaged/ops/fused.py checks the tensors.
+#include "kernels/fused_ops.h"
+
+void register_fused_ops(py::module_& m) {
+  using namespace vpaged::kernels;
+  m.def(
+      "rms_norm_cpu",
+      [](uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t out, int64_t out_stride, int64_t rows, int64_t cols,
+         float eps, int dtype, int num_threads, const std::string& isa) {
+        const int code = isa_code(isa);
+        py::gil_scoped_release release;
+        rms_norm_cpu(reinterpret_cast<const void*>(x), x_stride, reinterpret_cast<const void*>(weight),
+                     reinterpret_cast<void*>(out), out_stride, rows, cols, eps, dtype, num_threads, code);
+      },
+      py::arg("x"), py::arg("x_stride"), py::arg("weight"), py::arg("out"), py::arg("out_stride"), py::arg("rows"),
+      py::arg("cols"), py::arg("eps"), py::arg("dtype"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
+      "RMSNorm of [rows, cols] rows times weight (CPU, blocking).");
+  m.def(
+      "silu_mul_cpu",
+      [](uintptr_t gate, int64_t gate_stride, uintptr_t up, int64_t up_stride, uintptr_t out, int64_t out_stride,
+         int64_t rows, int64_t cols, int dtype, int num_threads, const std::string& isa) {
+        const int code = isa_code(isa);
+        py::gil_scoped_release release;
+        silu_mul_cpu(reinterpret_cast<const void*>(gate), gate_stride, reinterpret_cast<const void*>(up), up_stride,
+                     reinterpret_cast<void*>(out), out_stride, rows, cols, dtype, num_threads, code);
+      },
+      py::arg("gate"), py::arg("gate_stride"), py::arg("up"), py::arg("up_stride"), py::arg("out"),
+      py::arg("out_stride"), py::arg("rows"), py::arg("cols"), py::arg("dtype"), py::arg("num_threads") = 0,
+      py::arg("isa") = "auto", "silu(gate) * up over [rows, cols] rows (CPU, blocking).");
 }

@@ -37,9 +37,8 @@
 #include <vector>
 
 #include "core/errors.h"
+#include "kernels/cpu_math.h"
 #include "kernels/decode.h"
-
-#define VP_INLINE inline __attribute__((always_inline))
 
 namespace vpaged {
 namespace kernels {
@@ -113,17 +112,6 @@ constexpr int kMinSplit = 256;  // fewest tokens worth a separate item (merging 
 constexpr int kAhead = 16;      // tokens of prefetch distance (4 was too close; 8..48 measured alike)
 
 // ------------------------------------------------------------------------------------ element types
-VP_INLINE float bits_f(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-VP_INLINE uint32_t f_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
 // fp16 -> fp32 without branches (so that loops over a row vectorise on ISAs without F16C): normal numbers
 // re-bias the exponent, inf/NaN re-bias once more to exponent 255, subnormals are em * 2^-24 exactly.
 VP_INLINE float f16_to_f32(uint32_t h) {
@@ -150,12 +138,6 @@ inline uint16_t f32_to_f16(float f) {
   }
   ax += 0xc8000fffu + ((ax >> 13) & 1u);  // exponent 127 -> 15 bias, plus round-half-even into bit 13
   return uint16_t(sign | (ax >> 13));
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  const uint32_t x = f_bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x40u);  // keep NaN a NaN
-  return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
 template <int DT>
@@ -1007,9 +989,6 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
 // ahead during the first kv head's scores pass, as in the generic loop: prefetching each head's rows a chunk
 // ahead, in that head's pass, left the 1-byte formats at 0.85-0.95x of bf16 from memory (0.6x in cache),
 // whole rows brought them to ~0.6x. Compiled for head dims 64/64, 128/128, 256/256 and 192/128.
-#define VP_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
-#define VP_AVX2 VP_AVX2_TARGET VP_INLINE
-
 // 8 elements of a 1-byte format at src, as floats (int8: the integer; e4m3: 2^-8 of its value; e5m2: its value).
 template <int KT>
 VP_AVX2 __m256 dequant8(const uint8_t* src) {
@@ -1021,38 +1000,6 @@ VP_AVX2 __m256 dequant8(const uint8_t* src) {
   } else {
     return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(x), 7), _mm_set1_epi16(-16385)));
   }
-}
-
-// fast_exp of 8 lanes (same polynomial).
-VP_AVX2 __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 e = _mm256_set1_ps(1.0f / 720.0f);
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 120.0f));
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 24.0f));
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 6.0f));
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
-  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(e, _mm256_castsi256_ps(two_n));
-}
-
-VP_AVX2 float hmax8(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_max_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
-
-VP_AVX2 float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
 }
 
 // Lane j of the result = the sum of the 8 floats of row j (rows 8 floats apart).

@@ -2,7 +2,8 @@
 
 VPagedCache (cache.py) is a `transformers.Cache` whose K/V live in a VirtualKVCache; groups.py holds its
 layer groups, attention.py the attention function `attn_implementation="vpaged"` runs, compat.py what
-differs between the supported transformers releases, prepack.py the linear layers on oneDNN-packed weights.
+differs between the supported transformers releases, prepack.py the linear layers on oneDNN-packed weights,
+fused.py the RMSNorms and gated MLPs on vpaged's fused CPU ops.
 Names are loaded on first use, so that `vpaged.hf.compat` (read by `vpaged info`) never imports transformers.
 """
 
@@ -25,6 +26,9 @@ _NAMES = {
     "PrepackedLinear": "prepack",
     "prepack_linears": "prepack",
     "unprepack": "prepack",
+    "fuse_modules": "fused",
+    "fused_modules": "fused",
+    "unfuse": "fused",
 }
 
 __all__ = sorted(_NAMES)

@@ -55,9 +55,11 @@ class EngineConfig:
             format holds ~2x (bf16 models) or ~4x (fp32) the tokens in the same kv_budget_bytes.
         kv_scales: fp8 only: per-layer (K, V) scales, a float, or "calibrate" (from each layer's first
             write, i.e. the first prompt); default 1.0.
-        cpu_prepack: on CPU, run the model's linear layers on oneDNN weights packed once at construction
-            (vpaged.hf.prepack; parameters and state_dict unchanged). Ignored on CUDA. False leaves the
-            model's layers as they are (a model prepared before stays so: vpaged.hf.unprepack undoes it).
+        cpu_prepack: on CPU, prepare the model once at construction: its linear layers run on oneDNN weights
+            packed once (vpaged.hf.prepack), its Llama-formula RMSNorms and SiLU-gated MLPs on vpaged's fused
+            ops, the MLP's gate and up products as one (vpaged.hf.fused); parameters and state_dict unchanged.
+            Ignored on CUDA. False leaves the model's modules as they are (a model prepared before stays so:
+            vpaged.hf.unprepack and vpaged.hf.unfuse undo it).
         tensor_parallel_size: ranks the model is sharded over (transformers' tp_plan="auto" on
             torch.distributed; see vpaged.serve.distributed). Each rank keeps the K/V of its own KV heads in
             its own store of kv_budget_bytes (and swap_bytes): the budgets are per rank.

@@ -24,6 +24,7 @@ import torch
 from ..errors import BackendUnavailableError, InvalidArgumentError, PromptTooLongError, UnknownRequestError
 from ..hf.attention import NAME as ATTN_NAME
 from ..hf.compat import serving_support
+from ..hf.fused import fuse_modules
 from ..hf.prepack import prepack_linears, prepack_supported
 from ..kvcache.geometry import KVGeometry
 from .config import EngineConfig
@@ -109,13 +110,16 @@ class LLMEngine:
                 f"{type(model).__name__} does not dispatch attention through transformers' "
                 "AttentionInterface; the engine cannot serve it"
             )
-        self.prepacked_layers = 0
+        self.prepacked_layers = self.fused_modules = 0
         if config.cpu_prepack and self.device.type == "cpu" and self.tp is None:  # TP layers keep their own forward
+            batch_hint = max(16, config.max_num_seqs)
             ok, why = prepack_supported(model.dtype)
             if ok:
-                self.prepacked_layers = prepack_linears(model, batch_hint=max(16, config.max_num_seqs))
+                self.prepacked_layers = prepack_linears(model, batch_hint=batch_hint)
             else:
                 _log.info("cpu prepack is off: %s", why)
+            # After the packing: a fused MLP packs its gate and up weights as one and drops their own copies.
+            self.fused_modules = fuse_modules(model, batch_hint=batch_hint)
         self.model = model
         model_config = model.config
         self.model_name = getattr(model_config, "name_or_path", None) or type(model).__name__

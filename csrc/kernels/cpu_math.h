@@ -1,0 +1,70 @@
+// Scalar and AVX2 helpers shared by the CPU kernels (decode_cpu.cpp, fused_ops_cpu.cpp): float bits, bf16
+// rounding, and the 8-lane exp and horizontal reductions. Everything is always_inline, so each kernel's
+// per-ISA entry points (compiled with their own target attribute) get their own copy in their own ISA.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#define VP_INLINE inline __attribute__((always_inline))
+#define VP_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define VP_AVX2 VP_AVX2_TARGET VP_INLINE
+
+namespace vpaged {
+namespace kernels {
+
+VP_INLINE float bits_f(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+VP_INLINE uint32_t f_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// fp32 -> bf16, round half to even (as torch's conversion); a NaN stays a NaN.
+inline uint16_t f32_to_bf16(float f) {
+  const uint32_t x = f_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x40u);  // keep NaN a NaN
+  return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+// fast_exp of 8 lanes for x <= 0 (the softmax's range): 2^n by exponent bits, e^r (|r| <= ln2/2) by its Taylor
+// series to r^6 (relative error < 2e-7), ln2 split in two (Cody-Waite). Below -87 the result would leave the
+// normal floats; x is clamped there (the result, ~1e-38, is nothing).
+VP_AVX2 __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 e = _mm256_set1_ps(1.0f / 720.0f);
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 120.0f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 24.0f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 6.0f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
+  e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(two_n));
+}
+
+VP_AVX2 float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+VP_AVX2 float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+}  // namespace kernels
+}  // namespace vpaged
