@@ -74,9 +74,10 @@ void check_params(const DecodeParams& p);
 
 // CPU code paths, chosen at run time: the portable x86-64 build (the reference), AVX2+FMA, AVX-512
 // (F/BW/VL/DQ; head_dim = v_head_dim = 64, 128 or 256, and K 192 / V 128; other head dims run the AVX2 build),
-// and AVX-512 with BF16 dot products (bf16 scores by vdpbf16ps; other dtypes as AVX-512). Quantized K/V run
-// the AVX2 build (rows dequantized by AVX2 + F16C) on the AVX2 and both AVX-512 paths, the portable build on
-// baseline.
+// and AVX-512 with BF16 dot products (bf16 scores by vdpbf16ps; other dtypes as AVX-512). On the AVX2 path,
+// 16-bit K/V of those head dims run a tile loop that widens rows in registers (fp32 K/V the generic loop).
+// Quantized K/V run the AVX2 tile loop (rows dequantized by AVX2 + F16C) on the AVX2 and both AVX-512 paths,
+// the portable build on baseline.
 enum CpuIsa : int { kIsaAuto = -1, kIsaBaseline = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3 };
 // The best path this CPU (and OS) supports.
 int cpu_best_isa();

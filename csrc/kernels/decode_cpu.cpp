@@ -978,26 +978,42 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
 }
 #pragma GCC diagnostic pop
 
-// ------------------------------------------------------------------------------------ AVX2 quantized path
-// The generic loop dequantizes rows into a buffer and reads them back, and ends every score in a horizontal
-// sum; at a byte per element that work, not the memory traffic, bounded it (int8 / fp8 ran 0.85-0.95x the
-// time of bf16 on the 2-core AMD EPYC dev box). Here, as in the AVX-512 path: K and V bytes are dequantized
-// in registers as they are loaded (8 per load), each (head, token) score keeps an 8-lane partial sum and 8
+// ------------------------------------------------------------------------------------ AVX2 tile path
+// For 16-bit and 1-byte K/V (fp32 q/out for the 1-byte formats). The generic loop widens or dequantizes rows
+// into a buffer and reads them back, and ends every score in a horizontal sum; below 4 bytes per element that
+// work, not the memory traffic, bounded it (int8 / fp8 ran 0.85-0.95x the time of bf16 on the 2-core AMD EPYC
+// dev box, bf16 1.07x vLLM's CPU kernel). Here, as in the AVX-512 path: K and V elements are widened or
+// dequantized in registers as they are loaded (8 per load), each (head, token) score keeps an 8-lane partial sum and 8
 // tokens' partials are reduced together (9 operations per 8 scores), and the per-row work moves out of the
 // element loops: the fp8 k_scale is folded into q and v_scale into the output, an int8 row's scale multiplies
 // its token's score (K) or probability (V). Whole token rows (all kv heads) are prefetched kAhead tokens
 // ahead during the first kv head's scores pass, as in the generic loop: prefetching each head's rows a chunk
 // ahead, in that head's pass, left the 1-byte formats at 0.85-0.95x of bf16 from memory (0.6x in cache),
-// whole rows brought them to ~0.6x. Compiled for head dims 64/64, 128/128, 256/256 and 192/128.
-// 8 elements of a 1-byte format at src, as floats (int8: the integer; e4m3: 2^-8 of its value; e5m2: its value).
+// whole rows brought them to ~0.6x. Compiled for head dims 64/64, 128/128, 256/256 and 192/128; fp32 K/V
+// keep the generic loop (select_dim).
+
+// Stored element type of K/V format KT: the 16-bit and fp32 types, or a byte for the 1-byte formats.
 template <int KT>
-VP_AVX2 __m256 dequant8(const uint8_t* src) {
-  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
-  if constexpr (KT == kInt8) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+using Stored = std::conditional_t<is_quantized(KT), uint8_t, typename Elem<(is_quantized(KT) ? kFloat32 : KT)>::T>;
+
+// 8 elements at src as floats: fp32 as is, bf16 widened by a shift, fp16 by vcvtph2ps, 1-byte formats
+// dequantized (int8: the integer; e4m3: 2^-8 of its value; e5m2: its value).
+template <int KT>
+VP_AVX2 __m256 load8k(const Stored<KT>* src) {
+  if constexpr (KT == kFloat32) {
+    return _mm256_loadu_ps(src);
+  } else if constexpr (KT == kBFloat16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (KT == kFloat16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  } else if constexpr (KT == kInt8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
   } else if constexpr (KT == kFloat8E5M2) {
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
     return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), x));
   } else {
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
     return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(x), 7), _mm_set1_epi16(-16385)));
   }
 }
@@ -1025,8 +1041,8 @@ struct RowAhead {
 };
 
 template <int KT, int D, int GB>
-VP_AVX2 void scores_tile_q(const float* __restrict q, const uint8_t* K, const int64_t* off, int64_t hoff, int n,
-                           float* __restrict red, const RowAhead* ahead) {
+VP_AVX2 void scores_tile8(const float* __restrict q, const Stored<KT>* K, const int64_t* off, int64_t hoff, int n,
+                          float* __restrict red, const RowAhead* ahead) {
   static_assert(D % 8 == 0, "scores take 8 dims at a time");
   for (int i = 0; i < n; i += 2) {
     const int i1 = i + 1 < n ? i + 1 : i;  // an odd last token pairs with itself
@@ -1036,13 +1052,13 @@ VP_AVX2 void scores_tile_q(const float* __restrict q, const uint8_t* K, const in
           prefetch_token(ahead->K, ahead->V, ahead->k_off[j], ahead->v_off[j], ahead->HKV, ahead->HS, ahead->VHS,
                          ahead->k_foot, ahead->v_foot);
     }
-    const uint8_t* k0 = K + off[i] + hoff;
-    const uint8_t* k1 = K + off[i1] + hoff;
+    const Stored<KT>* k0 = K + off[i] + hoff;
+    const Stored<KT>* k1 = K + off[i1] + hoff;
     __m256 a[GB], b[GB];
     for (int g = 0; g < GB; ++g) a[g] = b[g] = _mm256_setzero_ps();
 #pragma GCC unroll 8
     for (int c = 0; c < D; c += 8) {
-      const __m256 x = dequant8<KT>(k0 + c), y = dequant8<KT>(k1 + c);
+      const __m256 x = load8k<KT>(k0 + c), y = load8k<KT>(k1 + c);
       for (int g = 0; g < GB; ++g) {
         const __m256 qv = _mm256_loadu_ps(q + g * D + c);
         a[g] = _mm256_fmadd_ps(qv, x, a[g]);
@@ -1058,8 +1074,8 @@ VP_AVX2 void scores_tile_q(const float* __restrict q, const uint8_t* K, const in
 
 // acc[g] (rows DV apart) += sum_i ps[g][i] * V row i, for GB heads, 16 dims at a time held in registers.
 template <int KT, int DV, int GB>
-VP_AVX2 void pv_tile_q(float* __restrict acc, const uint8_t* V, const int64_t* off, int64_t hoff, int n,
-                       const float* __restrict ps) {
+VP_AVX2 void pv_tile8(float* __restrict acc, const Stored<KT>* V, const int64_t* off, int64_t hoff, int n,
+                      const float* __restrict ps) {
   static_assert(DV % 16 == 0, "P.V tiles are 16 dims wide");
   for (int d0 = 0; d0 < DV; d0 += 16) {
     __m256 a[GB][2];
@@ -1068,8 +1084,8 @@ VP_AVX2 void pv_tile_q(float* __restrict acc, const uint8_t* V, const int64_t* o
       a[g][1] = _mm256_loadu_ps(acc + g * DV + d0 + 8);
     }
     for (int i = 0; i < n; ++i) {
-      const uint8_t* vr = V + off[i] + hoff + d0;
-      const __m256 v0 = dequant8<KT>(vr), v1 = dequant8<KT>(vr + 8);
+      const Stored<KT>* vr = V + off[i] + hoff + d0;
+      const __m256 v0 = load8k<KT>(vr), v1 = load8k<KT>(vr + 8);
       for (int g = 0; g < GB; ++g) {
         const __m256 pg = _mm256_broadcast_ss(ps + g * kChunk + i);
         a[g][0] = _mm256_fmadd_ps(pg, v0, a[g][0]);
@@ -1083,11 +1099,14 @@ VP_AVX2 void pv_tile_q(float* __restrict acc, const uint8_t* V, const int64_t* o
   }
 }
 
-template <int KT, int D, int DV>
-VP_AVX2_TARGET void run_item_quant_avx2(const DecodeParams& p, const Item& it, float* ws, float* part_acc,
+template <int DT, int KT, int D, int DV>
+VP_AVX2_TARGET void run_item_tiles_avx2(const DecodeParams& p, const Item& it, float* ws, float* part_acc,
                                         float* part_ml) {
+  using ET = Stored<KT>;
+  constexpr int kBytes = int(sizeof(ET));
   constexpr bool kRowScale = KT == kInt8;
-  constexpr int kFoot = D + (kRowScale ? 4 : 0), kVFoot = DV + (kRowScale ? 4 : 0);
+  constexpr bool kTensorScale = KT == kFloat8E4M3 || KT == kFloat8E5M2;
+  constexpr int kFoot = D + (kRowScale ? 4 : 0), kVFoot = DV + (kRowScale ? 4 : 0);  // elements of a head row
   const int H = p.num_heads, HKV = p.num_kv_heads, G = H / HKV;
   constexpr int DR = D > DV ? D : DV;
   float* __restrict qf = ws;                 // [H][D] query, pre-scaled (fp8: by k_scale too)
@@ -1099,17 +1118,19 @@ VP_AVX2_TARGET void run_item_quant_avx2(const DecodeParams& p, const Item& it, f
   alignas(32) float rs[kChunk];              // int8: the chunk's row scales of one kv head (0 past n)
   alignas(32) float pr[4 * kChunk];          // int8: probabilities times their V row's scale
 
-  const float* q = static_cast<const float*>(p.q) + int64_t(it.b) * H * D;
-  const float qs = p.scale * tensor_factor<KT>(kRowScale ? 1.0f : p.k_scale);
-  for (int i = 0; i < H * D; ++i) qf[i] = q[i] * qs;
+  const typename Elem<DT>::T* q = static_cast<const typename Elem<DT>::T*>(p.q) + int64_t(it.b) * H * D;
+  const float qs = p.scale * (kTensorScale ? tensor_factor<KT>(p.k_scale) : 1.0f);
+  for (int i = 0; i < H * D; ++i) qf[i] = Elem<DT>::load(q[i]) * qs;
   std::fill(acc, acc + H * DV, 0.0f);
   std::fill(red, red + 4 * kChunk * 8, 0.0f);  // rows past a short chunk's end are summed, never used
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
   std::fill(l, l + H, 0.0f);
   std::fill(rs, rs + kChunk, 0.0f);
 
-  const uint8_t* K = static_cast<const uint8_t*>(p.k);
-  const uint8_t* V = static_cast<const uint8_t*>(p.v);
+  const ET* K = static_cast<const ET*>(p.k);
+  const ET* V = static_cast<const ET*>(p.v);
+  const uint8_t* KB = reinterpret_cast<const uint8_t*>(K);  // for prefetches, which count bytes
+  const uint8_t* VB = reinterpret_cast<const uint8_t*>(V);
   const RowFinder row(p, it.b);
   const int64_t HS = p.head_stride, VHS = p.v_head_stride;
   const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
@@ -1121,9 +1142,9 @@ VP_AVX2_TARGET void run_item_quant_avx2(const DecodeParams& p, const Item& it, f
   for (int t = it.t0; t < std::min(it.t1, it.t0 + kAhead); ++t) {
     int64_t ko, vo;
     row(t, ko, vo);
-    prefetch_token(K, V, ko, vo, HKV, HS, VHS, kFoot, kVFoot);
+    prefetch_token(KB, VB, ko * kBytes, vo * kBytes, HKV, HS * kBytes, VHS * kBytes, kFoot * kBytes, kVFoot * kBytes);
   }
-  const RowAhead ahead{K, V, aoff, avoff, HKV, HS, VHS, kFoot, kVFoot};
+  const RowAhead ahead{KB, VB, aoff, avoff, HKV, HS * kBytes, VHS * kBytes, kFoot * kBytes, kVFoot * kBytes};
 
   for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
     const int n = std::min(kChunk, it.t1 - c0);
@@ -1131,6 +1152,8 @@ VP_AVX2_TARGET void run_item_quant_avx2(const DecodeParams& p, const Item& it, f
       row(c0 + i, off[i], voff[i]);
       if (c0 + i + kAhead < it.t1) {
         row(c0 + i + kAhead, aoff[i], avoff[i]);
+        aoff[i] *= kBytes;
+        avoff[i] *= kBytes;
       } else {
         aoff[i] = avoff[i] = -1;
       }
@@ -1139,22 +1162,22 @@ VP_AVX2_TARGET void run_item_quant_avx2(const DecodeParams& p, const Item& it, f
     for (int kh = 0; kh < HKV; ++kh) {
       const RowAhead* pf = kh == 0 ? &ahead : nullptr;  // whole rows, in the first kv head's pass
       if constexpr (kRowScale)
-        for (int i = 0; i < n; ++i) rs[i] = row_factor<KT>(K + off[i] + kh * HS, D, 1.0f);
+        for (int i = 0; i < n; ++i) rs[i] = row_factor<KT>(KB + off[i] + kh * HS, D, 1.0f);
       for (int g0 = 0; g0 < G; g0 += 4, pf = nullptr) {
         const int gb = std::min(4, G - g0);
         const float* qg = qf + (kh * G + g0) * D;
         switch (gb) {
           case 4:
-            scores_tile_q<KT, D, 4>(qg, K, off, kh * HS, n, red, pf);
+            scores_tile8<KT, D, 4>(qg, K, off, kh * HS, n, red, pf);
             break;
           case 3:
-            scores_tile_q<KT, D, 3>(qg, K, off, kh * HS, n, red, pf);
+            scores_tile8<KT, D, 3>(qg, K, off, kh * HS, n, red, pf);
             break;
           case 2:
-            scores_tile_q<KT, D, 2>(qg, K, off, kh * HS, n, red, pf);
+            scores_tile8<KT, D, 2>(qg, K, off, kh * HS, n, red, pf);
             break;
           default:
-            scores_tile_q<KT, D, 1>(qg, K, off, kh * HS, n, red, pf);
+            scores_tile8<KT, D, 1>(qg, K, off, kh * HS, n, red, pf);
         }
         for (int g = 0; g < gb; ++g) {
           for (int i = 0; i < n; i += 8) {
@@ -1200,7 +1223,7 @@ VP_AVX2_TARGET void run_item_quant_avx2(const DecodeParams& p, const Item& it, f
 
     for (int kh = 0; kh < HKV; ++kh) {
       if constexpr (kRowScale)
-        for (int i = 0; i < n; ++i) rs[i] = row_factor<KT>(V + voff[i] + kh * VHS, DV, 1.0f);
+        for (int i = 0; i < n; ++i) rs[i] = row_factor<KT>(VB + voff[i] + kh * VHS, DV, 1.0f);
       for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = std::min(4, G - g0);
         float* a = acc + (kh * G + g0) * DV;
@@ -1212,25 +1235,25 @@ VP_AVX2_TARGET void run_item_quant_avx2(const DecodeParams& p, const Item& it, f
         }
         switch (gb) {
           case 4:
-            pv_tile_q<KT, DV, 4>(a, V, voff, kh * VHS, n, ps);
+            pv_tile8<KT, DV, 4>(a, V, voff, kh * VHS, n, ps);
             break;
           case 3:
-            pv_tile_q<KT, DV, 3>(a, V, voff, kh * VHS, n, ps);
+            pv_tile8<KT, DV, 3>(a, V, voff, kh * VHS, n, ps);
             break;
           case 2:
-            pv_tile_q<KT, DV, 2>(a, V, voff, kh * VHS, n, ps);
+            pv_tile8<KT, DV, 2>(a, V, voff, kh * VHS, n, ps);
             break;
           default:
-            pv_tile_q<KT, DV, 1>(a, V, voff, kh * VHS, n, ps);
+            pv_tile8<KT, DV, 1>(a, V, voff, kh * VHS, n, ps);
         }
       }
     }
   }
-  if constexpr (!kRowScale) {
+  if constexpr (kTensorScale) {
     const float vf = tensor_factor<KT>(p.v_scale);  // fp8: v_scale (e4m3: times 2^8) on the whole output
     for (int i = 0; i < H * DV; ++i) acc[i] *= vf;
   }
-  finish_item<kFloat32>(p, it, acc, m, l, part_acc, part_ml);
+  finish_item<DT>(p, it, acc, m, l, part_acc, part_ml);
 }
 
 using ItemFn = void (*)(const DecodeParams&, const Item&, float*, float*, float*);
@@ -1297,6 +1320,24 @@ ItemFn select_dim(int D, int DV, int isa) {
       return avx512_item<DT, 192, 128>(dot);  // K with a rotary part next to a 128-wide V (e.g. DeepSeek MLA)
     }
   }
+  // 16-bit K/V on AVX2: the tile path (widened in registers; 0.5-0.85x the generic loop's time on the EPYC dev
+  // box). fp32 keeps the generic loop, which reads its rows as they are and measured 1.0-1.17x faster there.
+  if (DT != kFloat32 && avx2 && cpu_has_f16c()) {
+    if (D == DV) {
+      switch (D) {
+        case 64:
+          return run_item_tiles_avx2<DT, DT, 64, 64>;
+        case 128:
+          return run_item_tiles_avx2<DT, DT, 128, 128>;
+        case 256:
+          return run_item_tiles_avx2<DT, DT, 256, 256>;
+        default:
+          break;
+      }
+    } else if (D == 192 && DV == 128) {
+      return run_item_tiles_avx2<DT, DT, 192, 128>;
+    }
+  }
   if (D == DV) {
     switch (D) {
       case 64:
@@ -1321,16 +1362,16 @@ ItemFn select_quant(int D, int DV, int isa) {
     if (D == DV) {
       switch (D) {
         case 64:
-          return run_item_quant_avx2<KT, 64, 64>;
+          return run_item_tiles_avx2<kFloat32, KT, 64, 64>;
         case 128:
-          return run_item_quant_avx2<KT, 128, 128>;
+          return run_item_tiles_avx2<kFloat32, KT, 128, 128>;
         case 256:
-          return run_item_quant_avx2<KT, 256, 256>;
+          return run_item_tiles_avx2<kFloat32, KT, 256, 256>;
         default:
           break;  // other head dims: the generic loop of the AVX2 build
       }
     } else if (D == 192 && DV == 128) {
-      return run_item_quant_avx2<KT, 192, 128>;
+      return run_item_tiles_avx2<kFloat32, KT, 192, 128>;
     }
   }
   if (D == DV) {

@@ -100,8 +100,7 @@ VP_AVX2 __m256i bf16_high_bits(__m256 v) {
   const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), hi);
   const __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, hi), _mm256_set1_epi32(0x00400000));
   const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  return _mm256_castps_si256(
-      _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), nan));
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), nan));
 }
 
 template <int DT>
@@ -274,9 +273,8 @@ void silu_mul_cpu(const void* gate, int64_t gate_stride, const void* up, int64_t
   if (rows == 0) return;
   auto* fn = dtype == kFloat32 ? (avx2 ? silu_mul_rows_avx2<kFloat32> : silu_mul_rows_base<kFloat32>)
                                : (avx2 ? silu_mul_rows_avx2<kBFloat16> : silu_mul_rows_base<kBFloat16>);
-  for_rows(rows, cols, num_threads, [&](int64_t r0, int64_t r1) {
-    fn(gate, gate_stride, up, up_stride, out, out_stride, r0, r1, cols);
-  });
+  for_rows(rows, cols, num_threads,
+           [&](int64_t r0, int64_t r1) { fn(gate, gate_stride, up, up_stride, out, out_stride, r0, r1, cols); });
 }
 
 }  // namespace kernels
