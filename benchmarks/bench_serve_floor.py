@@ -16,11 +16,11 @@ The floor prices every product at the better of the two rates (a decode row may 
 512-row products) and counts element-wise ops, norms, sampling, scheduling and cache bookkeeping as free:
 no engine runs the workload faster on this machine. The estimate prices decode tokens at the 64-row rate
 instead, the shape of a step of decodes alone. How far above them an engine runs (x floor) is comparable
-across machines, where tokens/s are not. With --compare, the rows of a bench_serve JSON are set against
-both, and so is the time a row would need to run at 6x generate_batch's tokens/s.
+across machines, where tokens/s are not. With --compare, the rows of a bench_serve JSON (each kv at the median
+of its rounds) are set against both, and so is the time a row would need to run at 6x generate_batch's tokens/s.
 
   python benchmarks/bench_serve_floor.py
-  python benchmarks/bench_serve_floor.py --compare serve_throughput-paged-first_xeon-avx512-2c.json
+  python benchmarks/bench_serve_floor.py --compare serve_throughput-rows_epyc-avx2-2c.json
 
 Writes benchmarks/results/serve_floor_cpu.json.
 """
@@ -128,15 +128,21 @@ def layer_linears(model) -> list:
 
 def compare(floor_s: float, estimate_s: float, path: Path) -> dict:
     data = json.loads(path.read_text())
-    rows = {r["kv"]: r for r in data["throughput"]["rows"]}
+    rounds: dict[str, list[float]] = {}  # a run with --repeats has a row per round: each kv at its median
+    for r in data["throughput"]["rows"]:
+        rounds.setdefault(r["kv"], []).append(r["seconds"])
 
-    def against(seconds: float) -> dict:
-        return {"seconds": seconds, "x_floor": seconds / floor_s, "x_estimate": seconds / estimate_s}
+    def against(seconds: float, each: list[float] | None = None) -> dict:
+        out = {"seconds": seconds, "x_floor": seconds / floor_s, "x_estimate": seconds / estimate_s}
+        if each and len(each) > 1:
+            out["rounds_seconds"] = each
+            out["rounds_x_floor"] = [s / floor_s for s in each]
+        return out
 
-    out = {"file": path.name, "rows": {kv: against(r["seconds"]) for kv, r in rows.items()}}
-    gb = rows.get("generate_batch")
+    out = {"file": path.name, "rows": {kv: against(statistics.median(s), s) for kv, s in rounds.items()}}
+    gb = rounds.get("generate_batch")
     if gb:
-        out["six_x_generate_batch"] = against(gb["seconds"] / 6)
+        out["six_x_generate_batch"] = against(statistics.median(gb) / 6)
     return out
 
 

@@ -108,3 +108,13 @@ def test_compare_reads_bench_serve_rows(floor, tmp_path):
     got = floor.compare(20.0, 25.0, path)
     assert got["rows"]["vpaged"] == {"seconds": 30.0, "x_floor": 1.5, "x_estimate": 1.2}
     assert got["six_x_generate_batch"] == {"seconds": 40.0, "x_floor": 2.0, "x_estimate": 1.6}
+
+
+def test_compare_takes_each_kv_at_the_median_of_its_rounds(floor, tmp_path):
+    rows = [{"kv": "vpaged", "seconds": s} for s in (30.0, 50.0, 34.0)] + [{"kv": "vllm", "seconds": 60.0}]
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps({"throughput": {"rows": rows}}))
+    got = floor.compare(20.0, 25.0, path)["rows"]
+    assert got["vpaged"]["seconds"] == 34.0 and got["vpaged"]["rounds_seconds"] == [30.0, 50.0, 34.0]
+    assert got["vpaged"]["rounds_x_floor"] == [1.5, 2.5, 1.7]
+    assert got["vllm"] == {"seconds": 60.0, "x_floor": 3.0, "x_estimate": 2.4}
