@@ -14,6 +14,8 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
+from test_prepack import ids, logits  # noqa: E402
+
 from vpaged.errors import InvalidArgumentError  # noqa: E402
 from vpaged.hf.compat import serving_support  # noqa: E402
 from vpaged.hf.fused import fuse_modules, fused_modules, unfuse  # noqa: E402
@@ -33,16 +35,6 @@ def expected_count(model) -> int:
 
 def pair(name, dtype=torch.float32):
     return load_model(f"random:{name}", dtype=dtype)[0], load_model(f"random:{name}", dtype=dtype)[0]
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits.float()
-
-
-def ids(n=2, t=11, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 512, (n, t), generator=g)
 
 
 @pytest.mark.parametrize("prepacked", [False, True], ids=["plain-linears", "prepacked"])

@@ -1,11 +1,14 @@
-// Scalar and AVX2 helpers shared by the CPU kernels (decode_cpu.cpp, fused_ops_cpu.cpp): float bits, bf16
-// rounding, and the 8-lane exp and horizontal reductions. Everything is always_inline, so each kernel's
-// per-ISA entry points (compiled with their own target attribute) get their own copy in their own ISA.
+// Scalar and AVX2 helpers shared by the CPU kernels (decode_cpu.cpp, fused_ops_cpu.cpp): float bits, fp16 /
+// bf16 conversions and the element types of the dtype codes, the 8-lane exp and horizontal reductions. Everything is
+// always_inline, so each kernel's per-ISA entry points (compiled with their own target attribute) get their own copy in
+// their own ISA.
 #pragma once
 #include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
+
+#include "kernels/decode.h"
 
 #define VP_INLINE inline __attribute__((always_inline))
 #define VP_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
@@ -31,6 +34,56 @@ inline uint16_t f32_to_bf16(float f) {
   if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x40u);  // keep NaN a NaN
   return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
+
+// fp16 -> fp32 without branches (so that loops over a row vectorise on ISAs without F16C): normal numbers
+// re-bias the exponent, inf/NaN re-bias once more to exponent 255, subnormals are em * 2^-24 exactly.
+VP_INLINE float f16_to_f32(uint32_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  const uint32_t inf_mask = 0u - uint32_t(em >= 0x7c00u);
+  const uint32_t sub_mask = 0u - uint32_t(em < 0x400u);
+  const uint32_t normal = (em << 13) + (112u << 23) + ((112u << 23) & inf_mask);
+  const uint32_t sub = f_bits(float(int32_t(em)) * 0x1p-24f);
+  return bits_f(((normal & ~sub_mask) | (sub & sub_mask)) | sign);
+}
+
+// fp32 -> fp16, round to nearest even (only for outputs, so scalar is fine).
+inline uint16_t f32_to_f16(float f) {
+  const uint32_t x = f_bits(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return uint16_t(sign | 0x7e00u);   // NaN
+  if (ax >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (ax < 0x38800000u) {
+    // Subnormal result: in [0.5, 1) a float's ulp is 2^-24, the fp16 subnormal step, so the hardware
+    // addition rounds (to nearest even) exactly as fp16 would.
+    return uint16_t(sign | (f_bits(bits_f(ax) + 0.5f) - 0x3f000000u));
+  }
+  ax += 0xc8000fffu + ((ax >> 13) & 1u);  // exponent 127 -> 15 bias, plus round-half-even into bit 13
+  return uint16_t(sign | (ax >> 13));
+}
+
+// The element types of decode.h's dtype codes: storage type, widening to fp32, rounding back.
+template <int DT>
+struct Elem;
+template <>
+struct Elem<kFloat32> {
+  using T = float;
+  static VP_INLINE float load(float x) { return x; }
+  static VP_INLINE float store(float x) { return x; }
+};
+template <>
+struct Elem<kFloat16> {
+  using T = uint16_t;
+  static VP_INLINE float load(uint16_t x) { return f16_to_f32(x); }
+  static VP_INLINE uint16_t store(float x) { return f32_to_f16(x); }
+};
+template <>
+struct Elem<kBFloat16> {
+  using T = uint16_t;
+  static VP_INLINE float load(uint16_t x) { return bits_f(uint32_t(x) << 16); }
+  static VP_INLINE uint16_t store(float x) { return f32_to_bf16(x); }
+};
 
 // fast_exp of 8 lanes for x <= 0 (the softmax's range): 2^n by exponent bits, e^r (|r| <= ln2/2) by its Taylor
 // series to r^6 (relative error < 2e-7), ln2 split in two (Cody-Waite). Below -87 the result would leave the

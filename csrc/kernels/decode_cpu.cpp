@@ -111,56 +111,6 @@ constexpr int kChunk = 32;      // tokens per online-softmax step
 constexpr int kMinSplit = 256;  // fewest tokens worth a separate item (merging costs ~ one head_dim pass)
 constexpr int kAhead = 16;      // tokens of prefetch distance (4 was too close; 8..48 measured alike)
 
-// ------------------------------------------------------------------------------------ element types
-// fp16 -> fp32 without branches (so that loops over a row vectorise on ISAs without F16C): normal numbers
-// re-bias the exponent, inf/NaN re-bias once more to exponent 255, subnormals are em * 2^-24 exactly.
-VP_INLINE float f16_to_f32(uint32_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  const uint32_t em = h & 0x7fffu;
-  const uint32_t inf_mask = 0u - uint32_t(em >= 0x7c00u);
-  const uint32_t sub_mask = 0u - uint32_t(em < 0x400u);
-  const uint32_t normal = (em << 13) + (112u << 23) + ((112u << 23) & inf_mask);
-  const uint32_t sub = f_bits(float(int32_t(em)) * 0x1p-24f);
-  return bits_f(((normal & ~sub_mask) | (sub & sub_mask)) | sign);
-}
-
-// fp32 -> fp16, round to nearest even (only for outputs, so scalar is fine).
-inline uint16_t f32_to_f16(float f) {
-  const uint32_t x = f_bits(f);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  uint32_t ax = x & 0x7fffffffu;
-  if (ax > 0x7f800000u) return uint16_t(sign | 0x7e00u);   // NaN
-  if (ax >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
-  if (ax < 0x38800000u) {
-    // Subnormal result: in [0.5, 1) a float's ulp is 2^-24, the fp16 subnormal step, so the hardware
-    // addition rounds (to nearest even) exactly as fp16 would.
-    return uint16_t(sign | (f_bits(bits_f(ax) + 0.5f) - 0x3f000000u));
-  }
-  ax += 0xc8000fffu + ((ax >> 13) & 1u);  // exponent 127 -> 15 bias, plus round-half-even into bit 13
-  return uint16_t(sign | (ax >> 13));
-}
-
-template <int DT>
-struct Elem;
-template <>
-struct Elem<kFloat32> {
-  using T = float;
-  static VP_INLINE float load(float x) { return x; }
-  static VP_INLINE float store(float x) { return x; }
-};
-template <>
-struct Elem<kFloat16> {
-  using T = uint16_t;
-  static VP_INLINE float load(uint16_t x) { return f16_to_f32(x); }
-  static VP_INLINE uint16_t store(float x) { return f32_to_f16(x); }
-};
-template <>
-struct Elem<kBFloat16> {
-  using T = uint16_t;
-  static VP_INLINE float load(uint16_t x) { return bits_f(uint32_t(x) << 16); }
-  static VP_INLINE uint16_t store(float x) { return f32_to_bf16(x); }
-};
-
 // e^x for x <= 0 in the softmax, vectorisable: 2^n by exponent bits, e^r (|r| <= ln2/2) by its Taylor
 // series to r^6 (relative error < 2e-7). ln2 is split in two (Cody-Waite) so that r stays exact for large
 // |x|. Below -87 the result would leave the normal floats; it is ~1e-38 there, i.e. nothing, so x is

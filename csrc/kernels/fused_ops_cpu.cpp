@@ -27,28 +27,21 @@ namespace {
 
 constexpr int64_t kParallelElems = int64_t(1) << 16;  // fewer elements per call run on the calling thread
 
+// What `.to(dtype)` keeps of an fp32 value: itself, or its bf16 rounding.
 template <int DT>
-struct Io;
-template <>
-struct Io<kFloat32> {
-  using T = float;
-  static VP_INLINE float load(float x) { return x; }
-  static VP_INLINE float store(float x) { return x; }
-  static VP_INLINE float round(float x) { return x; }  // what `.to(dtype)` keeps of an fp32 value
-};
-template <>
-struct Io<kBFloat16> {
-  using T = uint16_t;
-  static VP_INLINE float load(uint16_t x) { return bits_f(uint32_t(x) << 16); }
-  static VP_INLINE uint16_t store(float x) { return f32_to_bf16(x); }
-  static VP_INLINE float round(float x) { return load(f32_to_bf16(x)); }
-};
+VP_INLINE float round_to(float x) {
+  if constexpr (DT == kFloat32) {
+    return x;
+  } else {
+    return Elem<DT>::load(Elem<DT>::store(x));
+  }
+}
 
 // ------------------------------------------------------------------------------------ portable build
 template <int DT>
 void rms_norm_rows_base(const void* xv, int64_t xs, const void* wv, void* ov, int64_t os, int64_t r0, int64_t r1,
                         int64_t cols, float eps) {
-  using T = typename Io<DT>::T;
+  using T = typename Elem<DT>::T;
   const T* w = static_cast<const T*>(wv);
   for (int64_t r = r0; r < r1; ++r) {
     const T* x = static_cast<const T*>(xv) + r * xs;
@@ -56,34 +49,34 @@ void rms_norm_rows_base(const void* xv, int64_t xs, const void* wv, void* ov, in
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t c = 0; c < cols; ++c) {
-      const float v = Io<DT>::load(x[c]);
+      const float v = Elem<DT>::load(x[c]);
       ss += v * v;
     }
     const float inv = 1.0f / std::sqrt(ss / float(cols) + eps);
     for (int64_t c = 0; c < cols; ++c)
-      o[c] = Io<DT>::store(Io<DT>::load(w[c]) * Io<DT>::round(Io<DT>::load(x[c]) * inv));
+      o[c] = Elem<DT>::store(Elem<DT>::load(w[c]) * round_to<DT>(Elem<DT>::load(x[c]) * inv));
   }
 }
 
 template <int DT>
 void silu_mul_rows_base(const void* gv, int64_t gs, const void* uv, int64_t us, void* ov, int64_t os, int64_t r0,
                         int64_t r1, int64_t cols) {
-  using T = typename Io<DT>::T;
+  using T = typename Elem<DT>::T;
   for (int64_t r = r0; r < r1; ++r) {
     const T* g = static_cast<const T*>(gv) + r * gs;
     const T* u = static_cast<const T*>(uv) + r * us;
     T* o = static_cast<T*>(ov) + r * os;
     for (int64_t c = 0; c < cols; ++c) {
-      const float x = Io<DT>::load(g[c]);
-      const float s = Io<DT>::round(x / (1.0f + std::exp(-x)));
-      o[c] = Io<DT>::store(s * Io<DT>::load(u[c]));
+      const float x = Elem<DT>::load(g[c]);
+      const float s = round_to<DT>(x / (1.0f + std::exp(-x)));
+      o[c] = Elem<DT>::store(s * Elem<DT>::load(u[c]));
     }
   }
 }
 
 // ------------------------------------------------------------------------------------ AVX2 build
 template <int DT>
-VP_AVX2 __m256 load8(const typename Io<DT>::T* p) {
+VP_AVX2 __m256 load8(const typename Elem<DT>::T* p) {
   if constexpr (DT == kFloat32) {
     return _mm256_loadu_ps(p);
   } else {
@@ -113,7 +106,7 @@ VP_AVX2 __m256 round8(__m256 v) {
 }
 
 template <int DT>
-VP_AVX2 void store8(typename Io<DT>::T* p, __m256 v) {
+VP_AVX2 void store8(typename Elem<DT>::T* p, __m256 v) {
   if constexpr (DT == kFloat32) {
     _mm256_storeu_ps(p, v);
   } else {
@@ -127,7 +120,7 @@ VP_AVX2 void store8(typename Io<DT>::T* p, __m256 v) {
 // same vector arithmetic.
 template <int DT>
 struct Tail {
-  using T = typename Io<DT>::T;
+  using T = typename Elem<DT>::T;
   alignas(32) T buf[8] = {};
   VP_INLINE const T* in(const T* src, int n) {
     std::fill(buf, buf + 8, T(0));
@@ -139,7 +132,7 @@ struct Tail {
 template <int DT>
 VP_AVX2_TARGET void rms_norm_rows_avx2(const void* xv, int64_t xs, const void* wv, void* ov, int64_t os, int64_t r0,
                                        int64_t r1, int64_t cols, float eps) {
-  using T = typename Io<DT>::T;
+  using T = typename Elem<DT>::T;
   const T* w = static_cast<const T*>(wv);
   const int64_t body = cols / 8 * 8;
   const int tail = int(cols - body);
@@ -195,7 +188,7 @@ VP_AVX2 __m256 silu_mul8(__m256 g, __m256 u) {
 template <int DT>
 VP_AVX2_TARGET void silu_mul_rows_avx2(const void* gv, int64_t gs, const void* uv, int64_t us, void* ov, int64_t os,
                                        int64_t r0, int64_t r1, int64_t cols) {
-  using T = typename Io<DT>::T;
+  using T = typename Elem<DT>::T;
   const int64_t body = cols / 8 * 8;
   const int tail = int(cols - body);
   Tail<DT> gt, ut;
