@@ -96,15 +96,19 @@ def test_load_state_dict_and_in_place_updates_repack_the_gate_up_weight():
     torch.testing.assert_close(logits(model, x), logits(ref, x), **TOL[torch.float32])
 
 
-def test_gate_and_up_drop_their_own_packed_copies():
-    model, _ = pair("llama-tiny")
-    prepack_linears(model)
-    fuse_modules(model)
+def test_gate_and_up_drop_their_own_packed_copies_also_after_a_second_prepare():
+    model, ref = pair("llama-tiny")
     mlp = model.model.layers[0].mlp
-    if mlp.__dict__.get("_vpaged_gate_up") is None:
-        pytest.skip("oneDNN cannot pack here: the MLP runs its two layers")
-    assert type(mlp.gate_proj) is PrepackedLinear and mlp.gate_proj.packed_weight is None
-    assert mlp.up_proj.packed_weight is None and mlp.down_proj.packed_weight is not None
+    for _ in range(2):  # a second engine on the same model prepares it again
+        prepack_linears(model)
+        fuse_modules(model, batch_hint=32)
+        if mlp.__dict__.get("_vpaged_gate_up") is None:
+            pytest.skip("oneDNN cannot pack here: the MLP runs its two layers")
+        assert type(mlp.gate_proj) is PrepackedLinear and mlp.gate_proj.packed_weight is None
+        assert mlp.up_proj.packed_weight is None and mlp.down_proj.packed_weight is not None
+    fuse_modules(model, batch_hint=16)  # a new hint: the gate_up weight is packed again on the next call
+    torch.testing.assert_close(logits(model, ids()), logits(ref, ids()), **TOL[torch.float32])
+    assert mlp._vpaged_batch_hint == 16 and mlp.__dict__.get("_vpaged_gate_up_key") is not None
 
 
 def test_deepcopy_and_pickle_rebuild_fused_modules():

@@ -1,8 +1,7 @@
 // Element-wise work of a decoder layer's forward, fused into one pass over its rows (CPU): the RMSNorm of
 // Llama-family models and the SiLU-and-multiply of their gated MLPs. Eager PyTorch runs each as 2-7 kernels,
-// each a full pass over the activations (read and write) plus its dispatch; on the CPU serving path that was
-// ~10 % of a prompt step. vpaged/hf/fused.py swaps the modules that use them; vpaged/ops/fused.py checks the
-// tensors and fills these calls.
+// each a full pass over the activations (read and write) plus its dispatch. vpaged/hf/fused.py swaps the
+// modules that use them; vpaged/ops/fused.py checks the tensors and fills these calls.
 //
 // Tensors are 2-d [rows, cols], all of one dtype (kFloat32 or kBFloat16 of decode.h), each row dense, rows
 // `*_stride` elements apart. The results follow eager PyTorch's rounding (bf16: every intermediate the eager

@@ -5,8 +5,9 @@
     unfuse(model)           # every module back to its own class
 
 Eager transformers runs an RMSNorm as ~6 kernels and a gated MLP's activation as silu then a product, each a
-pass over the activations; on the CPU serving path that was ~10 % of a prompt step. fuse_modules swaps, by
-class, the modules whose forward it can replace with vpaged.ops.fused:
+pass over the activations (on the CPU serving path, side by side with an eager copy, the fused forwards take
+1-4 % off a step: benchmarks/NOTES.md). fuse_modules swaps, by class, the modules whose forward it can replace
+with vpaged.ops.fused:
 
   * an RMSNorm of the Llama formula (weight * (x * rsqrt(mean(x**2) + eps)), a `weight` and a
     `variance_epsilon`: Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Mixtral, ...) runs ops.fused.rms_norm;
@@ -195,7 +196,11 @@ def fuse_modules(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
         raise InvalidArgumentError(f"batch_hint must be an int >= 1, got {batch_hint!r}")
     fused = 0
     for module in list(model.modules()):
-        if isinstance(module, _Fused):
+        if isinstance(module, _Fused):  # fused before: a new batch_hint repacks on the next call
+            if module.__dict__.get("_vpaged_batch_hint") != batch_hint:
+                module._vpaged_batch_hint = batch_hint
+                module.__dict__.pop("_vpaged_gate_up_key", None)
+            _drop_split_copies(module)
             fused += 1
             continue
         mixin = _mixin_for(module)
@@ -217,12 +222,18 @@ def fuse_modules(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> int:
         if not ok:
             _restore(module)
             continue
-        if mixin is _FusedGatedMLP and module.__dict__.get("_vpaged_gate_up") is not None:
-            for layer in (module.gate_proj, module.up_proj):
-                if type(layer) is PrepackedLinear:
-                    layer.packed_weight = layer.packed_key = None
+        _drop_split_copies(module)
         fused += 1
     return fused
+
+
+def _drop_split_copies(module: nn.Module) -> None:
+    """A fused gated MLP runs its packed [gate; up] product: gate_proj's and up_proj's own packed copies (a
+    prepack_linears, perhaps a second one, made them) are dropped; a direct call of either packs it again."""
+    if isinstance(module, _FusedGatedMLP) and module.__dict__.get("_vpaged_gate_up") is not None:
+        for layer in (module.gate_proj, module.up_proj):
+            if type(layer) is PrepackedLinear:
+                layer.packed_weight = layer.packed_key = None
 
 
 def _restore(module: nn.Module) -> None:
