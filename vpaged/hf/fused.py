@@ -32,7 +32,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError
 from ..ops.fused import FUSED_DTYPES, rms_norm, silu_mul
-from .prepack import DEFAULT_BATCH_HINT, PrepackedLinear, _weight_key, pack_weight, packed_linear_ops
+from .prepack import DEFAULT_BATCH_HINT, PrepackedLinear, pack_weight, packed_linear_ops, weight_key
 
 _PLAIN_LINEARS = (nn.Linear, PrepackedLinear)
 _FUSED_CLASSES: dict[tuple[type, type], type] = {}
@@ -86,7 +86,7 @@ class _FusedGatedMLP(_Fused):
         oneDNN cannot pack it (then the two layers run as they are)."""
         gate, up = self.gate_proj, self.up_proj
         parts = (gate.weight, up.weight, gate.bias, up.bias)
-        key = tuple(None if t is None else _weight_key(t) for t in parts)
+        key = tuple(None if t is None else weight_key(t) for t in parts)
         if any(k is None for k, t in zip(key, parts) if t is not None):
             return None  # an untrackable (inference) tensor: never cache a copy of it
         if key != self.__dict__.get("_vpaged_gate_up_key"):

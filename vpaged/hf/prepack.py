@@ -60,7 +60,7 @@ def packed_linear_ops():
     return _OPS[0]
 
 
-def _weight_key(weight: torch.Tensor):
+def weight_key(weight: torch.Tensor):
     """What the packed copy was made from, or None where the weight cannot be tracked (an inference tensor
     has no version counter: an in-place change would go unseen, so such a weight is never packed)."""
     try:
@@ -84,7 +84,7 @@ class PrepackedLinear(nn.Linear):
         weight = self.weight
         if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
             return F.linear(x, weight, self.bias)
-        key = _weight_key(weight)
+        key = weight_key(weight)
         if key is None:
             return F.linear(x, weight, self.bias)
         if key != self.packed_key:
@@ -154,7 +154,7 @@ def prepack_linears(model: nn.Module, batch_hint: int = DEFAULT_BATCH_HINT) -> i
         if getattr(module, "batch_hint", None) != batch_hint:
             module.batch_hint = batch_hint
             module.packed_key = None
-        key = _weight_key(module.weight)
+        key = weight_key(module.weight)
         if key is not None and key != module.packed_key:
             module.packed_weight = pack_weight(module.weight, batch_hint)
             module.packed_key = key
