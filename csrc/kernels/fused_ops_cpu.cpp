@@ -46,13 +46,15 @@ void rms_norm_rows_base(const void* xv, int64_t xs, const void* wv, void* ov, in
   for (int64_t r = r0; r < r1; ++r) {
     const T* x = static_cast<const T*>(xv) + r * xs;
     T* o = static_cast<T*>(ov) + r * os;
-    float ss = 0.0f;
+    // The reference build sums in double: its error then does not depend on how the compiler vectorises the
+    // loop (the sanitizer build does not), only the AVX2 build's 32 partial fp32 sums differ from it.
+    double ss = 0.0;
 #pragma omp simd reduction(+ : ss)
     for (int64_t c = 0; c < cols; ++c) {
-      const float v = Elem<DT>::load(x[c]);
+      const double v = Elem<DT>::load(x[c]);
       ss += v * v;
     }
-    const float inv = 1.0f / std::sqrt(ss / float(cols) + eps);
+    const float inv = 1.0f / std::sqrt(float(ss / double(cols)) + eps);
     for (int64_t c = 0; c < cols; ++c)
       o[c] = Elem<DT>::store(Elem<DT>::load(w[c]) * round_to<DT>(Elem<DT>::load(x[c]) * inv));
   }
