@@ -81,6 +81,9 @@ void check_params(const DecodeParams& p);
 enum CpuIsa : int { kIsaAuto = -1, kIsaBaseline = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3 };
 // The best path this CPU (and OS) supports.
 int cpu_best_isa();
+// The path a CPU kernel named `op` runs for a requested isa: kIsaAuto -> the best; an unknown code or a path
+// this CPU lacks raises InvalidArgument.
+int resolve_cpu_isa(const char* op, int isa);
 
 // CPU (OpenMP). num_threads <= 0: the OpenMP default. isa: kIsaAuto (the best), or a path to force (tests
 // cover every path the CPU has); a path the CPU lacks raises InvalidArgument.

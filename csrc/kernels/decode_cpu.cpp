@@ -942,17 +942,17 @@ VP_AVX512_TARGET void run_item_avx512(const DecodeParams& p, const Item& it, flo
 // whole rows brought them to ~0.6x. Compiled for head dims 64/64, 128/128, 256/256 and 192/128; fp32 K/V
 // keep the generic loop (select_dim).
 
-// Stored element type of K/V format KT: the 16-bit and fp32 types, or a byte for the 1-byte formats.
+// Stored element type of K/V format KT in the tile loop: uint16_t for the 16-bit types, a byte for the 1-byte
+// formats.
 template <int KT>
-using Stored = std::conditional_t<is_quantized(KT), uint8_t, typename Elem<(is_quantized(KT) ? kFloat32 : KT)>::T>;
+using Stored = std::conditional_t<is_quantized(KT), uint8_t, uint16_t>;
 
-// 8 elements at src as floats: fp32 as is, bf16 widened by a shift, fp16 by vcvtph2ps, 1-byte formats
-// dequantized (int8: the integer; e4m3: 2^-8 of its value; e5m2: its value).
+// 8 elements at src as floats: bf16 widened by a shift, fp16 by vcvtph2ps, 1-byte formats dequantized (int8:
+// the integer; e4m3: 2^-8 of its value; e5m2: its value).
 template <int KT>
 VP_AVX2 __m256 load8k(const Stored<KT>* src) {
-  if constexpr (KT == kFloat32) {
-    return _mm256_loadu_ps(src);
-  } else if constexpr (KT == kBFloat16) {
+  static_assert(KT != kFloat32, "fp32 K/V take the generic loop");
+  if constexpr (KT == kBFloat16) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   } else if constexpr (KT == kFloat16) {
@@ -1272,20 +1272,22 @@ ItemFn select_dim(int D, int DV, int isa) {
   }
   // 16-bit K/V on AVX2: the tile path (widened in registers; 0.5-0.85x the generic loop's time on the EPYC dev
   // box). fp32 keeps the generic loop, which reads its rows as they are and measured 1.0-1.17x faster there.
-  if (DT != kFloat32 && avx2 && cpu_has_f16c()) {
-    if (D == DV) {
-      switch (D) {
-        case 64:
-          return run_item_tiles_avx2<DT, DT, 64, 64>;
-        case 128:
-          return run_item_tiles_avx2<DT, DT, 128, 128>;
-        case 256:
-          return run_item_tiles_avx2<DT, DT, 256, 256>;
-        default:
-          break;
+  if constexpr (DT != kFloat32) {
+    if (avx2 && cpu_has_f16c()) {
+      if (D == DV) {
+        switch (D) {
+          case 64:
+            return run_item_tiles_avx2<DT, DT, 64, 64>;
+          case 128:
+            return run_item_tiles_avx2<DT, DT, 128, 128>;
+          case 256:
+            return run_item_tiles_avx2<DT, DT, 256, 256>;
+          default:
+            break;
+        }
+      } else if (D == 192 && DV == 128) {
+        return run_item_tiles_avx2<DT, DT, 192, 128>;
       }
-    } else if (D == 192 && DV == 128) {
-      return run_item_tiles_avx2<DT, DT, 192, 128>;
     }
   }
   if (D == DV) {
@@ -1394,18 +1396,23 @@ int cpu_best_isa() {
                                : kIsaBaseline;
 }
 
-void decode_cpu(const DecodeParams& params, int num_threads, int isa) {
-  check_params(params);
-  const DecodeParams p = resolve_params(params);
-  if (isa == kIsaAuto) isa = cpu_best_isa();
+int resolve_cpu_isa(const char* op, int isa) {
+  if (isa == kIsaAuto) return cpu_best_isa();
   if (isa < kIsaBaseline || isa > kIsaAvx512Bf16)
-    throw InvalidArgument("decode attention: unknown CPU code path " + std::to_string(isa));
+    throw InvalidArgument(std::string(op) + ": unknown CPU code path " + std::to_string(isa));
   if (isa > cpu_best_isa())
-    throw InvalidArgument("decode attention: this CPU cannot run the requested code path (" +
+    throw InvalidArgument(std::string(op) + ": this CPU cannot run the requested code path (" +
                           std::string(isa == kIsaAvx512Bf16 ? "AVX512_BF16"
                                       : isa == kIsaAvx512   ? "AVX-512"
                                                             : "AVX2") +
                           ")");
+  return isa;
+}
+
+void decode_cpu(const DecodeParams& params, int num_threads, int isa) {
+  check_params(params);
+  const DecodeParams p = resolve_params(params);
+  isa = resolve_cpu_isa("decode attention", isa);
   if (p.num_seqs == 0) return;
   int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
   const int B = p.num_seqs, H = p.num_heads, D = p.head_dim, DV = p.v_head_dim;

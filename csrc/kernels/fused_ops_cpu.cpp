@@ -216,14 +216,7 @@ VP_AVX2_TARGET void silu_mul_rows_avx2(const void* gv, int64_t gs, const void* u
 
 // ------------------------------------------------------------------------------------ dispatch
 // The build to run: AVX2 from the AVX2 path up (AVX-512 included), the portable build on baseline.
-bool use_avx2(const char* op, int isa) {
-  const int best = cpu_best_isa();
-  if (isa == kIsaAuto) isa = best;
-  if (isa < kIsaBaseline || isa > kIsaAvx512Bf16)
-    throw InvalidArgument(std::string(op) + ": unknown CPU code path " + std::to_string(isa));
-  if (isa > best) throw InvalidArgument(std::string(op) + ": this CPU cannot run the requested code path");
-  return isa >= kIsaAvx2;
-}
+bool use_avx2(const char* op, int isa) { return resolve_cpu_isa(op, isa) >= kIsaAvx2; }
 
 void check_rows(const char* op, int64_t rows, int64_t cols, int dtype) {
   if (rows < 0 || cols < 1)
