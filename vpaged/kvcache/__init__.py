@@ -2,9 +2,9 @@
 
 base.py holds what both caches share (KVCacheBase, the KVCache protocol), geometry.py the shape of a
 token's K/V, records.py the plain records the caches hand out (CacheStats, PagedCacheStats, BatchedKV: a
-leaf that imports no cache), accounting.py where mapped memory goes, eviction.py what a cache gives up first when its pool runs short
-(the eviction policy of cached prefixes and the reclaim order). paged.py is the block-table cache;
-virtual/ is the contiguous-range cache, whose only public faces are VirtualKVCache and Layout.
+leaf that imports no cache), accounting.py where mapped memory goes, eviction.py what a cache gives up
+first when its pool runs short (the eviction policy of cached prefixes, the reclaim order). paged.py is the
+block-table cache; virtual/ is the contiguous-range cache, whose only public faces are VirtualKVCache and Layout.
 """
 
 from .base import KVCache, KVCacheBase

@@ -160,13 +160,20 @@ class PrefixIndex:
     def insert_blocks(self, tokens: Sequence[int], pages_of: Callable[[int], list[int]]) -> int:
         """insert_prefix(), returning the number of blocks (pages of each run) cached for this prefix."""
         keys = self.keys(tokens)
+        added, cached = [], len(keys)
         for depth, (key, block) in enumerate(keys):
             found = self._blocks.get(key)
             if found is None:
                 self.insert(key, depth, block, pages_of(depth))
+                added.append(self._blocks[key])
             elif found.tokens != block or found.depth != depth:
-                return depth
-        return len(keys)
+                cached = depth  # a key that a different prefix owns (a hash collision): stop
+                break
+        # One use of the whole prefix, at one clock: within it, deeper blocks are evicted before the blocks they
+        # extend (a tick per insert would make the first block the oldest and evict it first, stranding the rest).
+        for b in added:
+            b.last_used = self._clock
+        return cached
 
     def lookup(self, key: bytes) -> PrefixBlock | None:
         return self._blocks.get(key)
