@@ -192,4 +192,4 @@ def admission_queue(scheduling_policy: str = "fcfs") -> AdmissionQueue:
 def preemption_policy(name: str | None = None, scheduling_policy: str = "fcfs") -> PreemptionPolicy:
     """The named victim policy, or (None) the one the scheduling policy implies."""
     check_policy_names(scheduling_policy, name)
-    return PREEMPTION_POLICIES[name or DEFAULT_PREEMPTION[scheduling_policy]]
+    return PREEMPTION_POLICIES[name or DEFAULT_PREEMPTION[scheduling_policy]]()
