@@ -193,3 +193,47 @@ def test_priority_queue_holds_back_a_low_priority_arrival():
     while sched.has_work():
         order += [s.request.arrival_index for s in run_step(sched)]
     assert order == [2, 4, 1, 3]
+
+
+def test_the_engine_serves_by_priority_and_hands_the_cache_its_policies():
+    pytest.importorskip("transformers")
+    from vpaged.hf.compat import serving_support
+
+    ok, why = serving_support()
+    if not ok:
+        pytest.skip(why)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model gains nothing from threads on a shared machine
+    try:
+        engine_serves_by_priority()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def engine_serves_by_priority():
+    from vpaged.serve import LLM
+
+    llm = LLM(
+        "random:llama-tiny",
+        kv_budget_bytes=64 * 4096,
+        page_size=4096,
+        max_num_seqs=1,
+        scheduling_policy="priority",
+        eviction_policy="lfu",
+        reclaim_order="prefix_first",
+    )
+    cache = llm.engine.store.cache
+    assert (cache.eviction_policy.name, cache.reclaim_order.name) == ("lfu", "prefix_first")
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11]]
+    outs = llm.generate(prompts, params, priority=[2, 0, 1, 0])
+    started = [out.metrics.first_token_time for out in outs]
+    # One at a time: lowest value first, first come among equals.
+    assert sorted(range(4), key=lambda i: started[i]) == [1, 3, 2, 0]
+    assert all(len(out.outputs[0].token_ids) == 3 for out in outs)
+    with pytest.raises(InvalidArgumentError, match="priority must be an int"):
+        llm.engine.add_request([1, 2], params, priority="high")
+    with pytest.raises(InvalidArgumentError, match="2 priorities for 1 prompts"):
+        llm.generate([[1, 2]], params, priority=[0, 1])
+    assert not llm.engine.has_unfinished()
+    llm.engine.close()
