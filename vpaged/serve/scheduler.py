@@ -149,8 +149,9 @@ class Scheduler:
         return len(decodes)
 
     def _make_room(self, seq: Sequence, n: int, scheduled: set) -> bool:
-        """Pages for seq to compute n more tokens, preempting newer unscheduled running sequences (or seq
-        itself when it is the newest). False when seq was preempted."""
+        """Pages for seq to compute n more tokens, preempting the victims the preemption policy picks among the
+        unscheduled running sequences, seq included (by default the newest: newer ones, or seq itself when it
+        is the newest). False when seq was preempted."""
         while not self.store.pages_available(self.store.pages_needed([seq.handle], n)):
             victim = self.victims.victim([s for s in self.running if s not in scheduled])
             self._preempt(victim)
