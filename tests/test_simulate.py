@@ -13,8 +13,20 @@ from vpaged import PagedKVCache, PagePool, VirtualKVCache
 from vpaged.cli import main as cli_main
 from vpaged.errors import InvalidArgumentError, OutOfPagesError
 from vpaged.kvcache.accounting import page_fill
-from vpaged.sim import SimConfig, SimRequest, TraceError, builtin_trace, load_csv, make_policy, model_shape, simulate
-from vpaged.sim.policies import StaticSlots
+from vpaged.sim import (
+    CacheKind,
+    SimConfig,
+    SimRequest,
+    TraceError,
+    builtin_trace,
+    kind_names,
+    load_csv,
+    make_kind,
+    make_policy,
+    model_shape,
+    simulate,
+)
+from vpaged.sim.kinds import StaticSlots
 
 PAGE = 4096
 # 2 layers, 2 KV heads of 16 fp32: 128 bytes per token in a per_layer region (32 tokens per 4 KiB page),
@@ -331,3 +343,25 @@ def test_cli_simulate_one_rank_of_a_tensor_parallel_deployment(tmp_path):
     assert runs[2]["bytes_per_token"] * 2 == runs[1]["bytes_per_token"]
     assert runs[2]["tensor_parallel_size"] == 2 and "TP2 rank" in runs[2]["model"]
     assert runs[2]["policies"][0]["peak_running"] >= runs[1]["policies"][0]["peak_running"]
+
+
+def test_cache_kinds_under_their_names_and_the_earlier_ones():
+    cfg = _cfg(100)
+    with pytest.raises(InvalidArgumentError, match="unknown cache kind 'vpaged sideways'"):
+        make_kind("vpaged sideways", cfg)
+    kind = make_kind("block 16", cfg)
+    assert isinstance(kind, CacheKind) and kind.name == "block 16"
+    kind.close()
+    assert kind_names(sharing=False) == vpaged.sim.policy_names(sharing=False)
+
+
+def test_cli_kinds_flag_is_the_policies_flag(tmp_path):
+    outs = {}
+    for flag in ("--kinds", "--policies"):
+        out = tmp_path / f"{flag[2:]}.json"
+        argv = ["simulate", "--model", "2x2x16:fp32", "--budget-gib", "0.0005", "--requests", "20", "--trace"]
+        argv += ["alpaca", "--max-seq-len", "256", "--rate", "inf", flag, "static,block 16", "--json", str(out)]
+        assert cli_main(argv) == 0
+        data = json.loads(out.read_text())
+        outs[flag] = [(p["policy"], p["finished"], p["peak_running"]) for p in data["policies"]]
+    assert outs["--kinds"] == outs["--policies"] and [k for k, _, _ in outs["--kinds"]] == ["static", "block 16"]

@@ -1,5 +1,5 @@
 """The `vpaged` command: `vpaged demo` (a mixed workload on the CPU), `vpaged info` (backends),
-`vpaged simulate` (KV memory of serving policies at production scale, vpaged/cli/simulate.py), `vpaged bench`
+`vpaged simulate` (KV memory of cache kinds at production scale, vpaged/cli/simulate.py), `vpaged bench`
 (the benchmark suite, vpaged/cli/bench.py) and the serving commands `generate`, `serve` and
 `bench-serve` (vpaged/cli/serve.py)."""
 

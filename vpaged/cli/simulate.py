@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "simulate",
         help="KV memory of static slots, block tables and vpaged layouts under one budget",
-        description="Runs a request trace through each memory policy with the real caches on the accounting "
+        description="Runs a request trace through each cache kind with the real caches on the accounting "
         "backend (nothing is mapped, so GPU-scale budgets run on any machine) and reports where the "
         "memory goes: live tokens, waste (fragmentation + reservation) and dormant reusable pages.",
     )
@@ -74,18 +74,21 @@ def add_parser(sub) -> None:
     p.add_argument("--max-seqs", type=int, default=4096, help="sequence slots of the block and vpaged caches")
     p.add_argument("--step-ms", type=float, default=30.0, help="trace time of one decode step")
     p.add_argument(
-        "--policies",
+        "--kinds",
+        "--policies",  # its earlier name
+        dest="kinds",
         default="all",
-        help="comma-separated policies, e.g. 'static,block 16,vpaged interleaved 2 MiB' (default all)",
+        help="comma-separated cache kinds, e.g. 'static,block 16,vpaged interleaved 2 MiB' (default all; "
+        "--policies is the same option under its earlier name)",
     )
-    p.add_argument("--samples", type=int, default=100, help="memory samples per policy")
+    p.add_argument("--samples", type=int, default=100, help="memory samples per cache kind")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': standard output)")
     p.add_argument("--plot", metavar="DIR", help="write memory_over_time.png and waste_by_cause.png into DIR")
     p.set_defaults(func=run, parser=p)
 
 
 def run(args) -> int:
-    from ..sim import SimConfig, builtin_trace, load_csv, make_policy, model_shape, policy_names, simulate
+    from ..sim import SimConfig, builtin_trace, kind_names, load_csv, make_kind, model_shape, simulate
     from ..sim.report import plot, print_table, write_json
 
     parser = args.parser
@@ -109,17 +112,17 @@ def run(args) -> int:
             )
             trace_name = args.trace
         sharing = any(r.prefix_id is not None or r.n > 1 for r in trace)
-        names = policy_names(sharing) if args.policies == "all" else [n.strip() for n in args.policies.split(",")]
+        names = kind_names(sharing) if args.kinds == "all" else [n.strip() for n in args.kinds.split(",")]
         cfg = SimConfig(shape, int(args.budget_gib * GiB), args.max_seq_len, args.max_seqs)
-        policies = [make_policy(n, cfg) for n in names]  # every name checked before the long run starts
+        kinds = [make_kind(n, cfg) for n in names]  # every name checked before the long run starts
     except (InvalidArgumentError, DTypeError) as e:
         parser.error(str(e))
     results = []
-    for policy in _progress(policies):
+    for kind in _progress(kinds):
         try:
-            results.append(simulate(policy, trace, args.step_ms / 1000, samples=args.samples))
+            results.append(simulate(kind, trace, args.step_ms / 1000, samples=args.samples))
         finally:
-            policy.close()
+            kind.close()
     title = (
         f"{shape.name}{'' if shape.kv_dtype is None else ' K/V ' + args.kv_dtype} "
         f"({shape.bytes_per_token / 1024:g} KiB/token), {args.budget_gib:g} GiB, "
@@ -138,9 +141,9 @@ def run(args) -> int:
         "mean_prompt_len": sum(r.prompt_len for r in trace) / len(trace),
         "mean_output_len": sum(r.output_len for r in trace) / len(trace),
         "max_seq_len": args.max_seq_len,
-        "policies": summaries,
+        "policies": summaries,  # one summary per cache kind (the key earlier results have)
         "timeline": {
-            r.policy: [{"step": s.step, "running": s.running, **s.breakdown.as_dict()} for s in r.samples]
+            r.kind: [{"step": s.step, "running": s.running, **s.breakdown.as_dict()} for s in r.samples]
             for r in results
         },
     }

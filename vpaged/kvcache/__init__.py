@@ -2,11 +2,13 @@
 
 base.py holds what both caches share (KVCacheBase, the KVCache protocol), geometry.py the shape of a
 token's K/V, records.py the plain records the caches hand out (CacheStats, PagedCacheStats, BatchedKV: a
-leaf that imports no cache), accounting.py where mapped memory goes. paged.py is the block-table cache;
-virtual/ is the contiguous-range cache, whose only public faces are VirtualKVCache and Layout.
+leaf that imports no cache), accounting.py where mapped memory goes, eviction.py what a cache gives up
+first when its pool runs short (the eviction policy of cached prefixes, the reclaim order). paged.py is the
+block-table cache; virtual/ is the contiguous-range cache, whose only public faces are VirtualKVCache and Layout.
 """
 
 from .base import KVCache, KVCacheBase
+from .eviction import EvictionPolicy, LFUEviction, LRUEviction, ReclaimOrder, ReclaimStage
 from .geometry import KVGeometry
 from .paged import PagedKVCache
 from .records import BatchedKV, CacheStats, PagedCacheStats
@@ -22,4 +24,9 @@ __all__ = [
     "CacheStats",
     "PagedCacheStats",
     "BatchedKV",
+    "EvictionPolicy",
+    "LRUEviction",
+    "LFUEviction",
+    "ReclaimOrder",
+    "ReclaimStage",
 ]

@@ -22,8 +22,10 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..kvcache.checks import check_positive_int, is_int
+from ..kvcache.eviction import resolve_eviction_policy, resolve_reclaim_order
 from ..kvcache.formats import resolve_kv_dtype
 from ..memory.device import normalize_device
+from .policies import check_policy_names
 from .stores.base import KV_KINDS
 
 
@@ -60,6 +62,13 @@ class EngineConfig:
             ops, the MLP's gate and up products as one (vpaged.hf.fused); parameters and state_dict unchanged.
             Ignored on CUDA. False leaves the model's modules as they are (a model prepared before stays so:
             vpaged.hf.unprepack and vpaged.hf.unfuse undo it).
+        scheduling_policy: the admission queue: "fcfs" (first come, first served) or "priority" (lowest
+            add_request(priority=...) first, then first come); see serve/policies.py.
+        preemption_policy: which running sequence is preempted when pages run short: "newest" or
+            "lowest_priority" (None: the scheduling policy's own, "newest" for fcfs).
+        eviction_policy: which cached prefix blocks the cache evicts first: "lru" or "lfu" (kv="vpaged").
+        reclaim_order: which kind of kept pages the cache gives back first: "dormant_first" (freed slots,
+            then prefix blocks, then spare tails) or "prefix_first"; see kvcache/eviction.py.
         tensor_parallel_size: ranks the model is sharded over (transformers' tp_plan="auto" on
             torch.distributed; see vpaged.serve.distributed). Each rank keeps the K/V of its own KV heads in
             its own store of kv_budget_bytes (and swap_bytes): the budgets are per rank.
@@ -84,6 +93,11 @@ class EngineConfig:
     kv_dtype: torch.dtype | str | None = None
     kv_scales: object = None
     tensor_parallel_size: int = 1
+    # Policies (serve/policies.py, kvcache/eviction.py): today's orders by default.
+    scheduling_policy: str = "fcfs"  # admission queue: "fcfs" | "priority"
+    preemption_policy: str | None = None  # victim: "newest" | "lowest_priority"; None: the scheduling policy's
+    eviction_policy: str = "lru"  # cached prefix blocks: "lru" | "lfu"
+    reclaim_order: str = "dormant_first"  # kept pages back to the pool: "dormant_first" | "prefix_first"
 
     def __post_init__(self):
         # The order of the checks is the order LLMEngine has always reported them in.
@@ -106,6 +120,11 @@ class EngineConfig:
         if self.kv_dtype is not None:
             resolve_kv_dtype(self.kv_dtype, self.dtype or torch.float32)  # DTypeError for an unknown format
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        check_policy_names(self.scheduling_policy, self.preemption_policy)
+        for name, resolve in (("eviction_policy", resolve_eviction_policy), ("reclaim_order", resolve_reclaim_order)):
+            if not isinstance(getattr(self, name), str):  # a name: the config crosses to other ranks as plain data
+                raise InvalidArgumentError(f"{name} must be a name, got {getattr(self, name)!r}")
+            resolve(getattr(self, name))
         object.__setattr__(self, "device", normalize_device(self.device))
 
     @property

@@ -156,6 +156,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, handed out by the next step()
         self.counters = EngineCounters()
@@ -165,11 +166,16 @@ class LLMEngine:
             self.tp.follow(self)  # the other ranks' loop; ends the process when rank 0 stops
 
     # ------------------------------------------------------------------------------------------ requests
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Raises (for this request only, nothing queued) on bad input."""
+    def add_request(
+        self, prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0
+    ) -> str:
+        """Queue a request; returns its id. Raises (for this request only, nothing queued) on bad input.
+        priority: with scheduling_policy="priority", lower values are admitted first (ignored by "fcfs")."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
         if params.n > self.max_num_seqs:
             raise InvalidArgumentError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
         tokens = self._prompt_tokens(prompt)
@@ -194,6 +200,7 @@ class LLMEngine:
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, tokens, params, RequestMetrics(arrival_time=time.time()), max_tokens)
+        req.priority, req.arrival_index = priority, next(self._arrivals)
         req.seeds = [seed] if params.n == 1 else [(seed * 1_000_003 + i) % (1 << 63) for i in range(params.n)]
         req.seqs.append(Sequence(req, 0, list(tokens), req.generator(0)))
         self._requests[request_id] = req
@@ -368,8 +375,14 @@ class LLM:
             engine_kwargs.setdefault("kv_budget_bytes", 1 << 30)
         self.engine = LLMEngine(model, tokenizer, **engine_kwargs)
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Final outputs, in the order of prompts (a prompt: str or list of token ids; or one prompt)."""
+    def generate(
+        self,
+        prompts,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Final outputs, in the order of prompts (a prompt: str or list of token ids; or one prompt).
+        priority: one per prompt, for scheduling_policy="priority" (lower first; default 0 each)."""
         prompts = self._as_list(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
@@ -377,10 +390,13 @@ class LLM:
             per_prompt = list(params)
         else:
             per_prompt = [params] * len(prompts)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise InvalidArgumentError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, per_prompt):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, rank in zip(prompts, per_prompt, priorities):
+                ids.append(self.engine.add_request(prompt, p, priority=rank))
         except BaseException:
             for request_id in ids:
                 self.engine.abort(request_id)

@@ -3,15 +3,18 @@
 Order of each step (continuous batching with chunked prefill):
   1. running sequences that decode (one token each), oldest first;
   2. running sequences still in their prompt, a chunk each, oldest first;
-  3. swapped-out sequences, oldest first (they resume before anything new is admitted);
-  4. waiting requests, first come first served, while the token budget, max_num_seqs and pages allow.
+  3. swapped-out sequences, in admission order (they resume before anything new is admitted);
+  4. waiting requests in the admission queue's order (first come first served by default; or by priority),
+     while the token budget, max_num_seqs and pages allow.
 A step never takes more than max_num_batched_tokens tokens.
 
 Pages are planned, not caught: before every extension the scheduler asks the store how many pages it would
 take (the caches' pages_needed probe, copy-on-write copies included) and whether they are available. When
-running sequences cannot grow, it preempts the newest running sequence: swap out while swap space lasts,
-otherwise free it and recompute it later (it goes back to the head of the queue, its generated tokens kept).
-New requests never preempt running ones, so the oldest always progress: no starvation.
+running sequences cannot grow, it preempts the victim its preemption policy picks (the newest running
+sequence by default): swap out while swap space lasts, otherwise free it and recompute it later (it goes back
+ahead of later arrivals in the queue, its generated tokens kept). New requests never preempt running ones, so
+under the default policies the oldest always progress: no starvation. The two policies are injected
+strategies (policies.py), chosen by EngineConfig.scheduling_policy and preemption_policy.
 
 Admission uses prefix caching: allocating with the prompt's tokens maps the cached full pages, and only the
 rest is computed. The scheduler changes the store as it decides (allocate, extend, swap, free), the way
@@ -27,13 +30,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from .policies import admission_queue, preemption_policy
 from .sequence import Request, Sequence, Status
 
 if TYPE_CHECKING:
@@ -74,9 +77,10 @@ class Scheduler:
         self.store = store
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = admission_queue(config.scheduling_policy)  # AdmissionQueue: the head is admitted next
+        self.victims = preemption_policy(config.preemption_policy, config.scheduling_policy)
         self.running: list[Sequence] = []  # admission order: the last is the newest
-        self.swapped: list[Sequence] = []  # oldest first
+        self.swapped: list[Sequence] = []  # in admission order (the queue's sort_key)
         self.preemptions_swap = 0
         self.preemptions_recompute = 0
         self.prefix_hit_tokens = 0
@@ -85,7 +89,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that already holds its cache handle (a fork)."""
@@ -136,7 +140,7 @@ class Scheduler:
         while decodes:
             if self.store.pages_available(self.store.pages_needed([s.handle for s in decodes], 1)):
                 break
-            victim = self.running[-1]
+            victim = self.victims.victim(self.running)
             self._preempt(victim)
             if victim in decodes:
                 decodes.remove(victim)
@@ -145,10 +149,11 @@ class Scheduler:
         return len(decodes)
 
     def _make_room(self, seq: Sequence, n: int, scheduled: set) -> bool:
-        """Pages for seq to compute n more tokens, preempting newer unscheduled running sequences (or seq
-        itself when it is the newest). False when seq was preempted."""
+        """Pages for seq to compute n more tokens, preempting the victims the preemption policy picks among the
+        unscheduled running sequences, seq included (by default the newest: newer ones, or seq itself when it
+        is the newest). False when seq was preempted."""
         while not self.store.pages_available(self.store.pages_needed([seq.handle], n)):
-            victim = next(s for s in reversed(self.running) if s not in scheduled)
+            victim = self.victims.victim([s for s in self.running if s not in scheduled])
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -175,7 +180,7 @@ class Scheduler:
         store = self.store
         seats = sum(1 if s.request.forked else s.request.seats for s in self.running)
         while self.waiting and budget > 0:
-            seq = self.waiting[0]
+            seq = self.waiting.head()
             req = seq.request
             need_seats = 1 if req.forked else req.seats
             # can_allocate: slots for the completions, and what the store takes up front (static: a whole
@@ -196,7 +201,7 @@ class Scheduler:
                 store.free(handle)
                 break
             store.extend([handle], n)
-            self.waiting.popleft()
+            self.waiting.pop()
             seq.handle, seq.slot, seq.num_computed = handle, store.slot(handle), hit
             self._to_running(seq)
             if seq.index == 0 and not req.forked:
@@ -222,7 +227,7 @@ class Scheduler:
             self.store.swap_out(seq.handle)
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
-            self.swapped.sort(key=lambda s: (s.request.metrics.arrival_time, s.index))
+            self.swapped.sort(key=self.waiting.sort_key)
             self.preemptions_swap += 1
             return
         self._to_waiting(seq)
@@ -235,13 +240,13 @@ class Scheduler:
         self.running.append(seq)
 
     def _to_waiting(self, seq: Sequence) -> None:
-        """A sequence out of the running ones gives its pages back and waits at the head of the queue to be
-        recomputed (its tokens kept): preemption by recompute, or a step whose forward failed."""
+        """A sequence out of the running ones gives its pages back and waits, ahead of later arrivals (fcfs: at
+        the head), to be recomputed (its tokens kept): preemption by recompute, or a step whose forward failed."""
         self.store.free(seq.handle)
         seq.handle, seq.slot, seq.num_computed = None, -1, 0
         seq.prefix_offered = False
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.push_preempted(seq)
 
     # ------------------------------------------------------------------------------------------ after a step
     def postprocess(

@@ -65,6 +65,8 @@ class Request:
     seeds: list[int] = field(default_factory=list)  # one per completion
     forked: bool = False  # n > 1: the completions exist (after the prompt's prefill)
     finished: bool = False
+    priority: int = 0  # scheduling_policy="priority": lower values are admitted first (policies.py)
+    arrival_index: int = 0  # the engine's count of requests added before it: breaks ties of arrival_time
 
     @property
     def prompt_len(self) -> int:

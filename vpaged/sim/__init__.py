@@ -1,4 +1,4 @@
-"""`vpaged simulate`: KV memory of serving policies at production scale, with the real caches on the
+"""`vpaged simulate`: KV memory of cache kinds at production scale, with the real caches on the
 accounting backend (no memory mapped), driven by seeded or user traces."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
-from .policies import BlockTables, Policy, StaticSlots, VirtualMemory
-from .run import PolicyResult, simulate
+from .kinds import BlockTables, CacheKind, StaticSlots, VirtualMemory
+from .run import KindResult, simulate
 from .shapes import SHAPES, ModelShape, model_shape
 from .traces import BUILTIN, SimRequest, TraceError, builtin_trace, load_csv
 
@@ -21,10 +21,10 @@ __all__ = [
     "builtin_trace",
     "load_csv",
     "simulate",
-    "PolicyResult",
-    "Policy",
-    "policy_names",
-    "make_policy",
+    "KindResult",
+    "CacheKind",
+    "kind_names",
+    "make_kind",
     "SimConfig",
 ]
 
@@ -40,8 +40,8 @@ class SimConfig:
     max_seqs: int = 4096  # sequence slots of the block and virtual caches (address space only)
 
 
-def policy_names(sharing: bool) -> list[str]:
-    """Every policy the simulator knows; '+share' variants only matter when requests share prefixes or
+def kind_names(sharing: bool) -> list[str]:
+    """Every cache kind the simulator knows; '+share' variants only matter when requests share prefixes or
     sample n > 1."""
     names = ["static", "block 8", "block 16", "block 32"]
     for layout in ("per_layer", "interleaved", "head_major"):
@@ -51,7 +51,12 @@ def policy_names(sharing: bool) -> list[str]:
     return names
 
 
-def make_policy(name: str, cfg: SimConfig) -> Policy:
+def make_kind(name: str, cfg: SimConfig) -> CacheKind:
+    """The cache kind a name describes ('static', 'block 16', 'vpaged interleaved 2 MiB', '... +share')."""
+    return _parse_kind(name, cfg, "cache kind")
+
+
+def _parse_kind(name: str, cfg: SimConfig, noun: str) -> CacheKind:
     words = name.split()
     share = bool(words) and words[-1] == "+share"
     if share:
@@ -64,6 +69,17 @@ def make_policy(name: str, cfg: SimConfig) -> Policy:
         page = int(words[2]) * (KiB if words[3] == "KiB" else MiB)
         return VirtualMemory(cfg.shape, cfg.budget_bytes, cfg.max_seq_len, words[1], page, share, cfg.max_seqs)
     raise InvalidArgumentError(
-        f"unknown policy {name!r}: policies look like 'static', 'block 16', 'vpaged interleaved 2 MiB', with "
-        "' +share' for prefix sharing and forked samples"
+        f"unknown {noun} {name!r}: cache kinds look like 'static', 'block 16', 'vpaged interleaved 2 MiB', "
+        "with ' +share' for prefix sharing and forked samples"
     )
+
+
+# The names of earlier releases, when the simulator called its cache kinds "policies" (scripts still use them).
+Policy = CacheKind
+PolicyResult = KindResult
+policy_names = kind_names
+
+
+def make_policy(name: str, cfg: SimConfig) -> CacheKind:
+    """make_kind() under its earlier name (its errors say "unknown policy", as they did)."""
+    return _parse_kind(name, cfg, "policy")

@@ -1,4 +1,4 @@
-"""Reports of a simulation: a table per policy, JSON, and PNG plots (matplotlib, the `plot` extra)."""
+"""Reports of a simulation: a table per cache kind, JSON, and PNG plots (matplotlib, the `plot` extra)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ GiB = 1 << 30
 
 def table_rows(summaries: list[dict]) -> tuple[list[str], list[list[str]]]:
     headers = [
-        "policy",
+        "cache kind",
         "live",
         "waste",
         "(fragment.",
@@ -29,7 +29,7 @@ def table_rows(summaries: list[dict]) -> tuple[list[str], list[list[str]]]:
     for s in summaries:
         rows.append(
             [
-                s["policy"],
+                s["policy"],  # the summary's key for the kind's name (kept from when kinds were "policies")
                 f"{s['live_share']:.1%}",
                 f"{s['waste_share']:.1%}",
                 f"{s['fragmentation_share']:.1%}",
@@ -81,8 +81,8 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def plot(results, out_dir: Path, title: str) -> list[Path]:
-    """memory_over_time.png (held and stored bytes per policy) and waste_by_cause.png (shares of held
-    memory per policy). Needs matplotlib."""
+    """memory_over_time.png (held and stored bytes per cache kind) and waste_by_cause.png (shares of held
+    memory per cache kind). Needs matplotlib."""
     try:
         import matplotlib
 
@@ -95,7 +95,7 @@ def plot(results, out_dir: Path, title: str) -> list[Path]:
     fig, ax = plt.subplots(figsize=(10, 5.5))
     for r in results:
         steps = [s.step for s in r.samples]
-        (line,) = ax.plot(steps, [s.breakdown.held_bytes / GiB for s in r.samples], label=f"{r.policy} held")
+        (line,) = ax.plot(steps, [s.breakdown.held_bytes / GiB for s in r.samples], label=f"{r.kind} held")
         ax.plot(steps, [s.breakdown.stored_bytes / GiB for s in r.samples], linestyle=":", color=line.get_color())
     ax.set_xlabel("decode step")
     ax.set_ylabel("GiB (solid: held by the cache, dotted: live tokens)")

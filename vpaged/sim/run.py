@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..errors import OutOfPagesError
 from ..kvcache.accounting import MemoryBreakdown
-from .policies import Policy, Running
+from .kinds import CacheKind, Running
 from .traces import SimRequest
 
 
@@ -22,8 +22,8 @@ class Sample:
 
 
 @dataclass
-class PolicyResult:
-    policy: str
+class KindResult:
+    kind: str  # the cache kind's name
     budget_bytes: int
     steps: int
     finished: int
@@ -49,7 +49,7 @@ class PolicyResult:
         stored, frag, reserved = (self._sum(a) for a in ("stored_bytes", "fragmentation_bytes", "reserved_bytes"))
         active, held = stored + frag + reserved, self._sum("held_bytes")
         return {
-            "policy": self.policy,
+            "policy": self.kind,  # the JSON keeps the key earlier results have (a kind was called a policy)
             "budget_bytes": self.budget_bytes,
             "steps": self.steps,
             "finished": self.finished,
@@ -73,9 +73,9 @@ class PolicyResult:
 
 
 def simulate(
-    policy: Policy, trace: list[SimRequest], step_seconds: float = 0.03, max_steps: int = 1_000_000, samples: int = 200
-) -> PolicyResult:
-    """Run `trace` through `policy`. A decode step lasts step_seconds of trace time; about `samples`
+    kind: CacheKind, trace: list[SimRequest], step_seconds: float = 0.03, max_steps: int = 1_000_000, samples: int = 200
+) -> KindResult:
+    """Run `trace` through a cache kind. A decode step lasts step_seconds of trace time; about `samples`
     breakdowns are taken, evenly spaced in steps (estimated from the trace), plus one at the end."""
     t0 = time.perf_counter()
     pending = deque(sorted(trace, key=lambda r: r.arrival))
@@ -85,7 +85,7 @@ def simulate(
     running_sum = 0
     horizon = max((r.arrival for r in trace), default=0) / step_seconds + max((r.output_len for r in trace), default=1)
     every = max(1, int(horizon // samples))
-    result = PolicyResult(policy.name, policy.budget_bytes, 0, 0, 0, 0, 0, 0, 0.0)
+    result = KindResult(kind.name, kind.budget_bytes, 0, 0, 0, 0, 0, 0, 0.0)
     while (pending or waiting or running) and step < max_steps:
         now = step * step_seconds
         while pending and pending[0].arrival <= now:
@@ -93,7 +93,7 @@ def simulate(
             waiting.append((req, req.prompt_len, req.output_len))
         while waiting:  # FIFO: the head waits for room, nobody overtakes it
             req, prompt_len, remaining = waiting[0]
-            run = policy.admit(req, prompt_len)
+            run = kind.admit(req, prompt_len)
             if run is None:
                 if not running:  # an empty system has no room for it: it never fits
                     waiting.popleft()
@@ -106,11 +106,11 @@ def simulate(
         if running:
             while True:
                 try:
-                    policy.step(running)
+                    kind.step(running)
                     break
                 except OutOfPagesError:
                     victim = running.pop()  # the newest: it loses the least work
-                    policy.release(victim)
+                    kind.release(victim)
                     if not running:  # it cannot grow even alone
                         dropped += 1
                         break
@@ -122,7 +122,7 @@ def simulate(
                 run.length += 1
                 run.extra["remaining"] -= 1
                 if run.extra["remaining"] == 0:
-                    policy.release(run)
+                    kind.release(run)
                     finished += 1
                 else:
                     still.append(run)
@@ -130,9 +130,9 @@ def simulate(
         peak = max(peak, len(running))
         running_sum += len(running)
         if step % every == 0:
-            result.samples.append(Sample(step, len(running), policy.breakdown()))
+            result.samples.append(Sample(step, len(running), kind.breakdown()))
         step += 1
-    result.samples.append(Sample(step, len(running), policy.breakdown()))
+    result.samples.append(Sample(step, len(running), kind.breakdown()))
     result.steps, result.finished, result.preemptions, result.peak_running = step, finished, preemptions, peak
     result.dropped = dropped
     result.unfinished = len(pending) + len(waiting) + len(running)

@@ -38,6 +38,7 @@ from ...errors import (
 from ...memory.pool import PagePool, resolve_pool
 from ..base import KVCacheBase
 from ..checks import check_kv, check_layer, check_positive_int, check_token_count, check_token_span, is_int, write_start
+from ..eviction import EvictionPolicy, ReclaimOrder, resolve_eviction_policy, resolve_reclaim_order
 from ..records import BatchedKV, CacheStats
 from .layout import Layout
 from .limits import check_cache
@@ -74,6 +75,10 @@ class VirtualKVCache(KVCacheBase):
             dequantized_kv() values. See kvcache/formats.py.
         kv_scales: fp8 only: the per-layer (K, V) scales: a float, a (k, v) pair, [num_layers, 2], or
             "calibrate" (set from each layer's first write). Default 1.0.
+        eviction_policy: which cached prefix blocks go first when the pool runs low: "lru" (default), "lfu",
+            or an EvictionPolicy object; reclaim_order: which kind of kept pages goes back first:
+            "dormant_first" (default: freed slots, then prefix blocks, then spare tails), "prefix_first", or a
+            ReclaimOrder. See kvcache/eviction.py.
     """
 
     def __init__(
@@ -94,7 +99,12 @@ class VirtualKVCache(KVCacheBase):
         v_head_dim: int | None = None,
         kv_dtype=None,
         kv_scales=None,
+        eviction_policy: str | EvictionPolicy = "lru",
+        reclaim_order: str | ReclaimOrder = "dormant_first",
     ):
+        # Policies first: a bad name raises before anything is created.
+        self.eviction_policy = resolve_eviction_policy(eviction_policy)
+        self.reclaim_order = resolve_reclaim_order(reclaim_order)
         self._init_shape(
             num_layers, num_kv_heads, head_dim, dtype, max_seqs, max_seq_len, v_head_dim, kv_dtype, kv_scales
         )
@@ -106,10 +116,10 @@ class VirtualKVCache(KVCacheBase):
         self._range, self._slots = self._page_map.range, self._page_map.table
         self._views = SlotViews(self._range, lay, self.kv_format, self.device, self.kv_scales)
         self._prefix_hits = 0
-        self._prefix = PrefixIndex.for_layout(lay, self.pool, prefix_hash)
+        self._prefix = PrefixIndex.for_layout(lay, self.pool, prefix_hash, self.eviction_policy)
         pin = self.device.type == "cuda" and torch.cuda.is_available()
         self._swapped = SwappedSlots(SwapSpace(swap_bytes, self.pool.page_size, pin=pin) if swap_bytes else None)
-        self._reclaim = SlotReclaim(self._page_map, self._prefix, self._swapped)
+        self._reclaim = SlotReclaim(self._page_map, self._prefix, self._swapped, self.reclaim_order)
         self._streams: list = []  # stream objects given to use_stream(), kept alive while registered
         self._on_cuda = self.device.type == "cuda"
         if self._on_cuda:
@@ -435,8 +445,9 @@ class VirtualKVCache(KVCacheBase):
         return 0 if self._closed else self._reclaim.reclaimable_pages()
 
     def reclaim_pages(self, pages: int) -> int:
-        """Unmap freed slots' pages, oldest first, then evict cached prefix blocks, until `pages` are freed
-        (Reclaimable). Slots still read through a live view are skipped. Returns the pages freed."""
+        """Give back kept pages in the reclaim order (by default freed slots' pages, oldest first, then cached
+        prefix blocks in the eviction order, then spare tails) until `pages` are freed (Reclaimable). Slots
+        still read through a live view are skipped. Returns the pages freed."""
         # A closed cache holds nothing to reclaim (its pool may still list it).
         return 0 if self._closed else self._reclaim.reclaim_pages(pages)
 

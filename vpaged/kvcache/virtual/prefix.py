@@ -18,8 +18,9 @@ page), a hit ends at the last page that completes a token.
 A block's key chains the key of the block before it with its own window's token ids (so a key names the
 whole prefix up to it); on a key hit the stored token ids are compared too, so a hash collision is never
 taken for a hit. The index owns one pool reference on each page of a block: insert() takes them, evict()
-and clear() drop them. Blocks that nothing else maps are evicted least recently used first when the pool
-runs low.
+and clear() drop them. Blocks that nothing else maps are evicted when the pool runs low, in the order of
+the index's EvictionPolicy (kvcache/eviction.py: least recently used first by default, or least frequently
+used first); each block keeps what a policy reads: its clock of last use and its count of uses.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ..eviction import EvictionPolicy, eviction_order, resolve_eviction_policy
 
 if TYPE_CHECKING:
     from ...memory.pool import PagePool
@@ -52,12 +55,21 @@ class PrefixBlock:
     depth: int  # block index in the prefix (0: the first page of tokens)
     tokens: tuple[int, ...]
     pages: list[int]  # one page per region, in region order
-    last_used: int
+    last_used: int  # the index's clock at insertion or the latest hit
+    uses: int = 1  # insertion plus hits (what "lfu" orders by)
 
 
 class PrefixIndex:
-    def __init__(self, tokens_per_page: int | Fraction, pool: PagePool, hash_fn: HashFn | None = None):
-        """tokens_per_page: page size / token row bytes, exactly (a Fraction where a page holds a part token)."""
+    def __init__(
+        self,
+        tokens_per_page: int | Fraction,
+        pool: PagePool,
+        hash_fn: HashFn | None = None,
+        eviction: str | EvictionPolicy = "lru",
+    ):
+        """tokens_per_page: page size / token row bytes, exactly (a Fraction where a page holds a part token);
+        eviction: the order blocks are evicted in (a name of kvcache/eviction.py or a policy object)."""
+        self.eviction = resolve_eviction_policy(eviction)
         self.tokens_per_page = Fraction(tokens_per_page)
         if self.tokens_per_page <= 0:
             raise ValueError(f"tokens_per_page must be positive, got {tokens_per_page}")
@@ -67,9 +79,11 @@ class PrefixIndex:
         self._clock = 0
 
     @classmethod
-    def for_layout(cls, layout: Layout, pool: PagePool, hash_fn: HashFn | None = None) -> PrefixIndex:
+    def for_layout(
+        cls, layout: Layout, pool: PagePool, hash_fn: HashFn | None = None, eviction: str | EvictionPolicy = "lru"
+    ) -> PrefixIndex:
         """An index whose blocks are one page of every run of the layout."""
-        return cls(Fraction(layout.page_size, layout.token_bytes), pool, hash_fn)
+        return cls(Fraction(layout.page_size, layout.token_bytes), pool, hash_fn, eviction)
 
     @property
     def block_tokens(self) -> int:
@@ -119,6 +133,7 @@ class PrefixIndex:
             if found is None or found.tokens != block or found.depth != len(hits):
                 break
             found.last_used = self._clock
+            found.uses += 1
             hits.append(found)
         return hits[: self.usable_pages(len(hits))]
 
@@ -145,20 +160,28 @@ class PrefixIndex:
     def insert_blocks(self, tokens: Sequence[int], pages_of: Callable[[int], list[int]]) -> int:
         """insert_prefix(), returning the number of blocks (pages of each run) cached for this prefix."""
         keys = self.keys(tokens)
+        added, cached = [], len(keys)
         for depth, (key, block) in enumerate(keys):
             found = self._blocks.get(key)
             if found is None:
                 self.insert(key, depth, block, pages_of(depth))
+                added.append(self._blocks[key])
             elif found.tokens != block or found.depth != depth:
-                return depth
-        return len(keys)
+                cached = depth  # a key that a different prefix owns (a hash collision): stop
+                break
+        # One use of the whole prefix, at one clock: within it, deeper blocks are evicted before the blocks they
+        # extend (a tick per insert would make the first block the oldest and evict it first, stranding the rest).
+        for b in added:
+            b.last_used = self._clock
+        return cached
 
     def lookup(self, key: bytes) -> PrefixBlock | None:
         return self._blocks.get(key)
 
     def eviction_order(self) -> list[PrefixBlock]:
-        """Least recently used first; within a prefix, deeper blocks before the ones they extend."""
-        return sorted(self._blocks.values(), key=lambda b: (b.last_used, -b.depth))
+        """Every block, first to be evicted first, in the eviction policy's order (by default least recently
+        used first; within a prefix, deeper blocks before the ones they extend)."""
+        return eviction_order(self._blocks.values(), self.eviction)
 
     def evictable(self, releasable: set[int] = frozenset()) -> list[PrefixBlock]:
         """Blocks whose pages evicting would free, in eviction order: pages nothing but the index holds,

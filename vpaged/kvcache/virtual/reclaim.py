@@ -1,8 +1,10 @@
 """SlotReclaim: what a VirtualKVCache can give back to its pool when the pool runs short, and giving it.
 
-Three kinds of pages are kept only for reuse (deferred reclamation), given back in this order:
+Three kinds of pages are kept only for reuse (deferred reclamation), given back in the cache's ReclaimOrder
+(kvcache/eviction.py; by default in this order):
 - the pages of freed (dormant) slots, oldest first, skipping slots a live view still reads;
-- cached prefix blocks that nothing but the prefix index maps, least recently used first;
+- cached prefix blocks that nothing but the prefix index maps, in the index's eviction order (least
+  recently used first by default);
 - spare pages of live sequences past what their tokens need (a freed slot reused by a shorter sequence
   keeps the longer one's pages), except those of sequences an extend in progress is growing into.
 The cache implements the pool's Reclaimable protocol by delegating here.
@@ -13,16 +15,22 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import TYPE_CHECKING
 
+from ..eviction import ReclaimOrder, ReclaimStage, resolve_reclaim_order
+
 if TYPE_CHECKING:
     from .page_map import PageMap
     from .prefix import PrefixIndex
 
 
 class SlotReclaim:
-    def __init__(self, page_map: PageMap, prefix: PrefixIndex | None, swapped: Container[int]):
+    def __init__(
+        self, page_map: PageMap, prefix: PrefixIndex | None, swapped: Container[int], order: ReclaimOrder | None = None
+    ):
         """page_map: the cache's mapping state; prefix: its prefix index (None without one); swapped: the slots
-        of swapped-out sequences (their page lists have holes: never trimmed)."""
+        of swapped-out sequences (their page lists have holes: never trimmed); order: which kind of pages goes
+        back first (default: dormant slots, then prefix blocks, then spare tails)."""
         self.page_map, self.prefix, self.swapped = page_map, prefix, swapped
+        self.order = order or resolve_reclaim_order()
 
     def unpinned_dormant_slots(self) -> list[int]:
         """Freed slots whose pages no live view reads (reclaim can unmap them), oldest first."""
@@ -64,21 +72,36 @@ class SlotReclaim:
         return (t.total_mapped_pages(dormant) + spare) * self.page_map.layout.runs + blocks
 
     def reclaim_pages(self, pages: int) -> int:
-        """Unmap freed slots' pages, then evict prefix blocks, then trim spare tails, until `pages` are
-        freed. Returns the pages freed."""
+        """Give back pages stage by stage in the reclaim order (dormant slots, prefix blocks, spare tails by
+        default) until `pages` are freed. Returns the pages freed."""
+        stages = list(self.order.stages)
+        if stages.index(ReclaimStage.PREFIX) < stages.index(ReclaimStage.DORMANT):
+            # Blocks that freed slots also map become evictable only once those slots are unmapped, and
+            # reclaimable_pages() counts them: evict them after the dormant stage too.
+            stages.insert(stages.index(ReclaimStage.DORMANT) + 1, ReclaimStage.PREFIX)
         freed = 0
-        for slot in self.page_map.table.dormant_slots():
+        for stage in stages:
             if freed >= pages:
                 break
-            n = len(self.page_map.page_indices(slot))
-            if self.page_map.unmap_slot(slot):
-                freed += n
-        if freed < pages and self.prefix:
+            freed += self._give_back(stage, pages - freed)
+        return freed
+
+    def _give_back(self, stage: ReclaimStage, pages: int) -> int:
+        """Up to about `pages` pages of one kind (whole slots, blocks, tails: the last may overshoot)."""
+        freed = 0
+        if stage is ReclaimStage.DORMANT:
+            for slot in self.page_map.table.dormant_slots():
+                if freed >= pages:
+                    break
+                n = len(self.page_map.page_indices(slot))
+                if self.page_map.unmap_slot(slot):
+                    freed += n
+        elif stage is ReclaimStage.PREFIX and self.prefix:
             for block in self.evictable_blocks([]):
                 if freed >= pages:
                     break
                 freed += self.prefix.evict(block)
-        if freed < pages:
+        elif stage is ReclaimStage.SPARE:
             for slot, first in self.spare_tails():
                 if freed >= pages:
                     break

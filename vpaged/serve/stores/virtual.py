@@ -122,6 +122,8 @@ class VirtualStore:
             swap_bytes=swap_bytes,
             kv_dtype=geometry.kv_dtype,
             kv_scales=config.kv_scales,
+            eviction_policy=config.eviction_policy,
+            reclaim_order=config.reclaim_order,
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.pool.page_size

@@ -1,4 +1,6 @@
-"""Memory policies the simulator compares, each over the real cache code where one exists.
+"""The cache kinds the simulator compares (how KV memory is held), each over the real cache code where one
+exists. (Earlier releases called them "policies"; the policies of vpaged are the eviction and scheduling
+strategies of kvcache/eviction.py and serve/policies.py.)
 
 - StaticSlots: every sequence reserves max_seq_len tokens when admitted (static batching, no sharing).
 - BlockTables: vpaged.PagedKVCache (vLLM-style blocks of 8/16/32 tokens) on its accounting-only mode.
@@ -6,7 +8,7 @@
 With `share`, a request's n samples fork its prompt (pages or blocks shared) and prompts that start with
 the same prefix reuse its cached full pages/blocks; without it, every sample holds its own copy.
 
-A policy admits a request (maps its prompt) or says it does not fit now, grows every running sequence by
+A kind admits a request (maps its prompt) or says it does not fit now, grows every running sequence by
 one token per decode step (raising OutOfPagesError when the step cannot get its pages), releases finished
 requests and reports where its memory goes (vpaged.accounting.MemoryBreakdown).
 """
@@ -36,7 +38,7 @@ class Running:
     extra: dict = field(default_factory=dict)
 
 
-class Policy:
+class CacheKind:
     name: str
     budget_bytes: int
 
@@ -71,7 +73,7 @@ class _TokenIds:
         return ids
 
 
-class StaticSlots(Policy):
+class StaticSlots(CacheKind):
     def __init__(self, shape: ModelShape, budget_bytes: int, max_seq_len: int):
         self.name = "static"
         self.budget_bytes = budget_bytes
@@ -104,7 +106,7 @@ class StaticSlots(Policy):
         return MemoryBreakdown(stored, 0, len(self._live) * self.slot_bytes - stored, 0)
 
 
-class BlockTables(Policy):
+class BlockTables(CacheKind):
     def __init__(
         self, shape: ModelShape, budget_bytes: int, max_seq_len: int, block_size: int, share: bool, max_seqs: int
     ):
@@ -216,7 +218,7 @@ class BlockTables(Policy):
         self.cache.close()
 
 
-class VirtualMemory(Policy):
+class VirtualMemory(CacheKind):
     def __init__(
         self,
         shape: ModelShape,
