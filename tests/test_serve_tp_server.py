@@ -141,12 +141,15 @@ TORCHRUN_SCRIPT = """
 import json, sys
 import torch
 from vpaged.serve import LLM, SamplingParams
+from vpaged.serve.distributed import run_worker
 
 torch.set_num_threads(1)
 prompts = [[5 + (7 * i + j) % 400 for j in range(10 + 9 * i)] for i in range(4)]
 params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 llm = LLM("random:llama-tiny", kv_budget_bytes=1 << 20, page_size=4096, cpu_prepack=False, tensor_parallel_size=2)
-# only rank 0 gets here: the other rank's constructor served it and ended that process
+if llm.engine.rank != 0:  # the constructor returns on every rank; the others serve rank 0 until it closes
+    run_worker(llm.engine)
+    sys.exit(0)
 outs = [o.token_ids for o in llm.generate(prompts, params)]
 stats = llm.stats()
 llm.engine.close()
