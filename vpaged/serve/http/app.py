@@ -156,6 +156,8 @@ class _Server:
         gen = Generation(self.loop, self.tokenizer, prompts, params, req.n, stops, prefix)
         try:
             await gen.start()
+        except EngineStepError:  # the engine cannot serve at all (a lost rank: 503), not a refusal of this request
+            raise
         except VPagedError as e:  # the engine refused this request (too long, bad parameters, ...)
             raise RequestError(
                 str(e), param="prompt" if "prompt" in type(e).__name__.lower() else None, code=type(e).__name__
