@@ -167,3 +167,24 @@ def test_write_kv_scatter_on_cuda():
             for s, (bk, bv) in zip(seqs, before):
                 assert same_bits(cache.kv(0, s)[0], bk) and same_bits(cache.kv(0, s)[1], bv)
             cache.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallel on CUDA needs at least 2 GPUs")
+def test_tensor_parallel_on_two_gpus_equals_one(prng, tmp_path):
+    """TP=2 over NCCL (ranks spawned on cuda:0 and cuda:1, each device set and bound before the process group):
+    greedy tokens equal the one-GPU engine's, each rank holds half the K/V of its own heads."""
+    wide_model(seed=3).save_pretrained(tmp_path)
+    prompts = prompts_for(prng, 4, 20, 150)
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    options = dict(device="cuda", layout="interleaved", page_size=PAGE, cpu_prepack=False)
+    one = LLM(str(tmp_path), kv_budget_bytes=64 * PAGE, **options)
+    expected = [o.token_ids for o in one.generate(prompts, params)]
+    one.engine.close()
+    two = LLM(str(tmp_path), kv_budget_bytes=32 * PAGE, tensor_parallel_size=2, **options)
+    try:
+        assert [o.token_ids for o in two.generate(prompts, params)] == expected
+        stats = two.stats()
+        assert stats.tensor_parallel_size == 2 and len(stats.ranks) == 2
+        assert stats.ranks[0].budget_bytes == stats.ranks[1].budget_bytes == 32 * PAGE
+    finally:
+        two.engine.close()

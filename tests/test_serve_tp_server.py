@@ -141,12 +141,15 @@ TORCHRUN_SCRIPT = """
 import json, sys
 import torch
 from vpaged.serve import LLM, SamplingParams
+from vpaged.serve.distributed import run_worker
 
 torch.set_num_threads(1)
 prompts = [[5 + (7 * i + j) % 400 for j in range(10 + 9 * i)] for i in range(4)]
 params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 llm = LLM("random:llama-tiny", kv_budget_bytes=1 << 20, page_size=4096, cpu_prepack=False, tensor_parallel_size=2)
-# only rank 0 gets here: the other rank's constructor served it and ended that process
+if llm.engine.rank != 0:  # the constructor returns on every rank; the others serve rank 0 until it closes
+    run_worker(llm.engine)
+    sys.exit(0)
 outs = [o.token_ids for o in llm.generate(prompts, params)]
 stats = llm.stats()
 llm.engine.close()
@@ -176,3 +179,25 @@ def test_torchrun_launch_matches_one_process(tmp_path):
     ]
     llm.engine.close()
     assert got == {"tokens": expected, "ranks": 2}
+
+
+def test_torchrun_cli_rank_1_serves_rank_0_and_exits_0(capsys):
+    """`torchrun -m vpaged.cli generate ... --tensor-parallel-size 2`: the engine's constructor returns on both
+    ranks, rank 1 runs run_worker until rank 0 closes, and only rank 0 prints: the one-process result."""
+    common = ["generate", "random:llama-tiny", "--prompt-ids", "5,6,7,8,9", "--max-tokens", "6", "--temperature"]
+    common += ["0", "--ignore-eos", "--json", "--kv-budget-mib", "2", "--no-cpu-prepack"]
+    assert main(common) == 0
+    one = json.loads(capsys.readouterr().out)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    env["VPAGED_TP_TIMEOUT_S"] = "60"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), "-m"]
+    args += ["vpaged.cli", *common, "--tensor-parallel-size", "2", "--threads", "1"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    start = done.stdout.index("{")
+    two, end = json.JSONDecoder().raw_decode(done.stdout, start)
+    assert "{" not in done.stdout[start + end :], "only rank 0 prints"
+    assert two["results"] == one["results"] and len(two["stats"]["ranks"]) == 2

@@ -63,12 +63,22 @@ class _EngineError(Exception):
     """The model or the engine configuration was refused: reported as one line, exit status 2."""
 
 
+class _WorkerDone(Exception):
+    """A rank > 0 of a torchrun launch served rank 0 until it stopped: exit status 0."""
+
+
 def _make_engine(args):
     try:
         args.engine = _build_engine(args)  # kept on args: _reporting_errors closes a tensor-parallel one
-        return args.engine
     except VPagedError as e:
         raise _EngineError(f"{type(e).__name__}: {e}") from None
+    if args.engine.rank != 0:  # torchrun started this process as another rank: it serves rank 0, then ends
+        from ..serve.distributed import run_worker
+
+        engine, args.engine = args.engine, None
+        run_worker(engine)  # closes the engine when rank 0's closes
+        raise _WorkerDone
+    return args.engine
 
 
 def _build_engine(args):
@@ -398,6 +408,8 @@ def _reporting_errors(fn):
         except _EngineError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except _WorkerDone:
+            return 0
         finally:
             engine = getattr(args, "engine", None)
             if engine is not None and engine.tp is not None:  # its other ranks stop with it

@@ -162,8 +162,26 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.times = StepTimes()  # summed over all steps
         self.step_log: list[StepRecord] | None = [] if config.record_steps else None
-        if self.tp is not None and self.tp.rank != 0:
-            self.tp.follow(self)  # the other ranks' loop; ends the process when rank 0 stops
+
+    # ------------------------------------------------------------------------------------------ ranks
+    @property
+    def rank(self) -> int:
+        """This process's rank in a tensor-parallel engine (0 in one process). Only rank 0 takes requests;
+        the others serve it through vpaged.serve.distributed.run_worker(engine)."""
+        return self.tp.rank if self.tp is not None else 0
+
+    @property
+    def broken(self):
+        """Why this engine cannot go on (the TensorParallelError of a group that lost a rank, also found while
+        idle), or None."""
+        return self.tp.broken if self.tp is not None else None
+
+    def _check_driver(self) -> None:
+        if self.rank != 0:
+            raise InvalidArgumentError(
+                f"rank {self.rank} of a tensor-parallel engine follows rank 0: call "
+                "vpaged.serve.distributed.run_worker(engine) on it instead"
+            )
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(
@@ -171,6 +189,7 @@ class LLMEngine:
     ) -> str:
         """Queue a request; returns its id. Raises (for this request only, nothing queued) on bad input.
         priority: with scheduling_policy="priority", lower values are admitted first (ignored by "fcfs")."""
+        self._check_driver()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -245,6 +264,7 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests that changed (new tokens or finished)."""
+        self._check_driver()
         outputs, self._pending = self._pending, []
         clock = _Clock()
         plan = self.scheduler.schedule()
@@ -318,6 +338,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
+        self._check_driver()
         mem = self.store.memory()
         ranks = tuple(self.tp.memories(mem)) if self.tp is not None else ()
         if ranks:

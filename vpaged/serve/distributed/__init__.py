@@ -10,10 +10,17 @@ cache operations, so the stores stay in step, and runs the same forward. One con
   checks.py    configurations refused before any rank starts (heads not divisible, no plan, ...)
   launch.py    spawning the ranks (torch.multiprocessing) or joining torchrun's rendezvous
   group.py     the process groups, the control channel, timeouts and the failure report
-  mirror.py    recording rank 0's store changes and replaying them on the other ranks
-  runner.py    rank 0's runner: the step sent before every forward
-  worker.py    the loop of every other rank
+  messages.py  the control messages rank 0 broadcasts (Step, MemoryRequest, Ping, Stop), frozen records
+  mirror.py    rank 0's store changes recorded as operation records and replayed on the other ranks
+  runner.py    rank 0's runner: the Step sent before every forward
+  worker.py    run_worker(engine), the loop of every other rank
   parallel.py  TensorParallel, what the engine holds
+
+The engine's constructor returns on every rank; under torchrun the ranks > 0 then serve rank 0:
+
+    engine = LLMEngine("path/to/model", tensor_parallel_size=2, kv_budget_bytes=...)
+    if engine.rank != 0:
+        run_worker(engine)        # returns when rank 0's engine closes
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from .checks import check_tensor_parallel
 from .group import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, collective_timeout
 from .launch import torchrun_env
 from .parallel import TensorParallel, sum_memory
+from .worker import run_worker
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -29,6 +37,7 @@ __all__ = [
     "TensorParallel",
     "check_tensor_parallel",
     "collective_timeout",
+    "run_worker",
     "sum_memory",
     "torchrun_env",
 ]

@@ -4,18 +4,26 @@ Two process groups over the same ranks:
 
   model    the default group (gloo on CPU, NCCL on CUDA): the all-reduces and all-gathers that
            transformers' tensor-parallel layers run inside the forward.
-  control  a gloo group: rank 0 broadcasts one small pickled Message per step (the cache operations the
-           scheduler made and the step's packed inputs) and gathers the stores' memory for stats(). It is
-           gloo on every device, so that no step plan goes through a CUDA buffer.
+  control  a gloo group: rank 0 broadcasts one small pickled message per step (messages.py: the cache
+           operations the scheduler made and the step's packed inputs) and gathers the stores' memory for
+           stats(). It is gloo on every device, so that no step plan goes through a CUDA buffer.
 
 Every collective has a timeout (VPAGED_TP_TIMEOUT_S seconds, default 120): a rank that stops answering ends
 the others' wait with an error instead of a hang (a checkpoint whose shards take longer to load than that
-needs a larger VPAGED_TP_TIMEOUT_S). Once every rank is loaded, an idle rank 0 sends a ping on the control
-group every quarter of the timeout, so that the other ranks, waiting for the next step, do not time out
-while rank 0 simply has nothing to do. A rank that fails writes its cause into the rendezvous store
-(`vpaged/error/<rank>`) before it exits; its exit closes its connections, the other ranks' collectives
-fail at once, and rank 0 reads the cause there (or, for a process it spawned, its exit code) to name the
-rank and why in a TensorParallelError.
+needs a larger VPAGED_TP_TIMEOUT_S). Once every rank is loaded, an idle rank 0 sends a Ping on the control
+group every quarter of the timeout (the keepalive period), so that the other ranks, waiting for the next
+step, do not time out while rank 0 simply has nothing to do.
+
+Failures. A rank that fails writes its cause into the rendezvous store (`vpaged/error/<rank>`) before it
+exits; its exit closes its connections, the other ranks' collectives fail at once, and rank 0 reads the cause
+there (or, for a process it spawned, its exit code) to name the rank and why in a TensorParallelError. A rank
+that is stopped (SIGSTOP) or hung writes nothing and closes nothing, and a collective that waits for it fails
+on rank 0 with a timeout that names no one: so every other rank's worker also bumps a heartbeat counter in the
+store (`vpaged/heartbeat/<rank>`, every HEARTBEAT_S from its own thread, which runs while its main thread
+waits or computes). The rank whose counter does not move while rank 0 looks is the one named. Rank 0's
+keepalive thread watches the same counters and the spawned processes, so a group that breaks while nothing
+runs is marked broken within one keepalive period (a rank that died) or one timeout (a rank that stopped)
+and `broken` says why, which the server's /health reports.
 """
 
 from __future__ import annotations
@@ -25,16 +33,21 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from ...errors import TensorParallelError
+from .messages import Message, Ping
 
 TIMEOUT_ENV = "VPAGED_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 120.0
 ERROR_KEY = "vpaged/error/{}"
+HEARTBEAT_KEY = "vpaged/heartbeat/{}"
+HEARTBEAT_S = 0.25  # how often a worker bumps its heartbeat
+# How long rank 0 looks for a failed rank's cause (its error key, its exit code, a heartbeat that does not
+# move) before it reports the failure without one: 12 heartbeats, enough for a loaded host's thread to run.
+CAUSE_WAIT_S = 3.0
 _log = logging.getLogger("vpaged.serve")
 
 
@@ -48,20 +61,12 @@ def collective_timeout() -> float:
     return seconds if seconds > 0 else DEFAULT_TIMEOUT_S
 
 
-@dataclass
-class Message:
-    """What rank 0 tells the others. kind: "step" (apply `ops`, then run the forward of `step`), "memory"
-    (apply `ops`, then send the store's memory), "ping" (nothing), "stop" (apply `ops`, close, exit)."""
-
-    kind: str
-    ops: list = field(default_factory=list)
-    step: tuple | None = None
-
-
 class Group:
     """This process's place among the ranks: rank, size, the control channel and the failure report."""
 
-    def __init__(self, rank: int, size: int, store, backend: str, timeout_s: float, processes=()):
+    def __init__(self, rank: int, size: int, store, backend: str, timeout_s: float, processes=(), device=None):
+        """`device`: this rank's CUDA device under NCCL (already current: torch.cuda.set_device before
+        this), bound to the group with device_id so that NCCL does not guess it from the rank."""
         self.rank = rank
         self.size = size
         self.store = store
@@ -70,19 +75,36 @@ class Group:
         self.processes = dict(processes)  # rank -> the multiprocessing.Process rank 0 spawned for it
         self.broken: TensorParallelError | None = None
         self.closed = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one control message at a time (the step's or the keepalive's)
+        self._failure_lock = threading.Lock()  # one failure report, whichever thread sees it first
         self._last_send = time.monotonic()
-        self._stop_keepalive = threading.Event()
+        self._stop_threads = threading.Event()
+        self._beats: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat count, when rank 0 saw it move)
         timeout = timedelta(seconds=timeout_s)
+        options = dict(device_id=device) if backend == "nccl" and device is not None else {}
         dist.init_process_group(
-            backend, store=dist.PrefixStore("vpaged/pg", store), rank=rank, world_size=size, timeout=timeout
+            backend,
+            store=dist.PrefixStore("vpaged/pg", store),
+            rank=rank,
+            world_size=size,
+            timeout=timeout,
+            **options,
         )
         self.control = dist.new_group(backend="gloo", timeout=timeout)
 
+    @property
+    def keepalive_s(self) -> float:
+        """The keepalive period: an idle rank 0 pings this often, and notices a dead rank within it."""
+        return max(0.5, self.timeout_s / 4)
+
     def start_keepalive(self) -> None:
         """Rank 0, once every rank has its model and store: ping the others while there is nothing to do (not
-        before: a rank still loading its shard is not listening yet)."""
+        before: a rank still loading its shard is not listening yet) and watch them."""
         threading.Thread(target=self._keepalive, name="vpaged-tp-keepalive", daemon=True).start()
+
+    def start_heartbeat(self) -> None:
+        """Other ranks, once they serve rank 0: bump this rank's heartbeat until the group closes."""
+        threading.Thread(target=self._heartbeat, name="vpaged-tp-heartbeat", daemon=True).start()
 
     # ---- rank 0
     def send(self, message: Message) -> None:
@@ -117,48 +139,96 @@ class Group:
             raise TensorParallelError("the tensor-parallel group is closed")
 
     def _keepalive(self) -> None:
-        interval = max(0.5, self.timeout_s / 4)
-        while not self._stop_keepalive.wait(min(interval, 1.0)):
-            dead = [r for r, p in self.processes.items() if p.exitcode is not None]
-            if dead and self.broken is None:
-                self.failure(RuntimeError("a rank's process ended"))
+        interval = self.keepalive_s
+        while not self._stop_threads.wait(min(interval, 1.0)):
             if self.broken is not None or self.closed:
+                return
+            dead = [r for r, p in self.processes.items() if p.exitcode is not None]
+            silent = self._silent_for(self.timeout_s)
+            if dead or silent:
+                what = "a rank's process ended" if dead else f"rank {silent[0]}'s heartbeat stopped"
+                self.failure(RuntimeError(f"{what} (seen by rank 0's keepalive)"))
                 return
             if time.monotonic() - self._last_send < interval or not self._lock.acquire(blocking=False):
                 continue
             try:
                 if not self.closed and self.broken is None:
-                    self._broadcast(Message("ping"))
+                    self._broadcast(Ping())
             except TensorParallelError:
                 return
             finally:
                 self._lock.release()
 
+    def _heartbeat(self) -> None:
+        key = HEARTBEAT_KEY.format(self.rank)
+        while not self._stop_threads.wait(HEARTBEAT_S):
+            try:
+                self.store.add(key, 1)
+            except Exception:  # noqa: BLE001 - rank 0's store is gone: this rank's receive fails next
+                return
+
+    def _heartbeats(self) -> dict[int, int]:
+        """Each other rank's heartbeat count (0: it has not started beating); {} when the store is gone."""
+        try:
+            return {r: self.store.add(HEARTBEAT_KEY.format(r), 0) for r in range(self.size) if r != self.rank}
+        except Exception:  # noqa: BLE001 - the store's host may be the rank that died
+            return {}
+
+    def _silent_for(self, seconds: float) -> list[int]:
+        """Ranks that have beaten before but whose heartbeat rank 0 has not seen move for `seconds`."""
+        now = time.monotonic()
+        silent = []
+        for r, count in self._heartbeats().items():
+            seen, since = self._beats.get(r, (0, now))
+            if count != seen:
+                self._beats[r] = (count, now)
+            elif count > 0 and now - since > seconds:
+                silent.append(r)
+        return silent
+
     def failure(self, exc: BaseException) -> TensorParallelError:
         """The TensorParallelError for a failed collective: which rank failed and why, read from the store's
-        error keys and the spawned processes' exit codes (waiting up to 3 s for them to show)."""
-        if self.broken is not None:
-            return self.broken
-        causes: dict[int, str] = {}
-        deadline = time.monotonic() + 3.0
-        while not causes and time.monotonic() < deadline:
-            for r in range(self.size):
-                if r == self.rank:
-                    continue
-                cause = self._reported(r)
-                if cause is None and r in self.processes and self.processes[r].exitcode is not None:
-                    cause = _exit_cause(self.processes[r].exitcode)
-                if cause is not None:
-                    causes[r] = cause
-            if not causes:
+        error keys and the spawned processes' exit codes, else the ranks whose heartbeat did not move while
+        rank 0 looked (up to CAUSE_WAIT_S) and the collective's own error."""
+        with self._failure_lock:
+            if self.broken is not None:
+                return self.broken
+            start = time.monotonic()
+            beats = self._heartbeats()
+            causes = self._causes()
+            while not causes and time.monotonic() - start < CAUSE_WAIT_S:
                 time.sleep(0.1)
-        if causes:
-            text = "; ".join(f"rank {r} failed: {c}" for r, c in sorted(causes.items()))
-        else:
-            text = f"a collective failed on rank {self.rank}: {type(exc).__name__}: {exc}".strip()
-        self.broken = TensorParallelError(text)
-        self._stop_keepalive.set()
-        return self.broken
+                causes = self._causes()
+            if causes:
+                text = "; ".join(f"rank {r} failed: {c}" for r, c in sorted(causes.items()))
+            else:
+                text = f"on rank {self.rank}: {type(exc).__name__}: {exc}".strip()
+                waited = time.monotonic() - start
+                now = self._heartbeats()
+                silent = [r for r in sorted(now) if r in beats and now[r] == beats[r]]
+                if silent:
+                    ranks = ", ".join(f"rank {r}" for r in silent)
+                    text = (
+                        f"{ranks} did not answer: no heartbeat in {waited:.1f} s (the process is stopped, hung or "
+                        f"gone); the collective failed {text}"
+                    )
+                else:
+                    text = f"a collective failed {text}"
+            self.broken = TensorParallelError(text)
+            self._stop_threads.set()
+            return self.broken
+
+    def _causes(self) -> dict[int, str]:
+        causes = {}
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            cause = self._reported(r)
+            if cause is None and r in self.processes and self.processes[r].exitcode is not None:
+                cause = _exit_cause(self.processes[r].exitcode)
+            if cause is not None:
+                causes[r] = cause
+        return causes
 
     def _reported(self, rank: int) -> str | None:
         key = ERROR_KEY.format(rank)
@@ -190,7 +260,7 @@ class Group:
             except TensorParallelError as e:
                 _log.warning("tensor-parallel stop not delivered: %s", e)
         self.closed = True
-        self._stop_keepalive.set()
+        self._stop_threads.set()
         for p in self.processes.values():
             p.join(timeout=self.timeout_s if self.broken is None else 5.0)
             if p.is_alive():

@@ -5,9 +5,13 @@
             running worker.spawned. The script that creates the engine must guard its top level with
             `if __name__ == "__main__":`, as every spawn start method needs.
   torchrun  (one or more hosts) every process runs the same script; torchrun sets RANK, WORLD_SIZE,
-            LOCAL_RANK, MASTER_ADDR and MASTER_PORT, and the store comes from its rendezvous (env://). Rank
-            0 returns an engine; on every other rank the engine's constructor follows rank 0 and exits the
-            process when rank 0's engine closes.
+            LOCAL_RANK, MASTER_ADDR and MASTER_PORT, and the store comes from its rendezvous (env://). The
+            engine's constructor returns on every rank; the ranks > 0 then call run_worker(engine), which
+            serves rank 0 and returns when rank 0's engine closes.
+
+On CUDA, each rank makes its device current (torch.cuda.set_device(LOCAL_RANK)) before it joins the process
+group, and binds it there (init_process_group(..., device_id=...)): NCCL then uses that device for the
+group's communicators instead of guessing one from the rank (rank % GPUs, wrong across hosts).
 
 A "random:<name>" model exists only as a config: it is saved once to a temporary directory (each torchrun
 rank saves its own copy from the same seed) so that every rank loads it the way it loads a checkpoint, with
@@ -81,28 +85,28 @@ def start(spec, config, engine_class) -> Launch:
     if dist.is_initialized():
         raise InvalidArgumentError("torch.distributed is already initialised in this process: one engine per launch")
     dtype = config.dtype or torch.float32
+    rank, _, local_rank = env if env is not None else (0, size, 0)
+    device = None
+    if config.device.type == "cuda":  # current before the process group exists (see the module docstring)
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        config = replace(config, device=device)
     path, temp = materialize(spec, dtype)
     try:
         if env is None:
-            rank, local_rank = 0, 0
-            group = _spawn(path, config, size, backend, timeout, engine_class)
+            group = _spawn(path, config, size, backend, timeout, engine_class, device)
         else:
-            rank, _, local_rank = env
             store, _, _ = next(dist.rendezvous("env://", rank, size, timeout=timedelta(seconds=timeout)))
             store.set(JOINED_KEY.format(rank), "1")
-            group = Group(rank, size, store, backend, timeout)
+            group = Group(rank, size, store, backend, timeout, device=device)
     except BaseException:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
         raise
-    if config.device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        config = replace(config, device=device)
     return Launch(group, path, config, temp)
 
 
-def _spawn(path: str, config, size: int, backend: str, timeout: float, engine_class) -> Group:
+def _spawn(path: str, config, size: int, backend: str, timeout: float, engine_class, device) -> Group:
     store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
     ctx = mp.get_context("spawn")
     processes = {}
@@ -118,7 +122,7 @@ def _spawn(path: str, config, size: int, backend: str, timeout: float, engine_cl
         processes[rank] = p
     try:
         _wait_joined(store, processes, timeout)
-        return Group(0, size, store, backend, timeout, processes)
+        return Group(0, size, store, backend, timeout, processes, device=device)
     except BaseException:
         for p in processes.values():
             if p.is_alive():

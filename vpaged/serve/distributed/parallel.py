@@ -1,10 +1,12 @@
 """TensorParallel: what an LLMEngine of tensor_parallel_size > 1 holds, and the few places it calls it.
 
-engine.__init__   TensorParallel.start(model, config, LLMEngine) -> check, spawn or join the ranks;
+engine.__init__   TensorParallel.start(model, config, type(engine)) -> check, spawn or join the ranks (a
+                  spawned rank builds the same engine class, then runs run_worker);
                   load_model(tp.model_path, ..., tensor_parallel_size=N) -> this rank's shard;
-                  tp.mirror(store), tp.runner(...)  -> rank 0 records and broadcasts, the others replay;
-                  tp.follow(engine) on ranks > 0    -> the worker loop, then the process exits.
+                  tp.mirror(store), tp.runner(...)  -> rank 0 records and broadcasts, the others replay.
+                  The constructor returns on every rank; ranks > 0 then call run_worker(engine) (worker.py).
 engine.step       a failed forward -> tp.failed(e): the TensorParallelError naming the rank and cause.
+engine.broken     tp.broken: the group's error once it broke, even while the engine was idle (keepalive).
 engine.stats      tp.memories(own) -> every rank's StoreMemory (summed by sum_memory).
 engine.close      tp.close()       -> the stop message, the spawned processes joined, groups left.
 """
@@ -17,11 +19,10 @@ import shutil
 
 from ..runner import ModelRunner
 from ..stores.base import StoreMemory
-from .group import Message, report
 from .launch import Launch, start
+from .messages import MemoryRequest, Stop
 from .mirror import RecordingStore
 from .runner import TensorParallelRunner
-from .worker import follow
 
 # StoreMemory fields that are per token (the same on every rank: each holds every sequence's tokens) rather
 # than per byte or page (each rank holds its own heads: they add up).
@@ -77,30 +78,22 @@ class TensorParallel:
 
     def memories(self, own: StoreMemory) -> list[StoreMemory]:
         """Every rank's store memory, rank 0's (`own`) first."""
-        return self.group.gather(Message("memory", self._store.take()), own)
+        return self.group.gather(MemoryRequest(self._store.take()), own)
 
     def failed(self, exc: BaseException):
         """The TensorParallelError of a failed step (the group is broken from then on)."""
         return self.group.failure(exc)
 
-    def follow(self, engine) -> None:
-        """Ranks > 0: serve rank 0 until it stops, then end this process (status 0; a failure raises, after
-        writing its cause where rank 0 reads it)."""
-        try:
-            follow(engine, self.group)
-        except BaseException as e:
-            report(self.group.store, self.rank, e)
-            raise
-        finally:
-            engine.store.close()
-            self.close()
-        raise SystemExit(0)
+    @property
+    def broken(self):
+        """The group's TensorParallelError once it broke (found by a step or by rank 0's keepalive), else None."""
+        return self.group.broken
 
     def close(self) -> None:
         if self.group.closed:
             return
-        ops = self._store.take() if self._store is not None else []
-        self.group.close(Message("stop", ops))
+        ops = self._store.take() if self._store is not None else ()
+        self.group.close(Stop(ops))
         if self._temp_dir is not None:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
         atexit.unregister(self.close)

@@ -2,11 +2,13 @@
 
 Endpoints: POST /v1/completions (prompt as text, token ids, or a batch of either), POST /v1/chat/completions
 (when the tokenizer has a chat template), both with SSE streaming (`"stream": true`); GET /v1/models,
-GET /metrics (Prometheus text: the engine's stats() and request counters), GET /health. A request the engine
-refuses (prompt too long, bad sampling parameters) gets HTTP 400 and changes nothing for the others; a client
-that disconnects has its request aborted, streamed or not, so its pages go back at once. Every error answers in
-the OpenAI error shape (unknown routes and methods included). The limits of ServerLimits are checked before
-any work: those about HTTP by the Guard middleware (guard.py), those about what is asked for here.
+GET /metrics (Prometheus text: the engine's stats() and request counters; once the engine is down, why),
+GET /health (503 with the cause once the engine cannot serve, e.g. a tensor-parallel rank lost while idle).
+A request the engine refuses (prompt too long, bad sampling parameters) gets HTTP 400 and changes nothing for
+the others; a client that disconnects has its request aborted, streamed or not, so its pages go back at once.
+Every error answers in the OpenAI error shape (unknown routes and methods included). The limits of
+ServerLimits are checked before any work: those about HTTP by the Guard middleware (guard.py), those about
+what is asked for here.
 """
 
 from __future__ import annotations
@@ -154,6 +156,8 @@ class _Server:
         gen = Generation(self.loop, self.tokenizer, prompts, params, req.n, stops, prefix)
         try:
             await gen.start()
+        except EngineStepError:  # the engine cannot serve at all (a lost rank: 503), not a refusal of this request
+            raise
         except VPagedError as e:  # the engine refused this request (too long, bad parameters, ...)
             raise RequestError(
                 str(e), param="prompt" if "prompt" in type(e).__name__.lower() else None, code=type(e).__name__
@@ -272,11 +276,25 @@ class _Server:
         finally:
             gen.abort_unfinished()  # the client went away (this generator is cancelled) or the stream ended
 
+    def failure(self) -> Exception | None:
+        """Why the engine cannot serve (the loop's fatal error, or a tensor-parallel group found broken while
+        the loop has not looked yet), else None."""
+        return self.loop.fatal or getattr(self.engine, "broken", None)
+
     async def metrics(self):
-        stats = await asyncio.wrap_future(self.loop.call(self.engine.stats))
         extra = {"engine_step_failures_total": self.loop.step_failures}
+        failure = self.failure()
+        stats = None
+        if failure is None:
+            try:
+                stats = await asyncio.wrap_future(self.loop.call(self.engine.stats))
+            except TensorParallelError as e:  # broke meanwhile: the ranks cannot be asked any more
+                failure = e
+        # Answered 200 also when the engine is down, so that a scraper records why (vpaged_engine_up 0 and
+        # vpaged_engine_failure_info's reason) instead of a failed scrape.
         return PlainTextResponse(
-            prometheus_text(stats, self.http_counts, extra), media_type="text/plain; version=0.0.4; charset=utf-8"
+            prometheus_text(stats, self.http_counts, extra, failure=None if failure is None else str(failure)),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
         )
 
 
@@ -367,6 +385,9 @@ def create_app(
 
     @app.get("/health")
     async def health():
+        failure = srv.failure()
+        if failure is not None:  # a tensor-parallel engine that lost a rank, busy or idle: the cause
+            return _error(503, str(failure), "server_error", code=type(failure).__name__)
         if not loop.alive:
             return _error(503, "the engine thread is not running", "server_error")
         return {"status": "ok"}

@@ -5,7 +5,9 @@ runs the commands the HTTP handlers queue (add a request, abort one, read stats)
 each step's outputs to the sink of the request they belong to. A failed step ends the requests in flight
 (each sink gets an EngineStepError) and the loop goes on, unless the engine cannot go on (a tensor-parallel
 engine that lost a rank: TensorParallelError): then the loop stops, keeps the error in `fatal`, answers every
-later command with it and calls on_fatal(error).
+later command with it and calls on_fatal(error). An idle loop does not wait for a step to find that out: it
+looks at engine.broken (set by the tensor-parallel keepalive while nothing runs) every idle_wait_s and stops
+the same way.
 """
 
 from __future__ import annotations
@@ -108,12 +110,30 @@ class EngineLoop:
             with contextlib.suppress(Exception):
                 self.engine.abort(rid)
 
+    def _fail(self, e: Exception) -> None:
+        """End the requests in flight with the failure; a TensorParallelError also stops the loop."""
+        failure = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
+        if isinstance(e, TensorParallelError):
+            failure = self.fatal = e
+            self._stop = True
+        sinks = list(self._sinks.values())
+        self._abort_all()
+        for sink in sinks:
+            sink(failure)
+        if self.fatal is not None and self.on_fatal is not None:
+            self.on_fatal(self.fatal)
+
     def _run(self) -> None:
         while not self._stop:
             self._wake.clear()  # before running commands: a command queued after this wakes the wait below
             self._run_commands()
             if self._stop:
                 break
+            broken = getattr(self.engine, "broken", None)
+            if broken is not None:  # the group broke while idle (or between two steps)
+                log.error("the engine cannot go on: %s", broken)
+                self._fail(broken)
+                continue
             if not self.engine.has_unfinished():
                 self._wake.wait(self._idle_wait_s)
                 continue
@@ -122,16 +142,7 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - a failed step must not take the server down
                 self.step_failures += 1
                 log.exception("engine step failed; ending the requests in flight")
-                failure = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
-                if isinstance(e, TensorParallelError):
-                    failure = self.fatal = e
-                    self._stop = True
-                sinks = list(self._sinks.values())
-                self._abort_all()
-                for sink in sinks:
-                    sink(failure)
-                if self.fatal is not None and self.on_fatal is not None:
-                    self.on_fatal(self.fatal)
+                self._fail(e)
                 continue
             self.steps += 1
             for out in outputs:

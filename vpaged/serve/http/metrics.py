@@ -35,10 +35,24 @@ def escape_label(value) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def prometheus_text(stats, http_counts: Counter, extra: dict[str, float] | None = None) -> str:
-    """The Prometheus exposition text: one metric per numeric field of the engine's stats, `vpaged_<field>`."""
-    lines = []
-    for name, value in _stats_items(stats):
+def prometheus_text(
+    stats, http_counts: Counter, extra: dict[str, float] | None = None, failure: str | None = None
+) -> str:
+    """The Prometheus exposition text: one metric per numeric field of the engine's stats, `vpaged_<field>`.
+    `failure`: why the engine cannot serve (then stats may be None: a broken tensor-parallel engine cannot
+    gather its ranks' stats), reported as vpaged_engine_up 0 and vpaged_engine_failure_info{reason}."""
+    lines = [
+        "# HELP vpaged_engine_up 1 while the engine serves, 0 once it cannot (see vpaged_engine_failure_info)",
+        "# TYPE vpaged_engine_up gauge",
+        f"vpaged_engine_up {0.0 if failure is not None else 1.0!r}",
+    ]
+    if failure is not None:
+        lines += [
+            "# HELP vpaged_engine_failure_info why the engine cannot serve (e.g. the tensor-parallel rank lost)",
+            "# TYPE vpaged_engine_failure_info gauge",
+            f'vpaged_engine_failure_info{{reason="{escape_label(failure)}"}} 1.0',
+        ]
+    for name, value in _stats_items(stats) if stats is not None else []:
         metric = f"vpaged_{name}"
         kind = "counter" if name in _COUNTERS or name.endswith("_total") or name.startswith("time_") else "gauge"
         lines += [f"# HELP {metric} LLMEngine.stats().{name}", f"# TYPE {metric} {kind}", f"{metric} {value!r}"]

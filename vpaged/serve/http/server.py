@@ -44,6 +44,10 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("the vpaged server needs FastAPI and uvicorn: pip install 'vpaged[serve]'") from e
 
+# Seconds a server whose engine cannot go on keeps answering (503 and the cause on /health, the reason on
+# /metrics) before it exits: a health check polled every second or two sees why instead of a refused connection.
+FATAL_GRACE_S = 3.0
+
 __all__ = ["EngineLoop", "ServerLimits", "ServerThread", "create_app", "prometheus_text", "serve"]
 
 
@@ -130,14 +134,22 @@ def serve(
 ) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM). Port 0 takes a free port; `on_ready(url)` is called once
     the server accepts connections. `limits`: ServerLimits (default: its defaults, Host checked against `host`).
-    An engine that cannot go on (a tensor-parallel engine that lost a rank) shuts the server down, and serve
-    raises its TensorParallelError once the requests in flight have had their answers."""
+    An engine that cannot go on (a tensor-parallel engine that lost a rank, found by a step or while idle)
+    shuts the server down FATAL_GRACE_S later (meanwhile /health answers 503 with the cause, so that a health
+    check sees why), and serve raises its TensorParallelError once the requests in flight have had their
+    answers."""
     sock = _bind(host, port)
     limits = _limits_for(limits, host)
     app = create_app(engine, model_name, default_max_tokens, limits)
     server = uvicorn.Server(_uvicorn_config(app, limits, log_level))
     loop = app.state.engine_loop
-    loop.on_fatal = lambda _error: setattr(server, "should_exit", True)
+
+    def shut_down(_error) -> None:
+        timer = threading.Timer(FATAL_GRACE_S, lambda: setattr(server, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+
+    loop.on_fatal = shut_down
 
     async def announce():
         while not server.started:

@@ -13,7 +13,8 @@ three kinds differ only behind this interface:
 Everything kind-specific (a static reservation, swap space, the prefix index) is decided inside the store, so
 that no caller tests which kind it holds. Planning calls change nothing (pages_needed, pages_available,
 can_allocate, can_swap_out, pages_for_request); the scheduler asks them before the matching call that changes
-the store (extend, allocate, swap_out), which is then expected to succeed.
+the store (extend, allocate, swap_out), which is then expected to succeed. The calls that change a store are
+marked @mutates (KVSTORE_MUTATING): a tensor-parallel engine replays exactly those on its other ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ if TYPE_CHECKING:
     from .attention import StepAttention
 
 KV_KINDS = ("vpaged", "paged", "static")
+
+
+def mutates(method):
+    """Marks a KVStore method that changes the store: a tensor-parallel engine must replay it on every rank
+    (serve/distributed/mirror.py has one operation record per marked method, and a test checks it)."""
+    method.__kvstore_mutates__ = True
+    return method
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,7 @@ class KVStore(Protocol):
         completions, plus whatever the kind takes up front at admission."""
         ...
 
+    @mutates
     def allocate(self, tokens: list[int], seats: int = 1) -> Allocation:
         """A new sequence for a prompt (after can_allocate(seats)); it may start with tokens found in the
         prefix cache. `seats`: completions the request will fork into (a store may reserve for them)."""
@@ -104,25 +113,30 @@ class KVStore(Protocol):
         """The cache slot of a sequence (its row in the decode kernels), -1 for a store without slots."""
         ...
 
+    @mutates
     def extend(self, handles: list[int], n: int) -> None:
         """Grow each sequence by n tokens (their K/V are written by the step's StepAttention)."""
         ...
 
+    @mutates
     def truncate(self, handle: int, length: int) -> None:
         """Keep a sequence's first `length` tokens (0..its length); the pages wholly past them go back to the
         pool (a static reservation stays whole). The scheduler truncates a prompt found entirely in the prefix
         cache by one token, whose logits it still needs."""
         ...
 
+    @mutates
     def free(self, handle: int) -> None:
         """End a sequence (finished, aborted or preempted for recompute): its pages go back."""
         ...
 
+    @mutates
     def fork(self, handle: int, n: int, length: int) -> list[int]:
         """n new sequences holding the first `length` tokens of `handle` (n > 1 completions of a request,
         once its prompt is computed); returns their handles."""
         ...
 
+    @mutates
     def cache_prefix(self, handle: int, tokens: list[int]) -> None:
         """Offer a sequence's computed prompt `tokens` to the prefix cache (a no-op without one)."""
         ...
@@ -132,10 +146,12 @@ class KVStore(Protocol):
         """Whether swap_out(handle) fits in the swap space left (always False without swap space)."""
         ...
 
+    @mutates
     def swap_out(self, handle: int) -> int:
         """Move a sequence's pages to host swap space (after can_swap_out); returns the bytes moved."""
         ...
 
+    @mutates
     def swap_in(self, handle: int) -> None:
         """Bring a swapped-out sequence back."""
         ...
@@ -161,7 +177,29 @@ class KVStore(Protocol):
         ...
 
 
+def _members(protocol) -> dict:
+    """What a protocol class and the protocols it extends declare (typing's own bases left out)."""
+    members: dict = {}
+    for cls in reversed(protocol.__mro__):
+        if cls is not object and cls.__module__ != "typing":
+            members.update(vars(cls))
+    return members
+
+
+def protocol_methods(protocol) -> tuple[str, ...]:
+    """The public methods a store protocol declares, in order."""
+    return tuple(name for name, value in _members(protocol).items() if callable(value) and not name.startswith("_"))
+
+
+def mutating_methods(protocol) -> tuple[str, ...]:
+    """Those of its methods marked @mutates (they change the store)."""
+    members = _members(protocol)
+    return tuple(n for n in protocol_methods(protocol) if getattr(members[n], "__kvstore_mutates__", False))
+
+
 # The methods and attributes every store must have: KVStore's own members, read from the protocol so that a
-# member added to it is checked too (tests/test_serve_stores.py).
-KVSTORE_METHODS = tuple(name for name, value in vars(KVStore).items() if callable(value) and not name.startswith("_"))
+# member added to it is checked too (tests/test_serve_stores.py); and the methods that change a store, which a
+# tensor-parallel engine mirrors on every rank (tests/test_serve_tp_messages.py).
+KVSTORE_METHODS = protocol_methods(KVStore)
 KVSTORE_ATTRIBUTES = tuple(KVStore.__annotations__)
+KVSTORE_MUTATING = mutating_methods(KVStore)
