@@ -112,11 +112,7 @@ class BlockTables(Policy):
         self.budget_bytes = budget_bytes
         self.share = share
         self.cache = PagedKVCache(
-            shape.num_layers,
-            shape.num_kv_heads,
-            shape.head_dim,
-            dtype=shape.dtype,
-            kv_dtype=shape.kv_dtype,
+            geometry=shape.geometry,
             max_seqs=max_seqs,
             max_seq_len=max_seq_len,
             capacity_bytes=budget_bytes,
@@ -233,11 +229,7 @@ class VirtualMemory(Policy):
         self.share = share
         self.pool = PagePool("cpu", capacity_bytes=budget_bytes, page_size=page_size, accounting_only=True)
         self.cache = VirtualKVCache(
-            shape.num_layers,
-            shape.num_kv_heads,
-            shape.head_dim,
-            dtype=shape.dtype,
-            kv_dtype=shape.kv_dtype,
+            geometry=shape.geometry,
             max_seqs=max_seqs,
             max_seq_len=max_seq_len,
             pool=self.pool,

@@ -83,16 +83,12 @@ class PagedStore:
 
     def __init__(self, config: EngineConfig, geometry: KVGeometry, max_seq_len: int):
         self.cache = PagedKVCache(
-            geometry.num_layers,
-            geometry.num_kv_heads,
-            geometry.head_dim,
-            dtype=geometry.dtype,
+            geometry=geometry,
             max_seqs=config.max_cache_seqs,
             max_seq_len=max_seq_len,
             device=config.device,
             capacity_bytes=config.kv_budget_bytes,
             block_size=config.block_size,
-            kv_dtype=geometry.kv_dtype,
             kv_scales=config.kv_scales,
         )
         self.device = self.cache.device

@@ -109,10 +109,7 @@ class VirtualStore:
         swap_bytes = config.swap_bytes if swap_bytes is None else swap_bytes
         prefix_caching = config.enable_prefix_caching if prefix_caching is None else prefix_caching
         self.cache = VirtualKVCache(
-            geometry.num_layers,
-            geometry.num_kv_heads,
-            geometry.head_dim,
-            dtype=geometry.dtype,
+            geometry=geometry,
             max_seqs=config.max_cache_seqs,
             max_seq_len=max_seq_len,
             device=config.device,
@@ -120,7 +117,6 @@ class VirtualStore:
             page_size=config.page_size,
             layout=config.layout,
             swap_bytes=swap_bytes,
-            kv_dtype=geometry.kv_dtype,
             kv_scales=config.kv_scales,
         )
         self.device = self.cache.device
