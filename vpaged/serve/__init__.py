@@ -7,7 +7,16 @@
 Needs transformers (the `hf` extra). Importing this package registers attn_implementation="vpaged".
 """
 
-from .config import EngineConfig
+from .config import (
+    EngineConfig,
+    ModelConfig,
+    PagedStoreConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    StaticStoreConfig,
+    StoreConfig,
+    VirtualStoreConfig,
+)
 from .engine import LLM, LLMEngine
 from .models import RANDOM_CONFIGS, load_model
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
@@ -18,6 +27,13 @@ __all__ = [
     "LLM",
     "LLMEngine",
     "EngineConfig",
+    "SchedulerConfig",
+    "StoreConfig",
+    "VirtualStoreConfig",
+    "StaticStoreConfig",
+    "PagedStoreConfig",
+    "ModelConfig",
+    "ParallelConfig",
     "KVStore",
     "SamplingParams",
     "RequestOutput",
