@@ -142,13 +142,12 @@ def _scaled(parse, scale: int):
 
 
 def _one_of(parse, choices):
-    """parse, then the value (or the text: names) must be one of choices."""
+    """The text must be one of choices (as written), then parse it."""
 
     def check(text: str):
-        value = parse(text)
-        if text not in map(str, choices) and value not in choices:
+        if text not in map(str, choices):
             raise argparse.ArgumentTypeError(f"invalid choice {text!r} (one of {', '.join(map(str, choices))})")
-        return value
+        return parse(text)
 
     return check
 
