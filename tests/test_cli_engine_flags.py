@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vpaged.cli import main
-from vpaged.cli.engine_flags import NOT_FLAGS, SPELLINGS, byte_count, engine_config, flag_of
+from vpaged.cli.engine_flags import NOT_FLAGS, SPELLINGS, byte_count, dest_of, engine_config, flag_of
 from vpaged.cli.serve import add_serve_commands
 from vpaged.serve.config import FLAT_OPTIONS, PARTS, STORE_CONFIGS, EngineConfig
 
@@ -41,6 +41,8 @@ def every_field() -> set[str]:
 def test_every_engine_option_has_a_flag_and_every_flag_an_option(command):
     actions = engine_actions(parsers()[command])
     dests = [a.dest for a in actions]
+    fields_of = {dest_of(name): name for name in every_field()}
+    dests = [fields_of.get(d, d) for d in dests]
     assert len(dests) == len(set(dests))
     assert set(dests) <= every_field(), "a flag that maps to no EngineConfig field"
     missing = every_field() - set(dests) - set(NOT_FLAGS)
@@ -49,7 +51,7 @@ def test_every_engine_option_has_a_flag_and_every_flag_an_option(command):
     assert set(FLAT_OPTIONS) == every_field()
     for a in actions:
         assert a.help, f"{a.option_strings}: give the field metadata=option('help')"
-        assert a.option_strings == [flag_of(a.dest)] or a.dest == "kv"
+        assert a.option_strings == [flag_of(fields_of[a.dest])] or a.dest == "kv"
 
 
 def test_serve_help_lists_the_flags_the_issue_names(capsys):
@@ -101,7 +103,13 @@ def random_argv(rng: random.Random, kind: str) -> tuple[list[str], dict]:
 def test_the_flags_give_the_config_they_say(command, kind):
     rng = random.Random()
     argv, want = random_argv(rng, kind)
-    config = engine_config(parsers()[command].parse_args(argv))
+    own_seed = rng.randrange(1 << 31)  # the command's own --seed (requests', prompts') is not the engine's
+    if command != "serve":
+        argv += ["--seed", str(own_seed)]
+    args = parsers()[command].parse_args(argv)
+    config = engine_config(args)
+    if command != "serve":
+        assert args.seed == own_seed
     assert config.kv == kind and type(config.store) is STORE_CONFIGS[kind]
     assert {name: getattr(config, name) for name in want} == want
     assert config.unused_options == ()

@@ -90,13 +90,19 @@ def _kinds_of(name: str) -> list[str]:
     return [kind for kind, cls in STORE_CONFIGS.items() if name in cls.__dataclass_fields__]
 
 
+def dest_of(name: str) -> str:
+    """Where argparse keeps a field's flag: the field's name, but not where a command keeps its own flag of
+    that name (--seed of generate and bench-serve)."""
+    return "engine_seed" if name == "seed" else name
+
+
 def flag_of(name: str) -> str:
     spelling = SPELLINGS.get(name)
     return spelling.flag if spelling is not None else "--" + name.replace("_", "-")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The engine's options as flags (dest: the field's name), in a group of their own."""
+    """The engine's options as flags (dest: dest_of(the field's name)), in a group of their own."""
     group = p.add_argument_group("engine options (vpaged.serve.EngineConfig)")
     group.add_argument(
         "--kv", dest="kv", choices=list(STORE_CONFIGS), default=None, help="KV store kind (default vpaged)"
@@ -111,10 +117,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             help_text += f" [--kv {' / '.join(kinds)}]"
         if spelling.negated:
             off = f"turn off: {help_text}"
-            group.add_argument(spelling.flag, dest=name, action="store_const", const=False, help=off)
+            group.add_argument(spelling.flag, dest=dest_of(name), action="store_const", const=False, help=off)
             continue
         if str(f.type) == "bool":
-            group.add_argument(spelling.flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+            group.add_argument(spelling.flag, dest=dest_of(name), action=argparse.BooleanOptionalAction, help=help_text)
             continue
         parse = PARSERS.get(name) or _TYPES.get(str(f.type), str)
         if spelling.scale != 1:
@@ -129,7 +135,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             help_text += f"; default {f.default}"
         group.add_argument(
             spelling.flag,
-            dest=name,
+            dest=dest_of(name),
             type=parse,
             default=spelling.default,
             metavar=spelling.metavar or ("{" + ",".join(map(str, choices)) + "}" if choices else None),
@@ -156,7 +162,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine options the flags gave (the CLI's own defaults included), as EngineConfig's flat fields."""
     options = {}
     for name in FLAT_OPTIONS:
-        value = getattr(args, name, None)
+        value = getattr(args, dest_of(name), None)
         if value is None:
             continue
         if name == "kv_dtype" and value == "auto":
