@@ -114,9 +114,8 @@ class LLMEngine:
                 "AttentionInterface; the engine cannot serve it"
             )
         self.prepacked_layers = self.fused_modules = 0
-        if (
-            config.model.cpu_prepack and self.device.type == "cpu" and self.tp is None
-        ):  # TP layers keep their own forward
+        # TP layers keep their own forward.
+        if config.model.cpu_prepack and self.device.type == "cpu" and self.tp is None:
             batch_hint = max(16, config.scheduler.max_num_seqs)
             ok, why = prepack_supported(model.dtype)
             if ok:
