@@ -118,3 +118,24 @@ def test_serving_rows_compare_each_backend_with_generate_batch():
         r = rows[f"output tokens/s, engine kv={kv}"]
         assert r.ratio == pytest.approx(rates[kv] / rates["generate_batch"]) and r.better == "higher"
     assert _serve({"throughput": {"rows": [{"kv": "vpaged", "output_tokens_per_s": 3.0}]}}) == []
+
+
+@pytest.mark.parametrize("spelling", ["plain", "dotted", "home"])
+def test_results_land_where_the_suite_reads_them_from_any_working_directory(tmp_path, monkeypatch, spelling):
+    # Issue #35: `vpaged bench --quick --out results` from the repository root read ./results/ while the scripts,
+    # run in benchmarks/, wrote benchmarks/results/: every benchmark said "no results (FileNotFoundError)".
+    raw, vp = random.uniform(5, 10), random.uniform(10, 20)
+    bench = _fake_suite(tmp_path / "checkout", (raw, vp))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("HOME", str(elsewhere))
+    out = {"plain": "results", "dotted": "./sub/../results", "home": "~/results"}[spelling]
+    rel_bench = "../checkout/benchmarks"
+    rc = cli_main(["bench", "--quick", "--only", "mapping", "--benchmarks", rel_bench, "--out", out])
+    assert rc == 0
+    found = elsewhere / "results"
+    assert json.loads((found / "mapping_cpu.json").read_text())["mapping"][0]["raw_c_us"] == raw
+    data = json.loads((found / "bench.json").read_text())
+    assert [b["status"] for b in data["benchmarks"]] == ["ok"]
+    assert not (bench / "results").exists() and not (bench / "sub").exists()

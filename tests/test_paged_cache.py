@@ -319,3 +319,38 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
 TestPagedCacheMachine = PagedCacheMachine.TestCase
 TestPagedCacheMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+@pytest.mark.parametrize("kind", ["virtual", "paged"])
+def test_a_cache_takes_its_geometry_whole_or_by_fields_not_both(kind):
+    import random
+
+    from vpaged import KVGeometry, VirtualKVCache
+    from vpaged.errors import InvalidArgumentError
+
+    rng = random.Random()
+    layers, heads, dim = rng.randint(1, 4), rng.randint(1, 4), 4 * rng.randint(2, 8)
+    make = VirtualKVCache if kind == "virtual" else PagedKVCache
+    size = dict(capacity_bytes=1 << 20) if kind == "virtual" else dict(num_blocks=4)
+    geometry = KVGeometry(layers, heads, dim, torch.float32, kv_dtype="int8")
+    whole = make(geometry=geometry, max_seqs=2, max_seq_len=64, **size)
+    positional = make(geometry, max_seqs=2, max_seq_len=64, **size)
+    loose = make(layers, heads, dim, torch.float32, max_seqs=2, max_seq_len=64, kv_dtype=torch.int8, **size)
+    try:
+        assert whole.geometry is geometry and positional.geometry is geometry  # carried, not rebuilt
+        assert loose.geometry == geometry and whole.bytes_per_token == loose.bytes_per_token
+        assert (whole.num_layers, whole.num_kv_heads, whole.head_dim, whole.kv_dtype) == (
+            layers,
+            heads,
+            dim,
+            torch.int8,
+        )
+    finally:
+        for c in (whole, positional, loose):
+            c.close()
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        make(geometry=geometry, num_kv_heads=heads, max_seqs=2, max_seq_len=64, **size)
+    with pytest.raises(InvalidArgumentError, match="missing"):
+        make(num_layers=layers, max_seqs=2, max_seq_len=64, **size)
+    with pytest.raises(InvalidArgumentError, match="KVGeometry"):
+        make(geometry=(layers, heads, dim), max_seqs=2, max_seq_len=64, **size)

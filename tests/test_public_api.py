@@ -82,6 +82,14 @@ PUBLIC = {
         "EngineStats",
         "load_model",
         "RANDOM_CONFIGS",
+        "EngineConfig",
+        "SchedulerConfig",
+        "StoreConfig",
+        "VirtualStoreConfig",
+        "StaticStoreConfig",
+        "PagedStoreConfig",
+        "ModelConfig",
+        "ParallelConfig",
     ],
 }
 NEEDS = {"vpaged.hf": "transformers", "vpaged.serve": "transformers"}

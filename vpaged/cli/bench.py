@@ -44,7 +44,9 @@ def run(args) -> int:
         suite = bs.select(args.only, args.quick)
     except InvalidArgumentError as e:
         args.parser.error(str(e))
-    out = Path(args.out or time.strftime("vpaged-bench-%Y%m%dT%H%M%SZ", time.gmtime()))
+    # Absolute before anything runs: the scripts run with bench_dir as their working directory, so a relative
+    # folder would be written there and read back here (every result "missing", issue #35).
+    out = Path(args.out or time.strftime("vpaged-bench-%Y%m%dT%H%M%SZ", time.gmtime())).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     facts = bs.machine_facts()
     outcomes = []

@@ -16,8 +16,7 @@ import time
 import torch
 
 from ..errors import TensorParallelError, VPagedError
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from .engine_flags import add_engine_flags, engine_config
 
 
 def _engine_args(p: argparse.ArgumentParser, model_optional: bool = False) -> None:
@@ -26,37 +25,8 @@ def _engine_args(p: argparse.ArgumentParser, model_optional: bool = False) -> No
         nargs="?" if model_optional else None,
         help="model directory, or random:NAME (a random-weight model from a named config)",
     )
-    p.add_argument("--kv", choices=["vpaged", "paged", "static"], default="vpaged", help="KV cache backend")
-    p.add_argument("--kv-budget-mib", type=int, default=1024, help="KV cache budget (MiB)")
-    p.add_argument("--swap-mib", type=int, default=0, help="host swap space for preempted requests (MiB)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument(
-        "--no-cpu-prepack",
-        action="store_true",
-        help="run the model's linear layers as they are (default on CPU: on oneDNN weights packed once)",
-    )
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument(
-        "--kv-dtype",
-        choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
-        default="auto",
-        help="what the KV cache stores (auto: the model dtype; int8: a scale per token and head; fp8: layer scales)",
-    )
-    p.add_argument(
-        "--kv-scales",
-        default=None,
-        help="fp8 K/V scales: a number, or 'calibrate' (from each layer's first prompt); default 1.0",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="ranks to shard the model over (transformers' tp_plan='auto'; spawned here, or one per torchrun process)",
-    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_engine_flags(p)  # every EngineConfig option (vpaged/cli/engine_flags.py)
 
 
 class _EngineError(Exception):
@@ -86,37 +56,17 @@ def _build_engine(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    tp = {}
-    if args.tensor_parallel_size != 1:  # each rank loads its own shard (and the directory's tokenizer)
-        model, tokenizer = args.model, None
-        tp = dict(tensor_parallel_size=args.tensor_parallel_size, dtype=DTYPES[args.dtype])
-    else:
-        model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
-    return LLMEngine(
-        model,
-        tokenizer,
-        kv_budget_bytes=args.kv_budget_mib << 20,
-        swap_bytes=args.swap_mib << 20,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv=args.kv,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_model_len=args.max_model_len,
-        cpu_prepack=not args.no_cpu_prepack,
-        kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
-        kv_scales=_kv_scales(args.kv_scales),
-        **tp,
-    )
-
-
-def _kv_scales(text):
-    """--kv-scales: None, 'calibrate' or a number."""
-    if text is None or text == "calibrate":
-        return text
     try:
-        return float(text)
-    except ValueError:
-        raise _EngineError(f"--kv-scales must be a number or 'calibrate', got {text!r}") from None
+        config = engine_config(args)
+    except ValueError as e:  # a store flag of another kind (bad values are VPagedErrors, caught by the caller)
+        if isinstance(e, VPagedError):
+            raise
+        raise _EngineError(str(e)) from None
+    if config.parallel.tensor_parallel_size != 1:  # each rank loads its own shard (and the directory's tokenizer)
+        model, tokenizer = args.model, None
+    else:
+        model, tokenizer = load_model(args.model, dtype=config.model.dtype)
+    return LLMEngine(model, tokenizer, config=config)
 
 
 def _token_ids(text: str) -> list[int]:
@@ -208,7 +158,7 @@ def cmd_generate(args) -> int:
     if args.json:
         stats = engine.stats()
         json.dump(
-            {"model": args.model, "kv": args.kv, "seconds": seconds, "results": results, "stats": _as_dict(stats)},
+            {"model": args.model, "kv": engine.kv, "seconds": seconds, "results": results, "stats": _as_dict(stats)},
             sys.stdout,
             indent=2,
         )
@@ -301,7 +251,7 @@ def cmd_serve(args) -> int:
 
     def ready(url: str) -> None:
         print(
-            f"vpaged: serving {name} at {url}/v1 (kv={args.kv}, budget {args.kv_budget_mib} MiB)",
+            f"vpaged: serving {name} at {url}/v1 (kv={engine.kv}, budget {args.kv_budget_bytes >> 20} MiB)",
             flush=True,
         )
 
@@ -347,9 +297,10 @@ def cmd_bench_serve(args) -> int:
     def run(progress=None):
         if args.url is not None:
             return run_http_workload(args.url, workload, progress=progress)
-        return run_workload(engine, workload, params, kv=args.kv, progress=progress)
+        return run_workload(engine, workload, params, kv=engine.kv, progress=progress)
 
-    bar = None if args.no_progress else _progress(len(prompts), args.url or f"kv={args.kv}")
+    kv = engine.kv if engine is not None else None
+    bar = None if args.no_progress else _progress(len(prompts), args.url or f"kv={kv}")
     if bar is None:
         result = run()
     else:
@@ -360,16 +311,16 @@ def cmd_bench_serve(args) -> int:
         "command": "bench-serve",
         "model": args.model,
         "url": args.url,
-        "kv": None if args.url else args.kv,
-        "dtype": args.dtype,
-        "kv_dtype": None if args.url else args.kv_dtype,
+        "kv": kv,
+        "dtype": str(args.dtype).removeprefix("torch."),
+        "kv_dtype": None if args.url else (args.kv_dtype or "auto"),
         "threads": torch.get_num_threads(),
         "num_requests": args.num_requests,
         "prompt_len": [args.min_prompt, args.max_prompt],
         "shared_prefix": args.shared_prefix,
         "max_tokens": args.max_tokens,
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
-        "kv_budget_bytes": args.kv_budget_mib << 20,
+        "kv_budget_bytes": args.kv_budget_bytes,
         "result": result.as_dict(),
     }
     text = json.dumps(report, indent=2)
@@ -395,7 +346,7 @@ def cmd_bench_serve(args) -> int:
             ),
         ]
         width = max(len(k) for k, _ in lines)
-        print(f"vpaged bench-serve: {args.url or args.model}, " + ("over HTTP" if args.url else f"kv={args.kv}"))
+        print(f"vpaged bench-serve: {args.url or args.model}, " + ("over HTTP" if args.url else f"kv={kv}"))
         for k, v in lines:
             print(f"  {k:<{width}}  {v}")
     return 0

@@ -259,7 +259,8 @@ SUITE = (
 
 def find_benchmarks(explicit: str | None) -> Path:
     """The benchmarks/ folder: given, or beside the package in a source checkout."""
-    path = Path(explicit) if explicit else Path(__file__).resolve().parents[2] / "benchmarks"
+    # Absolute: the scripts run with this folder as their working directory (run_one).
+    path = Path(explicit).expanduser().resolve() if explicit else Path(__file__).resolve().parents[2] / "benchmarks"
     if not (path / "common.py").is_file():
         raise InvalidArgumentError(
             f"no benchmark scripts at {path}: `vpaged bench` runs the scripts of a source checkout's benchmarks/ "
@@ -307,6 +308,8 @@ VLLM_BENCHES = ("serving", "decode")
 def run_one(
     bench: Bench, bench_dir: Path, out_dir: Path, quick: bool, timeout: float, vllm_python: str | None = None
 ) -> Outcome:
+    # Both absolute whatever the caller's working directory: the script runs in bench_dir and writes to out_dir.
+    bench_dir, out_dir = bench_dir.resolve(), out_dir.resolve()
     script = bench_dir / bench.script
     if not script.is_file():
         return Outcome(bench, "missing", 0.0, [], None)

@@ -474,14 +474,16 @@ class VPagedCache(CacheBase):
         dtype and the geometry were given)."""
         total = 0
         for g in self._groups:
-            dtype = g.kv.dtype if g.kv is not None else self.dtype
+            if g.kv is not None:  # opened: the geometry its cache was built on
+                total += g.kv.geometry.bytes_per_token
+                continue
+            dtype = self.dtype
             if dtype is None or g.num_kv_heads is None or g.head_dim is None:
                 raise InvalidArgumentError(
                     "geometry unknown before the first update; pass dtype, num_kv_heads and head_dim"
                 )
-            kv_dtype = g.kv.kv_dtype if g.kv is not None else g.kv_dtype
             total += KVGeometry(
-                len(g.layers), g.num_kv_heads, g.head_dim, dtype, g.v_head_dim, kv_dtype
+                len(g.layers), g.num_kv_heads, g.head_dim, dtype, g.v_head_dim, g.kv_dtype
             ).bytes_per_token
         return total
 

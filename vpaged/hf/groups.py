@@ -22,6 +22,7 @@ import torch
 
 from ..errors import DTypeError, InvalidArgumentError, ShapeError, SlotsExhaustedError
 from ..kvcache import VirtualKVCache
+from ..kvcache.geometry import KVGeometry
 from ..memory.device import normalize_device
 from ..memory.pool import default_pool
 
@@ -136,19 +137,18 @@ class KVGroup:
             raise SlotsExhaustedError(f"batch of {batch} rows, more than max_batch_size={max_seqs}")
         device = normalize_device(key_states.device)
         pool = self._pool_for(device)
+        geometry = KVGeometry(
+            len(self.layers), key_states.shape[1], key_states.shape[3], key_states.dtype, value_states.shape[3],
+            self.kv_dtype,
+        )  # fmt: skip
         kv = VirtualKVCache(
-            len(self.layers),
-            key_states.shape[1],
-            key_states.shape[3],
-            dtype=key_states.dtype,
+            geometry=geometry,
             max_seqs=max_seqs,
             max_seq_len=self.capacity_for(key_states, value_states, pool),
             device=device,
             pool=pool,
             layout=self.layout,
             page_size=None if pool is not None else self.page_size,
-            v_head_dim=value_states.shape[3],
-            kv_dtype=self.kv_dtype,
             kv_scales=self.kv_scales,
         )
         rows = kv.allocate_many(batch)

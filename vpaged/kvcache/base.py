@@ -60,29 +60,23 @@ class KVCache(Protocol):
 class KVCacheBase:
     geometry: KVGeometry
 
-    def _init_shape(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        max_seqs: int,
-        max_seq_len: int,
-        v_head_dim: int | None = None,
-        kv_dtype=None,
-        kv_scales=None,
-    ) -> None:
-        # Checks them (DTypeError, ShapeError); kv_dtype: what is stored (kvcache/formats.py).
-        self.geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype, v_head_dim, kv_dtype)
-        self.v_head_dim = self.geometry.v_head_dim  # V's head size: head_dim unless the model's differs
+    def _init_shape(self, geometry: KVGeometry, max_seqs: int, max_seq_len: int, kv_scales=None) -> None:
+        # The geometry arrives checked (kvcache/geometry.py: cache_geometry); only the sequence limits and the
+        # scales are checked here.
+        self.geometry = geometry
         check_positive_int("max_seqs", max_seqs)
         check_positive_int("max_seq_len", max_seq_len)
-        self.dtype = dtype  # of the K/V written and read (the model's)
-        self.kv_dtype = self.geometry.kv_dtype  # what is stored: dtype, or a quantized format
-        self.kv_format = self.geometry.format
+        self.num_layers, self.num_kv_heads, self.head_dim = (
+            geometry.num_layers,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+        )
+        self.v_head_dim = geometry.v_head_dim  # V's head size: head_dim unless the model's differs
+        self.dtype = geometry.dtype  # of the K/V written and read (the model's)
+        self.kv_dtype = geometry.kv_dtype  # what is stored: dtype, or a quantized format (kvcache/formats.py)
+        self.kv_format = geometry.format
         # fp8: each layer's (K, V) scales, [num_layers, 2] float32 (NaN: calibrated by the layer's first write).
-        self.kv_scales = check_scales(kv_scales, num_layers, self.kv_format)
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.kv_scales = check_scales(kv_scales, geometry.num_layers, self.kv_format)
         self.max_seqs, self.max_seq_len = max_seqs, max_seq_len
         # layer -> the kernel plan vpaged.ops built for it (ops/plans.py); emptied by close().
         self.kernel_plans: dict = {}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidArgumentError
 from ..memory.dtypes import itemsize
 from .checks import check_positive_int
 from .formats import KVFormat, resolve_kv_dtype
@@ -84,3 +85,34 @@ class KVGeometry:
     def static_bytes(self, num_seqs: int, max_seq_len: int) -> int:
         """What reserving max_seq_len tokens for each of num_seqs sequences takes (a static cache)."""
         return num_seqs * max_seq_len * self.bytes_per_token
+
+
+def cache_geometry(
+    geometry: KVGeometry | None,
+    num_layers=None,
+    num_kv_heads=None,
+    head_dim=None,
+    dtype=None,
+    v_head_dim=None,
+    kv_dtype=None,
+) -> KVGeometry:
+    """The geometry a cache is built on: `geometry` given whole (then none of the loose fields), or one built
+    from the loose fields (dtype defaults to bfloat16), checked here once. A KVGeometry given in num_layers'
+    place (the first positional argument) counts as `geometry`."""
+    if isinstance(num_layers, KVGeometry) and geometry is None:
+        geometry, num_layers = num_layers, None
+    loose = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+    loose.update(v_head_dim=v_head_dim, kv_dtype=kv_dtype)
+    if geometry is not None:
+        given = [name for name, value in loose.items() if value is not None]
+        if not isinstance(geometry, KVGeometry):
+            raise InvalidArgumentError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
+        if given:
+            raise InvalidArgumentError(f"give either geometry or {', '.join(given)}, not both")
+        return geometry
+    missing = [name for name in ("num_layers", "num_kv_heads", "head_dim") if loose[name] is None]
+    if missing:
+        raise InvalidArgumentError(f"give a geometry, or num_layers, num_kv_heads and head_dim (missing {missing})")
+    return KVGeometry(
+        num_layers, num_kv_heads, head_dim, torch.bfloat16 if dtype is None else dtype, v_head_dim, kv_dtype
+    )

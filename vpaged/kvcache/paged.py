@@ -30,6 +30,7 @@ from ..memory.device import normalize_device
 from .base import KVCacheBase
 from .checks import check_kv, check_layer, check_positive_int, check_token_count, is_int, lookup_sequence, write_start
 from .formats import QuantizedKV, layer_scale, read_scale
+from .geometry import KVGeometry, cache_geometry
 from .records import BlockPools, PagedCacheStats
 
 BLOCK_SIZES = (8, 16, 32)
@@ -38,10 +39,14 @@ BLOCK_SIZES = (8, 16, 32)
 class PagedKVCache(KVCacheBase):
     """KV cache in fixed-size blocks addressed through per-sequence block tables.
 
+    PagedKVCache(geometry, max_seqs=..., ...) with a KVGeometry, or PagedKVCache(num_layers, num_kv_heads,
+    head_dim, dtype, ...) with its fields (not both).
+
     Args:
-        num_layers, num_kv_heads, head_dim: model geometry.
+        geometry: the model's KVGeometry, passed whole.
+        num_layers, num_kv_heads, head_dim: model geometry, when no geometry is given.
         v_head_dim: head size of the values, when it differs from the keys' (multi-head latent attention).
-        dtype: element type of K and V (float32, float16, bfloat16, float64).
+        dtype: element type of K and V (float32, float16, bfloat16, float64); default bfloat16.
         max_seqs: sequences that may be live at once.
         max_seq_len: tokens a sequence may hold (the width of its block table is max_seq_len / block_size).
         device: "cpu", "cuda" or "cuda:N".
@@ -56,10 +61,10 @@ class PagedKVCache(KVCacheBase):
 
     def __init__(
         self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.bfloat16,
+        num_layers: int | KVGeometry | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        dtype: torch.dtype | None = None,
         max_seqs: int = 64,
         max_seq_len: int = 4096,
         device="cpu",
@@ -71,10 +76,10 @@ class PagedKVCache(KVCacheBase):
         v_head_dim: int | None = None,
         kv_dtype=None,
         kv_scales=None,
+        geometry: KVGeometry | None = None,
     ):
-        self._init_shape(
-            num_layers, num_kv_heads, head_dim, dtype, max_seqs, max_seq_len, v_head_dim, kv_dtype, kv_scales
-        )
+        geometry = cache_geometry(geometry, num_layers, num_kv_heads, head_dim, dtype, v_head_dim, kv_dtype)
+        self._init_shape(geometry, max_seqs, max_seq_len, kv_scales)
         if block_size not in BLOCK_SIZES:
             raise InvalidArgumentError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
         self.device = normalize_device(device)
@@ -93,11 +98,11 @@ class PagedKVCache(KVCacheBase):
         # The pools hold stored rows: values of dtype, or bytes of a quantized format (scales included).
         self._row_dims = self.geometry.storage_dims()[:2]
         store = self.kv_format.storage_dtype
-        shape = (num_blocks, block_size, num_kv_heads, self._row_dims[0])
-        pools = 0 if self.accounting_only else num_layers
+        shape = (num_blocks, block_size, self.num_kv_heads, self._row_dims[0])
+        pools = 0 if self.accounting_only else self.num_layers
         # torch.empty: on the host, untouched pages of a large allocation cost no RAM until written.
         self.key_caches = [torch.empty(shape, dtype=store, device=self.device) for _ in range(pools)]
-        v_shape = (num_blocks, block_size, num_kv_heads, self._row_dims[1])
+        v_shape = (num_blocks, block_size, self.num_kv_heads, self._row_dims[1])
         self.value_caches = [torch.empty(v_shape, dtype=store, device=self.device) for _ in range(pools)]
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
         self._ref = [0] * num_blocks

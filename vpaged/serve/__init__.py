@@ -4,26 +4,47 @@
     llm = LLM("random:llama-tiny", kv_budget_bytes=64 << 20, kv="vpaged")
     outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.0))
 
-Needs transformers (the `hf` extra). Importing this package registers attn_implementation="vpaged".
+Needs transformers (the `hf` extra). Loading the engine (LLM, LLMEngine) registers attn_implementation="vpaged".
+Names are loaded on first use, so that the CLI reads the engine's options (`vpaged.serve.config`, from which
+its flags are made) without importing transformers.
 """
 
-from .config import EngineConfig
-from .engine import LLM, LLMEngine
-from .models import RANDOM_CONFIGS, load_model
-from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from .params import SamplingParams
-from .stores import KVStore
+from __future__ import annotations
 
-__all__ = [
-    "LLM",
-    "LLMEngine",
-    "EngineConfig",
-    "KVStore",
-    "SamplingParams",
-    "RequestOutput",
-    "CompletionOutput",
-    "RequestMetrics",
-    "EngineStats",
-    "load_model",
-    "RANDOM_CONFIGS",
-]
+import importlib
+
+_NAMES = {
+    "LLM": "engine",
+    "LLMEngine": "engine",
+    "EngineConfig": "config",
+    "SchedulerConfig": "config",
+    "StoreConfig": "config",
+    "VirtualStoreConfig": "config",
+    "StaticStoreConfig": "config",
+    "PagedStoreConfig": "config",
+    "ModelConfig": "config",
+    "ParallelConfig": "config",
+    "KVStore": "stores",
+    "SamplingParams": "params",
+    "RequestOutput": "outputs",
+    "CompletionOutput": "outputs",
+    "RequestMetrics": "outputs",
+    "EngineStats": "outputs",
+    "load_model": "models",
+    "RANDOM_CONFIGS": "models",
+}
+
+__all__ = list(_NAMES)
+
+
+def __getattr__(name: str):
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vpaged.serve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NAMES))

@@ -86,21 +86,24 @@ class LLMEngine:
         elif not isinstance(config, EngineConfig):
             raise InvalidArgumentError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.tp = None  # tensor_parallel_size > 1: this rank's place among the ranks (vpaged.serve.distributed)
-        if config.tensor_parallel_size > 1:
+        if config.parallel.tensor_parallel_size > 1:
             from .distributed import TensorParallel
 
             self.tp = TensorParallel.start(model, config, type(self))
             model, config = self.tp.model_path, self.tp.config
-        self.config = config
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        for name in config.unused_options:  # said, not silent: the option changes nothing for this kind
+            _log.warning("%s is not an option of kv=%r; it is ignored", name, config.kv)
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         model, loaded_tokenizer = load_model(
-            model, config.dtype or torch.float32, tensor_parallel_size=config.tensor_parallel_size
+            model, config.model.dtype or torch.float32, tensor_parallel_size=config.parallel.tensor_parallel_size
         )
         self.tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
-        self.device = config.device
-        if config.dtype is not None and model.dtype != config.dtype:
-            model = model.to(config.dtype)
+        self.device = config.model.device
+        if config.model.dtype is not None and model.dtype != config.model.dtype:
+            model = model.to(config.model.dtype)
+        # The K/V format, resolved once against the dtype the model has now (config.kv_format).
+        self.config = config = config.for_model_dtype(model.dtype)
         if model.device != self.device:
             model = model.to(self.device)
         model.eval()
@@ -111,8 +114,9 @@ class LLMEngine:
                 "AttentionInterface; the engine cannot serve it"
             )
         self.prepacked_layers = self.fused_modules = 0
-        if config.cpu_prepack and self.device.type == "cpu" and self.tp is None:  # TP layers keep their own forward
-            batch_hint = max(16, config.max_num_seqs)
+        # TP layers keep their own forward.
+        if config.model.cpu_prepack and self.device.type == "cpu" and self.tp is None:
+            batch_hint = max(16, config.scheduler.max_num_seqs)
             ok, why = prepack_supported(model.dtype)
             if ok:
                 self.prepacked_layers = prepack_linears(model, batch_hint=batch_hint)
@@ -124,18 +128,19 @@ class LLMEngine:
         model_config = model.config
         self.model_name = getattr(model_config, "name_or_path", None) or type(model).__name__
         layers, kv_heads, head_dim = model_geometry(model_config)
-        kv_heads //= config.tensor_parallel_size  # each rank keeps the K/V of its own heads
+        kv_heads //= config.parallel.tensor_parallel_size  # each rank keeps the K/V of its own heads
         text_config = model_config.get_text_config(decoder=True)
         limit = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 20)
         window = attention_window(model_config)
         if window is not None:
             limit = min(limit, window)
-        if config.max_model_len is not None:
-            limit = min(limit, config.max_model_len)
+        if config.model.max_model_len is not None:
+            limit = min(limit, config.model.max_model_len)
         self.max_model_len = limit
         self.vocab_size = int(text_config.vocab_size)
         self.kv = config.kv
-        geometry = KVGeometry(layers, kv_heads, head_dim, model.dtype, kv_dtype=config.kv_dtype)
+        fmt = config.kv_format
+        geometry = KVGeometry(layers, kv_heads, head_dim, fmt.dtype, kv_dtype=fmt.kv_dtype)
         self.store = make_store(config, geometry, limit)
         if self.tp is not None:
             self.store = self.tp.mirror(self.store)
@@ -146,7 +151,7 @@ class LLMEngine:
         store = self.store
         if store.prefix_caching:
             _log.info("prefix caching: on, %.2f tokens per cached page", store.prefix_tokens_per_page)
-        elif config.enable_prefix_caching:  # asked for (the default) but this kind cannot: said, not silent
+        elif not config.store.prefix_caching_turned_off:  # this kind cannot (unasked): said, not silent
             _log.warning("prefix caching is off: %s", store.prefix_caching_off)
         if store.decode_unsupported is not None:
             _log.warning("decode rows go to SDPA, not the decode kernel: %s", store.decode_unsupported)
@@ -372,7 +377,7 @@ class LLMEngine:
             kv_used_pages=mem.used_pages,
             kv_dormant_pages=mem.dormant_pages,
             prefix_hit_rate=hits / (hits + self.counters.prompt_tokens_total) if hits else 0.0,
-            tensor_parallel_size=self.config.tensor_parallel_size,
+            tensor_parallel_size=self.config.parallel.tensor_parallel_size,
             ranks=ranks,
             **asdict(self.counters),
         )

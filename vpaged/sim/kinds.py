@@ -114,11 +114,7 @@ class BlockTables(CacheKind):
         self.budget_bytes = budget_bytes
         self.share = share
         self.cache = PagedKVCache(
-            shape.num_layers,
-            shape.num_kv_heads,
-            shape.head_dim,
-            dtype=shape.dtype,
-            kv_dtype=shape.kv_dtype,
+            geometry=shape.geometry,
             max_seqs=max_seqs,
             max_seq_len=max_seq_len,
             capacity_bytes=budget_bytes,
@@ -235,11 +231,7 @@ class VirtualMemory(CacheKind):
         self.share = share
         self.pool = PagePool("cpu", capacity_bytes=budget_bytes, page_size=page_size, accounting_only=True)
         self.cache = VirtualKVCache(
-            shape.num_layers,
-            shape.num_kv_heads,
-            shape.head_dim,
-            dtype=shape.dtype,
-            kv_dtype=shape.kv_dtype,
+            geometry=shape.geometry,
             max_seqs=max_seqs,
             max_seq_len=max_seq_len,
             pool=self.pool,

@@ -21,11 +21,14 @@ class ModelShape:
     kv_dtype: torch.dtype | None = None  # what the caches store (kvcache/formats.py); None: dtype
 
     @property
+    def geometry(self) -> KVGeometry:
+        """The KV geometry the simulated caches are built on (handed to them whole)."""
+        return KVGeometry(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, kv_dtype=self.kv_dtype)
+
+    @property
     def bytes_per_token(self) -> int:
         """K and V of one token over all layers (a quantized format's scales included)."""
-        return KVGeometry(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, kv_dtype=self.kv_dtype
-        ).bytes_per_token
+        return self.geometry.bytes_per_token
 
     def per_rank(self, tensor_parallel_size: int) -> ModelShape:
         """The shape one rank of a tensor-parallel deployment keeps K/V for: its share of the KV heads."""

@@ -7,6 +7,6 @@ prefix.py, swap.py, reclaim.py, stats.py and limits.py (address space and mappin
 """
 
 from .cache import VirtualKVCache
-from .layout import Layout
+from .layout import LAYOUTS, Layout
 
-__all__ = ["VirtualKVCache", "Layout"]
+__all__ = ["VirtualKVCache", "Layout", "LAYOUTS"]

@@ -39,6 +39,7 @@ from ...memory.pool import PagePool, resolve_pool
 from ..base import KVCacheBase
 from ..checks import check_kv, check_layer, check_positive_int, check_token_count, check_token_span, is_int, write_start
 from ..eviction import EvictionPolicy, ReclaimOrder, resolve_eviction_policy, resolve_reclaim_order
+from ..geometry import KVGeometry, cache_geometry
 from ..records import BatchedKV, CacheStats
 from .layout import Layout
 from .limits import check_cache
@@ -55,10 +56,14 @@ __all__ = ["BatchedKV", "CacheStats", "VirtualKVCache"]
 class VirtualKVCache(KVCacheBase):
     """KV cache with one contiguous virtual range per sequence slot.
 
+    VirtualKVCache(geometry, max_seqs=..., ...) with a KVGeometry, or VirtualKVCache(num_layers, num_kv_heads,
+    head_dim, dtype, ...) with its fields (not both).
+
     Args:
-        num_layers, num_kv_heads, head_dim: model geometry.
+        geometry: the model's KVGeometry (layers, heads, head sizes, dtype, kv_dtype), passed whole.
+        num_layers, num_kv_heads, head_dim: model geometry, when no geometry is given.
         v_head_dim: head size of V when it differs from K's (multi-head latent attention); see layout.py.
-        dtype: element type of K and V (float32, float16, bfloat16, float64).
+        dtype: element type of K and V (float32, float16, bfloat16, float64); default bfloat16.
         max_seqs: sequence slots (concurrent sequences).
         max_seq_len: tokens a sequence may hold.
         device: "cpu", "cuda" or "cuda:N"; default: the pool's device when a pool is given, else "cpu".
@@ -83,10 +88,10 @@ class VirtualKVCache(KVCacheBase):
 
     def __init__(
         self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.bfloat16,
+        num_layers: int | KVGeometry | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        dtype: torch.dtype | None = None,
         max_seqs: int = 64,
         max_seq_len: int = 4096,
         device=None,
@@ -101,13 +106,14 @@ class VirtualKVCache(KVCacheBase):
         kv_scales=None,
         eviction_policy: str | EvictionPolicy = "lru",
         reclaim_order: str | ReclaimOrder = "dormant_first",
+        *,
+        geometry: KVGeometry | None = None,
     ):
         # Policies first: a bad name raises before anything is created.
         self.eviction_policy = resolve_eviction_policy(eviction_policy)
         self.reclaim_order = resolve_reclaim_order(reclaim_order)
-        self._init_shape(
-            num_layers, num_kv_heads, head_dim, dtype, max_seqs, max_seq_len, v_head_dim, kv_dtype, kv_scales
-        )
+        geometry = cache_geometry(geometry, num_layers, num_kv_heads, head_dim, dtype, v_head_dim, kv_dtype)
+        self._init_shape(geometry, max_seqs, max_seq_len, kv_scales)
         self.device, self.pool = resolve_pool(device, pool, capacity_bytes, page_size)
         self.layout = lay = Layout.of(layout, self.geometry, max_seqs, max_seq_len, self.pool.page_size)
         if not self.pool.accounting_only:  # address space and mapping limit: said now, not mid-serving

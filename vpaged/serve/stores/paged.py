@@ -82,25 +82,19 @@ class PagedStore:
     swap_capacity = 0
 
     def __init__(self, config: EngineConfig, geometry: KVGeometry, max_seq_len: int):
+        options = config.store  # a PagedStoreConfig
         self.cache = PagedKVCache(
-            geometry.num_layers,
-            geometry.num_kv_heads,
-            geometry.head_dim,
-            dtype=geometry.dtype,
-            max_seqs=config.max_cache_seqs,
+            geometry=geometry,
+            max_seqs=config.scheduler.max_cache_seqs,
             max_seq_len=max_seq_len,
-            device=config.device,
-            capacity_bytes=config.kv_budget_bytes,
-            block_size=config.block_size,
-            kv_dtype=geometry.kv_dtype,
-            kv_scales=config.kv_scales,
+            device=config.model.device,
+            capacity_bytes=options.kv_budget_bytes,
+            block_size=options.block_size,
+            kv_scales=options.kv_scales,
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.block_bytes
-        self.prefix_caching_off = (
-            "kv='paged' (the block-table baseline) does not cache prefixes" if config.enable_prefix_caching else
-            "turned off (enable_prefix_caching=False)"
-        )  # fmt: skip
+        self.prefix_caching_off = "kv='paged' (the block-table baseline) does not cache prefixes"
         # Why decode rows cannot go to the kernel on this device (None: they do); SDPA serves them then.
         heads, dim, v_dim = geometry.num_kv_heads, geometry.head_dim, geometry.v_head_dim
         row, v_row, _ = geometry.storage_dims()  # the pools' rows (bytes of a quantized format)

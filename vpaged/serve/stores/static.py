@@ -28,8 +28,7 @@ class StaticStore(VirtualStore):
 
     def __init__(self, config: EngineConfig, geometry: KVGeometry, max_seq_len: int):
         super().__init__(config, geometry, max_seq_len, swap_bytes=0, prefix_caching=False)
-        if config.enable_prefix_caching:
-            self.prefix_caching_off = "kv='static' reserves a whole slot per sequence and shares no pages"
+        self.prefix_caching_off = "kv='static' reserves a whole slot per sequence and shares no pages"
         self._reserved: dict[int, list[int]] = {}  # handle -> reservations for its other completions
         # Tokens extended into each reservation: the live ones (the cache holds every reservation in full).
         self._lengths: dict[int, int] = {}
@@ -37,7 +36,7 @@ class StaticStore(VirtualStore):
             self.close()
             raise InvalidArgumentError(
                 f"kv='static' reserves max_model_len={max_seq_len} tokens per sequence, more than the KV budget "
-                f"of {config.kv_budget_bytes} bytes holds; raise kv_budget_bytes or lower max_model_len"
+                f"of {config.store.kv_budget_bytes} bytes holds; raise kv_budget_bytes or lower max_model_len"
             )
 
     @property

@@ -106,24 +106,21 @@ class VirtualStore:
         prefix_caching: bool | None = None,
     ):
         """swap_bytes / prefix_caching: the config's unless given (StaticStore turns both off)."""
-        swap_bytes = config.swap_bytes if swap_bytes is None else swap_bytes
-        prefix_caching = config.enable_prefix_caching if prefix_caching is None else prefix_caching
+        options = config.store  # a VirtualStoreConfig (or StaticStoreConfig: then both are given)
+        swap_bytes = options.swap_bytes if swap_bytes is None else swap_bytes
+        prefix_caching = options.enable_prefix_caching if prefix_caching is None else prefix_caching
         self.cache = VirtualKVCache(
-            geometry.num_layers,
-            geometry.num_kv_heads,
-            geometry.head_dim,
-            dtype=geometry.dtype,
-            max_seqs=config.max_cache_seqs,
+            geometry=geometry,
+            max_seqs=config.scheduler.max_cache_seqs,
             max_seq_len=max_seq_len,
-            device=config.device,
-            capacity_bytes=config.kv_budget_bytes,
-            page_size=config.page_size,
-            layout=config.layout,
+            device=config.model.device,
+            capacity_bytes=options.kv_budget_bytes,
+            page_size=options.page_size,
+            layout=options.layout,
             swap_bytes=swap_bytes,
-            kv_dtype=geometry.kv_dtype,
-            kv_scales=config.kv_scales,
-            eviction_policy=config.eviction_policy,
-            reclaim_order=config.reclaim_order,
+            kv_scales=options.kv_scales,
+            eviction_policy=getattr(options, "eviction_policy", "lru"),  # StaticStoreConfig: no prefix cache
+            reclaim_order=getattr(options, "reclaim_order", "dormant_first"),
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.pool.page_size

@@ -1,0 +1,182 @@
+"""The engine's flags of `vpaged generate`, `serve` and `bench-serve`, made from EngineConfig's parts.
+
+Every field of SchedulerConfig, of each kind's StoreConfig, of ModelConfig, ParallelConfig and EngineConfig's
+own is a flag named after it (max_num_seqs: --max-num-seqs), with the help and the choices of the field's
+metadata (vpaged/serve/config.py). SPELLINGS keeps the names of earlier releases where they differ
+(--kv-budget-mib in MiB, --no-prefix-caching); NOT_FLAGS lists the fields left out, and why.
+tests/test_cli_engine_flags.py checks that every field has a flag and every flag a field.
+
+A flag not given leaves the config's default. A store flag of another kind than --kv (say --block-size with
+--kv vpaged) is refused: it would change nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..serve.config import FLAT_OPTIONS, PARTS, STORE_CONFIGS, EngineConfig
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def byte_count(text: str) -> int:
+    """A size in bytes: '65536', '64KiB', '2MiB', '1GiB' (K/M/G: binary units)."""
+    t = text.strip().lower()
+    digits = t.rstrip("kmgib")
+    try:
+        return int(digits) * _UNITS[t[len(digits) :]]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 65536, 64KiB, 2MiB)") from None
+
+
+def kv_scales(text: str):
+    """--kv-scales: 'calibrate' or a number."""
+    if text == "calibrate":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or 'calibrate', got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How a field is spelled on the command line when not --<field-name> of its own value."""
+
+    flag: str
+    scale: int = 1  # the flag's value times this is the field's (MiB -> bytes)
+    negated: bool = False  # a flag that sets the bool field to False
+    default: str | None = None  # the CLI's default (parsed as if given) when it differs from the config's
+    metavar: str | None = None
+
+
+SPELLINGS = {
+    "kv_budget_bytes": Spelling("--kv-budget-mib", scale=1 << 20, default="1024", metavar="MIB"),
+    "swap_bytes": Spelling("--swap-mib", scale=1 << 20, metavar="MIB"),
+    "enable_prefix_caching": Spelling("--no-prefix-caching", negated=True),
+    "cpu_prepack": Spelling("--no-cpu-prepack", negated=True),
+    "dtype": Spelling("--dtype", default="float32"),  # a directory's weights load as float32 unless told
+    "seed": Spelling("--engine-seed"),  # --seed is the requests' (generate) or the prompts' (bench-serve)
+}
+
+# Parsers of the fields whose values are not a plain int, float or str.
+PARSERS = {"dtype": DTYPES.__getitem__, "kv_scales": kv_scales, "page_size": byte_count}
+CHOICES = {"dtype": tuple(DTYPES)}
+
+NOT_FLAGS = {
+    "record_steps": "a per-step timing record read in process (LLMEngine.step_log); no command prints it",
+}
+
+_TYPES = {"int": int, "int | None": int, "float": float, "str": str}
+
+
+def _fields() -> dict[str, dataclasses.Field]:
+    """Every engine option's field by name: the store kinds' (first seen), the parts', EngineConfig's own."""
+    found: dict[str, dataclasses.Field] = {}
+    classes = [*STORE_CONFIGS.values(), *PARTS.values(), EngineConfig]
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if f.init and f.name in FLAT_OPTIONS and f.name not in found:
+                found[f.name] = f
+    return found
+
+
+def _kinds_of(name: str) -> list[str]:
+    return [kind for kind, cls in STORE_CONFIGS.items() if name in cls.__dataclass_fields__]
+
+
+def dest_of(name: str) -> str:
+    """Where argparse keeps a field's flag: the field's name, but not where a command keeps its own flag of
+    that name (--seed of generate and bench-serve)."""
+    return "engine_seed" if name == "seed" else name
+
+
+def flag_of(name: str) -> str:
+    spelling = SPELLINGS.get(name)
+    return spelling.flag if spelling is not None else "--" + name.replace("_", "-")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's options as flags (dest: dest_of(the field's name)), in a group of their own."""
+    group = p.add_argument_group("engine options (vpaged.serve.EngineConfig)")
+    group.add_argument(
+        "--kv", dest="kv", choices=list(STORE_CONFIGS), default=None, help="KV store kind (default vpaged)"
+    )
+    for name, f in _fields().items():
+        if name in NOT_FLAGS:
+            continue
+        spelling = SPELLINGS.get(name, Spelling(flag_of(name)))
+        kinds = _kinds_of(name)
+        help_text = f.metadata.get("help") or ""
+        if kinds and len(kinds) < len(STORE_CONFIGS):
+            help_text += f" [--kv {' / '.join(kinds)}]"
+        if spelling.negated:
+            off = f"turn off: {help_text}"
+            group.add_argument(spelling.flag, dest=dest_of(name), action="store_const", const=False, help=off)
+            continue
+        if str(f.type) == "bool":
+            group.add_argument(spelling.flag, dest=dest_of(name), action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        parse = PARSERS.get(name) or _TYPES.get(str(f.type), str)
+        if spelling.scale != 1:
+            parse = _scaled(parse, spelling.scale)
+        choices = CHOICES.get(name) or f.metadata.get("choices")
+        if choices is not None:
+            parse = _one_of(parse, choices)
+            help_text += f" (one of {', '.join(map(str, choices))})"
+        if spelling.default is not None:
+            help_text += f"; default {spelling.default}"
+        elif f.default is not dataclasses.MISSING and f.default is not None:
+            help_text += f"; default {f.default}"
+        group.add_argument(
+            spelling.flag,
+            dest=dest_of(name),
+            type=parse,
+            default=spelling.default,
+            metavar=spelling.metavar or ("{" + ",".join(map(str, choices)) + "}" if choices else None),
+            help=help_text.replace("%", "%%"),
+        )
+
+
+def _scaled(parse, scale: int):
+    return lambda text: parse(text) * scale
+
+
+def _one_of(parse, choices):
+    """The text must be one of choices (as written), then parse it."""
+
+    def check(text: str):
+        if text not in map(str, choices):
+            raise argparse.ArgumentTypeError(f"invalid choice {text!r} (one of {', '.join(map(str, choices))})")
+        return parse(text)
+
+    return check
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options the flags gave (the CLI's own defaults included), as EngineConfig's flat fields."""
+    options = {}
+    for name in FLAT_OPTIONS:
+        value = getattr(args, dest_of(name), None)
+        if value is None:
+            continue
+        if name == "kv_dtype" and value == "auto":
+            continue  # the config's default: the model's dtype
+        options[name] = value
+    return options
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the flags; InvalidArgumentError (via EngineConfig) for bad values, ValueError for
+    a store flag the chosen --kv does not take."""
+    config = EngineConfig(**engine_options(args))
+    if config.unused_options:
+        flags = ", ".join(flag_of(name) for name in config.unused_options)
+        takes = ", ".join(flag_of(n) for n in _fields() if _kinds_of(n) and config.kv in _kinds_of(n))
+        raise ValueError(f"{flags}: not an option of --kv {config.kv} (its store options: {takes})")
+    return config
