@@ -29,6 +29,12 @@ def _engine_args(p: argparse.ArgumentParser, model_optional: bool = False) -> No
     p.add_argument("--kv", choices=["vpaged", "paged", "static"], default="vpaged", help="KV cache backend")
     p.add_argument("--kv-budget-mib", type=int, default=1024, help="KV cache budget (MiB)")
     p.add_argument("--swap-mib", type=int, default=0, help="host swap space for preempted requests (MiB)")
+    p.add_argument(
+        "--shared-budget",
+        default=None,
+        metavar="NAME",
+        help="join a machine-wide budget (`vpaged budget create NAME --bytes N`); --kv-budget-mib is the ceiling",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -95,6 +101,7 @@ def _build_engine(args):
         cpu_prepack=not args.no_cpu_prepack,
         kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype,
         kv_scales=_kv_scales(args.kv_scales),
+        shared_budget=args.shared_budget,
         **tp,
     )
 

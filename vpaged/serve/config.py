@@ -63,6 +63,9 @@ class EngineConfig:
         tensor_parallel_size: ranks the model is sharded over (transformers' tp_plan="auto" on
             torch.distributed; see vpaged.serve.distributed). Each rank keeps the K/V of its own KV heads in
             its own store of kv_budget_bytes (and swap_bytes): the budgets are per rank.
+        shared_budget: the name of a machine-wide budget (`vpaged budget create NAME --bytes N`) the store's
+            pool joins: kv_budget_bytes is then this engine's ceiling, and its pages count against the
+            budget shared with other engines and processes (vpaged.memory.SharedBudget).
     """
 
     kv_budget_bytes: int
@@ -84,6 +87,8 @@ class EngineConfig:
     kv_dtype: torch.dtype | str | None = None
     kv_scales: object = None
     tensor_parallel_size: int = 1
+    # A plain field for now (issue #37); the config split (#35) decides which part it belongs to.
+    shared_budget: str | None = None
 
     def __post_init__(self):
         # The order of the checks is the order LLMEngine has always reported them in.
@@ -106,6 +111,8 @@ class EngineConfig:
         if self.kv_dtype is not None:
             resolve_kv_dtype(self.kv_dtype, self.dtype or torch.float32)  # DTypeError for an unknown format
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.shared_budget is not None and not isinstance(self.shared_budget, str):
+            raise InvalidArgumentError(f"shared_budget must be a budget's name, got {self.shared_budget!r}")
         object.__setattr__(self, "device", normalize_device(self.device))
 
     @property

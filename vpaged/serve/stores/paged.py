@@ -94,6 +94,7 @@ class PagedStore:
             block_size=config.block_size,
             kv_dtype=geometry.kv_dtype,
             kv_scales=config.kv_scales,
+            shared_budget=config.shared_budget,
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.block_bytes
