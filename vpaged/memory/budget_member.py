@@ -28,8 +28,9 @@ from .shared_budget import SharedBudget
 if TYPE_CHECKING:
     from .pool import PagePool
 
-POLL_S = 0.05  # how often an idle member looks at its ask counter (the issue asks for an answer within 2 s)
+POLL_S = 0.02  # how often an idle member looks at its ask counter (the issue asks for an answer within 2 s)
 REPORT_S = 0.5  # how often it refreshes the figures `vpaged budget show` lists
+IDLE_RELEASE_S = 1.0  # granted pages unused this long go back unasked, beyond GRANT_CHUNK_PAGES of slack
 GIVE_BACK_WAIT_S = 3.0  # how long a member that is short waits for the others to answer
 GRANT_CHUNK_PAGES = 32  # pages asked beyond the need when growing, so a growing engine rarely asks
 
@@ -49,6 +50,7 @@ class BudgetMembership:
         self.min_bytes = -(-int(min_bytes) // self.page_size) * self.page_size
         if self.min_bytes:  # a guaranteed minimum is granted at once where the others have not taken it
             self._add(self.budget.grant(self.index, 0, prefer=min(self.min_bytes, self.budget.headroom(self.index))))
+        self._last_ask = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._serve, args=(weakref.ref(pool),), name=f"vpaged-budget-{self.index}", daemon=True
@@ -81,7 +83,13 @@ class BudgetMembership:
         return self.budget.headroom(self.index) // self.page_size
 
     def ask(self, pages: int) -> None:
-        """Ask the others to give back `pages` pages (not waiting); grants them at once if they are free."""
+        """Ask the others to give back `pages` pages (not waiting); grants them at once if they are free. A
+        scheduler calls this at every step while short: asks closer than POLL_S apart are one ask."""
+        now = time.monotonic()
+        if now - self._last_ask < POLL_S:
+            self._grant(pages, ask=False)
+            return
+        self._last_ask = now
         self._grant(pages, ask=True)
 
     def _grant(self, pages: int, ask: bool) -> int:
@@ -107,20 +115,29 @@ class BudgetMembership:
 
     # ------------------------------------------------------------------------------------- giving back
     def _serve(self, pool_ref) -> None:
-        seen, last_report = -1, 0.0
+        seen, last_report, slack_since = -1, 0.0, None
         while not self._stop.wait(POLL_S):
             pool = pool_ref()
             if pool is None:
                 return
             try:
                 seq = self.budget.segment.peek_ask_seq(self.index)
+                now = time.monotonic()
                 if seq != seen:
                     seen = seq
                     self.give_back(pool)
-                    last_report = time.monotonic()
-                elif time.monotonic() - last_report > REPORT_S:
-                    self._report(pool)
-                    last_report = time.monotonic()
+                    last_report = now
+                elif now - last_report > REPORT_S:
+                    # Granted pages nobody uses go back unasked after a while (no cache is touched: only the
+                    # pool's limit), so that a member that grows finds them free without asking anyone.
+                    slack = self._core.free_pages() > GRANT_CHUNK_PAGES
+                    slack_since = (slack_since or now) if slack else None
+                    if slack_since is not None and now - slack_since >= IDLE_RELEASE_S:
+                        self._release_unused(pool)
+                        slack_since = None
+                    else:
+                        self._report(pool)
+                    last_report = now
             except Exception:  # a closed or removed segment: the member keeps its pool and stops serving
                 if self._stop.is_set():
                     return
@@ -146,6 +163,13 @@ class BudgetMembership:
             self.budget.give_back(self.index, new_limit * ps, mapped, live, dormant)
             return limit - new_limit
 
+    def _release_unused(self, pool: PagePool) -> None:
+        with self._lock:
+            used = self._core.limit - self._core.free_pages()
+            new_limit = self._core.set_limit(used + GRANT_CHUNK_PAGES)
+            figures = self._figures(pool, lock=False)
+            self.budget.give_back(self.index, new_limit * self.page_size, *figures, answer=False)
+
     def _report(self, pool: PagePool) -> None:
         if pool.client_lock.acquire(blocking=False):  # a busy member reports at its next quiet moment
             try:
@@ -153,10 +177,15 @@ class BudgetMembership:
             finally:
                 pool.client_lock.release()
 
-    def _figures(self, pool: PagePool) -> tuple[int, int, int]:
+    def _figures(self, pool: PagePool, lock: bool = True) -> tuple[int, int, int]:
+        """(mapped, live, dormant) bytes; lock=False: without the client lock, dormant as last reported."""
         ps = self.page_size
         mapped = pool.stats().used_pages * ps
-        dormant = min(mapped, pool.reclaimable_pages() * ps)
+        if not lock:
+            me = self.budget.member(self.index)
+            dormant = min(mapped, me.dormant_bytes if me else 0)
+        else:
+            dormant = min(mapped, pool.reclaimable_pages() * ps)
         return mapped, mapped - dormant, dormant
 
     # ------------------------------------------------------------------------------------- leaving

@@ -207,18 +207,19 @@ class BudgetSegment:
 
     # ----------------------------------------------------------------------------------------- the table
     @contextlib.contextmanager
-    def locked(self):
+    def locked(self, write: bool = True):
         """Hold the budget's lock; yields the live member records (dead ones already reaped). Changes made
-        to the records are written back when the block ends without an error."""
+        to the records are written back when the block ends without an error (write=False: a reading call,
+        written back only when it reaped a dead member)."""
         with self._thread_lock:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 self._check_header()
                 records = self._read_table()
-                dead = [r for r in records if process_start_ticks(r.pid) != r.start_ticks]
-                live = [r for r in records if r not in dead]
+                live = [r for r in records if process_start_ticks(r.pid) == r.start_ticks]
                 yield live
-                self._write_table(live)
+                if write or len(live) != len(records):
+                    self._write_table(live)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 

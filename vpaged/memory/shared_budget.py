@@ -154,15 +154,19 @@ class SharedBudget:
                 self._ask_others(records, mine, prefer - max(0, room))
             return add
 
-    def give_back(self, index: int, granted_bytes: int, mapped: int, live: int, dormant: int) -> None:
-        """Member `index` now holds `granted_bytes` (at most what it held) and answers every ask so far."""
+    def give_back(
+        self, index: int, granted_bytes: int, mapped: int, live: int, dormant: int, answer: bool = True
+    ) -> None:
+        """Member `index` now holds `granted_bytes` (at most what it held) and, with answer, answers every ask
+        so far (answer=False: it gave back unasked, and asks still pending stay pending)."""
         with self.segment.locked() as records:
             mine = self._mine(records, index)
             if mine is None:
                 return
             mine.granted_bytes = min(mine.granted_bytes, granted_bytes)
-            mine.asked_bytes = 0  # it gave what it could; an asker still short asks again
-            mine.answered_seq = mine.ask_seq
+            if answer:
+                mine.asked_bytes = 0  # it gave what it could; an asker still short asks again
+                mine.answered_seq = mine.ask_seq
             mine.mapped_bytes, mine.live_bytes, mine.dormant_bytes = mapped, live, dormant
             mine.updated_ns = _now_ns()
 
@@ -175,24 +179,24 @@ class SharedBudget:
                 mine.updated_ns = _now_ns()
 
     def member(self, index: int) -> BudgetMember | None:
-        with self.segment.locked() as records:
+        with self.segment.locked(write=False) as records:
             mine = self._mine(records, index)
             return None if mine is None else _public(mine)
 
     def headroom(self, index: int) -> int:
         """Bytes member `index` could be granted now without anyone giving back (0 when gone)."""
-        with self.segment.locked() as records:
+        with self.segment.locked(write=False) as records:
             mine = self._mine(records, index)
             return 0 if mine is None else max(0, self._headroom(records, mine))
 
     def pending_asks(self, index: int) -> bool:
         """Whether a member asked by `index` has not answered yet (so waiting for it may still help)."""
-        with self.segment.locked() as records:
+        with self.segment.locked(write=False) as records:
             return any(r.asked_bytes and r.answered_seq < r.ask_seq for r in records if r.index != index)
 
     # -------------------------------------------------------------------------------------- control
     def state(self) -> BudgetState:
-        with self.segment.locked() as records:
+        with self.segment.locked(write=False) as records:
             return BudgetState(
                 self.name,
                 self.capacity_bytes,
