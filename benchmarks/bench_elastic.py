@@ -269,7 +269,7 @@ def main() -> None:
     ap.add_argument("--overhead", action="store_true", help="also: one engine with and without a shared budget")
     ap.add_argument("--overhead-requests", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--output", default=None, help="write the results as JSON here")
+    ap.add_argument("--output", default=None, help="write the results as JSON here (default: results/elastic_cpu.json)")
     ap.add_argument("--plot", default=None, help="write the memory-over-time plot here (PNG)")
     # A worker's options (the parent starts workers with them).
     ap.add_argument("--worker", type=int, default=None, dest="index")
@@ -314,8 +314,10 @@ def main() -> None:
             "rate": args.rate, "models": args.models, "max_tokens": args.max_tokens}  # fmt: skip
     if args.plot and args.modes and plot({m: results[m] for m in args.modes}, args.plot):
         print(f"plot: {args.plot}")
-    if args.output:
-        Path(args.output).write_text(json.dumps({"config": meta, "results": results}, indent=2) + "\n")
+    # Beside the other results by default (VPAGED_RESULTS_DIR redirects them, as `vpaged bench` does).
+    results_dir = Path(os.environ.get("VPAGED_RESULTS_DIR") or HERE / "results")
+    output = Path(args.output) if args.output else results_dir / "elastic_cpu.json"
+    output.write_text(json.dumps({"config": meta, "results": results}, indent=2) + "\n")
 
 
 def _cpu_name() -> str:
