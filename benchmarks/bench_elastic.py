@@ -289,7 +289,8 @@ def main() -> None:
     print(
         f"{'mode':<8} {'engine':<8} {'reqs':>5} {'done':>5} {'refused':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>8} {'preempt':>7}"
     )
-    for mode, s in results.items():
+    for mode in args.modes:
+        s = results[mode]
         for e in s["engines"]:
             print(
                 f"{mode:<8} {e['index']:<8} {e['requests']:>5} {e['finished']:>5} {e['refused']:>7} "
