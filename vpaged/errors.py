@@ -110,3 +110,31 @@ class TensorParallelError(EngineStepError):
     """A tensor-parallel engine lost a rank (it died, raised, or a collective timed out): the message names
     the rank and the cause. The engine cannot go on; close it and start a new one (the server answers 503 and
     exits non-zero)."""
+
+
+class BudgetError(VPagedError, RuntimeError):
+    """A machine-wide shared budget (vpaged.memory.SharedBudget) that cannot be used as asked; the message
+    names the budget and the fix."""
+
+
+class BudgetNotFoundError(BudgetError, FileNotFoundError):
+    """No shared budget of this name exists: create it first (`vpaged budget create NAME --bytes N`)."""
+
+
+class BudgetExistsError(BudgetError, FileExistsError):
+    """A shared budget of this name already exists: open it, or remove it (`vpaged budget remove NAME`)."""
+
+
+class BudgetCorruptError(BudgetError):
+    """The budget's segment is damaged or was made by another vpaged version (bad magic, version, size or
+    checksum): nothing was read from it; remove it (`vpaged budget remove NAME`) and create it again."""
+
+
+class BudgetPermissionError(BudgetError, PermissionError):
+    """The budget's segment belongs to another user, or its mode lets other users read or write it: it is
+    refused (a budget is private to its owner, 0600, unless created for a group with mode 0660)."""
+
+
+class BudgetMismatchError(BudgetError, ValueError):
+    """Joining a budget was refused up front: another page size, a min_bytes the budget cannot guarantee (the
+    members' minimums would exceed its capacity, or the member's own ceiling), or no free member slot."""

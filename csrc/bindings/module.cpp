@@ -137,6 +137,8 @@ PYBIND11_MODULE(_C, m) {
       .def("free_pages", &PagePool::free_pages)
       .def("stats", &PagePool::stats)
       .def("trim", &PagePool::trim)
+      .def("set_limit", &PagePool::set_limit, py::arg("pages"))
+      .def_property_readonly("limit", &PagePool::limit)
       .def("reset_high_water", &PagePool::reset_high_water)
       .def(
           "copy_page",

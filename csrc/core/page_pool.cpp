@@ -13,6 +13,19 @@ PagePool::PagePool(std::shared_ptr<Backend> backend, size_t reserve_pages, size_
   grow_locked(std::min(reserve_pages, backend_->capacity_pages()));
 }
 
+size_t PagePool::limit_locked() const { return std::min(limit_, backend_->capacity_pages()); }
+
+size_t PagePool::set_limit(size_t pages) {
+  std::lock_guard<std::mutex> lock(mu_);
+  limit_ = std::max(std::min(pages, backend_->capacity_pages()), used_);
+  return limit_;
+}
+
+size_t PagePool::limit() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return limit_locked();
+}
+
 // Take in the pages the backend has created (all of them for the host backend), then, if fewer than
 // `needed` are free, create more in batches, bounded by capacity.
 void PagePool::grow_locked(size_t needed) {
@@ -30,7 +43,8 @@ void PagePool::grow_locked(size_t needed) {
     }
   };
   absorb();
-  const size_t cap = backend_->capacity_pages();
+  // Never create past the limit: on CUDA a created page is device memory the budget must have granted.
+  const size_t cap = limit_locked();
   const size_t created = backend_->created_pages();
   if (free_.size() < needed && created < cap) {
     const size_t want = std::max(needed - free_.size(), create_batch_);
@@ -48,7 +62,7 @@ void PagePool::absorb_ids_locked() {
 // Every page counts against the capacity, home or general; general ones must also exist (CUDA creates
 // them ahead of need, and creation can fall short of capacity).
 void PagePool::check_budget_locked(size_t n, size_t general_needed) {
-  const size_t cap = backend_->capacity_pages();
+  const size_t cap = limit_locked();
   if (used_ + n > cap || free_.size() < general_needed) {
     const size_t avail = std::min(cap - used_, free_.size() + (n - general_needed));
     throw OutOfPages("page pool exhausted: " + std::to_string(n) + " page(s) of " +
@@ -189,16 +203,18 @@ int32_t PagePool::refcount(PageId page) const {
 
 size_t PagePool::free_pages() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return backend_->capacity_pages() - used_;
+  const size_t cap = limit_locked();
+  return cap > used_ ? cap - used_ : 0;
 }
 
 PoolStats PagePool::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  const size_t total = backend_->capacity_pages();
+  const size_t total = backend_->capacity_pages();  // the ceiling; free_pages counts up to the limit
+  const size_t cap = limit_locked();
   return PoolStats{backend_->page_size(),
                    total,
                    used_,
-                   total - used_,
+                   cap > used_ ? cap - used_ : 0,
                    high_water_,
                    backend_->created_pages(),
                    owned_[static_cast<size_t>(PageOwner::kKVCache)],
@@ -208,7 +224,8 @@ PoolStats PagePool::stats() const {
 size_t PagePool::trim() {
   std::lock_guard<std::mutex> lock(mu_);
   backend_->discard_pages(free_.data(), free_.size());
-  return std::min(free_.size(), backend_->capacity_pages() - used_);
+  const size_t cap = limit_locked();
+  return std::min(free_.size(), cap > used_ ? cap - used_ : 0);
 }
 
 void PagePool::reset_high_water() {

@@ -2,6 +2,7 @@
 // list and reference counts. A page is "used" while its count is above zero; ranges that map it hold
 // the references. Thread-safe: every public call takes the pool's mutex.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -58,6 +59,12 @@ class PagePool {
   PoolStats stats() const;
   // Give the RAM of every free page back to the system (where the backend can).
   size_t trim();
+  // The pages the pool may have in use at once: the backend's capacity unless lowered (a machine-wide
+  // budget grants the pool part of it: vpaged/memory/shared_budget.py). set_limit never goes below the
+  // pages in use nor above capacity: it returns the limit it set, clamped, under the same lock as acquire,
+  // so a shrink racing an acquire can never leave used pages above the limit.
+  size_t set_limit(size_t pages);
+  size_t limit() const;
   void reset_high_water();
 
  private:
@@ -81,6 +88,8 @@ class PagePool {
   bool zero_on_reuse_ = false;
   size_t used_ = 0;
   size_t high_water_ = 0;
+  size_t limit_ = SIZE_MAX;  // clamped to the backend's capacity where read (limit_locked)
+  size_t limit_locked() const;
 };
 
 }  // namespace vpaged

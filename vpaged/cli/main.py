@@ -1,7 +1,7 @@
 """The `vpaged` command: `vpaged demo` (a mixed workload on the CPU), `vpaged info` (backends),
 `vpaged simulate` (KV memory of cache kinds at production scale, vpaged/cli/simulate.py), `vpaged bench`
-(the benchmark suite, vpaged/cli/bench.py) and the serving commands `generate`, `serve` and
-`bench-serve` (vpaged/cli/serve.py)."""
+(the benchmark suite, vpaged/cli/bench.py), `vpaged budget` (a machine-wide shared budget,
+vpaged/cli/budget.py) and the serving commands `generate`, `serve` and `bench-serve` (vpaged/cli/serve.py)."""
 
 from __future__ import annotations
 
@@ -117,10 +117,12 @@ def main(argv=None) -> int:
     info = sub.add_parser("info", help="show which backends are usable here and why not")
     info.set_defaults(func=cmd_info)
     from .bench import add_parser as add_bench
+    from .budget import add_parser as add_budget
     from .simulate import add_parser as add_simulate
 
     add_simulate(sub)
     add_bench(sub)
+    add_budget(sub)
     from .serve import add_serve_commands  # generate, serve, bench-serve
 
     add_serve_commands(sub)

@@ -229,6 +229,27 @@ def _serve(d: dict) -> list[Row]:
     return out
 
 
+def _elastic(d: dict) -> list[Row]:
+    """bench_elastic.py: three engine processes on one shared budget against a static split of it."""
+    r = d.get("results", {})
+    st, sh = r.get("static"), r.get("shared")
+    if not (st and sh):
+        return []
+    rows = [Row("elastic", "TTFT p99, 3 engines, bursty", sh["ttft_p99"], st["ttft_p99"], "static split", "s", "lower")]
+    rows.append(
+        Row(
+            "elastic",
+            "output tokens/s, 3 engines, bursty",
+            sh["output_tokens_per_s"],
+            st["output_tokens_per_s"],
+            "static split",
+            "tok/s",
+            "higher",
+        )
+    )
+    return rows
+
+
 @dataclass(frozen=True)
 class Bench:
     name: str
@@ -254,6 +275,7 @@ SUITE = (
         _serve,
         in_quick=False,
     ),
+    Bench("elastic", "bench_elastic.py", "elastic_cpu.json", ("--quick",), (), _elastic, in_quick=False),
 )
 
 

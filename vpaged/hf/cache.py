@@ -48,7 +48,7 @@ from ..kvcache.checks import check_positive_int
 from ..kvcache.formats import resolve_kv_dtype
 from ..kvcache.geometry import KVGeometry
 from ..memory.device import normalize_device
-from ..memory.pool import PagePool
+from ..memory.pool import PagePool, resolve_pool
 from .compat import CacheBase, cache_keyword, cache_kwargs, layer_plan, register_attention, support_status  # noqa: F401
 from .config import ATTENTION_TYPES, config_dtype, layer_kinds
 from .groups import KVGroup, WindowGroup
@@ -156,6 +156,8 @@ class VPagedCache(CacheBase):
         capacity_bytes: memory budget of a private page pool; running out raises OutOfPagesError.
         pool: a PagePool to share with other caches (instead of capacity_bytes). Neither: the device's
             default pool.
+        shared_budget: the name of a machine-wide budget (vpaged.memory.SharedBudget) the private pool joins;
+            capacity_bytes (default: the budget's capacity) is then its ceiling.
         layout: "head_major" (default: each head's K/V dense, the [B, H, T, D] transformers' attention reads
             fastest; a page per head at each page boundary), "per_layer" (dense [T, H, D] per layer: finer
             pages, attention on a strided view) or "interleaved" (all layers of a token side by side:
@@ -196,6 +198,7 @@ class VPagedCache(CacheBase):
         bounded_sliding: bool = False,
         kv_dtype=None,
         kv_scales=None,
+        shared_budget=None,
     ):
         if config is not None:
             plan = layer_kinds(config)
@@ -213,8 +216,8 @@ class VPagedCache(CacheBase):
                 check_positive_int(name, value)
         if max_batch_size is not None:
             check_positive_int("max_batch_size", max_batch_size)
-        if pool is not None and capacity_bytes is not None:
-            raise InvalidArgumentError("give either pool or capacity_bytes, not both")
+        if pool is not None and (capacity_bytes is not None or shared_budget is not None):
+            raise InvalidArgumentError("give either pool or capacity_bytes / shared_budget, not both")
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise DTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         device = normalize_device(device) if device is not None else (pool.device if pool else None)
@@ -232,6 +235,7 @@ class VPagedCache(CacheBase):
         self.share_prefill = share_prefill
         self.bounded_sliding = bool(bounded_sliding)
         self._capacity_bytes = capacity_bytes
+        self._shared_budget = shared_budget
         self._pool = pool
         common = dict(
             max_len=max_cache_len,
@@ -277,8 +281,10 @@ class VPagedCache(CacheBase):
     def _pool_for(self, device: torch.device) -> PagePool | None:
         """The pool a group opens on: the one given, a private one of capacity_bytes (created once: it is this
         cache's budget, shared by its groups and kept across reset()), or None for the device's default."""
-        if self._pool is None and self._capacity_bytes is not None:
-            self._pool = PagePool(device, capacity_bytes=self._capacity_bytes, page_size=self.page_size)
+        if self._pool is None and (self._capacity_bytes is not None or self._shared_budget is not None):
+            _, self._pool = resolve_pool(
+                device, None, self._capacity_bytes, self.page_size, shared_budget=self._shared_budget
+            )
         if self._pool is not None and self._pool.device != device:
             raise InvalidArgumentError(f"the model gives K/V on {device}; the cache's pool is on {self._pool.device}")
         return self._pool

@@ -27,6 +27,7 @@ from ..errors import (
     SlotsExhaustedError,
 )
 from ..memory.device import normalize_device
+from ..memory.pool import reserve_in_budget
 from .base import KVCacheBase
 from .checks import check_kv, check_layer, check_positive_int, check_token_count, is_int, lookup_sequence, write_start
 from .formats import QuantizedKV, layer_scale, read_scale
@@ -57,6 +58,8 @@ class PagedKVCache(KVCacheBase):
             any scale on any host); write(), kv() and kernels then raise InvalidArgumentError.
         kv_dtype, kv_scales: a quantized format for what is stored, as VirtualKVCache's (kvcache/formats.py):
             the pools then hold bytes (an int8 row's scale after it), write() quantizes, kv() gives QuantizedKV.
+        shared_budget: the name of a machine-wide budget (vpaged.memory.SharedBudget): the block pools' bytes
+            are reserved in it for the cache's life (OutOfPagesError when it cannot grant them).
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class PagedKVCache(KVCacheBase):
         kv_dtype=None,
         kv_scales=None,
         geometry: KVGeometry | None = None,
+        shared_budget=None,
     ):
         geometry = cache_geometry(geometry, num_layers, num_kv_heads, head_dim, dtype, v_head_dim, kv_dtype)
         self._init_shape(geometry, max_seqs, max_seq_len, kv_scales)
@@ -95,6 +99,11 @@ class PagedKVCache(KVCacheBase):
             )
         self.num_blocks = num_blocks
         self.accounting_only = bool(accounting_only)
+        # Block pools are reserved whole, up front: in a shared budget they hold all their bytes as a
+        # guaranteed share (there is nothing to give back), through an accounting-only member.
+        self.budget_share = None
+        if shared_budget is not None:
+            self.budget_share = reserve_in_budget(shared_budget, num_blocks * self.block_bytes, "paged-kv")
         # The pools hold stored rows: values of dtype, or bytes of a quantized format (scales included).
         self._row_dims = self.geometry.storage_dims()[:2]
         store = self.kv_format.storage_dtype
@@ -442,6 +451,8 @@ class PagedKVCache(KVCacheBase):
         self._len.clear()
         self.key_caches, self.value_caches = [], []
         self.kernel_plans.clear()  # their parameters address memory that is gone
+        if self.budget_share is not None:
+            self.budget_share.leave_budget()
         self._closed = True
 
     def __repr__(self) -> str:

@@ -8,7 +8,10 @@ anybody sees an OutOfPagesError.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -16,9 +19,11 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .. import _C
-from ..errors import BackendUnavailableError, InvalidArgumentError
+from ..errors import BackendUnavailableError, InvalidArgumentError, OutOfPagesError
+from .budget_member import GIVE_BACK_WAIT_S, BudgetMembership
 from .device import CUDA_PAGE_SIZE, default_page_size, make_backend, normalize_device
 from .limits import check_host_capacity
+from .shared_budget import SharedBudget
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,11 @@ class PagePool:
     refused by default, since writing past physical memory ends the process (see limits.py).
     zero_on_reuse: pages read as zeros whenever they change owner (handed out again, or a freed sequence's
     pages given to a new one), so no request ever sees another's K/V. Off by default, like torch.empty.
+    shared_budget: the name of a machine-wide SharedBudget (or one opened) to join: capacity becomes this
+    pool's ceiling, and the pages it may have in use at once are granted by the budget, which asks the other
+    members to give back spare pages when it is full (memory/shared_budget.py, budget_member.py).
+    min_bytes: with shared_budget, bytes guaranteed to this pool that no other member can take.
+    member_name, model: how `vpaged budget show` names this member.
     """
 
     def __init__(
@@ -84,6 +94,10 @@ class PagePool:
         overcommit: bool = False,
         zero_on_reuse: bool = False,
         accounting_only: bool = False,
+        shared_budget=None,
+        min_bytes: int = 0,
+        member_name: str = "",
+        model: str = "",
     ):
         self.device = normalize_device(device)
         self.accounting_only = bool(accounting_only)
@@ -112,6 +126,19 @@ class PagePool:
         self._pool = _C.PagePool(backend, int(reserve_pages))
         self._pool.zero_on_reuse = bool(zero_on_reuse)
         self._clients: weakref.WeakSet = weakref.WeakSet()
+        # Held by the clients' calls that change mappings (kvcache: pool_serialized) and by the budget's
+        # give-back thread, so that the thread never reclaims from a cache halfway through a call.
+        self.client_lock = threading.RLock()
+        self.budget: BudgetMembership | None = None
+        if shared_budget is not None:
+            if min_bytes and min_bytes > self.capacity_pages * self.page_size:
+                raise InvalidArgumentError(f"min_bytes={min_bytes} exceeds the pool's capacity")
+            self.budget = BudgetMembership(
+                self, self._pool, shared_budget, min_bytes, member_name or f"pool-{os.getpid()}", model
+            )
+            weakref.finalize(self, self.budget.close)
+        elif min_bytes:
+            raise InvalidArgumentError("min_bytes is a guarantee within a shared budget: give shared_budget too")
 
     @property
     def capacity_pages(self) -> int:
@@ -196,31 +223,122 @@ class PagePool:
         self._clients.discard(client)
 
     def reclaimable_pages(self) -> int:
-        return sum(c.reclaimable_pages() for c in list(self._clients))
+        """Pages the clients keep only for reuse and would give back (not counting a shared budget)."""
+        with self.client_lock:
+            return sum(c.reclaimable_pages() for c in list(self._clients))
 
-    def reclaim(self, pages: int) -> int:
+    def available_pages(self) -> int:
+        """Pages a call could take now: free ones, the clients' reclaimable ones and, in a shared budget,
+        what the budget would grant without anyone giving back."""
+        budget = self.budget.headroom_pages() if self.budget else 0
+        return self.free_pages() + self.reclaimable_pages() + budget
+
+    def can_take(self, pages: int) -> bool:
+        """Whether `pages` pages are available now (available_pages); when they are not and the pool is in a
+        shared budget, the other members are asked to give back the rest (answered within a poll interval,
+        not waited for here), so that a later call may find them. A planning call: changes nothing here."""
+        if pages <= self.available_pages():
+            return True
+        if self.budget:
+            self.budget.ask(pages - self.reclaimable_pages())
+            return pages <= self.free_pages() + self.reclaimable_pages()
+        return False
+
+    def reclaim_clients(self, pages: int) -> int:
         """Ask clients to unmap pages they keep only for reuse until `pages` are freed; returns pages freed."""
         freed = 0
-        for c in list(self._clients):
-            if freed >= pages:
-                break
-            freed += c.reclaim_pages(pages - freed)
+        with self.client_lock:
+            for c in list(self._clients):
+                if freed >= pages:
+                    break
+                freed += c.reclaim_pages(pages - freed)
         return freed
 
+    def reclaim(self, pages: int) -> int:
+        """Make up to `pages` more pages free: in a shared budget first by a grant the budget has room
+        for, then by asking clients to unmap pages they keep only for reuse; returns the pages made free."""
+        grown = self.budget.grow(pages) if self.budget else 0
+        return grown + (self.reclaim_clients(pages - grown) if grown < pages else 0)
+
     def ensure_free(self, pages: int) -> bool:
-        """Make `pages` pages free if that is possible by reclaiming; changes nothing when it is not."""
+        """Make `pages` pages free if that is possible: from the pool's free pages; in a shared budget a
+        grant where it has room; the clients' reclaimable pages; and last (shared budget) the other members'
+        spare pages, waiting up to GIVE_BACK_WAIT_S for them to answer. Changes nothing when it fails."""
         short = pages - self.free_pages()
         if short <= 0:
             return True
-        if self.reclaimable_pages() < short:
-            return False
-        self.reclaim(short)
-        return self.free_pages() >= pages
+        if self.budget:
+            self.budget.grow(pages)
+            short = pages - self.free_pages()
+            if short <= 0:
+                return True
+        if self.reclaimable_pages() >= short:
+            self.reclaim_clients(short)
+            return self.free_pages() >= pages
+        if self.budget:
+            self.budget.grow(pages - self.reclaimable_pages(), wait_s=GIVE_BACK_WAIT_S)
+            short = pages - self.free_pages()
+            if short <= 0:
+                return True
+            if self.reclaimable_pages() >= short:
+                self.reclaim_clients(short)
+                return self.free_pages() >= pages
+        return False
+
+    def leave_budget(self) -> None:
+        """Leave the shared budget (its grant returns to the others); the pool keeps what it has in use,
+        and takes nothing more. Also done when the pool is dropped."""
+        if self.budget is not None:
+            self.budget.close()
 
     def __repr__(self) -> str:
         s = self.stats()
         kind = ", accounting only" if self.accounting_only else ""
         return f"PagePool(device={s.device}{kind}, page_size={s.page_size}, used={s.used_pages}/{s.total_pages} pages)"
+
+
+def reserve_in_budget(budget, nbytes: int, name: str = "") -> PagePool:
+    """Hold `nbytes` of a shared budget for good, for memory reserved up front outside any pool (a
+    PagedKVCache's block pools): an accounting-only member whose minimum is its whole ceiling, granted at
+    once or once the others gave back. Raises OutOfPagesError (holding nothing) when the budget cannot
+    grant it; BudgetMismatchError when the members' minimums leave no room for it. leave_budget() ends it."""
+    budget = budget if isinstance(budget, SharedBudget) else SharedBudget.open(budget)
+    pages = -(-int(nbytes) // budget.page_size)
+    pool = PagePool(
+        "cpu",
+        capacity_pages=pages,
+        page_size=budget.page_size,
+        accounting_only=True,
+        shared_budget=budget,
+        min_bytes=pages * budget.page_size,
+        member_name=name or f"reserved-{os.getpid()}",
+    )
+    if not pool.ensure_free(pages):
+        pool.leave_budget()
+        raise OutOfPagesError(
+            f"budget {budget.name!r} cannot grant {pages * budget.page_size} bytes reserved up front: the other "
+            "members hold them in live pages"
+        )
+    return pool
+
+
+def pool_serialized(cls):
+    """Class decorator for a pool client: each public method defined on `cls` runs holding
+    `self.pool.client_lock` (re-entrant), so the pool's give-back thread (a shared budget asking for pages
+    while this process is idle) never reclaims in the middle of one of the client's calls."""
+    for name, fn in list(vars(cls).items()):
+        if not name.startswith("_") and inspect.isfunction(fn):
+            setattr(cls, name, _holding_client_lock(fn))
+    return cls
+
+
+def _holding_client_lock(fn):
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        with self.pool.client_lock:
+            return fn(self, *args, **kwargs)
+
+    return call
 
 
 _default_pools: dict[torch.device, PagePool] = {}
@@ -252,20 +370,41 @@ def set_default_pool(pool: PagePool) -> None:
 
 
 def resolve_pool(
-    device, pool: PagePool | None = None, capacity_bytes: int | None = None, page_size: int | None = None
+    device,
+    pool: PagePool | None = None,
+    capacity_bytes: int | None = None,
+    page_size: int | None = None,
+    shared_budget=None,
+    min_bytes: int = 0,
+    member_name: str = "",
 ) -> tuple[torch.device, PagePool]:
     """(device, pool) of a cache built with these arguments: `pool` when given (it must be on `device` and
     of `page_size`), else a private pool of capacity_bytes, else the device's default pool. device defaults
-    to the pool's device when a pool is given, else "cpu"."""
+    to the pool's device when a pool is given, else "cpu". shared_budget (a name or a SharedBudget): the
+    private pool joins it, capacity_bytes (default: the budget's capacity) being its ceiling, min_bytes its
+    guaranteed share, page_size defaulting to the budget's."""
     dev = normalize_device(device if device is not None else pool.device if pool else "cpu")
     if pool is not None:
-        if capacity_bytes is not None:
-            raise InvalidArgumentError("give either pool or capacity_bytes, not both")
+        if capacity_bytes is not None or shared_budget is not None:
+            raise InvalidArgumentError("give either pool or capacity_bytes / shared_budget, not both")
         if pool.device != dev:
             raise InvalidArgumentError(f"pool is on {pool.device}, device={device!r} asks for {dev}")
         if page_size is not None and page_size != pool.page_size:
             raise InvalidArgumentError(f"page_size {page_size} differs from the pool's {pool.page_size}")
         return dev, pool
+    if shared_budget is not None:
+        budget = shared_budget if isinstance(shared_budget, SharedBudget) else SharedBudget.open(shared_budget)
+        pool = PagePool(
+            dev,
+            capacity_bytes=capacity_bytes if capacity_bytes is not None else budget.capacity_bytes,
+            page_size=page_size if page_size is not None else budget.page_size,
+            shared_budget=budget,
+            min_bytes=min_bytes,
+            member_name=member_name,
+        )
+        return dev, pool
+    if min_bytes:
+        raise InvalidArgumentError("min_bytes is a guarantee within a shared budget: give shared_budget too")
     if capacity_bytes is not None:
         return dev, PagePool(dev, capacity_bytes=capacity_bytes, page_size=page_size)
     pool = default_pool(dev)

@@ -134,9 +134,19 @@ class StoreConfig:
         metadata=option("fp8 K/V scales: per-layer (K, V) pairs, a number, or 'calibrate' (from each layer's "
                         "first write, i.e. the first prompt); default 1.0"),
     )  # fmt: skip
+    shared_budget: str | None = field(
+        default=None,
+        metadata=option(
+            "the name of a machine-wide budget (`vpaged budget create NAME --bytes N`) the store's pool joins: "
+            "kv_budget_bytes is then this engine's ceiling, and its pages count against the budget shared with "
+            "other engines and processes (vpaged.memory.SharedBudget)"
+        ),
+    )
 
     def __post_init__(self):
         check_positive_int("kv_budget_bytes", self.kv_budget_bytes)
+        if self.shared_budget is not None and not isinstance(self.shared_budget, str):
+            raise InvalidArgumentError(f"shared_budget must be a budget's name, got {self.shared_budget!r}")
 
     @property
     def prefix_caching_turned_off(self) -> bool:

@@ -35,7 +35,7 @@ from ...errors import (
     ReadOnlyTokensError,
     SequenceSwappedError,
 )
-from ...memory.pool import PagePool, resolve_pool
+from ...memory.pool import PagePool, pool_serialized, resolve_pool
 from ..base import KVCacheBase
 from ..checks import check_kv, check_layer, check_positive_int, check_token_count, check_token_span, is_int, write_start
 from ..eviction import EvictionPolicy, ReclaimOrder, resolve_eviction_policy, resolve_reclaim_order
@@ -53,6 +53,7 @@ from .views import SlotViews
 __all__ = ["BatchedKV", "CacheStats", "VirtualKVCache"]
 
 
+@pool_serialized  # the pool's shared-budget thread may reclaim from it between calls, never during one
 class VirtualKVCache(KVCacheBase):
     """KV cache with one contiguous virtual range per sequence slot.
 
@@ -84,6 +85,9 @@ class VirtualKVCache(KVCacheBase):
             or an EvictionPolicy object; reclaim_order: which kind of kept pages goes back first:
             "dormant_first" (default: freed slots, then prefix blocks, then spare tails), "prefix_first", or a
             ReclaimOrder. See kvcache/eviction.py.
+        shared_budget: the name of a machine-wide budget (vpaged.memory.SharedBudget) for a private pool to
+            join: capacity_bytes (default: the budget's capacity) becomes its ceiling; min_bytes its
+            guaranteed share. Pages it maps count against the budget; idle, it gives back what others need.
     """
 
     def __init__(
@@ -108,13 +112,15 @@ class VirtualKVCache(KVCacheBase):
         reclaim_order: str | ReclaimOrder = "dormant_first",
         *,
         geometry: KVGeometry | None = None,
+        shared_budget=None,
+        min_bytes: int = 0,
     ):
         # Policies first: a bad name raises before anything is created.
         self.eviction_policy = resolve_eviction_policy(eviction_policy)
         self.reclaim_order = resolve_reclaim_order(reclaim_order)
         geometry = cache_geometry(geometry, num_layers, num_kv_heads, head_dim, dtype, v_head_dim, kv_dtype)
         self._init_shape(geometry, max_seqs, max_seq_len, kv_scales)
-        self.device, self.pool = resolve_pool(device, pool, capacity_bytes, page_size)
+        self.device, self.pool = resolve_pool(device, pool, capacity_bytes, page_size, shared_budget, min_bytes)
         self.layout = lay = Layout.of(layout, self.geometry, max_seqs, max_seq_len, self.pool.page_size)
         if not self.pool.accounting_only:  # address space and mapping limit: said now, not mid-serving
             check_cache(lay, self.device)
@@ -226,9 +232,10 @@ class VirtualKVCache(KVCacheBase):
 
     def pages_available(self) -> int:
         """Pages an extend could take now: the pool's free pages plus those freed slots and unused prefix
-        pages would give back (shared with the other caches on the same pool)."""
+        pages would give back (shared with the other caches on the same pool) and, in a shared budget, what
+        the budget would grant without anyone giving back (PagePool.available_pages)."""
         self._check_open()
-        return self.pool.free_pages() + self.pool.reclaimable_pages()
+        return self.pool.available_pages()
 
     def is_swapped(self, seq: int) -> bool:
         return self._slot(seq) in self._swapped

@@ -91,6 +91,7 @@ class PagedStore:
             capacity_bytes=options.kv_budget_bytes,
             block_size=options.block_size,
             kv_scales=options.kv_scales,
+            shared_budget=options.shared_budget,
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.block_bytes

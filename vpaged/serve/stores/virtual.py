@@ -121,6 +121,7 @@ class VirtualStore:
             kv_scales=options.kv_scales,
             eviction_policy=getattr(options, "eviction_policy", "lru"),  # StaticStoreConfig: no prefix cache
             reclaim_order=getattr(options, "reclaim_order", "dormant_first"),
+            shared_budget=options.shared_budget,
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.pool.page_size
@@ -164,8 +165,9 @@ class VirtualStore:
 
     def pages_available(self, need: int) -> bool:
         # The pool's free count is one call; reclaimable pages (freed slots, unused prefix blocks) are summed
-        # only when the free ones do not suffice.
-        return need <= self.cache.pool.free_pages() or need <= self.cache.pages_available()
+        # only when the free ones do not suffice. In a shared budget, can_take also counts what the budget
+        # would grant and, when even that is short, asks the other members to give back for a later step.
+        return need <= self.cache.pool.free_pages() or self.cache.pool.can_take(need)
 
     def pages_needed(self, handles, n: int) -> int:
         return self.cache.pages_needed(handles, n)

@@ -1,0 +1,224 @@
+"""The machine-wide shared budget within one process: the ledger's checks, grants, give-back between two
+pools, and its refusals (corrupt, foreign, mismatched). Several processes: test_shared_budget_procs.py."""
+
+import os
+import struct
+import time
+import uuid
+
+import pytest
+import torch
+
+from vpaged import PagePool, VirtualKVCache
+from vpaged.errors import (
+    BudgetCorruptError,
+    BudgetExistsError,
+    BudgetMismatchError,
+    BudgetNotFoundError,
+    BudgetPermissionError,
+    InvalidArgumentError,
+    OutOfPagesError,
+)
+from vpaged.memory import SharedBudget
+from vpaged.memory.budget_segment import segment_path
+
+PAGE = 64 * 1024
+
+
+@pytest.fixture
+def budget_name():
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield name
+    SharedBudget.remove(name)
+
+
+def small_cache(budget, **kw):
+    # 2 layers x K/V x 2 heads x 64 fp32 = 512 bytes per token per region: 128 tokens per page
+    return VirtualKVCache(2, 2, 64, torch.float32, max_seqs=16, max_seq_len=4096, shared_budget=budget, **kw)
+
+
+def fill(cache, seqs, tokens, rng):
+    data = {}
+    for _ in range(seqs):
+        s = cache.allocate()
+        cache.extend(s, tokens)
+        data[s] = [(torch.randn(tokens, 2, 64, generator=rng), torch.randn(tokens, 2, 64, generator=rng)) for _ in "kv"]
+        for layer, (k, v) in enumerate(data[s]):
+            cache.write(layer, s, k, v, start=0)
+    return data
+
+
+def intact(cache, data):
+    return all(
+        torch.equal(cache.kv(layer, s)[0], k) and torch.equal(cache.kv(layer, s)[1], v)
+        for s, layers in data.items()
+        for layer, (k, v) in enumerate(layers)
+    )
+
+
+def test_create_open_remove(budget_name):
+    b = SharedBudget.create(budget_name, capacity_bytes=10 * PAGE + 123)
+    assert b.capacity_bytes == 10 * PAGE and b.page_size == PAGE
+    assert os.stat(segment_path(budget_name)).st_mode & 0o777 == 0o600
+    with pytest.raises(BudgetExistsError, match="vpaged budget remove"):
+        SharedBudget.create(budget_name, capacity_bytes=PAGE)
+    again = SharedBudget.open(budget_name)
+    assert again.capacity_bytes == 10 * PAGE and again.state().members == ()
+    assert SharedBudget.remove(budget_name)
+    with pytest.raises(BudgetNotFoundError, match="vpaged budget create"):
+        SharedBudget.open(budget_name)
+    with pytest.raises(InvalidArgumentError):
+        SharedBudget.open("../etc/passwd")
+
+
+@pytest.mark.parametrize("where", ["magic", "version", "capacity", "table"])
+def test_corrupt_segment_refused_naming_the_fix(budget_name, where):
+    SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    offset = {"magic": 0, "version": 8, "capacity": 24, "table": 56 + 20}[where]
+    with open(segment_path(budget_name), "r+b") as f:
+        f.seek(offset)
+        old = f.read(1)
+        f.seek(offset)
+        f.write(bytes([old[0] ^ 0x5A]))
+    with pytest.raises(BudgetCorruptError, match=f"vpaged budget remove {budget_name}"):
+        SharedBudget.open(budget_name).state()
+
+
+def test_truncated_segment_refused(budget_name):
+    SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    os.truncate(segment_path(budget_name), 100)
+    with pytest.raises(BudgetCorruptError, match="remove"):
+        SharedBudget.open(budget_name)
+
+
+def test_world_readable_or_foreign_segment_refused(budget_name):
+    SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    path = segment_path(budget_name)
+    os.chmod(path, 0o644)
+    with pytest.raises(BudgetPermissionError, match="other users"):
+        SharedBudget.open(budget_name)
+    os.chmod(path, 0o600)
+    if os.geteuid() == 0:  # root opens any file: the owner check is what refuses it
+        os.chown(path, 65534, -1)
+        with pytest.raises(BudgetPermissionError, match="belongs to uid 65534"):
+            SharedBudget.open(budget_name)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
+def test_other_user_cannot_open_or_read(budget_name):
+    SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child becomes nobody and tries to join, then to read the file
+        os.close(r)
+        code = b"?"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                SharedBudget.open(budget_name)
+                code = b"O"
+            except BudgetPermissionError:
+                try:
+                    open(segment_path(budget_name), "rb").read(1)
+                    code = b"R"
+                except PermissionError:
+                    code = b"P"
+        finally:
+            os.write(w, code)
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.waitpid(pid, 0)
+    assert got == b"P"  # refused with the typed error, and the bytes cannot be read either
+
+
+def test_join_refusals_change_nothing(budget_name):
+    b = SharedBudget.create(budget_name, capacity_bytes=16 * PAGE)
+    with pytest.raises(BudgetMismatchError, match="pages of 65536 bytes"):
+        PagePool("cpu", capacity_bytes=16 * 2 * PAGE, page_size=2 * PAGE, shared_budget=budget_name)
+    keep = PagePool("cpu", capacity_bytes=16 * PAGE, shared_budget=budget_name, min_bytes=10 * PAGE)
+    with pytest.raises(BudgetMismatchError, match="cannot guarantee"):
+        PagePool("cpu", capacity_bytes=16 * PAGE, shared_budget=budget_name, min_bytes=7 * PAGE)
+    with pytest.raises(BudgetMismatchError, match="ceiling"):
+        SharedBudget.open(budget_name).join(page_size=PAGE, ceiling_bytes=2 * PAGE, min_bytes=3 * PAGE)
+    with pytest.raises(InvalidArgumentError, match="shared_budget"):
+        PagePool("cpu", capacity_bytes=16 * PAGE, min_bytes=PAGE)
+    state = b.state()
+    assert [m.min_bytes for m in state.members] == [10 * PAGE] and state.members[0].granted_bytes == 10 * PAGE
+    del keep
+
+
+def test_pool_limit_follows_the_grant(budget_name):
+    SharedBudget.create(budget_name, capacity_bytes=40 * PAGE)
+    pool = PagePool("cpu", capacity_bytes=100 * PAGE, shared_budget=budget_name)
+    assert pool.free_pages() == 0 and pool.available_pages() == 40  # the ceiling is 100, the budget 40
+    assert pool.ensure_free(5)
+    granted = pool.budget.budget.member(pool.budget.index).granted_bytes
+    assert granted == (pool.free_pages() + pool.stats().used_pages) * PAGE and granted >= 5 * PAGE
+    assert not pool.ensure_free(41)  # more than the whole budget: refused at once, nothing taken
+    assert pool.budget.budget.member(pool.budget.index).granted_bytes == granted
+
+
+def test_second_pool_takes_dormant_pages_of_the_first(budget_name, rng):
+    SharedBudget.create(budget_name, capacity_bytes=48 * PAGE)
+    a, b = small_cache(budget_name), small_cache(budget_name)
+    data_a = fill(a, 4, 256, rng)  # 256 tokens: 2 pages in each of 4 regions (2 layers x K/V): 8 pages
+    used_a = a.pool.stats().used_pages
+    assert used_a == 32
+    keep = {s: data_a[s] for s in list(data_a)[:1]}
+    for s in list(data_a)[1:]:
+        a.free(s)  # dormant: still mapped, charged to a's grant
+    assert a.pool.stats().used_pages == used_a
+    t0 = time.monotonic()
+    data_b = fill(b, 3, 256, rng)  # 24 pages: a's free grant and then its dormant slots give them back
+    assert time.monotonic() - t0 < 2.0 + 1.0  # answered by a's thread (a is in this process, not waiting)
+    assert a.pool.stats().used_pages < used_a
+    assert intact(a, keep) and intact(b, data_b)
+    state = SharedBudget.open(budget_name).state()
+    assert state.granted_bytes <= state.capacity_bytes
+    with pytest.raises(OutOfPagesError):  # a's live sequence is never taken
+        fill(b, 4, 256, rng)
+    assert intact(a, keep) and intact(b, data_b)
+
+
+def test_set_ceiling_shrinks_an_idle_member(budget_name, rng):
+    budget = SharedBudget.create(budget_name, capacity_bytes=64 * PAGE)
+    a = small_cache(budget_name)
+    data = fill(a, 2, 256, rng)  # 8 pages each
+    for s in list(data)[1:]:
+        a.free(s)
+    live = 8
+    budget.set_ceiling(a.pool.budget.budget.member(a.pool.budget.index).name, live * PAGE)
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline and budget.state().members[0].granted_bytes > live * PAGE:
+        time.sleep(0.02)
+    m = budget.state().members[0]
+    assert m.granted_bytes <= live * PAGE and m.ceiling_bytes == live * PAGE
+    assert intact(a, {s: data[s] for s in list(data)[:1]})
+    with pytest.raises(InvalidArgumentError, match="no member"):
+        budget.set_ceiling("nobody", PAGE)
+
+
+def test_dead_member_is_reaped(budget_name):
+    budget = SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    index = budget.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name="ghost")
+    assert budget.grant(index, 8 * PAGE) == 8 * PAGE
+    # Make the record claim a process that is gone: a pid that exists with another start time.
+    seg = budget.segment
+    with seg.locked() as records:
+        records[0].start_ticks += 1
+    assert budget.state().members == ()  # reaped by the next locked call
+    assert budget.headroom(index) == 0 and budget.grant(index, PAGE) == -1
+
+
+def test_segment_holds_counts_not_kv(budget_name, rng):
+    SharedBudget.create(budget_name, capacity_bytes=32 * PAGE)
+    cache = small_cache(budget_name)
+    s = cache.allocate()
+    cache.extend(s, 256)
+    k = torch.full((256, 2, 64), 1234.5678, dtype=torch.float32)
+    cache.write(0, s, k, k, start=0)
+    raw = open(segment_path(budget_name), "rb").read()
+    assert len(raw) < 16 * 1024  # a header and a member table
+    assert struct.pack("<f", 1234.5678) not in raw

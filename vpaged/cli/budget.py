@@ -1,0 +1,141 @@
+"""`vpaged budget create | show | limit | remove`: the machine-wide shared budget from the shell (what
+kvcached's kvctl does for its instances). The ledger itself is vpaged/memory/shared_budget.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+
+from ..errors import VPagedError
+from ..memory.shared_budget import BudgetState, SharedBudget
+
+_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgt", start=1):  # binary multiples, whichever way they are written
+    _UNITS.update({_p: 1024**_i, f"{_p}b": 1024**_i, f"{_p}ib": 1024**_i})
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512MiB', '4G', '1.5gib' -> bytes (k, m, g, t are powers of 1024)."""
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num) :]
+    if unit not in _UNITS or not num:
+        raise ValueError(f"not a size: {text!r} (examples: 1073741824, 512MiB, 4GiB)")
+    return int(float(num) * _UNITS[unit])
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "budget",
+        help="a machine-wide KV memory budget that pools of several processes share",
+        description="Create, inspect, limit or remove a shared budget (a segment in /dev/shm, 0600). Pools, "
+        "caches and engines join it with shared_budget=NAME (vpaged serve --shared-budget NAME).",
+    )
+    cmds = p.add_subparsers(dest="budget_command", required=True)
+    c = cmds.add_parser("create", help="create a budget of N bytes")
+    c.add_argument("name")
+    c.add_argument("--bytes", required=True, type=parse_bytes, help="capacity, e.g. 8GiB")
+    c.add_argument("--page-size", type=parse_bytes, default=64 * 1024, help="members' page size (default 64KiB)")
+    c.add_argument("--group", action="store_true", help="mode 0660: the owner's group may join too")
+    c.set_defaults(func=cmd_create)
+    s = cmds.add_parser("show", help="list the members: pid, name, model, mapped / live / dormant, min, ceiling")
+    s.add_argument("name")
+    s.add_argument("--json", action="store_true", help="print the state as JSON")
+    s.set_defaults(func=cmd_show)
+    lim = cmds.add_parser("limit", help="change a member's ceiling at run time")
+    lim.add_argument("name")
+    lim.add_argument("--member", required=True, help="the member's name, index or pid")
+    lim.add_argument("--max", required=True, type=parse_bytes, help="the new ceiling, e.g. 2GiB")
+    lim.set_defaults(func=cmd_limit)
+    r = cmds.add_parser("remove", help="remove the budget's segment (members keep counting on their copy)")
+    r.add_argument("name")
+    r.set_defaults(func=cmd_remove)
+
+
+def _run(fn, args) -> int:
+    try:
+        return fn(args)
+    except VPagedError as e:
+        print(f"vpaged budget: {e}", file=sys.stderr)
+        return 1
+
+
+def cmd_create(args) -> int:
+    def go(a):
+        b = SharedBudget.create(a.name, a.bytes, page_size=a.page_size, mode=0o660 if a.group else 0o600)
+        print(f"created budget {a.name!r}: {_mib(b.capacity_bytes)} MiB in pages of {b.page_size} bytes")
+        b.close()
+        return 0
+
+    return _run(go, args)
+
+
+def cmd_show(args) -> int:
+    def go(a):
+        b = SharedBudget.open(a.name)
+        state = b.state()
+        b.close()
+        if a.json:
+            print(json.dumps(asdict(state) | {"free_bytes": state.free_bytes}, indent=2))
+        else:
+            print_state(state)
+        return 0
+
+    return _run(go, args)
+
+
+def print_state(state: BudgetState) -> None:
+    head = (
+        f"budget {state.name}: {_mib(state.capacity_bytes)} MiB, granted {_mib(state.granted_bytes)} MiB, "
+        f"free {_mib(state.free_bytes)} MiB, pages of {state.page_size} bytes"
+    )
+    cols = ["#", "pid", "name", "model", "granted", "mapped", "live", "dormant", "min", "ceiling"]
+    rows = [
+        [str(m.index), str(m.pid), m.name, m.model or "-"]
+        + [_mib(x) for x in (m.granted_bytes, m.mapped_bytes, m.live_bytes, m.dormant_bytes, m.min_bytes)]
+        + [_mib(m.ceiling_bytes)]
+        for m in state.members
+    ]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(head + " (MiB below)")
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        for r in [cols, *rows]:
+            print("  ".join(x.rjust(w) for x, w in zip(r, widths)))
+        return
+    table = Table(title=head + " (MiB)")
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("name", "model") else "right")
+    for r in rows:
+        table.add_row(*r)
+    console = Console()
+    Console(width=max(console.width, 160) if not console.is_terminal else None).print(table)  # piped: no wrap
+
+
+def cmd_limit(args) -> int:
+    def go(a):
+        b = SharedBudget.open(a.name)
+        changed = b.set_ceiling(a.member, a.max)
+        b.close()
+        print(f"ceiling of member(s) {', '.join(map(str, changed))} set to {_mib(a.max)} MiB")
+        return 0
+
+    return _run(go, args)
+
+
+def cmd_remove(args) -> int:
+    def go(a):
+        if SharedBudget.remove(a.name):
+            print(f"removed budget {a.name!r}")
+            return 0
+        print(f"vpaged budget: no budget named {a.name!r}", file=sys.stderr)
+        return 1
+
+    return _run(go, args)

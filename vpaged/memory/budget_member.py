@@ -1,0 +1,202 @@
+"""BudgetMembership: a PagePool's place in a SharedBudget — its grant, and giving back while idle.
+
+The pool's C++ limit (`_C.PagePool.set_limit`) is the member's grant in pages: acquire() never goes past it,
+so charging happens once per grant change, not per page, and the hot path stays in C++. The ledger is
+touched only when the pool needs more than it was granted (grant(), in chunks, so a growing engine asks
+rarely) or when another member asks for pages back.
+
+Giving back: each membership runs one daemon thread that polls its record's ask counter in the shared
+segment every POLL_S (a read of 8 bytes, no lock) and, when it moves, takes the pool's client_lock (so no
+cache call is half done), frees what was asked — free granted pages first, then the pool's Reclaimable
+clients' pages (freed slots, evictable prefix blocks; never live K/V) — and lowers the pool's limit and its
+grant together. Pages a cache unmaps go back to the pool, whose host backend punches their holes at once,
+so the process's RSS falls. A member that is idle (not calling into vpaged) answers within POLL_S plus the
+reclaim itself; a busy one answers when its current cache call returns.
+
+Lock order: pool.client_lock, then the membership's lock, then the segment's (never the other way round).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+from .shared_budget import SharedBudget
+
+if TYPE_CHECKING:
+    from .pool import PagePool
+
+POLL_S = 0.02  # how often an idle member looks at its ask counter (the issue asks for an answer within 2 s)
+REPORT_S = 0.5  # how often it refreshes the figures `vpaged budget show` lists
+IDLE_RELEASE_S = 1.0  # granted pages unused this long go back unasked, beyond GRANT_CHUNK_PAGES of slack
+GIVE_BACK_WAIT_S = 3.0  # how long a member that is short waits for the others to answer
+GRANT_CHUNK_PAGES = 32  # pages asked beyond the need when growing, so a growing engine rarely asks
+
+
+class BudgetMembership:
+    def __init__(self, pool: PagePool, core, budget: str | SharedBudget, min_bytes: int, name: str, model: str):
+        """pool: the PagePool joining; core: its C++ pool (thread-safe), whose limit the membership sets."""
+        self.budget = budget if isinstance(budget, SharedBudget) else SharedBudget.open(budget)
+        self.page_size = pool.page_size
+        self._core = core
+        self._lock = threading.Lock()
+        ceiling = pool.capacity_pages * pool.page_size
+        self.index = self.budget.join(
+            page_size=pool.page_size, ceiling_bytes=ceiling, min_bytes=min_bytes, name=name, model=model
+        )
+        self._core.set_limit(0)
+        self.min_bytes = -(-int(min_bytes) // self.page_size) * self.page_size
+        if self.min_bytes:  # a guaranteed minimum is granted at once where the others have not taken it
+            self._add(self.budget.grant(self.index, 0, prefer=min(self.min_bytes, self.budget.headroom(self.index))))
+        self._last_ask = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, args=(weakref.ref(pool),), name=f"vpaged-budget-{self.index}", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------- growing
+    def grow(self, pages: int, wait_s: float = 0.0) -> int:
+        """Raise the grant so that `pages` more pages may be taken; returns the pages added. With wait_s, asks
+        the others to give back and waits up to that long for them (while any asked member has not
+        answered). Takes nothing when it cannot take enough."""
+        added = self._grant(pages, ask=wait_s > 0)
+        if added or wait_s <= 0:
+            return added
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+            added = self._grant(pages, ask=False)
+            if added:
+                return added
+            if not self.budget.pending_asks(self.index):
+                # Everyone asked has answered: one more ask covers what they freed since, then stop.
+                added = self._grant(pages, ask=True)
+                if added or not self.budget.pending_asks(self.index):
+                    return added
+        return 0
+
+    def headroom_pages(self) -> int:
+        """Pages the budget would grant now without anyone giving back."""
+        return self.budget.headroom(self.index) // self.page_size
+
+    def ask(self, pages: int) -> None:
+        """Ask the others to give back `pages` pages (not waiting); grants them at once if they are free. A
+        scheduler calls this at every step while short: asks closer than POLL_S apart are one ask."""
+        now = time.monotonic()
+        if now - self._last_ask < POLL_S:
+            self._grant(pages, ask=False)
+            return
+        self._last_ask = now
+        self._grant(pages, ask=True)
+
+    def _grant(self, pages: int, ask: bool) -> int:
+        ps = self.page_size
+        with self._lock:
+            short = pages - self._core.free_pages()
+            if short <= 0:
+                return 0
+            if ask:
+                got = self.budget.grant(self.index, short * ps, prefer=max(short, GRANT_CHUNK_PAGES) * ps)
+            else:
+                room = self.budget.headroom(self.index) // ps
+                if room < short:
+                    return 0
+                got = self.budget.grant(self.index, short * ps, prefer=min(room, max(short, GRANT_CHUNK_PAGES)) * ps)
+            return self._add(got)
+
+    def _add(self, got: int) -> int:
+        if got <= 0:
+            return 0
+        self._core.set_limit(self._core.limit + got // self.page_size)
+        return got // self.page_size
+
+    # ------------------------------------------------------------------------------------- giving back
+    def _serve(self, pool_ref) -> None:
+        seen, last_report, slack_since = -1, 0.0, None
+        while not self._stop.wait(POLL_S):
+            pool = pool_ref()
+            if pool is None:
+                return
+            try:
+                seq = self.budget.segment.peek_ask_seq(self.index)
+                now = time.monotonic()
+                if seq != seen:
+                    seen = seq
+                    self.give_back(pool)
+                    last_report = now
+                elif now - last_report > REPORT_S:
+                    # Granted pages nobody uses go back unasked after a while (no cache is touched: only the
+                    # pool's limit), so that a member that grows finds them free without asking anyone.
+                    slack = self._core.free_pages() > GRANT_CHUNK_PAGES
+                    slack_since = (slack_since or now) if slack else None
+                    if slack_since is not None and now - slack_since >= IDLE_RELEASE_S:
+                        self._release_unused(pool)
+                        slack_since = None
+                    else:
+                        self._report(pool)
+                    last_report = now
+            except Exception:  # a closed or removed segment: the member keeps its pool and stops serving
+                if self._stop.is_set():
+                    return
+                time.sleep(REPORT_S)
+            finally:
+                del pool
+
+    def give_back(self, pool: PagePool) -> int:
+        """Answer the asks on this member: free up to the bytes asked (and down to the ceiling), lower the
+        grant; returns the pages given back."""
+        ps = self.page_size
+        with pool.client_lock, self._lock:
+            me = self.budget.member(self.index)
+            if me is None:
+                return 0
+            limit = self._core.limit
+            want = max(-(-me.asked_bytes // ps), limit - me.ceiling_bytes // ps)  # asked, or over the ceiling
+            if want > self._core.free_pages():
+                pool.reclaim_clients(want - self._core.free_pages())
+            pool.trim()
+            new_limit = self._core.set_limit(max(0, limit - want))  # clamped to the pages in use
+            mapped, live, dormant = self._figures(pool)
+            self.budget.give_back(self.index, new_limit * ps, mapped, live, dormant)
+            return limit - new_limit
+
+    def _release_unused(self, pool: PagePool) -> None:
+        with self._lock:
+            used = self._core.limit - self._core.free_pages()
+            new_limit = self._core.set_limit(used + GRANT_CHUNK_PAGES)
+            figures = self._figures(pool, lock=False)
+            self.budget.give_back(self.index, new_limit * self.page_size, *figures, answer=False)
+
+    def _report(self, pool: PagePool) -> None:
+        if pool.client_lock.acquire(blocking=False):  # a busy member reports at its next quiet moment
+            try:
+                self.budget.report(self.index, *self._figures(pool))
+            finally:
+                pool.client_lock.release()
+
+    def _figures(self, pool: PagePool, lock: bool = True) -> tuple[int, int, int]:
+        """(mapped, live, dormant) bytes; lock=False: without the client lock, dormant as last reported."""
+        ps = self.page_size
+        mapped = pool.stats().used_pages * ps
+        if not lock:
+            me = self.budget.member(self.index)
+            dormant = min(mapped, me.dormant_bytes if me else 0)
+        else:
+            dormant = min(mapped, pool.reclaimable_pages() * ps)
+        return mapped, mapped - dormant, dormant
+
+    # ------------------------------------------------------------------------------------- leaving
+    def close(self) -> None:
+        """Leave the budget (the grant returns to it) and stop the thread."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * POLL_S + 1)
+        try:
+            self.budget.leave(self.index)
+        finally:
+            self.budget.close()

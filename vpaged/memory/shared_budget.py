@@ -1,0 +1,268 @@
+"""SharedBudget: one byte budget for the pools of several processes on one machine (the ledger).
+
+Pools join a budget by name (`PagePool(..., shared_budget=NAME)`); each member's own capacity becomes its
+ceiling, and what it may have in use at once (its *grant*, the pool's limit) is charged to the budget. A
+member may hold a guaranteed minimum (`min_bytes`) that the others cannot take. When a member needs more
+than the budget has free, it asks the others to give back what they can spare (budget_member.py): their
+free granted pages, then pages kept only for reuse (freed slots, cached prefixes), never live K/V.
+
+Invariants, all kept under the segment's lock (budget_segment.py):
+- sum over members of max(granted, min) <= capacity, except while a member that just joined waits for the
+  others to give back down to their minimums (its minimum was checked to fit: sum of minimums <= capacity);
+- a member's granted bytes are a whole number of pages, never above its ceiling;
+- a record whose process is gone is dropped by the next locked call, returning its grant.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from ..errors import BudgetMismatchError, InvalidArgumentError
+from .budget_segment import BudgetSegment, MemberRecord, process_start_ticks
+
+
+@dataclass(frozen=True)
+class BudgetMember:
+    """A member as `vpaged budget show` lists it (bytes)."""
+
+    index: int
+    pid: int
+    name: str
+    model: str
+    min_bytes: int
+    ceiling_bytes: int
+    granted_bytes: int
+    mapped_bytes: int
+    live_bytes: int
+    dormant_bytes: int
+    asked_bytes: int
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    name: str
+    capacity_bytes: int
+    page_size: int
+    granted_bytes: int  # the members' grants
+    reserved_bytes: int  # what others cannot take: sum of max(granted, min)
+    members: tuple[BudgetMember, ...]
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.capacity_bytes - self.reserved_bytes)
+
+
+class SharedBudget:
+    """A named machine-wide budget. create() makes it, open() opens one that exists; join() is what a pool
+    calls (see PagePool's shared_budget); state() and set_ceiling() are what `vpaged budget` shows and
+    changes."""
+
+    def __init__(self, segment: BudgetSegment):
+        self.segment = segment
+        self.name = segment.name
+
+    @classmethod
+    def create(cls, name: str, capacity_bytes: int, page_size: int = 64 * 1024, mode: int = 0o600) -> SharedBudget:
+        """A new budget of capacity_bytes (rounded down to whole pages of page_size; every member must use
+        that page size). mode: 0o600 (this user only, the default) or 0o660 (also its group)."""
+        capacity_bytes, page_size = int(capacity_bytes), int(page_size)
+        if page_size <= 0 or capacity_bytes < page_size:
+            raise InvalidArgumentError(
+                f"a budget needs at least one page: capacity_bytes={capacity_bytes}, page_size={page_size}"
+            )
+        capacity_bytes -= capacity_bytes % page_size
+        return cls(BudgetSegment.create(name, capacity_bytes, page_size, mode))
+
+    @classmethod
+    def open(cls, name: str) -> SharedBudget:
+        return cls(BudgetSegment.open(name))
+
+    @staticmethod
+    def remove(name: str) -> bool:
+        """Remove the budget's segment; returns whether there was one. Members that have it open go on
+        counting on their copy; new members cannot join it."""
+        return BudgetSegment.remove(name)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.segment.capacity_bytes
+
+    @property
+    def page_size(self) -> int:
+        return self.segment.page_size
+
+    def close(self) -> None:
+        self.segment.close()
+
+    # ------------------------------------------------------------------------------------------ members
+    def join(self, *, page_size: int, ceiling_bytes: int, min_bytes: int = 0, name: str = "", model: str = "") -> int:
+        """Add a member of this process; returns its index. Refused up front (BudgetMismatchError, nothing
+        changed) when the page size differs, when min_bytes exceeds the ceiling, or when the members'
+        minimums would exceed the capacity."""
+        ps = self.page_size
+        if page_size != ps:
+            raise BudgetMismatchError(
+                f"budget {self.name!r} counts pages of {ps} bytes; this pool's are {page_size} bytes: give the "
+                f"pool page_size={ps} or use a budget made for {page_size}-byte pages"
+            )
+        min_bytes = -(-int(min_bytes) // ps) * ps
+        ceiling_bytes = min(int(ceiling_bytes) // ps * ps, self.capacity_bytes)
+        if min_bytes < 0 or min_bytes > ceiling_bytes:
+            raise BudgetMismatchError(
+                f"min_bytes={min_bytes} cannot be guaranteed within the member's ceiling of {ceiling_bytes} bytes"
+            )
+        me = os.getpid()
+        with self.segment.locked() as records:
+            taken = sum(r.min_bytes for r in records)
+            if taken + min_bytes > self.capacity_bytes:
+                raise BudgetMismatchError(
+                    f"budget {self.name!r} cannot guarantee min_bytes={min_bytes}: its members already hold "
+                    f"minimums of {taken} of {self.capacity_bytes} bytes"
+                )
+            index = self.segment.free_index(records)
+            if index is None:
+                raise BudgetMismatchError(f"budget {self.name!r} has no free member slot ({len(records)} members)")
+            record = MemberRecord(index, me, process_start_ticks(me), name, model, min_bytes, ceiling_bytes)
+            records.append(record)
+            self._ask_others(records, record, max(0, min_bytes - self._headroom(records, record)))
+        return index
+
+    def leave(self, index: int) -> None:
+        """Drop this process's member `index`; its grant returns to the budget."""
+        with self.segment.locked() as records:
+            mine = self._mine(records, index)
+            if mine is not None:
+                records.remove(mine)
+
+    def grant(self, index: int, need: int, prefer: int = 0) -> int:
+        """Raise member `index`'s grant by `prefer` bytes if that fits, else by `need`, else not at all (then
+        the others are asked to give back the difference). Returns the bytes added (0 or a whole number of
+        pages), or -1 when the member is gone (its record was removed)."""
+        ps = self.page_size
+        need, prefer = -(-need // ps) * ps, -(-max(prefer, need) // ps) * ps
+        with self.segment.locked() as records:
+            mine = self._mine(records, index)
+            if mine is None:
+                return -1
+            room = self._headroom(records, mine)
+            add = prefer if prefer <= room else need if need <= room else 0
+            if add:
+                mine.granted_bytes += add
+            elif need:  # asking for the chunk too, so that a growing member comes back rarely
+                self._ask_others(records, mine, prefer - max(0, room))
+            return add
+
+    def give_back(
+        self, index: int, granted_bytes: int, mapped: int, live: int, dormant: int, answer: bool = True
+    ) -> None:
+        """Member `index` now holds `granted_bytes` (at most what it held) and, with answer, answers every ask
+        so far (answer=False: it gave back unasked, and asks still pending stay pending)."""
+        with self.segment.locked() as records:
+            mine = self._mine(records, index)
+            if mine is None:
+                return
+            mine.granted_bytes = min(mine.granted_bytes, granted_bytes)
+            if answer:
+                mine.asked_bytes = 0  # it gave what it could; an asker still short asks again
+                mine.answered_seq = mine.ask_seq
+            mine.mapped_bytes, mine.live_bytes, mine.dormant_bytes = mapped, live, dormant
+            mine.updated_ns = _now_ns()
+
+    def report(self, index: int, mapped: int, live: int, dormant: int) -> None:
+        """Update the figures `vpaged budget show` lists for member `index` (changes no grant)."""
+        with self.segment.locked() as records:
+            mine = self._mine(records, index)
+            if mine is not None:
+                mine.mapped_bytes, mine.live_bytes, mine.dormant_bytes = mapped, live, dormant
+                mine.updated_ns = _now_ns()
+
+    def member(self, index: int) -> BudgetMember | None:
+        with self.segment.locked(write=False) as records:
+            mine = self._mine(records, index)
+            return None if mine is None else _public(mine)
+
+    def headroom(self, index: int) -> int:
+        """Bytes member `index` could be granted now without anyone giving back (0 when gone)."""
+        with self.segment.locked(write=False) as records:
+            mine = self._mine(records, index)
+            return 0 if mine is None else max(0, self._headroom(records, mine))
+
+    def pending_asks(self, index: int) -> bool:
+        """Whether a member asked by `index` has not answered yet (so waiting for it may still help)."""
+        with self.segment.locked(write=False) as records:
+            return any(r.asked_bytes and r.answered_seq < r.ask_seq for r in records if r.index != index)
+
+    # -------------------------------------------------------------------------------------- control
+    def state(self) -> BudgetState:
+        with self.segment.locked(write=False) as records:
+            return BudgetState(
+                self.name,
+                self.capacity_bytes,
+                self.page_size,
+                sum(r.granted_bytes for r in records),
+                sum(r.reserved_bytes() for r in records),
+                tuple(_public(r) for r in sorted(records, key=lambda r: r.index)),
+            )
+
+    def set_ceiling(self, member: str, max_bytes: int) -> list[int]:
+        """Change the ceiling of the members whose name, index or pid is `member` (at run time); a member
+        now above it is asked to give back down to it. Returns the indices changed."""
+        ps = self.page_size
+        max_bytes = min(int(max_bytes) // ps * ps, self.capacity_bytes)
+        changed = []
+        with self.segment.locked() as records:
+            for r in records:
+                if member in (r.name, str(r.index), str(r.pid)):
+                    if max_bytes < r.min_bytes:
+                        raise BudgetMismatchError(
+                            f"member {member!r} is guaranteed min_bytes={r.min_bytes}: a ceiling of {max_bytes} "
+                            "bytes is below it"
+                        )
+                    r.ceiling_bytes = max_bytes
+                    if r.granted_bytes > max_bytes:
+                        r.asked_bytes = max(r.asked_bytes, r.granted_bytes - max_bytes)
+                        r.ask_seq += 1
+                    changed.append(r.index)
+        if not changed:
+            raise InvalidArgumentError(f"budget {self.name!r} has no member named {member!r} (name, index or pid)")
+        return changed
+
+    # -------------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _mine(records: list[MemberRecord], index: int) -> MemberRecord | None:
+        me = os.getpid()
+        return next((r for r in records if r.index == index and r.pid == me), None)
+
+    def _headroom(self, records: list[MemberRecord], mine: MemberRecord) -> int:
+        """How far `mine` may grow now: up to its ceiling, in what the others do not reserve (its own
+        minimum is its to use)."""
+        others = sum(r.reserved_bytes() for r in records if r is not mine)
+        return min(mine.ceiling_bytes, self.capacity_bytes - others) - mine.granted_bytes
+
+    @staticmethod
+    def _ask_others(records: list[MemberRecord], mine: MemberRecord, short: int) -> None:
+        """Ask the members that hold more than they use live (and than their minimum) for `short` bytes in
+        all, largest spare first; each member's thread sees its ask counter move and gives back what it can.
+        Live bytes are as last reported (a member answering an ask, or every REPORT_S while idle)."""
+        if short <= 0:
+            return
+        spare = {r.index: r.granted_bytes - max(r.min_bytes, r.live_bytes) for r in records if r is not mine}
+        for r in sorted((r for r in records if spare.get(r.index, 0) > 0), key=lambda r: -spare[r.index]):
+            r.asked_bytes = max(r.asked_bytes, min(spare[r.index], short))
+            r.ask_seq += 1
+            short -= min(spare[r.index], short)
+            if short <= 0:
+                break
+
+
+def _public(r: MemberRecord) -> BudgetMember:
+    return BudgetMember(
+        r.index, r.pid, r.name, r.model, r.min_bytes, r.ceiling_bytes, r.granted_bytes, r.mapped_bytes,
+        r.live_bytes, r.dormant_bytes, r.asked_bytes,
+    )  # fmt: skip
+
+
+def _now_ns() -> int:
+    return time.time_ns()
