@@ -106,7 +106,7 @@ class VirtualRange:
 class DecodeParams:
     """Arguments of a decode attention launch (csrc/kernels/decode.h); pointers are ints."""
 
-    dtype: int  # of q and out: 0 float32, 1 float16, 2 bfloat16
+    dtype: int  # of q and out (dtype_codes()): 0 float32, 1 float16, 2 bfloat16
     kv_dtype: int  # of K/V storage: -1 as dtype; 3 int8 (float32 scale after each head's row), 4 fp8 e4m3fn, 5 fp8 e5m2
     num_seqs: int
     num_heads: int
@@ -144,6 +144,9 @@ class CudaLaunch:
     partial_acc: int
     partial_ml: int
     def __init__(self) -> None: ...
+
+def dtype_codes() -> dict[str, int]:
+    """The codes of DecodeParams.dtype / kv_dtype (decode.h's DType) by torch dtype name ("float32": 0, ...)."""
 
 def decode_check(params: DecodeParams) -> None: ...
 def decode_cpu(params: DecodeParams, num_threads: int = 0, isa: str = "auto") -> None: ...

@@ -141,6 +141,20 @@ void register_kernels(py::module_& m) {
   address_field(launch, "partial_acc", &CudaLaunch::partial_acc);
   address_field(launch, "partial_ml", &CudaLaunch::partial_ml);
 
+  m.def(
+      "dtype_codes",
+      [] {
+        // decode.h's DType, keyed by the torch dtype's name: vpaged/ops/launch.py reads its codes from here.
+        py::dict codes;
+        codes["float32"] = int(kFloat32);
+        codes["float16"] = int(kFloat16);
+        codes["bfloat16"] = int(kBFloat16);
+        codes["int8"] = int(kInt8);
+        codes["float8_e4m3fn"] = int(kFloat8E4M3);
+        codes["float8_e5m2"] = int(kFloat8E5M2);
+        return codes;
+      },
+      "The element type codes of the kernels' dtype / kv_dtype fields, by torch dtype name.");
   m.def("decode_check", &check_params, py::arg("params"), "Raise InvalidArgumentError if params are inconsistent.");
   m.def(
       "decode_cpu",

@@ -6,8 +6,8 @@ callers:
 - The serving engine runs one packed forward per step: every scheduled sequence's new tokens are one batch
   row, with position_ids, and the engine passes `vpaged_step=<a StepAttention>` as a forward kwarg, which
   transformers hands through every decoder layer to this function. The StepAttention (built once per step,
-  see kv.py) writes the layer's new K/V into the cache and attends per sequence: decode rows through the
-  vpaged.ops decode kernel, prefill chunks with SDPA over the cached K/V.
+  see serve/stores/attention.py) writes the layer's new K/V into the cache and attends per sequence: decode
+  rows through the vpaged.ops decode kernel, prefill chunks with SDPA over the cached K/V.
 - Anything else, e.g. `model.generate(**cache_kwargs(VPagedCache(...)))`: a decode step (one query token, no mask)
   runs the contiguous decode kernel straight on the K/V tensors the cache returned (for a VPagedCache,
   views of each row's contiguous range); everything else (prefill, padded batches, sliding windows) goes
@@ -118,7 +118,7 @@ def _decode_on_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 def register() -> None:
     """Make attn_implementation="vpaged" known to transformers (idempotent), with SDPA's mask function so
-    that left-padded batches outside the engine keep their padding. Through vpaged._hf_compat, which
+    that left-padded batches outside the engine keep their padding. Through vpaged.hf.compat, which
     registers the same way on every supported transformers release."""
     from .compat import register_attention
 

@@ -137,7 +137,7 @@ def _cache_base():
 
 
 def __getattr__(name: str):
-    # Built on first use, so that `import vpaged._hf_compat` (vpaged info) does not import transformers.
+    # Built on first use, so that `import vpaged.hf.compat` (vpaged info) does not import transformers.
     if name == "CacheBase":
         value = globals()["CacheBase"] = _cache_base()
         return value

@@ -30,7 +30,6 @@ from ..memory.device import normalize_device
 from ..memory.pool import reserve_in_budget
 from .base import KVCacheBase
 from .checks import check_kv, check_layer, check_positive_int, check_token_count, is_int, lookup_sequence, write_start
-from .formats import QuantizedKV, layer_scale, read_scale
 from .geometry import KVGeometry, cache_geometry
 from .records import BlockPools, PagedCacheStats
 
@@ -316,8 +315,7 @@ class PagedKVCache(KVCacheBase):
         fmt, (k_dim, v_dim) = self.kv_format, self._row_dims
         if fmt.quantized:
             scales = self.kv_scales[layer] if self.kv_scales is not None else None
-            k = fmt.quantize(k, layer_scale(scales, 0, k, fmt))
-            v = fmt.quantize(v, layer_scale(scales, 1, v, fmt))
+            k, v = fmt.quantize_kv(k, scales, 0), fmt.quantize_kv(v, scales, 1)
         self.key_caches[layer].view(-1, self.num_kv_heads, k_dim).index_copy_(0, slots, k)
         self.value_caches[layer].view(-1, self.num_kv_heads, v_dim).index_copy_(0, slots, v)
 
@@ -335,11 +333,8 @@ class PagedKVCache(KVCacheBase):
         v = self.value_caches[layer].index_select(0, idx).view(-1, self.num_kv_heads, v_dim)[:n]
         if not fmt.quantized:
             return k, v
-        out = []
-        for i, (rows, dim) in enumerate(((k, self.head_dim), (v, self.v_head_dim))):
-            data, scale = fmt.split(rows, dim)
-            out.append(QuantizedKV(data, self.kv_scales[layer, i] if scale is None else scale, fmt))
-        return tuple(out)
+        scales = self.kv_scales[layer] if self.kv_scales is not None else None
+        return fmt.values(k, self.head_dim, scales, 0), fmt.values(v, self.v_head_dim, scales, 1)
 
     def gather_rows(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V values ([n, heads, dim], copies in the model dtype) of pool rows `slots` of one layer."""
@@ -348,11 +343,8 @@ class PagedKVCache(KVCacheBase):
         v = self.value_caches[layer].view(-1, self.num_kv_heads, v_dim).index_select(0, slots)
         if not fmt.quantized:
             return k, v
-        scales = self.kv_scales[layer] if self.kv_scales is not None else (None, None)
-        return (
-            fmt.dequantize(k, self.head_dim, None if scales[0] is None else read_scale(scales, 0)),
-            fmt.dequantize(v, self.v_head_dim, None if scales[1] is None else read_scale(scales, 1)),
-        )
+        scales = self.kv_scales[layer] if self.kv_scales is not None else None
+        return fmt.dequantize_kv(k, self.head_dim, scales, 0), fmt.dequantize_kv(v, self.v_head_dim, scales, 1)
 
     def dequantized_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """kv() as values in the model dtype."""

@@ -8,12 +8,19 @@ import math
 import torch
 
 from .. import _C
-from ..kvcache.formats import read_scale
 from ..kvcache.records import BatchedKV
 
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+def _kernel_dtype_codes() -> dict[torch.dtype, int]:
+    """The kernels' element type codes (decode.h's DType, bound by _C.dtype_codes()) by torch dtype."""
+    return {getattr(torch, name): code for name, code in _C.dtype_codes().items()}
+
+
+_CODES = _kernel_dtype_codes()
+# q / out (and K/V of a plain cache): the model dtypes the kernels take.
+DTYPE_CODES = {d: _CODES[d] for d in (torch.float32, torch.float16, torch.bfloat16)}
 # Stored formats of a quantized cache (kvcache/formats.py); the kernels then take q and out in float32.
-KV_DTYPE_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
+KV_DTYPE_CODES = {d: _CODES[d] for d in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
 def kernel_params(
@@ -55,7 +62,7 @@ def set_format(p: _C.DecodeParams, fmt, scales, head_dim: int, v_head_dim: int) 
     p.dtype = DTYPE_CODES[torch.float32]
     p.kv_dtype = KV_DTYPE_CODES[fmt.kv_dtype]
     p.head_dim, p.v_head_dim = head_dim, v_head_dim
-    p.k_scale, p.v_scale = read_scale(scales, 0), read_scale(scales, 1)
+    p.k_scale, p.v_scale = fmt.kernel_scales(scales)
 
 
 def float32_io(q: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

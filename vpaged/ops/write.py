@@ -7,7 +7,6 @@ import torch
 from .. import _C
 from ..errors import DTypeError, InvalidArgumentError, ShapeError
 from ..kvcache.checks import index_tensor
-from ..kvcache.formats import layer_scale
 from ..kvcache.records import BatchedKV
 from ..memory.dtypes import itemsize
 from .checks import check_extent, owner_extent
@@ -56,8 +55,7 @@ def write_kv(
         head_dim, v_head_dim = kv.value_head_dims
         _check_rows("k", k, None, kv.num_kv_heads, head_dim, kv.value_dtype, kv.device)
         _check_rows("v", v, k.shape[0], kv.num_kv_heads, v_head_dim, kv.value_dtype, kv.device)
-        k = fmt.quantize(k, layer_scale(kv.kv_scales, 0, k, fmt))
-        v = fmt.quantize(v, layer_scale(kv.kv_scales, 1, v, fmt))
+        k, v = fmt.quantize_kv(k, kv.kv_scales, 0), fmt.quantize_kv(v, kv.kv_scales, 1)
     elif kv.dtype not in _WRITE_DTYPES:
         raise DTypeError(f"write_kv supports {', '.join(map(str, _WRITE_DTYPES))}; the cache holds {kv.dtype}")
     n = _check_rows("k", k, None, kv.num_kv_heads, kv.head_dim, kv.dtype, kv.device)

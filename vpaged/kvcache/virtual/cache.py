@@ -19,7 +19,7 @@ State lives where its invariant is kept: the range's mapping state slot by slot 
 copy-on-write copies, counters) in PageMap (page_map.py) over a SlotTable of slots and watermarks
 (slot_table.py); cached prefixes and their page references in PrefixIndex (prefix.py); swapped-out slots and
 their host copies in SwappedSlots / SwapSpace (swap.py); what the pool may take back in SlotReclaim
-(reclaim.py); stats in cache_stats.py; views in SlotViews (views.py); pins and the wait for streams before
+(reclaim.py); stats in stats.py; views in SlotViews (views.py); pins and the wait for streams before
 any unmap in the C++ VirtualRange. Which sequences share which pages, and the write contract, stay here.
 
 Not thread-safe: one cache belongs to one scheduler thread. The pool under it is thread-safe.

@@ -12,7 +12,7 @@ import torch
 
 from ...errors import InvalidArgumentError
 from ...memory.dtypes import storage_dlpack_code
-from ..formats import KVFormat, QuantizedKV, layer_scale
+from ..formats import KVFormat
 from ..records import BatchedKV
 from .layout import Layout
 
@@ -41,13 +41,8 @@ class SlotViews:
         return self.as_values(rows, layer, kv)
 
     def as_values(self, rows: torch.Tensor, layer: int, kv: int):
-        fmt = self.format
-        if not fmt.quantized:
-            return rows
-        data, scale = fmt.split(rows, self.value_dim(kv))
-        if scale is None:
-            scale = self.scales[layer, kv]
-        return QuantizedKV(data, scale, fmt)
+        scales = self.scales[layer] if self.scales is not None else None
+        return self.format.values(rows, self.value_dim(kv), scales, kv)
 
     def value_dim(self, kv: int) -> int:
         """Head size of the values of K (kv=0) or V (kv=1): the stored row's less its scale."""
@@ -60,7 +55,7 @@ class SlotViews:
             rows = self.tokens(layer, kv, slot, start, n)
             if self.format.quantized:
                 scales = self.scales[layer] if self.scales is not None else None
-                x = self.format.quantize(x, layer_scale(scales, kv, x, self.format))
+                x = self.format.quantize_kv(x, scales, kv)
             rows.copy_(x)
 
     def rows(self, layer: int, slots: list[int], lengths: list[int], length: int | None):

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...kvcache import VirtualKVCache
-from ...kvcache.formats import read_scale
 from ...kvcache.geometry import KVGeometry
 from ...ops import decode_attention_contiguous, decode_unsupported, write_kv
 from .attention import StepAttention, decodes_as_prefills, prefill_rows
@@ -80,12 +79,9 @@ class VirtualStep(StepAttention):
         if fmt is None:
             return view[layer, 0], view[layer, 1]
         # A quantized cache: only what this chunk reads is dequantized (the rows of its sequence's prefix).
-        scales = self._kv_scales
-        k_scale, v_scale = (
-            (None, None) if scales is None else (read_scale(scales[layer], 0), read_scale(scales[layer], 1))
-        )
+        scales = None if self._kv_scales is None else self._kv_scales[layer]
         dim, v_dim = self._value_dims
-        return fmt.dequantize(view[layer, 0], dim, k_scale), fmt.dequantize(view[layer, 1], v_dim, v_scale)
+        return fmt.dequantize_kv(view[layer, 0], dim, scales, 0), fmt.dequantize_kv(view[layer, 1], v_dim, scales, 1)
 
 
 class VirtualStore:

@@ -1,0 +1,197 @@
+// The decode tile loop (decode_cpu_tiles.h) at 16 lanes, AVX-512 (F/BW/VL/DQ): fp32 and 16-bit K/V; bf16 also
+// with scores by vdpbf16ps where the CPU has AVX512_BF16. The 1-byte formats run the AVX2 instantiation on
+// AVX-512 CPUs too (decode_cpu.cpp).
+//
+// bf16 takes fewer instructions per element here, which matters because at half the bytes per token the widening
+// and FMAs no longer hide behind the memory traffic: V rows are widened 32 elements per load by a shift and a mask
+// (even and odd dims of each 32-bit lane, no shuffle), the P.V accumulators hold dims in that even/odd order and
+// are put back in order once per item; where the CPU has AVX512_BF16, scores are vdpbf16ps of the raw bf16 query
+// and K rows (two products per lane and instruction, no widening; products of bf16 values are exact in fp32),
+// scaled after the reduction.
+#include <immintrin.h>
+
+#include "kernels/decode_cpu_item.h"
+
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_* helpers.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// Everything from here to pop_options is compiled for AVX-512; decode_cpu.cpp calls it only where the CPU has it.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+#include "kernels/decode_cpu_tiles.h"
+
+namespace vpaged {
+namespace kernels {
+namespace cpu_decode {
+namespace {
+
+// Partial score vectors of GB heads against the n bf16 K rows by vdpbf16ps, into red[g][i][16]: q is the raw
+// (unscaled) bf16 query, rows D apart; lane j of a partial vector sums the products of dims 2j and 2j+1. Not
+// inlined: it needs AVX512_BF16, which the item function that calls it (shared with CPUs without it) is not
+// compiled for.
+template <int D, int GB>
+__attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16"))) void scores_tile_bf16dp(
+    const uint16_t* __restrict q, const uint16_t* K, const int64_t* off, int64_t hoff, int n, float* __restrict red,
+    const Ahead* ahead) {
+  static_assert(D % 32 == 0, "bf16 dot products take 32 dims at a time");
+  for (int i = 0; i < n; i += 2) {
+    const int i1 = i + 1 < n ? i + 1 : i;
+    if (ahead)
+      for (int j = i; j <= i1; ++j) ahead->token(j);
+    const uint16_t* k0 = K + off[i] + hoff;
+    const uint16_t* k1 = K + off[i1] + hoff;
+    __m512 a[GB], b[GB];
+    for (int g = 0; g < GB; ++g) a[g] = b[g] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < D; c += 32) {
+      const __m512bh x = (__m512bh)_mm512_loadu_si512(k0 + c), y = (__m512bh)_mm512_loadu_si512(k1 + c);
+      for (int g = 0; g < GB; ++g) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * D + c);
+        a[g] = _mm512_dpbf16_ps(a[g], qv, x);
+        b[g] = _mm512_dpbf16_ps(b[g], qv, y);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      _mm512_storeu_ps(red + (g * kChunk + i) * 16, a[g]);
+      _mm512_storeu_ps(red + (g * kChunk + i1) * 16, b[g]);
+    }
+  }
+}
+
+struct Avx512Lanes {
+  using Vec = __m512;
+  using Mask = __mmask16;
+  static constexpr int kLanes = 16;
+  static constexpr int kPvVecs = 4;  // P.V tiles of 64 dims: 4 heads x 4 vectors = 16 accumulator registers
+  static constexpr bool kWholeRowsAhead = false;
+  template <int KT>
+  static constexpr bool kPermutedPv = KT == kBFloat16;
+
+  static VP_INLINE Vec zero() { return _mm512_setzero_ps(); }
+  static VP_INLINE Vec set1(float x) { return _mm512_set1_ps(x); }
+  static VP_INLINE Vec loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static VP_INLINE void storeu(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  static VP_INLINE Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  static VP_INLINE Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+  static VP_INLINE Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+  static VP_INLINE Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+  static VP_INLINE Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static VP_INLINE float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
+  static VP_INLINE float hmax(Vec v) { return _mm512_reduce_max_ps(v); }
+  static VP_INLINE Mask first(int base, int n) {
+    const int k = n - base;
+    return k >= 16 ? Mask(0xffff) : k <= 0 ? Mask(0) : Mask((1u << k) - 1);
+  }
+  static VP_INLINE Vec select(Mask m, Vec v, Vec fallback) { return _mm512_mask_blend_ps(m, fallback, v); }
+  static VP_INLINE Vec zero_unless(Mask m, Vec v) { return _mm512_maskz_mov_ps(m, v); }
+
+  // fast_exp of 16 lanes (the polynomial of cpu_math.h's exp8; 2^n applied by vscalefps).
+  static VP_INLINE Vec exp(Vec x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 e = _mm512_set1_ps(1.0f / 720.0f);
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 120.0f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24.0f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6.0f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(e, n);
+  }
+
+  // Lane j of the result = the sum of the 16 floats of row j (rows 16 floats apart).
+  static VP_INLINE Vec reduce_rows(const float* rows) {
+    __m512 t[8];  // per 128-bit block: row 2j at positions 0 and 2, row 2j+1 at 1 and 3
+    for (int j = 0; j < 8; ++j) {
+      const __m512 a = _mm512_loadu_ps(rows + 32 * j), b = _mm512_loadu_ps(rows + 32 * j + 16);
+      t[j] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    }
+    __m512 u[4];  // block k: partial sums (elements 4k..4k+3) of rows 4j..4j+3
+    for (int j = 0; j < 4; ++j) {
+      const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+      u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    // Sum the four 128-bit blocks of each u[j] into block j of the result.
+    const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+  }
+
+  template <int KT>
+  static VP_INLINE Vec load(const Stored<KT>* src) {
+    static_assert(!is_quantized(KT), "the 1-byte formats run the AVX2 instantiation");
+    if constexpr (KT == kFloat32) {
+      return _mm512_loadu_ps(src);
+    } else if constexpr (KT == kBFloat16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    }
+  }
+
+  // 64 dims of a V row. bf16: each 32-bit lane holds dims 2j (low half) and 2j+1 (high half); shifted up and
+  // masked, each is an fp32, so each 32 dims come as the 16 even ones, then the 16 odd ones (kPermutedPv).
+  template <int KT>
+  static VP_INLINE void load_pv(const Stored<KT>* src, Vec* v) {
+    if constexpr (KT == kBFloat16) {
+      const __m512i x = _mm512_loadu_si512(src), y = _mm512_loadu_si512(src + 32);
+      const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
+      v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      v[1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+      v[2] = _mm512_castsi512_ps(_mm512_slli_epi32(y, 16));
+      v[3] = _mm512_castsi512_ps(_mm512_and_si512(y, high));
+    } else {
+      for (int j = 0; j < 4; ++j) v[j] = load<KT>(src + 16 * j);
+    }
+  }
+
+  // A row of D floats whose every 32 hold 16 even dims then 16 odd ones, back in dim order.
+  static VP_INLINE void unpermute(float* row, int D) {
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int d = 0; d < D; d += 32) {
+      const __m512 e = _mm512_loadu_ps(row + d), o = _mm512_loadu_ps(row + d + 16);
+      _mm512_storeu_ps(row + d, _mm512_permutex2var_ps(e, lo, o));
+      _mm512_storeu_ps(row + d + 16, _mm512_permutex2var_ps(e, hi, o));
+    }
+  }
+
+  template <int D, int GB>
+  static VP_INLINE void scores_bf16dp(const uint16_t* q, const uint16_t* K, const int64_t* off, int64_t hoff, int n,
+                                      float* red, const Ahead* ahead) {
+    scores_tile_bf16dp<D, GB>(q, K, off, hoff, n, red, ahead);
+  }
+};
+
+}  // namespace
+}  // namespace cpu_decode
+}  // namespace kernels
+}  // namespace vpaged
+#pragma GCC pop_options
+#pragma GCC diagnostic pop
+
+namespace vpaged {
+namespace kernels {
+namespace cpu_decode {
+
+ItemFn avx512_tile_item(int dtype, int D, int DV, bool bf16_dot) {
+  switch (dtype) {
+    case kFloat32:
+      return tile_item_for_dims<Avx512Lanes, kFloat32, kFloat32>(D, DV);
+    case kFloat16:
+      return tile_item_for_dims<Avx512Lanes, kFloat16, kFloat16>(D, DV);
+    case kBFloat16:
+      return bf16_dot ? tile_item_for_dims<Avx512Lanes, kBFloat16, kBFloat16, true>(D, DV)
+                      : tile_item_for_dims<Avx512Lanes, kBFloat16, kBFloat16>(D, DV);
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace cpu_decode
+}  // namespace kernels
+}  // namespace vpaged

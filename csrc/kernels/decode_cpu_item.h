@@ -1,0 +1,175 @@
+// What the CPU decode files share (decode_cpu.cpp: checks, the generic loop, dispatch; decode_cpu_avx2.cpp and
+// decode_cpu_avx512.cpp: the tile loop of decode_cpu_tiles.h at 8 and 16 lanes): the work item, where a token's
+// rows are, prefetches, the scalar softmax exp, the quantized formats' scale factors and how an item's result is
+// written.
+//
+// Everything here is defined before any file switches its ISA on (`#pragma GCC target`), so every file compiles
+// the same baseline code for it: an inline function the linker merges across the files is then the same
+// function, whatever ISA the file it came from was built for.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/cpu_math.h"
+#include "kernels/decode.h"
+
+namespace vpaged {
+namespace kernels {
+namespace cpu_decode {
+
+constexpr int kChunk = 32;      // tokens per online-softmax step
+constexpr int kMinSplit = 256;  // fewest tokens worth a separate item (merging costs ~ one head_dim pass)
+constexpr int kAhead = 16;      // tokens of prefetch distance (4 was too close; 8..48 measured alike)
+
+// e^x for x <= 0 in the softmax, vectorisable: 2^n by exponent bits, e^r (|r| <= ln2/2) by its Taylor
+// series to r^6 (relative error < 2e-7). ln2 is split in two (Cody-Waite) so that r stays exact for large
+// |x|. Below -87 the result would leave the normal floats; it is ~1e-38 there, i.e. nothing, so x is
+// clamped (a plain select, which GCC if-converts; a two-sided clamp would not vectorise without -ffast-math).
+VP_INLINE float fast_exp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest integer
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float e = 1.0f / 720.0f;
+  e = e * r + 1.0f / 120.0f;
+  e = e * r + 1.0f / 24.0f;
+  e = e * r + 1.0f / 6.0f;
+  e = e * r + 0.5f;
+  e = e * r + 1.0f;
+  e = e * r + 1.0f;
+  return e * bits_f(uint32_t(int32_t(n) + 127) << 23);
+}
+
+// Into L2 (locality hint 2 = prefetcht1): L2 tracks more outstanding misses than L1.
+template <typename T>
+VP_INLINE void prefetch_row(const T* row, int bytes) {
+  const char* c = reinterpret_cast<const char*>(row);
+  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
+}
+
+// Prefetch (into L2) the lines of [p, p + bytes).
+VP_INLINE void prefetch_span(const uint8_t* p, int64_t bytes) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes);
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); a < end; a += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
+}
+
+// Prefetch token rows at byte offsets k_off / v_off: all HKV heads when they are dense (head stride ==
+// footprint), else each head's footprint. All in bytes.
+VP_INLINE void prefetch_token(const uint8_t* K, const uint8_t* V, int64_t k_off, int64_t v_off, int HKV, int64_t HS,
+                              int64_t VHS, int k_foot, int v_foot) {
+  if (HS == k_foot) {
+    prefetch_span(K + k_off, HKV * HS);
+  } else {
+    for (int kh = 0; kh < HKV; ++kh) prefetch_span(K + k_off + kh * HS, k_foot);
+  }
+  if (VHS == v_foot) {
+    prefetch_span(V + v_off, HKV * VHS);
+  } else {
+    for (int kh = 0; kh < HKV; ++kh) prefetch_span(V + v_off + kh * VHS, v_foot);
+  }
+}
+
+// ------------------------------------------------------------------------------------ quantized K/V
+// fp8 goes through fp16 bits: an e5m2 byte is the high byte of an fp16; the 7 low bits of an e4m3 byte shifted
+// up by 7 are an fp16 of 2^-8 times its value (normal and subnormal alike, both exponents' extra bias being 8),
+// so e4m3 rows take scale * 2^8 (tensor_factor).
+VP_INLINE float quant_value(int kt, uint32_t b) {
+  if (kt == kInt8) return float(int8_t(uint8_t(b)));
+  if (kt == kFloat8E5M2) return f16_to_f32(b << 8);
+  return f16_to_f32(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));  // e4m3: 2^-8 of its value
+}
+
+// What every element of a row is multiplied by: the int8 row's own scale, or the per-tensor one (e4m3: * 2^8).
+template <int KT>
+VP_INLINE float row_factor(const uint8_t* row, int dim, float tensor_factor) {
+  if constexpr (KT == kInt8) {
+    float s;
+    std::memcpy(&s, row + dim, 4);  // right after the row's values, not necessarily 4-byte aligned
+    return s;
+  } else {
+    return tensor_factor;
+  }
+}
+
+template <int KT>
+VP_INLINE float tensor_factor(float scale) {
+  return KT == kFloat8E4M3 ? scale * 256.0f : scale;
+}
+
+// ------------------------------------------------------------------------------------ items
+struct Item {
+  int b;
+  int t0, t1;       // tokens [t0, t1) of sequence b
+  int64_t partial;  // index of its partial result, or -1: the item covers the whole sequence
+};
+
+// One item's run: parameters (resolved), the item, a thread's workspace (workspace_floats), the partial results.
+using ItemFn = void (*)(const DecodeParams&, const Item&, float*, float*, float*);
+
+// Where token t's K row and V row start (elements from k / v; parameters resolved).
+struct RowFinder {
+  const DecodeParams& p;
+  int b;
+  int64_t slot_base = 0, v_slot_base = 0;
+  int shift = 0;
+  RowFinder(const DecodeParams& params, int seq) : p(params), b(seq) {
+    if (p.paged) {
+      while ((1 << shift) < p.block_size) ++shift;
+    } else {
+      slot_base = int64_t(p.slots[b]) * p.slot_stride;
+      v_slot_base = int64_t(p.slots[b]) * p.v_slot_stride;
+    }
+  }
+  VP_INLINE void operator()(int t, int64_t& k_off, int64_t& v_off) const {
+    if (!p.paged) {
+      k_off = slot_base + int64_t(t) * p.token_stride;
+      v_off = v_slot_base + int64_t(t) * p.v_token_stride;
+      return;
+    }
+    int32_t blk = p.block_tables[int64_t(b) * p.bt_stride + (t >> shift)];
+    blk = blk < 0 ? 0 : (blk >= p.num_blocks ? p.num_blocks - 1 : blk);  // never read outside the pool
+    const int64_t r = (int64_t(blk) << shift) + (t & (p.block_size - 1));
+    k_off = r * p.token_stride;
+    v_off = r * p.v_token_stride;
+  }
+};
+
+// Floats of per-thread workspace an item needs (the tile loops' partial score vectors, 4 heads x kChunk
+// tokens x up to 16 lanes, fit in the kChunk rows of max(D, DV, 64) floats).
+inline size_t workspace_floats(const DecodeParams& p) {
+  const size_t H = p.num_heads, D = p.head_dim, DV = p.v_head_dim;
+  return H * D + H * DV + size_t(kChunk) * std::max<size_t>(std::max<size_t>(D, DV), 64) + H * kChunk + 2 * H;
+}
+
+// Write an item's result: the normalised output when it covers its whole sequence, else its partial state.
+template <int DT>
+VP_INLINE void finish_item(const DecodeParams& p, const Item& it, const float* acc, const float* m, const float* l,
+                           float* part_acc, float* part_ml) {
+  using T = typename Elem<DT>::T;
+  const int H = p.num_heads, D = p.v_head_dim;
+  if (it.partial < 0) {
+    T* out = static_cast<T*>(p.out) + int64_t(it.b) * H * D;
+    for (int h = 0; h < H; ++h) {
+      const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // an empty sequence attends to nothing: zeros
+      for (int d = 0; d < D; ++d) out[h * D + d] = Elem<DT>::store(acc[h * D + d] * inv);
+    }
+  } else {
+    std::memcpy(part_acc + it.partial * H * D, acc, sizeof(float) * H * D);
+    for (int h = 0; h < H; ++h) {
+      part_ml[(it.partial * H + h) * 2] = m[h];
+      part_ml[(it.partial * H + h) * 2 + 1] = l[h];
+    }
+  }
+}
+
+// The tile loop's item function for (q/out dtype, K/V format, head dims) on one ISA, or nullptr where it is not
+// compiled (head dims other than 64/64, 128/128, 256/256 and 192/128; AVX2: 16-bit and 1-byte K/V only, the
+// 1-byte ones with dtype kFloat32; AVX-512: fp32 and 16-bit K/V, bf16_dot for bf16 scores by vdpbf16ps).
+// Call only where the CPU has the ISA (decode_cpu.cpp checks).
+ItemFn avx2_tile_item(int dtype, int kv_dtype, int D, int DV);
+ItemFn avx512_tile_item(int dtype, int D, int DV, bool bf16_dot);
+
+}  // namespace cpu_decode
+}  // namespace kernels
+}  // namespace vpaged

@@ -1,0 +1,334 @@
+// The CPU decode tile loop, written once over a vector-width trait W and compiled per ISA: decode_cpu_avx2.cpp
+// (8 lanes) and decode_cpu_avx512.cpp (16 lanes) each define their trait, switch their ISA on with
+// `#pragma GCC target` and then include this file.
+//
+// Why a tile loop beside the generic one (decode_cpu.cpp): the generic loop widens or dequantizes rows into a
+// buffer and reads them back, and ends every score in a horizontal sum of a vector (at head_dim 128 as many
+// shuffle/add steps as FMAs). Below 4 bytes per element that work, not the memory traffic, bounded it (int8 /
+// fp8 ran 0.85-0.95x the time of bf16 on the 2-core AMD EPYC dev box, bf16 1.07x vLLM's CPU kernel). Here:
+//   * K and V elements are widened (bf16: a shift; fp16: vcvtph2ps) or dequantized (int8, fp8) in registers as
+//     they are loaded, W::kLanes per load;
+//   * each (head, token) score keeps a kLanes-wide partial sum, and kLanes tokens' partials are reduced
+//     together (W::reduce_rows: a transpose tree of ~1-3 operations per score instead of ~8);
+//   * scores go 2 tokens x up to 4 heads of the GQA group at a time (8 independent FMA chains, each K vector
+//     feeds up to 4 FMAs); P.V keeps a 4-head x (W::kPvVecs x kLanes)-dim tile of accumulators in registers
+//     across the chunk's tokens;
+//   * per-row work leaves the element loops: the fp8 k_scale is folded into q and v_scale into the output, an
+//     int8 row's scale multiplies its token's score (K) or probability (V).
+// Compiled for head dims 64/64, 128/128, 256/256 and 192/128 (K with a rotary part beside a 128-wide V).
+//
+// What the trait gives (all static, always inlined, compiled for its ISA):
+//   Vec, Mask; kLanes; kPvVecs (vectors per P.V tile row); kWholeRowsAhead (the prefetch strategy, below);
+//   zero, set1, loadu, storeu, add, sub, mul, max, fma(a, b, c) = a * b + c; exp (the softmax's, x <= 0);
+//   hsum, hmax (horizontal); reduce_rows(r): lane j = the sum of the kLanes floats of row j (rows kLanes apart);
+//   first(base, n): the mask of lanes with base + lane < n; select(m, v, fallback); zero_unless(m, v);
+//   load<KT>(src): kLanes stored elements as floats; load_pv<KT>(src, v): one P.V tile row (kPvVecs vectors);
+//   kPermutedPv<KT>: load_pv gives dims out of order and unpermute(row, dim) puts an accumulator row back;
+//   scores_bf16dp<D, GB>(...) (only where bf16 dot products are compiled: DP below).
+//
+// Each file's instantiations must keep internal linkage (this file's anonymous namespace): two files compile
+// the same template names for different ISAs, and a merged copy would run one file's ISA on the other's CPUs.
+#pragma once
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+
+#include "kernels/decode_cpu_item.h"
+
+namespace vpaged {
+namespace kernels {
+namespace cpu_decode {
+namespace {
+
+// Stored element type of K/V format KT: float, uint16_t for the 16-bit types, a byte for the 1-byte formats.
+template <int KT>
+using Stored = std::conditional_t<KT == kFloat32, float, std::conditional_t<is_quantized(KT), uint8_t, uint16_t>>;
+
+// Rows to prefetch while a scores tile passes the current tokens: per token of the chunk the byte offsets of
+// rows further on (or -1), `heads` heads from head_k / head_v on (bytes) with the given footprints.
+struct Ahead {
+  const uint8_t *K, *V;
+  const int64_t *k_off, *v_off;
+  int heads;
+  int64_t HS, VHS;  // bytes between heads
+  int k_foot, v_foot;
+  int64_t head_k = 0, head_v = 0;
+  VP_INLINE void token(int j) const {
+    if (k_off[j] >= 0) prefetch_token(K, V, k_off[j] + head_k, v_off[j] + head_v, heads, HS, VHS, k_foot, v_foot);
+  }
+};
+
+// Partial score vectors of GB query heads (q rows D apart) against the n K rows at off[] + hoff, into
+// red[g][i][kLanes]; two tokens at a time (an odd last token pairs with itself). ahead (or null): rows to
+// prefetch meanwhile.
+template <typename W, int KT, int D, int GB>
+VP_INLINE void scores_tile(const float* __restrict q, const Stored<KT>* K, const int64_t* off, int64_t hoff, int n,
+                           float* __restrict red, const Ahead* ahead) {
+  using Vec = typename W::Vec;
+  constexpr int L = W::kLanes;
+  static_assert(D % L == 0, "scores take kLanes dims at a time");
+  for (int i = 0; i < n; i += 2) {
+    const int i1 = i + 1 < n ? i + 1 : i;
+    if (ahead)
+      for (int j = i; j <= i1; ++j) ahead->token(j);
+    const Stored<KT>* k0 = K + off[i] + hoff;
+    const Stored<KT>* k1 = K + off[i1] + hoff;
+    Vec a[GB], b[GB];
+    for (int g = 0; g < GB; ++g) a[g] = b[g] = W::zero();
+#pragma GCC unroll 8
+    for (int c = 0; c < D; c += L) {
+      const Vec x = W::template load<KT>(k0 + c), y = W::template load<KT>(k1 + c);
+      for (int g = 0; g < GB; ++g) {
+        const Vec qv = W::loadu(q + g * D + c);
+        a[g] = W::fma(qv, x, a[g]);
+        b[g] = W::fma(qv, y, b[g]);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      W::storeu(red + (g * kChunk + i) * L, a[g]);
+      W::storeu(red + (g * kChunk + i1) * L, b[g]);
+    }
+  }
+}
+
+// acc[g] (rows DV apart) += sum_i ps[g][i] * V row i, for GB heads, kPvVecs x kLanes dims at a time held in
+// registers across the n tokens (in load_pv's order of dims).
+template <typename W, int KT, int DV, int GB>
+VP_INLINE void pv_tile(float* __restrict acc, const Stored<KT>* V, const int64_t* off, int64_t hoff, int n,
+                       const float* __restrict ps) {
+  using Vec = typename W::Vec;
+  constexpr int L = W::kLanes, NV = W::kPvVecs;
+  static_assert(DV % (NV * L) == 0, "P.V tiles are kPvVecs x kLanes dims wide");
+  for (int d0 = 0; d0 < DV; d0 += NV * L) {
+    Vec a[GB][NV];
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < NV; ++j) a[g][j] = W::loadu(acc + g * DV + d0 + L * j);
+    for (int i = 0; i < n; ++i) {
+      Vec v[NV];
+      W::template load_pv<KT>(V + off[i] + hoff + d0, v);
+      for (int g = 0; g < GB; ++g) {
+        const Vec pg = W::set1(ps[g * kChunk + i]);
+        for (int j = 0; j < NV; ++j) a[g][j] = W::fma(pg, v[j], a[g][j]);
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < NV; ++j) W::storeu(acc + g * DV + d0 + L * j, a[g][j]);
+  }
+}
+
+// One item. DT: q and out; KT: K/V as stored (DT, or a 1-byte format with DT == kFloat32). DP: bf16 scores by
+// W::scores_bf16dp of the raw (unscaled) bf16 query, scaled after the reduction.
+//
+// Prefetch, two strategies (W::kWholeRowsAhead), both measured on their own ISA:
+//   whole rows (AVX2): every kv head's K and V rows of the token kAhead on, during the first kv head's scores
+//     pass (as in the generic loop). Each head's rows a chunk ahead, in that head's pass, left the 1-byte
+//     formats at 0.85-0.95x of bf16 from memory (0.6x in cache) on the EPYC; whole rows brought them to ~0.6x.
+//   per head (AVX-512): each head's slices one chunk ahead, in the pass over that head: a whole chunk's time
+//     before they are read (half a chunk measured 5-10 % slower for bf16 on the Xeon, a chunk and two alike).
+// Either way the first rows of an item are asked for up front, so that they arrive in parallel instead of as
+// one demand miss after another.
+template <typename W, int DT, int KT, int D, int DV, bool DP>
+void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* part_acc, float* part_ml) {
+  static_assert(is_quantized(KT) ? DT == kFloat32 : KT == DT, "quantized K/V come with fp32 q/out");
+  static_assert(!DP || DT == kBFloat16, "dot products of bf16 pairs need bf16 data");
+  using Vec = typename W::Vec;
+  using Mask = typename W::Mask;
+  using ET = Stored<KT>;
+  constexpr int L = W::kLanes;
+  constexpr int kBytes = int(sizeof(ET));
+  constexpr bool kRowScale = KT == kInt8;
+  constexpr bool kTensorScale = KT == kFloat8E4M3 || KT == kFloat8E5M2;
+  constexpr int kFoot = D + (kRowScale ? 4 : 0), kVFoot = DV + (kRowScale ? 4 : 0);  // elements of a head row
+  constexpr int DR = D > DV ? D : DV;
+  constexpr int kDist = W::kWholeRowsAhead ? kAhead : kChunk;  // tokens between a prefetch and its use
+  const int H = p.num_heads, HKV = p.num_kv_heads, G = H / HKV;
+  float* __restrict qf = ws;                 // [H][D] query, pre-scaled (fp8: by k_scale too)
+  float* __restrict acc = qf + H * D;        // [H][DV] unnormalised output
+  float* __restrict red = acc + H * DV;      // [4][kChunk][kLanes] partial score vectors (<= kChunk * DR)
+  float* __restrict sc = red + kChunk * DR;  // [H][kChunk] scores, then probabilities
+  float* __restrict m = sc + H * kChunk;     // [H] running max
+  float* __restrict l = m + H;               // [H] running sum of exp(score - max)
+  alignas(64) float rs[kChunk];              // int8: the chunk's row scales of one kv head (0 past n)
+  alignas(64) float pr[4 * kChunk];          // int8: probabilities times their V row's scale
+  static_assert(4 * L <= DR, "the partial score vectors fit the row buffer");
+
+  const typename Elem<DT>::T* q = static_cast<const typename Elem<DT>::T*>(p.q) + int64_t(it.b) * H * D;
+  const float qs = p.scale * (kTensorScale ? tensor_factor<KT>(p.k_scale) : 1.0f);
+  for (int i = 0; i < H * D; ++i) qf[i] = Elem<DT>::load(q[i]) * qs;
+  std::fill(acc, acc + H * DV, 0.0f);
+  std::fill(red, red + 4 * kChunk * L, 0.0f);  // rows past a short chunk's end are summed, never used
+  std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + H, 0.0f);
+  std::fill(rs, rs + kChunk, 0.0f);
+
+  const ET* K = static_cast<const ET*>(p.k);
+  const ET* V = static_cast<const ET*>(p.v);
+  const uint8_t* KB = reinterpret_cast<const uint8_t*>(K);  // for prefetches and row scales, which count bytes
+  const uint8_t* VB = reinterpret_cast<const uint8_t*>(V);
+  const RowFinder row(p, it.b);
+  const int64_t HS = p.head_stride, VHS = p.v_head_stride;
+  int64_t off[kChunk], voff[kChunk], aoff[kChunk], avoff[kChunk];
+  Ahead ahead{KB,          VB,           aoff,           avoff,          W::kWholeRowsAhead ? HKV : 1,
+              HS * kBytes, VHS * kBytes, kFoot * kBytes, kVFoot * kBytes};
+  for (int t = it.t0; t < std::min(it.t1, it.t0 + kDist); ++t) {
+    int64_t ko, vo;
+    row(t, ko, vo);
+    prefetch_token(KB, VB, ko * kBytes, vo * kBytes, HKV, HS * kBytes, VHS * kBytes, kFoot * kBytes, kVFoot * kBytes);
+  }
+
+  for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
+    const int n = std::min(kChunk, it.t1 - c0);
+    for (int i = 0; i < n; ++i) {
+      row(c0 + i, off[i], voff[i]);
+      if (c0 + i + kDist < it.t1) {
+        row(c0 + i + kDist, aoff[i], avoff[i]);
+        aoff[i] *= kBytes;
+        avoff[i] *= kBytes;
+      } else {
+        aoff[i] = avoff[i] = -1;
+      }
+    }
+
+    for (int kh = 0; kh < HKV; ++kh) {
+      ahead.head_k = W::kWholeRowsAhead ? 0 : kh * HS * kBytes;
+      ahead.head_v = W::kWholeRowsAhead ? 0 : kh * VHS * kBytes;
+      const Ahead* pf = W::kWholeRowsAhead && kh > 0 ? nullptr : &ahead;  // in the first group's pass
+      if constexpr (kRowScale)
+        for (int i = 0; i < n; ++i) rs[i] = row_factor<KT>(KB + off[i] + kh * HS, D, 1.0f);
+      for (int g0 = 0; g0 < G; g0 += 4, pf = nullptr) {
+        const int gb = std::min(4, G - g0);
+        const float* qg = qf + (kh * G + g0) * D;
+        if constexpr (DP) {
+          const uint16_t* qr = q + (kh * G + g0) * D;
+          switch (gb) {
+            case 4:
+              W::template scores_bf16dp<D, 4>(qr, K, off, kh * HS, n, red, pf);
+              break;
+            case 3:
+              W::template scores_bf16dp<D, 3>(qr, K, off, kh * HS, n, red, pf);
+              break;
+            case 2:
+              W::template scores_bf16dp<D, 2>(qr, K, off, kh * HS, n, red, pf);
+              break;
+            default:
+              W::template scores_bf16dp<D, 1>(qr, K, off, kh * HS, n, red, pf);
+          }
+        } else {
+          switch (gb) {
+            case 4:
+              scores_tile<W, KT, D, 4>(qg, K, off, kh * HS, n, red, pf);
+              break;
+            case 3:
+              scores_tile<W, KT, D, 3>(qg, K, off, kh * HS, n, red, pf);
+              break;
+            case 2:
+              scores_tile<W, KT, D, 2>(qg, K, off, kh * HS, n, red, pf);
+              break;
+            default:
+              scores_tile<W, KT, D, 1>(qg, K, off, kh * HS, n, red, pf);
+          }
+        }
+        for (int g = 0; g < gb; ++g) {
+          for (int i = 0; i < n; i += L) {
+            Vec s = W::reduce_rows(red + (g * kChunk + i) * L);
+            if constexpr (DP) s = W::mul(s, W::set1(p.scale));  // the raw query's scores, scaled here
+            if constexpr (kRowScale) s = W::mul(s, W::loadu(rs + i));
+            W::storeu(sc + (kh * G + g0 + g) * kChunk + i, s);
+          }
+        }
+      }
+    }
+
+    // Online softmax, once per chunk and head, kLanes tokens per vector; lanes past n are masked (what they
+    // held, even inf or NaN, becomes -inf for the max and 0 for the sum).
+    constexpr int NC = kChunk / L;
+    Mask valid[NC];
+    for (int j = 0; j < NC; ++j) valid[j] = W::first(L * j, n);
+    const Vec ninf = W::set1(-std::numeric_limits<float>::infinity());
+    for (int h = 0; h < H; ++h) {
+      float* s = sc + h * kChunk;
+      Vec v[NC];
+      Vec vmx = ninf;
+      for (int j = 0; j < NC; ++j) {
+        v[j] = W::loadu(s + L * j);
+        vmx = W::max(vmx, W::select(valid[j], v[j], ninf));
+      }
+      const float mx = W::hmax(vmx);
+      const float mn = mx > m[h] ? mx : m[h];
+      const float alpha = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : fast_exp(m[h] - mn);
+      const Vec vmn = W::set1(mn);
+      Vec vsum = W::zero();
+      for (int j = 0; j < NC; ++j) {
+        const Vec e = W::zero_unless(valid[j], W::exp(W::sub(v[j], vmn)));
+        W::storeu(s + L * j, e);
+        vsum = W::add(vsum, e);
+      }
+      l[h] = l[h] * alpha + W::hsum(vsum);
+      m[h] = mn;
+      if (alpha != 1.0f) {
+        float* a = acc + h * DV;
+        const Vec va = W::set1(alpha);
+        for (int d = 0; d < DV; d += L) W::storeu(a + d, W::mul(W::loadu(a + d), va));
+      }
+    }
+
+    for (int kh = 0; kh < HKV; ++kh) {
+      if constexpr (kRowScale)
+        for (int i = 0; i < n; ++i) rs[i] = row_factor<KT>(VB + voff[i] + kh * VHS, DV, 1.0f);
+      for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gb = std::min(4, G - g0);
+        float* a = acc + (kh * G + g0) * DV;
+        const float* ps = sc + (kh * G + g0) * kChunk;
+        if constexpr (kRowScale) {
+          for (int g = 0; g < gb; ++g)
+            for (int i = 0; i < n; ++i) pr[g * kChunk + i] = ps[g * kChunk + i] * rs[i];
+          ps = pr;
+        }
+        switch (gb) {
+          case 4:
+            pv_tile<W, KT, DV, 4>(a, V, voff, kh * VHS, n, ps);
+            break;
+          case 3:
+            pv_tile<W, KT, DV, 3>(a, V, voff, kh * VHS, n, ps);
+            break;
+          case 2:
+            pv_tile<W, KT, DV, 2>(a, V, voff, kh * VHS, n, ps);
+            break;
+          default:
+            pv_tile<W, KT, DV, 1>(a, V, voff, kh * VHS, n, ps);
+        }
+      }
+    }
+  }
+  if constexpr (W::template kPermutedPv<KT>)
+    for (int h = 0; h < H; ++h) W::unpermute(acc + h * DV, DV);
+  if constexpr (kTensorScale) {
+    const float vf = tensor_factor<KT>(p.v_scale);  // fp8: v_scale (e4m3: times 2^8) on the whole output
+    for (int i = 0; i < H * DV; ++i) acc[i] *= vf;
+  }
+  finish_item<DT>(p, it, acc, m, l, part_acc, part_ml);
+}
+
+// The item function of the compiled head dims (see decode_cpu_item.h), or nullptr.
+template <typename W, int DT, int KT, bool DP = false>
+ItemFn tile_item_for_dims(int D, int DV) {
+  if (D == DV) {
+    switch (D) {
+      case 64:
+        return run_item_tiles<W, DT, KT, 64, 64, DP>;
+      case 128:
+        return run_item_tiles<W, DT, KT, 128, 128, DP>;
+      case 256:
+        return run_item_tiles<W, DT, KT, 256, 256, DP>;
+      default:
+        return nullptr;
+    }
+  }
+  if (D == 192 && DV == 128) return run_item_tiles<W, DT, KT, 192, 128, DP>;
+  return nullptr;
+}
+
+}  // namespace
+}  // namespace cpu_decode
+}  // namespace kernels
+}  // namespace vpaged
