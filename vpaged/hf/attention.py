@@ -115,7 +115,7 @@ def _decode_on_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         dtype=key.dtype,
         device=key.device,
         layout="tensor",
-        owner=key,
+        owner=(key, value),  # keeps both alive; the plan checks each row against its own tensor
     )
     out = DecodePlan.over_tensors(kv, [length] * batch).run(0, query[:, :, 0, :], scaling)
     return out.unsqueeze(1)  # [B, 1, H, D], what transformers expects from an attention function

@@ -231,12 +231,23 @@ class DecodePlan:
         self._device_rows = None  # made at the first run on a CUDA cache, once for every layer
 
     @classmethod
-    def build(cls, cache, seqs) -> DecodePlan:
-        """The plan of a step over `seqs` (row i of q is seqs[i]); every sequence must hold a token."""
+    def build(cls, cache, seqs, lengths: list[int] | None = None) -> DecodePlan:
+        """The plan of a step over `seqs` (row i of q is seqs[i]). lengths: the tokens each attends over
+        (default: all it holds; fewer for a store that reserves more than it fills, kv="static"), each in
+        1..what the sequence holds."""
         if not isinstance(cache, KVCache):
             raise InvalidArgumentError(f"cache must be a vpaged KVCache, got {type(cache).__name__}")
         seqs = list(seqs)
-        where, lengths = cache.decode_rows(seqs)  # raises first on a closed cache or an unknown sequence
+        where, held = cache.decode_rows(seqs)  # raises first on a closed cache or an unknown sequence
+        if lengths is None:
+            lengths = held
+        else:
+            lengths = list(lengths)
+            if len(lengths) != len(seqs):
+                raise ShapeError(f"{len(lengths)} lengths for {len(seqs)} sequences")
+            for seq, n, have in zip(seqs, lengths, held):
+                if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= have:
+                    raise InvalidArgumentError(f"sequence {seq} holds {have} tokens; cannot attend over {n!r}")
         check_held(seqs, lengths)
         return cls(cache, None, seqs, where, lengths)
 

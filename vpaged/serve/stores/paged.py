@@ -43,8 +43,11 @@ class PagedStep(StepAttention):
             self._prefill_rows.append(token_rows)
             rows.extend(token_rows[start:].tolist())
         self._rows = torch.tensor(rows, dtype=torch.int64, device=store.device)
-        # Decode rows: one plan for the step from the cache's own rows (block tables and lengths).
-        self._decode = DecodePlan.build(cache, [seq.handle for seq in decodes]) if decodes else None
+        # Decode rows: one plan for the step from the cache's own rows (block tables), run per layer.
+        self._decode = None
+        if decodes:  # each attends over its tokens and the new one (a static slot holds more)
+            lengths = [seq.num_computed + 1 for seq in decodes]
+            self._decode = DecodePlan.build(cache, [seq.handle for seq in decodes], lengths)
 
     def write(self, layer, k, v):
         self._cache.write_rows(layer, self._rows, k, v)  # quantized on the way in for a quantized format

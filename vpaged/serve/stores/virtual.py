@@ -34,8 +34,11 @@ class VirtualStep(StepAttention):
         self._value_dims = (cache.head_dim, cache.v_head_dim)
         # Prefill chunks attend over one view of the sequence's whole prefix (split per layer in prefill_kv).
         self._prefill_views = [cache.kv_layers(seq.handle, 0, start + n) for seq, start, n in prefills]
-        # Decode rows: one plan for the step from the cache's own rows (slots and lengths), run per layer.
-        self._decode = DecodePlan.build(cache, [seq.handle for seq in decodes]) if decodes else None
+        # Decode rows: one plan for the step from the cache's own rows (slots), run per layer.
+        self._decode = None
+        if decodes:  # each attends over its tokens and the new one (a static slot holds more)
+            lengths = [seq.num_computed + 1 for seq in decodes]
+            self._decode = DecodePlan.build(cache, [seq.handle for seq in decodes], lengths)
         # New tokens are written by one scatter per layer (vpaged.ops.write_kv) through a descriptor of every
         # sequence of the step: row i of the packed K/V goes to token positions[i] of sequence rows[i]. The
         # bounds come from the cache (writable_range: the tokens mapped, and not shared with another sequence),
