@@ -117,3 +117,33 @@ def test_paged_pages_needed_reads_the_extend_plan():
         cache.extend_many(pick, n)
         assert before - cache.pages_available() == need
     cache.close()
+
+
+def test_ops_takes_any_kvcache_not_only_the_base_class():
+    """vpaged.ops checks the protocol, not the class: a cache that only delegates every member (no vpaged
+    base class) decodes like the cache it wraps, and an object that is no cache is refused."""
+    from vpaged import ops
+    from vpaged.errors import InvalidArgumentError
+
+    class Delegating:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    gen = torch.Generator().manual_seed(3)
+    inner = VirtualKVCache(2, 2, 8, torch.float32, max_seqs=4, max_seq_len=64, capacity_bytes=1 << 20)
+    seqs = inner.allocate_many(3)
+    for seq, n in zip(seqs, (5, 17, 1)):
+        inner.extend(seq, n)
+        for layer in range(2):
+            inner.write(layer, seq, torch.randn(n, 2, 8, generator=gen), torch.randn(n, 2, 8, generator=gen))
+    wrapped = Delegating(inner)
+    assert not isinstance(wrapped, KVCacheBase) and isinstance(wrapped, KVCache)
+    q = torch.randn(3, 4, 8, generator=gen)
+    got = ops.decode_attention(q, wrapped, seqs, 1)
+    torch.testing.assert_close(got, ops.decode_attention_reference(q, inner, seqs, 1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(InvalidArgumentError, match="KVCache"):
+        ops.decode_attention(q, object(), seqs, 1)
+    inner.close()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import DTypeError, InvalidArgumentError, ShapeError
-from ..kvcache.base import KVCache
+from ..kvcache.base import is_kvcache
 from ..kvcache.checks import check_kernel_dtype, check_lengths, index_tensor
 from ..kvcache.records import BatchedKV
 from .checks import cache_max_len, check_extent, check_max_len, check_out, check_pools, check_q, kv_capacity
@@ -139,7 +139,7 @@ def decode_attention_reference(
 ) -> torch.Tensor:
     """The same result by torch's scaled_dot_product_attention, one sequence at a time, over cache.kv()
     (zero-copy views of a VirtualKVCache, blocks gathered into copies for a PagedKVCache)."""
-    if not isinstance(cache, KVCache):
+    if not is_kvcache(cache):
         raise InvalidArgumentError(f"cache must be a vpaged KVCache, got {type(cache).__name__}")
     seqs = list(seqs)
     q = check_q(q, cache.num_kv_heads, cache.head_dim, cache.dtype, cache.device)

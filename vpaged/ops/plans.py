@@ -23,7 +23,7 @@ import torch
 
 from .. import _C
 from ..errors import InvalidArgumentError, ShapeError
-from ..kvcache.base import KVCache
+from ..kvcache.base import is_kvcache
 from ..kvcache.checks import check_kernel_dtype, check_layer
 from ..kvcache.records import BatchedKV, BlockPools
 from .checks import check_extent, check_held, check_out, check_pools, check_q, kv_capacity
@@ -235,7 +235,7 @@ class DecodePlan:
         """The plan of a step over `seqs` (row i of q is seqs[i]). lengths: the tokens each attends over
         (default: all it holds; fewer for a store that reserves more than it fills, kv="static"), each in
         1..what the sequence holds."""
-        if not isinstance(cache, KVCache):
+        if not is_kvcache(cache):
             raise InvalidArgumentError(f"cache must be a vpaged KVCache, got {type(cache).__name__}")
         seqs = list(seqs)
         where, held = cache.decode_rows(seqs)  # raises first on a closed cache or an unknown sequence
