@@ -8,8 +8,9 @@ only. fp8 turns some of that rounding into a visible difference: when an element
 V (in a deep layer, where the paths' hidden states differ by ~1e-6) lies on a rounding boundary of the
 format, the two paths store neighbouring fp8 codes and the logits move by up to ~1e-2 (measured on this
 model: 1 to 4 such elements in layers 23-29 in 2 of 11 steps; every other step agrees to 3e-5). So the test
-asserts what holds exactly: every stored byte the paths differ in is a one-code rounding neighbour, few
-elements differ, and every step in which the stored bytes are identical gives logits within 1e-4."""
+asserts what holds exactly: in a step where the paths store other bytes, the first layer that differs
+differs in a few elements by one code (a tie rounded either way; later layers then follow other hidden
+states), and every step in which the stored bytes are identical gives logits within 1e-4."""
 
 import sys
 from pathlib import Path
@@ -63,7 +64,7 @@ def test_vpaged_and_sdpa_attention_agree_on_one_quantized_cache(loaded, kv_dtype
 
     model, ids = loaded
     cache = VPagedCache(model.config, max_cache_len=len(ids), kv_dtype=kv_dtype, layout="per_layer")
-    clean_steps, differing, elements = 0, 0, 0
+    clean_steps, differing = 0, 0
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
         model(torch.tensor([ids[:PROMPT]]), past_key_values=cache, use_cache=True)
@@ -78,15 +79,18 @@ def test_vpaged_and_sdpa_attention_agree_on_one_quantized_cache(loaded, kv_dtype
                     cache.crop(-1)  # the sdpa run starts from the same cache state
             assert cache.get_seq_length() == position + 1
             diff = [signed_codes(a) - signed_codes(b) for a, b in zip(stored["vpaged"], stored["sdpa"])]
-            flips = sum(int((d != 0).sum()) for d in diff)
-            elements += sum(d.numel() for d in diff)
-            # What the two paths stored differs, if at all, by one code: the same value rounded at a tie.
-            assert all(int(d.abs().max()) <= 1 for d in diff), (position, [int(d.abs().max()) for d in diff])
-            if flips == 0:
+            apart = [layer for layer, d in enumerate(diff) if bool((d != 0).any())]
+            if apart:
+                # Up to the first layer that stored other bytes, both paths stored the same; there the same
+                # value was rounded at a tie: one code apart. (The layers after it then see other hidden
+                # states, so their bytes may differ more.)
+                first = diff[apart[0]]
+                assert int(first.abs().max()) == 1, (kv_dtype, position, apart[0], int(first.abs().max()))
+                assert int((first != 0).sum()) <= 8, (kv_dtype, position, apart[0], int((first != 0).sum()))
+                differing += 1
+            else:
                 clean_steps += 1
                 gap = float((logits["vpaged"] - logits["sdpa"]).abs().max())
                 assert gap <= 1e-4, (kv_dtype, position, gap)
-            differing += flips
     cache.close()
-    assert clean_steps >= STEPS // 2, (clean_steps, STEPS)  # the logits check ran on most steps
-    assert differing <= elements * 1e-3, (differing, elements)
+    assert clean_steps >= STEPS // 2, (clean_steps, differing)  # the logits check ran on most steps
