@@ -26,6 +26,7 @@ import torch
 
 from vpaged import _C, PagedKVCache, VirtualKVCache, ops
 from vpaged.errors import InvalidArgumentError
+from vpaged.ops.plans import layer_plan
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK = 8, 32, 128, 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,7 +89,7 @@ def handover(batch: int, ctx: int, repeats: int) -> dict:
     paged = PagedKVCache(1, 1, 8, torch.float32, batch, ctx, num_blocks=batch * ctx // BLOCK, block_size=BLOCK)
     ps = paged.allocate_many(batch)
     paged.extend_many(ps, ctx)
-    base = ops._layer_plan(paged, 0).params
+    base = layer_plan(paged, 0).params
     tables, _ = paged.tables_and_lengths(ps)
     q = torch.zeros(1, 1, 8)
 

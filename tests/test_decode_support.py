@@ -68,11 +68,13 @@ def test_engine_sends_decode_rows_to_sdpa_where_the_kernel_says_no(kv, monkeypat
     for module in (virtual_store, paged_store):
         monkeypatch.setattr(module, "decode_unsupported", cuda_rule)
 
-    def kernel(*a, **kw):
-        raise AssertionError("the decode kernel was called for a geometry it does not take")
+    class NoKernel:  # the stores' decode rows reach the kernel through a DecodePlan only
+        @staticmethod
+        def build(*a, **kw):
+            raise AssertionError("the decode kernel was called for a geometry it does not take")
 
-    monkeypatch.setattr(virtual_store, "decode_attention_contiguous", kernel)
-    monkeypatch.setattr(paged_store, "decode_attention_paged", kernel)
+    for module in (virtual_store, paged_store):
+        monkeypatch.setattr(module, "DecodePlan", NoKernel)
     llm = LLM("random:llama-tiny", **options)
     assert "built for head sizes" in llm.engine.store.decode_unsupported
     by_sdpa = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -53,6 +53,7 @@ PUBLIC = {
     ],
     "vpaged.errors": ["VPagedError", "OutOfPagesError", "InvalidArgumentError", "ShapeError", "DTypeError"],
     "vpaged.ops": [
+        "DecodePlan",
         "decode_attention",
         "decode_attention_contiguous",
         "decode_attention_paged",

@@ -425,10 +425,15 @@ def test_generate_with_vpaged_cache_and_vpaged_attention(reference, prng, monkey
 
     model = load_model("random:llama-tiny", attn_implementation="vpaged")[0]
     calls = []
-    kernel = attention.decode_attention_contiguous
-    monkeypatch.setattr(
-        attention, "decode_attention_contiguous", lambda *a, **k: calls.append(a[1].lengths.tolist()) or kernel(*a, **k)
-    )
+    plan = attention.DecodePlan
+
+    class Spy:  # the attention function reaches the kernel through a DecodePlan over the cache's views
+        @staticmethod
+        def over_tensors(kv, lengths=None):
+            calls.append(kv.lengths.tolist())
+            return plan.over_tensors(kv, lengths)
+
+    monkeypatch.setattr(attention, "DecodePlan", Spy)
     prompt = torch.tensor([random_prompt(prng, 20, 20), random_prompt(prng, 20, 20)])
     with torch.no_grad():
         expected = reference.generate(

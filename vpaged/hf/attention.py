@@ -9,9 +9,14 @@ callers:
   see serve/stores/attention.py) writes the layer's new K/V into the cache and attends per sequence: decode
   rows through the vpaged.ops decode kernel, prefill chunks with SDPA over the cached K/V.
 - Anything else, e.g. `model.generate(**cache_kwargs(VPagedCache(...)))`: a decode step (one query token, no mask)
-  runs the contiguous decode kernel straight on the K/V tensors the cache returned (for a VPagedCache,
-  views of each row's contiguous range); everything else (prefill, padded batches, sliding windows) goes
-  to transformers' own SDPA function, so results match attn_implementation="sdpa".
+  runs the contiguous decode kernel through a one-layer DecodePlan over the K/V tensors the cache returned
+  (for a VPagedCache, views of each row's contiguous range); everything else (prefill, padded batches,
+  sliding windows) goes to transformers' own SDPA function, so results match attn_implementation="sdpa".
+
+Which K/V the current token attends to: what the cache returned from update(), which on a quantized
+VPagedCache is what it stored (the new tokens' K/V quantized, then dequantized with the rest), as in the
+engine, where new K/V are written before the step's attention reads the cache (vLLM does the same). So
+"vpaged" and "sdpa" read the same values; they differ by the kernels' fp32 rounding only.
 
 Masks: for "vpaged" transformers builds the same masks as for "sdpa" (None when plain causal attention is
 enough). The engine passes a prebuilt placeholder 4D mask, which transformers hands on untouched, so no
@@ -23,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..kvcache import BatchedKV
-from ..ops import decode_attention_contiguous
+from ..ops import DecodePlan
 from ..ops.support import decode_supported
 
 NAME = "vpaged"
@@ -110,9 +115,9 @@ def _decode_on_tensors(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         dtype=key.dtype,
         device=key.device,
         layout="tensor",
-        owner=key,
+        owner=(key, value),  # keeps both alive; the plan checks each row against its own tensor
     )
-    out = decode_attention_contiguous(query[:, :, 0, :], kv, scaling, max_len=length)
+    out = DecodePlan.over_tensors(kv, [length] * batch).run(0, query[:, :, 0, :], scaling)
     return out.unsqueeze(1)  # [B, 1, H, D], what transformers expects from an attention function
 
 

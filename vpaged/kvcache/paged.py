@@ -131,8 +131,10 @@ class PagedKVCache(KVCacheBase):
         return -(-self.max_seq_len // self.block_size)
 
     # ----------------------------------------------------------------------------------------- lifecycle
-    def allocate(self) -> int:
-        """A new empty sequence (no blocks yet); returns its id."""
+    def allocate(self, tokens=None) -> int:
+        """A new empty sequence (no blocks yet); returns its id. tokens (a prompt's ids, as VirtualKVCache
+        takes them to find a cached prefix) find nothing here: this cache keeps no prefix index, so the
+        sequence starts empty whatever they are."""
         return self.allocate_many(1)[0]
 
     def allocate_many(self, n: int) -> list[int]:
@@ -175,16 +177,29 @@ class PagedKVCache(KVCacheBase):
 
     def extend_many(self, seqs, n: int = 1) -> None:
         """extend() for several sequences at once (a decode step): all of them or, on error, none."""
+        plan, needed = self._plan_extend(seqs, n)
+        self._check_free(needed)
+        for seq, grow, cow in plan:
+            table = self._blocks[seq]
+            if cow:
+                table[-1] = self._copy_on_write(table[-1])
+            table.extend(self._take(grow))
+            self._len[seq] += n
+
+    def _plan_extend(self, seqs, n: int) -> tuple[list[tuple[int, int, bool]], int]:
+        """What extend_many(seqs, n) does, changing nothing: per sequence (seq, new blocks, copy the shared
+        partly filled last block first), and the blocks that takes in all. pages_needed() reads the same plan,
+        so a scheduler's count is what the extend takes."""
         self._check_open()
         check_token_count(n)
         seqs = list(seqs)
         tables = [self._table(s) for s in seqs]
         if len(set(seqs)) != len(seqs):
             raise InvalidArgumentError("a sequence is listed twice")
+        plan: list[tuple[int, int, bool]] = []
         if n == 0:
-            return
+            return plan, 0
         bs = self.block_size
-        plan = []  # (seq, new blocks, copy the last block first)
         needed = 0
         for seq, table in zip(seqs, tables):
             old = self._len[seq]
@@ -197,13 +212,7 @@ class PagedKVCache(KVCacheBase):
             cow = old % bs != 0 and self._ref[table[-1]] > 1  # new tokens land in a shared block
             plan.append((seq, grow, cow))
             needed += grow + cow
-        self._check_free(needed)
-        for seq, grow, cow in plan:
-            table = self._blocks[seq]
-            if cow:
-                table[-1] = self._copy_on_write(table[-1])
-            table.extend(self._take(grow))
-            self._len[seq] += n
+        return plan, needed
 
     def truncate(self, seq: int, new_len: int) -> None:
         """Drop the tokens from new_len on (as VirtualKVCache.truncate). Blocks wholly past the new length leave
@@ -222,20 +231,7 @@ class PagedKVCache(KVCacheBase):
     def pages_needed(self, seqs, n: int = 1) -> int:
         """Blocks that extend_many(seqs, n) would take: new blocks plus copy-on-write copies of a shared
         partly filled last block. Changes nothing (a scheduler plans with it and pages_available())."""
-        self._check_open()
-        check_token_count(n)
-        needed = 0
-        for seq in seqs:
-            table = self._table(seq)
-            old = self._len[seq]
-            if old + n > self.max_seq_len:
-                raise SequenceTooLongError(
-                    f"sequence {seq} would hold {old + n} tokens, more than max_seq_len={self.max_seq_len}"
-                )
-            if n:
-                needed += -(-(old + n) // self.block_size) - len(table)
-                needed += old % self.block_size != 0 and self._ref[table[-1]] > 1
-        return needed
+        return self._plan_extend(seqs, n)[1]
 
     def pages_available(self) -> int:
         """Free blocks."""

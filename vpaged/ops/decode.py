@@ -1,6 +1,6 @@
 """Decode attention over vpaged caches: one query token per sequence against its cached K/V.
 
-    decode_attention(q, cache, seqs, layer)            picks the kernel for a VirtualKVCache or PagedKVCache
+    decode_attention(q, cache, seqs, layer)            picks the kernel for a KVCache (plans.py: DecodePlan)
     decode_attention_contiguous(q, batched_kv)         contiguous-with-lengths kernel (VirtualKVCache.batch())
     decode_attention_paged(q, key_cache, value_cache, block_tables, lengths)   block-table kernel
     decode_attention_reference(q, cache, seqs, layer)  torch SDPA per sequence (views / gathered blocks)
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import DTypeError, InvalidArgumentError, ShapeError
-from ..kvcache.base import KVCacheBase
+from ..kvcache.base import is_kvcache
 from ..kvcache.checks import check_kernel_dtype, check_lengths, index_tensor
 from ..kvcache.records import BatchedKV
 from .checks import cache_max_len, check_extent, check_max_len, check_out, check_pools, check_q, kv_capacity
@@ -139,13 +139,13 @@ def decode_attention_reference(
 ) -> torch.Tensor:
     """The same result by torch's scaled_dot_product_attention, one sequence at a time, over cache.kv()
     (zero-copy views of a VirtualKVCache, blocks gathered into copies for a PagedKVCache)."""
-    if not isinstance(cache, KVCacheBase):
-        raise InvalidArgumentError(f"cache must be a VirtualKVCache or a PagedKVCache, got {type(cache).__name__}")
+    if not is_kvcache(cache):
+        raise InvalidArgumentError(f"cache must be a vpaged KVCache, got {type(cache).__name__}")
     seqs = list(seqs)
     q = check_q(q, cache.num_kv_heads, cache.head_dim, cache.dtype, cache.device)
     if q.shape[0] != len(seqs):
         raise ShapeError(f"q has {q.shape[0]} rows for {len(seqs)} sequences")
-    out = check_out(out, q, getattr(cache, "v_head_dim", cache.head_dim))
+    out = check_out(out, q, cache.v_head_dim)
     cache_max_len(cache, seqs)  # every sequence holds at least one token
     for i, seq in enumerate(seqs):
         k, v = cache.dequantized_kv(layer, seq)  # [T, kv_heads, D]: views, or values of a quantized cache

@@ -14,7 +14,7 @@ import torch
 from ...errors import InvalidArgumentError, SwapSpaceFullError
 from ...kvcache.geometry import KVGeometry
 from ...kvcache.paged import PagedKVCache
-from ...ops import decode_attention_paged, decode_unsupported
+from ...ops import DecodePlan, decode_unsupported
 from .attention import StepAttention, decodes_as_prefills, prefill_rows
 from .base import Allocation, StoreMemory
 
@@ -24,13 +24,13 @@ if TYPE_CHECKING:
 
 class PagedStep(StepAttention):
     """A step over a PagedKVCache: new K/V go to their pool rows (block * block_size + offset) by one
-    index_copy per layer, decode rows read the block tables, prefill chunks gather their prefix's rows."""
+    index_copy per layer, decode rows run the step's DecodePlan (vpaged.ops) over the block tables, prefill
+    chunks gather their prefix's rows."""
 
     def __init__(self, store: PagedStore, decodes, prefills, row_offsets, num_tokens):
         super().__init__(len(decodes), prefill_rows(row_offsets, prefills), num_tokens, store.device)
         cache, bs = store.cache, store.cache.block_size
         self._cache = cache
-        self._kv_format = cache.kv_format if cache.kv_format.quantized else None
         rows: list[int] = []  # pool row (block * block_size + offset) of each new token
         for seq in decodes:
             t = seq.num_computed
@@ -43,31 +43,17 @@ class PagedStep(StepAttention):
             self._prefill_rows.append(token_rows)
             rows.extend(token_rows[start:].tolist())
         self._rows = torch.tensor(rows, dtype=torch.int64, device=store.device)
-        if decodes:
-            handles = [seq.handle for seq in decodes]
-            self._max_len = max(seq.num_computed + 1 for seq in decodes)
-            width = -(-self._max_len // bs)
-            self._tables = cache.block_tables(handles, width)
-            self._lengths = torch.tensor(
-                [seq.num_computed + 1 for seq in decodes], dtype=torch.int32, device=store.device
-            )
+        # Decode rows: one plan for the step from the cache's own rows (block tables), run per layer.
+        self._decode = None
+        if decodes:  # each attends over its tokens and the new one (a static slot holds more)
+            lengths = [seq.num_computed + 1 for seq in decodes]
+            self._decode = DecodePlan.build(cache, [seq.handle for seq in decodes], lengths)
 
     def write(self, layer, k, v):
         self._cache.write_rows(layer, self._rows, k, v)  # quantized on the way in for a quantized format
 
     def decode(self, layer, q, scale, out):
-        decode_attention_paged(
-            q,
-            self._cache.key_caches[layer],
-            self._cache.value_caches[layer],
-            self._tables,
-            self._lengths,
-            scale,
-            out,
-            max_len=self._max_len,
-            kv_format=self._kv_format,
-            kv_scales=None if self._cache.kv_scales is None else self._cache.kv_scales[layer],
-        )
+        self._decode.run(layer, q, scale, out)
 
     def prefill_kv(self, layer, i):
         return self._cache.gather_rows(layer, self._prefill_rows[i])  # values, dequantized when stored so

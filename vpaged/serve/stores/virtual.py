@@ -14,7 +14,7 @@ import torch
 
 from ...kvcache import VirtualKVCache
 from ...kvcache.geometry import KVGeometry
-from ...ops import decode_attention_contiguous, decode_unsupported, write_kv
+from ...ops import DecodePlan, decode_unsupported, write_kv
 from .attention import StepAttention, decodes_as_prefills, prefill_rows
 from .base import Allocation, StoreMemory
 
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 
 class VirtualStep(StepAttention):
-    """A step over a VirtualKVCache: one scatter per layer writes the new K/V, decode rows read their slots
-    through the batched descriptors, prefill chunks read views of their sequence's prefix."""
+    """A step over a VirtualKVCache: one scatter per layer writes the new K/V, decode rows run the step's
+    DecodePlan (vpaged.ops), prefill chunks read views of their sequence's prefix."""
 
     def __init__(self, store: VirtualStore, decodes, prefills, row_offsets, num_tokens):
         super().__init__(len(decodes), prefill_rows(row_offsets, prefills), num_tokens, store.device)
@@ -33,11 +33,11 @@ class VirtualStep(StepAttention):
         self._value_dims = (cache.head_dim, cache.v_head_dim)
         # Prefill chunks attend over one view of the sequence's whole prefix (split per layer in prefill_kv).
         self._prefill_views = [cache.kv_layers(seq.handle, 0, start + n) for seq, start, n in prefills]
-        if decodes:
-            slots = torch.tensor([seq.slot for seq in decodes], dtype=torch.int32, device=store.device)
-            lengths = torch.tensor([seq.num_computed + 1 for seq in decodes], dtype=torch.int32, device=store.device)
-            self._max_len = max(seq.num_computed + 1 for seq in decodes)
-            self._batched = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
+        # Decode rows: one plan for the step from the cache's own rows (slots), run per layer.
+        self._decode = None
+        if decodes:  # each attends over its tokens and the new one (a static slot holds more)
+            lengths = [seq.num_computed + 1 for seq in decodes]
+            self._decode = DecodePlan.build(cache, [seq.handle for seq in decodes], lengths)
         # New tokens are written by one scatter per layer (vpaged.ops.write_kv) through a descriptor of every
         # sequence of the step: row i of the packed K/V goes to token positions[i] of sequence rows[i]. The
         # bounds come from the cache (writable_range: the tokens mapped, and not shared with another sequence),
@@ -56,13 +56,10 @@ class VirtualStep(StepAttention):
                 torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32), torch.tensor(counts)),
                 torch.tensor(positions, dtype=torch.int32),
             )
-            if not prefills and store.device.type == "cpu" and ends == lengths.tolist():
-                self._write_kv = self._batched  # a decode-only step: the decode descriptors say the same
-            else:
-                # write_kv reads the slots and lengths on the host: CPU tensors also for a CUDA cache.
-                slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.int32)
-                lengths = torch.tensor(ends, dtype=torch.int32)
-                self._write_kv = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
+            # write_kv reads the slots and lengths on the host: CPU tensors also for a CUDA cache.
+            slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.int32)
+            lengths = torch.tensor(ends, dtype=torch.int32)
+            self._write_kv = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
 
     def write(self, layer, k, v):
         if self._write is None:
@@ -71,7 +68,7 @@ class VirtualStep(StepAttention):
         write_kv(k, v, self._write_kv[layer], rows, positions, writable_from=first, check_mapped=False)
 
     def decode(self, layer, q, scale, out):
-        decode_attention_contiguous(q, self._batched[layer], scale, out, max_len=self._max_len)
+        self._decode.run(layer, q, scale, out)
 
     def prefill_kv(self, layer, i):
         view = self._prefill_views[i]
