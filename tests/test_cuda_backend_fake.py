@@ -1330,13 +1330,13 @@ def test_reclaim_during_a_graph_capture_never_waits_for_the_capturing_stream(drv
     seq = second.allocate()
 
     drv.begin_capture(current.handle)
-    assert first._range.capturing() and first.reclaimable_pages() == 0
     with pytest.raises(OutOfPagesError):
         second.extend(seq, page_tokens)  # would reclaim dormant pages: refused during the capture
     with pytest.raises(BackendError, match="capturing a CUDA graph"):
         first.truncate(live, 1)  # an unmap of its own: refused before waiting
     assert second.seq_len(seq) == 0 and first.seq_len(live) > page_tokens
     assert first.stats().dormant_pages == dormant and pool.free_pages() == 0
+    assert first._range.capturing() and first.reclaimable_pages() == 0
     assert drv.end_capture(current.handle) == 0, "a wait during the capture invalidated it"
 
     assert not first._range.capturing() and first.reclaimable_pages() == dormant
