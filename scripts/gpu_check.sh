@@ -1,32 +1,43 @@
 #!/usr/bin/env bash
-# The one-shot check for a lent GPU machine (an H200 with torch+CUDA, nvcc, pybind11, cuda-bindings and no
-# internet): probe the environment, build vpaged in place, run each GPU test file and each GPU benchmark as
-# its own capped stage, and leave a log and JSON behind. The stage caps add up to less than the budget
-# (default 330 s), so the whole script ends within 5.5 minutes: two runs fit 15 minutes of device time with
-# ~3 minutes of machine start-up. A stage that fails does not stop the others.
+# The one-shot check for a lent GPU machine (an H200 with torch+CUDA and nvcc, no internet; pybind11,
+# transformers, pytest may be missing: the probe says so): probe the environment, build vpaged in place, run
+# each GPU test file, one request through `vpaged serve --device cuda` and each GPU benchmark as its own
+# capped stage, and leave a log and JSON behind. The stage caps add up to less than the budget (default
+# 360 s), so the whole script ends within 6 minutes: two runs fit 15 minutes of device time with ~3 minutes
+# of machine start-up. A stage that fails or hits its cap does not stop the others.
 #
 #   scripts/gpu_check.sh [--dry-run] [OUT_DIR]
 #
-# OUT_DIR: the argument, else $OUT, else benchmarks/results/gpu-<UTC date>. It receives (few files: a lent
-# machine sends back at most 8):
-#   gpu_check.log   everything printed
-#   summary.json    the environment probe, each stage's status, cap, time and note, every GPU test's outcome
-#                   (one junit file per test file, merged), each benchmark's goals and whether it completed
+# OUT_DIR: the argument, else $OUT, else benchmarks/results/gpu-<UTC date>. It receives (a lent machine sends
+# back at most 8 files; this is 3 + one per benchmark, 6 in all):
+#   gpu_check.log   everything printed (pytest's tracebacks included, also of a stage stopped at its cap)
+#   summary.json    the environment probe, each stage's status (ok / failed / timeout / skipped / no-time /
+#                   pending), cap, time and note, every GPU test's outcome, each benchmark's goals and whether
+#                   it completed. Rewritten after every stage: a run cut short still says how far it got.
+#   junit.xml       the junit of every test stage (one <testsuite> per stage), also rewritten after every
+#                   stage; a stage stopped at its cap gets a <testcase name="stage-timeout"> with an <error>
 #   <bench>.json    what each benchmark wrote; benchmarks write after every part, so a stage stopped at its
 #                   cap still leaves the parts it finished
 # Exit status: 0 when every stage passed, or when nothing could run because this machine has no NVIDIA
 # driver or --dry-run was given (every stage is then marked skipped, with the reason); 1 otherwise.
 #
-# Stages run in the order of the `stage` lines below, each as its own process (an illegal address on the
-# GPU is sticky for the process: one bad test must not poison the next file). ADDING A STAGE is one line:
+# Stages run in the order of the `stage` lines below (most informative first), each as its own process (an
+# illegal address on the GPU is sticky for the process: one bad test must not poison the next file). A stage
+# is stopped at its cap with SIGINT (`timeout -s INT`): pytest then ends the running test with
+# KeyboardInterrupt, prints the tracebacks and its summary and writes its junit file; SIGKILL follows 10 s
+# later if it does not exit. ADDING A STAGE is one line:
 #
 #   stage NAME CAP_SECONDS NEEDS COMMAND
 #
-#   NEEDS    gpu    skipped unless the probe found a usable GPU (driver, device with VMM, torch with CUDA)
-#            build  also skipped when the build cannot run (no nvcc, no Python.h) or failed
+#   NEEDS    gpu    skipped unless the probe found a usable GPU (driver, device, torch with CUDA)
+#            vmm    also skipped when the device lacks virtual memory management (VirtualKVCache, the page
+#                   pool and the torch allocator need it; the decode kernels on plain tensors do not)
+#            Every stage after `build` is also skipped when the build cannot run (no nvcc, no Python.h) or
+#            failed.
 #   COMMAND  a bash string run from the repository root; helpers: `pytest_file FILE` (the file's tests
-#            marked gpu, in one pytest process with its own junit file) and `bench FILE ARGS...` (a
-#            benchmark writing its JSON into OUT_DIR through benchmarks/common.py)
+#            marked gpu, in one pytest process with its own junit file), `bench FILE ARGS...` (a benchmark
+#            writing its JSON into OUT_DIR through benchmarks/common.py), `serve_request` (a tiny model
+#            served through the CLI, one completion asked of it over HTTP)
 #
 # and its CAP comes out of the budget: the caps must add up to at most GPU_CHECK_BUDGET_S minus 15 s (the
 # report) minus 20 s (the environment probe, which runs before the stages), which tests/test_gpu_check.py
@@ -34,37 +45,44 @@
 # still fits the device time (README: "GPU check"). Every test file that uses the gpu mark must have a stage
 # (also checked there).
 #
-# CAPS, from costs measured on the CPU side (a 2-core box at load 5-6, so pessimistic) plus CUDA's
+# CAPS, from costs measured on the CPU side (a 2-core AMD EPYC at load 5-10, so pessimistic) plus CUDA's
 # initialization, assumed 10 s per process (worst case; ~1-3 s is usual on an H200):
 #   import torch                      6-12 s here (cold page cache on the first import; warm afterwards)
 #   import transformers + Llama       18 s here (torch included)
 #   pytest start + collecting a file  15 s here (torch imported)
-#   vpaged's build, 2 jobs            146-161 s wall here, 118-135 s of CPU in all; its slowest unit, nvcc of
-#                                     csrc/kernels/decode_cuda.cu for sm_90, 28 s here: with 16 jobs ~30-45 s
+#   vpaged's build, 2 jobs            146-161 s wall here; its slowest unit is csrc/kernels/decode_cpu.cpp
+#                                     at -O3 (~60 s of CPU), so the check builds the C++ at -O1
+#                                     (GPU_CHECK_CXXFLAGS); nvcc of decode_cuda.cu for sm_90, 28 s here
+#   quantized decode CUDA grid        108 cases (one-pass and split launches share a case), each ~0.2 s of
+#                                     CPU reference work here on one thread (grouped GQA reference)
 #   a benchmark worker process start  6 s (imports) + CUDA's initialization
 #
 #   stage                 cap   worst case (s) on a cold H200 machine, 16 cores
 #   (environment probe)    -    15: nvidia-smi, a cold `import torch` (before the stages, out of the budget)
-#   build                 60    45: 16 parallel compiles, bounded by nvcc of decode_cuda.cu, + link
-#   probe                 15    12: torch + vpaged import (warm), cuInit + device query
-#   test:cuda_backend     25    20: pytest + torch (5-15) + CUDA init (10) + tests (~5)
-#   test:cuda_cache       25    22: the same fixed 15-25 + tests (~5)
-#   test:decode_kernels   25    24: fixed + kernels at several geometries (~8)
-#   test:decode_quant     20    20: fixed + int8 / fp8 K/V kernels, small geometries (~4)
-#   test:torch_allocator  25    22: fixed + MemPool scopes, a graph capture (~5)
-#   test:serve_engine     40    38: fixed + transformers (~8) + two models and hundreds of steps (~10)
-#   bench:vmm_cuda        15    25: torch (5) + CUDA init (10) + parts (~10); JSON after every part
-#   bench:decode          20    25: the same; JSON after every part
-#   bench:allocator       25    40: parent (torch + CUDA init, host part, latency: ~20), then three workers
-#                                   started together (imports + CUDA init overlap: ~15) that measure in turn
-#                                   (~2 s each); JSON after every part and every worker
-#   caps' sum            295    of 330: 15 for the report, 20 for the environment probe
-# A benchmark stopped at its cap keeps the parts it wrote; tests have no such fallback, so their caps carry
-# the slack.
+#   build                 75    50: 16 parallel compiles at -O1, bounded by nvcc of decode_cuda.cu, + link
+#   probe                 10     8: torch + vpaged import (warm), cuInit + device query
+#   test:cuda_backend     20    18: pytest + torch (5-15) + CUDA init (10) + tests (~3)
+#   test:decode_quant     35    33: fixed + 108 quantized cases (~0.1 s each on an idle 16-core host)
+#   test:decode_kernels   30    27: fixed + kernels at several geometries (~10)
+#   test:torch_allocator  25    22: fixed + MemPool scopes, graph captures (~5)
+#   test:cuda_cache       20    20: the same fixed 15-25 + tests (~4)
+#   test:serve_engine     35    33: fixed + transformers (~8) + two models and hundreds of steps (~10)
+#   serve:cli             30    28: a tiny model saved (transformers, ~8), the server's start (~10), one
+#                                   request (~2), shutdown
+#   bench:vmm_cuda        10    20: torch (5) + CUDA init (10) + parts (~5); JSON after every part
+#   bench:decode          15    25: the same; JSON after every part
+#   bench:allocator       20    35: parent (torch + CUDA init, host part, latency: ~15), then three workers
+#                                   started together that measure in turn; JSON after every part and worker
+#   caps' sum            325    of 360: 15 for the report, 20 for the environment probe
+# A benchmark stopped at its cap keeps the parts it wrote; a test stage stopped at its cap keeps the tests
+# that finished (junit on SIGINT) and names the one that was running in the log.
 #
-# Settings (environment): PYTHON (default python3), GPU_CHECK_BUDGET_S (default 330), GPU_CHECK_DRY_RUN=1
+# Settings (environment): PYTHON (default python3), GPU_CHECK_BUDGET_S (default 360), GPU_CHECK_DRY_RUN=1
 # (same as --dry-run), VPAGED_CUDA_ARCHS (default 90: Hopper only, to save build time), VPAGED_BUILD_JOBS
-# (default: all cores), GPU_TEST_TIMEOUT_S (per test, default 60, with pytest-timeout).
+# (default: all cores), GPU_CHECK_CXXFLAGS (default -O1: the C++ flags of the check's build; "" for the
+# release -O3), GPU_TEST_TIMEOUT_S (per test, default 60, with pytest-timeout). For tests of the script
+# itself: GPU_CHECK_SIMULATE_TIMEOUT=STAGE runs that stage even in a dry run as a pytest file with one quick
+# test and one that sleeps past GPU_CHECK_SIMULATE_CAP_S (default 15), which stands in for its cap.
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -75,7 +93,7 @@ if [ "${1:-}" = "--dry-run" ]; then
   shift
 fi
 START=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET_S:-330}
+BUDGET=${GPU_CHECK_BUDGET_S:-360}
 REPORT_RESERVE=15
 PROBE_RESERVE=20 # the environment probe, before the first stage
 DEADLINE=$((START + BUDGET - REPORT_RESERVE))
@@ -87,6 +105,7 @@ WORK="$(mktemp -d)"
 mkdir -p "$WORK/junit"
 LOG="$OUT_DIR/gpu_check.log"
 : >"$LOG"
+rm -f "$OUT_DIR/summary.json" "$OUT_DIR/junit.xml" # a reused folder: no results of an earlier run
 
 # Everything printed from here on goes to the terminal and to the log.
 exec 3>&1 4>&2
@@ -97,17 +116,21 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" # the in-place build, from 
 export PYTHONUNBUFFERED=1
 export VPAGED_CUDA_ARCHS=${VPAGED_CUDA_ARCHS:-90}
 export VPAGED_BUILD_JOBS=${VPAGED_BUILD_JOBS:-$(nproc 2>/dev/null || echo 4)}
+# The check's build at -O1: less compile time for the CPU kernels (decode_cpu.cpp at -O3 is the slowest unit);
+# the GPU stages measure CUDA code, which nvcc still compiles at -O3.
+export VPAGED_CXXFLAGS="${VPAGED_CXXFLAGS:-} ${GPU_CHECK_CXXFLAGS--O1}"
 export VPAGED_RESULTS_DIR="$OUT_DIR" # benchmarks/common.py writes the benchmarks' JSON here
 export PY ROOT OUT_DIR WORK
 
 # ---------------------------------------------------------------------------------------------------
 # Helpers for stage commands (exported: each stage runs in its own bash).
 
-# The tests of FILE marked gpu, in one pytest process, with their own junit file.
+# The tests of FILE marked gpu, in one pytest process, with the stage's junit file (named after the stage:
+# GPU_CHECK_STAGE, set by run_stage). On SIGINT pytest stops the running test, writes the junit file and
+# prints the tracebacks and its summary.
 pytest_file() {
-  local file=$1 name
-  name=$(basename "$file" .py)
-  local args=(-m gpu -v -rs -p no:cacheprovider "--junitxml=$WORK/junit/$name.xml")
+  local file=$1
+  local args=(-m gpu -v -rs -p no:cacheprovider "--junitxml=$WORK/junit/${GPU_CHECK_STAGE//:/_}.xml")
   if "$PY" -c "import pytest_timeout" 2>/dev/null; then
     args+=("--timeout=${GPU_TEST_TIMEOUT_S:-60}")
   fi
@@ -128,21 +151,92 @@ build_in_place() {
   "$PY" -c "import sys, vpaged._C as C; print('built with CUDA:', C.built_with_cuda()); sys.exit(not C.built_with_cuda())"
 }
 
-# vpaged's own view of the backends (after the build).
+# vpaged's own view of the backends (after the build). Without VMM (VMM_REASON) vpaged's CUDA backend is
+# unusable by design: that is reported, and only torch's CUDA is required.
 vpaged_probe() {
   "$PY" - <<"EOF"
-import sys, torch, vpaged
+import os, sys, torch, vpaged
 for name, info in vpaged.backends().items():
     print(f"  {name}: usable={info.usable} granularity={info.granularity} devices={info.devices} {info.reason}")
 cuda = vpaged.backends()["cuda"]
-if not (cuda.usable and torch.cuda.is_available()):
-    sys.exit("CUDA is not usable by vpaged here: " + (cuda.reason or "torch has no CUDA"))
+if not torch.cuda.is_available():
+    sys.exit("torch has no CUDA here")
+if not cuda.usable and not os.environ.get("VMM_REASON"):
+    sys.exit("CUDA is not usable by vpaged here: " + cuda.reason)
 EOF
 }
-export -f pytest_file bench build_in_place vpaged_probe
+
+# One completion through `vpaged serve --device cuda` on a tiny random-weight model with a word tokenizer
+# (tests/serve_helpers.py: no download), over HTTP; the server is stopped with SIGINT afterwards.
+serve_request() {
+  "$PY" - <<"EOF"
+import json, os, queue, signal, subprocess, sys, threading, time, urllib.request
+from pathlib import Path
+
+sys.path.insert(0, "tests")
+from serve_helpers import save_model_with_tokenizer
+
+path = Path(os.environ["WORK"]) / "tiny-model"
+save_model_with_tokenizer(path)
+cmd = [sys.executable, "-m", "vpaged.cli", "serve", str(path), "--device", "cuda", "--port", "0",
+       "--served-model-name", "tiny", "--kv-budget-mib", "64", "--log-level", "warning"]
+print("$", " ".join(cmd), flush=True)
+proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+lines = queue.Queue()
+threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+url, deadline = None, time.monotonic() + 60
+try:
+    while url is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            while not lines.empty():
+                print(lines.get(), end="")
+            sys.exit(f"the server did not come up (exit status {proc.poll()})")
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        print(line, end="", flush=True)
+        if "serving" in line and " at " in line:
+            url = line.split(" at ")[1].split()[0]
+    body = {"model": "tiny", "prompt": "the cat sees a dog", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(url + "/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        answer = json.loads(r.read())
+    print(json.dumps(answer))
+    if answer["usage"]["completion_tokens"] != 5:
+        sys.exit("the server answered with the wrong number of tokens")
+finally:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+EOF
+}
+
+# A stand-in for a stage that runs past its cap (GPU_CHECK_SIMULATE_TIMEOUT): a real pytest run of one
+# quick test and one that sleeps, so the SIGINT path (junit, tracebacks, "timeout") is what gets checked.
+simulated_overcap() {
+  cat >"$WORK/test_overcap.py" <<"EOF"
+import time
+
+
+def test_finishes_quickly():
+    assert sum(range(10)) == 45
+
+
+def test_sleeps_past_the_cap():
+    time.sleep(3600)
+EOF
+  # No -m gpu here (the marker is not registered outside the repository's configuration).
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -v -rs -p no:cacheprovider \
+    "--junitxml=$WORK/junit/${GPU_CHECK_STAGE//:/_}.xml" \
+    "$WORK/test_overcap.py"
+}
+export -f pytest_file bench build_in_place vpaged_probe serve_request simulated_overcap
 
 # ---------------------------------------------------------------------------------------------------
-# The stages: name, cap (s), needs, command. Caps add up to 295 s of the 330 s budget (see CAPS above).
+# The stages: name, cap (s), needs, command. Caps add up to 325 s of the 360 s budget (see CAPS above).
 STAGE_NAMES=() STAGE_CAPS=() STAGE_NEEDS=() STAGE_CMDS=()
 stage() {
   STAGE_NAMES+=("$1")
@@ -151,17 +245,18 @@ stage() {
   STAGE_CMDS+=("$4")
 }
 
-stage build 60 build build_in_place
-stage probe 15 build vpaged_probe
-stage test:cuda_backend 25 build 'pytest_file tests/test_cuda_backend.py'
-stage test:cuda_cache 25 build 'pytest_file tests/test_cuda_cache.py'
-stage test:decode_kernels 25 build 'pytest_file tests/test_decode_kernels.py'
-stage test:decode_quant 20 build 'pytest_file tests/test_decode_quant_kernel.py'
-stage test:torch_allocator 25 build 'pytest_file tests/test_torch_allocator_gpu.py'
-stage test:serve_engine 40 build 'pytest_file tests/test_serve_engine_gpu.py'
-stage bench:vmm_cuda 15 build 'bench benchmarks/bench_vmm_cuda.py --quick'
-stage bench:decode 20 build 'bench benchmarks/bench_decode.py --quick --device cuda'
-stage bench:allocator 25 build 'bench benchmarks/bench_allocator.py --quick'
+stage build 75 gpu build_in_place
+stage probe 10 gpu vpaged_probe
+stage test:cuda_backend 20 vmm 'pytest_file tests/test_cuda_backend.py'
+stage test:decode_quant 35 gpu 'pytest_file tests/test_decode_quant_kernel.py'
+stage test:decode_kernels 30 gpu 'pytest_file tests/test_decode_kernels.py'
+stage test:torch_allocator 25 vmm 'pytest_file tests/test_torch_allocator_gpu.py'
+stage test:cuda_cache 20 vmm 'pytest_file tests/test_cuda_cache.py'
+stage test:serve_engine 35 vmm 'pytest_file tests/test_serve_engine_gpu.py'
+stage serve:cli 30 vmm serve_request
+stage bench:vmm_cuda 10 vmm 'bench benchmarks/bench_vmm_cuda.py --quick'
+stage bench:decode 15 vmm 'bench benchmarks/bench_decode.py --quick --device cuda'
+stage bench:allocator 20 vmm 'bench benchmarks/bench_allocator.py --quick'
 
 # ---------------------------------------------------------------------------------------------------
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "no git")
@@ -184,7 +279,7 @@ import ctypes, importlib.metadata as md, json, os, platform, shutil, subprocess,
 from pathlib import Path
 
 env = {"python": platform.python_version(), "python_executable": sys.executable}
-gpu_reason = build_reason = ""
+gpu_reason = build_reason = vmm_reason = ""
 driver_present = False
 try:  # the driver itself, through the same library vpaged loads
     cu = ctypes.CDLL("libcuda.so.1")
@@ -207,7 +302,7 @@ try:  # the driver itself, through the same library vpaged loads
             cu.cuDeviceGetAttribute(ctypes.byref(vmm), 102, 0)  # VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
             env["vmm_supported"] = bool(vmm.value)
             if not vmm.value:
-                gpu_reason = "device 0 does not support virtual memory management"
+                vmm_reason = "device 0 does not support virtual memory management"
 except OSError as e:
     gpu_reason = f"no NVIDIA driver ({e})"
 try:
@@ -242,7 +337,7 @@ for name in ("pybind11", "setuptools", "numpy", "cuda-bindings", "transformers",
 if sys.argv[2] == "1":
     gpu_reason = "dry run (--dry-run): nothing was run on a GPU"
 dry = sys.argv[2] == "1" or not driver_present
-env.update(gpu_reason=gpu_reason, build_reason=build_reason, dry_run=dry)
+env.update(gpu_reason=gpu_reason, vmm_reason=vmm_reason, build_reason=build_reason, dry_run=dry)
 Path(sys.argv[1]).write_text(json.dumps(env, indent=2))
 for k, v in env.items():
     print(f"  {k}: {v}")
@@ -250,42 +345,154 @@ EOF
 read_env() { "$PY" -c "import json,sys; print(json.load(open('$WORK/env.json')).get(sys.argv[1]) or '')" "$1" 2>/dev/null; }
 if [ -s "$WORK/env.json" ]; then
   GPU_REASON=$(read_env gpu_reason)
+  VMM_REASON=$(read_env vmm_reason)
   BUILD_REASON=$(read_env build_reason)
   [ "$(read_env dry_run)" = "True" ] && DRY_RUN=1
 else
   GPU_REASON="the environment probe failed (see the log)"
-  BUILD_REASON=""
+  VMM_REASON="" BUILD_REASON=""
   ((DRY_RUN)) || command -v nvidia-smi >/dev/null || DRY_RUN=1
 fi
 
 # ---------------------------------------------------------------------------------------------------
 FAILED=0
 STAGE_STATUS=() STAGE_SECONDS=() STAGE_NOTES=()
+SIMULATE=${GPU_CHECK_SIMULATE_TIMEOUT:-}
+: >"$WORK/stages.tsv"
+
+# summary.json and junit.xml in OUT_DIR from what the stages left in WORK; run after every stage (so a run
+# stopped from outside keeps what it did) and once at the end (FINAL=1, which also prints the test counts).
+write_report() {
+  FINAL=${1:-0} timeout 30 "$PY" - <<'EOF'
+import json, os, socket, time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+out, work = Path(os.environ["OUT_DIR"]), Path(os.environ["WORK"])
+final = os.environ.get("FINAL") == "1"
+stages = []
+for line in (work / "stages.tsv").read_text().splitlines():
+    name, status, rc, seconds, cap, note = (line.split("\t") + [""] * 6)[:6]
+    stages.append({"stage": name, "status": status, "exit": int(rc), "seconds": int(seconds), "cap": int(cap),
+                   "note": note})
+done = {s["stage"] for s in stages}
+pending = [{"stage": n, "status": "pending"} for n in os.environ["STAGES_PLANNED"].split() if n not in done]
+env_file = work / "env.json"
+dry = os.environ["DRY_RUN"] == "1"
+summary = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": socket.gethostname(),
+           "commit": os.environ["COMMIT"], "dry_run": dry, "complete": final, "budget_s": int(os.environ["BUDGET"]),
+           "report_reserve_s": int(os.environ["REPORT_RESERVE"]), "caps_total_s": int(os.environ["CAPS_TOTAL"]),
+           "environment": json.loads(env_file.read_text()) if env_file.is_file() else None,
+           "stages": stages + pending,
+           "ok": final and all(s["status"] == "ok" or (dry and s["status"] == "skipped") for s in stages)}
+
+# junit: one <testsuite> per test stage, in stage order; a stage stopped at its cap gets a "stage-timeout"
+# error case (also when pytest died before writing its file).
+suites = ET.Element("testsuites")
+tests, counts = {}, {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+for st in stages:
+    junit = work / "junit" / (st["stage"].replace(":", "_") + ".xml")
+    suite = None
+    if junit.is_file():
+        try:
+            root = ET.parse(junit).getroot()
+            suite = root if root.tag == "testsuite" else root.find("testsuite")
+        except ET.ParseError as e:  # a process killed while writing
+            suite = ET.Element("testsuite")
+            case = ET.SubElement(suite, "testcase", classname=st["stage"], name="unreadable-junit")
+            ET.SubElement(case, "error", message=f"unreadable junit file ({e})")
+    if suite is None and st["status"] != "timeout":
+        continue
+    if suite is None:
+        suite = ET.Element("testsuite")
+    suite.set("name", st["stage"])
+    for case in suite.findall("testcase"):  # the test SIGINT stopped: an empty entry (the log names it)
+        if case.get("name") is None:
+            suite.remove(case)
+    if st["status"] == "timeout":
+        case = ET.SubElement(suite, "testcase", classname=st["stage"], name="stage-timeout")
+        ET.SubElement(case, "error", type="timeout", message=f"{st['stage']}: {st['note']} (see gpu_check.log)")
+    suites.append(suite)
+    for case in suite.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed"}.get(tag, tag)
+                message = (el.get("message") or "")[:300]
+                if tag != "skipped" and el.text:
+                    message += "\n" + el.text[-3000:]
+                break
+        counts[outcome] += 1
+        tests[name] = outcome if not message else f"{outcome}: {message}"
+if len(suites):
+    ET.ElementTree(suites).write(out / "junit.xml", encoding="unicode", xml_declaration=True)
+if tests:
+    summary["tests"] = {"counts": counts, "outcomes": tests}
+    if final:
+        print(f"tests (-m gpu): {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
+              f"{counts['skipped']} skipped")
+        for name, outcome in tests.items():
+            if not outcome.startswith(("passed", "skipped")):
+                print(f"  {name}: {outcome.splitlines()[0]}")
+benches = {}
+for path in sorted(out.glob("*.json")):
+    if path.name == "summary.json":
+        continue
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        benches[path.name] = {"unreadable": str(e)}
+        continue
+    benches[path.name] = {k: data[k] for k in ("complete", "goals", "failed_parts") if k in data}
+    if final:
+        print(f"benchmark {path.name}: complete {data.get('complete', '-')}, goals {data.get('goals', '-')}"
+              + (f", failed parts {data['failed_parts']}" if data.get("failed_parts") else ""))
+summary["benchmarks"] = benches
+files = sorted(p.name for p in out.iterdir())
+summary["files"] = files
+if final and len(files) > 8:
+    print(f"gpu_check: WARNING: {len(files)} files in {out}; a lent machine sends back at most 8")
+tmp = out / "summary.json.tmp"  # written whole, then renamed: a reader never sees half a file
+tmp.write_text(json.dumps(summary, indent=2) + "\n")
+tmp.replace(out / "summary.json")
+EOF
+}
+export BUDGET CAPS_TOTAL DRY_RUN COMMIT REPORT_RESERVE
+export STAGES_PLANNED="${STAGE_NAMES[*]}"
 
 run_stage() {
   local i=$1
   local name=${STAGE_NAMES[$i]} cap=${STAGE_CAPS[$i]} needs=${STAGE_NEEDS[$i]} cmd=${STAGE_CMDS[$i]}
   local left=$((DEADLINE - $(date +%s)))
-  local limit=$((cap < left ? cap : left))
   local status note="" rc=0 t0 t1
+  if [ "$name" = "$SIMULATE" ]; then # tests of this script: a stage that runs past its cap, even when dry
+    cmd=simulated_overcap needs=- cap=${GPU_CHECK_SIMULATE_CAP_S:-15}
+  fi
+  local limit=$((cap < left ? cap : left))
   t0=$(date +%s)
   echo
   echo "=== [$name] $(date -u +%H:%M:%S), cap ${cap}s, limit ${limit}s"
   if [ "$needs" != "-" ] && [ -n "$GPU_REASON" ]; then
     status=skipped note="no usable GPU: $GPU_REASON"
-  elif [ "$needs" = build ] && [ -n "$BUILD_REASON" ]; then
+  elif [ "$needs" = vmm ] && [ -n "$VMM_REASON" ]; then
+    status=skipped note="no VMM: $VMM_REASON"
+  elif [ "$name" != build ] && [ "$needs" != "-" ] && [ -n "$BUILD_REASON" ]; then
     status=skipped note="no CUDA build: $BUILD_REASON"
   elif ((limit < 5)); then
     status=no-time note="${left}s of the budget left"
     rc=124
   else
     echo "\$ $cmd"
-    timeout -k 5 "$limit" bash -c "$cmd"
+    # SIGINT at the cap: pytest (and Python benchmarks) stop cleanly on KeyboardInterrupt, writing junit and
+    # tracebacks; SIGKILL 10 s later for a process stuck in a call that never returns.
+    GPU_CHECK_STAGE=$name VMM_REASON=$VMM_REASON timeout -s INT -k 10 "$limit" bash -c "$cmd"
     rc=$?
     if ((rc == 0)); then
       status=ok
     elif ((rc == 124 || rc == 137)); then
-      status=timeout note="stopped at ${limit}s"
+      status=timeout note="stopped at its cap of ${limit}s"
     else
       status=failed note="exit status $rc"
     fi
@@ -300,6 +507,7 @@ run_stage() {
   STAGE_NOTES+=("$note")
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((t1 - t0))" "$cap" "$note" >>"$WORK/stages.tsv"
   echo "=== [$name] $status ($((t1 - t0))s)${note:+: $note}"
+  write_report 0 || echo "gpu_check: the report step failed after $name"
 }
 
 for i in "${!STAGE_NAMES[@]}"; do
@@ -313,68 +521,8 @@ for st in "${STAGE_STATUS[@]}"; do [ "$st" = skipped ] && SKIPPED=$((SKIPPED + 1
 # Report: summary.json, then the table of stages (last).
 echo
 echo "=== [report]"
-export BUDGET CAPS_TOTAL DRY_RUN COMMIT REPORT_RESERVE
-timeout 30 "$PY" - <<'EOF' || echo "gpu_check: the report step failed; summary.json holds the stages only"
-import json, os, socket, time
-import xml.etree.ElementTree as ET
-from pathlib import Path
+write_report 1 || echo "gpu_check: the report step failed; summary.json holds the stages only"
 
-out, work = Path(os.environ["OUT_DIR"]), Path(os.environ["WORK"])
-stages = []
-for line in (work / "stages.tsv").read_text().splitlines():
-    name, status, rc, seconds, cap, note = (line.split("\t") + [""] * 6)[:6]
-    stages.append({"stage": name, "status": status, "exit": int(rc), "seconds": int(seconds), "cap": int(cap),
-                   "note": note})
-env_file = work / "env.json"
-dry = os.environ["DRY_RUN"] == "1"
-summary = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": socket.gethostname(),
-           "commit": os.environ["COMMIT"], "dry_run": dry, "budget_s": int(os.environ["BUDGET"]),
-           "report_reserve_s": int(os.environ["REPORT_RESERVE"]), "caps_total_s": int(os.environ["CAPS_TOTAL"]),
-           "environment": json.loads(env_file.read_text()) if env_file.is_file() else None, "stages": stages,
-           "ok": all(s["status"] == "ok" or (dry and s["status"] == "skipped") for s in stages)}
-tests, counts = {}, {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-for junit in sorted((work / "junit").glob("*.xml")):
-    try:
-        cases = list(ET.parse(junit).iter("testcase"))
-    except ET.ParseError as e:  # a process killed while writing
-        tests[junit.stem] = f"error: unreadable junit file ({e})"
-        counts["error"] += 1
-        continue
-    for case in cases:
-        name = f"{case.get('classname')}::{case.get('name')}"
-        outcome, message = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            el = case.find(tag)
-            if el is not None:
-                outcome = {"failure": "failed"}.get(tag, tag)
-                message = (el.get("message") or "")[:300]
-                if tag != "skipped" and el.text:
-                    message += "\n" + el.text[-3000:]
-                break
-        counts[outcome] += 1
-        tests[name] = outcome if not message else f"{outcome}: {message}"
-if tests:
-    summary["tests"] = {"counts": counts, "outcomes": tests}
-    print(f"tests (-m gpu): {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
-          f"{counts['skipped']} skipped")
-    for name, outcome in tests.items():
-        if not outcome.startswith(("passed", "skipped")):
-            print(f"  {name}: {outcome.splitlines()[0]}")
-benches = {}
-for path in sorted(out.glob("*.json")):
-    if path.name == "summary.json":
-        continue
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as e:
-        benches[path.name] = {"unreadable": str(e)}
-        continue
-    benches[path.name] = {k: data[k] for k in ("complete", "goals", "failed_parts") if k in data}
-    print(f"benchmark {path.name}: complete {data.get('complete', '-')}, goals {data.get('goals', '-')}"
-          + (f", failed parts {data['failed_parts']}" if data.get("failed_parts") else ""))
-summary["benchmarks"] = benches
-(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-EOF
 if [ ! -s "$OUT_DIR/summary.json" ]; then # the report step failed: the stages, from bash
   {
     printf '{"dry_run": %s, "stages": [' "$( ((DRY_RUN)) && echo true || echo false)"

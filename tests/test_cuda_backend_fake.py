@@ -1306,6 +1306,48 @@ def test_cache_waits_for_its_streams_before_unmapping(drv, rng):
 
 
 @fake_driver_check()
+def test_reclaim_during_a_graph_capture_never_waits_for_the_capturing_stream(drv, rng):
+    """An allocation during a CUDA graph capture that needs pages another cache keeps for reuse: reclaiming
+    them would unmap, which waits for the caches' streams, and a wait on the capturing stream breaks the
+    capture. The pool skips that reclaim (OutOfPagesError, nothing changed) and gives back only what needs
+    no unmap; a direct unmap is refused (BackendError); the capture survives; after it, the same
+    allocation reclaims and succeeds."""
+    current = FakeTorchStream(drv)
+    torch.cuda.current_stream = lambda device=None: current  # this child process only
+    pool = vpaged.PagePool("cuda", capacity_pages=16)
+    first, second = (
+        vpaged.VirtualKVCache(1, 8, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=4096, device="cuda", pool=pool)
+        for _ in range(2)
+    )
+    seqs = [first.allocate() for _ in range(4)]
+    page_tokens = drv.granularity // (8 * 128 * 2)
+    first.extend_many(seqs, int(rng.integers(page_tokens + 1, 2 * page_tokens + 1)))  # 4 x 2 regions x 2 pages
+    live = seqs[0]
+    for s in seqs[1:]:
+        first.free(s)
+    dormant = first.stats().dormant_pages
+    assert dormant == 12 and pool.free_pages() == 0
+    seq = second.allocate()
+
+    drv.begin_capture(current.handle)
+    with pytest.raises(OutOfPagesError):
+        second.extend(seq, page_tokens)  # would reclaim dormant pages: refused during the capture
+    with pytest.raises(BackendError, match="capturing a CUDA graph"):
+        first.truncate(live, 1)  # an unmap of its own: refused before waiting
+    assert second.seq_len(seq) == 0 and first.seq_len(live) > page_tokens
+    assert first.stats().dormant_pages == dormant and pool.free_pages() == 0
+    assert first._range.capturing() and first.reclaimable_pages() == 0
+    assert drv.end_capture(current.handle) == 0, "a wait during the capture invalidated it"
+
+    assert not first._range.capturing() and first.reclaimable_pages() == dormant
+    second.extend(seq, page_tokens)  # reclaims now
+    first.truncate(live, 1)
+    assert second.seq_len(seq) == page_tokens and first.stats().dormant_pages < dormant
+    first.close()
+    second.close()
+
+
+@fake_driver_check()
 def test_gpu_cache_scenarios_keep_pool_and_cache_on_one_device(drv, rng):
     """tests/test_cuda_cache.py's close scenario, run here without a GPU: the pool and the cache it builds
     must both be on cuda:0 (a cache without device= is on the CPU and refuses a CUDA pool)."""

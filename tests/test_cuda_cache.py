@@ -211,3 +211,98 @@ def test_transformers_generate_on_cuda_matches_dynamic_cache():
         out = model.generate(ids, **cache_kwargs(cache), **kw)
         assert torch.equal(out, ref), layout
         cache.reset()
+
+
+# --------------------------------------------------------------------------------------------- issue #36.5
+FORMATS = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "head_major", "paged"])
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_quantized_cache_end_to_end_on_cuda(kind, kv_dtype, gen):
+    """Quantized K/V on the GPU the way the engine runs them: 1-byte rows scattered by ops.write_kv (the
+    CUDA scatter quantizes; the same bytes as write()), then a decode plan built by the cache
+    (VirtualKVCache's record, or the paged pools through set_format) against float64 attention over the
+    cache's own dequantized K/V."""
+    from vpaged import PagedKVCache, ops
+
+    heads, dim, layers, lengths = 2, 128, 2, [1, 37, 700, 129]
+    scales = None if kv_dtype == torch.int8 else (0.02, 0.03)
+    if kind == "paged":
+        make_one = lambda: PagedKVCache(layers, heads, dim, torch.float32, max_seqs=8, max_seq_len=1024,  # noqa: E731
+                                        device=DEV, num_blocks=64, block_size=16, kv_dtype=kv_dtype,
+                                        kv_scales=scales)  # fmt: skip
+    else:
+        make_one = lambda: make(kind, torch.float32, layers=layers, heads=heads, dim=dim, max_len=1024,  # noqa: E731
+                                kv_dtype=kv_dtype, kv_scales=scales)  # fmt: skip
+    scattered, written = make_one(), make_one()
+    seqs, wseqs = [scattered.allocate() for _ in lengths], [written.allocate() for _ in lengths]
+    for s, w, n in zip(seqs, wseqs, lengths):
+        scattered.extend(s, n)
+        written.extend(w, n)
+    for layer in range(layers):
+        for s, w, n in zip(seqs, wseqs, lengths):
+            k = torch.randn(n, heads, dim, device=DEV, generator=gen)
+            v = torch.randn(n, heads, dim, device=DEV, generator=gen)
+            written.write(layer, w, k, v)
+            if kind == "paged":  # the block-table cache has no scatter entry: write() stores its bytes
+                scattered.write(layer, s, k, v)
+                continue
+            rows = torch.zeros(n, dtype=torch.int32, device=DEV)
+            ops.write_kv(k, v, scattered.batch(layer, [s]), rows, torch.arange(n, dtype=torch.int32, device=DEV))
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        for s, w in zip(seqs, wseqs):
+            for a, b in zip(scattered.dequantized_kv(layer, s), written.dequantized_kv(layer, w)):
+                assert torch.equal(a, b), "the CUDA scatter stored other bytes than write()"
+    kvs = [scattered.dequantized_kv(1, s) for s in seqs]
+    for group in (1, 4):
+        q = torch.randn(len(seqs), heads * group, dim, device=DEV, generator=gen)
+        out = ops.decode_attention(q, scattered, seqs, 1)
+        torch.cuda.synchronize()
+        assert out.is_cuda and torch.isfinite(out).all()
+        ref = torch.stack(
+            [
+                F.scaled_dot_product_attention(
+                    q[i].double()[:, None], *(t.double().transpose(0, 1) for t in kv), enable_gqa=True
+                )[:, 0]
+                for i, kv in enumerate(kvs)
+            ]
+        )
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    scattered.close()
+    written.close()
+
+
+def test_reclaim_during_a_real_graph_capture_skips_unmapping(gen):
+    """Pool reclaim inside torch.cuda.graph: the pages another cache keeps for reuse would have to be
+    unmapped, which waits for the caches' streams (one of them captures). The allocation gets
+    OutOfPagesError with nothing changed, the capture stays valid (the graph replays), and after the
+    capture the same allocation reclaims and succeeds."""
+    first = make("per_layer", torch.float32, pages=8, layers=1, dim=128, max_len=8192)
+    second = vpaged.VirtualKVCache(1, 2, 128, dtype=torch.float32, max_seqs=2, max_seq_len=8192, device=DEV,
+                                   pool=first.pool)  # fmt: skip
+    page_tokens = GRAN // (2 * 128 * 4)
+    seqs = [first.allocate() for _ in range(4)]
+    first.extend_many(seqs, page_tokens)  # 4 sequences x 2 regions x 1 page: the whole pool
+    for s in seqs:
+        first.free(s)
+    dormant = first.stats().dormant_pages
+    seq = second.allocate()
+    x = torch.randn(1 << 16, device=DEV, generator=gen)
+    side = torch.cuda.Stream(DEV)
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        y = x * 2.0 + 1.0
+        with pytest.raises(vpaged.OutOfPagesError):
+            second.extend(seq, page_tokens)
+    assert second.seq_len(seq) == 0 and first.stats().dormant_pages == dormant
+    x.copy_(torch.randn(1 << 16, device=DEV, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x * 2.0 + 1.0), "the capture was broken"
+    second.extend(seq, page_tokens)
+    assert second.seq_len(seq) == page_tokens and first.stats().dormant_pages < dormant
+    second.close()
+    first.close()

@@ -44,16 +44,24 @@ def tensor_scales(fmt, k, v):
 
 
 def reference(q, ks, vs, scale):
-    """Attention of q[i] over ks[i], vs[i] in float64, GQA by repeating kv heads."""
-    num_seqs, num_heads, _ = q.shape
+    """Attention of q[i] over ks[i], vs[i] in float64. GQA by grouping the query heads of each kv head
+    rather than by repeating K/V (measured 2-6x cheaper: the CUDA grid builds ~100 references)."""
+    num_seqs, num_heads, head_dim = q.shape
+    hkv = ks[0].shape[1]
     out = torch.empty(num_seqs, num_heads, vs[0].shape[-1], dtype=torch.float64)
     for i, (k, v) in enumerate(zip(ks, vs)):
-        g = num_heads // k.shape[1]
-        k = k.double().repeat_interleave(g, dim=1)
-        v = v.double().repeat_interleave(g, dim=1)
-        s = torch.einsum("hd,thd->ht", q[i].double(), k) * scale
-        out[i] = torch.einsum("ht,thd->hd", s.softmax(-1), v)
+        grouped = q[i].double().view(hkv, num_heads // hkv, head_dim)
+        s = torch.einsum("kgd,tkd->kgt", grouped, k.double()) * scale
+        out[i] = torch.einsum("kgt,tkd->kgd", s.softmax(-1), v.double()).reshape(num_heads, -1)
     return out
+
+
+def quantize_each(xs, fmt, scale=1.0):
+    """quantize() of every sequence's rows in one call (int8 scales are per row, fp8's per tensor: the
+    same bytes as one call per sequence): [(stored, dequantized)] per sequence."""
+    stored, values = quantize(torch.cat(xs), fmt, scale)
+    sizes = [x.shape[0] for x in xs]
+    return list(zip(stored.split(sizes), values.split(sizes)))
 
 
 def garbage(n, rng):
@@ -94,8 +102,8 @@ class Store:
             if tables is None:
                 view[slots[i], :n] = r
             else:
-                for t in range(n):
-                    view[0, tables[i][t // block_size] * block_size + t % block_size] = r[t]
+                t = torch.arange(n)
+                view[0, torch.tensor(tables[i])[t // block_size] * block_size + t % block_size] = r
 
 
 def make_params(fmt, q, out, kst, vst, lengths, max_len, v_head_dim, scale, k_scale, v_scale, paged=None):
@@ -140,8 +148,7 @@ def case(fmt, group, head_dim, v_head_dim, layout, rng, lengths=LENGTHS, hkv=2, 
     ks = [torch.randn(n, hkv, head_dim, generator=rng) for n in lengths]
     vs = [torch.randn(n, hkv, v_head_dim, generator=rng) for n in lengths]
     k_scale, v_scale = tensor_scales(fmt, torch.cat(ks), torch.cat(vs))
-    kq = [quantize(k, fmt, k_scale) for k in ks]
-    vq = [quantize(v, fmt, v_scale) for v in vs]
+    kq, vq = quantize_each(ks, fmt, k_scale), quantize_each(vs, fmt, v_scale)
     paged = None
     if paged_block:
         blocks_each = [-(-n // paged_block) for n in lengths]
@@ -454,21 +461,24 @@ def cuda_launch(p, max_len, split_tokens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="torch.cuda is not available (no CUDA GPU)")
-@pytest.mark.parametrize("split", [0, 256], ids=["one_pass", "split"])
 @pytest.mark.parametrize("kind", ["dense", "head_major", "paged16"])
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (256, 256), (192, 128)], ids=lambda d: f"{d[0]}-{d[1]}")
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cuda(fmt, group, dims, kind, split, rng):
+def test_cuda(fmt, group, dims, kind, rng):
+    """One pass and split over 256-token pieces on the same storage: one CPU reference serves both (the
+    reference, not the kernel, is what costs time in this grid)."""
     paged = int(kind.removeprefix("paged")) if kind.startswith("paged") else 0
     layout = "dense" if paged else kind
     p, keep, q, out, ref = case(fmt, group, *dims, layout, rng, paged_block=paged, device="cuda")
     max_len = max(LENGTHS)
-    launch, bufs = cuda_launch(p, max_len, split or max_len)
-    _C.decode_cuda(p, launch)
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.cpu().double(), ref, **TOL)
+    for split in (max_len, 256):
+        launch, bufs = cuda_launch(p, max_len, split)
+        out.fill_(float("nan"))
+        _C.decode_cuda(p, launch)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), f"split {split}"
+        torch.testing.assert_close(out.cpu().double(), ref, **TOL, msg=lambda m, s=split: f"split {s}: {m}")
 
 
 @pytest.mark.gpu

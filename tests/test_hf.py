@@ -311,3 +311,27 @@ def test_shape_and_argument_errors(models, rng):
     cache = make_cache(model, "per_layer")
     with pytest.raises(InvalidArgumentError):
         cache.layers[0].crop(-1)  # per-layer edits would desynchronise the shared rows
+
+
+# --------------------------------------------------------------------------------------------- quantized K/V
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantized_cache_shares_prefill_in_every_generate_pattern(models, kv_dtype, rng):
+    """A quantized cache with share_prefill=True (duplicate prompt rows stored once: beams, return
+    sequences) generates what the same cache without sharing generates (issue #41: beams raised
+    InvalidArgumentError on the rows still at length 0)."""
+    model = models["llama"]
+    cases = [
+        ("beam 4", *prompts(2, 8, rng, pads=(0, 3)), dict(num_beams=4, do_sample=False)),
+        ("return 3", *prompts(2, 9, rng, pads=(2, 0)), dict(do_sample=True, num_return_sequences=3)),
+        ("beam 3 return 2", *prompts(1, 7, rng), dict(num_beams=3, num_return_sequences=2, do_sample=False)),
+        ("greedy b4 left-padded", *prompts(4, 11, rng, pads=(0, 2, 5, 10)), dict(do_sample=False)),
+        ("same prompt twice", *(t.repeat(2, 1) for t in prompts(1, 6, rng)), dict(do_sample=False)),
+    ]
+    for name, ids, mask, kw in cases:
+        outs = []
+        for share in (False, True):
+            cache = make_cache(model, "head_major", kv_dtype=kv_dtype, share_prefill=share)
+            outs.append(generate(model, cache, ids, mask, seed=99, **kw))
+            assert cache.get_seq_length() == outs[-1].shape[1] - 1, name
+            cache.close()
+        assert torch.equal(outs[0], outs[1]), f"{kv_dtype}: {name} differs with share_prefill=True"

@@ -89,6 +89,10 @@ def test_pool_pages_match_torch_reserved_bytes_and_scope_exit_returns_every_page
     pool, hook = make_hook()
     page = pool.page_size
     torch.cuda.synchronize()
+    # Nothing cached in the default pool first: if ~MemPool does not empty its own cache, the scope's
+    # fallback torch.cuda.empty_cache() also frees the default pool's cached blocks, which would lower
+    # memory_reserved below this baseline on one torch and not on another.
+    torch.cuda.empty_cache()
     reserved_before = torch.cuda.memory_reserved(DEV)
     gen = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
     sizes = [int(s) for s in torch.randint(1 << 10, 40 << 20, (24,), generator=gen)]
@@ -204,3 +208,38 @@ def test_cap_gives_torch_out_of_memory(make_hook):
         assert hook.stats().bytes <= 32 << 20
         del a
     assert pool.stats().allocator_pages == 0
+
+
+def test_free_on_the_capturing_stream_inside_torch_cuda_graph_is_deferred_then_completed(make_hook):
+    """The entry points torch calls (vpaged_torch_malloc / vpaged_torch_free, through ctypes here: torch's
+    caching allocator only frees a segment inside a capture when it runs short) inside a real
+    torch.cuda.graph capture: the free on the capturing stream is deferred (no device-wide wait, which would
+    invalidate the capture), its pages stay mapped; the first call after the capture completes it, and the
+    captured graph replays."""
+    import ctypes
+
+    pool, hook = make_hook()
+    lib = ctypes.CDLL(vpaged.memory.allocator.library_path())
+    lib.vpaged_torch_malloc.restype = ctypes.c_void_p
+    lib.vpaged_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.vpaged_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    x = torch.randn(1 << 16, device=DEV)
+    side = torch.cuda.Stream(DEV)
+    side.wait_stream(torch.cuda.current_stream(DEV))
+    size = 3 * pool.page_size + 12345
+    graph = torch.cuda.CUDAGraph()
+    before = hook.stats()
+    with torch.cuda.graph(graph, stream=side):
+        y = torch.sin(x) + 1.0
+        ptr = lib.vpaged_torch_malloc(size, DEV.index, ctypes.c_void_p(side.cuda_stream))
+        assert ptr, "an allocation during the capture must work"
+        lib.vpaged_torch_free(ptr, size, DEV.index, ctypes.c_void_p(side.cuda_stream))
+        assert hook.flush() == 1, "the free must wait for the capture's end"
+        during = hook._allocator.stats()
+    assert during.deferred_frees == 1 and during.mapped_bytes >= before.mapped_bytes + 4 * pool.page_size
+    s = hook.stats()  # the first call after the capture completes the free
+    assert s.deferred_frees == 0 and s.frees == before.frees + 1 and s.mapped_bytes == before.mapped_bytes
+    x.copy_(torch.randn(1 << 16, device=DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, torch.sin(x) + 1.0)

@@ -190,6 +190,14 @@ PYBIND11_MODULE(_C, m) {
       .def("remove_stream", &VirtualRange::remove_stream, py::arg("stream"))
       .def_property_readonly("streams", &VirtualRange::streams)
       .def("wait_for_streams", &VirtualRange::wait_for_streams)
+      .def(
+          "capturing",
+          [](VirtualRange& r) {
+            for (uintptr_t stream : r.streams())
+              if (r.pool().backend().capturing(stream)) return true;
+            return false;
+          },
+          "Whether a registered stream captures a CUDA graph now (unmap and remap are refused then)")
       .def("pinned_count", &VirtualRange::pinned_count, py::arg("indices"))
       .def(
           "view",

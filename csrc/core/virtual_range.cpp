@@ -182,6 +182,17 @@ void VirtualRange::wait_for_streams_locked() {
   // Called with mu_ held: the wait is short next to the unmap that follows, and holding the lock keeps
   // another thread from mapping a page into an index between the wait and the unmap. Lock order: range, then
   // pool (the backend's synchronize takes no vpaged lock).
+  // A stream capturing a CUDA graph cannot be waited for: cuStreamSynchronize on it fails and, in the global
+  // capture mode torch.cuda.graph uses, invalidates the capture (the legacy stream 0 counts as capturing
+  // whenever such a capture runs). So every unmap or remap is refused first, with nothing changed and the
+  // capture intact; the cache's pool reclaim asks the same question and skips unmapping during a capture.
+  for (uintptr_t stream : streams_) {
+    if (pool_->backend().capturing(stream)) {
+      throw CaptureActive("stream " + std::to_string(stream) +
+                          " of this range is capturing a CUDA graph: unmapping or remapping waits for it, which "
+                          "a capture forbids; nothing was changed (do it after the capture ends)");
+    }
+  }
   for (uintptr_t stream : streams_) pool_->backend().synchronize(stream);
 }
 

@@ -230,12 +230,14 @@ class KVGroup:
         return k_all.transpose(1, 2), v_all.transpose(1, 2)
 
     def _write_quantized(self, i: int, past: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        """write() on a quantized cache: the layer attends over what is stored (dequantized), new tokens too."""
+        """write() on a quantized cache: the layer attends over what is stored (dequantized), new tokens too;
+        a duplicate prefill row (no tokens until end_step shares its source's pages) reads its source's."""
         if self.dup_of:
             self._write_rows(i, key_states, value_states)
-        else:
-            for row, seq in enumerate(self.rows):
-                self.kv.write(i, seq, key_states[row].transpose(0, 1), value_states[row].transpose(0, 1), start=past)
+            held = [self.kv.dequantized_kv(i, self.rows[self.dup_of.get(r, r)]) for r in range(len(self.rows))]
+            return tuple(torch.stack([kv[j] for kv in held]).transpose(1, 2) for j in (0, 1))
+        for row, seq in enumerate(self.rows):
+            self.kv.write(i, seq, key_states[row].transpose(0, 1), value_states[row].transpose(0, 1), start=past)
         k, v = self.kv.kv_batch(i, self.rows, past + key_states.shape[2])
         return k.dequantize().transpose(1, 2), v.dequantize().transpose(1, 2)
 
@@ -316,10 +318,8 @@ class KVGroup:
         try:
             extra = kv.allocate_many(new - old)
         except SlotsExhaustedError as e:
-            raise SlotsExhaustedError(
-                f"{new} rows do not fit a cache of max_batch_size={kv.max_seqs}; "
-                "build the cache with a larger max_batch_size"
-            ) from e
+            msg = f"{new} rows do not fit a cache of max_batch_size={kv.max_seqs}; build it with a larger one"
+            raise SlotsExhaustedError(msg) from e
         if kv.slot(extra[0]) != kv.slot(rows[-1]) + 1:
             # The new rows do not continue ours: move the whole batch to a fresh run of slots.
             for seq in extra:
@@ -327,10 +327,8 @@ class KVGroup:
             try:
                 fresh = kv.allocate_many(new)
             except SlotsExhaustedError as e:
-                raise SlotsExhaustedError(
-                    f"no run of {new} free slots next to the current {old} rows; build the "
-                    "cache with a larger max_batch_size"
-                ) from e
+                msg = f"no run of {new} free slots next to the current {old} rows; build the cache with a larger "
+                raise SlotsExhaustedError(msg + "max_batch_size") from e
             self._reorder_or_free(rows + fresh, list(range(old)) + sources, fresh)
             for seq in rows:
                 kv.free(seq)

@@ -8,6 +8,11 @@ Three kinds of pages are kept only for reuse (deferred reclamation), given back 
 - spare pages of live sequences past what their tokens need (a freed slot reused by a shorter sequence
   keeps the longer one's pages), except those of sequences an extend in progress is growing into.
 The cache implements the pool's Reclaimable protocol by delegating here.
+
+During a CUDA graph capture on one of the range's streams only the second kind is given back: unmapping
+waits for those streams, which a capture forbids (the range refuses it, and a wait on the capturing stream
+would invalidate the capture). An allocation that needs the other kinds then gets OutOfPagesError, with
+nothing changed; it succeeds again after the capture.
 """
 
 from __future__ import annotations
@@ -63,8 +68,14 @@ class SlotReclaim:
         releasable = {p for s in dormant for p in self.page_map.pages(s)}
         return self.prefix.evictable(releasable)
 
+    def capturing(self) -> bool:
+        """Whether a stream the range waits for is capturing a CUDA graph (no unmapping then)."""
+        return self.page_map.range.capturing()
+
     def reclaimable_pages(self) -> int:
         """Pages reclaim_pages() could return to the pool now."""
+        if self.capturing():
+            return sum(len(b.pages) for b in self.evictable_blocks([]))
         t = self.page_map.table
         dormant = self.unpinned_dormant_slots()
         spare = sum(t.mapped_pages[s] - first for s, first in self.spare_tails())
@@ -80,6 +91,8 @@ class SlotReclaim:
             # reclaimable_pages() counts them: evict them after the dormant stage too.
             stages.insert(stages.index(ReclaimStage.DORMANT) + 1, ReclaimStage.PREFIX)
         freed = 0
+        if self.capturing():  # prefix blocks only: evicting one drops references, it unmaps nothing
+            return self._give_back(ReclaimStage.PREFIX, pages)
         for stage in stages:
             if freed >= pages:
                 break
