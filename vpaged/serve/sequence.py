@@ -39,6 +39,7 @@ class Sequence:
     finish_reason: str | None = None
     delta_from: int = 0  # index in tokens of the first token not yet reported
     prefix_offered: bool = False  # prompt pages handed to the prefix cache
+    logprobs: list = field(default_factory=list)  # TokenLogprob per generated token (params.logprobs set)
 
     @property
     def prompt_len(self) -> int:
@@ -65,6 +66,9 @@ class Request:
     seeds: list[int] = field(default_factory=list)  # one per completion
     forked: bool = False  # n > 1: the completions exist (after the prompt's prefill)
     finished: bool = False
+    # params.prompt_logprobs set: [None] (the first prompt token has none), then a TokenLogprob per prompt
+    # token as its position is computed; None otherwise.
+    prompt_logprobs: list | None = None
 
     @property
     def prompt_len(self) -> int:
