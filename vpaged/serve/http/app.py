@@ -1,10 +1,11 @@
 """The FastAPI app: OpenAI-compatible routes over an EngineLoop (extra `vpaged[serve]`).
 
 Endpoints: POST /v1/completions (prompt as text, token ids, or a batch of either), POST /v1/chat/completions
-(when the tokenizer has a chat template), both with SSE streaming (`"stream": true`); GET /v1/models,
-GET /metrics (Prometheus text: the engine's stats() and request counters), GET /health. A request the engine
-refuses (prompt too long, bad sampling parameters) gets HTTP 400 and changes nothing for the others; a client
-that disconnects has its request aborted, streamed or not, so its pages go back at once. Every error answers in
+(when the tokenizer has a chat template), both with SSE streaming (`"stream": true`) and logprobs (logprobs.py);
+GET /v1/models and /v1/models/{id}, POST /tokenize and /detokenize (vLLM's, tokenize.py), GET /metrics
+(Prometheus text: the engine's stats() and request counters), GET /health. A request the engine refuses
+(prompt too long, bad sampling parameters) gets HTTP 400 and changes nothing for the others; a client that
+disconnects has its request aborted, streamed or not, so its pages go back at once. Every error answers in
 the OpenAI error shape (unknown routes and methods included). The limits of ServerLimits are checked before
 any work: those about HTTP by the Guard middleware (guard.py), those about what is asked for here.
 """
@@ -20,8 +21,10 @@ from typing import Any
 
 from ...errors import EngineStepError, TensorParallelError, VPagedError
 from . import protocol as proto
+from . import tokenize as tok
 from .generation import Generation
 from .guard import Guard, ServerLimits
+from .logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from .loop import EngineLoop
 from .metrics import prometheus_text
 from .protocol import RequestError
@@ -56,6 +59,7 @@ class _Server:
         self.default_max_tokens = default_max_tokens
         self.created = proto.now()
         self.http_counts: Counter = Counter()
+        self.token_texts = TokenTexts(self.tokenizer)  # token id -> text, for logprobs
 
     # ---- helpers
     def _check_model(self, req) -> None:
@@ -142,10 +146,16 @@ class _Server:
             limit = getattr(self.engine, "max_model_len", None)
             if isinstance(limit, int) and prompts:
                 max_tokens = max(1, min(max_tokens, limit - max(len(p) for p in prompts)))
+        kwargs = proto.sampling_kwargs(req, max_tokens)
         try:
-            return SamplingParams(**proto.sampling_kwargs(req, max_tokens))
+            return SamplingParams(**kwargs)
         except (VPagedError, ValueError, TypeError) as e:
-            raise RequestError(str(e)) from None
+            # SamplingParams names the field first in its messages: the 400 names it too (as the client did)
+            field = str(e).split(" ", 1)[0]
+            param = field if field in kwargs else None
+            if param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+                param = "max_completion_tokens"
+            raise RequestError(str(e), param=param) from None
 
     async def _start(
         self, req, prompts: list[list[int]], max_tokens: int | None, prefix: str, stops: tuple[str, ...]
@@ -184,20 +194,47 @@ class _Server:
         self._check_max_tokens(prompts, req.max_tokens, "max_tokens")
         rid, created = proto.new_id("cmpl"), proto.now()
         gen = await self._start(req, prompts, req.max_tokens if req.max_tokens is not None else 16, rid, stops)
+        echoes = [self._echo_text(p, ids) for p, ids in zip(req.prompts(), prompts)] if req.echo else None
+        with_logprobs = req.logprobs is not None
         if req.stream:
+            formats = [CompletionLogprobs(self.token_texts) for _ in gen.choices]
+            echoed: set[int] = set()
 
-            def chunk(k, text, toks, finish):
-                return proto.completion_chunk(
-                    rid, self.model_name, created, [proto.completion_choice(k, text, toks, finish)]
-                )
+            def chunk(k, text, toks, finish, entries):
+                i, logprobs = k // req.n, None
+                if echoes is not None and k not in echoed:  # the prompt goes out with the choice's first chunk
+                    echoed.add(k)
+                    text = echoes[i] + text
+                    if with_logprobs:
+                        logprobs = formats[k].echo_body(prompts[i], gen.prompt_logprobs[i], entries)
+                elif with_logprobs:
+                    logprobs = formats[k].body(entries)
+                choice = proto.completion_choice(k, text, toks, finish, logprobs)
+                return proto.completion_chunk(rid, self.model_name, created, [choice])
 
             return self._sse_response(
                 gen, chunk, [], req, lambda u: proto.completion_chunk(rid, self.model_name, created, [], u)
             )
         if not await self._collect(request, gen):
             return _error(499, "the client closed the request", "invalid_request_error")
-        choices = [proto.completion_choice(k, c.text, c.token_ids, c.finish_reason) for k, c in enumerate(gen.choices)]
+        choices = []
+        for k, c in enumerate(gen.choices):
+            i, text, logprobs = k // req.n, c.text, None
+            if with_logprobs:
+                fmt = CompletionLogprobs(self.token_texts)
+                logprobs = (
+                    fmt.echo_body(prompts[i], gen.prompt_logprobs[i], c.logprobs) if echoes else fmt.body(c.logprobs)
+                )
+            if echoes is not None:
+                text = echoes[i] + text
+            choices.append(proto.completion_choice(k, text, c.token_ids, c.finish_reason, logprobs))
         return proto.completion_body(rid, self.model_name, created, choices, gen.usage())
+
+    def _echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        """What echo puts before a completion: the prompt as the client sent it (token ids: their decode)."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     async def chat(self, request: Request):
         req = await _parse(request, proto.ChatCompletionRequest)
@@ -207,8 +244,9 @@ class _Server:
             raise RequestError(
                 "this model's tokenizer has no chat template: use /v1/completions", code="no_chat_template"
             )
+        conversation = req.conversation()  # a part the server cannot read is refused as such, not as a template error
         try:
-            text = self.tokenizer.apply_chat_template(req.conversation(), tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. role order)
             raise RequestError(f"the chat template refused these messages: {e}", param="messages") from None
         prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -220,12 +258,14 @@ class _Server:
         self._check_max_tokens([prompt], max_tokens, given)
         rid, created = proto.new_id("chatcmpl"), proto.now()
         gen = await self._start(req, [prompt], max_tokens, rid, stops)
+        with_logprobs = bool(req.logprobs)
         if req.stream:
 
-            def chunk(k, text, toks, finish):
+            def chunk(k, text, toks, finish, entries):
                 delta = {"content": text} if text or finish is None else {}
+                logprobs = chat_logprobs(self.token_texts, entries) if with_logprobs else None
                 return proto.chat_chunk(
-                    rid, self.model_name, created, [proto.chat_delta_choice(k, delta, toks, finish)]
+                    rid, self.model_name, created, [proto.chat_delta_choice(k, delta, toks, finish, logprobs)]
                 )
 
             first = [
@@ -242,7 +282,16 @@ class _Server:
             )
         if not await self._collect(request, gen):
             return _error(499, "the client closed the request", "invalid_request_error")
-        choices = [proto.chat_choice(k, c.text, c.token_ids, c.finish_reason) for k, c in enumerate(gen.choices)]
+        choices = [
+            proto.chat_choice(
+                k,
+                c.text,
+                c.token_ids,
+                c.finish_reason,
+                chat_logprobs(self.token_texts, c.logprobs) if with_logprobs else None,
+            )
+            for k, c in enumerate(gen.choices)
+        ]
         return proto.chat_body(rid, self.model_name, created, choices, gen.usage())
 
     def _sse_response(self, gen, chunk, first, req, usage_chunk) -> StreamingResponse:
@@ -263,9 +312,10 @@ class _Server:
                     return
                 for k in changed:
                     ch = gen.choices[k]
+                    start = ch.sent_tokens
                     text, toks = ch.delta()
                     if text or toks or ch.done:
-                        yield _sse(chunk(k, text, toks, ch.finish_reason))
+                        yield _sse(chunk(k, text, toks, ch.finish_reason, ch.new_logprobs(start, len(toks))))
             if include_usage:
                 yield _sse(usage_chunk(gen.usage()))
             yield "data: [DONE]\n\n"
@@ -359,7 +409,28 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        return proto.model_list(srv.model_name, srv.created)
+        return proto.model_list(srv.model_name, srv.created, srv._max_model_len())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != srv.model_name:
+            return _error(404, f"model {model_id!r} is not served here", param="model", code="model_not_found")
+        return proto.model_card(srv.model_name, srv.created, srv._max_model_len())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await _parse(request, tok.TokenizeRequest)
+        if req.model is not None:
+            srv._check_model(req)
+        limit = srv._max_prompt_tokens()
+        return tok.tokenize(srv.tokenizer, req, srv._max_model_len(), 64 * limit if limit else 1 << 24)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await _parse(request, tok.DetokenizeRequest)
+        if req.model is not None:
+            srv._check_model(req)
+        return tok.detokenize(srv.tokenizer, req, srv._vocab_size())
 
     @app.get("/metrics")
     async def metrics():
