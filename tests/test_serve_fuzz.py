@@ -76,6 +76,11 @@ FIELDS = [
     "response_format",
     "presence_penalty",
     "user",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "top_logprobs",
+    "prompt_logprobs",
 ]
 
 

@@ -147,6 +147,9 @@ class _Server:
             if isinstance(limit, int) and prompts:
                 max_tokens = max(1, min(max_tokens, limit - max(len(p) for p in prompts)))
         kwargs = proto.sampling_kwargs(req, max_tokens)
+        vocab = self._vocab_size()
+        if vocab is not None and any(t >= vocab for t in kwargs.get("logit_bias", ())):
+            raise RequestError(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         try:
             return SamplingParams(**kwargs)
         except (VPagedError, ValueError, TypeError) as e:
