@@ -37,6 +37,7 @@ from .sampler import sample
 from .scheduler import Scheduler, StepUpdate
 from .sequence import Request, Sequence
 from .stores import make_store
+from .structured import Grammars
 
 _log = logging.getLogger("vpaged.serve")
 
@@ -155,6 +156,8 @@ class LLMEngine:
         if eos is None:
             eos = getattr(model_config, "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        # structured output: grammars compiled for this tokenizer (lazily, at the first request that asks)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -175,6 +178,8 @@ class LLMEngine:
             raise InvalidArgumentError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
         if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:
             raise InvalidArgumentError(f"logit_bias token ids must lie in 0..{self.vocab_size - 1}")
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # refused here if it cannot compile; cached for the steps
         tokens = self._prompt_tokens(prompt)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -299,9 +304,14 @@ class LLMEngine:
             counts.append(count)
         if len(rows) != len(samplers):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        tokens = sample(logits, params, generators, histories, self.eos_token_ids)
+        allowed = self._grammar_masks(samplers, rows, params)
+        tokens = sample(logits, params, generators, histories, self.eos_token_ids, allowed)
         drawn = iter(zip(tokens, generators))
         draws = [(seq, [next(drawn) for _ in range(count)]) for seq, count in zip(samplers, counts)]
+        if allowed is not None:
+            for seq, seq_draws in draws:
+                if seq.matcher is not None and not seq.matcher.is_terminated():
+                    seq.matcher.accept_token(seq_draws[0][0])  # forked completions replay their own later
         asking = [r for r, p in enumerate(params) if p.logprobs is not None]
         if not asking:
             return draws, []
@@ -313,6 +323,20 @@ class LLMEngine:
             if seq.request.params.logprobs is not None
         ]
         return draws, drawn_logprobs
+
+    def _grammar_masks(self, samplers: list[Sequence], rows: list[int], params: list[SamplingParams]):
+        """(rows, allowed tokens) of the rows whose request follows a grammar; None when none does. The rows
+        of a request about to fork share its prompt's state, so they share the sequence's matcher."""
+        structured = [r for r, p in enumerate(params) if p.structured is not None]
+        if not structured:
+            return None
+        matchers = []
+        for r in structured:
+            seq = samplers[rows[r]]
+            if seq.matcher is None:
+                seq.matcher = self.grammars.matcher(seq.request.params.structured, seq.tokens[seq.prompt_len :])
+            matchers.append(seq.matcher)
+        return structured, self.grammars.allowed(matchers)
 
     @staticmethod
     def _prompt_logprobs(plan, logits: torch.Tensor) -> None:

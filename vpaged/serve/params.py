@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError
+from .structured import GrammarSpec
 
 MAX_LOGPROBS = 20  # most alternatives per token that logprobs / prompt_logprobs may ask for (OpenAI's chat limit)
 
@@ -58,6 +59,7 @@ class SamplingParams:
         positive and multiplied when negative (the CTRL / transformers / vLLM rule).
     logit_bias: {token id: bias in [-100, 100]} added to the logits (kept as sorted (id, bias) pairs).
     min_tokens: the EOS and stop tokens cannot be drawn before this many tokens are generated.
+    structured: a GrammarSpec the output must follow (structured.py; needs xgrammar and a tokenizer).
     """
 
     max_tokens: int = 16
@@ -75,6 +77,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     min_tokens: int = 0
+    structured: GrammarSpec | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -125,6 +128,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidArgumentError(f"min_tokens must be an int in 0..max_tokens, got {self.min_tokens!r}")
+        if self.structured is not None and not isinstance(self.structured, GrammarSpec):
+            raise InvalidArgumentError(f"structured must be a GrammarSpec or None, got {self.structured!r}")
 
     @property
     def adjusts_logits(self) -> bool:

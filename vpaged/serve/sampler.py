@@ -20,14 +20,20 @@ def sample(
     generators: list,
     histories: list[History] | None = None,
     eos_token_ids=(),
+    allowed: tuple[list[int], torch.Tensor] | None = None,
 ) -> list[int]:
     """logits [R, V] (row i for params[i] / generators[i]; generators[i] is None for greedy rows).
     histories[i]: row i's tokens so far and prompt length, needed by the rows with penalties or min_tokens;
-    eos_token_ids: what min_tokens holds back (with each request's stop tokens)."""
+    eos_token_ids: what min_tokens holds back (with each request's stop tokens); allowed: (rows, bool
+    [len(rows), V]) the only tokens those rows may draw (structured output), applied after the controls."""
     rows = logits.shape[0]
     if rows == 0:
         return []
     logits = apply_controls(logits, params, histories, eos_token_ids)
+    if allowed is not None:
+        idx = torch.tensor(allowed[0], device=logits.device)
+        masked = logits.index_select(0, idx).masked_fill(~allowed[1].to(logits.device), float("-inf"))
+        logits = logits.index_copy(0, idx, masked)
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:

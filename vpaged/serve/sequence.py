@@ -40,6 +40,7 @@ class Sequence:
     delta_from: int = 0  # index in tokens of the first token not yet reported
     prefix_offered: bool = False  # prompt pages handed to the prefix cache
     logprobs: list = field(default_factory=list)  # TokenLogprob per generated token (params.logprobs set)
+    matcher: object | None = None  # params.structured: the grammar's state after the generated tokens
 
     @property
     def prompt_len(self) -> int:
