@@ -74,6 +74,7 @@ class Grammars:
         self.stop_token_ids = sorted(stop_token_ids)
         self.max_cached = max_cached
         self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()
         self._compiler = None
         self._cache: OrderedDict[GrammarSpec, object] = OrderedDict()
 
@@ -87,28 +88,32 @@ class Grammars:
         why = self.unavailable()
         if why is not None:
             raise InvalidArgumentError(why)
+        # The cache lock is held only to look up and insert, never while compiling: the engine thread's
+        # lookup of a grammar the server compiled does not wait for another request's compilation.
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
                 return hit
-            compiled = self._compile(self._get_compiler(), spec)
+        compiled = self._compile(self._get_compiler(), spec)  # xgrammar's compiler is thread-safe
+        with self._lock:
             self._cache[spec] = compiled
             if len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
 
     def _get_compiler(self):
-        if self._compiler is None:
-            import xgrammar as xgr
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
 
-            # Building the tokenizer's byte table reads every token once (seconds for a 50k vocabulary): done
-            # at the first structured request, on the thread that compiles it.
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-        return self._compiler
+                # Building the tokenizer's byte table reads every token once (seconds for a 50k vocabulary):
+                # done at the first structured request, on the thread that compiles it.
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            return self._compiler
 
     @staticmethod
     def _compile(compiler, spec: GrammarSpec):

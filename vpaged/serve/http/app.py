@@ -24,6 +24,7 @@ from . import protocol as proto
 from . import tokenize as tok
 from .generation import Generation
 from .guard import Guard, ServerLimits
+from .guided import grammar_of
 from .logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from .loop import EngineLoop
 from .metrics import prometheus_text
@@ -138,7 +139,7 @@ class _Server:
             cfg = cfg.get_text_config(decoder=True)
         return getattr(cfg, "vocab_size", None)
 
-    def _params(self, req, prompts: list[list[int]], max_tokens: int | None):
+    def _params(self, req, prompts: list[list[int]], max_tokens: int | None, structured=None):
         from ..params import SamplingParams
 
         if max_tokens is None:
@@ -147,6 +148,8 @@ class _Server:
             if isinstance(limit, int) and prompts:
                 max_tokens = max(1, min(max_tokens, limit - max(len(p) for p in prompts)))
         kwargs = proto.sampling_kwargs(req, max_tokens)
+        if structured is not None:
+            kwargs["structured"] = structured
         vocab = self._vocab_size()
         if vocab is not None and any(t >= vocab for t in kwargs.get("logit_bias", ())):
             raise RequestError(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
@@ -161,9 +164,19 @@ class _Server:
             raise RequestError(str(e), param=param) from None
 
     async def _start(
-        self, req, prompts: list[list[int]], max_tokens: int | None, prefix: str, stops: tuple[str, ...]
+        self,
+        req,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        prefix: str,
+        stops: tuple[str, ...],
+        structured: tuple | None = None,
     ) -> Generation:
-        params = self._params(req, prompts, max_tokens)
+        """structured: (GrammarSpec, the field it comes from) in place of the request's own (tool calls)."""
+        spec, field = structured if structured is not None else grammar_of(req)
+        params = self._params(req, prompts, max_tokens, spec)
+        if spec is not None:
+            await self._compile(spec, field)
         gen = Generation(self.loop, self.tokenizer, prompts, params, req.n, stops, prefix)
         try:
             await gen.start()
@@ -172,6 +185,28 @@ class _Server:
                 str(e), param="prompt" if "prompt" in type(e).__name__.lower() else None, code=type(e).__name__
             ) from None
         return gen
+
+    def _check_structured(self, req) -> None:
+        """A grammar field the server cannot honour (no xgrammar, no tokenizer) is refused before anything else."""
+        spec, field = grammar_of(req)
+        if spec is not None:
+            self._grammars(field)
+
+    def _grammars(self, field: str):
+        grammars = getattr(self.engine, "grammars", None)
+        why = "this engine has no structured output" if grammars is None else grammars.unavailable()
+        if why is not None:
+            raise RequestError(why, param=field, code="structured_output_unavailable")
+        return grammars
+
+    async def _compile(self, spec, field: str) -> None:
+        """Compile a request's grammar on a worker thread (cached), so that the engine thread finds it compiled;
+        a grammar that cannot be is a 400 naming the field."""
+        grammars = self._grammars(field)
+        try:
+            await asyncio.to_thread(grammars.compile, spec)
+        except VPagedError as e:
+            raise RequestError(str(e), param=field, code="invalid_grammar") from None
 
     async def _collect(self, request: Request, gen: Generation) -> bool:
         """Wait for every choice to finish; False (the request aborted) if the client went away meanwhile.
@@ -192,6 +227,7 @@ class _Server:
     async def completions(self, request: Request):
         req = await _parse(request, proto.CompletionRequest)
         self._check_model(req)
+        self._check_structured(req)
         stops = self._check_limits(req, len(req.prompts()))
         prompts = [self._tokenize(p) for p in req.prompts()]
         self._check_max_tokens(prompts, req.max_tokens, "max_tokens")
@@ -242,6 +278,7 @@ class _Server:
     async def chat(self, request: Request):
         req = await _parse(request, proto.ChatCompletionRequest)
         self._check_model(req)
+        self._check_structured(req)
         stops = self._check_limits(req, 1)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(

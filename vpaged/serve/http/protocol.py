@@ -58,7 +58,13 @@ class _Sampling(BaseModel):
     # OpenAI fields the engine does not implement: accepted only at their neutral value.
     best_of: int | None = None
     # Structured output and tool calling: refused when given (see unsupported()).
+    # Structured output (guided.py): OpenAI's response_format, vLLM's structured_outputs and guided_*.
     response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     tools: Any = None
     tool_choice: Any = None
 
@@ -105,8 +111,6 @@ class _Sampling(BaseModel):
         bad = []
         if self.best_of not in (None, self.n):
             bad.append("best_of")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            bad.append("response_format")
         if self.tools is not None and self.tools != []:
             bad.append("tools")
         if self.tool_choice is not None and self.tool_choice != "none":
