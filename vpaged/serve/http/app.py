@@ -19,7 +19,8 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ...errors import EngineStepError, TensorParallelError, VPagedError
+from ...errors import EngineStepError, InvalidArgumentError, TensorParallelError, VPagedError
+from . import guided, tools
 from . import protocol as proto
 from . import tokenize as tok
 from .generation import Generation
@@ -51,7 +52,9 @@ def _error(
 class _Server:
     """The request handlers, bound to one engine loop."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, default_max_tokens: int, limits: ServerLimits):
+    def __init__(
+        self, loop: EngineLoop, model_name: str, default_max_tokens: int, limits: ServerLimits, tool_call_parser: str
+    ):
         self.loop = loop
         self.limits = limits
         self.engine = loop.engine
@@ -61,6 +64,7 @@ class _Server:
         self.created = proto.now()
         self.http_counts: Counter = Counter()
         self.token_texts = TokenTexts(self.tokenizer)  # token id -> text, for logprobs
+        self.tool_call_parser = tool_call_parser  # how tool calls are read from an output (tools.PARSERS)
 
     # ---- helpers
     def _check_model(self, req) -> None:
@@ -176,7 +180,7 @@ class _Server:
         spec, field = structured if structured is not None else grammar_of(req)
         params = self._params(req, prompts, max_tokens, spec)
         if spec is not None:
-            await self._compile(spec, field)
+            await guided.compile_off_thread(self.engine, spec, field)
         gen = Generation(self.loop, self.tokenizer, prompts, params, req.n, stops, prefix)
         try:
             await gen.start()
@@ -185,28 +189,6 @@ class _Server:
                 str(e), param="prompt" if "prompt" in type(e).__name__.lower() else None, code=type(e).__name__
             ) from None
         return gen
-
-    def _check_structured(self, req) -> None:
-        """A grammar field the server cannot honour (no xgrammar, no tokenizer) is refused before anything else."""
-        spec, field = grammar_of(req)
-        if spec is not None:
-            self._grammars(field)
-
-    def _grammars(self, field: str):
-        grammars = getattr(self.engine, "grammars", None)
-        why = "this engine has no structured output" if grammars is None else grammars.unavailable()
-        if why is not None:
-            raise RequestError(why, param=field, code="structured_output_unavailable")
-        return grammars
-
-    async def _compile(self, spec, field: str) -> None:
-        """Compile a request's grammar on a worker thread (cached), so that the engine thread finds it compiled;
-        a grammar that cannot be is a 400 naming the field."""
-        grammars = self._grammars(field)
-        try:
-            await asyncio.to_thread(grammars.compile, spec)
-        except VPagedError as e:
-            raise RequestError(str(e), param=field, code="invalid_grammar") from None
 
     async def _collect(self, request: Request, gen: Generation) -> bool:
         """Wait for every choice to finish; False (the request aborted) if the client went away meanwhile.
@@ -227,7 +209,7 @@ class _Server:
     async def completions(self, request: Request):
         req = await _parse(request, proto.CompletionRequest)
         self._check_model(req)
-        self._check_structured(req)
+        guided.check_available(self.engine, req)
         stops = self._check_limits(req, len(req.prompts()))
         prompts = [self._tokenize(p) for p in req.prompts()]
         self._check_max_tokens(prompts, req.max_tokens, "max_tokens")
@@ -278,15 +260,25 @@ class _Server:
     async def chat(self, request: Request):
         req = await _parse(request, proto.ChatCompletionRequest)
         self._check_model(req)
-        self._check_structured(req)
+        guided.check_available(self.engine, req)
         stops = self._check_limits(req, 1)
+        fns = tools.functions(req.tools) if req.tools else {}
+        choice = tools.choice_of(req.tool_choice, fns)
+        tool_grammar = tools.grammar(choice, fns)
+        if tool_grammar is not None:
+            if grammar_of(req)[0] is not None:
+                raise RequestError("tool_choice required / a named function and a response_format", "tool_choice")
+            guided.grammars(self.engine, "tool_choice")
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
                 "this model's tokenizer has no chat template: use /v1/completions", code="no_chat_template"
             )
         conversation = req.conversation()  # a part the server cannot read is refused as such, not as a template error
+        rendered = {"tools": [{"type": "function", "function": fn} for fn in fns.values()]} if fns else {}
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True, **rendered
+            )
         except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. role order)
             raise RequestError(f"the chat template refused these messages: {e}", param="messages") from None
         prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -297,13 +289,32 @@ class _Server:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self._check_max_tokens([prompt], max_tokens, given)
         rid, created = proto.new_id("chatcmpl"), proto.now()
-        gen = await self._start(req, [prompt], max_tokens, rid, stops)
+        structured = (tool_grammar, "tool_choice") if tool_grammar is not None else None
+        gen = await self._start(req, [prompt], max_tokens, rid, stops, structured)
         with_logprobs = bool(req.logprobs)
+        calls_possible = choice != "none"
+
+        def message(c) -> tuple[str | None, list[dict] | None, str | None]:
+            """content, tool_calls, finish_reason of a finished choice"""
+            if not calls_possible:
+                return c.text, None, c.finish_reason
+            content, calls = tools.parse(c.text, choice, self.tool_call_parser)
+            finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+            return content, [call.body(i) for i, call in enumerate(calls)] or None, finish
+
         if req.stream:
 
             def chunk(k, text, toks, finish, entries):
-                delta = {"content": text} if text or finish is None else {}
                 logprobs = chat_logprobs(self.token_texts, entries) if with_logprobs else None
+                if calls_possible:  # text that may hold calls goes out whole, parsed, when the choice ends
+                    delta = {}
+                    if finish is not None:
+                        content, calls, finish = message(gen.choices[k])
+                        delta = {"content": content} if content else {}
+                        if calls:
+                            delta["tool_calls"] = calls
+                else:
+                    delta = {"content": text} if text or finish is None else {}
                 return proto.chat_chunk(
                     rid, self.model_name, created, [proto.chat_delta_choice(k, delta, toks, finish, logprobs)]
                 )
@@ -322,16 +333,11 @@ class _Server:
             )
         if not await self._collect(request, gen):
             return _error(499, "the client closed the request", "invalid_request_error")
-        choices = [
-            proto.chat_choice(
-                k,
-                c.text,
-                c.token_ids,
-                c.finish_reason,
-                chat_logprobs(self.token_texts, c.logprobs) if with_logprobs else None,
-            )
-            for k, c in enumerate(gen.choices)
-        ]
+        choices = []
+        for k, c in enumerate(gen.choices):
+            content, calls, finish = message(c)
+            logprobs = chat_logprobs(self.token_texts, c.logprobs) if with_logprobs else None
+            choices.append(proto.chat_choice(k, content, c.token_ids, finish, logprobs, calls))
         return proto.chat_body(rid, self.model_name, created, choices, gen.usage())
 
     def _sse_response(self, gen, chunk, first, req, usage_chunk) -> StreamingResponse:
@@ -395,14 +401,21 @@ async def _parse(request: Request, cls):
 
 
 def create_app(
-    engine, model_name: str | None = None, default_max_tokens: int = 256, limits: ServerLimits | None = None
+    engine,
+    model_name: str | None = None,
+    default_max_tokens: int = 256,
+    limits: ServerLimits | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """A FastAPI app serving `engine`; the engine thread starts and stops with the app's lifespan. `limits`:
-    what one request may ask for (ServerLimits(): the defaults)."""
+    what one request may ask for (ServerLimits(): the defaults); tool_call_parser: how tool calls are read from
+    outputs (a key of tools.PARSERS)."""
+    if tool_call_parser not in tools.PARSERS:
+        raise InvalidArgumentError(f"tool_call_parser must be one of {sorted(tools.PARSERS)}, got {tool_call_parser!r}")
     loop = EngineLoop(engine)
     name = model_name or getattr(engine, "model_name", None) or "vpaged"
     limits = limits if limits is not None else ServerLimits()
-    srv = _Server(loop, name, default_max_tokens, limits)
+    srv = _Server(loop, name, default_max_tokens, limits, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

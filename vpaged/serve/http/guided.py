@@ -8,9 +8,10 @@ OpenAI: `response_format` `{"type": "json_object"}` (any JSON object) or `{"type
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from ...errors import InvalidArgumentError, RequestError
+from ...errors import InvalidArgumentError, RequestError, VPagedError
 from ..structured import GrammarSpec
 
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar larger than this is refused before compiling
@@ -84,3 +85,29 @@ def _sized(spec: GrammarSpec) -> GrammarSpec:
     if len(spec.value) > MAX_GRAMMAR_CHARS:
         raise InvalidArgumentError(f"at most {MAX_GRAMMAR_CHARS} characters of schema or grammar")
     return spec
+
+
+def grammars(engine, field: str):
+    """The engine's Grammars; a 400 naming the field when it cannot run here (no xgrammar, no tokenizer)."""
+    found = getattr(engine, "grammars", None)
+    why = "this engine has no structured output" if found is None else found.unavailable()
+    if why is not None:
+        raise RequestError(why, param=field, code="structured_output_unavailable")
+    return found
+
+
+def check_available(engine, req) -> None:
+    """A grammar field the server cannot honour is refused before anything else about the request."""
+    spec, field = grammar_of(req)
+    if spec is not None:
+        grammars(engine, field)
+
+
+async def compile_off_thread(engine, spec: GrammarSpec, field: str) -> None:
+    """Compile a request's grammar on a worker thread (cached), so that the engine thread finds it compiled;
+    one that cannot be compiled is a 400 naming the field."""
+    found = grammars(engine, field)
+    try:
+        await asyncio.to_thread(found.compile, spec)
+    except VPagedError as e:
+        raise RequestError(str(e), param=field, code="invalid_grammar") from None

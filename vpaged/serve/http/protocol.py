@@ -111,10 +111,6 @@ class _Sampling(BaseModel):
         bad = []
         if self.best_of not in (None, self.n):
             bad.append("best_of")
-        if self.tools is not None and self.tools != []:
-            bad.append("tools")
-        if self.tool_choice is not None and self.tool_choice != "none":
-            bad.append("tool_choice")
         return bad
 
     def stop_strings(self, max_count: int = 4) -> tuple[str, ...]:
@@ -162,6 +158,10 @@ class CompletionRequest(_Sampling):
         bad = super().unsupported()
         if self.suffix:
             bad.append("suffix")
+        if self.tools is not None and self.tools != []:  # tools are a chat feature
+            bad.append("tools")
+        if self.tool_choice is not None and self.tool_choice != "none":
+            bad.append("tool_choice")
         return bad
 
     def prompts(self) -> list[str | list[int]]:
@@ -179,6 +179,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     # OpenAI allows content as a list of parts; only text parts can be rendered by a text chat template.
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # an assistant message's calls, in the history
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -215,7 +218,9 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        from .tools import history
+
+        return [history(m) for m in self.messages]
 
 
 def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
@@ -396,11 +401,19 @@ def chat_body(rid: str, model: str, created: int, choices: list[dict], use: dict
 
 
 def chat_choice(
-    index: int, text: str, token_ids: list[int], finish_reason: str | None, logprobs: dict | None = None
+    index: int,
+    text: str | None,
+    token_ids: list[int],
+    finish_reason: str | None,
+    logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "token_ids": token_ids,
