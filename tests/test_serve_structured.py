@@ -29,6 +29,9 @@ SERVING, WHY_NOT_SERVING = serving_support()
 if not SERVING:
     pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
 WHY = real_model.why_unavailable()
+PLACES = (
+    "Paris Lima Oslo Cairo Tokyo Quito Rome Accra Hanoi Perth Dakar Lagos Seoul Kyiv Riga Baku Doha Sofia Bern Nice"
+)
 
 
 class City(pydantic.BaseModel):
@@ -96,3 +99,68 @@ def test_a_schema_that_cannot_compile_is_refused(smol):
     with pytest.raises(InvalidArgumentError, match="cannot be compiled"):
         smol.engine.add_request("x", SamplingParams(structured=GrammarSpec.json_schema({"type": "bogus"})))
     assert not smol.engine.has_unfinished()
+
+
+class Weather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=24)
+    unit: str = pydantic.Field(pattern="^(celsius|fahrenheit)$")
+
+
+def test_server_structured_output_and_required_tool_calls_validate(smol):
+    """The openai client against the server: response_format json_schema from a Pydantic model, and tools
+    with tool_choice "required" / a named function, 20 prompts each: every output parses and validates."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    openai = pytest.importorskip("openai")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vpaged.serve.http.server import ServerThread
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather of a city",
+            "parameters": Weather.model_json_schema(),
+        },
+    }
+    cities = PLACES.split()
+    with ServerThread(smol.engine, model_name="smol") as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=600) as client:
+
+            def structured(i):
+                return client.chat.completions.create(
+                    model="smol",
+                    messages=[{"role": "user", "content": f"Describe {cities[i]} as JSON."}],
+                    max_tokens=96,
+                    temperature=0.8,
+                    seed=i,
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "City", "schema": City.model_json_schema(), "strict": True},
+                    },
+                )
+
+            def required(i):
+                choice = "required" if i % 2 else {"type": "function", "function": {"name": "get_weather"}}
+                return client.chat.completions.create(
+                    model="smol",
+                    messages=[{"role": "user", "content": f"What is the weather in {cities[i]}?"}],
+                    max_tokens=64,
+                    temperature=0.8,
+                    seed=i,
+                    tools=[tool],
+                    tool_choice=choice,
+                )
+
+            with ThreadPoolExecutor(20) as pool:  # all in flight at once: one batch in the engine
+                answers = list(pool.map(structured, range(20)))
+                calls = list(pool.map(required, range(20)))
+    for a in answers:
+        City.model_validate_json(a.choices[0].message.content)
+    for c in calls:
+        msg = c.choices[0]
+        assert msg.finish_reason == "tool_calls", msg
+        assert msg.message.tool_calls and all(t.function.name == "get_weather" for t in msg.message.tool_calls)
+        for t in msg.message.tool_calls:
+            Weather.model_validate_json(t.function.arguments)
