@@ -269,3 +269,23 @@ def test_logprob_values_are_finite_json(served):
     assert resp.status_code == 200
     lp = resp.json()["choices"][0]["logprobs"]
     assert all(x is None or math.isfinite(x) for x in lp["token_logprobs"])
+
+
+def test_streamed_echo_with_logprobs_equals_the_whole_answer(served, prng):
+    srv, engine, ref, tok, h = served
+    prompt = [prng.randrange(11, 300) for _ in range(prng.randint(2, 20))]
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    whole = h.post("/v1/completions", json=body).json()["choices"][0]
+    with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        events = sse_events(resp)
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in events:
+        for c in e["choices"]:
+            for key in merged:
+                merged[key] += (c["logprobs"] or {}).get(key, [])
+    assert text == whole["text"]
+    assert merged["tokens"] == whole["logprobs"]["tokens"]
+    assert merged["text_offset"] == whole["logprobs"]["text_offset"]
+    for a, b in zip(merged["token_logprobs"], whole["logprobs"]["token_logprobs"]):
+        assert (a is None and b is None) or abs(a - b) <= TOL

@@ -81,6 +81,10 @@ FIELDS = [
     "min_tokens",
     "top_logprobs",
     "prompt_logprobs",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
 ]
 
 
