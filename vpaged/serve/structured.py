@@ -23,6 +23,7 @@ import torch
 from ..errors import InvalidArgumentError
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
+MAX_WHITESPACE = 16  # whitespace characters a JSON schema's output may put between two tokens of JSON
 
 
 def structured_unavailable() -> str | None:
@@ -121,7 +122,9 @@ class Grammars:
             if spec.kind == "json":
                 return compiler.compile_builtin_json_grammar()
             if spec.kind == "json_schema":
-                return compiler.compile_json_schema(spec.value, strict_mode=True)
+                # Whitespace runs are capped: a small model sampled inside a JSON object can otherwise emit
+                # blank lines until max_tokens (seen with SmolLM2-135M at temperature 0.7).
+                return compiler.compile_json_schema(spec.value, strict_mode=True, max_whitespace_cnt=MAX_WHITESPACE)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.value)
             if spec.kind == "choice":
