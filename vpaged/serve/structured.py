@@ -23,7 +23,6 @@ import torch
 from ..errors import InvalidArgumentError
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
-MAX_WHITESPACE = 16  # whitespace characters a JSON schema's output may put between two tokens of JSON
 
 
 def structured_unavailable() -> str | None:
@@ -122,9 +121,9 @@ class Grammars:
             if spec.kind == "json":
                 return compiler.compile_builtin_json_grammar()
             if spec.kind == "json_schema":
-                # Whitespace runs are capped: a small model sampled inside a JSON object can otherwise emit
-                # blank lines until max_tokens (seen with SmolLM2-135M at temperature 0.7).
-                return compiler.compile_json_schema(spec.value, strict_mode=True, max_whitespace_cnt=MAX_WHITESPACE)
+                # No free whitespace (vLLM's disable-any-whitespace): a sampled SmolLM2-135M padded its objects
+                # with tabs and blank lines until max_tokens, even with each run capped at 16 characters.
+                return compiler.compile_json_schema(spec.value, strict_mode=True, any_whitespace=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.value)
             if spec.kind == "choice":
