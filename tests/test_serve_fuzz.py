@@ -76,6 +76,15 @@ FIELDS = [
     "response_format",
     "presence_penalty",
     "user",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "top_logprobs",
+    "prompt_logprobs",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
 ]
 
 

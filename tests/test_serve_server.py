@@ -305,7 +305,7 @@ BAD_COMPLETIONS = [
     ({"model": MODEL_NAME, "prompt": [1, -3]}, "prompt"),
     ({"model": MODEL_NAME, "prompt": [10**9]}, "prompt"),
     ({"model": MODEL_NAME, "prompt": list(range(1, MAX_MODEL_LEN + 10))}, "PromptTooLongError"),
-    ({"model": MODEL_NAME, "prompt": "the cat", "logprobs": 3}, "logprobs"),
+    ({"model": MODEL_NAME, "prompt": "the cat", "logprobs": 21}, "logprobs"),
     ({"model": MODEL_NAME, "prompt": "the cat", "stop": [""]}, "stop"),
 ]
 
@@ -472,7 +472,7 @@ def test_parse_request_reports_the_field():
         parse_request(CompletionRequest, {"model": "m", "prompt": "x", "n": "two"})
     assert e.value.param == "n"
     with pytest.raises(RequestError, match="frequency_penalty"):
-        parse_request(CompletionRequest, {"model": "m", "prompt": "x", "frequency_penalty": 0.5})
+        parse_request(CompletionRequest, {"model": "m", "prompt": "x", "frequency_penalty": 5.0})
     req = parse_request(CompletionRequest, {"model": "m", "prompt": [[1, 2], [3]], "unknown_field": 1})
     assert req.prompts() == [[1, 2], [3]]
 

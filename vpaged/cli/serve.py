@@ -265,6 +265,7 @@ def cmd_serve(args) -> int:
             default_max_tokens=args.default_max_tokens,
             on_ready=ready,
             limits=limits,
+            tool_call_parser=args.tool_call_parser,
         )
     except TensorParallelError as e:
         print(f"error: the engine stopped: {e}", file=sys.stderr, flush=True)
@@ -399,6 +400,9 @@ def add_serve_commands(sub) -> None:
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     srv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of chat requests that give none")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument(
+        "--tool-call-parser", default="hermes", choices=["hermes"], help="how tool calls are read from outputs"
+    )
     lim = srv.add_argument_group("limits (checked before any work)")
     lim.add_argument("--max-body-kib", type=int, default=4096, help="request body size (413 beyond)")
     lim.add_argument(

@@ -28,14 +28,16 @@ from ..hf.fused import fuse_modules
 from ..hf.prepack import prepack_linears, prepack_supported
 from ..kvcache.geometry import KVGeometry
 from .config import EngineConfig
+from .logprobs import token_logprobs
 from .models import attention_window, load_model, model_geometry
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepRecord, StepTimes
 from .params import SamplingParams
-from .runner import ModelRunner
+from .runner import ModelRunner, prompt_logprob_rows
 from .sampler import sample
-from .scheduler import Draw, Scheduler, StepUpdate
+from .scheduler import Scheduler, StepUpdate
 from .sequence import Request, Sequence
 from .stores import make_store
+from .structured import Grammars
 
 _log = logging.getLogger("vpaged.serve")
 
@@ -159,6 +161,8 @@ class LLMEngine:
         if eos is None:
             eos = getattr(model_config, "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        # structured output: grammars compiled for this tokenizer (lazily, at the first request that asks)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -202,6 +206,10 @@ class LLMEngine:
             raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
         if params.n > self.max_num_seqs:
             raise InvalidArgumentError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
+        if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:
+            raise InvalidArgumentError(f"logit_bias token ids must lie in 0..{self.vocab_size - 1}")
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # refused here if it cannot compile; cached for the steps
         tokens = self._prompt_tokens(prompt)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -226,6 +234,8 @@ class LLMEngine:
         req = Request(request_id, tokens, params, RequestMetrics(arrival_time=time.time()), max_tokens)
         req.priority, req.arrival_index = priority, next(self._arrivals)
         req.seeds = [seed] if params.n == 1 else [(seed * 1_000_003 + i) % (1 << 63) for i in range(params.n)]
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         req.seqs.append(Sequence(req, 0, list(tokens), req.generator(0)))
         self._requests[request_id] = req
         self.scheduler.add(req.seqs[0])
@@ -291,9 +301,16 @@ class LLMEngine:
             raise
         del step_attention  # its views pin pages: gone before anything is swapped or freed
         forward_s = clock.lap()
-        draws = self._sample(samplers, logits)
+        if logits.shape[0] > len(samplers):  # prompt rows follow the sampling rows
+            self._prompt_logprobs(plan, logits[len(samplers) :])
+            logits = logits[: len(samplers)]
+        draws, drawn_logprobs = self._sample(samplers, logits)
         sample_s = clock.lap()
         update = self.scheduler.postprocess(plan, draws, self.eos_token_ids, time.time())
+        for seq, entries in drawn_logprobs:
+            # a request that forked at this draw: entry k belongs to completion k (created by postprocess)
+            for target, entry in zip(seq.request.seqs if len(entries) > 1 else [seq], entries):
+                target.logprobs.append(entry)
         outputs += self._outputs(update)
         times = StepTimes(schedule_s, prepare_s, forward_s, sample_s, clock.lap())
         self.counters.steps += 1
@@ -302,11 +319,12 @@ class LLMEngine:
             self.step_log.append(StepRecord(len(plan.decodes), plan.num_tokens - len(plan.decodes), times))
         return outputs
 
-    def _sample(self, samplers: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, list[Draw]]]:
+    def _sample(self, samplers: list[Sequence], logits: torch.Tensor):
         """One token per sampling sequence, in logits order; n for a request of n > 1 completions that has
         just computed its prompt (the first for the sequence itself, the others for the completions it forks
-        into, each with its own generator)."""
-        rows, params, generators, counts = [], [], [], []
+        into, each with its own generator). Also the TokenLogprob of each draw of a request that asks for
+        logprobs, computed from the same (raw) logits: [(seq, [entry per draw])]."""
+        rows, params, generators, counts, histories = [], [], [], [], []
         for i, seq in enumerate(samplers):
             req = seq.request
             count = req.params.n if req.params.n > 1 and not req.forked else 1
@@ -314,11 +332,57 @@ class LLMEngine:
                 rows.append(i)
                 params.append(req.params)
                 generators.append(seq.generator if k == 0 else req.generator(k))
+                histories.append((seq.tokens, req.prompt_len))
             counts.append(count)
         if len(rows) != len(samplers):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        drawn = iter(zip(sample(logits, params, generators), generators))
-        return [(seq, [next(drawn) for _ in range(count)]) for seq, count in zip(samplers, counts)]
+        allowed = self._grammar_masks(samplers, rows, params)
+        tokens = sample(logits, params, generators, histories, self.eos_token_ids, allowed)
+        drawn = iter(zip(tokens, generators))
+        draws = [(seq, [next(drawn) for _ in range(count)]) for seq, count in zip(samplers, counts)]
+        if allowed is not None:
+            for seq, seq_draws in draws:
+                if seq.matcher is not None and not seq.matcher.is_terminated():
+                    seq.matcher.accept_token(seq_draws[0][0])  # forked completions replay their own later
+        asking = [r for r, p in enumerate(params) if p.logprobs is not None]
+        if not asking:
+            return draws, []
+        sub = logits.index_select(0, torch.tensor(asking, device=logits.device)) if len(asking) < len(rows) else logits
+        entries = iter(token_logprobs(sub, [tokens[r] for r in asking], [params[r].logprobs for r in asking]))
+        drawn_logprobs = [
+            (seq, [next(entries) for _ in range(count)])
+            for seq, count in zip(samplers, counts)
+            if seq.request.params.logprobs is not None
+        ]
+        return draws, drawn_logprobs
+
+    def _grammar_masks(self, samplers: list[Sequence], rows: list[int], params: list[SamplingParams]):
+        """(rows, allowed tokens) of the rows whose request follows a grammar; None when none does. The rows
+        of a request about to fork share its prompt's state, so they share the sequence's matcher."""
+        structured = [r for r, p in enumerate(params) if p.structured is not None]
+        if not structured:
+            return None
+        matchers = []
+        for r in structured:
+            seq = samplers[rows[r]]
+            if seq.matcher is None:
+                seq.matcher = self.grammars.matcher(seq.request.params.structured, seq.tokens[seq.prompt_len :])
+            matchers.append(seq.matcher)
+        return structured, self.grammars.allowed(matchers)
+
+    @staticmethod
+    def _prompt_logprobs(plan, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens whose positions this step computed, for the requests that asked
+        (logits: the prompt rows, in prompt_logprob_rows order)."""
+        spans = prompt_logprob_rows(plan)
+        targets, ks = [], []
+        for rows in spans:
+            req = rows.seq.request
+            targets += req.prompt[rows.first + 1 : rows.first + 1 + rows.count]
+            ks += [req.params.prompt_logprobs] * rows.count
+        entries = iter(token_logprobs(logits, targets, ks))
+        for rows in spans:
+            rows.seq.request.prompt_logprobs.extend(next(entries) for _ in range(rows.count))
 
     def _outputs(self, update: StepUpdate) -> list[RequestOutput]:
         """The outputs of the requests a step changed; finished requests leave the engine."""
@@ -338,8 +402,10 @@ class LLMEngine:
             new = seq.tokens[max(seq.delta_from, req.prompt_len) :]
             seq.delta_from = len(seq.tokens)
             text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-            completions.append(CompletionOutput(seq.index, ids, new, text, seq.finish_reason))
-        return RequestOutput(req.request_id, list(req.prompt), completions, req.finished, req.metrics)
+            logprobs = list(seq.logprobs) if req.params.logprobs is not None else None
+            completions.append(CompletionOutput(seq.index, ids, new, text, seq.finish_reason, logprobs))
+        prompt_logprobs = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
+        return RequestOutput(req.request_id, list(req.prompt), completions, req.finished, req.metrics, prompt_logprobs)
 
     # ------------------------------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:

@@ -14,6 +14,17 @@ class RequestMetrics:
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log probability under the model's raw distribution at its position, and the `k` most
+    likely tokens there (k = the request's logprobs / prompt_logprobs), most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 + the number of tokens more likely than this one (1: the argmax)
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -21,6 +32,7 @@ class CompletionOutput:
     new_token_ids: list[int]  # generated in this step (the streaming delta)
     text: str | None = None  # None without a tokenizer
     finish_reason: str | None = None  # None while running, else "stop" | "length" | "abort"
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (SamplingParams.logprobs set)
 
     @property
     def finished(self) -> bool:
@@ -34,6 +46,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # SamplingParams.prompt_logprobs set: None for the first prompt token, then one per prompt token, once
+    # the prompt is computed (an empty list before).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

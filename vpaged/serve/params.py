@@ -6,10 +6,33 @@ import math
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError
+from .structured import GrammarSpec
+
+MAX_LOGPROBS = 20  # most alternatives per token that logprobs / prompt_logprobs may ask for (OpenAI's chat limit)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a dict or pairs; each id once, each bias in [-100, 100]."""
+    try:
+        pairs = list(bias.items()) if isinstance(bias, dict) else [tuple(p) for p in bias]
+    except TypeError:
+        raise InvalidArgumentError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
+    out = {}
+    for pair in pairs:
+        if len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0 or pair[0] in out:
+            raise InvalidArgumentError(f"logit_bias keys must be distinct token ids >= 0, got {pair!r}")
+        if not _is_number(pair[1]) or not -100.0 <= pair[1] <= 100.0:
+            raise InvalidArgumentError(f"logit_bias values must be numbers in [-100, 100], got {pair!r}")
+        out[pair[0]] = float(pair[1])
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -24,6 +47,19 @@ class SamplingParams:
     stop_token_ids: tokens that end the request (finish_reason "stop"); the stop token is kept in the output.
     ignore_eos: keep generating past the model's end-of-sequence token.
     n: completions of the same prompt; they share the prompt's KV pages.
+    logprobs: None, or k in 0..20: each generated token's log probability and the k most likely tokens'
+        (CompletionOutput.logprobs), from the model's raw distribution: log_softmax of its logits before
+        temperature, penalties, bias or top-k/top-p (what vLLM returns by default).
+    prompt_logprobs: None, or k in 0..20: the same for every prompt token after the first
+        (RequestOutput.prompt_logprobs). The prefill then computes logits at every prompt position, and the
+        request reads no K/V from the prefix cache (positions served from it would have no logits).
+    presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of every token already
+        generated, once (presence) or once per occurrence (frequency), as in the OpenAI API.
+    repetition_penalty: > 0 (1: off); logits of tokens in the prompt or the output are divided by it when
+        positive and multiplied when negative (the CTRL / transformers / vLLM rule).
+    logit_bias: {token id: bias in [-100, 100]} added to the logits (kept as sorted (id, bias) pairs).
+    min_tokens: the EOS and stop tokens cannot be drawn before this many tokens are generated.
+    structured: a GrammarSpec the output must follow (structured.py; needs xgrammar and a tokenizer).
     """
 
     max_tokens: int = 16
@@ -34,6 +70,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    min_tokens: int = 0
+    structured: GrammarSpec | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -67,6 +111,36 @@ class SamplingParams:
             raise InvalidArgumentError(f"n must be an int >= 1, got {self.n!r}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidArgumentError(f"{name} must be None or an int in 0..{MAX_LOGPROBS}, got {k!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise InvalidArgumentError(f"{name} must be a number in [-2, 2], got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise InvalidArgumentError(
+                f"repetition_penalty must be a number in (0, 100], got {self.repetition_penalty!r}"
+            )
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgumentError(f"min_tokens must be an int in 0..max_tokens, got {self.min_tokens!r}")
+        if self.structured is not None and not isinstance(self.structured, GrammarSpec):
+            raise InvalidArgumentError(f"structured must be a GrammarSpec or None, got {self.structured!r}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before choosing (penalties, bias, min_tokens)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:

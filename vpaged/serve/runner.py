@@ -4,12 +4,14 @@ All scheduled tokens - one per decoding sequence, then each prefill chunk - form
 their position_ids. The model runs with attn_implementation="vpaged" and gets the step's StepAttention as
 the `vpaged_step` forward kwarg (transformers passes it through every decoder layer to the attention
 function), plus a placeholder 4D mask so that transformers builds no [T, T] mask. Logits are computed only
-for the rows that sample (logits_to_keep), i.e. the last token of each sequence that reaches its end.
+for the rows that sample (logits_to_keep), i.e. the last token of each sequence that reaches its end; a
+request that asks for prompt_logprobs also keeps the rows of its prompt positions (prompt_logprob_rows), after
+the sampling rows, so that requests which do not ask keep the last-position-only path.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -18,7 +20,34 @@ from .scheduler import StepPlan
 
 if TYPE_CHECKING:
     from .config import EngineConfig
+    from .sequence import Sequence
     from .stores import KVStore
+
+
+class PromptRows(NamedTuple):
+    """Prompt positions first .. first + count - 1 of seq, at packed rows row .. row + count - 1: their logits
+    give the logprobs of prompt tokens first + 1 .. first + count (SamplingParams.prompt_logprobs)."""
+
+    seq: Sequence
+    first: int
+    count: int
+    row: int
+
+
+def prompt_logprob_rows(plan: StepPlan) -> list[PromptRows]:
+    """The prompt rows of a step whose logits a request asked for and does not have yet (each prompt
+    position once, also across chunks and recomputation); empty when no request of the step asks."""
+    out = []
+    row = len(plan.decodes)
+    for seq, start, n in plan.prefills:
+        req = seq.request
+        if req.prompt_logprobs is not None:
+            first = max(start, len(req.prompt_logprobs) - 1)  # entry p + 1 comes from position p
+            end = min(start + n, req.prompt_len - 1)  # the last prompt position predicts a generated token
+            if end > first:
+                out.append(PromptRows(seq, first, end - first, row + first - start))
+        row += n
+    return out
 
 
 class ModelRunner:
@@ -48,6 +77,8 @@ class ModelRunner:
             if start + n == len(seq.tokens):
                 keep.append(row - 1)
                 samplers.append(seq)
+        for rows in prompt_logprob_rows(plan):
+            keep += range(rows.row, rows.row + rows.count)
         step = self.store.step_attention(plan.decodes, plan.prefills, row_offsets, row)
         dev = self.device
         inputs = dict(
@@ -58,7 +89,7 @@ class ModelRunner:
         return inputs, step, samplers
 
     def forward(self, inputs: dict, step) -> torch.Tensor:
-        """Logits [len(keep), vocab] of the packed step."""
+        """Logits [len(keep), vocab] of the packed step: the sampling rows, then any prompt rows."""
         if inputs["logits_to_keep"].numel() == 0:
             inputs = dict(inputs, logits_to_keep=torch.zeros(1, dtype=torch.long, device=self.device))
             self._run(inputs, step)

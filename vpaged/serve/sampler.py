@@ -1,5 +1,6 @@
 """Sampler: the next token of every sequence of a step from its logits row, vectorized over the rows.
 
+Each request's logit controls (penalties, logit_bias, min_tokens: logits.py) apply first, to its rows only.
 Greedy rows take the argmax. Sampled rows are scaled by their temperature, cut to their top-k and top-p
 sets, and drawn by inverse CDF with one uniform number from the sequence's own generator: a sequence's
 tokens depend only on its logits and its seed, never on which other sequences share the batch.
@@ -9,14 +10,30 @@ from __future__ import annotations
 
 import torch
 
+from .logits import History, apply_controls
 from .params import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
-    """logits [R, V] (row i for params[i] / generators[i]; generators[i] is None for greedy rows)."""
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list,
+    histories: list[History] | None = None,
+    eos_token_ids=(),
+    allowed: tuple[list[int], torch.Tensor] | None = None,
+) -> list[int]:
+    """logits [R, V] (row i for params[i] / generators[i]; generators[i] is None for greedy rows).
+    histories[i]: row i's tokens so far and prompt length, needed by the rows with penalties or min_tokens;
+    eos_token_ids: what min_tokens holds back (with each request's stop tokens); allowed: (rows, bool
+    [len(rows), V]) the only tokens those rows may draw (structured output), applied after the controls."""
     rows = logits.shape[0]
     if rows == 0:
         return []
+    logits = apply_controls(logits, params, histories, eos_token_ids)
+    if allowed is not None:
+        idx = torch.tensor(allowed[0], device=logits.device)
+        masked = logits.index_select(0, idx).masked_fill(~allowed[1].to(logits.device), float("-inf"))
+        logits = logits.index_copy(0, idx, masked)
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:

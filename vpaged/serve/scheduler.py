@@ -189,6 +189,10 @@ class Scheduler:
                 break
             allocation = store.allocate(seq.tokens, need_seats)
             handle, hit = allocation.handle, allocation.cached_tokens
+            if hit and req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.prompt_len:
+                # Prompt logprobs need logits at every prompt position: cached K/V would skip them.
+                hit = 0
+                store.truncate(handle, 0)
             if hit >= len(seq.tokens):
                 # Every token is cached, but the last one's logits are still needed: compute it again.
                 hit = len(seq.tokens) - 1

@@ -39,6 +39,8 @@ class Sequence:
     finish_reason: str | None = None
     delta_from: int = 0  # index in tokens of the first token not yet reported
     prefix_offered: bool = False  # prompt pages handed to the prefix cache
+    logprobs: list = field(default_factory=list)  # TokenLogprob per generated token (params.logprobs set)
+    matcher: object | None = None  # params.structured: the grammar's state after the generated tokens
 
     @property
     def prompt_len(self) -> int:
@@ -67,6 +69,9 @@ class Request:
     finished: bool = False
     priority: int = 0  # scheduling_policy="priority": lower values are admitted first (policies.py)
     arrival_index: int = 0  # the engine's count of requests added before it: breaks ties of arrival_time
+    # params.prompt_logprobs set: [None] (the first prompt token has none), then a TokenLogprob per prompt
+    # token as its position is computed; None otherwise.
+    prompt_logprobs: list | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -1,14 +1,15 @@
 """The FastAPI app: OpenAI-compatible routes over an EngineLoop (extra `vpaged[serve]`).
 
 Endpoints: POST /v1/completions (prompt as text, token ids, or a batch of either), POST /v1/chat/completions
-(when the tokenizer has a chat template), both with SSE streaming (`"stream": true`); GET /v1/models,
-GET /metrics (Prometheus text: the engine's stats() and request counters; once the engine is down, why),
-GET /health (503 with the cause once the engine cannot serve, e.g. a tensor-parallel rank lost while idle).
-A request the engine refuses (prompt too long, bad sampling parameters) gets HTTP 400 and changes nothing for
-the others; a client that disconnects has its request aborted, streamed or not, so its pages go back at once.
-Every error answers in the OpenAI error shape (unknown routes and methods included). The limits of
-ServerLimits are checked before any work: those about HTTP by the Guard middleware (guard.py), those about
-what is asked for here.
+(when the tokenizer has a chat template), both with SSE streaming (`"stream": true`) and logprobs (logprobs.py);
+GET /v1/models and /v1/models/{id}, POST /tokenize and /detokenize (vLLM's, tokenize.py), GET /metrics
+(Prometheus text: the engine's stats() and request counters; once the engine is down, why), GET /health (503
+with the cause once the engine cannot serve, e.g. a tensor-parallel rank lost while idle). A request the
+engine refuses (prompt too long, bad sampling parameters) gets HTTP 400 and changes nothing for the others; a
+client that disconnects has its request aborted, streamed or not, so its pages go back at once. Every error
+answers in the OpenAI error shape (unknown routes and methods included). The limits of ServerLimits are
+checked before any work: those about HTTP by the Guard middleware (guard.py), those about what is asked for
+here.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ...errors import EngineStepError, TensorParallelError, VPagedError
+from ...errors import EngineStepError, InvalidArgumentError, TensorParallelError, VPagedError
+from . import guided, tools
 from . import protocol as proto
+from . import tokenize as tok
 from .generation import Generation
 from .guard import Guard, ServerLimits
+from .guided import grammar_of
+from .logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from .loop import EngineLoop
 from .metrics import prometheus_text
 from .protocol import RequestError
@@ -49,7 +54,9 @@ def _error(
 class _Server:
     """The request handlers, bound to one engine loop."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, default_max_tokens: int, limits: ServerLimits):
+    def __init__(
+        self, loop: EngineLoop, model_name: str, default_max_tokens: int, limits: ServerLimits, tool_call_parser: str
+    ):
         self.loop = loop
         self.limits = limits
         self.engine = loop.engine
@@ -58,6 +65,8 @@ class _Server:
         self.default_max_tokens = default_max_tokens
         self.created = proto.now()
         self.http_counts: Counter = Counter()
+        self.token_texts = TokenTexts(self.tokenizer)  # token id -> text, for logprobs
+        self.tool_call_parser = tool_call_parser  # how tool calls are read from an output (tools.PARSERS)
 
     # ---- helpers
     def _check_model(self, req) -> None:
@@ -136,7 +145,7 @@ class _Server:
             cfg = cfg.get_text_config(decoder=True)
         return getattr(cfg, "vocab_size", None)
 
-    def _params(self, req, prompts: list[list[int]], max_tokens: int | None):
+    def _params(self, req, prompts: list[list[int]], max_tokens: int | None, structured=None):
         from ..params import SamplingParams
 
         if max_tokens is None:
@@ -144,15 +153,36 @@ class _Server:
             limit = getattr(self.engine, "max_model_len", None)
             if isinstance(limit, int) and prompts:
                 max_tokens = max(1, min(max_tokens, limit - max(len(p) for p in prompts)))
+        kwargs = proto.sampling_kwargs(req, max_tokens)
+        if structured is not None:
+            kwargs["structured"] = structured
+        vocab = self._vocab_size()
+        if vocab is not None and any(t >= vocab for t in kwargs.get("logit_bias", ())):
+            raise RequestError(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         try:
-            return SamplingParams(**proto.sampling_kwargs(req, max_tokens))
+            return SamplingParams(**kwargs)
         except (VPagedError, ValueError, TypeError) as e:
-            raise RequestError(str(e)) from None
+            # SamplingParams names the field first in its messages: the 400 names it too (as the client did)
+            field = str(e).split(" ", 1)[0]
+            param = field if field in kwargs else None
+            if param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+                param = "max_completion_tokens"
+            raise RequestError(str(e), param=param) from None
 
     async def _start(
-        self, req, prompts: list[list[int]], max_tokens: int | None, prefix: str, stops: tuple[str, ...]
+        self,
+        req,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        prefix: str,
+        stops: tuple[str, ...],
+        structured: tuple | None = None,
     ) -> Generation:
-        params = self._params(req, prompts, max_tokens)
+        """structured: (GrammarSpec, the field it comes from) in place of the request's own (tool calls)."""
+        spec, field = structured if structured is not None else grammar_of(req)
+        params = self._params(req, prompts, max_tokens, spec)
+        if spec is not None:
+            await guided.compile_off_thread(self.engine, spec, field)
         gen = Generation(self.loop, self.tokenizer, prompts, params, req.n, stops, prefix)
         try:
             await gen.start()
@@ -183,36 +213,76 @@ class _Server:
     async def completions(self, request: Request):
         req = await _parse(request, proto.CompletionRequest)
         self._check_model(req)
+        guided.check_available(self.engine, req)
         stops = self._check_limits(req, len(req.prompts()))
         prompts = [self._tokenize(p) for p in req.prompts()]
         self._check_max_tokens(prompts, req.max_tokens, "max_tokens")
         rid, created = proto.new_id("cmpl"), proto.now()
         gen = await self._start(req, prompts, req.max_tokens if req.max_tokens is not None else 16, rid, stops)
+        echoes = [self._echo_text(p, ids) for p, ids in zip(req.prompts(), prompts)] if req.echo else None
+        with_logprobs = req.logprobs is not None
         if req.stream:
+            formats = [CompletionLogprobs(self.token_texts) for _ in gen.choices]
+            echoed: set[int] = set()
 
-            def chunk(k, text, toks, finish):
-                return proto.completion_chunk(
-                    rid, self.model_name, created, [proto.completion_choice(k, text, toks, finish)]
-                )
+            def chunk(k, text, toks, finish, entries):
+                i, logprobs = k // req.n, None
+                if echoes is not None and k not in echoed:  # the prompt goes out with the choice's first chunk
+                    echoed.add(k)
+                    text = echoes[i] + text
+                    if with_logprobs:
+                        logprobs = formats[k].echo_body(prompts[i], gen.prompt_logprobs[i], entries)
+                elif with_logprobs:
+                    logprobs = formats[k].body(entries)
+                choice = proto.completion_choice(k, text, toks, finish, logprobs)
+                return proto.completion_chunk(rid, self.model_name, created, [choice])
 
             return self._sse_response(
                 gen, chunk, [], req, lambda u: proto.completion_chunk(rid, self.model_name, created, [], u)
             )
         if not await self._collect(request, gen):
             return _error(499, "the client closed the request", "invalid_request_error")
-        choices = [proto.completion_choice(k, c.text, c.token_ids, c.finish_reason) for k, c in enumerate(gen.choices)]
+        choices = []
+        for k, c in enumerate(gen.choices):
+            i, text, logprobs = k // req.n, c.text, None
+            if with_logprobs:
+                fmt = CompletionLogprobs(self.token_texts)
+                logprobs = (
+                    fmt.echo_body(prompts[i], gen.prompt_logprobs[i], c.logprobs) if echoes else fmt.body(c.logprobs)
+                )
+            if echoes is not None:
+                text = echoes[i] + text
+            choices.append(proto.completion_choice(k, text, c.token_ids, c.finish_reason, logprobs))
         return proto.completion_body(rid, self.model_name, created, choices, gen.usage())
+
+    def _echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        """What echo puts before a completion: the prompt as the client sent it (token ids: their decode)."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     async def chat(self, request: Request):
         req = await _parse(request, proto.ChatCompletionRequest)
         self._check_model(req)
+        guided.check_available(self.engine, req)
         stops = self._check_limits(req, 1)
+        fns = tools.functions(req.tools) if req.tools else {}
+        choice = tools.choice_of(req.tool_choice, fns)
+        tool_grammar = tools.grammar(choice, fns)
+        if tool_grammar is not None:
+            if grammar_of(req)[0] is not None:
+                raise RequestError("tool_choice required / a named function and a response_format", "tool_choice")
+            guided.grammars(self.engine, "tool_choice")
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
                 "this model's tokenizer has no chat template: use /v1/completions", code="no_chat_template"
             )
+        conversation = req.conversation()  # a part the server cannot read is refused as such, not as a template error
+        rendered = {"tools": [{"type": "function", "function": fn} for fn in fns.values()]} if fns else {}
         try:
-            text = self.tokenizer.apply_chat_template(req.conversation(), tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True, **rendered
+            )
         except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. role order)
             raise RequestError(f"the chat template refused these messages: {e}", param="messages") from None
         prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -223,13 +293,34 @@ class _Server:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self._check_max_tokens([prompt], max_tokens, given)
         rid, created = proto.new_id("chatcmpl"), proto.now()
-        gen = await self._start(req, [prompt], max_tokens, rid, stops)
+        structured = (tool_grammar, "tool_choice") if tool_grammar is not None else None
+        gen = await self._start(req, [prompt], max_tokens, rid, stops, structured)
+        with_logprobs = bool(req.logprobs)
+        calls_possible = choice != "none"
+
+        def message(c) -> tuple[str | None, list[dict] | None, str | None]:
+            """content, tool_calls, finish_reason of a finished choice"""
+            if not calls_possible:
+                return c.text, None, c.finish_reason
+            content, calls = tools.parse(c.text, choice, self.tool_call_parser)
+            finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+            return content, [call.body(i) for i, call in enumerate(calls)] or None, finish
+
         if req.stream:
 
-            def chunk(k, text, toks, finish):
-                delta = {"content": text} if text or finish is None else {}
+            def chunk(k, text, toks, finish, entries):
+                logprobs = chat_logprobs(self.token_texts, entries) if with_logprobs else None
+                if calls_possible:  # text that may hold calls goes out whole, parsed, when the choice ends
+                    delta = {}
+                    if finish is not None:
+                        content, calls, finish = message(gen.choices[k])
+                        delta = {"content": content} if content else {}
+                        if calls:
+                            delta["tool_calls"] = calls
+                else:
+                    delta = {"content": text} if text or finish is None else {}
                 return proto.chat_chunk(
-                    rid, self.model_name, created, [proto.chat_delta_choice(k, delta, toks, finish)]
+                    rid, self.model_name, created, [proto.chat_delta_choice(k, delta, toks, finish, logprobs)]
                 )
 
             first = [
@@ -246,7 +337,11 @@ class _Server:
             )
         if not await self._collect(request, gen):
             return _error(499, "the client closed the request", "invalid_request_error")
-        choices = [proto.chat_choice(k, c.text, c.token_ids, c.finish_reason) for k, c in enumerate(gen.choices)]
+        choices = []
+        for k, c in enumerate(gen.choices):
+            content, calls, finish = message(c)
+            logprobs = chat_logprobs(self.token_texts, c.logprobs) if with_logprobs else None
+            choices.append(proto.chat_choice(k, content, c.token_ids, finish, logprobs, calls))
         return proto.chat_body(rid, self.model_name, created, choices, gen.usage())
 
     def _sse_response(self, gen, chunk, first, req, usage_chunk) -> StreamingResponse:
@@ -267,9 +362,10 @@ class _Server:
                     return
                 for k in changed:
                     ch = gen.choices[k]
+                    start = ch.sent_tokens
                     text, toks = ch.delta()
                     if text or toks or ch.done:
-                        yield _sse(chunk(k, text, toks, ch.finish_reason))
+                        yield _sse(chunk(k, text, toks, ch.finish_reason, ch.new_logprobs(start, len(toks))))
             if include_usage:
                 yield _sse(usage_chunk(gen.usage()))
             yield "data: [DONE]\n\n"
@@ -323,14 +419,21 @@ async def _parse(request: Request, cls):
 
 
 def create_app(
-    engine, model_name: str | None = None, default_max_tokens: int = 256, limits: ServerLimits | None = None
+    engine,
+    model_name: str | None = None,
+    default_max_tokens: int = 256,
+    limits: ServerLimits | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """A FastAPI app serving `engine`; the engine thread starts and stops with the app's lifespan. `limits`:
-    what one request may ask for (ServerLimits(): the defaults)."""
+    what one request may ask for (ServerLimits(): the defaults); tool_call_parser: how tool calls are read from
+    outputs (a key of tools.PARSERS)."""
+    if tool_call_parser not in tools.PARSERS:
+        raise InvalidArgumentError(f"tool_call_parser must be one of {sorted(tools.PARSERS)}, got {tool_call_parser!r}")
     loop = EngineLoop(engine)
     name = model_name or getattr(engine, "model_name", None) or "vpaged"
     limits = limits if limits is not None else ServerLimits()
-    srv = _Server(loop, name, default_max_tokens, limits)
+    srv = _Server(loop, name, default_max_tokens, limits, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -377,7 +480,28 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        return proto.model_list(srv.model_name, srv.created)
+        return proto.model_list(srv.model_name, srv.created, srv._max_model_len())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != srv.model_name:
+            return _error(404, f"model {model_id!r} is not served here", param="model", code="model_not_found")
+        return proto.model_card(srv.model_name, srv.created, srv._max_model_len())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await _parse(request, tok.TokenizeRequest)
+        if req.model is not None:
+            srv._check_model(req)
+        limit = srv._max_prompt_tokens()
+        return tok.tokenize(srv.tokenizer, req, srv._max_model_len(), 64 * limit if limit else 1 << 24)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await _parse(request, tok.DetokenizeRequest)
+        if req.model is not None:
+            srv._check_model(req)
+        return tok.detokenize(srv.tokenizer, req, srv._vocab_size())
 
     @app.get("/metrics")
     async def metrics():

@@ -29,6 +29,8 @@ class Generation:
         self.finished = [False] * len(prompts)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.first_token_time: float | None = None
+        self.cached_tokens = [0] * len(prompts)  # per prompt: tokens served from the prefix cache
+        self.prompt_logprobs: list[list | None] = [None] * len(prompts)  # per prompt, when asked
 
     async def start(self) -> None:
         aloop = asyncio.get_running_loop()
@@ -60,12 +62,15 @@ class Generation:
             self.finished[i] = True
             raise out
         changed = []
+        self.cached_tokens[i] = out.metrics.prefix_hit_tokens
+        if out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(self.prompts[i]):
+            self.prompt_logprobs[i] = out.prompt_logprobs
         for c in out.outputs:
             k = i * self.n + c.index
             ch = self.choices[k]
             if ch.done:
                 continue
-            ch.update(c.token_ids, c.finish_reason if (c.finish_reason or out.finished) else None)
+            ch.update(c.token_ids, c.finish_reason if (c.finish_reason or out.finished) else None, c.logprobs)
             if out.finished and ch.finish_reason is None:
                 ch.finish_reason = "length"
             changed.append(k)
@@ -86,4 +91,6 @@ class Generation:
                 self.loop.abort(rid)
 
     def usage(self) -> dict:
-        return proto.usage(sum(len(p) for p in self.prompts), sum(len(c.token_ids) for c in self.choices))
+        return proto.usage(
+            sum(len(p) for p in self.prompts), sum(len(c.token_ids) for c in self.choices), sum(self.cached_tokens)
+        )

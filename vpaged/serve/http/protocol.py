@@ -2,8 +2,9 @@
 to SamplingParams, incremental detokenization with stop strings, and the JSON of responses and stream chunks.
 
 Kept apart from server.py so that what a request means is testable without HTTP or an engine. Fields of the
-OpenAI API that the engine cannot honour (logprobs, penalties, logit bias, tools, ...) are refused with a
-clear message rather than silently ignored; unknown extra fields are ignored, as OpenAI-compatible servers do.
+OpenAI API that the engine cannot honour (suffix, tools, response_format, ...) are refused with a clear
+message rather than silently ignored, and so are combinations that would be (top_logprobs without logprobs,
+stream_options without stream); unknown extra fields are ignored, as OpenAI-compatible servers do.
 Types are strict (pydantic strict mode): `"max_tokens": "5"`, `"n": 2.0`, `"stream": "yes"` or a token id
 `true` are refused, not coerced (an int is still a valid float).
 """
@@ -18,6 +19,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ...errors import RequestError
+from ..params import MAX_LOGPROBS
+
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias one request may give
 
 
 def error_body(
@@ -45,35 +49,68 @@ class _Sampling(BaseModel):
     top_k: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    # OpenAI fields the engine does not implement: accepted only at their neutral value.
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict | None = None
-    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+    # OpenAI fields the engine does not implement: accepted only at their neutral value.
     best_of: int | None = None
     # Structured output and tool calling: refused when given (see unsupported()).
+    # Structured output (guided.py): OpenAI's response_format, vLLM's structured_outputs and guided_*.
     response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     tools: Any = None
     tool_choice: Any = None
 
+    def check(self) -> None:
+        """Values pydantic's types let through that the request cannot mean: RequestError naming the field."""
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if v is not None and not -2.0 <= v <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {v}", param=name)
+        if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty <= 100.0:
+            raise RequestError(
+                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}", "repetition_penalty"
+            )
+        if self.min_tokens is not None and self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens")
+        _check_logprobs_count("prompt_logprobs", self.prompt_logprobs)
+        if self.logit_bias is not None:
+            self.token_bias()
+
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with its keys as token ids (JSON keys are strings)."""
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+        out = {}
+        for key, value in bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise RequestError(f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+            out[int(key)] = value
+        return out
+
+    def logprobs_count(self) -> int | None:
+        """SamplingParams.logprobs: None (not asked) or how many alternatives per generated token."""
+        return None
+
+    def prompt_logprobs_count(self) -> int | None:
+        return self.prompt_logprobs
+
     def unsupported(self) -> list[str]:
         bad = []
-        if self.presence_penalty not in (None, 0, 0.0):
-            bad.append("presence_penalty")
-        if self.frequency_penalty not in (None, 0, 0.0):
-            bad.append("frequency_penalty")
-        if self.logit_bias:
-            bad.append("logit_bias")
-        if self.logprobs not in (None, False, 0):
-            bad.append("logprobs")
         if self.best_of not in (None, self.n):
             bad.append("best_of")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            bad.append("response_format")
-        if self.tools is not None and self.tools != []:
-            bad.append("tools")
-        if self.tool_choice is not None and self.tool_choice != "none":
-            bad.append("tool_choice")
         return bad
 
     def stop_strings(self, max_count: int = 4) -> tuple[str, ...]:
@@ -95,6 +132,20 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
+    # The legacy completions form: an int, the alternatives per token (0: the chosen token's logprob only).
+    logprobs: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        _check_logprobs_count("logprobs", self.logprobs)
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        # echo with logprobs scores the prompt too (lm-eval's loglikelihood: logprobs 1, echo, max_tokens 1)
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
     @field_validator("prompt")
     @classmethod
@@ -105,10 +156,12 @@ class CompletionRequest(_Sampling):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
         if self.suffix:
             bad.append("suffix")
+        if self.tools is not None and self.tools != []:  # tools are a chat feature
+            bad.append("tools")
+        if self.tool_choice is not None and self.tool_choice != "none":
+            bad.append("tool_choice")
         return bad
 
     def prompts(self) -> list[str | list[int]]:
@@ -126,6 +179,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     # OpenAI allows content as a list of parts; only text parts can be rendered by a text chat template.
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # an assistant message's calls, in the history
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -134,8 +190,14 @@ class ChatMessage(BaseModel):
             return self.content
         parts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError("only text content parts are supported", param="messages")
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                what = f"{kind!r} content parts" if isinstance(kind, str) else "content parts without a type"
+                raise RequestError(
+                    f"this model reads text only: {what} are not supported (only 'text' parts)",
+                    param="messages",
+                    code="unsupported_content",
+                )
             parts.append(part["text"])
         return "".join(parts)
 
@@ -143,9 +205,22 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        _check_logprobs_count("top_logprobs", self.top_logprobs)
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        from .tools import history
+
+        return [history(m) for m in self.messages]
 
 
 def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
@@ -166,7 +241,13 @@ def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
     bad = req.unsupported()
     if bad:
         raise RequestError(f"not supported by this server: {', '.join(bad)}", param=bad[0])
+    req.check()
     return req
+
+
+def _check_logprobs_count(name: str, k: int | None) -> None:
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise RequestError(f"{name} must be in 0..{MAX_LOGPROBS}, got {k}", param=name)
 
 
 def sampling_kwargs(req: _Sampling, max_tokens: int) -> dict:
@@ -182,6 +263,13 @@ def sampling_kwargs(req: _Sampling, max_tokens: int) -> dict:
         kw["seed"] = req.seed
     if req.stop_token_ids:
         kw["stop_token_ids"] = tuple(req.stop_token_ids)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        if getattr(req, name) is not None:
+            kw[name] = getattr(req, name)
+    if req.logit_bias:
+        kw["logit_bias"] = req.token_bias()
+    kw["logprobs"] = req.logprobs_count()
+    kw["prompt_logprobs"] = req.prompt_logprobs_count()
     return kw
 
 
@@ -206,16 +294,24 @@ class ChoiceText:
     token_ids: list[int] = field(default_factory=list)
     sent_tokens: int = 0
     finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)  # TokenLogprob per token of token_ids, when asked
+
+    def new_logprobs(self, start: int, count: int) -> list:
+        """The TokenLogprobs of token_ids[start : start + count] (empty when not asked)."""
+        return self.logprobs[start : start + count]
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def update(self, token_ids: list[int], finish_reason: str | None) -> None:
-        """Take the choice's token ids so far (and the engine's finish reason, if it finished)."""
+    def update(self, token_ids: list[int], finish_reason: str | None, logprobs: list | None = None) -> None:
+        """Take the choice's token ids so far (and the engine's finish reason, if it finished; and the tokens'
+        TokenLogprobs when the request asked for them)."""
         if self.done:
             return
         self.token_ids = list(token_ids)
+        if logprobs is not None:
+            self.logprobs = logprobs
         if self.tokenizer is not None:
             self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
             if self.stops:
@@ -257,11 +353,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """The usage record; cached_tokens: prompt tokens whose K/V came from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -276,10 +374,12 @@ def completion_body(rid: str, model: str, created: int, choices: list[dict], use
     }
 
 
-def completion_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+def completion_choice(
+    index: int, text: str, token_ids: list[int], finish_reason: str | None, logprobs: dict | None = None
+) -> dict:
     # token_ids is an extension (OpenAI clients keep unknown fields): models without a tokenizer answer
     # with token ids only, and clients can check exactly what was generated.
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "token_ids": token_ids}
 
 
 def completion_chunk(rid: str, model: str, created: int, choices: list[dict], use: dict | None = None) -> dict:
@@ -300,11 +400,21 @@ def chat_body(rid: str, model: str, created: int, choices: list[dict], use: dict
     }
 
 
-def chat_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+def chat_choice(
+    index: int,
+    text: str | None,
+    token_ids: list[int],
+    finish_reason: str | None,
+    logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
+) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "message": message,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
         "token_ids": token_ids,
     }
@@ -317,12 +427,27 @@ def chat_chunk(rid: str, model: str, created: int, choices: list[dict], use: dic
     return body
 
 
-def chat_delta_choice(index: int, delta: dict, token_ids: list[int], finish_reason: str | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+def chat_delta_choice(
+    index: int, delta: dict, token_ids: list[int], finish_reason: str | None, logprobs: dict | None = None
+) -> dict:
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "token_ids": token_ids,
+    }
 
 
-def model_list(name: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "vpaged"}]}
+def model_card(name: str, created: int, max_model_len: int | None = None) -> dict:
+    card = {"id": name, "object": "model", "created": created, "owned_by": "vpaged"}
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len  # as vLLM reports it
+    return card
+
+
+def model_list(name: str, created: int, max_model_len: int | None = None) -> dict:
+    return {"object": "list", "data": [model_card(name, created, max_model_len)]}
 
 
 def now() -> int:

@@ -131,6 +131,7 @@ def serve(
     default_max_tokens: int = 256,
     on_ready: Callable[[str], None] | None = None,
     limits: ServerLimits | None = None,
+    tool_call_parser: str = "hermes",
 ) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM). Port 0 takes a free port; `on_ready(url)` is called once
     the server accepts connections. `limits`: ServerLimits (default: its defaults, Host checked against `host`).
@@ -140,7 +141,7 @@ def serve(
     answers."""
     sock = _bind(host, port)
     limits = _limits_for(limits, host)
-    app = create_app(engine, model_name, default_max_tokens, limits)
+    app = create_app(engine, model_name, default_max_tokens, limits, tool_call_parser)
     server = uvicorn.Server(_uvicorn_config(app, limits, log_level))
     loop = app.state.engine_loop
 
@@ -190,9 +191,10 @@ class ServerThread:
         default_max_tokens: int = 256,
         log_level: str = "warning",
         limits: ServerLimits | None = None,
+        tool_call_parser: str = "hermes",
     ):
         self.limits = _limits_for(limits, host)
-        self.app = create_app(engine, model_name, default_max_tokens, self.limits)
+        self.app = create_app(engine, model_name, default_max_tokens, self.limits, tool_call_parser)
         self._sock = _bind(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = _url(self._sock)

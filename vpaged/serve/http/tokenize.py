@@ -1,0 +1,76 @@
+"""vLLM's /tokenize and /detokenize (lm-eval's `tokenizer_backend=remote` and other clients probe them).
+
+POST /tokenize `{"prompt": str, "add_special_tokens": true}` or `{"messages": [...], "add_generation_prompt":
+true}` (rendered by the chat template, as /v1/chat/completions does) -> `{"count", "max_model_len", "tokens",
+"token_strs"}` (token_strs only with `"return_token_strs": true`). POST /detokenize `{"tokens": [...]}` ->
+`{"prompt": str}`. `model` is optional; when given it must be the served one.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ...errors import RequestError
+from .protocol import ChatMessage
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def unsupported(self) -> list[str]:
+        return []
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("give exactly one of prompt and messages", param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+    def unsupported(self) -> list[str]:
+        return []
+
+    def check(self) -> None:
+        pass
+
+
+def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int | None, max_chars: int) -> dict:
+    if tokenizer is None:
+        raise RequestError("this model has no tokenizer", code="no_tokenizer")
+    if req.prompt is not None:
+        text, special = req.prompt, True if req.add_special_tokens is None else req.add_special_tokens
+    else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError("this model's tokenizer has no chat template", param="messages", code="no_chat_template")
+        conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
+            )
+        except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. role order)
+            raise RequestError(f"the chat template refused these messages: {e}", param="messages") from None
+        special = bool(req.add_special_tokens)  # the template already wrote the special tokens
+    if len(text) > max_chars:
+        raise RequestError(f"at most {max_chars} characters", param="prompt")
+    ids = list(tokenizer.encode(text, add_special_tokens=special))
+    strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(tokenizer, req: DetokenizeRequest, vocab_size: int | None) -> dict:
+    if tokenizer is None:
+        raise RequestError("this model has no tokenizer", code="no_tokenizer")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in req.tokens):
+        raise RequestError(f"token ids must lie in [0, {vocab_size})", param="tokens")
+    return {"prompt": tokenizer.decode(req.tokens)}

@@ -1,0 +1,149 @@
+"""Tool calling on /v1/chat/completions: `tools` rendered by the model's own chat template, `tool_choice`, and
+the calls parsed from the output.
+
+tool_choice "auto" (the default with tools): the model decides; calls are parsed from its text by the server's
+tool-call parser (`hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, the form of
+Hermes, Qwen 2.5 / 3 and other templates). "none": no call is parsed. "required" and a named function are
+enforced with structured output, as vLLM does: "required" constrains the output to a JSON array of at least
+one `{"name", "arguments"}` whose arguments follow that function's schema, a named function to that function's
+arguments; so the arguments always parse and validate.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from ...errors import RequestError
+from ..structured import GrammarSpec
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as the OpenAI API carries it
+
+    def body(self, index: int | None = None) -> dict:
+        out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function"}
+        out["function"] = {"name": self.name, "arguments": self.arguments}
+        return out if index is None else {"index": index, **out}
+
+
+def functions(tools) -> dict[str, dict]:
+    """name -> the function's record ({name, description, parameters}) of a request's tools; 400 otherwise."""
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list of {type: function, function: {name, parameters}}", param="tools")
+    out = {}
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name) or name in out:
+            raise RequestError("each tool must be {type: function, function: {name (unique), ...}}", param="tools")
+        params = fn.get("parameters", EMPTY_PARAMETERS)
+        if not isinstance(params, dict):
+            raise RequestError(f"tool {name}: parameters must be a JSON schema object", param="tools")
+        out[name] = {**fn, "parameters": params}
+    return out
+
+
+def choice_of(tool_choice, fns: dict[str, dict]) -> str:
+    """ "auto" | "none" | "required" | the name of the function asked for."""
+    if tool_choice is None:
+        return "auto" if fns else "none"
+    if tool_choice in ("auto", "none", "required"):
+        if tool_choice != "none" and not fns:
+            raise RequestError(f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
+        return tool_choice
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) and tool_choice.get("type") == "function" else None
+    if name not in fns:
+        raise RequestError(
+            "tool_choice must be auto, none, required or {type: function, function: {name}} of a given tool",
+            param="tool_choice",
+        )
+    return name
+
+
+def grammar(choice: str, fns: dict[str, dict]) -> GrammarSpec | None:
+    """The structured output that enforces a choice (None for auto and none)."""
+    if choice in ("auto", "none"):
+        return None
+    if choice != "required":
+        return GrammarSpec.json_schema(fns[choice]["parameters"])
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": fn["parameters"]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, fn in fns.items()
+    ]
+    # Exactly one call: with no upper bound a small model kept appending calls until max_tokens.
+    return GrammarSpec.json_schema({"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": calls}})
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(the text outside the calls or None, the calls) of `<tool_call>{json}</tool_call>` blocks; a block
+    whose JSON does not parse stays in the text."""
+    calls, kept, last = [], [], 0
+    for m in _HERMES.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            continue
+        args = obj.get("arguments", obj.get("parameters", {}))
+        calls.append(ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        kept.append(text[last : m.start()])
+        last = m.end()
+    kept.append(text[last:])
+    content = "".join(kept).strip()
+    return (content or None), calls
+
+
+PARSERS = {"hermes": parse_hermes}
+
+
+def parse(text: str, choice: str, parser: str) -> tuple[str | None, list[ToolCall]]:
+    """The message content and the tool calls of an output under a tool_choice."""
+    if choice == "none":
+        return text, []
+    if choice == "auto":
+        return PARSERS[parser](text)
+    if choice != "required":  # a named function: the output is its arguments
+        return None, [ToolCall(choice, text)]
+    try:
+        items = json.loads(text)
+    except ValueError:  # cut by max_tokens: what there is goes back as text
+        return text, []
+    return None, [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
+
+
+def history(message) -> dict:
+    """A chat message as the template reads it: tool calls' arguments as objects (HF templates expect dicts)."""
+    out = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            fn = dict(call.get("function") or {}) if isinstance(call, dict) else {}
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    pass
+            calls.append({**call, "function": fn} if isinstance(call, dict) else call)
+        out["tool_calls"] = calls
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out

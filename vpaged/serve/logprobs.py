@@ -1,0 +1,34 @@
+"""Log probabilities of chosen tokens under the model's raw distribution (log_softmax of the logits as the
+model produced them: before temperature, penalties, bias and top-k / top-p), with the k most likely tokens.
+
+Computed only for the rows whose request asks (SamplingParams.logprobs / prompt_logprobs), in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .outputs import TokenLogprob
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """logits [R, V]; tokens[i]: the token row i chose (or the prompt token that followed it); ks[i]: the
+    alternatives row i reports."""
+    if not tokens:
+        return []
+    device = logits.device
+    logp = logits.float().log_softmax(dim=-1)
+    chosen_ids = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
+    chosen = logp.gather(1, chosen_ids)
+    ranks = ((logp > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen.squeeze(1).tolist()
+    k_max = min(max(ks), logp.shape[1])
+    top_values = top_ids = None
+    if k_max:
+        top = logp.topk(k_max, dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    out = []
+    for i, (token, lp, rank, k) in enumerate(zip(tokens, chosen, ranks, ks)):
+        top_pairs = tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else ()
+        out.append(TokenLogprob(token, lp, rank, top_pairs))
+    return out
