@@ -104,7 +104,7 @@ def svg(results: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kv-gib", type=float, default=4)
+    ap.add_argument("--kv-gib", type=int, default=4)  # vLLM reads an integer
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--idle-s", type=float, default=3.0)
