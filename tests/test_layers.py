@@ -10,6 +10,7 @@ The layers, lowest first (a module may import its own layer and the ones below i
     hf/                               (4)  transformers integration
     serve/                            (5)  the serving engine and its HTTP server
     sim/                              (6)  the simulator
+    integrations/                     (6)  vpaged under other engines (vLLM, imported lazily)
     cli/                              (7)  the `vpaged` command
 
 `vpaged/__init__.py` is the package face: it re-exports names of memory, kvcache, ops and errors, and no
@@ -29,7 +30,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vpaged"
-LAYERS = {"errors": 0, "_C": 0, "memory": 1, "kvcache": 2, "ops": 3, "hf": 4, "serve": 5, "sim": 6, "cli": 7}
+LAYERS = {"errors": 0, "_C": 0, "memory": 1, "kvcache": 2, "ops": 3, "hf": 4, "serve": 5, "sim": 6, "integrations": 6, "cli": 7}
 VIRTUAL = "vpaged.kvcache.virtual"
 # Parts of a VirtualKVCache that others of its parts may import at run time: plain shapes and tables that
 # hold no reference to another part. Everything else in virtual/ is wired together by cache.py alone.

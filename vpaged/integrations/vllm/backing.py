@@ -1,0 +1,214 @@
+"""The buffer vLLM keeps its KV cache in, as a vpaged virtual range whose pages map as blocks come and go.
+
+vLLM (0.32) puts every layer of its KV cache in one int8 buffer and addresses it as "layer l of block b
+starts at offset + l * layer_stride + b * block_stride" (KVCacheTensor). `BlockGeometry` turns a block id
+into the pages of the range that block touches; `KVBacking` reserves the range, hands vLLM a torch tensor
+over all of it, and keeps, for every page, how many held blocks touch it: a page is mapped while that count
+is positive and unmapped (its memory back in the pool) when it drops to zero. Pages are counted per block
+rather than per page owner because a small block (a few KiB per layer) shares a 64 KiB page with its
+neighbours, and a page may only go when every block on it is gone.
+
+The tensor is made from the raw address (not a vpaged view, which would pin every page and forbid unmap):
+touching an unmapped page is a segmentation fault, so the caller must map every block a step may read or
+write before the step runs (patches.py does it from the scheduler's output). Nothing here knows vLLM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import InvalidArgumentError
+from ...memory import PagePool
+
+SHARED_BUDGET_ENV = "VPAGED_SHARED_BUDGET"
+
+
+@dataclass(frozen=True)
+class BlockGeometry:
+    """Where one block of one KV tensor lies in the buffer: for each layer l, the bytes
+    [offset + l * layer_stride + b * block_stride, + block_bytes)."""
+
+    offset: int
+    layer_stride: int
+    block_stride: int
+    block_bytes: int  # one layer's page of one block
+    num_layers: int
+    num_blocks: int
+
+    def spans(self, block: int) -> list[tuple[int, int]]:
+        """(start, end) byte spans of `block`, one per layer."""
+        base = self.offset + block * self.block_stride
+        return [
+            (base + layer * self.layer_stride, base + layer * self.layer_stride + self.block_bytes)
+            for layer in range(self.num_layers)
+        ]
+
+    def end(self) -> int:
+        """One past the last byte any block of this tensor touches."""
+        if self.num_blocks == 0 or self.num_layers == 0:
+            return 0
+        return max(e for _, e in self.spans(self.num_blocks - 1) + self.spans(0))
+
+
+@dataclass(frozen=True)
+class BackingStats:
+    """vpaged memory of a vLLM KV buffer, in bytes: reserved (the address space, vLLM's whole setting),
+    mapped (pages with memory now), live (pages that a block vLLM holds touches), dormant (mapped for
+    blocks vLLM keeps only as prefix cache)."""
+
+    reserved_bytes: int
+    mapped_bytes: int
+    live_bytes: int
+    dormant_bytes: int
+    mapped_blocks: int
+    page_size: int
+    map_calls: int
+    unmap_calls: int
+
+
+def make_pool(nbytes: int, device="cpu", pool: PagePool | None = None) -> PagePool:
+    """The pool the buffer's pages come from: `pool` when given, else a private one as large as the
+    buffer. With VPAGED_SHARED_BUDGET=NAME the private pool joins that machine-wide budget
+    (PagePool(shared_budget=NAME), vpaged.memory.SharedBudget): its pages then count against the budget."""
+    if pool is not None:
+        return pool
+    page = PagePool(device, capacity_pages=1).page_size
+    pages = max(1, math.ceil(nbytes / page))
+    budget = os.environ.get(SHARED_BUDGET_ENV)
+    if budget:
+        return PagePool(device, capacity_pages=pages, zero_on_reuse=True, shared_budget=budget)
+    return PagePool(device, capacity_pages=pages, zero_on_reuse=True)
+
+
+class KVBacking:
+    """A `nbytes` vpaged range that vLLM's KV views are carved from; pages map per block on demand."""
+
+    def __init__(self, nbytes: int, geometries: list[BlockGeometry], pool: PagePool, device="cpu"):
+        if nbytes <= 0:
+            raise InvalidArgumentError(f"a KV buffer needs a positive size, got {nbytes}")
+        for g in geometries:
+            if g.end() > nbytes:
+                raise InvalidArgumentError(f"a KV tensor reaches byte {g.end()}, past the buffer's {nbytes}")
+        if len({g.num_blocks for g in geometries}) > 1:
+            raise InvalidArgumentError("the KV tensors disagree on the number of blocks")
+        self.pool = pool
+        self.nbytes = int(nbytes)
+        self.geometries = list(geometries)
+        self.num_blocks = geometries[0].num_blocks if geometries else 0
+        self.page_size = pool.page_size
+        self._range = pool.new_range(self.nbytes)
+        self._page_users = [0] * self._range.num_pages  # held blocks touching each page
+        self._block_pages: dict[int, list[int]] = {}  # mapped block -> its pages
+        self._dormant: set[int] = set()  # mapped blocks vLLM keeps only as prefix cache
+        self.lock = threading.RLock()  # the worker's step holds it: no unmap runs under a kernel
+        self.map_calls = 0
+        self.unmap_calls = 0
+        self.device = torch.device(device)
+        self.tensor = self._raw_tensor()
+
+    def _raw_tensor(self) -> torch.Tensor:
+        addr = self._range.address
+        if self.device.type == "cpu":
+            buf = (ctypes.c_int8 * self.nbytes).from_address(addr)
+            t = torch.frombuffer(buf, dtype=torch.int8, count=self.nbytes)
+            t._vpaged_backing = self  # the range lives as long as the tensor
+            return t
+        holder = _CudaArray(addr, self.nbytes, self)
+        return torch.as_tensor(holder, device=self.device)
+
+    def pages_of(self, block: int) -> list[int]:
+        if not 0 <= block < self.num_blocks:
+            raise InvalidArgumentError(f"block {block} outside 0..{self.num_blocks - 1}")
+        pages: set[int] = set()
+        for g in self.geometries:
+            for start, end in g.spans(block):
+                pages.update(range(start // self.page_size, (end - 1) // self.page_size + 1))
+        return sorted(pages)
+
+    def is_mapped(self, block: int) -> bool:
+        return block in self._block_pages
+
+    def map_blocks(self, blocks) -> int:
+        """Map the pages of every block not mapped yet (fresh pages read as zeros); returns blocks mapped.
+        All or nothing: OutOfPagesError leaves every block as it was."""
+        with self.lock:
+            todo = sorted({int(b) for b in blocks} - self._block_pages.keys())
+            if not todo:
+                for b in blocks:
+                    self._dormant.discard(int(b))
+                return 0
+            per_block = [self.pages_of(b) for b in todo]
+            fresh = sorted({p for pages in per_block for p in pages if self._page_users[p] == 0})
+            if fresh:
+                self._range.map_new(fresh)
+                self.map_calls += 1
+            for b, pages in zip(todo, per_block):
+                for p in pages:
+                    self._page_users[p] += 1
+                self._block_pages[b] = pages
+            for b in blocks:
+                self._dormant.discard(int(b))
+            return len(todo)
+
+    def map_all(self) -> None:
+        self.map_blocks(range(self.num_blocks))
+
+    def release_blocks(self, blocks) -> int:
+        """Unmap the pages no other mapped block touches; returns blocks released (unmapped ones are skipped)."""
+        with self.lock:
+            gone = [int(b) for b in blocks if int(b) in self._block_pages]
+            idle = []
+            for b in gone:
+                for p in self._block_pages.pop(b):
+                    self._page_users[p] -= 1
+                    if self._page_users[p] == 0:
+                        idle.append(p)
+                self._dormant.discard(b)
+            if idle:
+                self._range.unmap(sorted(idle))
+                self.unmap_calls += 1
+            return len(gone)
+
+    def set_dormant(self, blocks, dormant: bool = True) -> None:
+        """Mark mapped blocks as kept only for the prefix cache (counted as dormant), or as held again."""
+        with self.lock:
+            for b in blocks:
+                if int(b) in self._block_pages:
+                    (self._dormant.add if dormant else self._dormant.discard)(int(b))
+
+    def stats(self) -> BackingStats:
+        with self.lock:
+            mapped = self._range.mapped_pages
+            dormant_pages = set()
+            for b in self._dormant:
+                dormant_pages.update(self._block_pages[b])
+            live_pages = set()
+            for b, pages in self._block_pages.items():
+                if b not in self._dormant:
+                    live_pages.update(pages)
+            dormant_only = dormant_pages - live_pages
+            ps = self.page_size
+            return BackingStats(
+                self.nbytes,
+                mapped * ps,
+                len(live_pages) * ps,
+                len(dormant_only) * ps,
+                len(self._block_pages),
+                ps,
+                self.map_calls,
+                self.unmap_calls,
+            )
+
+
+class _CudaArray:
+    """Hands torch a CUDA address through __cuda_array_interface__ (the CUDA engine's path)."""
+
+    def __init__(self, addr: int, nbytes: int, owner: KVBacking):
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|i1", "data": (addr, False), "version": 3}

@@ -1,0 +1,48 @@
+"""What the vLLM plugin agrees to touch: the vLLM versions it was written against and the KV layouts it can
+map block by block. Anything else is declined with one warning and vLLM runs as if vpaged were absent."""
+
+from __future__ import annotations
+
+import logging
+
+SWITCH_ENV = "VPAGED_VLLM"  # "1" turns the plugin on; the contract with users, off by default
+MAP_ENV = "VPAGED_VLLM_MAP"  # "demand" (default): pages follow vLLM's blocks; "all": map the buffer at start
+SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+# Only plain full attention: MLA, sliding windows, chunked-local, mamba and cross-attention specs are
+# subclasses or siblings whose blocks are addressed differently, so the class must match exactly.
+SUPPORTED_SPECS = ("FullAttentionSpec",)
+
+logger = logging.getLogger("vpaged.integrations.vllm")
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning("vpaged: %s", message)
+
+
+def enabled(environ) -> bool:
+    return environ.get(SWITCH_ENV, "0").strip() == "1"
+
+
+def version_supported(version: str) -> bool:
+    return version.split("+")[0] in SUPPORTED_VLLM_VERSIONS
+
+
+def layout_refusal(kv_cache_config) -> str | None:
+    """Why the plugin cannot back this KV cache config, or None when it can."""
+    groups = kv_cache_config.kv_cache_groups
+    tensors = kv_cache_config.kv_cache_tensors
+    if len(groups) != 1:
+        return f"{len(groups)} KV cache groups (hybrid models) are not supported"
+    spec = groups[0].kv_cache_spec
+    if type(spec).__name__ not in SUPPORTED_SPECS:
+        return f"KV spec {type(spec).__name__} is not supported (only {', '.join(SUPPORTED_SPECS)})"
+    if not getattr(spec, "has_layer_views", True):
+        return "a KV spec without per-layer views is not supported"
+    if len({t.size for t in tensors}) != 1:
+        return "KV tensors of different backing sizes"
+    if any(getattr(t, "host_resident", False) for t in tensors):
+        return "host-resident KV tensors are not supported"
+    return None

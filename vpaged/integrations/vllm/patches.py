@@ -1,0 +1,247 @@
+"""The hooks the plugin puts into vLLM 0.32, when switched on and the version is supported.
+
+- `vllm.v1.worker.gpu_model_runner.allocate_kv_cache` (the name initialize_kv_cache_tensors calls; the CPU
+  runner inherits it): the backing buffer becomes a KVBacking of the same size, viewed the same way.
+- `GPUModelRunner.execute_model`: before each step, under the backing's lock, every block id of the
+  scheduler's output (new requests, running and resumed ones, blocks to zero) is mapped, and the blocks the
+  block pool has let go are unmapped. Block 0, vLLM's null block (padding slots point at it), stays mapped.
+- `BlockPool.free_blocks / _maybe_evict_cached_block / reset_prefix_cache`: note which block ids may have
+  become unused. The block's state is read again when the release runs (on the worker's thread, or the
+  idle thread between steps), so a block handed out again in the meantime is never unmapped: free, with no
+  prefix-cache hash, and not being read through unpin_blocks is the only state that unmaps.
+
+When the block pool lives in another process than the worker (TP > 1 with multiprocess workers), no pool
+registers here and pages are only mapped, never given back.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import weakref
+
+from .backing import BlockGeometry, KVBacking, make_pool
+from .guard import MAP_ENV, layout_refusal, warn_once
+
+logger = logging.getLogger("vpaged.integrations.vllm")
+IDLE_PERIOD_S = 0.25
+
+
+class PluginState:
+    """The plugin's objects in this process: the live backing, the block pools seen, ids to re-check."""
+
+    def __init__(self):
+        self.backing: KVBacking | None = None
+        self.block_pools: weakref.WeakSet = weakref.WeakSet()
+        self.candidates: set[int] = set()
+        self.candidates_lock = threading.Lock()
+        self.map_mode = "demand"
+        self.released_since_trim = 0
+        self.last_step = time.monotonic()
+        self._thread: threading.Thread | None = None
+
+    def note(self, block_ids) -> None:
+        with self.candidates_lock:
+            self.candidates.update(block_ids)
+
+    def _pool_for(self, backing: KVBacking):
+        for pool in list(self.block_pools):
+            if pool.num_gpu_blocks == backing.num_blocks:
+                return pool
+        return None
+
+    def drain(self) -> int:
+        """Unmap the noted blocks that are now unused; mark prefix-cached free ones dormant. Caller holds
+        nothing; takes the backing's lock."""
+        backing = self.backing
+        if backing is None or self.map_mode != "demand":
+            return 0
+        with self.candidates_lock:
+            ids, self.candidates = self.candidates, set()
+        if not ids:
+            return 0
+        pool = self._pool_for(backing)
+        if pool is None:
+            return 0
+        with backing.lock:
+            release, dormant, held = [], [], []
+            watchers = getattr(pool, "_reuse_watchers", {})
+            for b in ids:
+                if b <= 0 or b >= len(pool.blocks):
+                    continue
+                block = pool.blocks[b]
+                if block.ref_cnt > 0 or block.block_id in watchers:
+                    held.append(b)
+                elif block.block_hash is None:
+                    release.append(b)
+                else:
+                    dormant.append(b)
+            backing.set_dormant(dormant, True)
+            backing.set_dormant(held, False)
+            released = backing.release_blocks(release)
+        self.released_since_trim += released
+        return released
+
+    def start_idle_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._idle_loop, name="vpaged-vllm-release", daemon=True)
+            self._thread.start()
+
+    def _idle_loop(self) -> None:
+        while True:
+            time.sleep(IDLE_PERIOD_S)
+            try:
+                self.drain()
+                backing = self.backing
+                # Unmapped pages sit in the pool's free list; once vLLM is idle, hand their RAM back.
+                if backing is not None and self.released_since_trim and time.monotonic() - self.last_step > 0.5:
+                    with backing.lock:
+                        backing.pool.trim()
+                    self.released_since_trim = 0
+            except Exception as e:  # never take the engine down from the release thread
+                warn_once("idle", f"releasing KV pages failed: {e!r}")
+
+
+STATE = PluginState()
+
+
+def scheduled_block_ids(scheduler_output) -> set[int]:
+    """Every block id a step of this scheduler output may touch."""
+    ids: set[int] = {0}
+    for req in scheduler_output.scheduled_new_reqs:
+        for group in req.block_ids:
+            ids.update(group)
+    cached = scheduler_output.scheduled_cached_reqs
+    for groups in cached.new_block_ids:
+        if groups is not None:
+            for group in groups:
+                ids.update(group)
+    if scheduler_output.new_block_ids_to_zero:
+        ids.update(scheduler_output.new_block_ids_to_zero)
+    return ids
+
+
+def make_allocate_kv_cache(original):
+    @functools.wraps(original)
+    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
+        refusal = None if kv_cache_config.kv_cache_tensors else "no KV tensors"
+        refusal = refusal or layout_refusal(kv_cache_config)
+        if refusal is None and device.type not in ("cpu", "cuda"):
+            refusal = f"device {device} is not supported"
+        if refusal is not None:
+            warn_once("layout:" + refusal, f"vLLM keeps its own KV buffer: {refusal}")
+            return original(kv_cache_config, device, layout, kernel_block_sizes)
+        try:
+            kv_caches = _allocate_on_vpaged(kv_cache_config, device, layout, kernel_block_sizes)
+        except TypeError as e:  # a vpaged without the shared budget asked for by VPAGED_SHARED_BUDGET
+            warn_once("budget", f"vLLM keeps its own KV buffer: {e}")
+            return original(kv_cache_config, device, layout, kernel_block_sizes)
+        return kv_caches
+
+    allocate_kv_cache._vpaged_original = original
+    return allocate_kv_cache
+
+
+def _allocate_on_vpaged(kv_cache_config, device, layout, kernel_block_sizes):
+    import os
+
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    nbytes = kv_cache_config.kv_cache_tensors[0].size
+    geometries = [
+        BlockGeometry(
+            t.offset,
+            t.layer_stride,
+            t.block_stride,
+            spec.page_size_bytes,
+            len(t.layers),
+            kv_cache_config.num_blocks_of(t),
+        )
+        for t in kv_cache_config.kv_cache_tensors
+    ]
+    backing = KVBacking(nbytes, geometries, make_pool(nbytes, device), device)
+    STATE.map_mode = "all" if os.environ.get(MAP_ENV, "demand") == "all" else "demand"
+    if STATE.map_mode == "all":
+        backing.map_all()
+    else:
+        backing.map_blocks([0])
+    kernel_block_size = kernel_block_sizes[0] if kernel_block_sizes else None
+    kv_caches = {}
+    for t in kv_cache_config.kv_cache_tensors:
+        views = create_kv_cache_views(
+            backing.tensor, spec, kv_cache_config.num_blocks_of(t), layout, t, kernel_block_size=kernel_block_size
+        )
+        kv_caches.update(zip(t.layers, views))
+    STATE.backing = backing
+    STATE.start_idle_thread()
+    s = backing.stats()
+    logger.warning(
+        "vpaged: vLLM's KV buffer (%d blocks, %.2f GiB) is a vpaged range mapped %s; %.1f MiB mapped now",
+        backing.num_blocks,
+        nbytes / 2**30,
+        "on demand" if STATE.map_mode == "demand" else "whole at start",
+        s.mapped_bytes / 2**20,
+    )
+    return kv_caches
+
+
+def make_execute_model(original):
+    @functools.wraps(original)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        backing = STATE.backing
+        if backing is None or STATE.map_mode != "demand":
+            return original(self, scheduler_output, *args, **kwargs)
+        STATE.drain()
+        with backing.lock:
+            backing.map_blocks(scheduled_block_ids(scheduler_output))
+            try:
+                return original(self, scheduler_output, *args, **kwargs)
+            finally:
+                STATE.last_step = time.monotonic()
+
+    return execute_model
+
+
+def make_block_pool_hooks(block_pool_cls):
+    init, free, evict, reset = (
+        block_pool_cls.__init__,
+        block_pool_cls.free_blocks,
+        block_pool_cls._maybe_evict_cached_block,
+        block_pool_cls.reset_prefix_cache,
+    )
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        STATE.block_pools.add(self)
+
+    @functools.wraps(free)
+    def free_blocks(self, ordered_blocks):
+        blocks = list(ordered_blocks)
+        free(self, blocks)
+        STATE.note(b.block_id for b in blocks)
+
+    @functools.wraps(evict)
+    def _maybe_evict_cached_block(self, block):
+        evicted = evict(self, block)
+        if evicted:
+            STATE.note((block.block_id,))
+        return evicted
+
+    @functools.wraps(reset)
+    def reset_prefix_cache(self):
+        done = reset(self)
+        if done:
+            STATE.note(range(1, self.num_gpu_blocks))
+        return done
+
+    return {
+        "__init__": __init__,
+        "free_blocks": free_blocks,
+        "_maybe_evict_cached_block": _maybe_evict_cached_block,
+        "reset_prefix_cache": reset_prefix_cache,
+    }
