@@ -30,7 +30,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vpaged"
-LAYERS = {"errors": 0, "_C": 0, "memory": 1, "kvcache": 2, "ops": 3, "hf": 4, "serve": 5, "sim": 6, "integrations": 6, "cli": 7}
+LAYERS = {
+    "errors": 0,
+    "_C": 0,
+    "memory": 1,
+    "kvcache": 2,
+    "ops": 3,
+    "hf": 4,
+    "serve": 5,
+    "sim": 6,
+    "integrations": 6,
+    "cli": 7,
+}
 VIRTUAL = "vpaged.kvcache.virtual"
 # Parts of a VirtualKVCache that others of its parts may import at run time: plain shapes and tables that
 # hold no reference to another part. Everything else in virtual/ is wired together by cache.py alone.
