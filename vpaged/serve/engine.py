@@ -28,7 +28,7 @@ from ..hf.fused import fuse_modules
 from ..hf.prepack import prepack_linears, prepack_supported
 from ..kvcache.geometry import KVGeometry
 from .config import EngineConfig
-from .logprobs import token_logprobs
+from .logprobs import record_prompt_logprobs, token_logprobs
 from .models import attention_window, load_model, model_geometry
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepRecord, StepTimes
 from .params import SamplingParams
@@ -302,7 +302,7 @@ class LLMEngine:
         del step_attention  # its views pin pages: gone before anything is swapped or freed
         forward_s = clock.lap()
         if logits.shape[0] > len(samplers):  # prompt rows follow the sampling rows
-            self._prompt_logprobs(plan, logits[len(samplers) :])
+            record_prompt_logprobs(prompt_logprob_rows(plan), logits[len(samplers) :])
             logits = logits[: len(samplers)]
         draws, drawn_logprobs = self._sample(samplers, logits)
         sample_s = clock.lap()
@@ -369,20 +369,6 @@ class LLMEngine:
                 seq.matcher = self.grammars.matcher(seq.request.params.structured, seq.tokens[seq.prompt_len :])
             matchers.append(seq.matcher)
         return structured, self.grammars.allowed(matchers)
-
-    @staticmethod
-    def _prompt_logprobs(plan, logits: torch.Tensor) -> None:
-        """Logprobs of the prompt tokens whose positions this step computed, for the requests that asked
-        (logits: the prompt rows, in prompt_logprob_rows order)."""
-        spans = prompt_logprob_rows(plan)
-        targets, ks = [], []
-        for rows in spans:
-            req = rows.seq.request
-            targets += req.prompt[rows.first + 1 : rows.first + 1 + rows.count]
-            ks += [req.params.prompt_logprobs] * rows.count
-        entries = iter(token_logprobs(logits, targets, ks))
-        for rows in spans:
-            rows.seq.request.prompt_logprobs.extend(next(entries) for _ in range(rows.count))
 
     def _outputs(self, update: StepUpdate) -> list[RequestOutput]:
         """The outputs of the requests a step changed; finished requests leave the engine."""

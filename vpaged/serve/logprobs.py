@@ -32,3 +32,16 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
         top_pairs = tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else ()
         out.append(TokenLogprob(token, lp, rank, top_pairs))
     return out
+
+
+def record_prompt_logprobs(spans, logits: torch.Tensor) -> None:
+    """Append the logprobs of the prompt tokens whose positions a step computed to the requests that asked.
+    spans: the step's runner.PromptRows (runner.prompt_logprob_rows); logits: their rows, in that order."""
+    targets, ks = [], []
+    for rows in spans:
+        req = rows.seq.request
+        targets += req.prompt[rows.first + 1 : rows.first + 1 + rows.count]
+        ks += [req.params.prompt_logprobs] * rows.count
+    entries = iter(token_logprobs(logits, targets, ks))
+    for rows in spans:
+        rows.seq.request.prompt_logprobs.extend(next(entries) for _ in range(rows.count))
