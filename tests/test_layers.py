@@ -3,7 +3,7 @@ parts of a VirtualKVCache only through its package; and every module imports on 
 
 The layers, lowest first (a module may import its own layer and the ones below it, never above):
 
-    errors, _C                        (0)  every layer may use them
+    errors, _C, lazy                  (0)  every layer may use them
     memory/                           (1)  pages, pools, devices, the torch allocator
     kvcache/  (and kvcache/virtual/)  (2)  the caches on a pool
     ops/                              (3)  kernels over the caches
@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vpaged"
 LAYERS = {
     "errors": 0,
+    "lazy": 0,
     "_C": 0,
     "memory": 1,
     "kvcache": 2,
@@ -188,7 +189,9 @@ def test_the_layers_are_folders():
     for layer in ("memory", "kvcache", "kvcache.virtual", "ops", "hf", "serve", "sim", "cli"):
         assert f"vpaged.{layer}" in modules, layer
     top = {p.name for p in PACKAGE.iterdir() if p.suffix in (".py", ".pyi")}
-    assert top == {"__init__.py", "errors.py", "_C.pyi"}, "the top level holds the package face, errors and stubs"
+    assert top == {"__init__.py", "errors.py", "lazy.py", "_C.pyi"}, (
+        "the top level holds the package face, errors, the lazy-name loader and stubs"
+    )
 
 
 def test_imports_follow_the_layers():

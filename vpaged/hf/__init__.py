@@ -9,7 +9,7 @@ Names are loaded on first use, so that `vpaged.hf.compat` (read by `vpaged info`
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_names
 
 _NAMES = {
     "VPagedCache": "cache",
@@ -34,14 +34,4 @@ _NAMES = {
 __all__ = sorted(_NAMES)
 
 
-def __getattr__(name: str):
-    module = _NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'vpaged.hf' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_NAMES))
+__getattr__, __dir__ = lazy_names(__name__, _NAMES, globals())

@@ -11,7 +11,7 @@ its flags are made) without importing transformers.
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_names
 
 _NAMES = {
     "LLM": "engine",
@@ -37,14 +37,4 @@ _NAMES = {
 __all__ = list(_NAMES)
 
 
-def __getattr__(name: str):
-    module = _NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'vpaged.serve' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_NAMES))
+__getattr__, __dir__ = lazy_names(__name__, _NAMES, globals())
