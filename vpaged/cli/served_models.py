@@ -214,9 +214,11 @@ def several_engines(models: list[ServedModel], args):
         budget = f"serve-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     configs = engine_configs(models, args, budget)
     if made_here:
-        capacity = SharedBudget.create(budget, args.kv_budget_bytes, _budget_page_size(configs)).capacity_bytes
+        handle = SharedBudget.create(budget, args.kv_budget_bytes, _budget_page_size(configs))
     else:
-        capacity = SharedBudget.open(budget).capacity_bytes
+        handle = SharedBudget.open(budget)
+    capacity = handle.capacity_bytes
+    handle.close()  # each engine's pool opens the budget for itself
     engines = {}
     try:
         for m in models:
