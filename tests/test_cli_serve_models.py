@@ -110,6 +110,17 @@ def test_one_model_by_flag_keeps_its_name_and_member(monkeypatch):
         SharedBudget.remove(name)
 
 
+def test_one_model_of_a_file_is_served_alone_with_its_options(monkeypatch, tmp_path):
+    import vpaged.serve.http.server as server
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda engine, **kw: seen.update(kw, engine=engine))
+    length = random.randint(64, 400)
+    config = write(tmp_path, "one.toml", f'[models.solo]\npath = "random:llama-tiny"\nmax_model_len = {length}\n')
+    assert main(["serve", "--models-config", config, "--kv-budget-mib", "8", "--no-cpu-prepack"]) == 0
+    assert seen["model_name"] == "solo" and seen["engine"].max_model_len == length
+
+
 BAD_FILES = [
     ("m.toml", '[models.a]\npath = "random:llama-tiny"\nmax_modle_len = 5\n', ["'a'", "max_modle_len"]),
     ("m.toml", '[models.a]\npath = "random:llama-tiny"\nmax_model_len = "long"\n', ["'a'", "max_model_len"]),

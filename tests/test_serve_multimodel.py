@@ -279,6 +279,7 @@ def test_health_reports_each_model(model_dirs):
             }
             assert "'beta'" in r.json()["error"]["message"]
             assert client.post("/v1/completions", json={"model": "alpha", "prompt": [5], "max_tokens": 1}).is_success
+        assert not any(loop.alive for loop in srv.app.state.router.loops())  # the shutdown stopped every loop
     finally:
         SharedBudget.remove(name)
 
