@@ -284,6 +284,31 @@ def test_health_reports_each_model(model_dirs):
         SharedBudget.remove(name)
 
 
+class IdleEngine:
+    """An engine with nothing to do; `broken` says why it cannot go on (as a tensor-parallel engine does)."""
+
+    tokenizer = None
+
+    def __init__(self, broken=None):
+        self.broken = broken
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def abort(self, request_id) -> None:
+        pass
+
+
+def test_one_engine_that_cannot_go_on_ends_the_server_of_several():
+    from vpaged.errors import TensorParallelError
+    from vpaged.serve.http.server import serve
+
+    lost = TensorParallelError(f"rank {random.randint(1, 7)} lost")
+    with pytest.raises(TensorParallelError) as e:
+        serve({"fine": IdleEngine(), "lost": IdleEngine(lost)}, port=0, log_level="warning")
+    assert e.value is lost
+
+
 def test_create_app_refuses_a_bad_mapping(model_dirs):
     engine = object()
     for engines, model_name, match in [
