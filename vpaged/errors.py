@@ -101,6 +101,11 @@ class RequestError(InvalidArgumentError):
         self.code = code
 
 
+class ModelNotFoundError(RequestError):
+    """A request names a model that a server of several models does not serve (HTTP 404, code
+    model_not_found, as OpenAI answers)."""
+
+
 class EngineStepError(VPagedError, RuntimeError):
     """engine.step() raised inside the server's engine loop: the requests in flight were ended; the message
     carries the cause."""

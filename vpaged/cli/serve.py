@@ -17,6 +17,7 @@ import torch
 
 from ..errors import TensorParallelError, VPagedError
 from .engine_flags import add_engine_flags, engine_config
+from .served_models import model_flag
 
 
 def _engine_args(p: argparse.ArgumentParser, model_optional: bool = False) -> None:
@@ -239,28 +240,46 @@ def _server_limits(args):
 
 
 def cmd_serve(args) -> int:
+    import contextlib
     import os
 
-    from ..serve.http.server import serve
+    from .served_models import served_models, several_engines, use_only_model
 
     if args.api_key is None:
         args.api_key = os.environ.get("VPAGED_API_KEY") or None
     limits = _server_limits(args)
-    engine = _make_engine(args)
-    name = args.served_model_name or args.model
+    try:
+        models = served_models(args)
+    except VPagedError as e:
+        raise _EngineError(str(e)) from None
+    if len(models) == 1:  # one model: served as before (tensor parallel included)
+        use_only_model(args, models[0])
+        engine = _make_engine(args)
+        budget = f"budget {args.kv_budget_bytes >> 20} MiB" + (
+            f" of {args.shared_budget}" if args.shared_budget else ""
+        )
+        return _serve(args, limits, engine, models[0].name, f"kv={engine.kv}, {budget}")
+    with contextlib.ExitStack() as stack:
+        try:
+            engines, budget, capacity = stack.enter_context(several_engines(models, args))
+        except VPagedError as e:
+            raise _EngineError(str(e)) from None
+        return _serve(args, limits, engines, ", ".join(engines), f"one budget {budget} of {capacity >> 20} MiB")
+
+
+def _serve(args, limits, engine, name: str, about: str) -> int:
+    """Serve `engine` (one, named `name`, or a dict of several) until interrupted."""
+    from ..serve.http.server import serve
 
     def ready(url: str) -> None:
-        print(
-            f"vpaged: serving {name} at {url}/v1 (kv={engine.kv}, budget {args.kv_budget_bytes >> 20} MiB)",
-            flush=True,
-        )
+        print(f"vpaged: serving {name} at {url}/v1 ({about})", flush=True)
 
     try:
         serve(
             engine,
             host=args.host,
             port=args.port,
-            model_name=name,
+            model_name=name if not isinstance(engine, dict) else None,
             log_level=args.log_level,
             default_max_tokens=args.default_max_tokens,
             on_ready=ready,
@@ -394,7 +413,21 @@ def add_serve_commands(sub) -> None:
     gen.set_defaults(func=_reporting_errors(cmd_generate))
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs vpaged[serve])")
-    _engine_args(srv)
+    _engine_args(srv, model_optional=True)
+    srv.add_argument(
+        "--model",
+        dest="models",
+        action="append",
+        type=model_flag,
+        metavar="NAME=PATH",
+        help="a model served under NAME (repeatable: several models, one engine each, on one KV budget)",
+    )
+    srv.add_argument(
+        "--models-config",
+        default=None,
+        metavar="FILE",
+        help="models and their own engine options: a TOML (or .json) file of [models.NAME] tables with a path",
+    )
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000, help="0 = a free port (printed when ready)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")

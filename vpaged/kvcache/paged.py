@@ -58,7 +58,8 @@ class PagedKVCache(KVCacheBase):
         kv_dtype, kv_scales: a quantized format for what is stored, as VirtualKVCache's (kvcache/formats.py):
             the pools then hold bytes (an int8 row's scale after it), write() quantizes, kv() gives QuantizedKV.
         shared_budget: the name of a machine-wide budget (vpaged.memory.SharedBudget): the block pools' bytes
-            are reserved in it for the cache's life (OutOfPagesError when it cannot grant them).
+            are reserved in it for the cache's life (OutOfPagesError when it cannot grant them); member_name:
+            how `vpaged budget show` names that reservation (default paged-kv).
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class PagedKVCache(KVCacheBase):
         kv_scales=None,
         geometry: KVGeometry | None = None,
         shared_budget=None,
+        member_name: str = "",
     ):
         geometry = cache_geometry(geometry, num_layers, num_kv_heads, head_dim, dtype, v_head_dim, kv_dtype)
         self._init_shape(geometry, max_seqs, max_seq_len, kv_scales)
@@ -102,7 +104,9 @@ class PagedKVCache(KVCacheBase):
         # guaranteed share (there is nothing to give back), through an accounting-only member.
         self.budget_share = None
         if shared_budget is not None:
-            self.budget_share = reserve_in_budget(shared_budget, num_blocks * self.block_bytes, "paged-kv")
+            self.budget_share = reserve_in_budget(
+                shared_budget, num_blocks * self.block_bytes, member_name or "paged-kv"
+            )
         # The pools hold stored rows: values of dtype, or bytes of a quantized format (scales included).
         self._row_dims = self.geometry.storage_dims()[:2]
         store = self.kv_format.storage_dtype

@@ -143,10 +143,21 @@ class StoreConfig:
         ),
     )
 
+    shared_budget_member: str | None = field(
+        default=None,
+        metadata=option(
+            "how `vpaged budget show` names this engine's member of the shared budget (its first 32 bytes; "
+            "default pool-PID; `vpaged serve` gives the served model's name)"
+        ),
+    )
+
     def __post_init__(self):
         check_positive_int("kv_budget_bytes", self.kv_budget_bytes)
         if self.shared_budget is not None and not isinstance(self.shared_budget, str):
             raise InvalidArgumentError(f"shared_budget must be a budget's name, got {self.shared_budget!r}")
+        member = self.shared_budget_member
+        if member is not None and (not isinstance(member, str) or not member):
+            raise InvalidArgumentError(f"shared_budget_member must be a non-empty name, got {member!r}")
 
     @property
     def prefix_caching_turned_off(self) -> bool:

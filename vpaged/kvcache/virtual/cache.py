@@ -86,8 +86,9 @@ class VirtualKVCache(KVCacheBase):
             "dormant_first" (default: freed slots, then prefix blocks, then spare tails), "prefix_first", or a
             ReclaimOrder. See kvcache/eviction.py.
         shared_budget: the name of a machine-wide budget (vpaged.memory.SharedBudget) for a private pool to
-            join: capacity_bytes (default: the budget's capacity) becomes its ceiling; min_bytes its
-            guaranteed share. Pages it maps count against the budget; idle, it gives back what others need.
+            join: capacity_bytes (default: the budget's capacity) becomes its ceiling, min_bytes its guaranteed
+            share, member_name its name in `vpaged budget show`. Its pages count against the budget; idle, it
+            gives back what others need.
     """
 
     def __init__(
@@ -114,13 +115,15 @@ class VirtualKVCache(KVCacheBase):
         geometry: KVGeometry | None = None,
         shared_budget=None,
         min_bytes: int = 0,
+        member_name: str = "",
     ):
         # Policies first: a bad name raises before anything is created.
         self.eviction_policy = resolve_eviction_policy(eviction_policy)
         self.reclaim_order = resolve_reclaim_order(reclaim_order)
         geometry = cache_geometry(geometry, num_layers, num_kv_heads, head_dim, dtype, v_head_dim, kv_dtype)
         self._init_shape(geometry, max_seqs, max_seq_len, kv_scales)
-        self.device, self.pool = resolve_pool(device, pool, capacity_bytes, page_size, shared_budget, min_bytes)
+        budget = dict(shared_budget=shared_budget, min_bytes=min_bytes, member_name=member_name)
+        self.device, self.pool = resolve_pool(device, pool, capacity_bytes, page_size, **budget)
         self.layout = lay = Layout.of(layout, self.geometry, max_seqs, max_seq_len, self.pool.page_size)
         if not self.pool.accounting_only:  # address space and mapping limit: said now, not mid-serving
             check_cache(lay, self.device)

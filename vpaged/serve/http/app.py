@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI-compatible routes over an EngineLoop (extra `vpaged[serve]`).
+"""The FastAPI app: OpenAI-compatible routes over one EngineLoop per served model (extra `vpaged[serve]`).
 
 Endpoints: POST /v1/completions (prompt as text, token ids, or a batch of either), POST /v1/chat/completions
 (when the tokenizer has a chat template), both with SSE streaming (`"stream": true`) and logprobs (logprobs.py);
@@ -9,7 +9,7 @@ engine refuses (prompt too long, bad sampling parameters) gets HTTP 400 and chan
 client that disconnects has its request aborted, streamed or not, so its pages go back at once. Every error
 answers in the OpenAI error shape (unknown routes and methods included). The limits of ServerLimits are
 checked before any work: those about HTTP by the Guard middleware (guard.py), those about what is asked for
-here.
+here. Several models in one app: router.py (ModelRouter) picks each request's model by its `model` field.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ...errors import EngineStepError, InvalidArgumentError, TensorParallelError, VPagedError
+from ...errors import EngineStepError, InvalidArgumentError, ModelNotFoundError, TensorParallelError, VPagedError
 from . import guided, tools
 from . import protocol as proto
 from . import tokenize as tok
@@ -32,6 +32,7 @@ from .logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from .loop import EngineLoop
 from .metrics import prometheus_text
 from .protocol import RequestError
+from .router import ModelRouter, served_engines
 
 try:
     from fastapi import FastAPI, Request
@@ -52,10 +53,16 @@ def _error(
 
 
 class _Server:
-    """The request handlers, bound to one engine loop."""
+    """The request handlers of one served model, bound to its engine loop (ModelRouter picks the model)."""
 
     def __init__(
-        self, loop: EngineLoop, model_name: str, default_max_tokens: int, limits: ServerLimits, tool_call_parser: str
+        self,
+        loop: EngineLoop,
+        model_name: str,
+        default_max_tokens: int,
+        limits: ServerLimits,
+        tool_call_parser: str,
+        http_counts: Counter,
     ):
         self.loop = loop
         self.limits = limits
@@ -64,19 +71,11 @@ class _Server:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.created = proto.now()
-        self.http_counts: Counter = Counter()
+        self.http_counts = http_counts  # the app's, counted by its Guard (one for all the models)
         self.token_texts = TokenTexts(self.tokenizer)  # token id -> text, for logprobs
         self.tool_call_parser = tool_call_parser  # how tool calls are read from an output (tools.PARSERS)
 
     # ---- helpers
-    def _check_model(self, req) -> None:
-        if req.model != self.model_name:
-            raise RequestError(
-                f"model {req.model!r} is not served here; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-
     def _max_model_len(self) -> int | None:
         limit = getattr(self.engine, "max_model_len", None)
         return limit if isinstance(limit, int) else None
@@ -210,9 +209,7 @@ class _Server:
             gen.abort_unfinished()
 
     # ---- endpoints
-    async def completions(self, request: Request):
-        req = await _parse(request, proto.CompletionRequest)
-        self._check_model(req)
+    async def completions(self, request: Request, req: proto.CompletionRequest):
         guided.check_available(self.engine, req)
         stops = self._check_limits(req, len(req.prompts()))
         prompts = [self._tokenize(p) for p in req.prompts()]
@@ -261,9 +258,7 @@ class _Server:
             return prompt
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    async def chat(self, request: Request):
-        req = await _parse(request, proto.ChatCompletionRequest)
-        self._check_model(req)
+    async def chat(self, request: Request, req: proto.ChatCompletionRequest):
         guided.check_available(self.engine, req)
         stops = self._check_limits(req, 1)
         fns = tools.functions(req.tools) if req.tools else {}
@@ -372,6 +367,17 @@ class _Server:
         finally:
             gen.abort_unfinished()  # the client went away (this generator is cancelled) or the stream ended
 
+    def card(self) -> dict:
+        """This model's entry of /v1/models."""
+        return proto.model_card(self.model_name, self.created, self._max_model_len())
+
+    def tokenize(self, req: tok.TokenizeRequest) -> dict:
+        limit = self._max_prompt_tokens()
+        return tok.tokenize(self.tokenizer, req, self._max_model_len(), 64 * limit if limit else 1 << 24)
+
+    def detokenize(self, req: tok.DetokenizeRequest) -> dict:
+        return tok.detokenize(self.tokenizer, req, self._vocab_size())
+
     def failure(self) -> Exception | None:
         """Why the engine cannot serve (the loop's fatal error, or a tensor-parallel group found broken while
         the loop has not looked yet), else None."""
@@ -394,30 +400,6 @@ class _Server:
         )
 
 
-# Bodies larger than this are decoded and validated on a worker thread, so the event loop goes on meanwhile.
-_THREAD_PARSE_BYTES = 64 << 10
-
-
-def _decode(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise RequestError("the request body is nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from None
-
-
-def _decode_and_validate(cls, raw: bytes):
-    return proto.parse_request(cls, _decode(raw))
-
-
-async def _parse(request: Request, cls):
-    raw = await request.body()
-    if len(raw) > _THREAD_PARSE_BYTES:
-        return await asyncio.to_thread(_decode_and_validate, cls, raw)
-    return _decode_and_validate(cls, raw)
-
-
 def create_app(
     engine,
     model_name: str | None = None,
@@ -425,33 +407,39 @@ def create_app(
     limits: ServerLimits | None = None,
     tool_call_parser: str = "hermes",
 ) -> FastAPI:
-    """A FastAPI app serving `engine`; the engine thread starts and stops with the app's lifespan. `limits`:
-    what one request may ask for (ServerLimits(): the defaults); tool_call_parser: how tool calls are read from
-    outputs (a key of tools.PARSERS)."""
+    """A FastAPI app serving `engine`, or several models: a dict {served name: engine} (model_name None), each
+    with its own engine thread; the threads start and stop with the app's lifespan. `limits`: what one request
+    may ask for (ServerLimits(): the defaults); tool_call_parser: how tool calls are read from outputs (a key
+    of tools.PARSERS)."""
     if tool_call_parser not in tools.PARSERS:
         raise InvalidArgumentError(f"tool_call_parser must be one of {sorted(tools.PARSERS)}, got {tool_call_parser!r}")
-    loop = EngineLoop(engine)
-    name = model_name or getattr(engine, "model_name", None) or "vpaged"
+    engines = served_engines(engine, model_name)
     limits = limits if limits is not None else ServerLimits()
-    srv = _Server(loop, name, default_max_tokens, limits, tool_call_parser)
+    counts: Counter = Counter()
+    router = ModelRouter(
+        {
+            name: _Server(EngineLoop(e, name=name), name, default_max_tokens, limits, tool_call_parser, counts)
+            for name, e in engines.items()
+        }
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        loop.start()
+        router.start()
         try:
             yield
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+            await asyncio.get_running_loop().run_in_executor(None, router.stop)
 
     app = FastAPI(title="vpaged", lifespan=lifespan)
-    app.state.engine_loop = loop
-    app.state.server = srv
-
-    app.add_middleware(Guard, limits=limits, counts=srv.http_counts)
+    app.state.router = router
+    app.state.server = router.first  # the one model's (of a one-model app; the first given of several)
+    app.state.engine_loop = router.first.loop
+    app.add_middleware(Guard, limits=limits, counts=counts)
 
     @app.exception_handler(RequestError)
     async def bad_request(_request, e: RequestError):
-        return _error(400, e.message, param=e.param, code=e.code)
+        return _error(404 if isinstance(e, ModelNotFoundError) else 400, e.message, param=e.param, code=e.code)
 
     @app.exception_handler(EngineStepError)
     async def engine_failed(_request, e: EngineStepError):
@@ -475,45 +463,12 @@ def create_app(
     async def unexpected(_request, e: Exception):
         return _error(500, f"internal error: {type(e).__name__}", "server_error")
 
-    app.post("/v1/completions")(srv.completions)
-    app.post("/v1/chat/completions")(srv.chat)
-
-    @app.get("/v1/models")
-    async def models():
-        return proto.model_list(srv.model_name, srv.created, srv._max_model_len())
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id != srv.model_name:
-            return _error(404, f"model {model_id!r} is not served here", param="model", code="model_not_found")
-        return proto.model_card(srv.model_name, srv.created, srv._max_model_len())
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        req = await _parse(request, tok.TokenizeRequest)
-        if req.model is not None:
-            srv._check_model(req)
-        limit = srv._max_prompt_tokens()
-        return tok.tokenize(srv.tokenizer, req, srv._max_model_len(), 64 * limit if limit else 1 << 24)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        req = await _parse(request, tok.DetokenizeRequest)
-        if req.model is not None:
-            srv._check_model(req)
-        return tok.detokenize(srv.tokenizer, req, srv._vocab_size())
-
-    @app.get("/metrics")
-    async def metrics():
-        return await srv.metrics()
-
-    @app.get("/health")
-    async def health():
-        failure = srv.failure()
-        if failure is not None:  # a tensor-parallel engine that lost a rank, busy or idle: the cause
-            return _error(503, str(failure), "server_error", code=type(failure).__name__)
-        if not loop.alive:
-            return _error(503, "the engine thread is not running", "server_error")
-        return {"status": "ok"}
-
+    app.post("/v1/completions")(router.completions)
+    app.post("/v1/chat/completions")(router.chat)
+    app.get("/v1/models")(router.models)
+    app.get("/v1/models/{model_id:path}")(router.model)
+    app.post("/tokenize")(router.tokenize)
+    app.post("/detokenize")(router.detokenize)
+    app.get("/metrics")(router.metrics)
+    app.get("/health")(router.health)
     return app

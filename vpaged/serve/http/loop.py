@@ -27,7 +27,8 @@ log = logging.getLogger("vpaged.serve")
 class EngineLoop:
     """Owns an engine on one thread. Other threads call add/abort/call, which return futures."""
 
-    def __init__(self, engine, idle_wait_s: float = 0.5):
+    def __init__(self, engine, idle_wait_s: float = 0.5, name: str = ""):
+        """name: the served model's, in the thread's name (one loop per model in a server of several)."""
         self.engine = engine
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._lock = threading.Lock()
@@ -35,7 +36,9 @@ class EngineLoop:
         self._stop = False
         self._idle_wait_s = idle_wait_s
         self._sinks: dict[str, Callable[[Any], None]] = {}  # request id -> where its outputs go (engine thread)
-        self._thread = threading.Thread(target=self._run, name="vpaged-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"vpaged-engine-{name}" if name else "vpaged-engine", daemon=True
+        )
         self.steps = 0
         self.step_failures = 0
         self.fatal: TensorParallelError | None = None

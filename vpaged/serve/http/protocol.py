@@ -11,6 +11,8 @@ Types are strict (pydantic strict mode): `"max_tokens": "5"`, `"n": 2.0`, `"stre
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -243,6 +245,28 @@ def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
         raise RequestError(f"not supported by this server: {', '.join(bad)}", param=bad[0])
     req.check()
     return req
+
+
+# Bodies larger than this are decoded and validated on a worker thread, so the event loop goes on meanwhile.
+_THREAD_PARSE_BYTES = 64 << 10
+
+
+def _decode_and_validate(cls, raw: bytes):
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
+    return parse_request(cls, body)
+
+
+async def read_request(request, cls):
+    """The HTTP request's body (a Starlette Request), decoded and validated as `cls` (parse_request)."""
+    raw = await request.body()
+    if len(raw) > _THREAD_PARSE_BYTES:
+        return await asyncio.to_thread(_decode_and_validate, cls, raw)
+    return _decode_and_validate(cls, raw)
 
 
 def _check_logprobs_count(name: str, k: int | None) -> None:

@@ -9,8 +9,12 @@ Endpoints: POST /v1/completions (prompt as text, token ids, or a batch of either
 (when the tokenizer has a chat template), both with SSE streaming (`"stream": true`); GET /v1/models,
 GET /metrics (Prometheus text: the engine's stats() and request counters), GET /health.
 
+Several models in one server: `serve({"a": engine_a, "b": engine_b})`, one engine thread each, requests
+routed by their `model` field (router.py).
+
 The parts, one file each: loop.py (EngineLoop, the thread that owns the engine), generation.py (one HTTP
-request's choices), metrics.py (the Prometheus text), app.py (the FastAPI app and its routes), and this file:
+request's choices), metrics.py (the Prometheus text), app.py (the FastAPI app and its routes), router.py
+(the served models by name), model_metrics.py (/metrics of several), and this file:
 running the app with uvicorn (serve, ServerThread). create_app, EngineLoop, ServerLimits and prometheus_text
 are importable from here too.
 
@@ -133,24 +137,26 @@ def serve(
     limits: ServerLimits | None = None,
     tool_call_parser: str = "hermes",
 ) -> None:
-    """Serve until interrupted (Ctrl-C / SIGTERM). Port 0 takes a free port; `on_ready(url)` is called once
-    the server accepts connections. `limits`: ServerLimits (default: its defaults, Host checked against `host`).
-    An engine that cannot go on (a tensor-parallel engine that lost a rank, found by a step or while idle)
-    shuts the server down FATAL_GRACE_S later (meanwhile /health answers 503 with the cause, so that a health
-    check sees why), and serve raises its TensorParallelError once the requests in flight have had their
-    answers."""
+    """Serve until interrupted (Ctrl-C / SIGTERM). `engine`: an LLMEngine, or a dict {served name: engine} of
+    several models (model_name None). Port 0 takes a free port; `on_ready(url)` is called once the server
+    accepts connections. `limits`: ServerLimits (default: its defaults, Host checked against `host`). An
+    engine that cannot go on (a tensor-parallel engine that lost a rank, found by a step or while idle; any
+    one of several) shuts the server down FATAL_GRACE_S later (meanwhile /health answers 503 with the cause,
+    so that a health check sees why), and serve raises its TensorParallelError once the requests in flight
+    have had their answers."""
     sock = _bind(host, port)
     limits = _limits_for(limits, host)
     app = create_app(engine, model_name, default_max_tokens, limits, tool_call_parser)
     server = uvicorn.Server(_uvicorn_config(app, limits, log_level))
-    loop = app.state.engine_loop
+    loops = app.state.router.loops()
 
     def shut_down(_error) -> None:
         timer = threading.Timer(FATAL_GRACE_S, lambda: setattr(server, "should_exit", True))
         timer.daemon = True
         timer.start()
 
-    loop.on_fatal = shut_down
+    for loop in loops:
+        loop.on_fatal = shut_down
 
     async def announce():
         while not server.started:
@@ -171,8 +177,9 @@ def serve(
         pass
     finally:
         sock.close()
-    if loop.fatal is not None:
-        raise loop.fatal
+    for loop in loops:
+        if loop.fatal is not None:
+            raise loop.fatal
 
 
 class ServerThread:

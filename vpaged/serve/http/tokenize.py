@@ -3,7 +3,8 @@
 POST /tokenize `{"prompt": str, "add_special_tokens": true}` or `{"messages": [...], "add_generation_prompt":
 true}` (rendered by the chat template, as /v1/chat/completions does) -> `{"count", "max_model_len", "tokens",
 "token_strs"}` (token_strs only with `"return_token_strs": true`). POST /detokenize `{"tokens": [...]}` ->
-`{"prompt": str}`. `model` is optional; when given it must be the served one.
+`{"prompt": str}`. `model` is optional with one model (when given it must be the served one); a server of
+several needs it (router.py).
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ class PagedStore:
             block_size=options.block_size,
             kv_scales=options.kv_scales,
             shared_budget=options.shared_budget,
+            member_name=options.shared_budget_member or "",
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.block_bytes

@@ -115,6 +115,7 @@ class VirtualStore:
             eviction_policy=getattr(options, "eviction_policy", "lru"),  # StaticStoreConfig: no prefix cache
             reclaim_order=getattr(options, "reclaim_order", "dormant_first"),
             shared_budget=options.shared_budget,
+            member_name=options.shared_budget_member or "",
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.pool.page_size
