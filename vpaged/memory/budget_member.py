@@ -18,9 +18,11 @@ Lock order: pool.client_lock, then the membership's lock, then the segment's (ne
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .shared_budget import SharedBudget
@@ -29,10 +31,33 @@ if TYPE_CHECKING:
     from .pool import PagePool
 
 POLL_S = 0.02  # how often an idle member looks at its ask counter (the issue asks for an answer within 2 s)
-REPORT_S = 0.5  # how often it refreshes the figures `vpaged budget show` lists
+REPORT_S = 0.1  # how often it refreshes its figures (live bytes: what the share policy and the askers read)
 IDLE_RELEASE_S = 1.0  # granted pages unused this long go back unasked, beyond GRANT_CHUNK_PAGES of slack
 GIVE_BACK_WAIT_S = 3.0  # how long a member that is short waits for the others to answer
 GRANT_CHUNK_PAGES = 32  # pages asked beyond the need when growing, so a growing engine rarely asks
+
+
+@dataclass(frozen=True)
+class BudgetFigures:
+    """A member's budget at one moment, as a server's /metrics exports it (bytes): the budget's totals, then
+    this member's own figures (mapped / live / dormant counted now, the rest as the ledger holds them)."""
+
+    name: str
+    share_policy: str
+    capacity_bytes: int
+    granted_bytes: int  # all members' grants
+    reserved_bytes: int  # sum of max(granted, min): what no new grant can take
+    members: int
+    active_members: int  # holding live K/V or asking for pages (fair_share.py)
+    member_index: int
+    member_granted_bytes: int
+    member_mapped_bytes: int
+    member_live_bytes: int
+    member_dormant_bytes: int
+    member_min_bytes: int
+    member_ceiling_bytes: int
+    member_fair_share_bytes: int
+    member_starved: int  # 1 while asking for pages below its fair share
 
 
 class BudgetMembership:
@@ -51,6 +76,7 @@ class BudgetMembership:
         if self.min_bytes:  # a guaranteed minimum is granted at once where the others have not taken it
             self._add(self.budget.grant(self.index, 0, prefer=min(self.min_bytes, self.budget.headroom(self.index))))
         self._last_ask = 0.0
+        self._cap_at, self._cap = -1.0, None  # the share policy's admission cap, read at most every POLL_S
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._serve, args=(weakref.ref(pool),), name=f"vpaged-budget-{self.index}", daemon=True
@@ -92,6 +118,16 @@ class BudgetMembership:
         self._last_ask = now
         self._grant(pages, ask=True)
 
+    def admission_cap_pages(self) -> int | None:
+        """Pages of live K/V this member may hold when it admits new work (the budget's share policy,
+        fair_share.py); None: no cap. Read from the ledger at most every POLL_S (a scheduler asks each step)."""
+        now = time.monotonic()
+        if now - self._cap_at >= POLL_S:
+            cap = self.budget.admission_cap(self.index)
+            self._cap = None if cap is None else cap // self.page_size
+            self._cap_at = now
+        return self._cap
+
     def _grant(self, pages: int, ask: bool) -> int:
         ps = self.page_size
         with self._lock:
@@ -112,6 +148,19 @@ class BudgetMembership:
             return 0
         self._core.set_limit(self._core.limit + got // self.page_size)
         return got // self.page_size
+
+    def figures(self, pool: PagePool) -> BudgetFigures | None:
+        """The budget's totals and this member's figures (None when its record is gone)."""
+        state = self.budget.state()
+        me = next((m for m in state.members if m.index == self.index and m.pid == os.getpid()), None)
+        if me is None:
+            return None
+        mapped, live, dormant = self._figures(pool)
+        return BudgetFigures(
+            state.name, state.share_policy, state.capacity_bytes, state.granted_bytes, state.reserved_bytes,
+            len(state.members), state.active_members, self.index, me.granted_bytes, mapped, live, dormant,
+            me.min_bytes, me.ceiling_bytes, me.fair_share_bytes, int(me.starved),
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------------- giving back
     def _serve(self, pool_ref) -> None:

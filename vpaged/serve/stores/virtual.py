@@ -165,6 +165,14 @@ class VirtualStore:
     def pages_needed(self, handles, n: int) -> int:
         return self.cache.pages_needed(handles, n)
 
+    def budget_figures(self):
+        return self.cache.pool.budget_figures()
+
+    def within_share(self, need: int) -> bool:
+        pool = self.cache.pool
+        cap = pool.admission_cap_pages()  # None outside a budget, or while no other member is starved
+        return cap is None or pool.stats().used_pages - pool.reclaimable_pages() + need <= cap
+
     # ---- sequences
     def can_allocate(self, seats: int) -> bool:
         return self.free_slots() >= seats
