@@ -66,7 +66,10 @@ def worker(args) -> None:
     prompts = random_prompts(len(arrivals), args.min_prompt, args.max_prompt, vocab, seed=args.index)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     # Warm-up (first calls into torch and the kernels) before the clock starts, then back to an idle engine.
-    engine.generate([list(p) for p in random_prompts(2, args.min_prompt, args.min_prompt, vocab, seed=99)], params)
+    for k, prompt in enumerate(random_prompts(2, args.min_prompt, args.min_prompt, vocab, seed=99)):
+        engine.add_request(list(prompt), params, request_id=f"warm{k}")
+    while engine.has_unfinished():
+        engine.step()
     warm = engine.stats()
     warm_preemptions = warm.preemptions_swap + warm.preemptions_recompute
     print(json.dumps({"ready": os.getpid()}), flush=True)
