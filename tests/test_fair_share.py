@@ -110,3 +110,21 @@ def test_starved_ask_reaches_a_member_above_its_share_whatever_it_reported():
     finally:
         SharedBudget.remove(name)
         budget.close()
+
+
+def test_members_at_their_shares_do_not_ask_each_other():
+    # Three busy members at a third each, their reusable pages beyond their live K/V: one short but not
+    # starved asks nobody (each keeps its share); once it is below its share it asks for the others' excess.
+    now = time.time_ns()
+    cap = 48 * PAGE
+    recs = [MemberRecord(i, 1 + i, 0, f"m{i}", "", 0, cap, 16 * PAGE, 16 * PAGE, 12 * PAGE, 4 * PAGE) for i in range(3)]
+    for r in recs:
+        r.demand_bytes, r.demand_ns = 4 * PAGE, now
+    fair = FairShare()
+    assert all(v <= 0 for v in fair.spare_bytes(recs, recs[0], cap, PAGE, now).values())
+    assert all(v == 4 * PAGE for v in Greedy().spare_bytes(recs, recs[0], cap, PAGE, now).values())
+    recs[0].granted_bytes, recs[1].granted_bytes = 12 * PAGE, 20 * PAGE  # 0 starved; 1 above its share
+    assert fair.spare_bytes(recs, recs[0], cap, PAGE, now) == {1: 8 * PAGE, 2: 4 * PAGE}
+    recs[2].live_bytes = 0  # an idle member keeps nothing beyond its minimum
+    recs[2].demand_bytes = 0
+    assert fair.spare_bytes(recs, recs[1], cap, PAGE, now)[2] == 16 * PAGE

@@ -152,7 +152,7 @@ class SharedBudget:
                 raise BudgetMismatchError(f"budget {self.name!r} has no free member slot ({len(records)} members)")
             record = MemberRecord(index, me, process_start_ticks(me), name, model, min_bytes, ceiling_bytes)
             records.append(record)
-            self._ask_others(records, record, max(0, min_bytes - self._headroom(records, record)))
+            self._ask_others(records, record, max(0, min_bytes - self._headroom(records, record)), for_minimum=True)
         return index
 
     def leave(self, index: int) -> None:
@@ -286,22 +286,16 @@ class SharedBudget:
         others = sum(r.reserved_bytes() for r in records if r is not mine)
         return min(mine.ceiling_bytes, self.capacity_bytes - others) - mine.granted_bytes
 
-    def _ask_others(self, records: list[MemberRecord], mine: MemberRecord, short: int) -> None:
-        """Ask the members that hold more than they use live (and than their minimum) for `short` bytes in
-        all, largest spare first; each member's thread sees its ask counter move and gives back what it can.
-        Live bytes are as last reported (a member answering an ask, or every REPORT_S while idle), so when
-        `mine` is starved (fair_share.py) a member above its fair share is asked for the excess too: its
-        report may be older than the requests it finished since (it gives back only what is not live)."""
+    def _ask_others(self, records: list[MemberRecord], mine: MemberRecord, short: int, for_minimum=False) -> None:
+        """Ask the members with spare bytes (the share policy's spare_bytes: by default what they hold beyond
+        their live K/V and minimum) for `short` bytes in all, largest spare first; each member's thread sees
+        its ask counter move and gives back what it can (never live K/V)."""
         if short <= 0:
             return
-        spare = {r.index: r.granted_bytes - max(r.min_bytes, r.live_bytes) for r in records if r is not mine}
-        if self.policy.name != "greedy":
-            now, cap, ps = _now_ns(), self.capacity_bytes, self.page_size
-            active = active_count(records, now)
-            if is_starved(mine, active, cap, ps, now):
-                for r in records:
-                    if r is not mine:
-                        spare[r.index] = max(spare[r.index], r.granted_bytes - fair_share_bytes(r, active, cap, ps))
+        if for_minimum:  # a new member's guaranteed minimum: whatever the others do not use live
+            spare = {r.index: r.granted_bytes - max(r.min_bytes, r.live_bytes) for r in records if r is not mine}
+        else:
+            spare = self.policy.spare_bytes(records, mine, self.capacity_bytes, self.page_size, _now_ns())
         for r in sorted((r for r in records if spare.get(r.index, 0) > 0), key=lambda r: -spare[r.index]):
             r.asked_bytes = max(r.asked_bytes, min(spare[r.index], short))
             r.ask_seq += 1
