@@ -76,6 +76,7 @@ class BudgetMembership:
         if self.min_bytes:  # a guaranteed minimum is granted at once where the others have not taken it
             self._add(self.budget.grant(self.index, 0, prefer=min(self.min_bytes, self.budget.headroom(self.index))))
         self._last_ask = 0.0
+        self._seen_ask = -1  # the last ask counter answered (by the thread or by answer_pending)
         self._cap_at, self._cap = -1.0, None  # the share policy's admission cap, read at most every POLL_S
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -163,18 +164,28 @@ class BudgetMembership:
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------- giving back
+    def answer_pending(self, pool: PagePool) -> int:
+        """Answer an ask that this member's thread has not handled yet, now, from the caller's thread (a
+        scheduler calls this between steps, where no cache call is under way); returns the pages given back.
+        A busy engine's main thread re-takes the pool's client lock between cache calls at once, so the
+        thread alone may wait for it for many steps (measured: a starved engine sat 11 s below its fair
+        share while the other engine's dormant pages went unclaimed)."""
+        seq = self.budget.segment.peek_ask_seq(self.index)
+        if seq == self._seen_ask:
+            return 0
+        self._seen_ask = seq
+        return self.give_back(pool)
+
     def _serve(self, pool_ref) -> None:
-        seen, last_report, slack_since = -1, 0.0, None
+        last_report, slack_since = 0.0, None
         while not self._stop.wait(POLL_S):
             pool = pool_ref()
             if pool is None:
                 return
             try:
-                seq = self.budget.segment.peek_ask_seq(self.index)
                 now = time.monotonic()
-                if seq != seen:
-                    seen = seq
-                    self.give_back(pool)
+                if self.budget.segment.peek_ask_seq(self.index) != self._seen_ask:
+                    self.answer_pending(pool)
                     last_report = now
                 elif now - last_report > REPORT_S:
                     # Granted pages nobody uses go back unasked after a while (no cache is touched: only the
