@@ -4,7 +4,7 @@ Three engine processes (random-weight models by default; any `--models` the engi
 traffic: time is cut into phases, and engine i is busy in the phases p with p % 3 == i (Poisson arrivals at
 --rate within a busy phase) and idle otherwise. The total KV budget B is either split statically (each engine
 a private pool of B/3) or shared (one SharedBudget of B; each engine's ceiling is B) under the budget's share
-policy: "shared" is the default fair-share rule, "greedy" the budget without it (memory/fair_share.py).
+policy: "shared" with the default policy ("greedy"), "fair" with the fair-share rule (memory/fair_share.py).
 Reported per engine and overall: TTFT p50 / p99, output tokens/s, preemptions, requests refused or lost; and
 each process's mapped KV bytes over time (a plot with matplotlib when it is installed).
 
@@ -132,7 +132,7 @@ def run_mode(args, mode: str) -> list[dict]:
     from vpaged.memory import SharedBudget
 
     name = f"bench-elastic-{uuid.uuid4().hex[:8]}"
-    policy = {"shared": "fair", "greedy": "greedy"}.get(mode)
+    policy = {"shared": "greedy", "fair": "fair"}.get(mode)
     budget = SharedBudget.create(name, args.budget_bytes, share_policy=policy) if policy else None
     procs = []
     try:
@@ -305,8 +305,8 @@ def main() -> None:
         "--modes",
         nargs="*",
         default=["static", "shared"],
-        choices=["static", "shared", "greedy"],
-        help="static: B/3 each; shared: one budget B, fair-share rule; greedy: one budget B without the rule",
+        choices=["static", "shared", "fair"],
+        help="static: B/3 each; shared: one budget B (default share policy, greedy); fair: one budget B, fair share",
     )
     ap.add_argument("--rounds", type=int, default=1, help="runs of every arm, the order rotating each round")
     ap.add_argument("--quick", action="store_true", help="3 phases of 4 s")
@@ -328,7 +328,7 @@ def main() -> None:
         args.phases, args.phase_s = 3, 4.0
     args.budget_bytes = int(args.budget_mib * 2**20)
     rounds = {mode: [] for mode in args.modes}
-    for k in range(args.rounds):
+    for k in range(args.rounds if args.modes else 0):
         shift = k % len(args.modes)
         for mode in args.modes[shift:] + args.modes[:shift]:  # rotate the arms' order: none always runs first
             rounds[mode].append(summarize(mode, run_mode(args, mode)))
@@ -355,7 +355,7 @@ def main() -> None:
             f"{mode:<8} {'all':<8} {s['requests']:>5} {s['finished']:>5} {s['refused']:>7} {s['ttft_p50'] or 0:>9.3f} "
             f"{s['ttft_p99'] or 0:>9.3f} {s['output_tokens_per_s']:>8.1f} {s['preemptions']:>7}"
         )
-    for mode in ("shared", "greedy"):
+    for mode in ("shared", "fair"):
         if "static" in results and mode in results:
             st, sh = results["static"], results[mode]
             ratio = sh["ttft_p99"] / st["ttft_p99"] if st["ttft_p99"] else float("nan")

@@ -96,7 +96,7 @@ def test_policy_is_kept_in_the_header_and_checked():
 
 def test_starved_ask_reaches_a_member_above_its_share_whatever_it_reported():
     name = f"test-{uuid.uuid4().hex[:12]}"
-    budget = SharedBudget.create(name, 64 * PAGE)
+    budget = SharedBudget.create(name, 64 * PAGE, share_policy="fair")
     try:
         a = budget.join(page_size=PAGE, ceiling_bytes=64 * PAGE, name="a")
         b = budget.join(page_size=PAGE, ceiling_bytes=64 * PAGE, name="b")

@@ -43,7 +43,7 @@ def test_a_starved_engine_gets_its_fair_share_while_the_other_keeps_submitting(b
     from vpaged.serve import LLMEngine, SamplingParams, load_model
 
     capacity = 64 * PAGE  # llama-tiny: 4 pages a sequence, so 16 sequences in all, 8 each at a fair share
-    budget = SharedBudget.create(budget_name, capacity)
+    budget = SharedBudget.create(budget_name, capacity, share_policy="fair")
     seed = random.randrange(1 << 30)
     env = dict(os.environ, PYTHONPATH=str(WORKER.parent.parent))
     flood = subprocess.Popen(

@@ -47,8 +47,8 @@ def add_parser(sub) -> None:
         "--share-policy",
         choices=sorted(SHARE_POLICIES),
         default=DEFAULT_SHARE_POLICY,
-        help="under contention: 'fair' (default) caps admissions above a member's fair share while another "
-        "member is starved; 'greedy' lets whoever asks first take what is free",
+        help="under contention: 'greedy' (default) lets whoever asks take what the others do not use live; "
+        "'fair' also caps admissions above a member's fair share while another member is starved",
     )
     c.set_defaults(func=cmd_create)
     s = cmds.add_parser("show", help="list the members: pid, name, model, mapped / live / dormant, min, ceiling")

@@ -1,12 +1,16 @@
 """Fair share: how much of a shared budget a member may fill with new work while another member is starved.
 
 Without a rule, the first engine whose burst finds the budget free takes all of it, and its requests keep the
-pages in live K/V (which no give-back may touch) while the next engine's burst waits for them to finish
-(benchmarks/NOTES.md, "static split vs one shared budget": p99 TTFT 2.6x the static split's). The rule is
-a budget-wide choice, kept in the ledger's header (`SharedBudget.create(..., share_policy=)`,
+pages in live K/V (which no give-back may touch) while the next engine's burst waits for them to finish. The
+rule is a budget-wide choice, kept in the ledger's header (`SharedBudget.create(..., share_policy=)`,
 `vpaged budget create --share-policy`), so that every member follows the same one:
 
-- "fair" (the default): a member is *active* when it holds live K/V or asked for pages within STARVED_S; its
+- "greedy" (the default): no cap; whoever is short asks for whatever the others hold beyond their live K/V
+  and minimum. Measured best on the bursty three-engine experiment (benchmarks/NOTES.md, "fair share"):
+  requests there finish within a second or two, so the pages of the engine that took the budget come back
+  as fast as the next burst needs them, and one engine's big batch is cheaper per token than three small
+  ones on a shared CPU.
+- "fair": a member is *active* when it holds live K/V or asked for pages within STARVED_S; its
   fair share is max(min_bytes, capacity / active members), whole pages, at most its ceiling. A member is
   *starved* when it asked within STARVED_S and holds (grant or minimum) less than its fair share. While any
   other member is starved, a member may admit a new request only if its live K/V plus the request's pages
@@ -18,8 +22,11 @@ a budget-wide choice, kept in the ledger's header (`SharedBudget.create(..., sha
   starved asks only for what an active member holds beyond its live K/V *and* its fair share, so engines
   that all sit at their shares do not keep taking each other's reusable pages (measured: three engines at
   a third each, asking each other every poll, ran at 0.67x the static split's throughput).
-- "greedy": no cap (first come, first served; the behaviour before this rule, kept to measure against);
-  anyone short asks for whatever the others hold beyond their live K/V and minimum.
+  Measured on the same experiment, it made p99 TTFT 1.7x the static split's (against 0.12x for greedy):
+  the engines settle at a third of the budget each, i.e. the static split with the costs of sharing, and
+  the capped engine's reusable pages were slow to move (see NOTES). It is kept for budgets whose members
+  hold K/V long (long generations, a busy model beside a latency-bound one), where waiting for the first
+  engine's requests to finish is what hurts.
 
 The members publish what the rule reads: live bytes (budget_member.py reports them every REPORT_S and at
 each give-back) and, when short, the bytes they asked for and when (SharedBudget.grant). The cap is a
@@ -69,6 +76,7 @@ class SharePolicy(Protocol):
     member may be asked to give back when `mine` is short."""
 
     name: str
+    caps_admissions: bool  # False: admission_cap is always None (members need not read the ledger for it)
 
     def admission_cap(
         self, records: list[MemberRecord], mine: MemberRecord, capacity: int, page_size: int, now_ns: int
@@ -83,6 +91,7 @@ class FairShare:
     """A member's fair share caps its admissions while another member is starved (see the module)."""
 
     name = "fair"
+    caps_admissions = True
 
     def admission_cap(self, records, mine, capacity, page_size, now_ns):
         active = active_count(records, now_ns)
@@ -109,6 +118,7 @@ class Greedy:
     """No cap: whoever asks first takes what is free (the budget before the fair-share rule)."""
 
     name = "greedy"
+    caps_admissions = False
 
     def admission_cap(self, records, mine, capacity, page_size, now_ns):
         return None
@@ -119,7 +129,7 @@ class Greedy:
 
 SHARE_POLICIES: dict[str, type] = {"fair": FairShare, "greedy": Greedy}
 POLICY_CODES = {"fair": 0, "greedy": 1}  # as the ledger's header stores them
-DEFAULT_SHARE_POLICY = "fair"
+DEFAULT_SHARE_POLICY = "greedy"  # the better of the two on the measurements in benchmarks/NOTES.md
 
 
 def policy_code(name: str) -> int:

@@ -12,8 +12,9 @@ Invariants, all kept under the segment's lock (budget_segment.py):
 - a member's granted bytes are a whole number of pages, never above its ceiling;
 - a record whose process is gone is dropped by the next locked call, returning its grant.
 
-Under contention a share policy (fair_share.py, chosen when the budget is created; "fair" by default) caps
-what a member holding more than its fair share may admit while another member is starved.
+Under contention a share policy (fair_share.py, chosen when the budget is created) says whom a short member
+asks and, with "fair" (not the default), caps what a member holding more than its fair share may admit while
+another member is starved.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class SharedBudget:
     ) -> SharedBudget:
         """A new budget of capacity_bytes (rounded down to whole pages of page_size; every member must use
         that page size). mode: 0o600 (this user only, the default) or 0o660 (also its group). share_policy:
-        "fair" (default) or "greedy", what a member may admit while another is starved (fair_share.py)."""
+        "greedy" (default) or "fair", what a member may admit while another is starved (fair_share.py)."""
         code = policy_code(share_policy)
         capacity_bytes, page_size = int(capacity_bytes), int(page_size)
         if page_size <= 0 or capacity_bytes < page_size:
