@@ -22,7 +22,8 @@ rule is a budget-wide choice, kept in the ledger's header (`SharedBudget.create(
   starved asks only for what an active member holds beyond its live K/V *and* its fair share, so engines
   that all sit at their shares do not keep taking each other's reusable pages (measured: three engines at
   a third each, asking each other every poll, ran at 0.67x the static split's throughput).
-  Measured on the same experiment, it made p99 TTFT 1.7x the static split's (against 0.12x for greedy):
+  Measured on the same experiment, its p99 TTFT was 1.07x the static split's (median of two rounds: 1.70x
+  and 0.25x), against 0.11x for greedy:
   the engines settle at a third of the budget each, i.e. the static split with the costs of sharing, and
   the capped engine's reusable pages were slow to move (see NOTES). It is kept for budgets whose members
   hold K/V long (long generations, a busy model beside a latency-bound one), where waiting for the first
