@@ -3,12 +3,17 @@
 Three engine processes (random-weight models by default; any `--models` the engine loads) serve bursty
 traffic: time is cut into phases, and engine i is busy in the phases p with p % 3 == i (Poisson arrivals at
 --rate within a busy phase) and idle otherwise. The total KV budget B is either split statically (each engine
-a private pool of B/3) or shared (one SharedBudget of B; each engine's ceiling is B). Reported per engine and
-overall: TTFT p50 / p99, output tokens/s, preemptions, requests refused or lost; and each process's mapped
-KV bytes over time (a plot with matplotlib when it is installed).
+a private pool of B/3) or shared (one SharedBudget of B; each engine's ceiling is B) under the budget's share
+policy: "shared" with the default policy ("greedy"), "fair" with the fair-share rule (memory/fair_share.py).
+Reported per engine and overall: TTFT p50 / p99, output tokens/s, preemptions, requests refused or lost; and
+each process's mapped KV bytes over time (a plot with matplotlib when it is installed).
+
+Fairness of the comparison: every arm gets the same B and the same arrivals and prompts (seeded by engine and
+phase); each engine warms up (a few requests) before the clock starts; with --rounds N the arms run N times,
+their order rotating from round to round, and the figures reported are the medians over the rounds.
 
     python benchmarks/bench_elastic.py --quick            # a short run (about a minute on 2 cores)
-    python benchmarks/bench_elastic.py --output benchmarks/results/elastic_cpu.json --plot elastic_cpu.png
+    python benchmarks/bench_elastic.py --rounds 2 --output benchmarks/results/elastic_cpu.json --plot elastic_cpu.png
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -36,7 +42,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     model, tok = load_model(args.model, dtype=torch.float32)
-    shared = args.mode == "shared"
+    shared = args.mode != "static"
     engine = LLMEngine(
         model,
         tok,
@@ -59,6 +65,13 @@ def worker(args) -> None:
     vocab = model.config.vocab_size
     prompts = random_prompts(len(arrivals), args.min_prompt, args.max_prompt, vocab, seed=args.index)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    # Warm-up (first calls into torch and the kernels) before the clock starts, then back to an idle engine.
+    for k, prompt in enumerate(random_prompts(2, args.min_prompt, args.min_prompt, vocab, seed=99)):
+        engine.add_request(list(prompt), params, request_id=f"warm{k}")
+    while engine.has_unfinished():
+        engine.step()
+    warm = engine.stats()
+    warm_preemptions = warm.preemptions_swap + warm.preemptions_recompute
     print(json.dumps({"ready": os.getpid()}), flush=True)
     t0 = float(sys.stdin.readline())
     time.sleep(max(0.0, t0 - time.time()))
@@ -106,7 +119,7 @@ def worker(args) -> None:
                 "ttft": ttft,
                 "ttft_p50": percentile(ttft, 50),
                 "ttft_p99": percentile(ttft, 99),
-                "preemptions": int(st.preemptions_swap + st.preemptions_recompute),
+                "preemptions": int(st.preemptions_swap + st.preemptions_recompute - warm_preemptions),
                 "memory": memory,
             }
         ),
@@ -119,7 +132,8 @@ def run_mode(args, mode: str) -> list[dict]:
     from vpaged.memory import SharedBudget
 
     name = f"bench-elastic-{uuid.uuid4().hex[:8]}"
-    budget = SharedBudget.create(name, args.budget_bytes) if mode == "shared" else None
+    policy = {"shared": "greedy", "fair": "fair"}.get(mode)
+    budget = SharedBudget.create(name, args.budget_bytes, share_policy=policy) if policy else None
     procs = []
     try:
         for i, model in enumerate(args.models):
@@ -191,6 +205,29 @@ def summarize(mode: str, rows: list[dict]) -> dict:
     }
 
 
+def median_of_rounds(mode: str, rounds: list[dict]) -> dict:
+    """The medians over rounds of the overall and per-engine figures; requests lost or refused: the most in
+    any round. The rounds themselves (with each engine's memory over time) are kept under "rounds"."""
+
+    def med(rows, key):
+        values = [r[key] for r in rows if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    keys = ("ttft_p50", "ttft_p99", "preemptions")
+    engines = []
+    for i in range(len(rounds[0]["engines"])):
+        rows = [r["engines"][i] for r in rounds]
+        e = {k: rows[0][k] for k in ("index", "model", "requests")}
+        e |= {k: med(rows, k) for k in (*keys, "finished")}
+        e["output_tokens_per_s"] = statistics.median(r["output_tokens"] / r["seconds"] for r in rows)
+        e |= {"refused": max(r["refused"] for r in rows), "lost": max(r["lost"] for r in rows)}
+        engines.append(e)
+    out = {"mode": mode, "rounds_run": len(rounds), "requests": rounds[0]["requests"]}
+    out |= {k: med(rounds, k) for k in (*keys, "finished", "output_tokens_per_s")}
+    out |= {"refused": max(r["refused"] for r in rounds), "lost": max(r["lost"] for r in rounds)}
+    return out | {"engines": engines, "rounds": rounds}
+
+
 def plot(results: dict, path: str) -> bool:
     try:
         import matplotlib
@@ -202,10 +239,10 @@ def plot(results: dict, path: str) -> bool:
     fig, axes = plt.subplots(len(results), 1, figsize=(9, 3 * len(results)), sharex=True, squeeze=False)
     axes = [row[0] for row in axes]
     for ax, (mode, summary) in zip(axes, results.items()):
-        for e in summary["engines"]:
+        for e in summary["rounds"][0]["engines"]:
             ts, mem = zip(*e["memory"]) if e["memory"] else ((), ())
             ax.plot(ts, [m / 2**20 for m in mem], label=f"engine {e['index']} ({e['model']})")
-        ax.set_title(f"{mode}: mapped KV per process")
+        ax.set_title(f"{mode}: mapped KV per process (round 1)")
         ax.set_ylabel("MiB")
         ax.legend(loc="upper right", fontsize=8)
     axes[-1].set_xlabel("seconds")
@@ -264,7 +301,14 @@ def main() -> None:
     ap.add_argument("--min-prompt", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=384)
     ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--modes", nargs="*", default=["static", "shared"], choices=["static", "shared"])
+    ap.add_argument(
+        "--modes",
+        nargs="*",
+        default=["static", "shared"],
+        choices=["static", "shared", "fair"],
+        help="static: B/3 each; shared: one budget B (default share policy, greedy); fair: one budget B, fair share",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every arm, the order rotating each round")
     ap.add_argument("--quick", action="store_true", help="3 phases of 4 s")
     ap.add_argument("--overhead", action="store_true", help="also: one engine with and without a shared budget")
     ap.add_argument("--overhead-requests", type=int, default=24)
@@ -283,7 +327,17 @@ def main() -> None:
     if args.quick:
         args.phases, args.phase_s = 3, 4.0
     args.budget_bytes = int(args.budget_mib * 2**20)
-    results = {mode: summarize(mode, run_mode(args, mode)) for mode in args.modes}
+    rounds = {mode: [] for mode in args.modes}
+    for k in range(args.rounds if args.modes else 0):
+        shift = k % len(args.modes)
+        for mode in args.modes[shift:] + args.modes[:shift]:  # rotate the arms' order: none always runs first
+            rounds[mode].append(summarize(mode, run_mode(args, mode)))
+            r = rounds[mode][-1]
+            print(
+                f"round {k + 1} {mode}: TTFT p99 {r['ttft_p99']:.3f} s, {r['output_tokens_per_s']:.1f} tok/s",
+                flush=True,
+            )
+    results = {mode: median_of_rounds(mode, rounds[mode]) for mode in args.modes}
     if args.overhead:
         results["overhead"] = overhead(args)
     print(
@@ -294,25 +348,24 @@ def main() -> None:
         for e in s["engines"]:
             print(
                 f"{mode:<8} {e['index']:<8} {e['requests']:>5} {e['finished']:>5} {e['refused']:>7} "
-                f"{e['ttft_p50'] or 0:>9.3f} {e['ttft_p99'] or 0:>9.3f} {e['output_tokens'] / e['seconds']:>8.1f} "
+                f"{e['ttft_p50'] or 0:>9.3f} {e['ttft_p99'] or 0:>9.3f} {e['output_tokens_per_s']:>8.1f} "
                 f"{e['preemptions']:>7}"
             )
         print(
             f"{mode:<8} {'all':<8} {s['requests']:>5} {s['finished']:>5} {s['refused']:>7} {s['ttft_p50'] or 0:>9.3f} "
             f"{s['ttft_p99'] or 0:>9.3f} {s['output_tokens_per_s']:>8.1f} {s['preemptions']:>7}"
         )
-    if "static" in results and "shared" in results:
-        st, sh = results["static"], results["shared"]
-        ratio = sh["ttft_p99"] / st["ttft_p99"] if st["ttft_p99"] else None
-        results["shared_vs_static"] = {
-            "ttft_p99_ratio": ratio,
-            "throughput_ratio": sh["output_tokens_per_s"] / st["output_tokens_per_s"],
-        }
-        print(
-            f"shared / static: TTFT p99 x{ratio:.2f}, throughput x{results['shared_vs_static']['throughput_ratio']:.2f}"
-        )
+    for mode in ("shared", "fair"):
+        if "static" in results and mode in results:
+            st, sh = results["static"], results[mode]
+            ratio = sh["ttft_p99"] / st["ttft_p99"] if st["ttft_p99"] else float("nan")
+            tput = sh["output_tokens_per_s"] / st["output_tokens_per_s"]
+            results[f"{mode}_vs_static"] = {"ttft_p99_ratio": ratio, "throughput_ratio": tput}
+            print(f"{mode} / static: TTFT p99 x{ratio:.2f}, throughput x{tput:.2f} (medians of {args.rounds})")
     meta = {"cpu": _cpu_name(), "budget_bytes": args.budget_bytes, "phases": args.phases, "phase_s": args.phase_s,
-            "rate": args.rate, "models": args.models, "max_tokens": args.max_tokens}  # fmt: skip
+            "rate": args.rate, "models": args.models, "max_tokens": args.max_tokens, "rounds": args.rounds,
+            "min_prompt": args.min_prompt, "max_prompt": args.max_prompt, "max_num_seqs": args.max_num_seqs,
+            "load_average": os.getloadavg()}  # fmt: skip
     if args.plot and args.modes and plot({m: results[m] for m in args.modes}, args.plot):
         print(f"plot: {args.plot}")
     # Beside the other results by default (VPAGED_RESULTS_DIR redirects them, as `vpaged bench` does).

@@ -8,6 +8,7 @@ import sys
 from dataclasses import asdict
 
 from ..errors import VPagedError
+from ..memory.fair_share import DEFAULT_SHARE_POLICY, SHARE_POLICIES
 from ..memory.shared_budget import BudgetState, SharedBudget
 
 _UNITS = {"": 1, "b": 1}
@@ -42,6 +43,13 @@ def add_parser(sub) -> None:
     c.add_argument("--bytes", required=True, type=parse_bytes, help="capacity, e.g. 8GiB")
     c.add_argument("--page-size", type=parse_bytes, default=64 * 1024, help="members' page size (default 64KiB)")
     c.add_argument("--group", action="store_true", help="mode 0660: the owner's group may join too")
+    c.add_argument(
+        "--share-policy",
+        choices=sorted(SHARE_POLICIES),
+        default=DEFAULT_SHARE_POLICY,
+        help="under contention: 'greedy' (default) lets whoever asks take what the others do not use live; "
+        "'fair' also caps admissions above a member's fair share while another member is starved",
+    )
     c.set_defaults(func=cmd_create)
     s = cmds.add_parser("show", help="list the members: pid, name, model, mapped / live / dormant, min, ceiling")
     s.add_argument("name")
@@ -67,8 +75,12 @@ def _run(fn, args) -> int:
 
 def cmd_create(args) -> int:
     def go(a):
-        b = SharedBudget.create(a.name, a.bytes, page_size=a.page_size, mode=0o660 if a.group else 0o600)
-        print(f"created budget {a.name!r}: {_mib(b.capacity_bytes)} MiB in pages of {b.page_size} bytes")
+        mode = 0o660 if a.group else 0o600
+        b = SharedBudget.create(a.name, a.bytes, page_size=a.page_size, mode=mode, share_policy=a.share_policy)
+        print(
+            f"created budget {a.name!r}: {_mib(b.capacity_bytes)} MiB in pages of {b.page_size} bytes, "
+            f"share policy {b.policy.name}"
+        )
         b.close()
         return 0
 
@@ -92,13 +104,13 @@ def cmd_show(args) -> int:
 def print_state(state: BudgetState) -> None:
     head = (
         f"budget {state.name}: {_mib(state.capacity_bytes)} MiB, granted {_mib(state.granted_bytes)} MiB, "
-        f"free {_mib(state.free_bytes)} MiB, pages of {state.page_size} bytes"
+        f"free {_mib(state.free_bytes)} MiB, pages of {state.page_size} bytes, share policy {state.share_policy}"
     )
-    cols = ["#", "pid", "name", "model", "granted", "mapped", "live", "dormant", "min", "ceiling"]
+    cols = ["#", "pid", "name", "model", "granted", "mapped", "live", "dormant", "min", "ceiling", "fair", "starved"]
     rows = [
         [str(m.index), str(m.pid), m.name, m.model or "-"]
         + [_mib(x) for x in (m.granted_bytes, m.mapped_bytes, m.live_bytes, m.dormant_bytes, m.min_bytes)]
-        + [_mib(m.ceiling_bytes)]
+        + [_mib(m.ceiling_bytes), _mib(m.fair_share_bytes), "yes" if m.starved else "-"]
         for m in state.members
     ]
     try:

@@ -4,10 +4,12 @@ A PagePool owns one device's pages (over the C++ backend: host memfd or CUDA VMM
 backend and page size, limits.py checks a host pool against what the machine can back, buildinfo.py says how
 the extension was built, and allocator.py plugs a pool into torch's allocator. shared_budget.py is the
 machine-wide ledger that pools of several processes join (budget_segment.py its bytes in /dev/shm,
-budget_member.py a pool's grant and give-back thread). Nothing here knows about tokens or caches.
+budget_member.py a pool's grant and give-back thread, fair_share.py the rule under contention). Nothing
+here knows about tokens or caches.
 """
 
 from .allocator import AllocatorStats, TorchAllocator, empty, torch_allocator
+from .budget_member import BudgetFigures
 from .buildinfo import build_info
 from .device import BackendInfo, backends
 from .pool import PagePool, PoolStats, Reclaimable, default_pool, resolve_pool, set_default_pool
@@ -20,6 +22,7 @@ __all__ = [
     "SharedBudget",
     "BudgetMember",
     "BudgetState",
+    "BudgetFigures",
     "default_pool",
     "set_default_pool",
     "resolve_pool",

@@ -42,15 +42,16 @@ from ..errors import (
 
 SHM_DIR = "/dev/shm"
 MAGIC = b"VPBUDGET"
-VERSION = 1
+VERSION = 2  # 2: the share policy in the header, each member's demand in its record
 MAX_MEMBERS = 64
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
-# magic, version, fixed crc, page size, capacity bytes, max members, owner uid, created ns, table crc, pad
+# magic, version, fixed crc, page size, capacity bytes, max members, owner uid, created ns, table crc, share
+# policy (fair_share.POLICY_CODES)
 _HEADER = struct.Struct("<8sIIQQIIQII")
 # state, pid, start ticks, name, model, min, ceiling, granted, mapped, live, dormant, asked, ask seq,
-# answered seq, updated ns
-_MEMBER = struct.Struct("<IIQ32s64sQQQQQQQQQQ")
+# answered seq, updated ns, demand bytes, demand ns
+_MEMBER = struct.Struct("<IIQ32s64sQQQQQQQQQQQQ")
 _FREE, _USED = 0, 1
 ASK_SEQ_OFFSET = 4 + 4 + 8 + 32 + 64 + 8 * 7  # of a member record: what an idle member's thread polls
 
@@ -84,6 +85,8 @@ class MemberRecord:
     ask_seq: int = 0  # bumped at each ask; the member's thread polls it
     answered_seq: int = 0  # the last ask the member handled
     updated_ns: int = 0
+    demand_bytes: int = 0  # what the member was short of when it last asked (fair_share.py: starved)
+    demand_ns: int = 0  # when it last asked (time.time_ns)
 
     def reserved_bytes(self) -> int:
         """What others cannot take: the grant or the guaranteed minimum, whichever is larger."""
@@ -93,7 +96,7 @@ class MemberRecord:
         return _MEMBER.pack(
             _USED, self.pid, self.start_ticks, self.name.encode()[:32], self.model.encode()[:64], self.min_bytes,
             self.ceiling_bytes, self.granted_bytes, self.mapped_bytes, self.live_bytes, self.dormant_bytes,
-            self.asked_bytes, self.ask_seq, self.answered_seq, self.updated_ns,
+            self.asked_bytes, self.ask_seq, self.answered_seq, self.updated_ns, self.demand_bytes, self.demand_ns,
         )  # fmt: skip
 
 
@@ -122,7 +125,9 @@ class BudgetSegment:
 
     # ------------------------------------------------------------------------------- create, open, remove
     @classmethod
-    def create(cls, name: str, capacity_bytes: int, page_size: int, mode: int = 0o600) -> BudgetSegment:
+    def create(
+        cls, name: str, capacity_bytes: int, page_size: int, mode: int = 0o600, policy_code: int = 0
+    ) -> BudgetSegment:
         path = segment_path(name)
         if mode not in (0o600, 0o660):
             raise InvalidArgumentError(f"a budget's mode is 0o600 (owner) or 0o660 (owner and group), got {mode:#o}")
@@ -131,9 +136,10 @@ class BudgetSegment:
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
         try:
             os.fchmod(fd, mode)  # the umask may have taken bits away; the mode is the contract
-            header = _pack_header(page_size, capacity_bytes, MAX_MEMBERS, os.geteuid(), time.time_ns(), 0)
             table = bytes(MAX_MEMBERS * _MEMBER.size)
-            header = header[: _HEADER.size - 8] + struct.pack("<II", zlib.crc32(table), 0)
+            header = _pack_header(
+                page_size, capacity_bytes, MAX_MEMBERS, os.geteuid(), time.time_ns(), zlib.crc32(table), policy_code
+            )
             os.write(fd, header + table)
             try:
                 os.link(tmp, path)
@@ -193,7 +199,7 @@ class BudgetSegment:
         return _HEADER.unpack_from(self._mm, 0)
 
     def _check_header(self) -> None:
-        magic, version, crc, page_size, capacity, max_members, uid, created, _table_crc, _ = self._header()
+        magic, version, crc, page_size, capacity, max_members, uid, created, _table_crc, policy = self._header()
         fix = f"remove it with `vpaged budget remove {self.name}` and create it again"
         if magic != MAGIC:
             raise BudgetCorruptError(f"budget {self.name!r} ({self.path}) is not a vpaged budget (bad magic): {fix}")
@@ -201,9 +207,9 @@ class BudgetSegment:
             raise BudgetCorruptError(
                 f"budget {self.name!r} ({self.path}) has format version {version}, this vpaged reads {VERSION}: {fix}"
             )
-        if crc != _fixed_crc(page_size, capacity, max_members, uid, created) or max_members != MAX_MEMBERS:
+        if crc != _fixed_crc(page_size, capacity, max_members, uid, created, policy) or max_members != MAX_MEMBERS:
             raise BudgetCorruptError(f"budget {self.name!r} ({self.path}) fails its header checksum: {fix}")
-        self.page_size, self.capacity_bytes, self.owner_uid = page_size, capacity, uid
+        self.page_size, self.capacity_bytes, self.owner_uid, self.policy_code = page_size, capacity, uid, policy
 
     # ----------------------------------------------------------------------------------------- the table
     @contextlib.contextmanager
@@ -253,13 +259,16 @@ class BudgetSegment:
         return struct.unpack_from("<Q", self._mm, _HEADER.size + index * _MEMBER.size + ASK_SEQ_OFFSET)[0]
 
 
-def _fixed_crc(page_size: int, capacity: int, max_members: int, uid: int, created: int) -> int:
-    return zlib.crc32(MAGIC + struct.pack("<IQQIIQ", VERSION, page_size, capacity, max_members, uid, created))
+def _fixed_crc(page_size: int, capacity: int, max_members: int, uid: int, created: int, policy: int) -> int:
+    fixed = struct.pack("<IQQIIQI", VERSION, page_size, capacity, max_members, uid, created, policy)
+    return zlib.crc32(MAGIC + fixed)
 
 
-def _pack_header(page_size: int, capacity: int, max_members: int, uid: int, created: int, table_crc: int) -> bytes:
-    crc = _fixed_crc(page_size, capacity, max_members, uid, created)
-    return _HEADER.pack(MAGIC, VERSION, crc, page_size, capacity, max_members, uid, created, table_crc, 0)
+def _pack_header(
+    page_size: int, capacity: int, max_members: int, uid: int, created: int, table_crc: int, policy: int
+) -> bytes:
+    crc = _fixed_crc(page_size, capacity, max_members, uid, created, policy)
+    return _HEADER.pack(MAGIC, VERSION, crc, page_size, capacity, max_members, uid, created, table_crc, policy)
 
 
 def _check_owner(name: str, path: str, st: os.stat_result) -> None:

@@ -244,6 +244,22 @@ class PagePool:
             return pages <= self.free_pages() + self.reclaimable_pages()
         return False
 
+    def budget_figures(self):
+        """In a shared budget: its totals and this pool's figures (budget_member.BudgetFigures); else None."""
+        return self.budget.figures(self) if self.budget else None
+
+    def answer_budget_asks(self) -> int:
+        """In a shared budget: give back now what the other members asked for and this pool has not answered
+        yet (free granted pages, then the clients' reclaimable ones); returns the pages given back. For a
+        caller between cache calls (the serving scheduler, each step); a no-op read of 8 bytes when no ask is
+        pending."""
+        return self.budget.answer_pending(self) if self.budget else 0
+
+    def admission_cap_pages(self) -> int | None:
+        """In a shared budget under contention: the pages of live K/V (used minus reclaimable) this pool may
+        hold when it admits new work, by the budget's share policy (memory/fair_share.py); None: no cap."""
+        return self.budget.admission_cap_pages() if self.budget else None
+
     def reclaim_clients(self, pages: int) -> int:
         """Ask clients to unmap pages they keep only for reuse until `pages` are freed; returns pages freed."""
         freed = 0

@@ -11,6 +11,10 @@ Invariants, all kept under the segment's lock (budget_segment.py):
   others to give back down to their minimums (its minimum was checked to fit: sum of minimums <= capacity);
 - a member's granted bytes are a whole number of pages, never above its ceiling;
 - a record whose process is gone is dropped by the next locked call, returning its grant.
+
+Under contention a share policy (fair_share.py, chosen when the budget is created) says whom a short member
+asks and, with "fair" (not the default), caps what a member holding more than its fair share may admit while
+another member is starved.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ from dataclasses import dataclass
 
 from ..errors import BudgetMismatchError, InvalidArgumentError
 from .budget_segment import BudgetSegment, MemberRecord, process_start_ticks
+from .fair_share import (
+    DEFAULT_SHARE_POLICY,
+    active_count,
+    fair_share_bytes,
+    is_asking,
+    is_starved,
+    policy_code,
+    share_policy,
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,8 @@ class BudgetMember:
     live_bytes: int
     dormant_bytes: int
     asked_bytes: int
+    fair_share_bytes: int = 0  # max(min, capacity / active members), at most the ceiling (fair_share.py)
+    starved: bool = False  # asking for pages while holding less than its fair share
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,8 @@ class BudgetState:
     granted_bytes: int  # the members' grants
     reserved_bytes: int  # what others cannot take: sum of max(granted, min)
     members: tuple[BudgetMember, ...]
+    share_policy: str = DEFAULT_SHARE_POLICY
+    active_members: int = 0  # members holding live K/V or asking for pages
 
     @property
     def free_bytes(self) -> int:
@@ -62,18 +79,28 @@ class SharedBudget:
     def __init__(self, segment: BudgetSegment):
         self.segment = segment
         self.name = segment.name
+        self.policy = share_policy(segment.policy_code)
 
     @classmethod
-    def create(cls, name: str, capacity_bytes: int, page_size: int = 64 * 1024, mode: int = 0o600) -> SharedBudget:
+    def create(
+        cls,
+        name: str,
+        capacity_bytes: int,
+        page_size: int = 64 * 1024,
+        mode: int = 0o600,
+        share_policy: str = DEFAULT_SHARE_POLICY,
+    ) -> SharedBudget:
         """A new budget of capacity_bytes (rounded down to whole pages of page_size; every member must use
-        that page size). mode: 0o600 (this user only, the default) or 0o660 (also its group)."""
+        that page size). mode: 0o600 (this user only, the default) or 0o660 (also its group). share_policy:
+        "greedy" (default) or "fair", what a member may admit while another is starved (fair_share.py)."""
+        code = policy_code(share_policy)
         capacity_bytes, page_size = int(capacity_bytes), int(page_size)
         if page_size <= 0 or capacity_bytes < page_size:
             raise InvalidArgumentError(
                 f"a budget needs at least one page: capacity_bytes={capacity_bytes}, page_size={page_size}"
             )
         capacity_bytes -= capacity_bytes % page_size
-        return cls(BudgetSegment.create(name, capacity_bytes, page_size, mode))
+        return cls(BudgetSegment.create(name, capacity_bytes, page_size, mode, code))
 
     @classmethod
     def open(cls, name: str) -> SharedBudget:
@@ -126,7 +153,7 @@ class SharedBudget:
                 raise BudgetMismatchError(f"budget {self.name!r} has no free member slot ({len(records)} members)")
             record = MemberRecord(index, me, process_start_ticks(me), name, model, min_bytes, ceiling_bytes)
             records.append(record)
-            self._ask_others(records, record, max(0, min_bytes - self._headroom(records, record)))
+            self._ask_others(records, record, max(0, min_bytes - self._headroom(records, record)), for_minimum=True)
         return index
 
     def leave(self, index: int) -> None:
@@ -138,8 +165,9 @@ class SharedBudget:
 
     def grant(self, index: int, need: int, prefer: int = 0) -> int:
         """Raise member `index`'s grant by `prefer` bytes if that fits, else by `need`, else not at all (then
-        the others are asked to give back the difference). Returns the bytes added (0 or a whole number of
-        pages), or -1 when the member is gone (its record was removed)."""
+        the others are asked to give back the difference, and the member's demand is published for the share
+        policy). Returns the bytes added (0 or a whole number of pages), or -1 when the member is gone (its
+        record was removed)."""
         ps = self.page_size
         need, prefer = -(-need // ps) * ps, -(-max(prefer, need) // ps) * ps
         with self.segment.locked() as records:
@@ -150,7 +178,9 @@ class SharedBudget:
             add = prefer if prefer <= room else need if need <= room else 0
             if add:
                 mine.granted_bytes += add
+                mine.demand_bytes = 0
             elif need:  # asking for the chunk too, so that a growing member comes back rarely
+                mine.demand_bytes, mine.demand_ns = need, _now_ns()
                 self._ask_others(records, mine, prefer - max(0, room))
             return add
 
@@ -181,13 +211,25 @@ class SharedBudget:
     def member(self, index: int) -> BudgetMember | None:
         with self.segment.locked(write=False) as records:
             mine = self._mine(records, index)
-            return None if mine is None else _public(mine)
+            if mine is None:
+                return None
+            now = _now_ns()
+            return _public(mine, active_count(records, now), self.capacity_bytes, self.page_size, now)
 
     def headroom(self, index: int) -> int:
         """Bytes member `index` could be granted now without anyone giving back (0 when gone)."""
         with self.segment.locked(write=False) as records:
             mine = self._mine(records, index)
             return 0 if mine is None else max(0, self._headroom(records, mine))
+
+    def admission_cap(self, index: int) -> int | None:
+        """Live bytes member `index` may hold when it admits new work, by the budget's share policy (None: no
+        cap, e.g. nobody else is starved)."""
+        with self.segment.locked(write=False) as records:
+            mine = self._mine(records, index)
+            if mine is None:
+                return None
+            return self.policy.admission_cap(records, mine, self.capacity_bytes, self.page_size, _now_ns())
 
     def pending_asks(self, index: int) -> bool:
         """Whether a member asked by `index` has not answered yet (so waiting for it may still help)."""
@@ -197,13 +239,17 @@ class SharedBudget:
     # -------------------------------------------------------------------------------------- control
     def state(self) -> BudgetState:
         with self.segment.locked(write=False) as records:
+            now, cap, ps = _now_ns(), self.capacity_bytes, self.page_size
+            active = active_count(records, now)
             return BudgetState(
                 self.name,
-                self.capacity_bytes,
-                self.page_size,
+                cap,
+                ps,
                 sum(r.granted_bytes for r in records),
                 sum(r.reserved_bytes() for r in records),
-                tuple(_public(r) for r in sorted(records, key=lambda r: r.index)),
+                tuple(_public(r, active, cap, ps, now) for r in sorted(records, key=lambda r: r.index)),
+                self.policy.name,
+                sum(1 for r in records if r.live_bytes > 0 or is_asking(r, now)),
             )
 
     def set_ceiling(self, member: str, max_bytes: int) -> list[int]:
@@ -241,14 +287,16 @@ class SharedBudget:
         others = sum(r.reserved_bytes() for r in records if r is not mine)
         return min(mine.ceiling_bytes, self.capacity_bytes - others) - mine.granted_bytes
 
-    @staticmethod
-    def _ask_others(records: list[MemberRecord], mine: MemberRecord, short: int) -> None:
-        """Ask the members that hold more than they use live (and than their minimum) for `short` bytes in
-        all, largest spare first; each member's thread sees its ask counter move and gives back what it can.
-        Live bytes are as last reported (a member answering an ask, or every REPORT_S while idle)."""
+    def _ask_others(self, records: list[MemberRecord], mine: MemberRecord, short: int, for_minimum=False) -> None:
+        """Ask the members with spare bytes (the share policy's spare_bytes: by default what they hold beyond
+        their live K/V and minimum) for `short` bytes in all, largest spare first; each member's thread sees
+        its ask counter move and gives back what it can (never live K/V)."""
         if short <= 0:
             return
-        spare = {r.index: r.granted_bytes - max(r.min_bytes, r.live_bytes) for r in records if r is not mine}
+        if for_minimum:  # a new member's guaranteed minimum: whatever the others do not use live
+            spare = {r.index: r.granted_bytes - max(r.min_bytes, r.live_bytes) for r in records if r is not mine}
+        else:
+            spare = self.policy.spare_bytes(records, mine, self.capacity_bytes, self.page_size, _now_ns())
         for r in sorted((r for r in records if spare.get(r.index, 0) > 0), key=lambda r: -spare[r.index]):
             r.asked_bytes = max(r.asked_bytes, min(spare[r.index], short))
             r.ask_seq += 1
@@ -257,10 +305,11 @@ class SharedBudget:
                 break
 
 
-def _public(r: MemberRecord) -> BudgetMember:
+def _public(r: MemberRecord, active: int = 1, capacity: int = 0, page_size: int = 1, now: int = 0) -> BudgetMember:
     return BudgetMember(
         r.index, r.pid, r.name, r.model, r.min_bytes, r.ceiling_bytes, r.granted_bytes, r.mapped_bytes,
-        r.live_bytes, r.dormant_bytes, r.asked_bytes,
+        r.live_bytes, r.dormant_bytes, r.asked_bytes, fair_share_bytes(r, active, capacity, page_size),
+        is_starved(r, active, capacity, page_size, now),
     )  # fmt: skip
 
 

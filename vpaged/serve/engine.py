@@ -431,6 +431,7 @@ class LLMEngine:
             prefix_hit_rate=hits / (hits + self.counters.prompt_tokens_total) if hits else 0.0,
             tensor_parallel_size=self.config.parallel.tensor_parallel_size,
             ranks=ranks,
+            shared_budget=self.store.budget_figures(),
             **asdict(self.counters),
         )
 

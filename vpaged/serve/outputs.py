@@ -103,6 +103,9 @@ class EngineStats:
     # byte and page fields above are the sums over the ranks; token counts are per sequence, the same on each.
     tensor_parallel_size: int = 1
     ranks: tuple = ()
+    # In a machine-wide shared budget: its totals and this engine's figures as a member (BudgetFigures); None
+    # otherwise. /metrics exports them as vpaged_shared_budget_*.
+    shared_budget: object = None
 
 
 @dataclass

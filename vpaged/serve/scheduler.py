@@ -14,7 +14,9 @@ running sequences cannot grow, it preempts the victim its preemption policy pick
 sequence by default): swap out while swap space lasts, otherwise free it and recompute it later (it goes back
 ahead of later arrivals in the queue, its generated tokens kept). New requests never preempt running ones, so
 under the default policies the oldest always progress: no starvation. The two policies are injected
-strategies (policies.py), chosen by EngineConfig.scheduling_policy and preemption_policy.
+strategies (policies.py), chosen by EngineConfig.scheduling_policy and preemption_policy. In a machine-wide
+shared budget the store's pages_available counts what the budget would grant, and within_share() stops
+admissions above this engine's fair share while another engine is starved (memory/fair_share.py).
 
 Admission uses prefix caching: allocating with the prompt's tokens maps the cached full pages, and only the
 rest is computed. The scheduler changes the store as it decides (allocate, extend, swap, free), the way
@@ -201,7 +203,10 @@ class Scheduler:
             # A little headroom (vLLM's watermark) so that an admission does not force the next decode step
             # to preempt at once; not needed when nothing runs.
             headroom = self.watermark_pages if self.running else 0
-            if not store.pages_available(store.pages_needed([handle], n) + headroom):
+            need = store.pages_needed([handle], n)
+            # In a shared budget, a store above its fair share admits nothing new while another member is
+            # starved (memory/fair_share.py); with nothing running it may always start one request.
+            if not store.pages_available(need + headroom) or (self.running and not store.within_share(need)):
                 store.free(handle)
                 break
             store.extend([handle], n)

@@ -94,6 +94,8 @@ NOT_MIRRORED: dict[str, str] = {
     "pages_for_request": "planning: changes nothing",
     "pages_available": "planning: changes nothing",
     "pages_needed": "planning: changes nothing",
+    "within_share": "planning: changes nothing",
+    "budget_figures": "a read of rank 0's membership in a shared budget",
     "can_allocate": "planning: changes nothing",
     "can_swap_out": "planning: changes nothing",
     "slot": "a read; each rank reads its own (worker.run_step)",

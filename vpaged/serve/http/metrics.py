@@ -30,6 +30,23 @@ def _stats_items(stats) -> list[tuple[str, float]]:
     return [(k, float(v)) for k, v in items if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
+def shared_budget_lines(figures) -> list[str]:
+    """A machine-wide shared budget's totals and this server's figures as a member (EngineStats.shared_budget,
+    a vpaged.memory.BudgetFigures), gauges `vpaged_shared_budget_<field>{budget="NAME"}`, and its share
+    policy as an info metric."""
+    label = f'budget="{escape_label(figures.name)}"'
+    lines = [
+        "# HELP vpaged_shared_budget_info the shared budget this engine is a member of, and its share policy",
+        "# TYPE vpaged_shared_budget_info gauge",
+        f'vpaged_shared_budget_info{{{label},share_policy="{escape_label(figures.share_policy)}"}} 1.0',
+    ]
+    for name, value in _stats_items(figures):
+        metric = f"vpaged_shared_budget_{name}"
+        lines += [f"# HELP {metric} LLMEngine.stats().shared_budget.{name}", f"# TYPE {metric} gauge"]
+        lines.append(f"{metric}{{{label}}} {value!r}")
+    return lines
+
+
 def escape_label(value) -> str:
     """A label value as the Prometheus text format writes it: backslash, double quote and newline escaped."""
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -64,6 +81,9 @@ def prometheus_text(
         kind = "counter" if name in _COUNTERS else "gauge"
         lines += [f"# HELP {metric} LLMEngine.stats().ranks[rank].{name}", f"# TYPE {metric} {kind}"]
         lines += [f'{metric}{{rank="{r}"}} {float(getattr(m, name))!r}' for r, m in enumerate(ranks)]
+    budget = getattr(stats, "shared_budget", None)
+    if budget is not None:
+        lines += shared_budget_lines(budget)
     state = getattr(stats, "prefix_caching", None)
     if isinstance(state, str):  # an info metric: whether prefix caching is on, and why not when it is off
         on = state == "on"

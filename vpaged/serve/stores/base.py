@@ -97,6 +97,17 @@ class KVStore(Protocol):
         """Pages extend(handles, n) would take (copy-on-write copies included)."""
         ...
 
+    def budget_figures(self):
+        """In a machine-wide shared budget: the budget's totals and this store's figures as a member
+        (vpaged.memory.BudgetFigures, what /metrics exports); None otherwise."""
+        ...
+
+    def within_share(self, need: int) -> bool:
+        """Whether a new request taking `need` pages may be admitted under the store's share of a machine-wide
+        budget: False while another member of the budget is starved and this store's live K/V plus `need`
+        would pass its fair share (memory/fair_share.py). True outside a shared budget."""
+        ...
+
     # ---- sequences
     def can_allocate(self, seats: int) -> bool:
         """Whether allocate(tokens, seats) can run now: a free slot for each of the request's `seats`

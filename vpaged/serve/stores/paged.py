@@ -108,6 +108,13 @@ class PagedStore:
     def pages_available(self, need: int) -> bool:
         return need <= self.cache.pages_available()
 
+    def budget_figures(self):
+        share = self.cache.budget_share  # an accounting-only member holding the block pools (or None)
+        return share.budget_figures() if share is not None else None
+
+    def within_share(self, need: int) -> bool:
+        return True  # its block pools are reserved up front: a fixed minimum in a budget, nothing to share
+
     def pages_needed(self, handles, n: int) -> int:
         return self.cache.pages_needed(handles, n)
 

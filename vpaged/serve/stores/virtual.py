@@ -161,10 +161,22 @@ class VirtualStore:
         # The pool's free count is one call; reclaimable pages (freed slots, unused prefix blocks) are summed
         # only when the free ones do not suffice. In a shared budget, can_take also counts what the budget
         # would grant and, when even that is short, asks the other members to give back for a later step.
-        return need <= self.cache.pool.free_pages() or self.cache.pool.can_take(need)
+        # Asks of the others are answered here first, between cache calls, rather than left to the budget's
+        # thread alone (which may wait long for the client lock of a busy engine).
+        pool = self.cache.pool
+        pool.answer_budget_asks()
+        return need <= pool.free_pages() or pool.can_take(need)
 
     def pages_needed(self, handles, n: int) -> int:
         return self.cache.pages_needed(handles, n)
+
+    def budget_figures(self):
+        return self.cache.pool.budget_figures()
+
+    def within_share(self, need: int) -> bool:
+        pool = self.cache.pool
+        cap = pool.admission_cap_pages()  # None outside a budget, or while no other member is starved
+        return cap is None or pool.stats().used_pages - pool.reclaimable_pages() + need <= cap
 
     # ---- sequences
     def can_allocate(self, seats: int) -> bool:
