@@ -701,6 +701,40 @@ def test_copy_on_write_gives_the_page_index_a_private_copy(drv, rng):
 
 
 @fake_driver_check()
+def test_reorder_runs_shares_full_pages_and_copies_a_private_last_page(drv, rng):
+    """A beam taking another's pages (VirtualRange.reorder_runs): full pages are remapped, the partly filled
+    last page is copied device to device into the beam's own page, which keeps its mapping."""
+    g = drv.granularity
+    backend, pool = make_pool(drv, 16, 16)
+    r = C.VirtualRange(pool, 8 * g)
+    a = r.map_new([0, 1, 2])
+    b = r.map_new([3, 4, 5])
+    data = random_bytes(rng, 6 * g)
+    host_bytes(r.address, 6 * g)[:] = data
+    tail = int(rng.integers(1, g))
+    before = drv.snapshot()
+    assert r.reorder_runs([3], [0], [3], [3], [tail]) == 1
+    backend.synchronize()
+    assert r.pages_at([3, 4, 5]) == [a[0], a[1], b[2]]  # the last page stays the beam's own
+    assert [pool.refcount(p) for p in a + b[2:]] == [2, 2, 1, 1]
+    calls = drv.calls_since(before, "cuMemcpyDtoDAsync", "cuMemUnmap", "cuMemMap")
+    assert calls == {"cuMemcpyDtoDAsync": 1, "cuMemUnmap": 2, "cuMemMap": 2}
+    moved = host_bytes(r.address + 3 * g, 3 * g)
+    assert np.array_equal(moved[: 2 * g + tail], data[: 2 * g + tail])
+    # A swap's pages in one call: a run of consecutive pages into consecutive buffers is one copy.
+    out = np.zeros(3 * g, np.uint8)
+    before = drv.snapshot()
+    pages = sorted(a)
+    pool.copy_pages_to_host(pages, [out.ctypes.data + i * g for i in range(3)])
+    backend.synchronize()
+    runs = 1 + sum(1 for x, y in zip(pages, pages[1:]) if y != x + 1)
+    assert drv.calls_since(before, "cuMemcpyDtoHAsync") == {"cuMemcpyDtoHAsync": runs}
+    for i, p in enumerate(pages):
+        assert np.array_equal(out[i * g : (i + 1) * g], page_contents(pool, p))
+    del moved
+
+
+@fake_driver_check()
 def test_failed_copy_on_write_keeps_the_shared_page(drv, rng):
     g = drv.granularity
     backend, pool = make_pool(drv, 8, 8)

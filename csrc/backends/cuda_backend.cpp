@@ -451,6 +451,41 @@ class CudaBackend final : public Backend {
     check(driver().cuMemcpyHtoDAsync(window_address(dst), host, page_size_, as_stream(stream)), "cuMemcpyHtoDAsync");
   }
 
+  // Consecutive page ids are consecutive in the pool window: a run into consecutive host buffers is one copy.
+  void copy_pages_to_host(const PageId* pages, char* const* host, size_t n, uintptr_t stream) override {
+    for (size_t i = 0; i < n; ++i) check_page(pages[i]);
+    ScopedContext current(context_->get());
+    for (size_t i = 0; i < n;) {
+      size_t j = i + 1;
+      while (j < n && pages[j] == pages[j - 1] + 1 && host[j] == host[j - 1] + page_size_) ++j;
+      check(driver().cuMemcpyDtoHAsync(host[i], window_address(pages[i]), (j - i) * page_size_, as_stream(stream)),
+            "cuMemcpyDtoHAsync");
+      i = j;
+    }
+  }
+
+  void copy_pages_from_host(const PageId* pages, const char* const* host, size_t n, uintptr_t stream) override {
+    for (size_t i = 0; i < n; ++i) check_page(pages[i]);
+    ScopedContext current(context_->get());
+    for (size_t i = 0; i < n;) {
+      size_t j = i + 1;
+      while (j < n && pages[j] == pages[j - 1] + 1 && host[j] == host[j - 1] + page_size_) ++j;
+      check(driver().cuMemcpyHtoDAsync(window_address(pages[i]), host[i], (j - i) * page_size_, as_stream(stream)),
+            "cuMemcpyHtoDAsync");
+      i = j;
+    }
+  }
+
+  // A device-to-device copy from the page's window address to a range's mapped address.
+  bool can_copy_page_to() const override { return true; }
+  void copy_page_to(uintptr_t dst, PageId src, size_t bytes, uintptr_t stream) override {
+    check_page(src);
+    if (bytes > page_size_) throw InvalidArgument("copy_page_to: more bytes than a page");
+    ScopedContext current(context_->get());
+    check(driver().cuMemcpyDtoDAsync(static_cast<CUdeviceptr>(dst), window_address(src), bytes, as_stream(stream)),
+          "cuMemcpyDtoDAsync");
+  }
+
   void synchronize(uintptr_t stream) override {
     ScopedContext current(context_->get());
     check(driver().cuStreamSynchronize(as_stream(stream)), "cuStreamSynchronize");

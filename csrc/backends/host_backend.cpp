@@ -226,6 +226,7 @@ class HostBackend final : public Backend {
     const uintptr_t va = reinterpret_cast<uintptr_t>(p);
     try {
       regions_.emplace(std::piecewise_construct, std::forward_as_tuple(va), std::forward_as_tuple(va, count, base));
+      region_of_id_[base] = va;
     } catch (...) {
       munmap(p, bytes);
       give_back_block(base, count);
@@ -255,6 +256,7 @@ class HostBackend final : public Backend {
       // The ids come back for the next range. Any still referenced (a page shared into another range)
       // simply is not free when the new range asks for it as a home page.
       free_blocks_.emplace_back(it->second.base, it->second.count);
+      region_of_id_.erase(it->second.base);
       regions_.erase(it);
     }
   }
@@ -331,16 +333,35 @@ class HostBackend final : public Backend {
     };
     std::vector<Step> journal;
     journal.reserve(n);
+    // The changing indices in address order: consecutive ones change with one call each run (map_locked makes
+    // one mmap of a run of consecutive pages; a run going home is one mmap of its home stretch), so a beam
+    // taking another beam's run of pages costs a call per run, not per page.
+    std::vector<size_t> order;
+    order.reserve(n);
+    for (size_t k = 0; k < n; ++k)
+      if (pages[k] != olds[k]) order.push_back(k);
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return indices[a] < indices[b]; });
+    std::vector<PageId> run_pages;
     try {
-      for (size_t k = 0; k < n; ++k) {
-        if (pages[k] == olds[k]) continue;
-        const size_t at = base + indices[k];
-        journal.push_back({k, at, r.shown(at)});
-        if (pages[k] < 0) {
-          put_home_back(r, at, 1);  // never fails: an index it cannot put home keeps its page, unmapped all the same
-        } else {
-          map_locked(r, at, &pages[k], 1);
+      for (size_t i = 0; i < order.size();) {
+        const bool to_home = pages[order[i]] < 0;
+        size_t j = i + 1;
+        while (j < order.size() && indices[order[j]] == indices[order[j - 1]] + 1 && (pages[order[j]] < 0) == to_home) {
+          ++j;
         }
+        const size_t at = base + indices[order[i]];
+        run_pages.clear();
+        for (size_t q = i; q < j; ++q) {
+          journal.push_back({order[q], base + indices[order[q]], r.shown(base + indices[order[q]])});
+          run_pages.push_back(pages[order[q]]);
+        }
+        if (to_home) {
+          put_home_back(r, at,
+                        j - i);  // never fails: an index it cannot put home keeps its page, unmapped all the same
+        } else {
+          map_locked(r, at, run_pages.data(), j - i);
+        }
+        i = j;
       }
     } catch (...) {
       give_up_reserve_locked();
@@ -358,8 +379,16 @@ class HostBackend final : public Backend {
   }
 
   void copy_page(PageId dst, PageId src, uintptr_t) override {
-    check_page(dst);
-    check_page(src);
+    std::lock_guard<std::mutex> lock(mu_);
+    check_page_locked(dst);
+    check_page_locked(src);
+    // Where the source shows at its home index (the usual case: the page a fork or a prefix hit shares is its
+    // first owner's), one pwrite from there: a third faster than copy_file_range into the fresh page's hole
+    // (benchmarks/NOTES.md). The lock keeps that mapping in place while the data is read through it.
+    if (const char* from = home_address_locked(src)) {
+      io(false, const_cast<char*>(from), offset(dst), page_size_);
+      return;
+    }
     // In-kernel copy between two stretches of the memfd, wherever (and however often) they are mapped.
     off_t in = offset(src), out = offset(dst);
     size_t left = page_size_;
@@ -375,13 +404,57 @@ class HostBackend final : public Backend {
       left -= static_cast<size_t>(got);
     }
   }
-  void copy_to_host(PageId src, void* host, uintptr_t) override {
-    check_page(src);
-    io(true, static_cast<char*>(host), offset(src));
+  void copy_to_host(PageId src, void* host, uintptr_t stream) override {
+    char* const to[1] = {static_cast<char*>(host)};
+    copy_pages_to_host(&src, to, 1, stream);
   }
-  void copy_from_host(PageId dst, const void* host, uintptr_t) override {
-    check_page(dst);
-    io(false, const_cast<char*>(static_cast<const char*>(host)), offset(dst));
+  void copy_from_host(PageId dst, const void* host, uintptr_t stream) override {
+    const char* const from[1] = {static_cast<const char*>(host)};
+    copy_pages_from_host(&dst, from, 1, stream);
+  }
+
+  // A page shown at its home index is read with a memcpy from there (the memory is in place, no system call);
+  // others by runs of consecutive pages into consecutive buffers, one pread each.
+  void copy_pages_to_host(const PageId* pages, char* const* host, size_t n, uintptr_t) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < n; ++i) check_page_locked(pages[i]);
+    for (size_t i = 0; i < n;) {
+      if (const char* from = home_address_locked(pages[i])) {
+        std::memcpy(host[i], from, page_size_);
+        ++i;
+        continue;
+      }
+      const size_t j = run_end(pages, host, i, n);
+      io(true, host[i], offset(pages[i]), (j - i) * page_size_);
+      i = j;
+    }
+  }
+
+  // Runs of consecutive pages from consecutive buffers: one pwrite each. A write into a punched page allocates
+  // it in the kernel, faster than faulting it in through a mapping page by page.
+  void copy_pages_from_host(const PageId* pages, const char* const* host, size_t n, uintptr_t) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < n; ++i) check_page_locked(pages[i]);
+    for (size_t i = 0; i < n;) {
+      const size_t j = run_end(pages, host, i, n);
+      io(false, const_cast<char*>(host[i]), offset(pages[i]), (j - i) * page_size_);
+      i = j;
+    }
+  }
+
+  bool can_copy_page_to() const override { return true; }
+  void copy_page_to(uintptr_t dst, PageId src, size_t bytes, uintptr_t) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_page_locked(src);
+    const Region* r = find_region(dst);
+    if (r == nullptr || bytes > page_size_ || dst + bytes > r->va + r->count * page_size_) {
+      throw InvalidArgument("copy_page_to: the destination is not inside a reserved range of this backend");
+    }
+    if (const char* from = home_address_locked(src)) {
+      std::memcpy(reinterpret_cast<char*>(dst), from, bytes);
+    } else {
+      io(true, reinterpret_cast<char*>(dst), offset(src), bytes);
+    }
   }
   void synchronize(uintptr_t) override {}
 
@@ -699,11 +772,11 @@ class HostBackend final : public Backend {
     file_pages_ = pages;
   }
 
-  void io(bool read, char* host, off_t off) {
+  void io(bool read, char* host, off_t off, size_t bytes) {
     size_t done = 0;
-    while (done < page_size_) {
-      ssize_t got = read ? pread(fd_, host + done, page_size_ - done, off + static_cast<off_t>(done))
-                         : pwrite(fd_, host + done, page_size_ - done, off + static_cast<off_t>(done));
+    while (done < bytes) {
+      ssize_t got = read ? pread(fd_, host + done, bytes - done, off + static_cast<off_t>(done))
+                         : pwrite(fd_, host + done, bytes - done, off + static_cast<off_t>(done));
       if (got < 0 && errno == EINTR) continue;
       if (got <= 0) throw BackendFailure(errno_text(read ? "pread(page)" : "pwrite(page)", got < 0 ? errno : EIO));
       done += static_cast<size_t>(got);
@@ -712,8 +785,28 @@ class HostBackend final : public Backend {
 
   void copy_through_buffer(PageId dst, PageId src) {
     std::vector<char> buf(page_size_);
-    io(true, buf.data(), offset(src));
-    io(false, buf.data(), offset(dst));
+    io(true, buf.data(), offset(src), page_size_);
+    io(false, buf.data(), offset(dst), page_size_);
+  }
+
+  // The address where page `page` shows at its home index, nullptr when that index shows another page (or the
+  // page is no range's home). Called with mu_ held.
+  const char* home_address_locked(PageId page) const {
+    auto it = region_of_id_.upper_bound(page);
+    if (it == region_of_id_.begin()) return nullptr;
+    --it;
+    const Region& r = regions_.at(it->second);
+    const size_t i = static_cast<size_t>(page - r.base);
+    if (i >= r.count || r.shown(i) != page) return nullptr;
+    return reinterpret_cast<const char*>(r.va + i * page_size_);
+  }
+
+  // The end of the run starting at i: consecutive page ids whose buffers follow each other.
+  template <typename Ptr>
+  size_t run_end(const PageId* pages, const Ptr* host, size_t i, size_t n) const {
+    size_t j = i + 1;
+    while (j < n && pages[j] == pages[j - 1] + 1 && host[j] == host[j - 1] + page_size_) ++j;
+    return j;
   }
 
   // Mappings held back for undoing a remap at the mapping limit: 2 would do (a step back that splits a
@@ -729,6 +822,7 @@ class HostBackend final : public Backend {
   PageId next_id_;
   size_t file_pages_ = 0;
   std::map<uintptr_t, Region> regions_;
+  std::map<PageId, uintptr_t> region_of_id_;  // first home page id of a region -> its address (home_address)
   std::vector<std::pair<PageId, size_t>> free_blocks_;
 };
 

@@ -155,7 +155,25 @@ PYBIND11_MODULE(_C, m) {
           [](PagePool& p, PageId dst, uintptr_t host, uintptr_t stream) {
             p.backend().copy_from_host(dst, reinterpret_cast<const void*>(host), stream);
           },
-          py::arg("dst"), py::arg("host_ptr"), py::arg("stream") = 0);
+          py::arg("dst"), py::arg("host_ptr"), py::arg("stream") = 0)
+      .def(
+          "copy_pages_to_host",
+          [](PagePool& p, const std::vector<PageId>& pages, const std::vector<uintptr_t>& hosts, uintptr_t stream) {
+            if (pages.size() != hosts.size()) throw InvalidArgument("copy_pages_to_host: pages and host_ptrs differ");
+            std::vector<char*> to(hosts.size());
+            for (size_t i = 0; i < hosts.size(); ++i) to[i] = reinterpret_cast<char*>(hosts[i]);
+            p.backend().copy_pages_to_host(pages.data(), to.data(), pages.size(), stream);
+          },
+          py::arg("pages"), py::arg("host_ptrs"), py::arg("stream") = 0)
+      .def(
+          "copy_pages_from_host",
+          [](PagePool& p, const std::vector<PageId>& pages, const std::vector<uintptr_t>& hosts, uintptr_t stream) {
+            if (pages.size() != hosts.size()) throw InvalidArgument("copy_pages_from_host: pages and host_ptrs differ");
+            std::vector<const char*> from(hosts.size());
+            for (size_t i = 0; i < hosts.size(); ++i) from[i] = reinterpret_cast<const char*>(hosts[i]);
+            p.backend().copy_pages_from_host(pages.data(), from.data(), pages.size(), stream);
+          },
+          py::arg("pages"), py::arg("host_ptrs"), py::arg("stream") = 0);
 
   // Page positions in the range are page indices here as in C++ ("slot" is a sequence's row in the caches).
   py::class_<VirtualRange, std::shared_ptr<VirtualRange>>(m, "VirtualRange")
@@ -180,6 +198,8 @@ PYBIND11_MODULE(_C, m) {
       .def("make_private", &VirtualRange::make_private, py::arg("indices"), py::arg("stream") = 0)
       .def("copies_needed", &VirtualRange::copies_needed, py::arg("indices"))
       .def("assign", &VirtualRange::assign, py::arg("indices"), py::arg("pages"))
+      .def("reorder_runs", &VirtualRange::reorder_runs, py::arg("dst"), py::arg("src"), py::arg("count"),
+           py::arg("span"), py::arg("tail"), py::arg("stream") = 0)
       .def("refcounts_at", &VirtualRange::refcounts_at, py::arg("indices"))
       .def("page_at", &VirtualRange::page_at)
       .def("pages_at", &VirtualRange::pages_at)

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -157,6 +158,23 @@ class Backend {
   virtual void copy_to_host(PageId src, void* host, uintptr_t stream) = 0;
   virtual void copy_from_host(PageId dst, const void* host, uintptr_t stream) = 0;
   virtual void synchronize(uintptr_t stream) = 0;
+  // copy_to_host / copy_from_host of n pages in one call: page pages[i] to / from host[i] (swapping a sequence
+  // out or in). A run of consecutive page ids whose host buffers follow each other is one copy (host: one
+  // pread / pwrite; CUDA: one cuMemcpy of the pool window). The defaults copy page by page.
+  virtual void copy_pages_to_host(const PageId* pages, char* const* host, size_t n, uintptr_t stream) {
+    for (size_t i = 0; i < n; ++i) copy_to_host(pages[i], host[i], stream);
+  }
+  virtual void copy_pages_from_host(const PageId* pages, const char* const* host, size_t n, uintptr_t stream) {
+    for (size_t i = 0; i < n; ++i) copy_from_host(pages[i], host[i], stream);
+  }
+  // Copy the first `bytes` of page src to `dst`, an address of a reserved range of this backend that a page
+  // other than src is mapped at (a beam's own last page taking another beam's tokens: no mapping changes).
+  // Only where can_copy_page_to() says so; the caller shares the page instead elsewhere.
+  virtual bool can_copy_page_to() const { return false; }
+  virtual void copy_page_to(uintptr_t dst, PageId src, size_t bytes, uintptr_t stream) {
+    (void)dst, (void)src, (void)bytes, (void)stream;
+    throw std::logic_error("copy_page_to: not offered by this backend");
+  }
   // Wait for all work queued on the device, on every stream (CUDA: cuCtxSynchronize in the device's
   // primary context). Needed before unmapping memory whose users' streams are unknown. The host has
   // no queued work: its copies and kernels finish before they return. Throws CaptureActive when a CUDA

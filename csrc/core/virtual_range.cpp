@@ -400,6 +400,162 @@ void VirtualRange::assign(const std::vector<int64_t>& indices, const std::vector
   pool_->decref_all(dropped);
 }
 
+std::vector<size_t> VirtualRange::in_place_order(const std::vector<int64_t>& src, const std::vector<int64_t>& count,
+                                                 const std::vector<int64_t>& tail_index) {
+  // Candidates: entries whose tail index shows a private page (tail_index >= 0). Copying into such a page is
+  // safe once every entry that reads it has read it: an entry copying its own tail from it can go first, one
+  // sharing it (a full page, or a tail that is not copied) cannot. Each candidate reads one tail page, so the
+  // "reads the page of" relation is a forest over cycles: an order exists for all but the cycles.
+  const size_t n = tail_index.size();
+  std::vector<std::pair<int64_t, size_t>> cands;  // (destination tail index, entry), sorted by index
+  for (size_t k = 0; k < n; ++k)
+    if (tail_index[k] >= 0) cands.emplace_back(tail_index[k], k);
+  if (cands.empty()) return {};
+  std::sort(cands.begin(), cands.end());
+  const size_t none = SIZE_MAX;
+  std::vector<char> valid(n, 0);
+  std::vector<size_t> source_of(n, none);  // candidate -> the candidate whose page its tail copy reads
+  std::vector<size_t> blocked;             // candidates a sharing entry reads
+  for (const auto& c : cands) valid[c.second] = 1;
+  for (size_t k = 0; k < n; ++k) {
+    if (count[k] <= 0) continue;
+    const int64_t first = src[k], last = src[k] + count[k] - 1;
+    for (auto it = std::lower_bound(cands.begin(), cands.end(), std::make_pair(first, size_t{0}));
+         it != cands.end() && it->first <= last; ++it) {
+      if (tail_index[k] >= 0 && it->first == last) {
+        source_of[k] = it->second;
+      } else {
+        blocked.push_back(it->second);
+      }
+    }
+  }
+  // A candidate that cannot copy shares its source's page: that page's own candidate cannot copy either.
+  auto demote = [&](size_t c) {
+    while (c != none && valid[c]) {
+      valid[c] = 0;
+      c = source_of[c];
+    }
+  };
+  for (size_t c : blocked) demote(c);
+  // Kahn's order over the valid candidates: a page is written once all copies reading it are done.
+  std::vector<size_t> pending(n, 0), ready, order;
+  for (const auto& c : cands) {
+    const size_t k = c.second;
+    if (!valid[k]) continue;
+    if (source_of[k] != none && !valid[source_of[k]]) source_of[k] = none;  // reads a page nobody writes
+  }
+  for (const auto& c : cands)
+    if (valid[c.second] && source_of[c.second] != none) ++pending[source_of[c.second]];
+  for (const auto& c : cands)
+    if (valid[c.second] && pending[c.second] == 0) ready.push_back(c.second);
+  while (!ready.empty()) {
+    const size_t k = ready.back();
+    ready.pop_back();
+    order.push_back(k);
+    const size_t next = source_of[k];
+    if (next != none && --pending[next] == 0) ready.push_back(next);
+  }
+  return order;  // candidates left out sit on cycles: they share (their sources are cycle members too)
+}
+
+size_t VirtualRange::reorder_runs(const std::vector<int64_t>& dst, const std::vector<int64_t>& src,
+                                  const std::vector<int64_t>& count, const std::vector<int64_t>& span,
+                                  const std::vector<int64_t>& tail, uintptr_t stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t n = dst.size();
+  if (src.size() != n || count.size() != n || span.size() != n || tail.size() != n)
+    throw InvalidArgument("reorder_runs: the run lists differ in length");
+  const int64_t pages = static_cast<int64_t>(num_pages_);
+  std::vector<std::pair<int64_t, int64_t>> dst_runs;
+  dst_runs.reserve(n);
+  for (size_t k = 0; k < n; ++k) {
+    if (count[k] < 0 || span[k] < count[k] || span[k] > pages || tail[k] < 0 ||
+        tail[k] >= static_cast<int64_t>(page_size_))
+      throw InvalidArgument("reorder_runs: a run's count, span or tail is out of range");
+    if (span[k] > 0 && (dst[k] < 0 || dst[k] > pages - span[k]))
+      throw InvalidArgument("reorder_runs: a destination run lies outside the range");
+    if (count[k] > 0 && (src[k] < 0 || src[k] > pages - count[k]))
+      throw InvalidArgument("reorder_runs: a source run lies outside the range");
+    if (span[k] > 0) dst_runs.emplace_back(dst[k], dst[k] + span[k]);
+  }
+  std::sort(dst_runs.begin(), dst_runs.end());
+  for (size_t i = 1; i < dst_runs.size(); ++i)
+    if (dst_runs[i].first < dst_runs[i - 1].second) throw InvalidArgument("reorder_runs: destination runs overlap");
+
+  // What changes, read before anything does. A tail whose destination page is private may take a copy.
+  const bool can_copy = pool_->backend().can_copy_page_to();
+  std::vector<int64_t> tail_index(n, -1);
+  std::vector<PageId> tail_src(n, -1);
+  std::vector<size_t> at;
+  std::vector<PageId> olds, news;
+  for (size_t k = 0; k < n; ++k) {
+    for (int64_t j = 0; j < span[k]; ++j) {
+      const int64_t index = dst[k] + j;
+      const PageId want = j < count[k] ? table_[src[k] + j] : -1;
+      const PageId have = table_[index];
+      if (want == have) continue;
+      if (pins_[index] > 0)
+        throw ViewsAlive("reorder: page index " + std::to_string(index) +
+                         " is read through a live tensor view; drop the view first");
+      if (can_copy && tail[k] > 0 && j == count[k] - 1 && want >= 0 && have >= 0 && pool_->refcount(have) == 1) {
+        tail_index[k] = index;
+        tail_src[k] = want;
+        continue;
+      }
+      at.push_back(static_cast<size_t>(index));
+      olds.push_back(have);
+      news.push_back(want);
+    }
+  }
+  const std::vector<size_t> order = in_place_order(src, count, tail_index);
+  std::vector<char> copied(n, 0);
+  for (size_t k : order) copied[k] = 1;
+  for (size_t k = 0; k < n; ++k) {
+    if (tail_index[k] < 0 || copied[k]) continue;
+    at.push_back(static_cast<size_t>(tail_index[k]));  // shares the source's page after all
+    olds.push_back(table_[tail_index[k]]);
+    news.push_back(tail_src[k]);
+  }
+  if (at.empty() && order.empty()) return 0;
+
+  wait_for_streams_locked();  // kernels reading (or writing) the pages that change are done first
+  std::vector<PageId> held;
+  held.reserve(news.size());
+  for (PageId p : news)
+    if (p >= 0) held.push_back(p);
+  pool_->incref_all(held);  // every incoming page is held while indices change hands
+  std::unique_ptr<bool[]> lost(new bool[at.size() + 1]());
+  try {
+    if (!at.empty()) pool_->backend().remap(va_, at.data(), olds.data(), news.data(), at.size(), lost.get());
+  } catch (...) {
+    drop_after_failed_remap(at, olds, news, lost.get());
+    throw;
+  }
+  std::vector<PageId> dropped;
+  dropped.reserve(at.size());
+  for (size_t k = 0; k < at.size(); ++k) {
+    table_[at[k]] = news[k];
+    if (olds[k] >= 0) {
+      dropped.push_back(olds[k]);
+      --mapped_;
+    }
+    if (news[k] >= 0) ++mapped_;
+  }
+  // The copies come after the remap (which is what can fail for lack of mappings) and before the replaced pages
+  // lose their references: a copy may read one of them.
+  try {
+    for (size_t k : order)
+      pool_->backend().copy_page_to(va_ + static_cast<size_t>(tail_index[k]) * page_size_, tail_src[k],
+                                    static_cast<size_t>(tail[k]), stream);
+    if (!order.empty()) pool_->backend().synchronize(stream);
+  } catch (...) {
+    pool_->decref_all(dropped);  // a device error: the copied tails' contents are unspecified
+    throw;
+  }
+  pool_->decref_all(dropped);
+  return order.size();
+}
+
 std::vector<int32_t> VirtualRange::refcounts_at(const std::vector<int64_t>& indices) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int32_t> out;

@@ -65,6 +65,20 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   // index in the same call gives up (reordering beams). Indices must be unpinned where they change. All or
   // nothing, at the host's mapping limit too (Backend::remap).
   void assign(const std::vector<int64_t>& indices, const std::vector<PageId>& pages);
+  // Beam search in one call (VirtualKVCache.reorder, every row and layer of a step): for each k, the indices
+  // [dst[k], dst[k] + span[k]) show what [src[k], src[k] + count[k]) showed before the call, and nothing past
+  // count[k]. Indices that show their new page already are not touched; the others change in one
+  // Backend::remap (runs of consecutive indices with one call each on the host), as assign() does. tail[k] > 0:
+  // the last of those pages holds tokens in its first tail[k] bytes only (a beam's partly filled last page).
+  // Where the destination's own page there is private (reference count 1) and no other entry shares it, those
+  // bytes are copied into it instead of sharing the source's page: no mapping changes, and the copy-on-write
+  // that its next token would make is done. Such copies run in an order that reads each page before it is
+  // written; beams trading last pages in a cycle share them instead. Destination runs must not overlap. No page
+  // is taken from the pool. All or nothing (InvalidArgument, ViewsAlive on a pinned index that would change,
+  // MappingLimit: nothing changed). Returns the number of tails copied.
+  size_t reorder_runs(const std::vector<int64_t>& dst, const std::vector<int64_t>& src,
+                      const std::vector<int64_t>& count, const std::vector<int64_t>& span,
+                      const std::vector<int64_t>& tail, uintptr_t stream);
   // Reference counts of the pages behind the indices (0 where unmapped).
   std::vector<int32_t> refcounts_at(const std::vector<int64_t>& indices) const;
 
@@ -111,6 +125,11 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
   // one Backend::remap; the old pages lose the indices' references. All or nothing: on failure the fresh pages
   // are dropped and the indices show their old pages.
   void copy_into_locked(const std::vector<int64_t>& indices, const std::vector<PageId>& fresh, uintptr_t stream);
+  // reorder_runs' tail copies: of the entries with a candidate tail (tail_index[k] >= 0: the destination index
+  // of entry k's tail, whose page is private), those that may copy, in an order that reads every page before it
+  // is written (see reorder_runs).
+  static std::vector<size_t> in_place_order(const std::vector<int64_t>& src, const std::vector<int64_t>& count,
+                                            const std::vector<int64_t>& tail_index);
   // After a Backend::remap that failed: drop the references taken on `pages`, except where the backend lost an
   // index (it is unmapped then, and its pages keep their references).
   void drop_after_failed_remap(const std::vector<size_t>& at, const std::vector<PageId>& olds,

@@ -208,6 +208,15 @@ class PagePool:
     def copy_from_host(self, page: int, host_ptr: int, stream: int = 0) -> None:
         self._pool.copy_from_host(page, host_ptr, stream)
 
+    def copy_pages_to_host(self, pages: list[int], host_ptrs: list[int], stream: int = 0) -> None:
+        """copy_to_host of many pages in one call: pages[i] to host_ptrs[i]. A run of consecutive pages into
+        consecutive buffers is one copy (a pread, or a memcpy from where the page is mapped, on the host)."""
+        self._pool.copy_pages_to_host(pages, host_ptrs, stream)
+
+    def copy_pages_from_host(self, pages: list[int], host_ptrs: list[int], stream: int = 0) -> None:
+        """copy_from_host of many pages in one call, by runs as copy_pages_to_host."""
+        self._pool.copy_pages_from_host(pages, host_ptrs, stream)
+
     def synchronize(self, stream: int = 0) -> None:
         """Wait for the copies queued on `stream`."""
         self._pool.backend.synchronize(stream)

@@ -255,29 +255,41 @@ class PageMap:
             t.length_tokens[slot] += plan.n
 
     def remap_rows(self, slots: list[int], sources: list[int]) -> None:
-        """slots[i] maps the pages slots[sources[i]] held before the call (all of them shared afterwards)."""
+        """slots[i] maps the pages slots[sources[i]] held before the call: the full ones shared, the partly filled
+        last one copied into the slot's own page where that page is private to it (else shared as well).
+
+        One range call for every row and region (VirtualRange.reorder_runs): Python lists one entry per page run
+        of a row, the range compares and remaps pages in C++ and leaves pages that do not change alone (rows that
+        keep their own beam, and the prompt pages all beams share)."""
         t, lay = self.table, self.layout
         lens = [t.length_tokens[s] for s in slots]
-        old_pages = {s: self.pages(s) for s in set(slots)}
-        assign_indices: list[int] = []
-        assign_pages: list[int] = []
+        starts: dict[int, list[int]] = {}  # slot -> the first page index of each of its runs
+        dst_runs: list[int] = []
+        src_runs: list[int] = []
+        counts: list[int] = []
+        spans: list[int] = []
+        tails: list[int] = []
         moves = []
+        runs = lay.runs
         for dst, i in zip(slots, sources):
             src = slots[i]
             if src == dst:
                 continue
             src_n = lay.pages_for(lens[i])
             span = max(src_n, t.mapped_pages[dst])
-            # page_indices(slot, 0, n) lists run by run, so page p of run r is entry r * n + p. Built once per
-            # row: a call per page made a beam-search reorder O(runs^2 * pages) in Python.
-            src_pages, src_mapped = old_pages[src], t.mapped_pages[src]
-            assign_indices += lay.page_indices(dst, 0, span)
-            for r in range(lay.runs):
-                assign_pages += src_pages[r * src_mapped : r * src_mapped + src_n]
-                assign_pages += [-1] * (span - src_n)
+            tail = lens[i] * lay.token_bytes - (src_n - 1) * lay.page_size if src_n else 0
+            for slot in (dst, src):
+                if slot not in starts:
+                    starts[slot] = lay.page_indices(slot, 0, 1)
+            dst_runs += starts[dst]
+            src_runs += starts[src]
+            counts += [src_n] * runs
+            spans += [span] * runs
+            tails += [tail if tail < lay.page_size else 0] * runs
             moves.append((dst, src, src_n, lens[i]))
-        if assign_indices:
-            self.range.assign(assign_indices, assign_pages)  # waits for the registered streams first
+        if dst_runs:
+            # Waits for the registered streams first; all or nothing.
+            self.cow_copies += self.range.reorder_runs(dst_runs, src_runs, counts, spans, tails)
         for dst, src, src_n, length in moves:
             t.length_tokens[dst] = length
             t.mapped_pages[dst] = t.shared_below_page[dst] = src_n

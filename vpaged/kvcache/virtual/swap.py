@@ -1,6 +1,8 @@
 """Swap space: host memory outside the page pool's budget that holds the pages of swapped-out sequences.
 
-One arena of fixed-size chunks (one page each); pinned on CUDA so page copies run at full bandwidth.
+One arena of fixed-size chunks (one page each); pinned on CUDA so page copies run at full bandwidth. A swap
+moves all of a sequence's pages in one pool call (PagePool.copy_pages_to_host / _from_host): runs of consecutive
+pages into consecutive chunks are one copy each there, and no page crosses into Python on its own.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class SwapSpace:
         self.capacity_chunks = capacity_bytes // page_size
         self._arena = torch.empty(self.capacity_chunks * page_size, dtype=torch.uint8, pin_memory=pin)
         self._base = self._arena.data_ptr()
-        self._free = list(range(self.capacity_chunks - 1, -1, -1))
+        self._free = list(range(self.capacity_chunks - 1, -1, -1))  # pop() from the end: the lowest first
 
     @property
     def used_chunks(self) -> int:
@@ -32,7 +34,7 @@ class SwapSpace:
         return self.used_chunks * self.page_size
 
     def alloc(self, n: int) -> list[int]:
-        """n chunks, all or none."""
+        """n chunks, all or none, in ascending order (consecutive while the arena is not fragmented)."""
         if n > len(self._free):
             raise SwapSpaceFullError(
                 f"swap space full: {n} page(s) of {self.page_size} bytes needed, {len(self._free)} free of "
@@ -40,10 +42,11 @@ class SwapSpace:
             )
         out = self._free[len(self._free) - n :]
         del self._free[len(self._free) - n :]
+        out.reverse()
         return out
 
     def release(self, chunks: list[int]) -> None:
-        self._free.extend(chunks)
+        self._free.extend(reversed(chunks))  # handed out again in the same order
 
     def address(self, chunk: int) -> int:
         return self._base + chunk * self.page_size
@@ -53,8 +56,7 @@ class SwapSpace:
         copies to land, so the pages may go back to the pool. Returns the chunks, in the pages' order."""
         chunks = self.alloc(len(pages))
         try:
-            for page, chunk in zip(pages, chunks):
-                pool.copy_to_host(page, self.address(chunk))
+            pool.copy_pages_to_host(pages, [self._base + c * self.page_size for c in chunks])
             pool.synchronize()
         except BaseException:
             self.release(chunks)
@@ -64,8 +66,7 @@ class SwapSpace:
     def restore(self, pool: PagePool, pages: list[int], chunks: list[int]) -> None:
         """Copy chunks back into pages and wait for the copies; the chunks stay allocated (release() them
         once the pages are in use: a failed restore can be retried)."""
-        for page, chunk in zip(pages, chunks):
-            pool.copy_from_host(page, self.address(chunk))
+        pool.copy_pages_from_host(pages, [self._base + c * self.page_size for c in chunks])
         pool.synchronize()
 
 
