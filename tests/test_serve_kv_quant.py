@@ -131,3 +131,36 @@ def test_unknown_kv_dtype_is_refused_before_anything_is_built(model):
         LLMEngine(model, kv_dtype="int4", kv_budget_bytes=4 << 20)
     with pytest.raises(DTypeError):
         LLMEngine(model, kv_dtype=torch.int16, kv_budget_bytes=4 << 20)
+
+
+def _most_running(model, kv_dtype, prompts, budget, **options):
+    eng = LLMEngine(model.to(torch.bfloat16), kv_dtype=kv_dtype, kv_budget_bytes=budget, page_size=PAGE,
+                    max_num_seqs=len(prompts), max_num_batched_tokens=256, enable_prefix_caching=False,
+                    cpu_prepack=False, **options)  # fmt: skip
+    for p in prompts:
+        eng.add_request(p, SamplingParams(max_tokens=8, **GREEDY))
+    most = 0
+    while eng.has_unfinished():
+        eng.step()
+        most = max(most, eng.stats().running)
+    return most, eng.store.cache.layout
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_requests_are_not_lost_to_page_rounding(prng, kv_dtype):
+    """Issue #40 item 2: per_layer gives each sequence 2 x layers page runs, each ending in a partly filled page,
+    and at one byte per element such a page is twice the share of a quantized sequence's bytes: int8 / fp8 held
+    1.67x the requests of bf16 under one budget where their bytes allow ~2x. Prompts of 129-140 tokens sit just
+    past a per_layer fp8 page (128 tokens here): the quantized store's own layout (one page run per sequence)
+    must hold the requests its bytes allow."""
+    model = load_model("random:llama-tiny")[0]  # its own copy: cast to bf16 below
+    prompts = [random_prompt(prng, 129, 140) for _ in range(40)]
+    bf16_row, row = 16 * 2, {"int8": 16 + 4, "fp8": 16}[kv_dtype]
+    budget = 6 * 3 * 4 * PAGE  # bf16 per_layer: 3 pages in each of 4 runs per request, six of them
+    plain, plain_layout = _most_running(model, None, prompts, budget)
+    quant, layout = _most_running(model, kv_dtype, prompts, budget)
+    assert plain_layout.kind == "per_layer" and layout.kind == "interleaved" and layout.runs == 1
+    assert quant >= 0.95 * bf16_row / row * plain, (plain, quant)  # before: 9 of 6 x 1.6 (int8) or 6 x 2 (fp8)
+    forced, forced_layout = _most_running(model, kv_dtype, prompts, budget, layout="per_layer")
+    assert forced_layout.kind == "per_layer"  # a layout asked for is the layout built
+    assert forced < quant  # and there the rounding is what loses

@@ -169,8 +169,17 @@ def _page_size():
     return field(default=None, metadata=option("bytes per page of the pool (default: the device's)"))
 
 
+STORE_LAYOUTS = ("auto", *LAYOUTS)
+
+
 def _layout():
-    return field(default="per_layer", metadata=option("VirtualKVCache layout", LAYOUTS))
+    return field(
+        default="auto",
+        metadata=option(
+            "VirtualKVCache layout (auto: per_layer for K/V in the model's dtype, interleaved for int8 / fp8)",
+            STORE_LAYOUTS,
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -244,8 +253,8 @@ class PagedStoreConfig(StoreConfig):
 def _check_pages(store) -> None:
     if store.page_size is not None:
         check_positive_int("page_size", store.page_size)  # the pool checks what its device allows
-    if store.layout not in LAYOUTS:
-        raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {store.layout!r}")
+    if store.layout not in STORE_LAYOUTS:
+        raise InvalidArgumentError(f"layout must be one of {STORE_LAYOUTS}, got {store.layout!r}")
 
 
 STORE_CONFIGS: dict[str, type[StoreConfig]] = {
