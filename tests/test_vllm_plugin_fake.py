@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import test_cuda_backend_fake as fake
+import torch
 from test_cuda_backend_fake import fake_driver_dir  # noqa: F401 - the fixture, compiled once per session
 
 from vpaged.errors import InvalidArgumentError, OutOfPagesError
@@ -44,6 +45,17 @@ def vllm_fake_results(request, fake_driver_dir) -> dict:  # noqa: F811 - the imp
     return fake.run_checks(request, fake_driver_dir, THIS_FILE, CHECKS, (str(THIS_FILE.parent),))
 
 
+class CurrentStream:
+    """Stands in for torch's current CUDA stream (a CPU build of torch has none): the legacy stream, 0."""
+
+    cuda_stream = 0
+
+
+def cuda_backing(nbytes, geom, pool=None) -> KVBacking:
+    torch.cuda.current_stream = lambda device=None: CurrentStream()  # this child process only
+    return KVBacking(nbytes, [geom], pool or make_pool(nbytes, "cuda:0"), "cuda:0")
+
+
 def reference_pages(geom: BlockGeometry, blocks, page: int) -> set[int]:
     """Pages the blocks touch, from the KVCacheTensor formula span by span."""
     out = set()
@@ -65,7 +77,7 @@ def test_fake_blocks_map_and_unmap_device_pages(drv, rng):
     block_bytes = r.choice([page // 4, page // 2, page, page + page // 2])  # shared, whole and straddling
     geom = BlockGeometry(0, block_bytes * blocks, block_bytes, block_bytes, layers, blocks)
     nbytes = layers * blocks * block_bytes
-    backing = KVBacking(nbytes, [geom], make_pool(nbytes, "cuda:0"), "cuda:0")
+    backing = cuda_backing(nbytes, geom)
     assert backing.page_size == page
     held: dict[int, int] = {}
     for _ in range(40):
@@ -110,7 +122,7 @@ def test_fake_step_short_of_pages_changes_nothing(drv, rng):
     page = drv.granularity
     geom = BlockGeometry(0, page, page, page, 1, 8)  # a block per page
     pool = PagePool("cuda:0", capacity_pages=3)
-    backing = KVBacking(8 * page, [geom], pool, "cuda:0")
+    backing = cuda_backing(8 * page, geom, pool)
     backing.map_blocks([1])
     fake.host_bytes(backing.address + page, page)[:] = 7
     before, maps = backing.stats(), drv.calls("cuMemMap")

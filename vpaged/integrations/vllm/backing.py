@@ -115,6 +115,10 @@ class KVBacking:
         self.unmap_calls = 0
         self.device = torch.device(device)
         self._tensor: torch.Tensor | None = None
+        if self.device.type == "cuda":
+            # vLLM's kernels run on the current stream: the range waits for it before every unmap, so a
+            # block released between steps is never unmapped under a kernel still reading it.
+            self._range.add_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
     @property
     def tensor(self) -> torch.Tensor:
