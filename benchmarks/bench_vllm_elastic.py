@@ -3,14 +3,14 @@ memory (each engine owns half) against one shared vpaged budget (each may grow t
 the other is idle). Reports time to first token (TTFT) p50/p99 per model and overall.
 
     PYTHONPATH=. /work/venv-vllm/bin/python benchmarks/bench_vllm_elastic.py \
-        --budget-blocks 400 --bursts 6 --burst-requests 12 --rate 6 --gap-s 4 [--out results/vllm_elastic]
+        --budget-blocks 200 --bursts 6 --burst-requests 16 --rate 8 --gap-s 8 [--out results/vllm_elastic]
 
 Each engine is a process of its own (this file with `--engine`), an in-process LLMEngine (VLLM_ENABLE_V1_
-MULTIPROCESSING=0) bound to one core (VLLM_CPU_OMP_THREADS_BIND=0 and =1: two cores, one each). Both tiny
-random Llamas of tests/test_vllm_plugin.py (seeds differ), 16-token blocks of 32 KiB. Static: each engine
+MULTIPROCESSING=0) bound to one core (VLLM_CPU_OMP_THREADS_BIND=0 and =1: two cores, one each). Two copies
+of the tiny random Llama of tests/test_vllm_plugin.py, 16-token blocks of 32 KiB. Static: each engine
 gets budget_blocks / 2 blocks of its own (num_gpu_blocks_override), vpaged off. Shared: each engine's
 buffer is budget_blocks blocks (its ceiling), vpaged on with VPAGED_SHARED_BUDGET naming one budget of
-budget_blocks blocks' bytes. Burst k goes to model k % 2: burst_requests requests with Poisson arrivals at
+budget_blocks blocks' bytes, --min-share of it guaranteed to each (VPAGED_SHARED_MIN_MIB). Burst k goes to model k % 2: burst_requests requests with Poisson arrivals at
 --rate per second, then --gap-s of quiet before the next burst. The arrival schedule is drawn once (seeded)
 and both modes replay it from a common start time; TTFT counts from a request's arrival to the step that
 returns its first token.
@@ -48,6 +48,7 @@ def schedule(bursts: int, burst_requests: int, rate: float, gap_s: float, seed: 
 
 def engine(model: str, blocks: int, arrivals_path: str, which: int, max_tokens: int) -> None:
     import vpaged.integrations.vllm as plugin
+    from vpaged.integrations.vllm.patches import STATE
 
     plugin.register()  # where vLLM's entry point would call it
     from vllm import EngineArgs, SamplingParams
@@ -78,8 +79,8 @@ def engine(model: str, blocks: int, arrivals_path: str, which: int, max_tokens: 
         for out in eng.step():
             if out.request_id not in first and out.outputs and out.outputs[0].token_ids:
                 first[out.request_id] = time.time() - start
-        s = plugin.stats()
-        peak_mapped = max(peak_mapped, s.mapped_bytes if s else 0)
+        backing = STATE.backing
+        peak_mapped = max(peak_mapped, backing.mapped_bytes() if backing is not None else 0)
     ttft = {a["id"]: first[a["id"]] - a["at"] for a in mine}
     print(json.dumps({"ttft": ttft, "peak_mapped_bytes": peak_mapped}), flush=True)
 
@@ -92,6 +93,7 @@ def run_mode(mode: str, model: str, args, arrivals_path: str, budget_name: str) 
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         if mode == "shared":
             env.update(VPAGED_VLLM="1", VPAGED_SHARED_BUDGET=budget_name)
+            env["VPAGED_SHARED_MIN_MIB"] = str(args.min_share * args.budget_blocks * BLOCK_BYTES / 2**20)
             blocks = args.budget_blocks
         else:
             env["VPAGED_VLLM"] = "0"
@@ -128,13 +130,14 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--budget-blocks", type=int, default=400)
+    ap.add_argument("--budget-blocks", type=int, default=200)
     ap.add_argument("--bursts", type=int, default=6)
-    ap.add_argument("--burst-requests", type=int, default=12)
-    ap.add_argument("--rate", type=float, default=6.0)
-    ap.add_argument("--gap-s", type=float, default=4.0)
+    ap.add_argument("--burst-requests", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=8.0)
+    ap.add_argument("--gap-s", type=float, default=8.0)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--min-share", type=float, default=0.25)  # of the budget, guaranteed to each engine
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_elastic"))
     args = ap.parse_args()
     from vpaged.memory import SharedBudget

@@ -90,17 +90,64 @@ def side(model: str, requests: int, max_tokens: int, idle_s: float, bursts: int)
     }
 
 
-def falls(run: dict) -> list[dict]:
-    """Per burst: RSS before it, its peak, and seconds from its end until RSS is back near the level before."""
+def falls(run: dict, idle_s: float) -> list[dict]:
+    """Per burst: RSS before it, its peak, the level it settles at once idle, and two fall times from the
+    burst's end: until RSS is within 10 % of its rise above that settled level (plus 4 MiB of allocator
+    noise), and until vpaged's mapped KV is back to where it was before the burst. The settled level may sit
+    above the level before: vLLM's first bursts grow buffers outside the KV (as much with the plugin off)."""
     out = []
+    samples = run["samples"]
     for start, end in run["bursts"]:
-        pre = [r for t, r, _ in run["samples"] if start - 1.0 <= t < start] or [run["samples"][0][1]]
-        base = min(pre)
-        peak = max([r for t, r, _ in run["samples"] if start <= t <= end + 0.3] or [base])
-        near = base + 0.1 * (peak - base) + 4 * 2**20
-        back = next((t - end for t, r, _ in run["samples"] if t >= end and r <= near), None)
-        out.append({"rss_before": base, "rss_peak": peak, "fall_s": back})
+        pre = [x for x in samples if start - 1.0 <= x[0] < start] or samples[:1]
+        during = [x for x in samples if start <= x[0] <= end + 0.3] or pre
+        settled_at = [r for t, r, _ in samples if end + idle_s - 0.6 <= t <= end + idle_s] or [pre[-1][1]]
+        base, peak, settled = min(r for _, r, _ in pre), max(r for _, r, _ in during), min(settled_at)
+        kv_before = min(kv for _, _, kv in pre)
+        near = settled + 0.1 * max(0, peak - settled) + 4 * 2**20
+        fall = next((t - end for t, r, _ in samples if t >= end and r <= near), None)
+        kv_fall = next((t - end for t, _, kv in samples if t >= end and kv <= kv_before), None)
+        out.append(
+            {
+                "rss_before": base,
+                "rss_peak": peak,
+                "rss_settled": settled,
+                "kv_peak": max(kv for _, _, kv in during),
+                "fall_s": fall,
+                "kv_fall_s": kv_fall,
+            }
+        )
     return out
+
+
+def summarize(rounds: list[dict], settings: dict) -> dict:
+    for r in rounds:
+        for run in r.values():
+            run["falls"] = falls(run, settings["idle_s"])
+    ratios = [r["on"]["tokens_per_s"] / r["off"]["tokens_per_s"] for r in rounds]
+    on_falls = [f for r in rounds for f in r["on"]["falls"]]
+    mib = 2**20
+    return {
+        "cpu": _cpu_name(),
+        "settings": settings,
+        "tokens_per_s_median": {n: statistics.median(r[n]["tokens_per_s"] for r in rounds) for n in ("off", "on")},
+        "throughput_on_over_off_per_round": ratios,
+        "throughput_on_over_off_median": statistics.median(ratios),
+        "hook_share_of_step": [r["on"]["hook_share_of_step"] for r in rounds],
+        "rss_after_start_gib": {n: [r[n]["rss_after_start"] / 2**30 for r in rounds] for n in ("off", "on")},
+        "rss_rise_mib": {
+            n: [(f["rss_peak"] - f["rss_before"]) / mib for r in rounds for f in r[n]["falls"]] for n in ("off", "on")
+        },
+        "rss_settled_over_before_mib": {
+            n: [(f["rss_settled"] - f["rss_before"]) / mib for r in rounds for f in r[n]["falls"]]
+            for n in ("off", "on")
+        },
+        "kv_peak_mib_on": [f["kv_peak"] / mib for f in on_falls],
+        "fall_s_on": [f["fall_s"] for f in on_falls],
+        "kv_fall_s_on": [f["kv_fall_s"] for f in on_falls],
+        "fall_within_2s_on": all(f["fall_s"] is not None and f["fall_s"] <= 2.0 for f in on_falls),
+        "kv_fall_within_2s_on": all(f["kv_fall_s"] is not None and f["kv_fall_s"] <= 2.0 for f in on_falls),
+        "plugin_stats": rounds[-1]["on"]["plugin"],
+    }
 
 
 def svg(runs: dict, path: Path) -> None:
@@ -132,7 +179,7 @@ def svg(runs: dict, path: Path) -> None:
         ("RSS above start, plugin on", "#2471a3", [(t, max(0, r - base) / 2**20) for t, r, _ in on["samples"]]),
         ("vpaged KV mapped", "#27ae60", [(t, kv / 2**20) for t, _, kv in on["samples"]]),
     ]
-    panel(280, 200, mib, max(1.0, max(v for _, _, p in mib for _, v in p)), "MiB (bursts shaded)")
+    panel(280, 200, mib, max(1.0, max(v for _, _, p in mib for _, v in p)), "MiB, plugin on (its bursts shaded)")
     out.append(f'<text x="{pad}" y="{h - 10}">seconds since the process started (0 .. {tmax:.0f})</text></svg>')
     path.write_text("\n".join(out))
 
@@ -147,7 +194,13 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=3.0)
     ap.add_argument("--model")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_plugin"))
+    ap.add_argument("--summarize", help="recompute the summary and the plot of an earlier <out>.json")
     args = ap.parse_args()
+    if args.summarize:
+        rounds = json.loads(Path(args.summarize).read_text())["rounds"]
+        settings = json.loads(Path(args.summarize).read_text())["summary"]["settings"]
+        _write(Path(args.out), summarize(rounds, settings), rounds)
+        return
     model = args.model
     if model is None:
         model = tempfile.mkdtemp(prefix="vpaged_tiny_llama_")
@@ -165,26 +218,13 @@ def main() -> None:
             if proc.returncode != 0:
                 sys.exit(proc.stderr[-3000:])
             runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-            runs[name]["falls"] = falls(runs[name])
         rounds.append(runs)
-    ratios = [r["on"]["tokens_per_s"] / r["off"]["tokens_per_s"] for r in rounds]
-    on_falls = [f["fall_s"] for r in rounds for f in r["on"]["falls"]]
-    summary = {
-        "cpu": _cpu_name(),
-        "settings": vars(args) | {"model": "tiny random Llama" if args.model is None else args.model},
-        "tokens_per_s_median": {n: statistics.median(r[n]["tokens_per_s"] for r in rounds) for n in ("off", "on")},
-        "throughput_on_over_off_per_round": ratios,
-        "throughput_on_over_off_median": statistics.median(ratios),
-        "hook_share_of_step": [r["on"]["hook_share_of_step"] for r in rounds],
-        "rss_after_start_gib": {n: [r[n]["rss_after_start"] / 2**30 for r in rounds] for n in ("off", "on")},
-        "rss_peak_over_start_mib_on": [
-            max(f["rss_peak"] for f in r["on"]["falls"]) / 2**20 - r["on"]["rss_after_start"] / 2**20 for r in rounds
-        ],
-        "fall_s_on": on_falls,
-        "fall_within_2s_on": all(f is not None and f <= 2.0 for f in on_falls),
-        "plugin_stats": rounds[-1]["on"]["plugin"],
-    }
-    out = Path(args.out)
+    settings = vars(args) | {"model": "tiny random Llama" if args.model is None else args.model}
+    summary = summarize(rounds, settings)
+    _write(Path(args.out), summary, rounds)
+
+
+def _write(out: Path, summary: dict, rounds: list[dict]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"summary": summary, "rounds": rounds}))
     svg(rounds[-1], out.with_suffix(".svg"))

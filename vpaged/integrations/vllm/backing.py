@@ -29,6 +29,7 @@ from ...errors import InvalidArgumentError, OutOfPagesError
 from ...memory import PagePool
 
 SHARED_BUDGET_ENV = "VPAGED_SHARED_BUDGET"
+SHARED_MIN_ENV = "VPAGED_SHARED_MIN_MIB"  # MiB of the budget guaranteed to this engine (the others cannot take)
 MAP_WAIT_S = 30.0  # how long a step waits for the shared budget's other members before it fails
 
 
@@ -78,14 +79,16 @@ class BackingStats:
 def make_pool(nbytes: int, device="cpu", pool: PagePool | None = None) -> PagePool:
     """The pool the buffer's pages come from: `pool` when given, else a private one as large as the
     buffer. With VPAGED_SHARED_BUDGET=NAME the private pool joins that machine-wide budget
-    (PagePool(shared_budget=NAME), vpaged.memory.SharedBudget): its pages then count against the budget."""
+    (PagePool(shared_budget=NAME), vpaged.memory.SharedBudget): its pages then count against the budget,
+    with VPAGED_SHARED_MIN_MIB of them guaranteed to it (min_bytes)."""
     if pool is not None:
         return pool
     page = PagePool(device, capacity_pages=1).page_size
     pages = max(1, math.ceil(nbytes / page))
     budget = os.environ.get(SHARED_BUDGET_ENV)
     if budget:
-        return PagePool(device, capacity_pages=pages, zero_on_reuse=True, shared_budget=budget)
+        min_bytes = min(int(float(os.environ.get(SHARED_MIN_ENV, "0")) * 2**20), pages * page)
+        return PagePool(device, capacity_pages=pages, zero_on_reuse=True, shared_budget=budget, min_bytes=min_bytes)
     return PagePool(device, capacity_pages=pages, zero_on_reuse=True)
 
 

@@ -37,11 +37,17 @@ class SchedulerCap:
 
 
 def demand_pages(scheduler, backing: KVBacking) -> int:
-    """Pages the next step may need: a block for every running request and the first waiting prompt."""
+    """Pages the next step may need: a block for every running request, and the prompts of the waiting
+    requests that one step could admit (vLLM prefills as many as its token budget allows at once)."""
     blocks = len(scheduler.running)
-    if len(scheduler.waiting):
-        request = scheduler.waiting.peek_request()
+    room_tokens = getattr(scheduler, "max_num_scheduled_tokens", 8192)
+    room_requests = getattr(scheduler, "max_num_running_reqs", 256) - len(scheduler.running)
+    for request in scheduler.waiting:
+        if room_tokens <= 0 or room_requests <= 0:
+            break
         blocks += math.ceil(request.num_tokens / scheduler.block_size)
+        room_tokens -= request.num_tokens
+        room_requests -= 1
     return math.ceil(blocks * backing.pages_per_block())
 
 
