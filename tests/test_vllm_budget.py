@@ -16,7 +16,7 @@ import torch
 
 from vpaged.integrations.vllm.backing import BlockGeometry, KVBacking, make_pool
 from vpaged.integrations.vllm.budget import DormantBlockReclaimer, SchedulerCap, demand_pages, plan_step
-from vpaged.memory import PagePool, SharedBudget
+from vpaged.memory import PagePool, SharedBudget, budget_member
 
 PAGE = 64 * 1024
 
@@ -55,22 +55,48 @@ def layer_major(blocks: int, layers: int = 2, block_bytes: int = 16 * 1024) -> t
     ), layers * blocks * block_bytes
 
 
-def scheduler(running: int, waiting_tokens: list[int], block_size: int = 16):
+def free_queue(order: list[int]):
+    """vLLM's FreeKVCacheBlockQueue as the plan reads it: a linked list between two sentinels."""
+    head, tail = SimpleNamespace(block_id=-1), SimpleNamespace(block_id=-1, next_free_block=None)
+    prev = head
+    for b in order:
+        node = SimpleNamespace(block_id=b)
+        prev.next_free_block, prev = node, node
+    prev.next_free_block = tail
+    return SimpleNamespace(fake_free_list_head=head, fake_free_list_tail=tail)
+
+
+def scheduler(running: int, waiting_tokens: list[int], block_size: int = 16, free_order=()):
     waiting = FakeQueue(SimpleNamespace(num_tokens=t) for t in waiting_tokens)
-    return SimpleNamespace(running=[object()] * running, waiting=waiting, block_size=block_size)
+    block_pool = SimpleNamespace(free_block_queue=free_queue(list(free_order)))
+    return SimpleNamespace(
+        running=[object()] * running,
+        waiting=waiting,
+        block_size=block_size,
+        kv_cache_manager=SimpleNamespace(block_pool=block_pool),
+    )
 
 
-def test_demand_counts_a_block_per_running_request_and_the_first_waiting_prompt():
+def test_demand_counts_running_requests_and_the_prompts_one_step_admits():
     rng = random.Random()
     geom, nbytes = layer_major(64)
     backing = KVBacking(nbytes, [geom], make_pool(nbytes))
-    running, prompt = rng.randint(0, 8), rng.randint(1, 300)
-    want = math.ceil((running + math.ceil(prompt / 16)) * 2 * 16 * 1024 / PAGE)
-    assert demand_pages(scheduler(running, [prompt, 999]), backing) == want
+    running = rng.randint(0, 8)
+    prompts = [rng.randint(1, 300) for _ in range(rng.randint(1, 6))]
+    sched = scheduler(running, prompts)
+    per_block = 2 * 16 * 1024 / PAGE
+    want = math.ceil((running + sum(math.ceil(p / 16) for p in prompts)) * per_block)
+    assert demand_pages(sched, backing) == want
+    sched.max_num_scheduled_tokens = prompts[0]  # room for one prompt only
+    assert demand_pages(sched, backing) == math.ceil((running + math.ceil(prompts[0] / 16)) * per_block)
     assert demand_pages(scheduler(0, []), backing) == 0
 
 
-def test_plan_caps_the_blocks_to_what_the_budget_can_map(budget_name):
+def test_plan_caps_the_blocks_to_what_the_budget_can_map(budget_name, monkeypatch):
+    """The cap is the longest head of vLLM's free queue whose fresh pages fit in the pool's free pages
+    (blocks share pages, mapped neighbours cost nothing), after a grant from what the other member left."""
+    # Granted pages left unused go back unasked after IDLE_RELEASE_S: not while this test reads them.
+    monkeypatch.setattr(budget_member, "IDLE_RELEASE_S", 3600.0)
     rng = random.Random()
     seed = rng.randrange(2**32)
     rng.seed(seed)
@@ -78,23 +104,37 @@ def test_plan_caps_the_blocks_to_what_the_budget_can_map(budget_name):
     SharedBudget.create(budget_name, capacity * PAGE)
     other = PagePool("cpu", capacity_pages=capacity, shared_budget=budget_name)
     taken = rng.randint(0, capacity - 8)  # the other member holds these pages
-    assert other.ensure_free(taken)
+    assert other.ensure_free(max(1, taken))
     other_range = other.new_range(max(1, taken) * PAGE)
-    if taken:
-        other_range.map_new(list(range(taken)))
-    geom, nbytes = layer_major(256)  # 0.5 pages per block: 4 blocks share a page in each of 2 layers
+    other_range.map_new(list(range(max(1, taken))))
+    n = 256
+    geom, nbytes = layer_major(n)  # 4 blocks share a page in each of 2 layers
     pool = PagePool("cpu", capacity_pages=nbytes // PAGE, shared_budget=budget_name, zero_on_reuse=True)
     backing = KVBacking(nbytes, [geom], pool)
+    held = rng.sample(range(1, n), rng.randint(0, 6))
+    assert pool.ensure_free(len({p for b in held for p in backing.pages_of(b)}))
+    backing.map_blocks(held)
+    order = rng.sample(sorted(set(range(1, n)) - set(held)), rng.randint(40, 120))
     cap = SchedulerCap()
-    plan_step(scheduler(0, [rng.randint(16, 400)]), backing, cap)
-    assert cap.blocks == math.floor(pool.free_pages() / backing.pages_per_block()), seed
-    assert pool.free_pages() <= capacity - taken, seed
+    plan_step(scheduler(0, [rng.randint(16, 400)], free_order=order), backing, cap)
+    free = pool.free_pages()
+    assert free <= capacity - max(1, taken), seed
+    mapped = {p for b in held for p in backing.pages_of(b)}
+    fresh, fits = set(), 0
+    for b in order:  # the reference: walk the queue page by page
+        fresh |= set(backing.pages_of(b)) - mapped
+        if len(fresh) > free:
+            break
+        fits += 1
+    assert cap.blocks == fits, seed
     # vLLM's free count is capped while schedule() runs and counts down as blocks are taken.
     assert cap.limit(10_000) == cap.blocks and cap.limit(3) == min(3, cap.blocks)
+    # What the cap allowed maps without waiting for anyone.
+    maps = backing.map_calls
+    backing.map_blocks(order[: cap.blocks])
+    assert cap.blocks == 0 or backing.map_calls == maps + 1
     cap.taken = cap.blocks
     assert cap.limit(10_000) == 0
-    # What the cap allowed maps without waiting for anyone.
-    backing.map_blocks(range(1, 1 + min(cap.blocks, 255)))
     cap.blocks = None
     assert cap.limit(7) == 7
     del other_range

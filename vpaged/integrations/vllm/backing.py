@@ -171,6 +171,23 @@ class KVBacking:
         span = sum(g.num_layers * g.block_bytes for g in self.geometries)
         return max(span / self.page_size, 1e-9)
 
+    def blocks_that_fit(self, order, pages: int) -> int:
+        """How many of the blocks `order` (in the order vLLM will hand them out) fit into `pages` fresh
+        pages, counting pages already mapped (a neighbour's, a cached block's) and pages two of them share
+        once."""
+        with self.lock:
+            arr = np.asarray(list(order), dtype=np.int64)
+            if arr.size == 0:
+                return 0
+            per_block = self._pages_of_many(arr)
+            flat = np.concatenate(per_block)
+            owner = np.repeat(np.arange(len(per_block)), [len(p) for p in per_block])
+            fresh = np.zeros(flat.size, dtype=bool)
+            fresh[np.unique(flat, return_index=True)[1]] = True  # a page counts for the first block needing it
+            fresh &= self._page_users[flat] == 0
+            needed = np.cumsum(np.bincount(owner[fresh], minlength=len(per_block)))
+            return int(np.searchsorted(needed, pages, side="right"))
+
     def is_mapped(self, block: int) -> bool:
         return block in self._block_pages
 

@@ -51,16 +51,31 @@ def demand_pages(scheduler, backing: KVBacking) -> int:
     return math.ceil(blocks * backing.pages_per_block())
 
 
+FIT_SCAN_BLOCKS = 4096  # free blocks looked at per schedule(): more than one step can take
+
+
+def next_free_blocks(block_pool, limit: int) -> list[int]:
+    """The ids vLLM's free queue will hand out next, in order (it pops from the head)."""
+    queue = block_pool.free_block_queue
+    out, block = [], queue.fake_free_list_head.next_free_block
+    while block is not None and block is not queue.fake_free_list_tail and len(out) < limit:
+        out.append(block.block_id)
+        block = block.next_free_block
+    return out
+
+
 def plan_step(scheduler, backing: KVBacking, cap: SchedulerCap) -> None:
     """Before schedule(): make room for the step's demand (a grant, then this engine's own prefix-cached
-    blocks, then an ask to the others, answered later) and cap the blocks vLLM may take to what fits."""
+    blocks, then an ask to the others, answered later) and cap the blocks vLLM may take to those of its
+    free queue whose fresh pages fit in the pool's free pages."""
     pool = backing.pool
     short = demand_pages(scheduler, backing) - pool.free_pages()
     if short > 0:
         got = pool.reclaim(short)
         if got < short:
             pool.budget.ask(short - got)
-    cap.blocks = math.floor(pool.free_pages() / backing.pages_per_block())
+    order = next_free_blocks(scheduler.kv_cache_manager.block_pool, FIT_SCAN_BLOCKS)
+    cap.blocks = backing.blocks_that_fit(order, pool.free_pages())
     cap.taken = 0
 
 
