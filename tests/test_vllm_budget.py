@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vpaged.integrations.vllm.backing import BlockGeometry, KVBacking, make_pool
-from vpaged.integrations.vllm.budget import DormantBlockReclaimer, SchedulerCap, demand_pages, plan_step
+from vpaged.integrations.vllm.budget import DormantBlockReclaimer, SchedulerCap, demand_pages, head_blocks, plan_step
 from vpaged.memory import PagePool, SharedBudget, budget_member
 
 PAGE = 64 * 1024
@@ -77,19 +77,21 @@ def scheduler(running: int, waiting_tokens: list[int], block_size: int = 16, fre
     )
 
 
-def test_demand_counts_running_requests_and_the_prompts_one_step_admits():
+def test_demand_counts_the_prompts_one_step_admits_and_the_blocks_decoding_opens():
     rng = random.Random()
     geom, nbytes = layer_major(64)
     backing = KVBacking(nbytes, [geom], make_pool(nbytes))
-    running = rng.randint(0, 8)
+    running = rng.randint(0, 40)
     prompts = [rng.randint(1, 300) for _ in range(rng.randint(1, 6))]
     sched = scheduler(running, prompts)
     per_block = 2 * 16 * 1024 / PAGE
-    want = math.ceil((running + sum(math.ceil(p / 16) for p in prompts)) * per_block)
-    assert demand_pages(sched, backing) == want
+    decode = math.ceil(running / 16)
+    assert demand_pages(sched, backing) == math.ceil((decode + sum(math.ceil(p / 16) for p in prompts)) * per_block)
     sched.max_num_scheduled_tokens = prompts[0]  # room for one prompt only
-    assert demand_pages(sched, backing) == math.ceil((running + math.ceil(prompts[0] / 16)) * per_block)
-    assert demand_pages(scheduler(0, []), backing) == 0
+    assert demand_pages(sched, backing) == math.ceil((decode + math.ceil(prompts[0] / 16)) * per_block)
+    assert head_blocks(sched) == math.ceil(prompts[0] / 16)
+    assert demand_pages(scheduler(0, []), backing) == 0 and head_blocks(scheduler(0, [])) == 0
+    assert head_blocks(scheduler(3, [])) == 1
 
 
 def test_plan_caps_the_blocks_to_what_the_budget_can_map(budget_name, monkeypatch):

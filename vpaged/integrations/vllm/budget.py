@@ -9,6 +9,9 @@ the length of each `Scheduler.schedule` call:
   (its free pages once a grant or its own prefix-cached blocks made room), counted in blocks with the
   buffer's pages per block; a request that does not fit waits or is preempted, as vLLM does when its own
   blocks run out, and the other members are asked to give back;
+- from the plan until the step has mapped its blocks, the pool's client lock is held (patches.py), so the
+  budget's give-back thread cannot hand the planned pages to another engine in between (it answers once
+  the step's map is done);
 - `DormantBlockReclaimer`, the pool's Reclaimable client, frees the pages of blocks vLLM keeps only as
   prefix cache: it evicts them from vLLM's block pool (so no later request can hit on them) and unmaps
   them. It runs only while it holds the scheduler lock (no schedule() is looking blocks up or taking
@@ -37,9 +40,10 @@ class SchedulerCap:
 
 
 def demand_pages(scheduler, backing: KVBacking) -> int:
-    """Pages the next step may need: a block for every running request, and the prompts of the waiting
-    requests that one step could admit (vLLM prefills as many as its token budget allows at once)."""
-    blocks = len(scheduler.running)
+    """Pages the next step may need: the prompts of the waiting requests that one step could admit (vLLM
+    prefills as many as its token budget allows at once), and for the running requests the blocks their
+    next token may open (one in block_size steps each)."""
+    blocks = math.ceil(len(scheduler.running) / scheduler.block_size)
     room_tokens = getattr(scheduler, "max_num_scheduled_tokens", 8192)
     room_requests = getattr(scheduler, "max_num_running_reqs", 256) - len(scheduler.running)
     for request in scheduler.waiting:
@@ -49,6 +53,13 @@ def demand_pages(scheduler, backing: KVBacking) -> int:
         room_tokens -= request.num_tokens
         room_requests -= 1
     return math.ceil(blocks * backing.pages_per_block())
+
+
+def head_blocks(scheduler) -> int:
+    """Blocks without which nothing new can start: the first waiting prompt's, else one for decoding."""
+    if len(scheduler.waiting):
+        return math.ceil(scheduler.waiting.peek_request().num_tokens / scheduler.block_size)
+    return 1 if scheduler.running else 0
 
 
 FIT_SCAN_BLOCKS = 4096  # free blocks looked at per schedule(): more than one step can take
@@ -66,17 +77,19 @@ def next_free_blocks(block_pool, limit: int) -> list[int]:
 
 def plan_step(scheduler, backing: KVBacking, cap: SchedulerCap) -> None:
     """Before schedule(): make room for the step's demand (a grant, then this engine's own prefix-cached
-    blocks, then an ask to the others, answered later) and cap the blocks vLLM may take to those of its
-    free queue whose fresh pages fit in the pool's free pages."""
+    blocks) and cap the blocks vLLM may take to those of its free queue whose fresh pages fit in the pool's
+    free pages. Only when even the first waiting request cannot start are the others asked to give back
+    (answered later): asking at every step would have two busy engines take each other's spare pages in
+    turn, each answer landing between the other's plan and its step."""
     pool = backing.pool
     short = demand_pages(scheduler, backing) - pool.free_pages()
     if short > 0:
-        got = pool.reclaim(short)
-        if got < short:
-            pool.budget.ask(short - got)
+        short -= pool.reclaim(short)
     order = next_free_blocks(scheduler.kv_cache_manager.block_pool, FIT_SCAN_BLOCKS)
     cap.blocks = backing.blocks_that_fit(order, pool.free_pages())
     cap.taken = 0
+    if short > 0 and cap.blocks < head_blocks(scheduler):
+        pool.budget.ask(short)
 
 
 class DormantBlockReclaimer:

@@ -51,10 +51,17 @@ class PluginState:
         self.cap = SchedulerCap()  # the shared budget's cap on the blocks schedule() hands out
         self.reclaimer: DormantBlockReclaimer | None = None
         self.evict_when_idle = True
+        self.plan_held = None  # the pool's client lock, held from schedule()'s plan to the step's map
         self.hook_seconds = 0.0  # time the step hooks took (mapping, releasing), for the overhead figure
         self.steps = 0
         self.step_seconds = 0.0  # whole steps, hooks included
         self._thread: threading.Thread | None = None
+
+    def release_plan(self) -> None:
+        """Let the budget's give-back thread in again (the planned step has mapped, or never ran)."""
+        held, self.plan_held = self.plan_held, None
+        if held is not None:
+            held.release()
 
     def note(self, block_ids) -> None:
         with self.candidates_lock:
@@ -233,7 +240,10 @@ def make_execute_model(original):
         tic = time.perf_counter()
         STATE.drain()
         with backing.lock:
-            backing.map_blocks(scheduled_block_ids(scheduler_output))
+            try:
+                backing.map_blocks(scheduled_block_ids(scheduler_output))
+            finally:
+                STATE.release_plan()
             STATE.hook_seconds += time.perf_counter() - tic
             STATE.steps += 1
             try:
@@ -301,6 +311,11 @@ def make_scheduler_hooks(scheduler_cls, block_pool_cls):
         with STATE.cap.lock:  # held so that no reclaim evicts a block this call may look up
             if backing is None or backing.pool.budget is None or STATE.map_mode != "demand":
                 return schedule(self, *args, **kwargs)
+            STATE.release_plan()
+            # The pool's client lock stays held from the plan until the step has mapped its blocks: the
+            # budget's give-back thread (which takes it) cannot hand the planned pages to another engine.
+            backing.pool.client_lock.acquire()
+            STATE.plan_held = backing.pool.client_lock
             STATE.drain()
             plan_step(self, backing, STATE.cap)
             try:
