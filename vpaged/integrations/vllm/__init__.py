@@ -49,6 +49,7 @@ def register() -> bool:
         )
         return False
     from vllm.v1.core import block_pool
+    from vllm.v1.core.sched import scheduler
     from vllm.v1.worker import gpu_model_runner
 
     from . import patches
@@ -58,6 +59,10 @@ def register() -> bool:
     runner.execute_model = patches.make_execute_model(runner.execute_model)
     for name, fn in patches.make_block_pool_hooks(block_pool.BlockPool).items():
         setattr(block_pool.BlockPool, name, fn)
+    scheduler_hooks, pool_hooks = patches.make_scheduler_hooks(scheduler.Scheduler, block_pool.BlockPool)
+    for cls, hooks in ((scheduler.Scheduler, scheduler_hooks), (block_pool.BlockPool, pool_hooks)):
+        for name, fn in hooks.items():
+            setattr(cls, name, fn)
     _installed = True
     return True
 

@@ -19,14 +19,18 @@ import ctypes
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ...errors import InvalidArgumentError
+from ...errors import InvalidArgumentError, OutOfPagesError
 from ...memory import PagePool
 
 SHARED_BUDGET_ENV = "VPAGED_SHARED_BUDGET"
+SHARED_MIN_ENV = "VPAGED_SHARED_MIN_MIB"  # MiB of the budget guaranteed to this engine (the others cannot take)
+MAP_WAIT_S = 30.0  # how long a step waits for the shared budget's other members before it fails
 
 
 @dataclass(frozen=True)
@@ -75,14 +79,16 @@ class BackingStats:
 def make_pool(nbytes: int, device="cpu", pool: PagePool | None = None) -> PagePool:
     """The pool the buffer's pages come from: `pool` when given, else a private one as large as the
     buffer. With VPAGED_SHARED_BUDGET=NAME the private pool joins that machine-wide budget
-    (PagePool(shared_budget=NAME), vpaged.memory.SharedBudget): its pages then count against the budget."""
+    (PagePool(shared_budget=NAME), vpaged.memory.SharedBudget): its pages then count against the budget,
+    with VPAGED_SHARED_MIN_MIB of them guaranteed to it (min_bytes)."""
     if pool is not None:
         return pool
     page = PagePool(device, capacity_pages=1).page_size
     pages = max(1, math.ceil(nbytes / page))
     budget = os.environ.get(SHARED_BUDGET_ENV)
     if budget:
-        return PagePool(device, capacity_pages=pages, zero_on_reuse=True, shared_budget=budget)
+        min_bytes = min(int(float(os.environ.get(SHARED_MIN_ENV, "0")) * 2**20), pages * page)
+        return PagePool(device, capacity_pages=pages, zero_on_reuse=True, shared_budget=budget, min_bytes=min_bytes)
     return PagePool(device, capacity_pages=pages, zero_on_reuse=True)
 
 
@@ -103,14 +109,31 @@ class KVBacking:
         self.num_blocks = geometries[0].num_blocks if geometries else 0
         self.page_size = pool.page_size
         self._range = pool.new_range(self.nbytes)
-        self._page_users = [0] * self._range.num_pages  # held blocks touching each page
-        self._block_pages: dict[int, list[int]] = {}  # mapped block -> its pages
+        self.num_pages = self._range.num_pages
+        self._page_users = np.zeros(self._range.num_pages, dtype=np.int32)  # held blocks touching each page
+        self._block_pages: dict[int, np.ndarray] = {}  # mapped block -> its pages
         self._dormant: set[int] = set()  # mapped blocks vLLM keeps only as prefix cache
         self.lock = threading.RLock()  # the worker's step holds it: no unmap runs under a kernel
         self.map_calls = 0
         self.unmap_calls = 0
         self.device = torch.device(device)
-        self.tensor = self._raw_tensor()
+        self._tensor: torch.Tensor | None = None
+        if self.device.type == "cuda":
+            # vLLM's kernels run on the current stream: the range waits for it before every unmap, so a
+            # block released between steps is never unmapped under a kernel still reading it.
+            self._range.add_stream(torch.cuda.current_stream(self.device).cuda_stream)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The int8 tensor over the whole range, made on first use (a CUDA one needs a CUDA build of torch,
+        which the bookkeeping does not)."""
+        if self._tensor is None:
+            self._tensor = self._raw_tensor()
+        return self._tensor
+
+    @property
+    def address(self) -> int:
+        return self._range.address
 
     def _raw_tensor(self) -> torch.Tensor:
         addr = self._range.address
@@ -125,36 +148,87 @@ class KVBacking:
     def pages_of(self, block: int) -> list[int]:
         if not 0 <= block < self.num_blocks:
             raise InvalidArgumentError(f"block {block} outside 0..{self.num_blocks - 1}")
-        pages: set[int] = set()
+        return self._pages_of_many(np.array([block], dtype=np.int64))[0].tolist()
+
+    def _pages_of_many(self, blocks: np.ndarray) -> list[np.ndarray]:
+        """The sorted pages of each block, computed for the whole batch at once (numpy, no Python per
+        layer): a prefill hands out hundreds of blocks, each touching a page or two in every layer."""
+        ps = self.page_size
+        firsts, lasts = [], []
         for g in self.geometries:
-            for start, end in g.spans(block):
-                pages.update(range(start // self.page_size, (end - 1) // self.page_size + 1))
-        return sorted(pages)
+            layers = np.arange(g.num_layers, dtype=np.int64) * g.layer_stride
+            starts = g.offset + blocks[:, None] * g.block_stride + layers[None, :]
+            firsts.append(starts // ps)
+            lasts.append((starts + g.block_bytes - 1) // ps)
+        first, last = np.concatenate(firsts, axis=1), np.concatenate(lasts, axis=1)
+        widest = int((last - first).max(initial=0)) + 1  # a span crosses at most this many pages
+        pages = first[:, :, None] + np.arange(widest, dtype=np.int64)[None, None, :]
+        inside = pages <= last[:, :, None]
+        return [np.unique(row[ok]) for row, ok in zip(pages, inside)]
+
+    def pages_per_block(self) -> float:
+        """Pages a block brings in on average: what a step needs per new block (blocks may share pages)."""
+        span = sum(g.num_layers * g.block_bytes for g in self.geometries)
+        return max(span / self.page_size, 1e-9)
+
+    def blocks_that_fit(self, order, pages: int) -> int:
+        """How many of the blocks `order` (in the order vLLM will hand them out) fit into `pages` fresh
+        pages, counting pages already mapped (a neighbour's, a cached block's) and pages two of them share
+        once."""
+        with self.lock:
+            arr = np.asarray(list(order), dtype=np.int64)
+            if arr.size == 0:
+                return 0
+            per_block = self._pages_of_many(arr)
+            flat = np.concatenate(per_block)
+            owner = np.repeat(np.arange(len(per_block)), [len(p) for p in per_block])
+            fresh = np.zeros(flat.size, dtype=bool)
+            fresh[np.unique(flat, return_index=True)[1]] = True  # a page counts for the first block needing it
+            fresh &= self._page_users[flat] == 0
+            needed = np.cumsum(np.bincount(owner[fresh], minlength=len(per_block)))
+            return int(np.searchsorted(needed, pages, side="right"))
 
     def is_mapped(self, block: int) -> bool:
         return block in self._block_pages
 
     def map_blocks(self, blocks) -> int:
         """Map the pages of every block not mapped yet (fresh pages read as zeros); returns blocks mapped.
+        Costs O(blocks given), one C++ call for all fresh pages. In a shared budget the pool first makes
+        the pages free (a grant, its own cached blocks, the others giving back; PagePool.ensure_free).
         All or nothing: OutOfPagesError leaves every block as it was."""
         with self.lock:
-            todo = sorted({int(b) for b in blocks} - self._block_pages.keys())
+            ids = {int(b) for b in blocks}
+            bad = [b for b in ids if not 0 <= b < self.num_blocks]
+            if bad:
+                raise InvalidArgumentError(f"block {bad[0]} outside 0..{self.num_blocks - 1}")
+            self._dormant.difference_update(ids)
+            todo = sorted(ids - self._block_pages.keys())
             if not todo:
-                for b in blocks:
-                    self._dormant.discard(int(b))
                 return 0
-            per_block = [self.pages_of(b) for b in todo]
-            fresh = sorted({p for pages in per_block for p in pages if self._page_users[p] == 0})
-            if fresh:
-                self._range.map_new(fresh)
+            arr = np.asarray(todo, dtype=np.int64)
+            per_block = self._pages_of_many(arr)
+            touched = np.unique(np.concatenate(per_block))
+            fresh = touched[self._page_users[touched] == 0]
+            if fresh.size:
+                self._take_pages(int(fresh.size))
+                self._range.map_new(fresh.tolist())
                 self.map_calls += 1
             for b, pages in zip(todo, per_block):
-                for p in pages:
-                    self._page_users[p] += 1
+                self._page_users[pages] += 1
                 self._block_pages[b] = pages
-            for b in blocks:
-                self._dormant.discard(int(b))
             return len(todo)
+
+    def _take_pages(self, pages: int) -> None:
+        if self.pool.free_pages() >= pages:
+            return
+        deadline = time.monotonic() + MAP_WAIT_S
+        while not self.pool.ensure_free(pages):
+            if self.pool.budget is None or time.monotonic() > deadline:
+                raise OutOfPagesError(
+                    f"vLLM's step needs {pages} KV pages and the pool has {self.pool.free_pages()} free"
+                    + (" (shared budget: the other members did not give back in time)" if self.pool.budget else "")
+                )
+            time.sleep(0.01)
 
     def map_all(self) -> None:
         self.map_blocks(range(self.num_blocks))
@@ -163,15 +237,14 @@ class KVBacking:
         """Unmap the pages no other mapped block touches; returns blocks released (unmapped ones are skipped)."""
         with self.lock:
             gone = [int(b) for b in blocks if int(b) in self._block_pages]
-            idle = []
-            for b in gone:
-                for p in self._block_pages.pop(b):
-                    self._page_users[p] -= 1
-                    if self._page_users[p] == 0:
-                        idle.append(p)
-                self._dormant.discard(b)
-            if idle:
-                self._range.unmap(sorted(idle))
+            if not gone:
+                return 0
+            pages = np.concatenate([self._block_pages.pop(b) for b in gone])
+            np.subtract.at(self._page_users, pages, 1)
+            self._dormant.difference_update(gone)
+            idle = np.unique(pages[self._page_users[pages] == 0])
+            if idle.size:
+                self._range.unmap(idle.tolist())
                 self.unmap_calls += 1
             return len(gone)
 
@@ -182,16 +255,24 @@ class KVBacking:
                 if int(b) in self._block_pages:
                     (self._dormant.add if dormant else self._dormant.discard)(int(b))
 
+    def mapped_bytes(self) -> int:
+        """Bytes mapped now, read without the lock (a sampler may call it while a step runs)."""
+        return self._range.mapped_pages * self.page_size
+
+    def dormant_blocks(self) -> set[int]:
+        with self.lock:
+            return set(self._dormant)
+
     def stats(self) -> BackingStats:
         with self.lock:
             mapped = self._range.mapped_pages
             dormant_pages = set()
             for b in self._dormant:
-                dormant_pages.update(self._block_pages[b])
+                dormant_pages.update(self._block_pages[b].tolist())
             live_pages = set()
             for b, pages in self._block_pages.items():
                 if b not in self._dormant:
-                    live_pages.update(pages)
+                    live_pages.update(pages.tolist())
             dormant_only = dormant_pages - live_pages
             ps = self.page_size
             return BackingStats(

@@ -46,3 +46,20 @@ def layout_refusal(kv_cache_config) -> str | None:
     if any(getattr(t, "host_resident", False) for t in tensors):
         return "host-resident KV tensors are not supported"
     return None
+
+
+def parallel_refusal(tensor_parallel: int, pipeline_parallel: int) -> str | None:
+    """Why the plugin declines a parallel engine, or None for one worker.
+
+    With TP or PP > 1, vLLM runs each worker in its own process (MultiprocExecutor) and keeps the block
+    pool in the engine-core process. A worker sees which blocks a step uses but not which blocks are
+    freed, nor whether a freed block still holds a prefix-cached entry that a later request will read:
+    it could map pages but could never give one back safely (unmapping a cached block would feed zeros
+    to the next request that hits it). Declining keeps vLLM's own buffer instead of a buffer that only
+    grows."""
+    if tensor_parallel * pipeline_parallel > 1:
+        return (
+            f"tensor parallel {tensor_parallel} x pipeline parallel {pipeline_parallel}: the workers run apart "
+            "from vLLM's block pool and could never give a page back"
+        )
+    return None

@@ -9,9 +9,14 @@
   become unused. The block's state is read again when the release runs (on the worker's thread, or the
   idle thread between steps), so a block handed out again in the meantime is never unmapped: free, with no
   prefix-cache hash, and not being read through unpin_blocks is the only state that unmaps.
+- `Scheduler.schedule` (holding the lock that keeps reclaim out) and `BlockPool.get_num_free_blocks /
+  get_new_blocks`: in a shared budget, each schedule() is planned against the pages the budget can map
+  (budget.py). Idle for IDLE_EVICT_S, the idle thread also gives back the pages of blocks kept only as
+  prefix cache (evicting them from vLLM's pool first) unless VPAGED_VLLM_KEEP_PREFIX=1.
 
-When the block pool lives in another process than the worker (TP > 1 with multiprocess workers), no pool
-registers here and pages are only mapped, never given back.
+Cost per step: the ids of the step's new blocks only (vLLM sends a running request's blocks once), one
+C++ call for all their fresh pages, one for all pages released; no madvise on the step's path (the pool
+trims once idle). TP or PP > 1 is declined (guard.parallel_refusal says why).
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ import time
 import weakref
 
 from .backing import BlockGeometry, KVBacking, make_pool
-from .guard import MAP_ENV, layout_refusal, warn_once
+from .budget import DormantBlockReclaimer, SchedulerCap, plan_step
+from .guard import MAP_ENV, layout_refusal, parallel_refusal, warn_once
 
 logger = logging.getLogger("vpaged.integrations.vllm")
 IDLE_PERIOD_S = 0.25
+IDLE_EVICT_S = 0.75  # idle this long, blocks kept only as prefix cache give their pages back
+KEEP_PREFIX_ENV = "VPAGED_VLLM_KEEP_PREFIX"  # "1": keep prefix-cached blocks mapped while idle
 
 
 class PluginState:
@@ -40,13 +48,26 @@ class PluginState:
         self.map_mode = "demand"
         self.released_since_trim = 0
         self.last_step = time.monotonic()
+        self.cap = SchedulerCap()  # the shared budget's cap on the blocks schedule() hands out
+        self.reclaimer: DormantBlockReclaimer | None = None
+        self.evict_when_idle = True
+        self.plan_held = None  # the pool's client lock, held from schedule()'s plan to the step's map
+        self.hook_seconds = 0.0  # time the step hooks took (mapping, releasing), for the overhead figure
+        self.steps = 0
+        self.step_seconds = 0.0  # whole steps, hooks included
         self._thread: threading.Thread | None = None
+
+    def release_plan(self) -> None:
+        """Let the budget's give-back thread in again (the planned step has mapped, or never ran)."""
+        held, self.plan_held = self.plan_held, None
+        if held is not None:
+            held.release()
 
     def note(self, block_ids) -> None:
         with self.candidates_lock:
             self.candidates.update(block_ids)
 
-    def _pool_for(self, backing: KVBacking):
+    def pool_for(self, backing: KVBacking):
         for pool in list(self.block_pools):
             if pool.num_gpu_blocks == backing.num_blocks:
                 return pool
@@ -62,7 +83,7 @@ class PluginState:
             ids, self.candidates = self.candidates, set()
         if not ids:
             return 0
-        pool = self._pool_for(backing)
+        pool = self.pool_for(backing)
         if pool is None:
             return 0
         with backing.lock:
@@ -95,8 +116,14 @@ class PluginState:
             try:
                 self.drain()
                 backing = self.backing
+                idle_s = time.monotonic() - self.last_step
+                if self.reclaimer is not None and self.evict_when_idle and idle_s > IDLE_EVICT_S:
+                    # The prefix cache's blocks go too (evicted from vLLM's block pool, so no request hits
+                    # on them): an idle engine keeps no KV memory. Skipped while schedule() runs.
+                    if self.reclaimer.reclaimable_pages():
+                        self.released_since_trim += self.reclaimer.reclaim_pages(backing.num_pages)
                 # Unmapped pages sit in the pool's free list; once vLLM is idle, hand their RAM back.
-                if backing is not None and self.released_since_trim and time.monotonic() - self.last_step > 0.5:
+                if backing is not None and self.released_since_trim and idle_s > 0.5:
                     with backing.lock:
                         backing.pool.trim()
                     self.released_since_trim = 0
@@ -127,7 +154,7 @@ def make_allocate_kv_cache(original):
     @functools.wraps(original)
     def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
         refusal = None if kv_cache_config.kv_cache_tensors else "no KV tensors"
-        refusal = refusal or layout_refusal(kv_cache_config)
+        refusal = refusal or layout_refusal(kv_cache_config) or parallel_refusal(*_parallel_sizes())
         if refusal is None and device.type not in ("cpu", "cuda"):
             refusal = f"device {device} is not supported"
         if refusal is not None:
@@ -142,6 +169,17 @@ def make_allocate_kv_cache(original):
 
     allocate_kv_cache._vpaged_original = original
     return allocate_kv_cache
+
+
+def _parallel_sizes() -> tuple[int, int]:
+    """This worker's tensor and pipeline parallel sizes (1, 1 where vLLM's groups are not set up)."""
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError:
+        return 1, 1
+    tp = parallel_state._TP.world_size if parallel_state._TP is not None else 1
+    pp = parallel_state._PP.world_size if parallel_state._PP is not None else 1
+    return tp, pp
 
 
 def _allocate_on_vpaged(kv_cache_config, device, layout, kernel_block_sizes):
@@ -177,6 +215,10 @@ def _allocate_on_vpaged(kv_cache_config, device, layout, kernel_block_sizes):
         )
         kv_caches.update(zip(t.layers, views))
     STATE.backing = backing
+    STATE.reclaimer = DormantBlockReclaimer(backing, STATE.cap, STATE.pool_for)
+    STATE.evict_when_idle = os.environ.get(KEEP_PREFIX_ENV, "0") != "1"
+    if backing.pool.budget is not None:
+        backing.pool.register(STATE.reclaimer)
     STATE.start_idle_thread()
     s = backing.stats()
     logger.warning(
@@ -195,12 +237,19 @@ def make_execute_model(original):
         backing = STATE.backing
         if backing is None or STATE.map_mode != "demand":
             return original(self, scheduler_output, *args, **kwargs)
+        tic = time.perf_counter()
         STATE.drain()
         with backing.lock:
-            backing.map_blocks(scheduled_block_ids(scheduler_output))
+            try:
+                backing.map_blocks(scheduled_block_ids(scheduler_output))
+            finally:
+                STATE.release_plan()
+            STATE.hook_seconds += time.perf_counter() - tic
+            STATE.steps += 1
             try:
                 return original(self, scheduler_output, *args, **kwargs)
             finally:
+                STATE.step_seconds += time.perf_counter() - tic
                 STATE.last_step = time.monotonic()
 
     return execute_model
@@ -245,3 +294,46 @@ def make_block_pool_hooks(block_pool_cls):
         "_maybe_evict_cached_block": _maybe_evict_cached_block,
         "reset_prefix_cache": reset_prefix_cache,
     }
+
+
+def make_scheduler_hooks(scheduler_cls, block_pool_cls):
+    """Scheduler.schedule plans each step against the shared budget (budget.py); BlockPool's free count
+    is capped while it runs. Without a budget both pass straight through."""
+    schedule, num_free, get_new = (
+        scheduler_cls.schedule,
+        block_pool_cls.get_num_free_blocks,
+        block_pool_cls.get_new_blocks,
+    )
+
+    @functools.wraps(schedule)
+    def scheduled(self, *args, **kwargs):
+        backing = STATE.backing
+        with STATE.cap.lock:  # held so that no reclaim evicts a block this call may look up
+            if backing is None or backing.pool.budget is None or STATE.map_mode != "demand":
+                return schedule(self, *args, **kwargs)
+            STATE.release_plan()
+            # The pool's client lock stays held from the plan until the step has mapped its blocks: the
+            # budget's give-back thread (which takes it) cannot hand the planned pages to another engine.
+            backing.pool.client_lock.acquire()
+            STATE.plan_held = backing.pool.client_lock
+            STATE.drain()
+            plan_step(self, backing, STATE.cap)
+            try:
+                return schedule(self, *args, **kwargs)
+            finally:
+                STATE.cap.blocks = None
+
+    @functools.wraps(num_free)
+    def get_num_free_blocks(self):
+        return STATE.cap.limit(num_free(self))
+
+    @functools.wraps(get_new)
+    def get_new_blocks(self, num_blocks):
+        blocks = get_new(self, num_blocks)
+        STATE.cap.taken += len(blocks)
+        return blocks
+
+    return (
+        {"schedule": scheduled},
+        {"get_num_free_blocks": get_num_free_blocks, "get_new_blocks": get_new_blocks},
+    )

@@ -1,0 +1,208 @@
+"""vpaged.integrations.vllm.budget without vLLM: the cap put on vLLM's scheduler in a shared budget, and
+the reclaimer that gives back the pages of blocks vLLM keeps only as prefix cache. vLLM's scheduler and
+block pool are stood in for by the few attributes the plugin reads (running, waiting, block_size; blocks
+with ref_cnt and block_hash; _maybe_evict_cached_block)."""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vpaged.integrations.vllm.backing import BlockGeometry, KVBacking, make_pool
+from vpaged.integrations.vllm.budget import DormantBlockReclaimer, SchedulerCap, demand_pages, head_blocks, plan_step
+from vpaged.memory import PagePool, SharedBudget, budget_member
+
+PAGE = 64 * 1024
+
+
+@pytest.fixture
+def budget_name():
+    name = f"test-vllm-{uuid.uuid4().hex[:12]}"
+    yield name
+    SharedBudget.remove(name)
+
+
+class FakeQueue(list):
+    def peek_request(self):
+        return self[0]
+
+
+class FakeBlockPool:
+    """vLLM's BlockPool as the reclaimer sees it: blocks with a reference count and a prefix-cache hash."""
+
+    def __init__(self, n: int):
+        self.blocks = [SimpleNamespace(block_id=i, ref_cnt=0, block_hash=None) for i in range(n)]
+        self._reuse_watchers: dict[int, object] = {}
+        self.evicted: list[int] = []
+
+    def _maybe_evict_cached_block(self, block) -> bool:
+        if block.block_hash is None:
+            return False
+        block.block_hash = None
+        self.evicted.append(block.block_id)
+        return True
+
+
+def layer_major(blocks: int, layers: int = 2, block_bytes: int = 16 * 1024) -> tuple[BlockGeometry, int]:
+    return BlockGeometry(
+        0, block_bytes * blocks, block_bytes, block_bytes, layers, blocks
+    ), layers * blocks * block_bytes
+
+
+def free_queue(order: list[int]):
+    """vLLM's FreeKVCacheBlockQueue as the plan reads it: a linked list between two sentinels."""
+    head, tail = SimpleNamespace(block_id=-1), SimpleNamespace(block_id=-1, next_free_block=None)
+    prev = head
+    for b in order:
+        node = SimpleNamespace(block_id=b)
+        prev.next_free_block, prev = node, node
+    prev.next_free_block = tail
+    return SimpleNamespace(fake_free_list_head=head, fake_free_list_tail=tail)
+
+
+def scheduler(running: int, waiting_tokens: list[int], block_size: int = 16, free_order=()):
+    waiting = FakeQueue(SimpleNamespace(num_tokens=t) for t in waiting_tokens)
+    block_pool = SimpleNamespace(free_block_queue=free_queue(list(free_order)))
+    return SimpleNamespace(
+        running=[object()] * running,
+        waiting=waiting,
+        block_size=block_size,
+        kv_cache_manager=SimpleNamespace(block_pool=block_pool),
+    )
+
+
+def test_demand_counts_the_prompts_one_step_admits_and_the_blocks_decoding_opens():
+    rng = random.Random()
+    geom, nbytes = layer_major(64)
+    backing = KVBacking(nbytes, [geom], make_pool(nbytes))
+    running = rng.randint(0, 40)
+    prompts = [rng.randint(1, 300) for _ in range(rng.randint(1, 6))]
+    sched = scheduler(running, prompts)
+    per_block = 2 * 16 * 1024 / PAGE
+    decode = math.ceil(running / 16)
+    assert demand_pages(sched, backing) == math.ceil((decode + sum(math.ceil(p / 16) for p in prompts)) * per_block)
+    sched.max_num_scheduled_tokens = prompts[0]  # room for one prompt only
+    assert demand_pages(sched, backing) == math.ceil((decode + math.ceil(prompts[0] / 16)) * per_block)
+    assert head_blocks(sched) == math.ceil(prompts[0] / 16)
+    assert demand_pages(scheduler(0, []), backing) == 0 and head_blocks(scheduler(0, [])) == 0
+    assert head_blocks(scheduler(3, [])) == 1
+
+
+def test_plan_caps_the_blocks_to_what_the_budget_can_map(budget_name, monkeypatch):
+    """The cap is the longest head of vLLM's free queue whose fresh pages fit in the pool's free pages
+    (blocks share pages, mapped neighbours cost nothing), after a grant from what the other member left."""
+    # Granted pages left unused go back unasked after IDLE_RELEASE_S: not while this test reads them.
+    monkeypatch.setattr(budget_member, "IDLE_RELEASE_S", 3600.0)
+    rng = random.Random()
+    seed = rng.randrange(2**32)
+    rng.seed(seed)
+    capacity = rng.randint(20, 40)
+    SharedBudget.create(budget_name, capacity * PAGE)
+    other = PagePool("cpu", capacity_pages=capacity, shared_budget=budget_name)
+    taken = rng.randint(0, capacity - 8)  # the other member holds these pages
+    assert other.ensure_free(max(1, taken))
+    other_range = other.new_range(max(1, taken) * PAGE)
+    other_range.map_new(list(range(max(1, taken))))
+    n = 256
+    geom, nbytes = layer_major(n)  # 4 blocks share a page in each of 2 layers
+    pool = PagePool("cpu", capacity_pages=nbytes // PAGE, shared_budget=budget_name, zero_on_reuse=True)
+    backing = KVBacking(nbytes, [geom], pool)
+    held = rng.sample(range(1, n), rng.randint(0, 6))
+    assert pool.ensure_free(len({p for b in held for p in backing.pages_of(b)}))
+    backing.map_blocks(held)
+    order = rng.sample(sorted(set(range(1, n)) - set(held)), rng.randint(40, 120))
+    cap = SchedulerCap()
+    plan_step(scheduler(0, [rng.randint(16, 400)], free_order=order), backing, cap)
+    free = pool.free_pages()
+    assert free <= capacity - max(1, taken), seed
+    mapped = {p for b in held for p in backing.pages_of(b)}
+    fresh, fits = set(), 0
+    for b in order:  # the reference: walk the queue page by page
+        fresh |= set(backing.pages_of(b)) - mapped
+        if len(fresh) > free:
+            break
+        fits += 1
+    assert cap.blocks == fits, seed
+    # vLLM's free count is capped while schedule() runs and counts down as blocks are taken.
+    assert cap.limit(10_000) == cap.blocks and cap.limit(3) == min(3, cap.blocks)
+    # What the cap allowed maps without waiting for anyone.
+    maps = backing.map_calls
+    backing.map_blocks(order[: cap.blocks])
+    assert cap.blocks == 0 or backing.map_calls == maps + 1
+    cap.taken = cap.blocks
+    assert cap.limit(10_000) == 0
+    cap.blocks = None
+    assert cap.limit(7) == 7
+    del other_range
+
+
+def test_reclaimer_gives_back_only_free_prefix_cached_blocks():
+    rng = random.Random()
+    seed = rng.randrange(2**32)
+    rng.seed(seed)
+    n = 64
+    geom, nbytes = layer_major(n)
+    backing = KVBacking(nbytes, [geom], make_pool(nbytes))
+    vllm_pool = FakeBlockPool(n)
+    held, cached, plain = set(), set(), set()
+    for b in range(1, n):
+        kind = rng.choice(["held", "cached", "plain", "unmapped"])
+        if kind == "unmapped":
+            continue
+        backing.map_blocks([b])
+        block = vllm_pool.blocks[b]
+        if kind == "held":
+            block.ref_cnt, block.block_hash = 1, rng.choice([None, ("h", b)])
+            held.add(b)
+        elif kind == "cached":
+            block.block_hash = ("h", b)
+            cached.add(b)
+        else:
+            plain.add(b)  # free, no hash, not yet drained: not the reclaimer's to touch
+    watched = rng.choice(sorted(cached)) if cached else None
+    if watched is not None:
+        vllm_pool._reuse_watchers[watched] = object()  # being read through unpin_blocks
+    backing.set_dormant(cached | held)  # stale marks: a held block may have been hit since the last drain
+    t = backing.tensor
+    for b in held:
+        for s, e in geom.spans(b):
+            t[s:e] = b % 100 + 1
+    cap = SchedulerCap()
+    reclaimer = DormantBlockReclaimer(backing, cap, lambda _: vllm_pool)
+
+    # While schedule() runs (the cap's lock is held elsewhere) nothing is touched.
+    entered, leave = threading.Event(), threading.Event()
+
+    def scheduling():
+        with cap.lock:
+            entered.set()
+            leave.wait()
+
+    th = threading.Thread(target=scheduling)
+    th.start()
+    entered.wait()
+    before = backing.stats()
+    assert reclaimer.reclaim_pages(10_000) == 0 and backing.stats() == before and not vllm_pool.evicted
+    leave.set()
+    th.join()
+
+    freed = reclaimer.reclaim_pages(10_000)
+    gone = cached - {watched}
+    assert sorted(vllm_pool.evicted) == sorted(gone), seed
+    for b in range(n):
+        assert backing.is_mapped(b) == (b in held | plain | ({watched} - {None})), (seed, b)
+    for b in held:
+        assert vllm_pool.blocks[b].ref_cnt == 1
+        for s, e in geom.spans(b):
+            assert torch.all(t[s:e] == b % 100 + 1), seed
+    still = set()
+    for b in held | plain | ({watched} - {None}):
+        still.update(backing.pages_of(b))
+    assert backing.stats().mapped_bytes == len(still) * PAGE, seed
+    assert freed >= 0 and reclaimer.reclaimable_pages() * PAGE <= backing.stats().mapped_bytes
