@@ -237,3 +237,23 @@ def engine_serves_by_priority():
         llm.generate([[1, 2]], params, priority=[0, 1])
     assert not llm.engine.has_unfinished()
     llm.engine.close()
+
+
+def test_pages_gone_between_the_check_and_the_extend_preempt_instead_of_failing(monkeypatch):
+    # In a shared budget pages_available counts what the budget would grant, and another process may take it
+    # before the extend runs. Here the check always says yes on a pool of 4 pages (2 runs: 2 pages a run): the
+    # extends that then find no pages must leave the request waiting or preempt, never raise, and every
+    # request still finishes with all its tokens.
+    sched = scheduler(pages=4)
+    monkeypatch.setattr(sched.store, "pages_available", lambda need: True)
+    seqs = [sequence(i, prompt_len=n, max_tokens=24) for i, n in enumerate([30, 20, 10, 25])]
+    for seq in seqs:
+        sched.add(seq)
+    for _ in range(400):
+        if not sched.has_work():
+            break
+        run_step(sched)
+    assert not sched.has_work()
+    assert all(s.tokens[len(s.request.prompt) :] == [7] * 24 for s in seqs)
+    assert sum(s.request.metrics.num_preemptions for s in seqs) > 0
+    assert sched.store.cache.pool.stats().used_pages - sched.store.cache.pool.reclaimable_pages() == 0

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import OutOfPagesError
 from .policies import admission_queue, preemption_policy
 from .sequence import Request, Sequence, Status
 
@@ -128,7 +129,9 @@ class Scheduler:
             n = min(seq.remaining, budget)
             if not self._make_room(seq, n, scheduled):
                 continue
-            self.store.extend([seq.handle], n)
+            if not self._try_extend([seq.handle], n):
+                self._preempt(seq)
+                continue
             plan.prefills.append((seq, seq.num_computed, n))
             scheduled.add(seq)
             budget -= n
@@ -146,9 +149,23 @@ class Scheduler:
             self._preempt(victim)
             if victim in decodes:
                 decodes.remove(victim)
-        self.store.extend([s.handle for s in decodes], 1)
+        while decodes and not self._try_extend([s.handle for s in decodes], 1):
+            victim = self.victims.victim(self.running)
+            self._preempt(victim)
+            if victim in decodes:
+                decodes.remove(victim)
         plan.decodes = decodes
         return len(decodes)
+
+    def _try_extend(self, handles: list, n: int) -> bool:
+        """extend, or False when the pages were gone by the time it ran (nothing changed). Only in a shared
+        budget: pages_available counts what the budget would grant, and another process may take that between
+        the check and the extend; in a pool of its own the check is exact."""
+        try:
+            self.store.extend(handles, n)
+        except OutOfPagesError:
+            return False
+        return True
 
     def _make_room(self, seq: Sequence, n: int, scheduled: set) -> bool:
         """Pages for seq to compute n more tokens, preempting the victims the preemption policy picks among the
@@ -209,7 +226,9 @@ class Scheduler:
             if not store.pages_available(need + headroom) or (self.running and not store.within_share(need)):
                 store.free(handle)
                 break
-            store.extend([handle], n)
+            if not self._try_extend([handle], n):
+                store.free(handle)
+                break
             self.waiting.pop()
             seq.handle, seq.slot, seq.num_computed = handle, store.slot(handle), hit
             self._to_running(seq)
