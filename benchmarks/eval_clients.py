@@ -232,7 +232,9 @@ def run_langchain(base_url: str, prompts: int) -> dict:
         for _ in range(prompts)
     ]
     tool_prompts = [
-        rng.choice([f"What is the weather in {rng.choice(cities)}?", f"Add {rng.randint(1, 99)} and {rng.randint(1, 99)}."])
+        rng.choice(
+            [f"What is the weather in {rng.choice(cities)}?", f"Add {rng.randint(1, 99)} and {rng.randint(1, 99)}."]
+        )
         for _ in range(prompts)
     ]
     report = {}
@@ -249,7 +251,11 @@ def run_langchain(base_url: str, prompts: int) -> dict:
                 ok += 1
             else:
                 failures.append(str(got["parsing_error"] or got["raw"])[:300])
-        report[f"with_structured_output[{method}]"] = {"prompts": len(person_prompts), "valid": ok, "failures": failures}
+        report[f"with_structured_output[{method}]"] = {
+            "prompts": len(person_prompts),
+            "valid": ok,
+            "failures": failures,
+        }
     bound = llm.bind_tools([get_weather, add], tool_choice="required")
     schemas = {"get_weather": Weather, "add": Sum}
     ok, failures = 0, []
