@@ -179,6 +179,19 @@ def test_penalties_and_logit_bias_are_honoured(served, client):
     assert rep.choices[0].finish_reason in ("stop", "length")
 
 
+def test_bad_words_are_kept_out_of_the_output(served, client):
+    srv, engine, ref, tok, h = served
+    base = dict(model=NAME, prompt="the cat sees", max_tokens=6, temperature=0)
+    plain = client.completions.create(**base).choices[0].model_extra["token_ids"]
+    words = tok.convert_ids_to_tokens(sorted(set(plain)))
+    out = client.completions.create(**base, extra_body={"bad_words": words}).choices[0].model_extra["token_ids"]
+    assert len(out) == 6 and not set(out) & set(plain)
+    chat = dict(model=NAME, messages=[{"role": "user", "content": "the cat"}], max_tokens=4, temperature=0)
+    said = client.chat.completions.create(**chat).choices[0].message.content.split()
+    again = client.chat.completions.create(**chat, extra_body={"bad_words": said[:1]})
+    assert said[0] not in again.choices[0].message.content.split()
+
+
 def test_model_retrieve_tokenize_and_detokenize(served, client):
     srv, engine, ref, tok, h = served
     card = client.models.retrieve(NAME)
@@ -244,6 +257,11 @@ COMP = {"model": NAME, "prompt": "the cat", "max_tokens": 2}
         ("/v1/completions", {"logit_bias": {"1": 200}}, "logit_bias"),
         ("/v1/completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/completions", {"bad_words": "cat"}, "bad_words"),
+        ("/v1/completions", {"bad_words": [3]}, "bad_words"),
+        ("/v1/completions", {"bad_words": [" "]}, "bad_words"),
+        ("/v1/chat/completions", {"bad_words": ["x" * 300]}, "bad_words"),
+        ("/v1/chat/completions", {"bad_words": ["cat"] * 65}, "bad_words"),
     ],
 )
 def test_bad_values_get_a_400_naming_the_field(served, path, extra, param):

@@ -85,6 +85,27 @@ FIELDS = [
     "guided_json",
     "guided_regex",
     "guided_choice",
+    "bad_words",
+]
+# The fields of the API issue (#39): a bad value of one of them alone is a 400 whose param names it.
+NEW_FIELDS = [
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "logit_bias",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "bad_words",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "tools",
+    "tool_choice",
 ]
 
 
@@ -160,3 +181,26 @@ def test_random_bodies_get_no_5xx_and_leave_no_state(served, path):
     assert s.live_kv_tokens == 0
     assert s.kv_used_pages == s.kv_dormant_pages, s  # only pages kept for reuse remain taken
     assert srv.app.state.engine_loop.step_failures == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_bad_value_of_a_new_field_is_a_400_naming_it(served, path):
+    srv, engine, client = served
+
+    @settings(
+        max_examples=100,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=False,
+        database=None,
+    )
+    @given(st.sampled_from(NEW_FIELDS), values)
+    def check(name, value):
+        raw = json.dumps({**base(path), name: value}).encode()
+        resp = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert resp.status_code < 500, (raw[:300], resp.status_code, resp.text[:300])
+        if resp.status_code >= 400:
+            assert resp.status_code == 400, (raw[:300], resp.text[:300])
+            assert resp.json()["error"]["param"] == name, (raw[:300], resp.text[:300])
+
+    check()

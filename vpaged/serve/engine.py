@@ -27,6 +27,7 @@ from ..hf.compat import serving_support
 from ..hf.fused import fuse_modules
 from ..hf.prepack import prepack_linears, prepack_supported
 from ..kvcache.geometry import KVGeometry
+from .bad_words import resolve_bad_words
 from .config import EngineConfig
 from .logprobs import record_prompt_logprobs, token_logprobs
 from .models import attention_window, load_model, model_geometry
@@ -208,6 +209,7 @@ class LLMEngine:
             raise InvalidArgumentError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
         if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:
             raise InvalidArgumentError(f"logit_bias token ids must lie in 0..{self.vocab_size - 1}")
+        params = resolve_bad_words(params, self.tokenizer, self.vocab_size)  # words -> the token ids banned
         if params.structured is not None:
             self.grammars.compile(params.structured)  # refused here if it cannot compile; cached for the steps
         tokens = self._prompt_tokens(prompt)

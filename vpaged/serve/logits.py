@@ -1,5 +1,5 @@
-"""Logit controls of the batched sampler: logit_bias, min_tokens, repetition / frequency / presence penalties,
-each per request, for the rows of one step at once.
+"""Logit controls of the batched sampler: logit_bias, min_tokens, bad_words, repetition / frequency / presence
+penalties, each per request, for the rows of one step at once.
 
 Applied in that order (vLLM's: the logits processors, then the penalties), before temperature, top-k and
 top-p. Rows whose request asks for none of them are not touched, so a batch costs nothing here unless one of
@@ -40,6 +40,7 @@ def apply_controls(
         if len(tokens) - prompt_len < p.min_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             banned += [(r, t) for t in stops if t < vocab]
+        banned += [(r, t) for t in banned_next_tokens(p.bad_words_token_ids, tokens, prompt_len) if t < vocab]
     if banned:
         r, t = zip(*banned)
         sub[_long(r, device), _long(t, device)] = float("-inf")
@@ -55,6 +56,18 @@ def apply_controls(
         sub = sub - freq * counts - pres * (counts > 0).float()
     out = logits.float() if logits.dtype != torch.float32 else logits.clone()
     return out.index_copy(0, torch.tensor(rows, device=device), sub)
+
+
+def banned_next_tokens(sequences, tokens: Sequence[int], prompt_len: int) -> list[int]:
+    """The tokens that would complete one of the bad sequences next: the last token of each sequence whose
+    other tokens are the end of the output, tokens[prompt_len:] (every one-token sequence). The prompt does not
+    count: a bad word the prompt ends with may be completed, as in vLLM."""
+    out = []
+    for seq in sequences:
+        head = len(seq) - 1
+        if head == 0 or (len(tokens) - prompt_len >= head and tuple(tokens[len(tokens) - head :]) == tuple(seq[:head])):
+            out.append(seq[-1])
+    return out
 
 
 def _long(values, device) -> torch.Tensor:

@@ -35,6 +35,27 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+def _bad_words(words) -> tuple[str, ...]:
+    """bad_words as a tuple of strings with something besides whitespace (a lone str is refused: it is
+    almost always a missing list)."""
+    if isinstance(words, str) or not isinstance(words, (list, tuple)):
+        raise InvalidArgumentError(f"bad_words must be a list of strings, got {words!r}")
+    if any(not isinstance(w, str) or not w.strip() for w in words):
+        raise InvalidArgumentError(f"bad_words must be non-blank strings, got {words!r}")
+    return tuple(words)
+
+
+def _bad_sequences(sequences) -> tuple[tuple[int, ...], ...]:
+    """bad_words_token_ids as a tuple of non-empty tuples of token ids >= 0."""
+    try:
+        out = tuple(tuple(s) for s in sequences)
+    except TypeError:
+        raise InvalidArgumentError(f"bad_words_token_ids must be a list of token id lists, got {sequences!r}") from None
+    if any(not s or not all(_is_int(t) and t >= 0 for t in s) for s in out):
+        raise InvalidArgumentError(f"bad_words_token_ids must be non-empty lists of ids >= 0, got {sequences!r}")
+    return out
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """
@@ -60,6 +81,10 @@ class SamplingParams:
     logit_bias: {token id: bias in [-100, 100]} added to the logits (kept as sorted (id, bias) pairs).
     min_tokens: the EOS and stop tokens cannot be drawn before this many tokens are generated.
     structured: a GrammarSpec the output must follow (structured.py; needs xgrammar and a tokenizer).
+    bad_words: strings the output must not contain (vLLM's field). The engine tokenizes each word, with and
+        without a leading space, into bad_words_token_ids when the request is added (bad_words.py).
+    bad_words_token_ids: token sequences the output must not contain: the last token of a sequence cannot be
+        drawn while the output ends with the tokens before it (always, for a one-token sequence).
     """
 
     max_tokens: int = 16
@@ -78,6 +103,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     min_tokens: int = 0
     structured: GrammarSpec | None = None
+    bad_words: tuple[str, ...] = field(default=())
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=())
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -130,6 +157,8 @@ class SamplingParams:
             raise InvalidArgumentError(f"min_tokens must be an int in 0..max_tokens, got {self.min_tokens!r}")
         if self.structured is not None and not isinstance(self.structured, GrammarSpec):
             raise InvalidArgumentError(f"structured must be a GrammarSpec or None, got {self.structured!r}")
+        object.__setattr__(self, "bad_words", _bad_words(self.bad_words))
+        object.__setattr__(self, "bad_words_token_ids", _bad_sequences(self.bad_words_token_ids))
 
     @property
     def adjusts_logits(self) -> bool:
@@ -140,6 +169,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.bad_words_token_ids
         )
 
     @property

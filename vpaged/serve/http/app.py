@@ -189,7 +189,7 @@ class _Server:
             raise
         except VPagedError as e:  # the engine refused this request (too long, bad parameters, ...)
             raise RequestError(
-                str(e), param="prompt" if "prompt" in type(e).__name__.lower() else None, code=type(e).__name__
+                str(e), param=proto.refused_param(e, req.model_fields_set), code=type(e).__name__
             ) from None
         return gen
 

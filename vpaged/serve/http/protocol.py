@@ -24,6 +24,8 @@ from ...errors import RequestError
 from ..params import MAX_LOGPROBS
 
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias one request may give
+MAX_BAD_WORDS = 64  # bad_words one request may give
+MAX_BAD_WORD_CHARS = 256  # the length of each
 
 
 def error_body(
@@ -57,6 +59,7 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    bad_words: list[str] | None = None
     # OpenAI fields the engine does not implement: accepted only at their neutral value.
     best_of: int | None = None
     # Structured output and tool calling: refused when given (see unsupported()).
@@ -87,6 +90,13 @@ class _Sampling(BaseModel):
         _check_logprobs_count("prompt_logprobs", self.prompt_logprobs)
         if self.logit_bias is not None:
             self.token_bias()
+        if self.bad_words is not None:
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                raise RequestError(f"at most {MAX_BAD_WORDS} bad_words", param="bad_words")
+            if any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+                raise RequestError(
+                    f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} characters", "bad_words"
+                )
 
     def token_bias(self) -> dict[int, float]:
         """logit_bias with its keys as token ids (JSON keys are strings)."""
@@ -269,6 +279,15 @@ async def read_request(request, cls):
     return _decode_and_validate(cls, raw)
 
 
+def refused_param(error: Exception, fields) -> str | None:
+    """The request field an engine's refusal is about: "prompt" for a prompt error, else the field its message
+    starts with when that is one of `fields` (the engine's messages name the field first)."""
+    if "prompt" in type(error).__name__.lower():
+        return "prompt"
+    first = str(error).split(" ", 1)[0]
+    return first if first in fields else None
+
+
 def _check_logprobs_count(name: str, k: int | None) -> None:
     if k is not None and not 0 <= k <= MAX_LOGPROBS:
         raise RequestError(f"{name} must be in 0..{MAX_LOGPROBS}, got {k}", param=name)
@@ -292,6 +311,8 @@ def sampling_kwargs(req: _Sampling, max_tokens: int) -> dict:
             kw[name] = getattr(req, name)
     if req.logit_bias:
         kw["logit_bias"] = req.token_bias()
+    if req.bad_words:
+        kw["bad_words"] = tuple(req.bad_words)
     kw["logprobs"] = req.logprobs_count()
     kw["prompt_logprobs"] = req.prompt_logprobs_count()
     return kw
