@@ -65,7 +65,7 @@
 #   test:decode_quant     35    33: fixed + 108 quantized cases (~0.1 s each on an idle 16-core host)
 #   test:decode_kernels   30    27: fixed + kernels at several geometries (~10)
 #   test:torch_allocator  25    22: fixed + MemPool scopes, graph captures (~5)
-#   test:cuda_cache       20    20: the same fixed 15-25 + tests (~4)
+#   test:cuda_cache       20    20: the same fixed 15-25 + tests (~4; the vLLM plugin's buffer on CUDA ~1)
 #   test:serve_engine     35    33: fixed + transformers (~8) + two models and hundreds of steps (~10)
 #   serve:cli             30    28: a tiny model saved (transformers, ~8), the server's start (~10), one
 #                                   request (~2), shutdown

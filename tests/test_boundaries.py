@@ -22,6 +22,11 @@ THIRD_PARTY = {
     "_reorder_linear_weight": "torch's oneDNN weight packing (inductor's freezing pass emits it); hf/prepack.py",
     "_linear_pointwise": "torch's oneDNN matmul on a packed weight (inductor's freezing pass emits it); hf/prepack.py",
     "_version": "torch's version counter of a tensor: hf/prepack.py repacks a weight changed in place",
+    "_maybe_evict_cached_block": "vLLM 0.32's BlockPool: the only call that drops a free block's prefix-cache "
+    "entry (integrations/vllm/budget.py gives back the pages of blocks kept only as prefix cache)",
+    "_TP": "vLLM's tensor-parallel group, None before it is set up: the public getter asserts instead "
+    "(integrations/vllm/patches.py declines TP > 1)",
+    "_PP": "vLLM's pipeline-parallel group, read as _TP is (integrations/vllm/patches.py declines PP > 1)",
 }
 
 

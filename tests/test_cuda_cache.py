@@ -7,13 +7,16 @@ the same data, cloned out of the cache before anything changes it.
 
 import gc
 import os
+import random
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_vllm_plugin import _reference_pages
 
 import vpaged
 from vpaged import _C
+from vpaged.integrations.vllm.backing import BlockGeometry, KVBacking, make_pool
 
 REASON = _C.cuda_unavailable_reason(0) or ("" if torch.cuda.is_available() else "torch has no CUDA")
 # A mark, not a module-level skip: the fake-driver tests import this module to run its scenarios.
@@ -306,3 +309,44 @@ def test_reclaim_during_a_real_graph_capture_skips_unmapping(gen):
     assert second.seq_len(seq) == page_tokens and first.stats().dormant_pages < dormant
     second.close()
     first.close()
+
+
+# ---- the vLLM plugin's KV buffer (vpaged.integrations.vllm.backing) on a CUDA range; vLLM itself is not needed
+def test_vllm_plugin_blocks_on_a_gpu_keep_their_data_while_held():
+    """The CUDA path: the tensor vLLM gets over a CUDA range, blocks mapped and released at random, data
+    written and read through torch on the device (tests/test_vllm_plugin_fake.py checks the
+    same bookkeeping without a GPU)."""
+    rng = random.Random()
+    seed = rng.randrange(2**32)
+    rng.seed(seed)
+    pool = make_pool(1, "cuda")  # one page, to learn the device's page size
+    page = pool.page_size
+    del pool
+    blocks, layers, block_bytes = rng.randint(16, 48), rng.randint(1, 3), rng.choice([page // 4, page, page + 4096])
+    geom = BlockGeometry(0, block_bytes * blocks, block_bytes, block_bytes, layers, blocks)
+    nbytes = layers * blocks * block_bytes
+    backing = KVBacking(nbytes, [geom], make_pool(nbytes, "cuda"), "cuda")
+    t = backing.tensor
+    assert t.is_cuda and t.numel() == nbytes
+    held: dict[int, int] = {}
+    for _ in range(30):
+        if rng.random() < 0.6 or not held:
+            new = rng.sample(range(blocks), rng.randint(1, 4))
+            backing.map_blocks(new)
+            for b in new:
+                if b not in held:
+                    held[b] = rng.randint(1, 100)
+                    for start, end in geom.spans(b):
+                        t[start:end] = held[b]
+        else:
+            gone = rng.sample(sorted(held), rng.randint(1, len(held)))
+            backing.release_blocks(gone)  # waits for the current stream before unmapping
+            for b in gone:
+                del held[b]
+        assert backing.stats().mapped_bytes == len(_reference_pages([geom], held, page)) * page, seed
+        for b, value in held.items():
+            for start, end in geom.spans(b):
+                assert bool(torch.all(t[start:end] == value)), seed
+    backing.release_blocks(range(blocks))
+    torch.cuda.synchronize()
+    assert backing.stats().mapped_bytes == 0

@@ -1,7 +1,7 @@
 """The vLLM plugin's KV backing on the CUDA backend without a GPU: the same per-block map and release that
 the plugin's hooks drive (vpaged/integrations/vllm/backing.py), on a CUDA pool, through the fake driver
 (tests/fake_cuda). The tensor vLLM would get needs a CUDA build of torch, so these checks read and write
-the pages through their (host) addresses; test_vllm_plugin.py's GPU-marked test covers the tensor.
+the pages through their (host) addresses; test_cuda_cache.py's GPU-marked test of the backing covers the tensor.
 
 The checks run as test_cuda_backend_fake.py runs its own (one child under the fake driver, a fresh fork
 per check, no driver object left behind); this module only adds its checks to that runner's table."""
