@@ -29,6 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * 16  # layers * (K, V) * kv heads * head dim * fp32 * 16 tokens
 
@@ -150,7 +153,7 @@ def main() -> None:
     arrivals = schedule(args.bursts, args.burst_requests, args.rate, args.gap_s, args.seed)
     (work / "arrivals.json").write_text(json.dumps(arrivals))
     budget_name = f"vpaged-elastic-{os.getpid()}"
-    report = {"cpu": _cpu_name(), "settings": vars(args), "budget_bytes": args.budget_blocks * BLOCK_BYTES}
+    report = {"cpu": machine()["cpu"], "settings": vars(args), "budget_bytes": args.budget_blocks * BLOCK_BYTES}
     for mode in ("static", "shared"):
         budget = SharedBudget.create(budget_name, args.budget_blocks * BLOCK_BYTES) if mode == "shared" else None
         try:
@@ -174,14 +177,6 @@ def main() -> None:
     print(json.dumps({k: v for k, v in report.items() if k not in ("static", "shared")}, indent=1))
     for mode in ("static", "shared"):
         print(mode, json.dumps({k: v for k, v in report[mode].items() if k != "runs"}))
-
-
-def _cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_S = 0.1
 
@@ -127,7 +130,7 @@ def summarize(rounds: list[dict], settings: dict) -> dict:
     on_falls = [f for r in rounds for f in r["on"]["falls"]]
     mib = 2**20
     return {
-        "cpu": _cpu_name(),
+        "cpu": machine()["cpu"],
         "settings": settings,
         "tokens_per_s_median": {n: statistics.median(r[n]["tokens_per_s"] for r in rounds) for n in ("off", "on")},
         "throughput_on_over_off_per_round": ratios,
@@ -229,14 +232,6 @@ def _write(out: Path, summary: dict, rounds: list[dict]) -> None:
     out.with_suffix(".json").write_text(json.dumps({"summary": summary, "rounds": rounds}))
     svg(rounds[-1], out.with_suffix(".svg"))
     print(json.dumps(summary, indent=1))
-
-
-def _cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":
