@@ -65,6 +65,23 @@ def save_model_with_tokenizer(path, spec: str = "random:llama-tiny", chat_templa
     return model, tok
 
 
+def tiny_engine_and_reference(kv_budget_bytes: int = 8 << 20):
+    """(LLM, model): an engine on random:llama-tiny and the same seeded weights on SDPA, to check the engine's
+    tokens against a step-by-step forward; torch on one thread. Skips where transformers is missing or its
+    release cannot serve."""
+    pytest.importorskip("transformers")
+    from vpaged.hf.compat import serving_support
+    from vpaged.serve import LLM, load_model
+
+    ok, why = serving_support()
+    if not ok:
+        pytest.skip(why)
+    torch.set_num_threads(1)
+    reference = load_model("random:llama-tiny")[0]
+    reference.set_attn_implementation("sdpa")
+    return LLM("random:llama-tiny", kv_budget_bytes=kv_budget_bytes), reference
+
+
 @torch.no_grad()
 def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy tokens of the plain transformers forward with its DynamicCache, one request, EOS neither stopping

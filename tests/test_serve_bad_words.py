@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from serve_helpers import tiny_engine_and_reference
 
 from vpaged.errors import InvalidArgumentError
 from vpaged.serve import SamplingParams
@@ -126,17 +127,7 @@ def test_bad_values_are_refused(kw):
 
 @torch.no_grad()
 def test_engine_greedy_with_bad_sequences_matches_a_token_by_token_reference(prng):
-    pytest.importorskip("transformers")
-    from vpaged.hf.compat import serving_support
-    from vpaged.serve import LLM, load_model
-
-    ok, why = serving_support()
-    if not ok:
-        pytest.skip(why)
-    torch.set_num_threads(1)
-    reference = load_model("random:llama-tiny")[0]
-    reference.set_attn_implementation("sdpa")
-    llm = LLM("random:llama-tiny", kv_budget_bytes=8 << 20)
+    llm, reference = tiny_engine_and_reference()
     prompts = [[prng.randrange(3, 500) for _ in range(prng.randint(3, 16))] for _ in range(6)]
     base = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
     plain = llm.generate(prompts, [SamplingParams(**base)] * len(prompts))

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from serve_helpers import tiny_engine_and_reference
 
 from vpaged.errors import InvalidArgumentError
 from vpaged.serve import SamplingParams
@@ -122,17 +123,7 @@ def test_bad_control_values_are_refused(kw):
 
 @torch.no_grad()
 def test_engine_greedy_with_penalties_matches_a_token_by_token_reference(prng):
-    pytest.importorskip("transformers")
-    from vpaged.hf.compat import serving_support
-    from vpaged.serve import LLM, load_model
-
-    ok, why = serving_support()
-    if not ok:
-        pytest.skip(why)
-    torch.set_num_threads(1)
-    reference = load_model("random:llama-tiny")[0]
-    reference.set_attn_implementation("sdpa")
-    llm = LLM("random:llama-tiny", kv_budget_bytes=8 << 20)
+    llm, reference = tiny_engine_and_reference()
     vocab = reference.config.vocab_size
     prompts = [[prng.randrange(3, 500) for _ in range(prng.randint(3, 20))] for _ in range(6)]
     params = []
