@@ -379,9 +379,14 @@ void VirtualRange::assign(const std::vector<int64_t>& indices, const std::vector
   // A mapped index changes: kernels reading it must be done first.
   if (std::any_of(olds.begin(), olds.end(), [](PageId p) { return p >= 0; })) wait_for_streams_locked();
   pool_->incref_all(held);  // hold every incoming page so none is freed while indices change hands
-  std::unique_ptr<bool[]> lost(new bool[at.size()]());
+  pool_->decref_all(remap_held_locked(at, olds, news));
+}
+
+std::vector<PageId> VirtualRange::remap_held_locked(const std::vector<size_t>& at, const std::vector<PageId>& olds,
+                                                    const std::vector<PageId>& news) {
+  std::unique_ptr<bool[]> lost(new bool[at.size() + 1]());
   try {
-    pool_->backend().remap(va_, at.data(), olds.data(), news.data(), at.size(), lost.get());
+    if (!at.empty()) pool_->backend().remap(va_, at.data(), olds.data(), news.data(), at.size(), lost.get());
   } catch (...) {
     drop_after_failed_remap(at, olds, news, lost.get());
     throw;
@@ -397,7 +402,7 @@ void VirtualRange::assign(const std::vector<int64_t>& indices, const std::vector
     }
     if (news[k] >= 0) ++mapped_;
   }
-  pool_->decref_all(dropped);
+  return dropped;
 }
 
 std::vector<size_t> VirtualRange::in_place_order(const std::vector<int64_t>& src, const std::vector<int64_t>& count,
@@ -524,23 +529,7 @@ size_t VirtualRange::reorder_runs(const std::vector<int64_t>& dst, const std::ve
   for (PageId p : news)
     if (p >= 0) held.push_back(p);
   pool_->incref_all(held);  // every incoming page is held while indices change hands
-  std::unique_ptr<bool[]> lost(new bool[at.size() + 1]());
-  try {
-    if (!at.empty()) pool_->backend().remap(va_, at.data(), olds.data(), news.data(), at.size(), lost.get());
-  } catch (...) {
-    drop_after_failed_remap(at, olds, news, lost.get());
-    throw;
-  }
-  std::vector<PageId> dropped;
-  dropped.reserve(at.size());
-  for (size_t k = 0; k < at.size(); ++k) {
-    table_[at[k]] = news[k];
-    if (olds[k] >= 0) {
-      dropped.push_back(olds[k]);
-      --mapped_;
-    }
-    if (news[k] >= 0) ++mapped_;
-  }
+  const std::vector<PageId> dropped = remap_held_locked(at, olds, news);
   // The copies come after the remap (which is what can fail for lack of mappings) and before the replaced pages
   // lose their references: a copy may read one of them.
   try {

@@ -132,6 +132,11 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
                                             const std::vector<int64_t>& tail_index);
   // After a Backend::remap that failed: drop the references taken on `pages`, except where the backend lost an
   // index (it is unmapped then, and its pages keep their references).
+  // Remap the indices `at` from olds to news (the incoming pages already hold a reference for them) and commit
+  // the table and the mapped count; returns the replaced pages, whose references the caller drops. On a failed
+  // remap, drop_after_failed_remap, then the error.
+  std::vector<PageId> remap_held_locked(const std::vector<size_t>& at, const std::vector<PageId>& olds,
+                                        const std::vector<PageId>& news);
   void drop_after_failed_remap(const std::vector<size_t>& at, const std::vector<PageId>& olds,
                                const std::vector<PageId>& pages, const bool* lost);
   // Map pages (in order) over runs of indices; on failure unmap what was mapped, drop the caller's page
