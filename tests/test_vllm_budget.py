@@ -142,6 +142,39 @@ def test_plan_caps_the_blocks_to_what_the_budget_can_map(budget_name, monkeypatc
     del other_range
 
 
+def test_plan_takes_a_partial_grant_when_the_demand_exceeds_the_headroom(budget_name, monkeypatch):
+    """A step's demand counts every prompt it could admit; when that is more than the budget has room for,
+    the plan still takes the room there is (an all-or-nothing grant left two engines starved next to free
+    pages), and the cap lets vLLM start what fits."""
+    monkeypatch.setattr(budget_member, "IDLE_RELEASE_S", 3600.0)
+    rng = random.Random()
+    seed = rng.randrange(2**32)
+    rng.seed(seed)
+    capacity = rng.randint(24, 48)
+    SharedBudget.create(budget_name, capacity * PAGE)
+    other = PagePool("cpu", capacity_pages=capacity, shared_budget=budget_name)
+    taken = rng.randint(1, capacity // 2)
+    assert other.ensure_free(taken)
+    other_range = other.new_range(taken * PAGE)
+    other_range.map_new(list(range(taken)))
+    n = 512
+    geom, nbytes = layer_major(n)
+    pool = PagePool("cpu", capacity_pages=nbytes // PAGE, shared_budget=budget_name, zero_on_reuse=True)
+    backing = KVBacking(nbytes, [geom], pool)
+    room = pool.budget.headroom_pages()
+    assert 0 < room <= capacity - taken, seed
+    # Prompts worth several times the room, the first of them small enough to fit in it.
+    prompts = [16 * rng.randint(1, room)] + [16 * rng.randint(room, 4 * room) for _ in range(rng.randint(3, 6))]
+    sched = scheduler(0, prompts, free_order=list(range(1, n)))
+    assert demand_pages(sched, backing) > room, seed
+    cap = SchedulerCap()
+    plan_step(sched, backing, cap)
+    assert pool.free_pages() == room, seed  # the whole room, not nothing
+    assert cap.blocks >= head_blocks(sched), seed
+    backing.map_blocks(range(1, 1 + cap.blocks))  # what the cap allowed maps without waiting
+    del other_range
+
+
 def test_reclaimer_gives_back_only_free_prefix_cached_blocks():
     rng = random.Random()
     seed = rng.randrange(2**32)

@@ -84,7 +84,14 @@ def plan_step(scheduler, backing: KVBacking, cap: SchedulerCap) -> None:
     pool = backing.pool
     short = demand_pages(scheduler, backing) - pool.free_pages()
     if short > 0:
-        short -= pool.reclaim(short)
+        # Grant what there is room for, even short of the demand: the demand counts every prompt one step
+        # could admit, often more than the whole budget's headroom, and an all-or-nothing grant gave none;
+        # two engines short at once then each waited, starved, for pages the budget had free.
+        room = pool.budget.headroom_pages()
+        if room > 0:
+            short -= pool.budget.grow(pool.free_pages() + min(short, room))
+    if short > 0:
+        short -= pool.reclaim_clients(short)  # this engine's own prefix-cached blocks
     order = next_free_blocks(scheduler.kv_cache_manager.block_pool, FIT_SCAN_BLOCKS)
     cap.blocks = backing.blocks_that_fit(order, pool.free_pages())
     cap.taken = 0

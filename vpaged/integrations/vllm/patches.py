@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 
-from .backing import BlockGeometry, KVBacking, make_pool
+from .backing import BlockGeometry, KVBacking, block_page_size, make_pool
 from .budget import DormantBlockReclaimer, SchedulerCap, plan_step
 from .guard import MAP_ENV, layout_refusal, parallel_refusal, warn_once
 
@@ -182,6 +182,17 @@ def _parallel_sizes() -> tuple[int, int]:
     return tp, pp
 
 
+def _model_name() -> str:
+    """The served model's name, for `vpaged budget show` ("" outside a vLLM config context)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        return str(config.model_config.model or "") if config is not None and config.model_config else ""
+    except Exception:  # no config set (a test), or a vLLM that moved it: the name is only a label
+        return ""
+
+
 def _allocate_on_vpaged(kv_cache_config, device, layout, kernel_block_sizes):
     import os
 
@@ -201,7 +212,8 @@ def _allocate_on_vpaged(kv_cache_config, device, layout, kernel_block_sizes):
         )
         for t in kv_cache_config.kv_cache_tensors
     ]
-    backing = KVBacking(nbytes, geometries, make_pool(nbytes, device), device)
+    pool = make_pool(nbytes, device, page_size=block_page_size(geometries, device), model=_model_name())
+    backing = KVBacking(nbytes, geometries, pool, device)
     STATE.map_mode = "all" if os.environ.get(MAP_ENV, "demand") == "all" else "demand"
     if STATE.map_mode == "all":
         backing.map_all()
@@ -317,6 +329,11 @@ def make_scheduler_hooks(scheduler_cls, block_pool_cls):
             backing.pool.client_lock.acquire()
             STATE.plan_held = backing.pool.client_lock
             STATE.drain()
+            # Between steps, no block is being read: answer the other members' asks here. The budget's
+            # give-back thread cannot evict this engine's prefix-cached blocks while a step runs (it would
+            # need the backing's lock, held through the forward), so a busy engine answered only with its
+            # free pages and the asking engine waited for it, seconds at a time.
+            backing.pool.answer_budget_asks()
             plan_step(self, backing, STATE.cap)
             try:
                 return schedule(self, *args, **kwargs)
