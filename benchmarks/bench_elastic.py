@@ -265,14 +265,14 @@ def overhead(args) -> dict:
     torch.set_num_threads(1)
     model, tok = load_model(args.models[0], dtype=torch.float32)
     prompts = random_prompts(args.overhead_requests, args.min_prompt, args.max_prompt, model.config.vocab_size)
-    work = Workload(prompts, [0.0] * len(prompts), args.max_tokens)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    work = Workload(prompts, [0.0] * len(prompts), args.overhead_max_tokens)
+    params = SamplingParams(max_tokens=args.overhead_max_tokens, temperature=0.0, ignore_eos=True)
     name = f"bench-overhead-{uuid.uuid4().hex[:8]}"
     SharedBudget.create(name, args.budget_bytes)
     rates = {"private": [], "shared": []}
     try:
-        for _ in range(args.repeats):
-            for mode in ("private", "shared"):
+        for k in range(args.repeats):
+            for mode in ("private", "shared") if k % 2 == 0 else ("shared", "private"):  # alternate who goes first
                 engine = LLMEngine(
                     model, tok, kv_budget_bytes=args.budget_bytes, max_num_seqs=args.max_num_seqs, cpu_prepack=False,
                     shared_budget=name if mode == "shared" else None,
@@ -282,10 +282,14 @@ def overhead(args) -> dict:
     finally:
         SharedBudget.remove(name)
     med = {m: statistics.median(v) for m, v in rates.items()}
-    out = {"tokens_per_s": rates, "median": med, "shared_over_private": med["shared"] / med["private"]}
+    paired = statistics.median(s / p for s, p in zip(rates["shared"], rates["private"]))
+    out = {
+        "requests": len(prompts), "max_tokens": args.overhead_max_tokens, "tokens_per_s": rates, "median": med,
+        "shared_over_private": med["shared"] / med["private"], "shared_over_private_paired": paired,
+    }  # fmt: skip
     print(
         f"one engine, no contention: private {med['private']:.1f} tok/s, shared {med['shared']:.1f} tok/s "
-        f"(x{out['shared_over_private']:.3f}, medians of {args.repeats})"
+        f"(x{out['shared_over_private']:.3f} of the medians, x{paired:.3f} paired per round; {args.repeats} rounds)"
     )
     return out
 
@@ -311,7 +315,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="runs of every arm, the order rotating each round")
     ap.add_argument("--quick", action="store_true", help="3 phases of 4 s")
     ap.add_argument("--overhead", action="store_true", help="also: one engine with and without a shared budget")
-    ap.add_argument("--overhead-requests", type=int, default=24)
+    ap.add_argument("--overhead-requests", type=int, default=64)
+    ap.add_argument("--overhead-max-tokens", type=int, default=128, help="long enough that a run is seconds, not noise")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output", default=None, help="write the results as JSON here (default: results/elastic_cpu.json)")
     ap.add_argument("--plot", default=None, help="write the memory-over-time plot here (PNG)")
