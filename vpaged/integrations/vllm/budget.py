@@ -99,6 +99,25 @@ def plan_step(scheduler, backing: KVBacking, cap: SchedulerCap) -> None:
         pool.budget.ask(short)
 
 
+def refit_after_free(scheduler_pool, backing: KVBacking, cap: SchedulerCap, drain, freed_pages: int) -> None:
+    """Within a schedule() call, after vLLM freed blocks (a preemption, an aborted request): give their
+    pages back to the pool now and widen the cap by the blocks that then fit. Without this the cap stayed
+    at the plan's count, vLLM found no room for the next block, preempted another request, and another,
+    until it had preempted all of them (measured: bursts of two engines on a shared budget waited 10-100 s,
+    recomputing). Freed blocks without a prefix-cache hash are unmapped by `drain`; those vLLM keeps as
+    prefix cache are evicted from it (this engine's own reclaimer) for up to the pages the freed blocks
+    held. No step is running (the scheduler's thread holds the cap's lock, and the backing's lock is
+    taken for each unmap)."""
+    drain()
+    pool = backing.pool
+    order = next_free_blocks(scheduler_pool, FIT_SCAN_BLOCKS)
+    fits = backing.blocks_that_fit(order, pool.free_pages())
+    if fits < len(order) and freed_pages > 0:
+        pool.reclaim_clients(freed_pages)
+        fits = backing.blocks_that_fit(order, pool.free_pages())
+    cap.blocks = cap.taken + fits
+
+
 class DormantBlockReclaimer:
     """The pool's Reclaimable client: pages of blocks that vLLM holds only as prefix cache."""
 

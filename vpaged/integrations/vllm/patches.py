@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 import weakref
 
 from .backing import BlockGeometry, KVBacking, block_page_size, make_pool
-from .budget import DormantBlockReclaimer, SchedulerCap, plan_step
+from .budget import DormantBlockReclaimer, SchedulerCap, plan_step, refit_after_free
 from .guard import MAP_ENV, layout_refusal, parallel_refusal, warn_once
 
 logger = logging.getLogger("vpaged.integrations.vllm")
@@ -49,6 +50,7 @@ class PluginState:
         self.released_since_trim = 0
         self.last_step = time.monotonic()
         self.cap = SchedulerCap()  # the shared budget's cap on the blocks schedule() hands out
+        self.freed_in_schedule = 0  # blocks vLLM freed since the cap was last fitted (inside schedule())
         self.reclaimer: DormantBlockReclaimer | None = None
         self.evict_when_idle = True
         self.plan_held = None  # the pool's client lock, held from schedule()'s plan to the step's map
@@ -285,6 +287,8 @@ def make_block_pool_hooks(block_pool_cls):
         blocks = list(ordered_blocks)
         free(self, blocks)
         STATE.note(b.block_id for b in blocks)
+        if STATE.cap.blocks is not None:  # inside a capped schedule(): the cap is fitted again (budget.py)
+            STATE.freed_in_schedule += len(blocks)
 
     @functools.wraps(evict)
     def _maybe_evict_cached_block(self, block):
@@ -335,13 +339,19 @@ def make_scheduler_hooks(scheduler_cls, block_pool_cls):
             # free pages and the asking engine waited for it, seconds at a time.
             backing.pool.answer_budget_asks()
             plan_step(self, backing, STATE.cap)
+            STATE.freed_in_schedule = 0
             try:
                 return schedule(self, *args, **kwargs)
             finally:
                 STATE.cap.blocks = None
+                STATE.freed_in_schedule = 0
 
     @functools.wraps(num_free)
     def get_num_free_blocks(self):
+        if STATE.freed_in_schedule and STATE.cap.blocks is not None and STATE.backing is not None:
+            freed, STATE.freed_in_schedule = STATE.freed_in_schedule, 0
+            backing = STATE.backing
+            refit_after_free(self, backing, STATE.cap, STATE.drain, math.ceil(freed * backing.pages_per_block()))
         return STATE.cap.limit(num_free(self))
 
     @functools.wraps(get_new)
