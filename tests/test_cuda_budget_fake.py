@@ -216,6 +216,48 @@ def test_a_failed_re_create_raises_out_of_pages_and_changes_nothing(drv, rng):
     r.unmap(list(range(2 + want)))
 
 
+@check()
+def test_random_acquire_free_trim_and_limit_keep_data_and_device_memory_within_the_limit(drv, rng):
+    """Random acquire / free / trim / set_limit on a CUDA pool against a plain model (page -> bytes written):
+    pages in use keep their bytes, newly handed out pages read zero (zero_on_reuse), and the pages with device
+    memory are the fake's live allocations, never above the limit, and exactly those in use after a trim."""
+    g = drv.granularity
+    n = 8
+    backend, pool = fake.make_pool(drv, n, 0, batch=int(rng.integers(1, 5)))
+    pool.zero_on_reuse = True
+    held: dict = {}  # page in use -> what was written into it
+    for _ in range(40):
+        op = rng.choice(["acquire", "free", "trim", "limit"])
+        if op == "acquire":
+            k = int(rng.integers(1, 4))
+            if len(held) + k > pool.limit:
+                with pytest.raises(OutOfPagesError):
+                    pool.acquire(k)
+                continue
+            for page in pool.acquire(k):
+                assert page not in held and not fake.page_contents(pool, page).any()
+                held[page] = fake.random_bytes(rng, g)
+                pool.copy_from_host(page, held[page].ctypes.data)
+            backend.synchronize()
+        elif op == "free" and held:
+            gone = [p for p in held if rng.random() < 0.5]
+            pool.decref_all(gone)
+            for p in gone:
+                del held[p]
+        elif op == "trim":
+            free_ids = min(backend.page_ids, pool.limit) - len(held)  # ids created and free, within the limit
+            assert pool.trim() == free_ids
+            assert backend.created_pages == len(held)
+        elif op == "limit":
+            want = int(rng.integers(0, n + 1))
+            assert pool.set_limit(want) == max(want, len(held))
+        assert backend.created_pages <= pool.limit and backend.created_pages >= len(held)
+        assert device_memory(drv) == (backend.created_pages, backend.created_pages * g)
+        assert pool.stats().used_pages == len(held)
+        assert all(np.array_equal(fake.page_contents(pool, p), d) for p, d in held.items())
+    pool.decref_all(list(held))
+
+
 # ---------------------------------------------------------------------------------------------------
 # The shared budget over cuMemCreate allocations of one device
 
