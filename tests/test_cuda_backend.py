@@ -266,6 +266,36 @@ def test_out_of_pages_changes_nothing(gran):
 
 
 @pytest.mark.gpu
+def test_trim_gives_device_memory_back_and_released_pages_come_back_usable(torch_cuda):
+    """trim() releases the handles of free pages: the device's free memory (cudaMemGetInfo, torch's reading of
+    the driver) rises by their bytes; mapped again, they are re-created and hold what a kernel writes."""
+    torch = torch_cuda
+    gran = C.cuda_granularity(DEVICE)
+    n = 64  # 128 MiB at 2 MiB: far above what other allocations move during the test
+    backend, pool = make(gran, n, n)
+    vr = C.VirtualRange(pool, n * gran)
+    vr.map_new(list(range(n)))
+    first = fview(torch, vr, 0)
+    data = torch.rand(first.numel(), device="cuda")
+    first.copy_(data)
+    torch.cuda.synchronize()
+    vr.unmap(list(range(1, n)))
+    before = torch.cuda.mem_get_info(DEVICE)[0]
+    assert pool.trim() == n - 1 and backend.created_pages == 1
+    released = torch.cuda.mem_get_info(DEVICE)[0] - before
+    assert released >= (n - 1 - 4) * gran, f"only {released} bytes came back"
+    vr.map_new(list(range(1, n)))
+    assert backend.created_pages == n
+    rest = fview(torch, vr, 1, n_pages=n - 1)
+    fill = torch.randn(rest.numel(), device="cuda")
+    rest.copy_(fill)
+    torch.cuda.synchronize()
+    assert torch.equal(rest, fill) and torch.equal(first, data)
+    del first, rest
+    gc.collect()
+
+
+@pytest.mark.gpu
 def test_copies_round_trip_random_data(gran):
     backend, pool = make(gran, 4, 4)
     a, b = pool.acquire(2)

@@ -13,7 +13,9 @@ class Backend:
     @property
     def capacity_pages(self) -> int: ...
     @property
-    def created_pages(self) -> int: ...
+    def created_pages(self) -> int: ...  # pages with memory now (CUDA: live handles; host: every page)
+    @property
+    def page_ids(self) -> int: ...  # ids that exist (CUDA: created so far, released ones included)
     @property
     def map_calls(self) -> int: ...  # map calls issued to the OS or driver since creation
     @property
@@ -54,7 +56,7 @@ class PagePool:
     def refcount(self, page: int) -> int: ...
     def free_pages(self) -> int: ...
     def stats(self) -> PoolStats: ...
-    def trim(self) -> int: ...
+    def trim(self) -> int: ...  # free pages' memory back (CUDA: handles released); returns the pages free
     def set_limit(self, pages: int) -> int: ...  # clamped to [pages in use, capacity]; returns the limit set
     @property
     def limit(self) -> int: ...  # pages that may be in use at once (capacity unless lowered)

@@ -26,6 +26,20 @@
 //     the copy synchronous; pinned memory is needed for overlap.
 //   * Releasing the backend (last PagePool / range / view gone) unmaps the pool window and frees every
 //     page without synchronising: no stream may still be using any page at that point.
+//   * release_pages (PagePool::trim, a lowered pool limit) unmaps free pages from the pool window and
+//     releases their handles, also without synchronising: the pages are free, so by the rule above no work
+//     still touches them. (Waiting here would not be allowed anyway: the budget's give-back thread trims
+//     while the engine may be capturing a CUDA graph, and a device-wide wait would invalidate the capture.)
+//
+// GIVING MEMORY BACK. Page ids are a growing prefix (created_) of the pool window; each id with memory has
+// a handle (handles_[id] != 0) mapped at its window address. A free page keeps its handle (cuMemCreate is the
+// slow call), so device memory is only returned by release_pages, which the pool calls from trim() and when
+// a shared budget lowers its limit: the window mapping goes (one cuMemUnmap per run of consecutive ids), the
+// handle is released, and the id stays valid without memory ("released": handles_[id] == 0). Before the pool
+// hands a released id out again it calls ensure_backed, which creates a new handle, maps it at the same
+// window address and sets access; every id that check_page accepts has memory, so no copy, map or view can
+// reach a released page. Costs (A100, DESIGN.md): ~26 us of cuMemUnmap per run plus a cuMemRelease per page to
+// release; ~0.2 ms of cuMemCreate per page plus ~36 us of cuMemSetAccess per run to re-create.
 #include <memory>
 #include <string>
 
@@ -289,7 +303,10 @@ class CudaBackend final : public Backend {
       }
       // cuMemAddressReserve wants a power-of-two alignment; cuMemMap only needs granularity alignment.
       alignment_ = is_power_of_two(page_size) ? page_size : (is_power_of_two(granularity) ? granularity : 0);
-      handles_.assign(capacity_pages, 0);  // never resized again: readers index it without the lock
+      // Never resized again: readers index it without the lock (atomic: an id's handle changes when it is
+      // released and re-created, while other threads read other ids' handles).
+      handles_.reset(new std::atomic<CUmemGenericAllocationHandle>[capacity_pages]);
+      for (size_t i = 0; i < capacity_pages; ++i) handles_[i].store(0, std::memory_order_relaxed);
       check(d.cuMemAddressReserve(&window_, capacity_pages * page_size, alignment_, 0, 0),
             "cuMemAddressReserve(pool window)");
       create_pages(std::min(reserve_pages, capacity_pages));
@@ -307,7 +324,10 @@ class CudaBackend final : public Backend {
   int device_index() const override { return device_; }
   size_t page_size() const override { return page_size_; }
   size_t capacity_pages() const override { return capacity_pages_; }
-  size_t created_pages() const override { return created_.load(std::memory_order_acquire); }
+  // Pages with device memory now (live handles); page_ids(): the ids created so far, released ones included.
+  size_t created_pages() const override { return backed_.load(std::memory_order_acquire); }
+  size_t page_ids() const override { return created_.load(std::memory_order_acquire); }
+  bool keeps_freed_memory() const override { return true; }
 
   // Creates up to `count` handles (cuMemCreate is the slow call, ~0.2 ms each) and maps them into the
   // pool window, with one cuMemSetAccess for the whole new run. If device memory runs out part way,
@@ -337,20 +357,18 @@ class CudaBackend final : public Backend {
         failed = "cuMemMap(pool window)";
         break;
       }
-      handles_[id] = h;
+      handles_[id].store(h, std::memory_order_relaxed);
     }
     if (made > 0) {
       const CUdeviceptr run = window_ + first * page_size_;
       CUresult r = d.cuMemSetAccess(run, made * page_size_, &access_, 1);
       if (r != CUDA_SUCCESS) {
         d.cuMemUnmap(run, made * page_size_);
-        for (size_t i = first; i < first + made; ++i) {
-          d.cuMemRelease(handles_[i]);
-          handles_[i] = 0;
-        }
+        for (size_t i = first; i < first + made; ++i) d.cuMemRelease(handles_[i].exchange(0));
         throw BackendFailure(call_error("cuMemSetAccess(pool window)", r));
       }
       // Publish only fully usable pages: copies and map() check ids against created_.
+      backed_.fetch_add(made, std::memory_order_relaxed);
       created_.store(first + made, std::memory_order_release);
     }
     if (failed == nullptr) return;
@@ -364,9 +382,93 @@ class CudaBackend final : public Backend {
   }
 
   // No-op. Device memory has no equivalent of punching a hole: the memory of a handle lives until the
-  // handle is released, and releasing it would make the id unusable until a new cuMemCreate (~0.2 ms)
-  // and a new window mapping, defeating "create ahead of need". The page's data is left as it was.
+  // handle is released, and releasing every page as it goes free would cost a new cuMemCreate (~0.2 ms)
+  // and a new window mapping at each reuse, defeating "create ahead of need". The page's data is left as
+  // it was; release_pages gives the memory back when the pool trims.
   void discard_page(PageId page) override { check_page(page); }
+  void discard_pages(const PageId*, size_t) noexcept override {}
+
+  // Unmaps the pages from the pool window (one call per run of consecutive ids) and releases their handles.
+  // A run the driver refuses to unmap keeps its memory and stays usable.
+  size_t release_pages(PageId* pages, size_t n) noexcept override {
+    try {
+      std::lock_guard<std::mutex> lock(create_mu_);
+      std::vector<PageId> ids;
+      for (size_t i = 0; i < n; ++i)
+        if (has_memory(pages[i])) ids.push_back(pages[i]);
+      std::sort(ids.begin(), ids.end());
+      ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+      const Driver& d = driver();
+      ScopedContext current(context_->get());
+      for (size_t i = 0; i < ids.size();) {
+        const size_t j = run_end(ids, i);
+        if (d.cuMemUnmap(window_address(ids[i]), (j - i) * page_size_) == CUDA_SUCCESS) {
+          // Out of the window, the id has no memory from here on, whatever cuMemRelease answers (it fails
+          // only for a handle that is not live, which there is then nothing left to free for).
+          for (size_t k = i; k < j; ++k) d.cuMemRelease(handles_[ids[k]].exchange(0, std::memory_order_acq_rel));
+          backed_.fetch_sub(j - i, std::memory_order_relaxed);
+        }
+        i = j;
+      }
+    } catch (...) {  // no current context could be made: nothing was released
+    }
+    return static_cast<size_t>(
+        std::partition(pages, pages + n, [this](PageId p) { return in_window(p) && !has_memory(p); }) - pages);
+  }
+
+  // Re-creates released pages: a new handle each, mapped at the id's window address, one cuMemSetAccess per
+  // run of consecutive ids. All or nothing: on failure the handles made so far are unmapped and released.
+  void ensure_backed(const PageId* pages, size_t n) override {
+    std::lock_guard<std::mutex> lock(create_mu_);
+    std::vector<PageId> ids;
+    for (size_t i = 0; i < n; ++i) {
+      if (!in_window(pages[i])) check_page(pages[i]);  // throws: not an id of this pool
+      if (!has_memory(pages[i])) ids.push_back(pages[i]);
+    }
+    if (ids.empty()) return;
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    const Driver& d = driver();
+    ScopedContext current(context_->get());
+    std::vector<CUmemGenericAllocationHandle> made(ids.size(), 0);
+    size_t mapped = 0;  // made[0..mapped) exist and are mapped into the window
+    CUresult err = CUDA_SUCCESS;
+    const char* failed = nullptr;
+    for (; mapped < ids.size(); ++mapped) {
+      err = d.cuMemCreate(&made[mapped], page_size_, &prop_, 0);
+      if (err != CUDA_SUCCESS) {
+        failed = "cuMemCreate";
+        break;
+      }
+      err = d.cuMemMap(window_address(ids[mapped]), page_size_, 0, made[mapped], 0);
+      if (err != CUDA_SUCCESS) {
+        d.cuMemRelease(made[mapped]);
+        failed = "cuMemMap(pool window)";
+        break;
+      }
+    }
+    for (size_t i = 0; failed == nullptr && i < ids.size();) {
+      const size_t j = run_end(ids, i);
+      err = d.cuMemSetAccess(window_address(ids[i]), (j - i) * page_size_, &access_, 1);
+      if (err != CUDA_SUCCESS) failed = "cuMemSetAccess(pool window)";
+      i = j;
+    }
+    if (failed != nullptr) {
+      for (size_t k = 0; k < mapped; ++k) {
+        d.cuMemUnmap(window_address(ids[k]), page_size_);
+        d.cuMemRelease(made[k]);
+      }
+      if (err == CUDA_ERROR_OUT_OF_MEMORY) {
+        throw OutOfPages(device() + " has no memory to re-create " + std::to_string(ids.size()) +
+                         " released page(s) of " + std::to_string(page_size_) + " bytes (" +
+                         std::to_string(created_pages()) + " pages have memory): " + call_error(failed, err));
+      }
+      throw BackendFailure(call_error(failed, err));
+    }
+    // Published only now, with access set: check_page accepts an id only once its memory is usable.
+    for (size_t k = 0; k < ids.size(); ++k) handles_[ids[k]].store(made[k], std::memory_order_release);
+    backed_.fetch_add(ids.size(), std::memory_order_relaxed);
+  }
 
   uintptr_t reserve(size_t bytes) override {
     if (bytes == 0 || bytes % page_size_ != 0) {
@@ -401,7 +503,8 @@ class CudaBackend final : public Backend {
     const char* failed = nullptr;
     for (; done < n; ++done) {
       ++calls;
-      err = d.cuMemMap(static_cast<CUdeviceptr>(va + done * page_size_), page_size_, 0, handles_[pages[done]], 0);
+      err = d.cuMemMap(static_cast<CUdeviceptr>(va + done * page_size_), page_size_, 0,
+                       handles_[pages[done]].load(std::memory_order_acquire), 0);
       if (err != CUDA_SUCCESS) {
         failed = "cuMemMap";
         break;
@@ -526,12 +629,26 @@ class CudaBackend final : public Backend {
   }
   CUdeviceptr window_address(PageId page) const { return window_ + static_cast<CUdeviceptr>(page) * page_size_; }
 
-  // Only created pages have a handle and a window mapping.
+  // Only created pages that were not released since have a handle and a window mapping.
+  bool in_window(PageId page) const {
+    return page >= 0 && static_cast<size_t>(page) < created_.load(std::memory_order_acquire);
+  }
+  bool has_memory(PageId page) const { return in_window(page) && handles_[page].load(std::memory_order_acquire) != 0; }
   void check_page(PageId page) const {
-    if (page < 0 || static_cast<size_t>(page) >= created_.load(std::memory_order_acquire)) {
-      throw InvalidArgument("page id " + std::to_string(page) + " out of range (" + std::to_string(created_pages()) +
+    if (!in_window(page)) {
+      throw InvalidArgument("page id " + std::to_string(page) + " out of range (" + std::to_string(page_ids()) +
                             " pages created)");
     }
+    if (!has_memory(page)) {
+      throw InvalidArgument("page id " + std::to_string(page) +
+                            " has no memory: it was released while free (PagePool.trim) and not handed out since");
+    }
+  }
+  // The end of the run of consecutive ids that starts at ids[i] (ids sorted).
+  static size_t run_end(const std::vector<PageId>& ids, size_t i) {
+    size_t j = i + 1;
+    while (j < ids.size() && ids[j] == ids[j - 1] + 1) ++j;
+    return j;
   }
 
   // map_calls_ / unmap_calls_ are atomic in Backend: ranges on several threads may map at once.
@@ -548,14 +665,26 @@ class CudaBackend final : public Backend {
     try {
       ScopedContext current(context_->get());
       const size_t made = created_.load(std::memory_order_acquire);
-      if (made > 0 && d.cuMemUnmap(window_, made * page_size_) != CUDA_SUCCESS) {
-        for (size_t i = 0; i < made; ++i) d.cuMemUnmap(window_address(static_cast<PageId>(i)), page_size_);
+      // The window is mapped where ids have memory: one unmap per run of such ids (released ones are holes).
+      for (size_t i = 0; i < made;) {
+        if (!has_memory(static_cast<PageId>(i))) {
+          ++i;
+          continue;
+        }
+        size_t j = i + 1;
+        while (j < made && has_memory(static_cast<PageId>(j))) ++j;
+        if (d.cuMemUnmap(window_address(static_cast<PageId>(i)), (j - i) * page_size_) != CUDA_SUCCESS) {
+          for (size_t k = i; k < j; ++k) d.cuMemUnmap(window_address(static_cast<PageId>(k)), page_size_);
+        }
+        i = j;
       }
-      for (size_t i = 0; i < made; ++i) d.cuMemRelease(handles_[i]);
+      for (size_t i = 0; i < made; ++i)
+        if (const CUmemGenericAllocationHandle h = handles_[i].exchange(0)) d.cuMemRelease(h);
       if (window_ != 0) d.cuMemAddressFree(window_, capacity_pages_ * page_size_);
     } catch (...) {
     }
     created_.store(0);
+    backed_.store(0);
     window_ = 0;
     context_.reset();  // cuDevicePrimaryCtxRelease
   }
@@ -569,8 +698,9 @@ class CudaBackend final : public Backend {
   CUmemAccessDesc access_{};
   std::unique_ptr<PrimaryContext> context_;
   CUdeviceptr window_ = 0;  // capacity_pages_ * page_size_ of VA; page id i is mapped at i * page_size_
-  std::vector<CUmemGenericAllocationHandle> handles_;
-  std::atomic<size_t> created_{0};
+  std::unique_ptr<std::atomic<CUmemGenericAllocationHandle>[]> handles_;  // 0: no memory (not created, released)
+  std::atomic<size_t> created_{0};  // ids 0..created_-1 exist (have a window address)
+  std::atomic<size_t> backed_{0};   // of those, the ones with a live handle
   std::mutex create_mu_;
 };
 

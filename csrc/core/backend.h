@@ -3,7 +3,7 @@
 // copy), so the host implementation (mmap + memfd) and the CUDA one (cuMem*) are interchangeable.
 //
 // Physical pages are named by dense ids 0..capacity_pages()-1. A backend instance serves one device and
-// one page size. Every page that exists is also mapped once in the backend's private "pool window", so
+// one page size. Every page with memory is also mapped once in the backend's private "pool window", so
 // page-to-page and page-to-host copies never need a caller's mapping.
 #pragma once
 #include <atomic>
@@ -42,8 +42,12 @@ class Backend {
   virtual size_t page_size() const = 0;
   virtual size_t capacity_pages() const = 0;
 
-  // Physical pages come into existence ahead of need (cuMemCreate is slow). created_pages() pages,
-  // ids 0..created_pages()-1, exist now; create_pages() adds up to `count` more, bounded by capacity.
+  // Physical pages come into existence ahead of need (cuMemCreate is slow): create_pages() adds up to `count`
+  // more general ids at the end of those that exist (page_ids()), bounded by capacity, each with memory.
+  // created_pages(): the pages that have memory now. It equals the general ids until release_pages gives
+  // the memory of some back (CUDA: trim releases the handles of free pages); the host and accounting
+  // backends create every id at once and count them all (the host's file is sparse: its RSS is what is
+  // resident).
   virtual size_t created_pages() const = 0;
   virtual void create_pages(size_t count) = 0;
   // Give a free page's memory back to the system where the backend can (host: punch a hole; the page
@@ -69,8 +73,28 @@ class Backend {
   // True when a page freed (discard_pages) and handed out again reads as zeros with no further work.
   virtual bool freed_pages_read_zero() const { return false; }
 
+  // Releasing free pages (PagePool::trim, and a pool whose limit drops below its pages with memory).
+  // keeps_freed_memory(): whether a free page keeps its memory until release_pages (CUDA: discard_pages
+  // cannot give a handle's memory back, and cuMemCreate costs ~0.2 ms, so freed pages keep it for reuse).
+  // The pool then keeps the pages it holds memory for within its limit. False on the host (discard_pages
+  // already punched the hole) and the accounting backend (no memory).
+  virtual bool keeps_freed_memory() const { return false; }
+  // Give the memory of free pages back. Returns r: pages[0..r) (the array reordered) have no memory now and
+  // must pass through ensure_backed before anyone uses them; the others keep theirs. The default punches
+  // holes (discard_pages) and returns 0: such pages need nothing before reuse. Never throws: a page whose
+  // memory could not be released keeps it and stays usable.
+  virtual size_t release_pages(PageId* pages, size_t n) noexcept {
+    discard_pages(pages, n);
+    return 0;
+  }
+  // Give memory again to the released pages among pages[0..n) (CUDA: cuMemCreate, map into the pool window,
+  // set access); pages with memory are left alone. All or nothing: on failure none of the released ones has
+  // memory, and OutOfPages (the device is short of memory) or BackendFailure is thrown.
+  virtual void ensure_backed(const PageId* pages, size_t n) { (void)pages, (void)n; }
+
   // Page ids that exist: 0..page_ids()-1. Ids below capacity_pages() are "general" pages, the pool's free
-  // list. The host backend adds a block of "home" ids per reserved range (home_page); CUDA has none.
+  // list (on CUDA the ids created so far, released ones included). The host backend adds a block of "home"
+  // ids per reserved range (home_page); CUDA has none.
   virtual size_t page_ids() const { return created_pages(); }
   // The page that shows at `va` of a reserved range without a mapping call of its own, -1 if none. The
   // pool hands a page index its home page when it is free, so pages that stay where they were first mapped

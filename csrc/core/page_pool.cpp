@@ -18,7 +18,19 @@ size_t PagePool::limit_locked() const { return std::min(limit_, backend_->capaci
 size_t PagePool::set_limit(size_t pages) {
   std::lock_guard<std::mutex> lock(mu_);
   limit_ = std::max(std::min(pages, backend_->capacity_pages()), used_);
+  // A budget that lowers the limit has given the difference to another member, who will create pages of
+  // its own: on CUDA the free pages beyond the limit must let go of their device memory now.
+  const size_t with_memory = backend_->created_pages();
+  if (backend_->keeps_freed_memory() && with_memory > limit_) release_free_locked(with_memory - limit_);
   return limit_;
+}
+
+void PagePool::release_free_locked(size_t count) {
+  count = std::min(count, free_.size());
+  if (count == 0) return;
+  const size_t gone = backend_->release_pages(free_.data(), count);
+  released_.insert(released_.end(), free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(gone));
+  free_.erase(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(gone));
 }
 
 size_t PagePool::limit() const {
@@ -30,7 +42,7 @@ size_t PagePool::limit() const {
 // `needed` are free, create more in batches, bounded by capacity.
 void PagePool::grow_locked(size_t needed) {
   auto absorb = [this] {
-    const size_t now = backend_->created_pages();
+    const size_t now = std::min(backend_->page_ids(), backend_->capacity_pages());  // the general ids
     if (now > general_ids_) {
       const size_t old = general_ids_;
       if (refcount_.size() < now) refcount_.resize(now, 0);
@@ -43,12 +55,14 @@ void PagePool::grow_locked(size_t needed) {
     }
   };
   absorb();
-  // Never create past the limit: on CUDA a created page is device memory the budget must have granted.
+  // Never create past the limit: on CUDA a page with memory is device memory the budget must have granted.
+  // Released ids (released_) are free ids too: they get memory back one by one as they are handed out.
   const size_t cap = limit_locked();
-  const size_t created = backend_->created_pages();
-  if (free_.size() < needed && created < cap) {
-    const size_t want = std::max(needed - free_.size(), create_batch_);
-    backend_->create_pages(std::min(want, cap - created));
+  const size_t with_memory = backend_->created_pages();
+  const size_t free_ids = free_.size() + released_.size();
+  if (free_ids < needed && general_ids_ < backend_->capacity_pages() && with_memory < cap) {
+    const size_t want = std::max(needed - free_ids, create_batch_);
+    backend_->create_pages(std::min(want, cap - with_memory));
     absorb();
   }
 }
@@ -63,8 +77,9 @@ void PagePool::absorb_ids_locked() {
 // them ahead of need, and creation can fall short of capacity).
 void PagePool::check_budget_locked(size_t n, size_t general_needed) {
   const size_t cap = limit_locked();
-  if (used_ + n > cap || free_.size() < general_needed) {
-    const size_t avail = std::min(cap - used_, free_.size() + (n - general_needed));
+  const size_t free_ids = free_.size() + released_.size();
+  if (used_ + n > cap || free_ids < general_needed) {
+    const size_t avail = std::min(cap - used_, free_ids + (n - general_needed));
     throw OutOfPages("page pool exhausted: " + std::to_string(n) + " page(s) of " +
                      std::to_string(backend_->page_size()) + " bytes requested, " + std::to_string(avail) +
                      " free of " + std::to_string(cap));
@@ -96,23 +111,39 @@ std::vector<PageId> PagePool::acquire_preferring(const std::vector<PageId>& want
       if (wanted[i] >= first_home && out[i] == wanted[i]) refcount_[out[i]] = 0;
   };
   try {
-    if (free_.size() < k) grow_locked(k);
+    if (free_.size() + released_.size() < k) grow_locked(k);
     check_budget_locked(n, k);
   } catch (...) {
     undo_homes();
     throw;
   }
-  // The top of the stack, lowest id first (consecutive ids map as one run).
-  size_t top = free_.size();
-  for (size_t i = 0; i < n; ++i)
-    if (out[i] < 0) out[i] = free_[--top];
-  free_.resize(top);
+  // The top of the free stack, lowest id first (consecutive ids map as one run); then, only when the pages
+  // with memory are used up, released ids, which get memory again first (all or nothing: on failure nothing
+  // was taken).
+  const size_t from_free = std::min(k, free_.size());
+  const size_t from_released = k - from_free;
+  std::vector<PageId> general(k);
+  for (size_t j = 0; j < from_free; ++j) general[j] = free_[free_.size() - 1 - j];
+  for (size_t j = 0; j < from_released; ++j) general[from_free + j] = released_[released_.size() - 1 - j];
+  try {
+    if (from_released > 0) backend_->ensure_backed(general.data() + from_free, from_released);
+  } catch (...) {
+    undo_homes();
+    throw;
+  }
+  free_.resize(free_.size() - from_free);
+  released_.resize(released_.size() - from_released);
+  for (size_t i = 0, j = 0; i < n; ++i)
+    if (out[i] < 0) out[i] = general[j++];
   if (zero_on_reuse_ && !backend_->freed_pages_read_zero()) {
     try {
       backend_->zero_pages(out.data(), n, 0);
     } catch (...) {
-      for (size_t i = n; i-- > 0;)  // the general pages back on the stack, in the order they came off
-        if (!(wanted[i] >= first_home && out[i] == wanted[i])) free_.push_back(out[i]);
+      // The general pages back where they came from, in the order they came off; the re-created ones give
+      // their memory back again.
+      const size_t gone = from_released > 0 ? backend_->release_pages(general.data() + from_free, from_released) : 0;
+      for (size_t j = from_released; j-- > 0;) (j < gone ? released_ : free_).push_back(general[from_free + j]);
+      for (size_t j = from_free; j-- > 0;) free_.push_back(general[j]);
       undo_homes();
       throw;
     }
@@ -223,9 +254,9 @@ PoolStats PagePool::stats() const {
 
 size_t PagePool::trim() {
   std::lock_guard<std::mutex> lock(mu_);
-  backend_->discard_pages(free_.data(), free_.size());
+  release_free_locked(free_.size());  // host: holes punched, every id stays in free_; CUDA: handles released
   const size_t cap = limit_locked();
-  return std::min(free_.size(), cap > used_ ? cap - used_ : 0);
+  return std::min(free_.size() + released_.size(), cap > used_ ? cap - used_ : 0);
 }
 
 void PagePool::reset_high_water() {

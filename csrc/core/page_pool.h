@@ -23,7 +23,7 @@ struct PoolStats {
   size_t used_pages;
   size_t free_pages;
   size_t high_water_pages;
-  size_t created_pages;
+  size_t created_pages;    // pages with memory now (Backend::created_pages): on CUDA it falls when trim releases
   size_t kv_pages;         // used pages owned by KV caches (ranges, copy-on-write)
   size_t allocator_pages;  // used pages owned by the torch allocator hook and vpaged.empty
 };
@@ -57,12 +57,15 @@ class PagePool {
   int32_t refcount(PageId page) const;
   size_t free_pages() const;
   PoolStats stats() const;
-  // Give the RAM of every free page back to the system (where the backend can).
+  // Give the memory of every free page back to the system where the backend can (host: holes punched;
+  // CUDA: handles released, re-created when the ids are handed out again). Returns the pages free.
   size_t trim();
   // The pages the pool may have in use at once: the backend's capacity unless lowered (a machine-wide
   // budget grants the pool part of it: vpaged/memory/shared_budget.py). set_limit never goes below the
   // pages in use nor above capacity: it returns the limit it set, clamped, under the same lock as acquire,
-  // so a shrink racing an acquire can never leave used pages above the limit.
+  // so a shrink racing an acquire can never leave used pages above the limit. On a backend that keeps the
+  // memory of free pages (CUDA), lowering the limit also releases free pages until those with memory fit in
+  // it: device memory the budget took back is really free for another process.
   size_t set_limit(size_t pages);
   size_t limit() const;
   void reset_high_water();
@@ -76,6 +79,8 @@ class PagePool {
   // A page's last reference went: back on the free list (general ids) and its memory to the system.
   void release_locked(PageId page);
   void zero_acquired_locked(const std::vector<PageId>& pages);
+  // Release the memory of free_[0..count) (the least recently freed); those released move to released_.
+  void release_free_locked(size_t count);
 
   std::shared_ptr<Backend> backend_;
   size_t create_batch_;
@@ -84,7 +89,11 @@ class PagePool {
   std::vector<PageOwner> owner_;  // valid while the page is used
   size_t owned_[kPageOwners] = {};
   std::vector<PageId> free_;  // general ids only; a stack: the most recently freed page is reused first
-  size_t general_ids_ = 0;    // ids below this are general (capacity); above: home ids (free at count 0)
+  // Free general ids whose memory release_pages gave back (CUDA trim): handed out after free_ is used up,
+  // once ensure_backed gave them memory again. So the pages with memory are at most max(limit, what they
+  // were): an id is re-created only when no free page has memory.
+  std::vector<PageId> released_;
+  size_t general_ids_ = 0;  // ids below this are general (capacity); above: home ids (free at count 0)
   bool zero_on_reuse_ = false;
   size_t used_ = 0;
   size_t high_water_ = 0;

@@ -34,7 +34,7 @@ class PoolStats:
     used_pages: int
     free_pages: int
     high_water_pages: int
-    created_pages: int
+    created_pages: int  # pages with memory now: on CUDA live handles (trim releases free ones); host: all
     kv_pages: int = 0  # used pages by owner: KV caches ...
     allocator_pages: int = 0  # ... and torch tensors (vpaged.torch_allocator, vpaged.empty)
 
@@ -175,7 +175,9 @@ class PagePool:
         )
 
     def trim(self) -> int:
-        """Return the RAM of all free pages to the system (host); returns how many pages were free."""
+        """Give the memory of all free pages back to the system: the host punches their holes (done already as
+        each page went free), CUDA releases their cuMemCreate handles (a released page is re-created when it is
+        handed out again). Returns how many pages were free."""
         return self._pool.trim()
 
     def reset_high_water(self) -> None:
