@@ -159,7 +159,7 @@ def run_mode(args, mode: str) -> list[dict]:
             ]
             cmd += [
                 "--rate",
-                str(args.rate),
+                str(args.rates[i] if args.rates else args.rate),
                 "--max-tokens",
                 str(args.max_tokens),
                 "--max-num-seqs",
@@ -301,6 +301,11 @@ def main() -> None:
     ap.add_argument("--phases", type=int, default=6)
     ap.add_argument("--phase-s", type=float, default=6.0)
     ap.add_argument("--rate", type=float, default=6.0, help="requests per second within a busy phase")
+    ap.add_argument(
+        "--rates", nargs=3, type=float, default=None,
+        help="requests per second in a busy phase, per engine (default: --rate for each); a larger model "
+        "steps slower, and one rate for all would measure its CPU queue rather than its memory",
+    )  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--min-prompt", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=384)
@@ -368,7 +373,7 @@ def main() -> None:
             results[f"{mode}_vs_static"] = {"ttft_p99_ratio": ratio, "throughput_ratio": tput}
             print(f"{mode} / static: TTFT p99 x{ratio:.2f}, throughput x{tput:.2f} (medians of {args.rounds})")
     meta = {"cpu": _cpu_name(), "budget_bytes": args.budget_bytes, "phases": args.phases, "phase_s": args.phase_s,
-            "rate": args.rate, "models": args.models, "max_tokens": args.max_tokens, "rounds": args.rounds,
+            "rate": args.rate, "rates": args.rates, "models": args.models, "max_tokens": args.max_tokens, "rounds": args.rounds,
             "min_prompt": args.min_prompt, "max_prompt": args.max_prompt, "max_num_seqs": args.max_num_seqs,
             "load_average": os.getloadavg()}  # fmt: skip
     if args.plot and args.modes and plot({m: results[m] for m in args.modes}, args.plot):

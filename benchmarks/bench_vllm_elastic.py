@@ -3,11 +3,13 @@ memory (each engine owns half) against one shared vpaged budget (each may grow t
 the other is idle). Reports time to first token (TTFT) p50/p99 per model and overall.
 
     PYTHONPATH=. /work/venv-vllm/bin/python benchmarks/bench_vllm_elastic.py \
-        --budget-blocks 200 --bursts 6 --burst-requests 16 --rate 8 --gap-s 8 [--out results/vllm_elastic]
+        --budget-blocks 64 --bursts 4 --burst-requests 16 --rate 30 --max-tokens 128 --gap-s 6 \
+        --min-share 0.1 --rounds 2 [--out results/vllm_elastic]
 
 Each engine is a process of its own (this file with `--engine`), an in-process LLMEngine (VLLM_ENABLE_V1_
 MULTIPROCESSING=0) bound to one core (VLLM_CPU_OMP_THREADS_BIND=0 and =1: two cores, one each). Two copies
-of the tiny random Llama of tests/test_vllm_plugin.py, 16-token blocks of 32 KiB. Static: each engine
+of the tiny random Llama of tests/test_vllm_plugin.py, 32-token blocks of 64 KiB (set explicitly: vLLM's CPU
+default is 128 tokens, and the budget's bytes must be counted in the blocks the engines really use). Static: each engine
 gets budget_blocks / 2 blocks of its own (num_gpu_blocks_override), vpaged off. Shared: each engine's
 buffer is budget_blocks blocks (its ceiling), vpaged on with VPAGED_SHARED_BUDGET naming one budget of
 budget_blocks blocks' bytes, --min-share of it guaranteed to each (VPAGED_SHARED_MIN_MIB). Burst k goes to model k % 2: burst_requests requests with Poisson arrivals at
@@ -33,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * 16  # layers * (K, V) * kv heads * head dim * fp32 * 16 tokens
+BLOCK_TOKENS = 32  # the smallest block vLLM's CPU attention takes (a multiple of 32)
+BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * BLOCK_TOKENS  # layers * (K, V) * kv heads * head dim * fp32 * tokens
+LAYER_BLOCK_BYTES = BLOCK_BYTES // 2  # one layer's part of a block: the page size that gives each its own pages
 
 
 def schedule(bursts: int, burst_requests: int, rate: float, gap_s: float, seed: int) -> list[dict]:
@@ -58,7 +62,13 @@ def engine(model: str, blocks: int, arrivals_path: str, which: int, max_tokens: 
     from vllm.v1.engine.llm_engine import LLMEngine
 
     args = EngineArgs(
-        model=model, dtype="float32", max_model_len=512, enforce_eager=True, seed=0, num_gpu_blocks_override=blocks
+        model=model,
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        seed=0,
+        num_gpu_blocks_override=blocks,
+        block_size=BLOCK_TOKENS,
     )
     eng = LLMEngine.from_engine_args(args)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -140,7 +150,12 @@ def main() -> None:
     ap.add_argument("--gap-s", type=float, default=8.0)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="runs of both arms, alternating which goes first")
     ap.add_argument("--min-share", type=float, default=0.25)  # of the budget, guaranteed to each engine
+    ap.add_argument(
+        "--page-size", type=int, default=LAYER_BLOCK_BYTES,
+        help="the budget's page size (default: one layer's block, so that blocks never share a page)",
+    )  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_elastic"))
     args = ap.parse_args()
     from vpaged.memory import SharedBudget
@@ -154,22 +169,32 @@ def main() -> None:
     (work / "arrivals.json").write_text(json.dumps(arrivals))
     budget_name = f"vpaged-elastic-{os.getpid()}"
     report = {"cpu": machine()["cpu"], "settings": vars(args), "budget_bytes": args.budget_blocks * BLOCK_BYTES}
-    for mode in ("static", "shared"):
-        budget = SharedBudget.create(budget_name, args.budget_blocks * BLOCK_BYTES) if mode == "shared" else None
-        try:
-            res = run_mode(mode, f"{work}/m", args, str(work / "arrivals.json"), budget_name)
-        finally:
-            if budget is not None:
-                budget.close()
-                SharedBudget.remove(budget_name)
-        per_model = [list(m["ttft"].values()) for m in res["models"]]
+    runs: dict[str, list[dict]] = {"static": [], "shared": []}
+    for k in range(args.rounds):
+        for mode in ("static", "shared") if k % 2 == 0 else ("shared", "static"):  # neither always goes first
+            shared = mode == "shared"
+            budget = (
+                SharedBudget.create(budget_name, args.budget_blocks * BLOCK_BYTES, args.page_size) if shared else None
+            )
+            try:
+                runs[mode].append(run_mode(mode, f"{work}/m", args, str(work / "arrivals.json"), budget_name))
+            finally:
+                if budget is not None:
+                    budget.close()
+                    SharedBudget.remove(budget_name)
+    for mode, results in runs.items():
+        # Every round's requests pooled per model: the percentiles of all of them.
+        per_model = [[t for res in results for t in res["models"][i]["ttft"].values()] for i in (0, 1)]
         both = per_model[0] + per_model[1]
         report[mode] = {
             "ttft_p50_s": {f"model{i}": pct(v, 0.5) for i, v in enumerate(per_model)} | {"all": pct(both, 0.5)},
             "ttft_p99_s": {f"model{i}": pct(v, 0.99) for i, v in enumerate(per_model)} | {"all": pct(both, 0.99)},
             "ttft_mean_s": statistics.mean(both),
-            "peak_mapped_bytes": [m["peak_mapped_bytes"] for m in res["models"]],
-            "runs": res["models"],
+            "ttft_p99_per_round_s": [
+                pct([t for m in res["models"] for t in m["ttft"].values()], 0.99) for res in results
+            ],
+            "peak_mapped_bytes": [max(res["models"][i]["peak_mapped_bytes"] for res in results) for i in (0, 1)],
+            "runs": [res["models"] for res in results],
         }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

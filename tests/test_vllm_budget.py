@@ -14,8 +14,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vpaged.integrations.vllm.backing import BlockGeometry, KVBacking, make_pool
-from vpaged.integrations.vllm.budget import DormantBlockReclaimer, SchedulerCap, demand_pages, head_blocks, plan_step
+from vpaged.integrations.vllm import guard
+from vpaged.integrations.vllm.backing import BlockGeometry, KVBacking, block_page_size, make_pool
+from vpaged.integrations.vllm.budget import (
+    DormantBlockReclaimer,
+    SchedulerCap,
+    demand_pages,
+    head_blocks,
+    plan_step,
+    refit_after_free,
+)
 from vpaged.memory import PagePool, SharedBudget, budget_member
 
 PAGE = 64 * 1024
@@ -150,7 +158,7 @@ def test_plan_takes_a_partial_grant_when_the_demand_exceeds_the_headroom(budget_
     rng = random.Random()
     seed = rng.randrange(2**32)
     rng.seed(seed)
-    capacity = rng.randint(24, 48)
+    capacity = rng.randint(48, 96)  # the other member's grant (up to a chunk of 32 pages) leaves room
     SharedBudget.create(budget_name, capacity * PAGE)
     other = PagePool("cpu", capacity_pages=capacity, shared_budget=budget_name)
     taken = rng.randint(1, capacity // 2)
@@ -162,9 +170,11 @@ def test_plan_takes_a_partial_grant_when_the_demand_exceeds_the_headroom(budget_
     pool = PagePool("cpu", capacity_pages=nbytes // PAGE, shared_budget=budget_name, zero_on_reuse=True)
     backing = KVBacking(nbytes, [geom], pool)
     room = pool.budget.headroom_pages()
-    assert 0 < room <= capacity - taken, seed
-    # Prompts worth several times the room, the first of them small enough to fit in it.
-    prompts = [16 * rng.randint(1, room)] + [16 * rng.randint(room, 4 * room) for _ in range(rng.randint(3, 6))]
+    assert 16 <= room <= capacity - taken, seed
+    # Prompts worth several times the room, the first of them small enough to fit in it: blocks 1..r of 16
+    # KiB touch ceil((r + 1) / 4) pages of 64 KiB in each of the 2 layers.
+    first = rng.randint(1, 4 * (room // 2) - 1)
+    prompts = [16 * first] + [16 * rng.randint(2 * room, 8 * room) for _ in range(rng.randint(3, 6))]
     sched = scheduler(0, prompts, free_order=list(range(1, n)))
     assert demand_pages(sched, backing) > room, seed
     cap = SchedulerCap()
@@ -239,3 +249,69 @@ def test_reclaimer_gives_back_only_free_prefix_cached_blocks():
         still.update(backing.pages_of(b))
     assert backing.stats().mapped_bytes == len(still) * PAGE, seed
     assert freed >= 0 and reclaimer.reclaimable_pages() * PAGE <= backing.stats().mapped_bytes
+
+
+def test_host_pages_are_sized_so_that_no_two_blocks_share_one():
+    """block_page_size: the largest power of two from 4 KiB to 64 KiB dividing every offset, stride and block
+    size; then every block's span in every layer is whole pages of its own."""
+    rng = random.Random()
+    seed = rng.randrange(2**32)
+    rng.seed(seed)
+    for _ in range(50):
+        block = rng.choice([1, 2, 3, 5, 6, 8, 12, 16, 24, 32]) * 1024 * rng.choice([1, 2, 4])
+        blocks, layers = rng.randint(2, 40), rng.randint(1, 4)
+        geom = BlockGeometry(rng.choice([0, block]), block * blocks, block, block, layers, blocks)
+        page = block_page_size([geom])
+        assert page & (page - 1) == 0 and 4096 <= page <= 64 * 1024, (seed, block, page)
+        values = [v for v in (geom.offset, geom.layer_stride, geom.block_stride, geom.block_bytes) if v]
+        if page > 4096:
+            assert all(v % page == 0 for v in values), (seed, block, page)
+        if page < 64 * 1024:
+            assert any(v % (2 * page) for v in values), (seed, block, page)
+        if block % 4096 == 0:  # then the pages are the block's own: no page is touched by two blocks
+            spans = [(s // page, (e - 1) // page) for b in range(blocks) for s, e in geom.spans(b)]
+            pages = [p for first, last in spans for p in range(first, last + 1)]
+            assert len(pages) == len(set(pages)), (seed, block, page)
+    assert block_page_size([layer_major(8)[0]], "cuda") is None  # CUDA pages are the driver's granularity
+
+
+def test_a_budget_of_another_page_size_wins_with_a_warning(budget_name, monkeypatch, caplog):
+    SharedBudget.create(budget_name, 64 * PAGE)  # 64 KiB pages
+    monkeypatch.setenv("VPAGED_SHARED_BUDGET", budget_name)
+    monkeypatch.setattr(guard, "_warned", set())  # warn_once: this test's warning is not one already given
+    with caplog.at_level("WARNING", logger="vpaged.integrations.vllm"):
+        pool = make_pool(8 * PAGE, page_size=16 * 1024, model="tiny")
+    assert pool.page_size == PAGE and pool.budget is not None
+    assert "--page-size 16384" in caplog.text
+    pool.leave_budget()
+    SharedBudget.remove(budget_name)
+    SharedBudget.create(budget_name, 64 * PAGE, page_size=16 * 1024)
+    pool = make_pool(8 * PAGE, page_size=16 * 1024)
+    assert pool.page_size == 16 * 1024 and pool.capacity_pages == 32
+    pool.leave_budget()
+
+
+def test_blocks_freed_inside_schedule_widen_the_cap_by_the_pages_they_give_back():
+    """A preemption inside schedule() frees blocks: their pages go back to the pool at once and the cap
+    grows by the free-queue blocks that then fit (before, the cap stayed put and vLLM preempted every
+    running request in turn)."""
+    rng = random.Random()
+    seed = rng.randrange(2**32)
+    rng.seed(seed)
+    n = 256
+    geom, nbytes = layer_major(n, block_bytes=64 * 1024)  # one page per block and layer
+    held = rng.sample(range(1, n), rng.randint(4, 20))
+    pool = PagePool("cpu", capacity_pages=2 * len(held), zero_on_reuse=True)
+    backing = KVBacking(nbytes, [geom], pool)
+    backing.map_blocks(held)
+    assert pool.free_pages() == 0
+    cap = SchedulerCap()
+    cap.blocks, cap.taken = 0, 0
+    order = rng.sample(sorted(set(range(1, n)) - set(held)), rng.randint(10, 60))
+    freed = rng.sample(held, rng.randint(1, len(held)))
+    vllm_pool = SimpleNamespace(free_block_queue=free_queue(order))
+    refit_after_free(vllm_pool, backing, cap, lambda: backing.release_blocks(freed), 2 * len(freed))
+    assert pool.free_pages() == 2 * len(freed), seed
+    assert cap.blocks == min(len(order), len(freed)), seed  # each block of the queue needs 2 fresh pages
+    assert all(not backing.is_mapped(b) for b in freed) and all(backing.is_mapped(b) for b in set(held) - set(freed))
+    backing.map_blocks(order[: cap.blocks])  # what the cap allows maps
