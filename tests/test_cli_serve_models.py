@@ -67,6 +67,7 @@ def test_several_models_share_one_budget_made_and_removed_here(captured, tmp_pat
     (state,) = captured["states"]
     assert state.capacity_bytes == 8 << 20
     assert sorted(m.name for m in state.members) == ["a", "b"]
+    assert {m.name: m.model for m in state.members} == {"a": "random:llama-tiny:1", "b": "random:llama-tiny:2"}
     assert all(m.ceiling_bytes == 8 << 20 for m in state.members)
     assert not os.path.exists(segment_path(budget))  # removed when the server ended
 
@@ -82,6 +83,7 @@ def test_several_models_join_the_shared_budget_given(captured, tmp_path):
         (state,) = captured["states"]
         members = {m.name: m for m in state.members}
         assert set(members) == {"main", "c"}
+        assert members["main"].model == "random:llama-tiny:3" and members["c"].model == "random:llama-tiny"
         assert members["main"].ceiling_bytes == 4 << 20
         assert members["c"].min_bytes > 0  # the paged baseline reserves its block pools whole
         assert os.path.exists(segment_path(name))  # not this server's to remove
@@ -105,7 +107,7 @@ def test_one_model_by_flag_keeps_its_name_and_member(monkeypatch):
         )
         argv = ["serve", "--model", "tiny=random:llama-tiny", "--shared-budget", name, "--kv-budget-mib", "8"]
         assert main(argv) == 0
-        assert [m.name for m in members] == ["tiny"]
+        assert [(m.name, m.model) for m in members] == [("tiny", "random:llama-tiny")]
     finally:
         SharedBudget.remove(name)
 

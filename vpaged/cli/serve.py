@@ -67,7 +67,9 @@ def _build_engine(args):
         model, tokenizer = args.model, None
     else:
         model, tokenizer = load_model(args.model, dtype=config.model.dtype)
-    return LLMEngine(model, tokenizer, config=config)
+    engine = LLMEngine(model, tokenizer, config=config)
+    engine.store.label_budget_member(args.model)  # `vpaged budget show` lists the model of a budget member
+    return engine
 
 
 def _token_ids(text: str) -> list[int]:

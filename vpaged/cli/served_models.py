@@ -226,6 +226,7 @@ def several_engines(models: list[ServedModel], args):
             try:
                 model, tokenizer = load_model(m.path, dtype=config.model.dtype)
                 engines[m.name] = LLMEngine(model, tokenizer, config=config)
+                engines[m.name].store.label_budget_member(m.path)  # `vpaged budget show`: name and model
             except VPagedError as e:
                 raise InvalidArgumentError(f"model {m.name!r} ({m.path}): {type(e).__name__}: {e}") from None
         yield engines, budget, capacity

@@ -312,6 +312,12 @@ class PagePool:
                 return self.free_pages() >= pages
         return False
 
+    def label_budget_member(self, model: str) -> None:
+        """In a shared budget: name the model this pool serves in `vpaged budget show` (a server knows it
+        only once the model is loaded, after the pool joined); a no-op outside a budget."""
+        if self.budget is not None:
+            self.budget.budget.label(self.budget.index, model)
+
     def leave_budget(self) -> None:
         """Leave the shared budget (its grant returns to the others); the pool keeps what it has in use,
         and takes nothing more. Also done when the pool is dropped."""

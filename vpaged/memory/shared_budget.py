@@ -208,6 +208,13 @@ class SharedBudget:
                 mine.mapped_bytes, mine.live_bytes, mine.dormant_bytes = mapped, live, dormant
                 mine.updated_ns = _now_ns()
 
+    def label(self, index: int, model: str) -> None:
+        """Set the model member `index` serves, as `vpaged budget show` lists it (64 bytes of UTF-8 kept)."""
+        with self.segment.locked() as records:
+            mine = self._mine(records, index)
+            if mine is not None:
+                mine.model = str(model)
+
     def member(self, index: int) -> BudgetMember | None:
         with self.segment.locked(write=False) as records:
             mine = self._mine(records, index)

@@ -102,6 +102,10 @@ class KVStore(Protocol):
         (vpaged.memory.BudgetFigures, what /metrics exports); None otherwise."""
         ...
 
+    def label_budget_member(self, model: str) -> None:
+        """In a shared budget: the model this store's member serves, for `vpaged budget show`."""
+        ...
+
     def within_share(self, need: int) -> bool:
         """Whether a new request taking `need` pages may be admitted under the store's share of a machine-wide
         budget: False while another member of the budget is starved and this store's live K/V plus `need`

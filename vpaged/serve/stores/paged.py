@@ -112,6 +112,10 @@ class PagedStore:
         share = self.cache.budget_share  # an accounting-only member holding the block pools (or None)
         return share.budget_figures() if share is not None else None
 
+    def label_budget_member(self, model: str) -> None:
+        if self.cache.budget_share is not None:
+            self.cache.budget_share.label_budget_member(model)
+
     def within_share(self, need: int) -> bool:
         return True  # its block pools are reserved up front: a fixed minimum in a budget, nothing to share
 

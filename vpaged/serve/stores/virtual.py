@@ -189,6 +189,9 @@ class VirtualStore:
     def budget_figures(self):
         return self.cache.pool.budget_figures()
 
+    def label_budget_member(self, model: str) -> None:
+        self.cache.pool.label_budget_member(model)
+
     def within_share(self, need: int) -> bool:
         pool = self.cache.pool
         cap = pool.admission_cap_pages()  # None outside a budget, or while no other member is starved
