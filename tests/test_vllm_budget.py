@@ -6,6 +6,7 @@ with ref_cnt and block_hash; _maybe_evict_cached_block)."""
 from __future__ import annotations
 
 import math
+import os
 import random
 import threading
 import uuid
@@ -283,6 +284,10 @@ def test_a_budget_of_another_page_size_wins_with_a_warning(budget_name, monkeypa
         pool = make_pool(8 * PAGE, page_size=16 * 1024, model="tiny")
     assert pool.page_size == PAGE and pool.budget is not None
     assert "--page-size 16384" in caplog.text
+    handle = SharedBudget.open(budget_name)
+    (member,) = handle.state().members  # how `vpaged budget show` lists it
+    handle.close()
+    assert (member.name, member.model, member.pid) == (f"vllm-{os.getpid()}", "tiny", os.getpid())
     pool.leave_budget()
     SharedBudget.remove(budget_name)
     SharedBudget.create(budget_name, 64 * PAGE, page_size=16 * 1024)
