@@ -96,6 +96,7 @@ NOT_MIRRORED: dict[str, str] = {
     "pages_needed": "planning: changes nothing",
     "within_share": "planning: changes nothing",
     "budget_figures": "a read of rank 0's membership in a shared budget",
+    "label_budget_member": "names the model of rank 0's member in a shared budget (`vpaged budget show`); no K/V",
     "can_allocate": "planning: changes nothing",
     "can_swap_out": "planning: changes nothing",
     "slot": "a read; each rank reads its own (worker.run_step)",
