@@ -285,22 +285,29 @@ def run_in_thread(fn):
 CHECKS: dict = {}  # name -> (function, environment)
 
 
-def fake_driver_check(**env):
-    """Register `check(drv, rng)` to run in a child under the fake driver with `env` set; return the pytest
-    test that reports its outcome."""
+def check_registrar(checks: dict, results_fixture: str):
+    """A decorator factory for a module's fake-driver checks: `@check(**env)` registers `check(drv, rng)` in
+    `checks`, to run in a child under the fake driver with `env` set, and returns the pytest test that
+    reports its outcome from the module's `results_fixture` (the fixture calling run_checks)."""
 
-    def register(check):
-        name = check.__name__
-        CHECKS[name] = (check, {k: str(v) for k, v in env.items()})
+    def check_with(**env):
+        def register(check):
+            name = check.__name__
+            checks[name] = (check, {k: str(v) for k, v in env.items()})
 
-        def test(fake_driver_results):
-            report(fake_driver_results, name)
+            def test(request):
+                report(request.getfixturevalue(results_fixture), name)
 
-        test.__name__ = test.__qualname__ = name
-        test.__doc__ = check.__doc__
-        return test
+            test.__name__ = test.__qualname__ = name
+            test.__doc__ = check.__doc__
+            return test
 
-    return register
+        return register
+
+    return check_with
+
+
+fake_driver_check = check_registrar(CHECKS, "fake_driver_results")
 
 
 def _run_check_in_child(name: str) -> dict:

@@ -24,20 +24,7 @@ THIS_FILE = Path(__file__).resolve()
 CHECKS: dict = {}
 
 
-def check(**env):
-    """Register check(drv, rng) to run under the fake driver; return the pytest test reporting it."""
-
-    def register(fn):
-        CHECKS[fn.__name__] = (fn, {k: str(v) for k, v in env.items()})
-
-        def test(vllm_fake_results):
-            fake.report(vllm_fake_results, fn.__name__)
-
-        test.__name__ = test.__qualname__ = fn.__name__
-        test.__doc__ = fn.__doc__
-        return test
-
-    return register
+check = fake.check_registrar(CHECKS, "vllm_fake_results")  # @check(**env): a check run under the fake driver
 
 
 @pytest.fixture(scope="module")
