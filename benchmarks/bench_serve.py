@@ -87,6 +87,8 @@ FULL = dict(
     breakdown_batch=32,
     breakdown_prompt=256,
     breakdown_tokens=24,
+    vllm_block_size=None,  # the vllm row's KV block in tokens (None: vLLM's default, 128 on its CPU build)
+    vllm_enforce_eager=0,  # 1: the vllm row runs eager (no torch.compile of its model)
 )
 QUICK = dict(
     model="random:llama-tiny",
@@ -108,6 +110,8 @@ QUICK = dict(
     breakdown_batch=8,
     breakdown_prompt=32,
     breakdown_tokens=8,
+    vllm_block_size=None,
+    vllm_enforce_eager=0,
 )
 
 
@@ -231,6 +235,8 @@ class VllmPeer:
             "max_num_batched_tokens": cfg["max_batched"],
             "dtype": "float32",
             "seed": 0,
+            "block_size": cfg.get("vllm_block_size"),
+            "enforce_eager": bool(cfg.get("vllm_enforce_eager", 0)),
         }
 
     def row(self, workload, cfg: dict, timeout: float | None = None) -> dict:

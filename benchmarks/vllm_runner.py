@@ -77,6 +77,7 @@ def _make_engine(job: dict):
         max_num_batched_tokens=int(job["max_num_batched_tokens"]),
         seed=int(job.get("seed", 0)),
         enforce_eager=bool(job.get("enforce_eager", False)),
+        **({"block_size": int(job["block_size"])} if job.get("block_size") else {}),
     )
     return LLMEngine.from_engine_args(args)
 
