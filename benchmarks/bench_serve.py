@@ -235,8 +235,8 @@ class VllmPeer:
             "max_num_batched_tokens": cfg["max_batched"],
             "dtype": "float32",
             "seed": 0,
-            "block_size": cfg.get("vllm_block_size"),
-            "enforce_eager": bool(cfg.get("vllm_enforce_eager", 0)),
+            "block_size": cfg["vllm_block_size"],
+            "enforce_eager": bool(cfg["vllm_enforce_eager"]),
         }
 
     def row(self, workload, cfg: dict, timeout: float | None = None) -> dict:
