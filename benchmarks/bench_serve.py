@@ -239,10 +239,32 @@ class VllmPeer:
             "enforce_eager": bool(cfg["vllm_enforce_eager"]),
         }
 
-    def row(self, workload, cfg: dict, timeout: float | None = None) -> dict:
+    def row(self, workload, cfg: dict, timeout: float | None = None, label: str = "vllm") -> dict:
         env = peer_env(self.threads, self.kv_space_gib)
         r = run_runner(self.python, "serve", self.job(workload, cfg), env=env, timeout=timeout)
-        return vllm_result_row(r, workload, int(self.kv_space_gib * 2**30))
+        row = vllm_result_row(r, workload, int(self.kv_space_gib * 2**30))
+        row["kv"] = label
+        row["vllm_block_size"] = cfg["vllm_block_size"]
+        row["vllm_enforce_eager"] = bool(cfg["vllm_enforce_eager"])
+        return row
+
+
+def vllm_row_settings(name: str, cfg: dict) -> dict | None:
+    """The settings of a vllm row named vllm[-bs<N>][-eager|-compiled] (e.g. vllm-bs32-eager): cfg with that
+    row's block size and mode; None when the name is no such row. Several of them in one --rows list sweep
+    vLLM's settings side by side, alternated with the vpaged rows."""
+    base, *parts = name.split("-")
+    if base != "vllm":
+        return None
+    out = dict(cfg)
+    for part in parts:
+        if part[:2] == "bs" and part[2:].isdigit():
+            out["vllm_block_size"] = int(part[2:])
+        elif part in ("eager", "compiled"):
+            out["vllm_enforce_eager"] = int(part == "eager")
+        else:
+            return None
+    return out
 
 
 def vllm_result_row(r: dict, workload, kv_reserved_bytes: int) -> dict:
@@ -302,7 +324,7 @@ def same_tokens(rows: list[dict], ref: dict) -> None:
         outs = row.get("outputs")
         if outs is not None and row is not ref:
             row["same_tokens_as_vpaged"] = sum(a == b for a, b in zip(outs, expected))
-            if row["kv"] == "vllm":
+            if row["kv"].startswith("vllm"):
                 row["common_prefix_tokens_mean"] = statistics.mean(common_prefix(a, b) for a, b in zip(outs, expected))
     for row in rows:
         row.pop("outputs", None)
@@ -349,17 +371,18 @@ def section_throughput(model, cfg, vocab, rows_wanted, log, save, repeats: int =
         for kv in rows_wanted:  # in the order given: lets a run check that the order does not matter
             base, _, variant = kv.partition("-")
             tp = int(variant[2:]) if variant[:2] == "tp" and variant[2:].isdigit() else 1
-            if base not in ("vpaged", "paged", "generate_batch", "static", "vllm") or (
-                variant not in ("", "noprepack") and tp == 1
+            vllm_cfg = vllm_row_settings(kv, cfg)
+            if vllm_cfg is None and (
+                base not in ("vpaged", "paged", "generate_batch", "static") or (variant not in ("", "noprepack") and tp == 1)
             ):
                 continue
-            if kv == "vllm" and peer is None:
+            if vllm_cfg is not None and peer is None:
                 continue
             log(f"throughput: {kv}" + (f" (round {rep + 1}/{repeats})" if repeats > 1 else ""))
             if kv == "generate_batch":
                 row = generate_batch_row(model, wl, budget)
-            elif kv == "vllm":
-                row = peer.row(wl, cfg)
+            elif vllm_cfg is not None:
+                row = peer.row(wl, vllm_cfg, label=kv)
             elif tp > 1:  # <kv>-tp<N>: N ranks spawned on this host (gloo), each on its shard's plain layers
                 if saved is None:
                     saved = tempfile.mkdtemp(prefix="bench-serve-tp-")
@@ -390,9 +413,14 @@ def section_throughput(model, cfg, vocab, rows_wanted, log, save, repeats: int =
         medians[kv] = {"runs": len(tps), "output_tokens_per_s": statistics.median(tps), "all": tps}
     by = {kv: {"output_tokens_per_s": m["output_tokens_per_s"]} for kv, m in medians.items()}
     ratios = {}
-    for other in ("generate_batch", "paged", "static", "vllm"):
+    vllm_rows = [kv for kv in by if vllm_row_settings(kv, cfg) is not None]
+    for other in ("generate_batch", "paged", "static", *vllm_rows):
         if "vpaged" in by and other in by:
             ratios[f"vpaged_over_{other}"] = by["vpaged"]["output_tokens_per_s"] / by[other]["output_tokens_per_s"]
+    if "vpaged" in by and vllm_rows:  # the peer at the best of the settings run: the lead must hold there
+        best = max(vllm_rows, key=lambda kv: by[kv]["output_tokens_per_s"])
+        ratios["vpaged_over_best_vllm"] = by["vpaged"]["output_tokens_per_s"] / by[best]["output_tokens_per_s"]
+        ratios["best_vllm_row"] = best
     for kv in ("vpaged", "paged", "static"):
         if kv in by and f"{kv}-noprepack" in by:
             ratios[f"{kv}_prepack_over_noprepack"] = (
@@ -400,12 +428,12 @@ def section_throughput(model, cfg, vocab, rows_wanted, log, save, repeats: int =
             )
     if repeats > 1:
         print("median output tok/s:", {k: round(m["output_tokens_per_s"], 1) for k, m in medians.items()})
-    print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
-    vr = [r for r in rows if r["kv"] == "vllm"]
-    if vr:
+    print("ratios:", {k: round(v, 2) if isinstance(v, float) else v for k, v in ratios.items()})
+    for label in dict.fromkeys(r["kv"] for r in rows if r["kv"].startswith("vllm")):
+        vr = next(r for r in rows if r["kv"] == label)
         print(
-            f"vllm greedy outputs: {vr[0].get('same_tokens_as_vpaged')} of {len(prompts)} completions identical to "
-            f"vpaged's, {vr[0].get('common_prefix_tokens_mean', 0):.1f} of {cfg['max_tokens']} leading tokens shared "
+            f"{label} greedy outputs: {vr.get('same_tokens_as_vpaged')} of {len(prompts)} completions identical to "
+            f"vpaged's, {vr.get('common_prefix_tokens_mean', 0):.1f} of {cfg['max_tokens']} leading tokens shared "
             "on average"
         )
     out = {
@@ -616,7 +644,9 @@ def main(argv=None) -> int:
         default=None,
         help="rows of the throughput section, run in this order (default vpaged,paged,static,generate_batch, "
         "and vllm with --vllm-python); <kv>-noprepack: the engine with cpu_prepack=False; <kv>-tp<N>: the engine "
-        "tensor-parallel over N spawned ranks (gloo, cpu_prepack=False, each rank budget / N)",
+        "tensor-parallel over N spawned ranks (gloo, cpu_prepack=False, each rank budget / N); vllm-bs<N>, "
+        "vllm-eager, vllm-compiled, vllm-bs<N>-eager, ...: vLLM with that KV block size and mode (vllm: the "
+        "vllm_block_size / vllm_enforce_eager settings); ratios include vpaged over the best vllm row",
     )
     ap.add_argument("--repeats", type=int, default=1, help="run the throughput rows this many rounds, alternated")
     ap.add_argument(
@@ -674,8 +704,8 @@ def main(argv=None) -> int:
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     rows_arg = args.rows or ("vpaged,paged,static,generate_batch" + (",vllm" if args.vllm_python else ""))
     rows_wanted = list(dict.fromkeys(s.strip() for s in rows_arg.split(",")))
-    if "vllm" in rows_wanted and not args.vllm_python:
-        ap.error("row vllm needs --vllm-python PATH (an interpreter with vLLM's CPU build)")
+    if any(vllm_row_settings(r, cfg) is not None for r in rows_wanted) and not args.vllm_python:
+        ap.error("a vllm row needs --vllm-python PATH (an interpreter with vLLM's CPU build)")
     t_start = time.perf_counter()
 
     def log(msg):

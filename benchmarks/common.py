@@ -40,9 +40,31 @@ def machine() -> dict:
         "load_average_1min": os.getloadavg()[0],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    info.update(isa_facts())
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def isa_facts() -> dict:
+    """The instruction sets a figure was measured with: the CPU's (from its flags), the path vpaged's kernels run
+    for isa='auto' (capped by VPAGED_CPU_ISA), and torch's own kernels' (capped by ATEN_CPU_CAPABILITY)."""
+    facts = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16")
+        facts["cpu_flags"] = [x for x in wanted if x in flags]
+    except OSError:
+        pass
+    try:
+        from vpaged import _C
+
+        facts["vpaged_isa"] = _C.cpu_auto_isa()
+    except (ImportError, AttributeError, ValueError) as e:
+        facts["vpaged_isa"] = f"unknown ({e})"
+    facts["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return facts
 
 
 def median_time(fn, repeats: int = 7, inner: int = 1) -> float:

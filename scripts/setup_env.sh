@@ -50,5 +50,8 @@ echo "==> installing build and test dependencies"
 # (and with it a CUDA stack); it needs only apache-tvm-ffi besides what is installed above.
 "${PIP[@]}" --no-deps "xgrammar>=0.2.8" "apache-tvm-ffi>=0.1.11"
 echo "==> building vpaged"
+# The fingerprint of the sources as they are when the build starts: a file edited while it runs makes the next
+# setup build again instead of stamping a build that lacks the edit.
+FINGERPRINT="$(setup_fingerprint)"
 "${PIP[@]}" --no-build-isolation --no-deps -e "$ROOT"
-setup_fingerprint >"$STAMP"
+echo "$FINGERPRINT" >"$STAMP"

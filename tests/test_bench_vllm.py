@@ -190,6 +190,55 @@ def test_bench_serve_alternates_vllm_rows(tmp_path):
     assert pv["ttft_p50"] == pytest.approx(0.01) and pv["tpot_p99"] == pytest.approx(0.002)
 
 
+def test_bench_serve_sweeps_vllm_settings_as_rows(tmp_path):
+    """vllm-bs<N> / -eager / -compiled rows run vLLM with those settings beside the plain vllm row, alternated
+    with vpaged's; the ratios name the best of them."""
+    py = fake_python(tmp_path)
+    data, proc = _bench_serve(
+        tmp_path,
+        "--sections",
+        "throughput",
+        "--rows",
+        "vpaged,vllm,vllm-bs32-eager,vllm-compiled",
+        "--repeats",
+        "2",
+        "--vllm-python",
+        str(py),
+    )
+    tp = data["throughput"]
+    labels = ["vpaged", "vllm", "vllm-bs32-eager", "vllm-compiled"]
+    assert [(r["kv"], r["round"]) for r in tp["rows"]] == [(k, n) for n in (0, 1) for k in labels]
+    jobs = [json.loads(p.read_text()) for p in sorted((tmp_path / "jobs").glob("*.json"))]
+    assert [(j["block_size"], j["enforce_eager"]) for j in jobs] == [(None, False), (32, True), (None, False)] * 2
+    by_label = {r["kv"]: r for r in tp["rows"]}
+    assert by_label["vllm-bs32-eager"]["vllm_block_size"] == 32 and by_label["vllm-bs32-eager"]["vllm_enforce_eager"]
+    vllm_rows = labels[1:]
+    assert all(tp["medians"][k]["runs"] == 2 for k in vllm_rows)
+    best = max(vllm_rows, key=lambda k: tp["medians"][k]["output_tokens_per_s"])
+    assert tp["ratios"]["best_vllm_row"] == best
+    vp = tp["medians"]["vpaged"]["output_tokens_per_s"]
+    assert tp["ratios"]["vpaged_over_best_vllm"] == pytest.approx(vp / tp["medians"][best]["output_tokens_per_s"])
+    assert tp["ratios"]["vpaged_over_vllm-bs32-eager"] == pytest.approx(
+        vp / tp["medians"]["vllm-bs32-eager"]["output_tokens_per_s"]
+    )
+    assert all("same_tokens_as_vpaged" in r and "common_prefix_tokens_mean" in r for r in tp["rows"][1:4])
+
+
+def test_vllm_row_names():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from bench_serve import FULL, vllm_row_settings
+    finally:
+        sys.path.remove(str(BENCH))
+    cfg = dict(FULL, vllm_block_size=None, vllm_enforce_eager=0)
+    assert vllm_row_settings("vllm", cfg) == cfg
+    got = vllm_row_settings("vllm-bs16-eager", cfg)
+    assert (got["vllm_block_size"], got["vllm_enforce_eager"]) == (16, 1) and cfg["vllm_block_size"] is None
+    assert vllm_row_settings("vllm-compiled", dict(cfg, vllm_enforce_eager=1))["vllm_enforce_eager"] == 0
+    for name in ("vpaged", "vllm-fast", "vllm-bs", "vllm-bsx", "vllm-tp2", "paged-eager"):
+        assert vllm_row_settings(name, cfg) is None, name
+
+
 def test_bench_serve_without_vllm_says_why(tmp_path):
     data, proc = _bench_serve(
         tmp_path, "--sections", "throughput", "--rows", "vpaged", "--vllm-python", str(fake_python(tmp_path, False))

@@ -7,6 +7,9 @@ batch, include 1 and the cache's maximum, and are not multiples of pages or bloc
 import contextlib
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -221,6 +224,62 @@ def test_unknown_or_unsupported_code_path():
         if isa not in ISAS:
             with pytest.raises(InvalidArgumentError, match="cannot run"):
                 _C.decode_cpu(p, 1, isa)
+
+
+def test_cpu_isa_cap_from_the_environment():
+    """VPAGED_CPU_ISA caps what isa='auto' runs for the whole process (read once); a path the CPU lacks is no
+    cap above it, and a name of no path is refused with the variable named."""
+    code = "from vpaged import _C; print(_C.cpu_auto_isa())"
+
+    def auto_isa(value):
+        env = dict(os.environ, VPAGED_CPU_ISA=value)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+    assert _C.cpu_auto_isa() in ISAS
+    for isa in ("baseline", "avx2", "avx512", "avx512bf16"):
+        got = auto_isa(isa)
+        assert got.returncode == 0, got.stderr
+        expected = isa if isa in ISAS else ISAS[-1]
+        assert got.stdout.strip() == expected
+    got = auto_isa("avx3")
+    assert got.returncode != 0 and "VPAGED_CPU_ISA" in got.stderr and "avx3" in got.stderr
+
+
+def test_cpu_isa_cap_reaches_the_kernels():
+    """Under VPAGED_CPU_ISA=baseline an 'auto' decode call runs the portable path: its output is bit-identical to
+    a call forcing baseline, in a process where the best path differs from it."""
+    if len(ISAS) < 2:
+        pytest.skip("this CPU has only the portable path")
+    script = """
+import torch
+from vpaged import _C
+torch.manual_seed(0)
+B, H, HKV, D, T = 2, 8, 2, 64, 300
+q = torch.randn(B, H, D)
+k = torch.randn(B, T, HKV, D)
+v = torch.randn(B, T, HKV, D)
+lengths = torch.tensor([T, 123], dtype=torch.int32)
+slots = torch.arange(B, dtype=torch.int64)
+outs = []
+for isa in ("auto", "baseline", "%s"):
+    out = torch.full_like(q, float("nan"))
+    p = _C.DecodeParams()
+    p.num_seqs, p.num_heads, p.num_kv_heads, p.head_dim, p.dtype = B, H, HKV, D, 0
+    p.q, p.out, p.k, p.v = q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr()
+    p.lengths, p.slots, p.slot_stride, p.token_stride, p.max_tokens = (
+        lengths.data_ptr(), slots.data_ptr(), T * HKV * D, HKV * D, T)
+    p.head_stride = D
+    p.scale = D ** -0.5
+    _C.decode_cpu(p, 1, isa)
+    outs.append(out)
+print(torch.equal(outs[0], outs[1]), torch.equal(outs[0], outs[2]))
+""" % ISAS[-1]
+    env = dict(os.environ, VPAGED_CPU_ISA="baseline")
+    got = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    same_as_baseline, same_as_best = got.stdout.split()
+    assert same_as_baseline == "True"
+    assert same_as_best == "False"  # the best path rounds differently: the cap is what made 'auto' portable
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -218,6 +218,13 @@ void register_kernels(py::module_& m) {
         return l;
       },
       "The CPU code paths of the decode kernels this CPU can run, portable first.");
+  m.def(
+      "cpu_auto_isa",
+      [] {
+        const char* names[] = {"baseline", "avx2", "avx512", "avx512bf16"};
+        return std::string(names[cpu_auto_isa()]);
+      },
+      "The CPU code path isa='auto' runs: the best this CPU has, capped by VPAGED_CPU_ISA.");
   m.def("decode_cuda", &decode_cuda, py::arg("params"), py::arg("launch"), py::call_guard<py::gil_scoped_release>(),
         "Decode attention on CUDA (asynchronous on launch.stream).");
   m.def("kernels_built_with_cuda", &kernels_built_with_cuda);

@@ -76,13 +76,17 @@ void check_params(const DecodeParams& p);
 // (F/BW/VL/DQ; head_dim = v_head_dim = 64, 128 or 256, and K 192 / V 128; other head dims run the AVX2 build),
 // and AVX-512 with BF16 dot products (bf16 scores by vdpbf16ps; other dtypes as AVX-512). On the AVX2 path,
 // 16-bit K/V of those head dims run a tile loop that widens rows in registers (fp32 K/V the generic loop).
-// Quantized K/V run the AVX2 tile loop (rows dequantized by AVX2 + F16C) on the AVX2 and both AVX-512 paths,
-// the portable build on baseline.
+// Quantized K/V run a tile loop that dequantizes in registers: the AVX2 one (AVX2 + F16C) on the AVX2 path, the
+// 16-lane one on both AVX-512 paths; the portable build on baseline.
 enum CpuIsa : int { kIsaAuto = -1, kIsaBaseline = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3 };
 // The best path this CPU (and OS) supports.
 int cpu_best_isa();
-// The path a CPU kernel named `op` runs for a requested isa: kIsaAuto -> the best; an unknown code or a path
-// this CPU lacks raises InvalidArgument.
+// The path kIsaAuto runs: the best one, capped by the environment variable VPAGED_CPU_ISA (baseline, avx2,
+// avx512 or avx512bf16; read once) so that a whole process (a serving engine, a benchmark) can run a narrower
+// ISA's kernels, as ATEN_CPU_CAPABILITY does for torch's. An unknown value raises InvalidArgument.
+int cpu_auto_isa();
+// The path a CPU kernel named `op` runs for a requested isa: kIsaAuto -> cpu_auto_isa(); an unknown code or a
+// path this CPU lacks raises InvalidArgument.
 int resolve_cpu_isa(const char* op, int isa);
 
 // CPU (OpenMP). num_threads <= 0: the OpenMP default. isa: kIsaAuto (the best), or a path to force (tests

@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -491,7 +492,7 @@ ItemFn select_dim(int D, int DV, int isa) {
   const bool avx2 = isa >= kIsaAvx2;
   if (isa >= kIsaAvx512) {
     // Head dims the AVX-512 tile loop is compiled for; other head dims run the AVX2 build.
-    if (const ItemFn fn = avx512_tile_item(DT, D, DV, isa >= kIsaAvx512Bf16)) return fn;
+    if (const ItemFn fn = avx512_tile_item(DT, DT, D, DV, isa >= kIsaAvx512Bf16)) return fn;
   }
   // 16-bit K/V on AVX2: the tile loop (widened in registers; 0.5-0.85x the generic loop's time on the EPYC dev
   // box). fp32 keeps the generic loop, which reads its rows as they are and measured 1.0-1.17x faster there.
@@ -513,10 +514,13 @@ ItemFn select_dim(int D, int DV, int isa) {
   return avx2 ? run_item_avx2<DT, 0, 0> : run_item_base<DT, 0, 0>;
 }
 
-// Quantized K/V (fp32 q/out): the AVX2 build (AVX2 + F16C dequantization) on every path from AVX2 up, AVX-512
-// included (no AVX-512 build of the 1-byte formats: dequantization by AVX2 is not their bound), else portable.
+// Quantized K/V (fp32 q/out): the AVX-512 tile loop (16 elements dequantized per load) where the path is AVX-512,
+// the AVX2 one (AVX2 + F16C) from AVX2 up, else portable.
 template <int KT>
 ItemFn select_quant(int D, int DV, int isa) {
+  if (isa >= kIsaAvx512) {
+    if (const ItemFn fn = avx512_tile_item(kFloat32, KT, D, DV, false)) return fn;
+  }
   const bool v3 = isa >= kIsaAvx2 && cpu_has_f16c();  // every AVX2 CPU has F16C; checked all the same
   if (v3) {
     if (const ItemFn fn = avx2_tile_item(kFloat32, KT, D, DV)) return fn;  // else the generic loop's AVX2 build
@@ -591,8 +595,24 @@ int cpu_best_isa() {
                                : kIsaBaseline;
 }
 
+int cpu_auto_isa() {
+  // -2: VPAGED_CPU_ISA names no path (reported on every use, not at load time, where nothing can catch it).
+  static const int cap = [] {
+    const char* v = std::getenv("VPAGED_CPU_ISA");
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return int(kIsaAvx512Bf16);
+    const char* names[] = {"baseline", "avx2", "avx512", "avx512bf16"};
+    for (int i = 0; i <= kIsaAvx512Bf16; ++i)
+      if (std::strcmp(v, names[i]) == 0) return i;
+    return -2;
+  }();
+  if (cap == -2)
+    throw InvalidArgument(std::string("VPAGED_CPU_ISA must be auto, baseline, avx2, avx512 or avx512bf16, got '") +
+                          std::getenv("VPAGED_CPU_ISA") + "'");
+  return std::min(cap, cpu_best_isa());
+}
+
 int resolve_cpu_isa(const char* op, int isa) {
-  if (isa == kIsaAuto) return cpu_best_isa();
+  if (isa == kIsaAuto) return cpu_auto_isa();
   if (isa < kIsaBaseline || isa > kIsaAvx512Bf16)
     throw InvalidArgument(std::string(op) + ": unknown CPU code path " + std::to_string(isa));
   if (isa > cpu_best_isa())

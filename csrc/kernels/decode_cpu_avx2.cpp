@@ -1,6 +1,6 @@
 // The decode tile loop (decode_cpu_tiles.h) at 8 lanes, AVX2 + FMA + F16C: 16-bit K/V (bf16, fp16) and the
-// 1-byte formats (int8, fp8 e4m3 / e5m2, with fp32 q and out). Also what the AVX-512 paths run for the 1-byte
-// formats: their dequantization by AVX2 is not their bound. fp32 K/V keep the generic loop (decode_cpu.cpp),
+// 1-byte formats (int8, fp8 e4m3 / e5m2, with fp32 q and out); AVX-512 CPUs run decode_cpu_avx512.cpp's
+// 16-lane build of the same formats. fp32 K/V keep the generic loop (decode_cpu.cpp),
 // which reads its rows as they are and measured 1.0-1.17x faster than this one on the EPYC dev box.
 #include <immintrin.h>
 

@@ -168,7 +168,7 @@ VP_INLINE void finish_item(const DecodeParams& p, const Item& it, const float* a
 // 1-byte ones with dtype kFloat32; AVX-512: fp32 and 16-bit K/V, bf16_dot for bf16 scores by vdpbf16ps).
 // Call only where the CPU has the ISA (decode_cpu.cpp checks).
 ItemFn avx2_tile_item(int dtype, int kv_dtype, int D, int DV);
-ItemFn avx512_tile_item(int dtype, int D, int DV, bool bf16_dot);
+ItemFn avx512_tile_item(int dtype, int kv_dtype, int D, int DV, bool bf16_dot);
 
 }  // namespace cpu_decode
 }  // namespace kernels

@@ -125,6 +125,7 @@ VP_INLINE void pv_tile(float* __restrict acc, const Stored<KT>* V, const int64_t
 //     formats at 0.85-0.95x of bf16 from memory (0.6x in cache) on the EPYC; whole rows brought them to ~0.6x.
 //   per head (AVX-512): each head's slices one chunk ahead, in the pass over that head: a whole chunk's time
 //     before they are read (half a chunk measured 5-10 % slower for bf16 on the Xeon, a chunk and two alike).
+//     The 1-byte formats too: whole rows measured 1.0-1.25x their time on an AMD EPYC Zen 4 (benchmarks/NOTES.md).
 // Either way the first rows of an item are asked for up front, so that they arrive in parallel instead of as
 // one demand miss after another.
 template <typename W, int DT, int KT, int D, int DV, bool DP>
