@@ -89,6 +89,7 @@ FULL = dict(
     breakdown_tokens=24,
     vllm_block_size=None,  # the vllm row's KV block in tokens (None: vLLM's default, 128 on its CPU build)
     vllm_enforce_eager=0,  # 1: the vllm row runs eager (no torch.compile of its model)
+    vllm_inproc=0,  # 1: the vllm row's engine core runs in the runner's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
 )
 QUICK = dict(
     model="random:llama-tiny",
@@ -112,6 +113,7 @@ QUICK = dict(
     breakdown_tokens=8,
     vllm_block_size=None,
     vllm_enforce_eager=0,
+    vllm_inproc=0,
 )
 
 
@@ -240,19 +242,23 @@ class VllmPeer:
         }
 
     def row(self, workload, cfg: dict, timeout: float | None = None, label: str = "vllm") -> dict:
-        env = peer_env(self.threads, self.kv_space_gib)
+        # vLLM's v1 engine core runs in a process of its own by default; in-process, its scheduler, the model and
+        # the caller's loop share the cores without a second process polling for messages.
+        inproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if cfg.get("vllm_inproc") else None
+        env = peer_env(self.threads, self.kv_space_gib, extra=inproc)
         r = run_runner(self.python, "serve", self.job(workload, cfg), env=env, timeout=timeout)
         row = vllm_result_row(r, workload, int(self.kv_space_gib * 2**30))
         row["kv"] = label
         row["vllm_block_size"] = cfg["vllm_block_size"]
         row["vllm_enforce_eager"] = bool(cfg["vllm_enforce_eager"])
+        row["vllm_inproc"] = bool(cfg.get("vllm_inproc"))
         return row
 
 
 def vllm_row_settings(name: str, cfg: dict) -> dict | None:
-    """The settings of a vllm row named vllm[-bs<N>][-eager|-compiled] (e.g. vllm-bs32-eager): cfg with that
-    row's block size and mode; None when the name is no such row. Several of them in one --rows list sweep
-    vLLM's settings side by side, alternated with the vpaged rows."""
+    """The settings of a vllm row named vllm[-bs<N>][-eager|-compiled][-inproc] (e.g. vllm-bs32-eager): cfg with
+    that row's block size, mode and engine-core process; None when the name is no such row. Several of them in
+    one --rows list sweep vLLM's settings side by side, alternated with the vpaged rows."""
     base, *parts = name.split("-")
     if base != "vllm":
         return None
@@ -262,6 +268,8 @@ def vllm_row_settings(name: str, cfg: dict) -> dict | None:
             out["vllm_block_size"] = int(part[2:])
         elif part in ("eager", "compiled"):
             out["vllm_enforce_eager"] = int(part == "eager")
+        elif part == "inproc":
+            out["vllm_inproc"] = 1
         else:
             return None
     return out
@@ -645,8 +653,9 @@ def main(argv=None) -> int:
         help="rows of the throughput section, run in this order (default vpaged,paged,static,generate_batch, "
         "and vllm with --vllm-python); <kv>-noprepack: the engine with cpu_prepack=False; <kv>-tp<N>: the engine "
         "tensor-parallel over N spawned ranks (gloo, cpu_prepack=False, each rank budget / N); vllm-bs<N>, "
-        "vllm-eager, vllm-compiled, vllm-bs<N>-eager, ...: vLLM with that KV block size and mode (vllm: the "
-        "vllm_block_size / vllm_enforce_eager settings); ratios include vpaged over the best vllm row",
+        "vllm-eager, vllm-compiled, vllm-inproc, vllm-bs<N>-eager-inproc, ...: vLLM with that KV block size, mode "
+        "and its engine core in the runner's process (vllm: the vllm_block_size / vllm_enforce_eager / "
+        "vllm_inproc settings); ratios include vpaged over the best vllm row",
     )
     ap.add_argument("--repeats", type=int, default=1, help="run the throughput rows this many rounds, alternated")
     ap.add_argument(

@@ -46,7 +46,8 @@ def fake_python(tmp_path: Path, is_cpu: bool = True, fail_serve: bool = False, h
         job = json.load(open(rest[0]))
         n = len(glob.glob({str(log)!r} + "/*.json"))
         shutil.copy(rest[0], {str(log)!r} + f"/{{n:03d}}.json")
-        env = {{k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}}
+        keys = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")
+        env = {{k: os.environ.get(k) for k in keys}}
         json.dump(env, open({str(log)!r} + f"/{{n:03d}}.env", "w"))
         if {fail_serve!r}:
             print(marker + json.dumps({{"error": "RuntimeError: no CPU kernels"}}))
@@ -181,6 +182,7 @@ def test_bench_serve_alternates_vllm_rows(tmp_path):
     assert json.loads(jobs[0].with_suffix(".env").read_text()) == {
         "VLLM_CPU_OMP_THREADS_BIND": "0-1",
         "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": None,  # vLLM's default: its engine core in a process of its own
     }
     pjob = json.loads(jobs[2].read_text())
     assert pjob["arrivals"] != [0.0] * len(pjob["arrivals"])
@@ -199,19 +201,23 @@ def test_bench_serve_sweeps_vllm_settings_as_rows(tmp_path):
         "--sections",
         "throughput",
         "--rows",
-        "vpaged,vllm,vllm-bs32-eager,vllm-compiled",
+        "vpaged,vllm,vllm-bs32-eager,vllm-compiled-inproc",
         "--repeats",
         "2",
         "--vllm-python",
         str(py),
     )
     tp = data["throughput"]
-    labels = ["vpaged", "vllm", "vllm-bs32-eager", "vllm-compiled"]
+    labels = ["vpaged", "vllm", "vllm-bs32-eager", "vllm-compiled-inproc"]
     assert [(r["kv"], r["round"]) for r in tp["rows"]] == [(k, n) for n in (0, 1) for k in labels]
-    jobs = [json.loads(p.read_text()) for p in sorted((tmp_path / "jobs").glob("*.json"))]
+    paths = sorted((tmp_path / "jobs").glob("*.json"))
+    jobs = [json.loads(p.read_text()) for p in paths]
     assert [(j["block_size"], j["enforce_eager"]) for j in jobs] == [(None, False), (32, True), (None, False)] * 2
+    envs = [json.loads(p.with_suffix(".env").read_text())["VLLM_ENABLE_V1_MULTIPROCESSING"] for p in paths]
+    assert envs == [None, None, "0"] * 2
     by_label = {r["kv"]: r for r in tp["rows"]}
     assert by_label["vllm-bs32-eager"]["vllm_block_size"] == 32 and by_label["vllm-bs32-eager"]["vllm_enforce_eager"]
+    assert by_label["vllm-compiled-inproc"]["vllm_inproc"] and not by_label["vllm"]["vllm_inproc"]
     vllm_rows = labels[1:]
     assert all(tp["medians"][k]["runs"] == 2 for k in vllm_rows)
     best = max(vllm_rows, key=lambda k: tp["medians"][k]["output_tokens_per_s"])
@@ -232,8 +238,9 @@ def test_vllm_row_names():
         sys.path.remove(str(BENCH))
     cfg = dict(FULL, vllm_block_size=None, vllm_enforce_eager=0)
     assert vllm_row_settings("vllm", cfg) == cfg
-    got = vllm_row_settings("vllm-bs16-eager", cfg)
-    assert (got["vllm_block_size"], got["vllm_enforce_eager"]) == (16, 1) and cfg["vllm_block_size"] is None
+    got = vllm_row_settings("vllm-bs16-eager-inproc", cfg)
+    assert (got["vllm_block_size"], got["vllm_enforce_eager"], got["vllm_inproc"]) == (16, 1, 1)
+    assert cfg["vllm_block_size"] is None and cfg["vllm_inproc"] == 0
     assert vllm_row_settings("vllm-compiled", dict(cfg, vllm_enforce_eager=1))["vllm_enforce_eager"] == 0
     for name in ("vpaged", "vllm-fast", "vllm-bs", "vllm-bsx", "vllm-tp2", "paged-eager"):
         assert vllm_row_settings(name, cfg) is None, name
