@@ -5,6 +5,9 @@
 1. fork cost vs. sequence length: should grow with pages (one map per page per region), flat within a page.
 2. copy-on-write cost per page (the first write of a child into a shared partly filled page).
 3. swap out / swap in bandwidth vs. a plain torch copy of the same bytes.
+   2 and 3 run twice: on a pool that gives a free page's memory back at once (the default), and on one that
+   keeps the memory of recently freed pages (PagePool keep_freed_bytes), where the fresh page of a
+   copy-on-write and the pages of a swap in are written in place instead of being allocated by the kernel.
 4. memory saved: parallel sampling with n = 2..16 samples of a 2,000-token prompt generating 200 tokens, and
    32 requests sharing a 1,000-token system prompt, against the same workloads without sharing.
 """
@@ -27,7 +30,10 @@ import vpaged  # noqa: E402
 GEOM = dict(num_layers=8, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)  # 1 KiB/token/region
 
 
-def make(max_seqs=64, max_len=8192, pages=4096, layout="per_layer", **kw):
+def make(max_seqs=64, max_len=8192, pages=4096, layout="per_layer", keep_freed_bytes=0, **kw):
+    if keep_freed_bytes:
+        pool = vpaged.PagePool("cpu", capacity_pages=pages, page_size=65536, keep_freed_bytes=keep_freed_bytes)
+        return vpaged.VirtualKVCache(**GEOM, max_seqs=max_seqs, max_seq_len=max_len, pool=pool, layout=layout, **kw)
     return vpaged.VirtualKVCache(
         **GEOM, max_seqs=max_seqs, max_seq_len=max_len, capacity_bytes=pages * 65536, layout=layout, **kw
     )
@@ -54,8 +60,8 @@ def fork_cost(lengths, repeats):
     return rows
 
 
-def cow_cost(repeats):
-    cache = make()
+def cow_cost(repeats, keep_freed_bytes=0):
+    cache = make(keep_freed_bytes=keep_freed_bytes)
     parent = cache.allocate()
     cache.extend(parent, 1000)  # partly filled last page in each of 16 regions
     regions = cache.layout.regions
@@ -71,11 +77,29 @@ def cow_cost(repeats):
     plain = np.empty(page, dtype=np.uint8)
     src = np.random.randint(0, 255, page, dtype=np.uint8)
     t_copy = median_time(lambda: np.copyto(plain, src), repeats, inner=50)
-    return {"cow_us_per_page": samples[len(samples) // 2] * 1e6, "plain_copy_us_per_page": t_copy * 1e6}
+    # One map call as a copy-on-write's remap makes it: a page shown at an index other than its own (one mmap),
+    # then that index's own page put back (one mmap), halved.
+    r = cache.pool.new_range(2 * page)
+    (shared,) = r.map_new([0])
+
+    def map_and_back():
+        r.map_shared([1], [shared])
+        r.unmap([1])
+
+    t_map = median_time(map_and_back, repeats, inner=20) / 2
+    del r
+    cache.close()
+    return {
+        "keep_freed_bytes": keep_freed_bytes,
+        "cow_us_per_page": samples[len(samples) // 2] * 1e6,
+        "plain_copy_us_per_page": t_copy * 1e6,
+        "map_call_us": t_map * 1e6,
+        "goal_us": (3 * t_copy + t_map) * 1e6,  # issue #40 item 4: <= 3x a memcpy of the page + one map call
+    }
 
 
-def swap_bandwidth(tokens, repeats):
-    cache = make(pages=8192, swap_bytes=4096 * 65536)
+def swap_bandwidth(tokens, repeats, keep_freed_bytes=0):
+    cache = make(pages=8192, swap_bytes=4096 * 65536, keep_freed_bytes=keep_freed_bytes)
     seq = cache.allocate()
     cache.extend(seq, tokens)
     for layer in range(cache.num_layers):
@@ -96,8 +120,10 @@ def swap_bandwidth(tokens, repeats):
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8)
     t_copy = median_time(lambda: dst.copy_(src), repeats)
+    cache.close()
     gb = nbytes / 1e9
     return {
+        "keep_freed_bytes": keep_freed_bytes,
         "bytes": nbytes,
         "swap_out_GBps": gb / out_t[len(out_t) // 2],
         "swap_in_GBps": gb / in_t[len(in_t) // 2],
@@ -180,17 +206,20 @@ def main():
             for r in res["fork"]
         ],
     )
-    res["cow"] = cow_cost(repeats * 2)
-    print(
-        f"\ncopy-on-write: {res['cow']['cow_us_per_page']:.1f} µs per 64 KiB page "
-        f"(plain memcpy of a page: {res['cow']['plain_copy_us_per_page']:.1f} µs)"
-    )
-    res["swap"] = swap_bandwidth(4000, repeats)
-    s = res["swap"]
-    print(
-        f"\nswap {s['bytes'] / 2**20:.0f} MiB: out {s['swap_out_GBps']:.2f} GB/s, in {s['swap_in_GBps']:.2f} GB/s, "
-        f"plain copy {s['plain_copy_GBps']:.2f} GB/s"
-    )
+    # Kept: the 16 pages a fork's first write copies (CoW); the ~63 MiB a swap out frees (swap).
+    for key, keep in (("cow", 0), ("cow_keep_freed", 16 * 65536)):
+        res[key] = c = cow_cost(repeats * 2, keep)
+        print(
+            f"\ncopy-on-write ({'free pages keep ' + str(keep >> 10) + ' KiB' if keep else 'memory back at once'}): "
+            f"{c['cow_us_per_page']:.1f} µs per 64 KiB page (plain memcpy of a page: {c['plain_copy_us_per_page']:.1f} "
+            f"µs, one map call {c['map_call_us']:.1f} µs: 3 memcpy + a map = {c['goal_us']:.1f} µs)"
+        )
+    for key, keep in (("swap", 0), ("swap_keep_freed", 1024 * 65536)):
+        res[key] = s = swap_bandwidth(4000, repeats, keep)
+        print(
+            f"\nswap {s['bytes'] / 2**20:.0f} MiB ({'free pages keep ' + str(keep >> 20) + ' MiB' if keep else 'memory back at once'}): "
+            f"out {s['swap_out_GBps']:.2f} GB/s, in {s['swap_in_GBps']:.2f} GB/s, plain copy {s['plain_copy_GBps']:.2f} GB/s"
+        )
     res["parallel_sampling"] = parallel_sampling([2, 4, 8, 16])
     print("\nparallel sampling, 2000-token prompt + 200 generated (peak pool bytes)")
     print_table(

@@ -39,6 +39,9 @@ class PoolStats:
     free_pages: int
     high_water_pages: int
     created_pages: int
+    kv_pages: int
+    allocator_pages: int
+    kept_free_pages: int  # free pages that kept their memory (PagePool.keep_freed)
 
 class PagePool:
     """Physical pages of one backend: free list and reference counts. Thread-safe."""
@@ -61,6 +64,7 @@ class PagePool:
     @property
     def limit(self) -> int: ...  # pages that may be in use at once (capacity unless lowered)
     def reset_high_water(self) -> None: ...
+    keep_freed: int  # free pages that may keep their memory (host); 0: every free page's memory goes back at once
     def copy_page(self, dst: int, src: int, stream: int = 0) -> None: ...
     def copy_to_host(self, src: int, host_ptr: int, stream: int = 0) -> None: ...
     def copy_from_host(self, dst: int, host_ptr: int, stream: int = 0) -> None: ...

@@ -430,13 +430,24 @@ class HostBackend final : public Backend {
     }
   }
 
-  // Runs of consecutive pages from consecutive buffers: one pwrite each. A write into a punched page allocates
-  // it in the kernel, faster than faulting it in through a mapping page by page.
+  // A page shown at its home index with its memory in place (a free page the pool kept: PagePool::set_keep_freed;
+  // a swap in maps the swapped-out indices' own home pages) is written by a memcpy through that mapping, with no
+  // system call per page. The others (punched holes) by runs of consecutive pages from consecutive buffers, one
+  // pwrite each: a write into a hole allocates it in the kernel, faster than faulting it in page by page.
   void copy_pages_from_host(const PageId* pages, const char* const* host, size_t n, uintptr_t) override {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < n; ++i) check_page_locked(pages[i]);
     for (size_t i = 0; i < n;) {
-      const size_t j = run_end(pages, host, i, n);
+      if (char* to = resident_home_locked(pages[i])) {
+        std::memcpy(to, host[i], page_size_);
+        ++i;
+        continue;
+      }
+      size_t j = i + 1;
+      while (j < n && pages[j] == pages[j - 1] + 1 && host[j] == host[j - 1] + page_size_ &&
+             resident_home_locked(pages[j]) == nullptr) {
+        ++j;
+      }
       io(false, const_cast<char*>(host[i]), offset(pages[i]), (j - i) * page_size_);
       i = j;
     }
@@ -801,6 +812,18 @@ class HostBackend final : public Backend {
     return reinterpret_cast<const char*>(r.va + i * page_size_);
   }
 
+  // The address where `page` shows at its home index when every OS page of it is resident (mincore), else
+  // nullptr. Called with mu_ held (mincore_buf_ is the pool's scratch).
+  char* resident_home_locked(PageId page) {
+    const char* at = home_address_locked(page);
+    if (at == nullptr) return nullptr;
+    mincore_buf_.resize(page_size_ / os_page_);
+    if (mincore(const_cast<char*>(at), page_size_, mincore_buf_.data()) != 0) return nullptr;
+    for (unsigned char b : mincore_buf_)
+      if ((b & 1) == 0) return nullptr;
+    return const_cast<char*>(at);
+  }
+
   // The end of the run starting at i: consecutive page ids whose buffers follow each other.
   template <typename Ptr>
   size_t run_end(const PageId* pages, const Ptr* host, size_t i, size_t n) const {
@@ -816,6 +839,7 @@ class HostBackend final : public Backend {
   size_t page_size_;
   size_t capacity_pages_;
   size_t os_page_ = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> mincore_buf_;  // resident_home_locked's scratch (under mu_)
   int fd_ = -1;
   std::vector<void*> reserve_;  // see top_up_reserve_locked
   mutable std::mutex mu_;       // regions, id blocks, file size, reserve

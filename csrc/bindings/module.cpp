@@ -115,7 +115,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("high_water_pages", &PoolStats::high_water_pages)
       .def_readonly("created_pages", &PoolStats::created_pages)
       .def_readonly("kv_pages", &PoolStats::kv_pages)
-      .def_readonly("allocator_pages", &PoolStats::allocator_pages);
+      .def_readonly("allocator_pages", &PoolStats::allocator_pages)
+      .def_readonly("kept_free_pages", &PoolStats::kept_free_pages);
 
   py::class_<PagePool, std::shared_ptr<PagePool>>(m, "PagePool")
       .def(py::init<std::shared_ptr<Backend>, size_t, size_t>(), py::arg("backend"), py::arg("reserve_pages") = 0,
@@ -128,6 +129,7 @@ PYBIND11_MODULE(_C, m) {
           "acquire_preferring", [](PagePool& p, const std::vector<PageId>& w) { return p.acquire_preferring(w); },
           py::arg("wanted"))
       .def_property("zero_on_reuse", &PagePool::zero_on_reuse, &PagePool::set_zero_on_reuse)
+      .def_property("keep_freed", &PagePool::keep_freed, &PagePool::set_keep_freed)
       .def("zero_pages", &PagePool::zero_pages, py::arg("pages"), py::arg("stream") = 0)
       .def("incref", &PagePool::incref)
       .def("decref", &PagePool::decref)

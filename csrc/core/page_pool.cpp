@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "core/errors.h"
 
@@ -17,7 +18,9 @@ size_t PagePool::limit_locked() const { return std::min(limit_, backend_->capaci
 
 size_t PagePool::set_limit(size_t pages) {
   std::lock_guard<std::mutex> lock(mu_);
+  const size_t before = limit_locked();
   limit_ = std::max(std::min(pages, backend_->capacity_pages()), used_);
+  if (limit_locked() < before) drop_kept_locked(0);  // the budget took pages back: their memory goes too
   // A budget that lowers the limit has given the difference to another member, who will create pages of
   // its own: on CUDA the free pages beyond the limit must let go of their device memory now.
   const size_t with_memory = backend_->created_pages();
@@ -135,9 +138,12 @@ std::vector<PageId> PagePool::acquire_preferring(const std::vector<PageId>& want
   released_.resize(released_.size() - from_released);
   for (size_t i = 0, j = 0; i < n; ++i)
     if (out[i] < 0) out[i] = general[j++];
-  if (zero_on_reuse_ && !backend_->freed_pages_read_zero()) {
+  // Kept pages read what they held: zero_on_reuse zeroes those too (a punched hole on the host).
+  std::vector<PageId> to_zero = unkeep_locked(out);
+  if (zero_on_reuse_ && !backend_->freed_pages_read_zero()) to_zero = out;
+  if (zero_on_reuse_ && !to_zero.empty()) {
     try {
-      backend_->zero_pages(out.data(), n, 0);
+      backend_->zero_pages(to_zero.data(), to_zero.size(), 0);
     } catch (...) {
       // The general pages back where they came from, in the order they came off; the re-created ones give
       // their memory back again.
@@ -145,6 +151,7 @@ std::vector<PageId> PagePool::acquire_preferring(const std::vector<PageId>& want
       for (size_t j = from_released; j-- > 0;) (j < gone ? released_ : free_).push_back(general[from_free + j]);
       for (size_t j = from_free; j-- > 0;) free_.push_back(general[j]);
       undo_homes();
+      backend_->discard_pages(to_zero.data(), to_zero.size());  // no longer kept: their memory goes back
       throw;
     }
   }
@@ -166,6 +173,67 @@ void PagePool::set_zero_on_reuse(bool on) {
 bool PagePool::zero_on_reuse() const {
   std::lock_guard<std::mutex> lock(mu_);
   return zero_on_reuse_;
+}
+
+void PagePool::set_keep_freed(size_t pages) {
+  std::lock_guard<std::mutex> lock(mu_);
+  keep_freed_ = backend_->keeps_freed_memory() ? 0 : pages;
+  drop_kept_locked(keep_freed_);
+}
+
+size_t PagePool::keep_freed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return keep_freed_;
+}
+
+void PagePool::discard_or_keep_locked(const std::vector<PageId>& freed) {
+  if (keep_freed_ == 0) {
+    backend_->discard_pages(freed.data(), freed.size());
+    return;
+  }
+  if (kept_stamp_.size() < refcount_.size()) kept_stamp_.resize(refcount_.size(), 0);
+  for (PageId p : freed) {
+    kept_stamp_[p] = next_stamp_;
+    kept_.emplace_back(p, next_stamp_++);
+    ++kept_count_;
+  }
+  drop_kept_locked(keep_freed_);
+  // Pages handed out again leave stale entries behind, which only drop_kept_locked pops: a pool that frees and
+  // reuses pages below the bound would collect them without end. Compact when they outnumber the live ones.
+  if (kept_.size() > 2 * kept_count_ + 1024) {
+    std::deque<std::pair<PageId, uint64_t>> live;
+    for (const auto& e : kept_)
+      if (kept_stamp_[e.first] == e.second) live.push_back(e);
+    kept_.swap(live);
+  }
+}
+
+void PagePool::drop_kept_locked(size_t keep) {
+  std::vector<PageId> gone;
+  while (kept_count_ > keep) {
+    const auto [page, stamp] = kept_.front();
+    kept_.pop_front();
+    if (kept_stamp_[page] != stamp) continue;  // stale: handed out, or kept again further back
+    kept_stamp_[page] = 0;
+    --kept_count_;
+    gone.push_back(page);
+  }
+  if (kept_count_ == 0) kept_.clear();  // only stale entries left
+  if (!gone.empty()) backend_->discard_pages(gone.data(), gone.size());
+}
+
+std::vector<PageId> PagePool::unkeep_locked(const std::vector<PageId>& pages) {
+  std::vector<PageId> were;
+  if (kept_count_ == 0) return were;
+  for (PageId p : pages) {
+    if (static_cast<size_t>(p) < kept_stamp_.size() && kept_stamp_[p] != 0) {
+      kept_stamp_[p] = 0;  // its entry in kept_ goes stale
+      --kept_count_;
+      were.push_back(p);
+    }
+  }
+  if (kept_count_ == 0) kept_.clear();
+  return were;
 }
 
 void PagePool::zero_pages(const std::vector<PageId>& pages, uintptr_t stream) {
@@ -222,8 +290,9 @@ void PagePool::decref_all(const std::vector<PageId>& pages) {
     }
   }
   // The memory of a free page goes back at once (host: one punched hole per run of ids), so the process
-  // never holds more RAM than its pages in use, however many different home pages it has touched.
-  if (!freed.empty()) backend_->discard_pages(freed.data(), freed.size());
+  // never holds more RAM than its pages in use, however many different home pages it has touched; or, with
+  // set_keep_freed, more than that plus the pages kept.
+  if (!freed.empty()) discard_or_keep_locked(freed);
 }
 
 int32_t PagePool::refcount(PageId page) const {
@@ -249,11 +318,13 @@ PoolStats PagePool::stats() const {
                    high_water_,
                    backend_->created_pages(),
                    owned_[static_cast<size_t>(PageOwner::kKVCache)],
-                   owned_[static_cast<size_t>(PageOwner::kAllocator)]};
+                   owned_[static_cast<size_t>(PageOwner::kAllocator)],
+                   kept_count_};
 }
 
 size_t PagePool::trim() {
   std::lock_guard<std::mutex> lock(mu_);
+  drop_kept_locked(0);
   release_free_locked(free_.size());  // host: holes punched, every id stays in free_; CUDA: handles released
   const size_t cap = limit_locked();
   return std::min(free_.size() + released_.size(), cap > used_ ? cap - used_ : 0);

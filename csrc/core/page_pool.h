@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -26,6 +27,7 @@ struct PoolStats {
   size_t created_pages;    // pages with memory now (Backend::created_pages): on CUDA it falls when trim releases
   size_t kv_pages;         // used pages owned by KV caches (ranges, copy-on-write)
   size_t allocator_pages;  // used pages owned by the torch allocator hook and vpaged.empty
+  size_t kept_free_pages;  // free pages that kept their memory (set_keep_freed): resident, not in use
 };
 
 class PagePool {
@@ -47,6 +49,15 @@ class PagePool {
   // zero_pages when a cache gives a freed sequence's pages to a new one). Off by default.
   void set_zero_on_reuse(bool on);
   bool zero_on_reuse() const;
+  // Option (host): up to `pages` pages whose last reference went keep their memory instead of giving it back at
+  // once, the most recently freed ones, so that a page handed out again soon (a copy-on-write's fresh page, a
+  // swapped-out sequence's pages on swap in) is written in place instead of being allocated and zeroed by the
+  // kernel first. The process then holds at most `pages` pages of memory beyond those in use. Such a page
+  // reads what it held, not zeros (zero_on_reuse still zeroes it when handed out). trim() and a lowered
+  // limit give all of it back. 0 (the default): every free page's memory goes back at once. No effect where
+  // the backend keeps freed memory anyway (CUDA, until trim).
+  void set_keep_freed(size_t pages);
+  size_t keep_freed() const;
   // Make pages read as zeros now (through the backend: a punched hole on the host, a copy on CUDA).
   void zero_pages(const std::vector<PageId>& pages, uintptr_t stream = 0);
   void incref(PageId page);
@@ -81,6 +92,12 @@ class PagePool {
   void zero_acquired_locked(const std::vector<PageId>& pages);
   // Release the memory of free_[0..count) (the least recently freed); those released move to released_.
   void release_free_locked(size_t count);
+  // Pages freed by decref: kept (keep_freed_) or their memory given back; then the kept beyond the bound.
+  void discard_or_keep_locked(const std::vector<PageId>& freed);
+  // Give back the memory of the oldest kept pages until at most `keep` remain.
+  void drop_kept_locked(size_t keep);
+  // Pages handed out again stop being kept; returns those that were (zero_on_reuse zeroes them).
+  std::vector<PageId> unkeep_locked(const std::vector<PageId>& pages);
 
   std::shared_ptr<Backend> backend_;
   size_t create_batch_;
@@ -95,6 +112,13 @@ class PagePool {
   std::vector<PageId> released_;
   size_t general_ids_ = 0;  // ids below this are general (capacity); above: home ids (free at count 0)
   bool zero_on_reuse_ = false;
+  // Kept free pages (set_keep_freed), oldest first, each with the stamp it was kept under: an entry whose page
+  // was handed out (kept_stamp_[id] cleared) or kept again since (a newer stamp) is stale and skipped.
+  size_t keep_freed_ = 0;
+  std::deque<std::pair<PageId, uint64_t>> kept_;
+  std::vector<uint64_t> kept_stamp_;  // per page id: the stamp of its live entry in kept_, 0 if not kept
+  uint64_t next_stamp_ = 1;
+  size_t kept_count_ = 0;  // live entries of kept_
   size_t used_ = 0;
   size_t high_water_ = 0;
   size_t limit_ = SIZE_MAX;  // clamped to the backend's capacity where read (limit_locked)

@@ -37,6 +37,7 @@ class PoolStats:
     created_pages: int  # pages with memory now: on CUDA live handles (trim releases free ones); host: all
     kv_pages: int = 0  # used pages by owner: KV caches ...
     allocator_pages: int = 0  # ... and torch tensors (vpaged.torch_allocator, vpaged.empty)
+    kept_free_pages: int = 0  # free pages that kept their memory (keep_freed_bytes): resident, not in use
 
     @property
     def used_bytes(self) -> int:
@@ -63,6 +64,11 @@ class Reclaimable(Protocol):
         """Free up to `pages` pages (at least that many if possible); returns the pages freed."""
 
 
+def _check_keep_freed(nbytes) -> None:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise InvalidArgumentError(f"keep_freed_bytes must be a non-negative int, got {nbytes!r}")
+
+
 class PagePool:
     """Physical pages of one device with a fixed capacity.
 
@@ -76,6 +82,12 @@ class PagePool:
     refused by default, since writing past physical memory ends the process (see limits.py).
     zero_on_reuse: pages read as zeros whenever they change owner (handed out again, or a freed sequence's
     pages given to a new one), so no request ever sees another's K/V. Off by default, like torch.empty.
+    keep_freed_bytes: on the host, up to this many bytes of pages that go free keep their memory (the most
+    recently freed), so that pages handed out again soon are written in place: a copy-on-write's fresh page, a
+    swapped-out sequence's pages on swap in (the kernel need not allocate and zero them first). The process
+    then holds at most this much memory beyond its pages in use; trim() and a lower limit give it back. 0 (the
+    default): every free page's memory goes back at once. Such a page reads what it held when handed out
+    again, not zeros (zero_on_reuse still zeroes it). No effect on CUDA, which keeps free pages' memory anyway.
     shared_budget: the name of a machine-wide SharedBudget (or one opened) to join: capacity becomes this
     pool's ceiling, and the pages it may have in use at once are granted by the budget, which asks the other
     members to give back spare pages when it is full (memory/shared_budget.py, budget_member.py).
@@ -93,6 +105,7 @@ class PagePool:
         reserve_pages: int = 0,
         overcommit: bool = False,
         zero_on_reuse: bool = False,
+        keep_freed_bytes: int = 0,
         accounting_only: bool = False,
         shared_budget=None,
         min_bytes: int = 0,
@@ -100,6 +113,7 @@ class PagePool:
         model: str = "",
     ):
         self.device = normalize_device(device)
+        _check_keep_freed(keep_freed_bytes)
         self.accounting_only = bool(accounting_only)
         if self.accounting_only and self.device.type != "cpu":
             raise InvalidArgumentError(
@@ -125,6 +139,7 @@ class PagePool:
             backend = make_backend(self.device, self.page_size, int(capacity_pages), int(reserve_pages))
         self._pool = _C.PagePool(backend, int(reserve_pages))
         self._pool.zero_on_reuse = bool(zero_on_reuse)
+        self.keep_freed_bytes = keep_freed_bytes
         self._clients: weakref.WeakSet = weakref.WeakSet()
         # Held by the clients' calls that change mappings (kvcache: pool_serialized) and by the budget's
         # give-back thread, so that the thread never reclaims from a cache halfway through a call.
@@ -153,6 +168,16 @@ class PagePool:
         """Whether pages read as zeros when they change owner (see the constructor)."""
         return self._pool.zero_on_reuse
 
+    @property
+    def keep_freed_bytes(self) -> int:
+        """Bytes of free pages that may keep their memory (see the constructor); 0 on CUDA."""
+        return self._pool.keep_freed * self.page_size
+
+    @keep_freed_bytes.setter
+    def keep_freed_bytes(self, nbytes: int) -> None:
+        _check_keep_freed(nbytes)
+        self._pool.keep_freed = nbytes // self.page_size
+
     def zero_pages(self, pages) -> None:
         """Make pages (ids in use) read as zeros."""
         self._pool.zero_pages(list(pages))
@@ -172,11 +197,12 @@ class PagePool:
             s.created_pages,
             s.kv_pages,
             s.allocator_pages,
+            s.kept_free_pages,
         )
 
     def trim(self) -> int:
         """Give the memory of all free pages back to the system: the host punches their holes (done already as
-        each page went free), CUDA releases their cuMemCreate handles (a released page is re-created when it is
+        each page went free, except the pages keep_freed_bytes kept), CUDA releases their cuMemCreate handles (a released page is re-created when it is
         handed out again). Returns how many pages were free."""
         return self._pool.trim()
 
