@@ -381,7 +381,8 @@ def section_throughput(model, cfg, vocab, rows_wanted, log, save, repeats: int =
             tp = int(variant[2:]) if variant[:2] == "tp" and variant[2:].isdigit() else 1
             vllm_cfg = vllm_row_settings(kv, cfg)
             if vllm_cfg is None and (
-                base not in ("vpaged", "paged", "generate_batch", "static") or (variant not in ("", "noprepack") and tp == 1)
+                base not in ("vpaged", "paged", "generate_batch", "static")
+                or (variant not in ("", "noprepack") and tp == 1)
             ):
                 continue
             if vllm_cfg is not None and peer is None:

@@ -77,17 +77,7 @@ def cow_cost(repeats, keep_freed_bytes=0):
     plain = np.empty(page, dtype=np.uint8)
     src = np.random.randint(0, 255, page, dtype=np.uint8)
     t_copy = median_time(lambda: np.copyto(plain, src), repeats, inner=50)
-    # One map call as a copy-on-write's remap makes it: a page shown at an index other than its own (one mmap),
-    # then that index's own page put back (one mmap), halved.
-    r = cache.pool.new_range(2 * page)
-    (shared,) = r.map_new([0])
-
-    def map_and_back():
-        r.map_shared([1], [shared])
-        r.unmap([1])
-
-    t_map = median_time(map_and_back, repeats, inner=20) / 2
-    del r
+    t_map = map_call_seconds(cache.pool, repeats)
     cache.close()
     return {
         "keep_freed_bytes": keep_freed_bytes,
@@ -96,6 +86,21 @@ def cow_cost(repeats, keep_freed_bytes=0):
         "map_call_us": t_map * 1e6,
         "goal_us": (3 * t_copy + t_map) * 1e6,  # issue #40 item 4: <= 3x a memcpy of the page + one map call
     }
+
+
+def map_call_seconds(pool, repeats) -> float:
+    """One map call as a copy-on-write's remap makes it: a page shown at an index other than its own (one mmap),
+    then that index's own page put back (one mmap), halved."""
+    r = pool.new_range(2 * pool.page_size)
+    (shared,) = r.map_new([0])
+
+    def map_and_back():
+        r.map_shared([1], [shared])
+        r.unmap([1])
+
+    t = median_time(map_and_back, repeats, inner=20) / 2
+    r.unmap([0])
+    return t
 
 
 def swap_bandwidth(tokens, repeats, keep_freed_bytes=0):

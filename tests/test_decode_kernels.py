@@ -261,7 +261,7 @@ v = torch.randn(B, T, HKV, D)
 lengths = torch.tensor([T, 123], dtype=torch.int32)
 slots = torch.arange(B, dtype=torch.int64)
 outs = []
-for isa in ("auto", "baseline", "%s"):
+for isa in ("auto", "baseline", "BEST"):
     out = torch.full_like(q, float("nan"))
     p = _C.DecodeParams()
     p.num_seqs, p.num_heads, p.num_kv_heads, p.head_dim, p.dtype = B, H, HKV, D, 0
@@ -273,7 +273,7 @@ for isa in ("auto", "baseline", "%s"):
     _C.decode_cpu(p, 1, isa)
     outs.append(out)
 print(torch.equal(outs[0], outs[1]), torch.equal(outs[0], outs[2]))
-""" % ISAS[-1]
+""".replace("BEST", ISAS[-1])
     env = dict(os.environ, VPAGED_CPU_ISA="baseline")
     got = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr

@@ -203,7 +203,9 @@ def test_freed_pages_keep_their_memory_up_to_the_bound(keep_pages, rng):
 
 
 def test_kept_pages_are_zeroed_when_asked_and_given_back_by_trim_and_a_lower_limit(rng):
-    pool = vpaged.PagePool("cpu", capacity_bytes=64 * PAGE, page_size=PAGE, keep_freed_bytes=8 * PAGE, zero_on_reuse=True)
+    pool = vpaged.PagePool(
+        "cpu", capacity_bytes=64 * PAGE, page_size=PAGE, keep_freed_bytes=8 * PAGE, zero_on_reuse=True
+    )
     _, after, kept = pages_after_free_and_remap(pool, rng)
     assert kept == 6 and torch.count_nonzero(after) == 0  # zero_on_reuse zeroes kept pages too
 

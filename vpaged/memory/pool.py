@@ -202,8 +202,8 @@ class PagePool:
 
     def trim(self) -> int:
         """Give the memory of all free pages back to the system: the host punches their holes (done already as
-        each page went free, except the pages keep_freed_bytes kept), CUDA releases their cuMemCreate handles (a released page is re-created when it is
-        handed out again). Returns how many pages were free."""
+        each page went free, except those keep_freed_bytes kept), CUDA releases their cuMemCreate handles (a
+        released page is re-created when it is handed out again). Returns how many pages were free."""
         return self._pool.trim()
 
     def reset_high_water(self) -> None:
