@@ -81,5 +81,5 @@ T="$ROOT/tests"
 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$T/test_range.py" "$T/test_cache.py" "$T/test_cache_parts.py" \
   "$T/test_sharing.py" "$T/test_sharing_stateful.py" "$T/test_regressions.py" "$T/test_reliability.py" \
   "$T/test_cuda_backend_fake.py" "$T/test_paged_cache.py" "$T/test_write_kv.py" "$T/test_decode_kernels.py" \
-  "$T/test_decode_paged_steps.py" "$T/test_fused_ops.py" "$@"
+  "$T/test_decode_paged_steps.py" "$T/test_fused_ops.py" "$T/test_pool_keep_freed.py" "$@"
 echo "==> sanitizers clean ($(($(date +%s) - START)) s in all)"
