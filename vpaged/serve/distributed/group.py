@@ -79,6 +79,7 @@ class Group:
         self._failure_lock = threading.Lock()  # one failure report, whichever thread sees it first
         self._last_send = time.monotonic()
         self._stop_threads = threading.Event()
+        self._threads: list[threading.Thread] = []  # keepalive / heartbeat: joined by close()
         self._beats: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat count, when rank 0 saw it move)
         timeout = timedelta(seconds=timeout_s)
         options = dict(device_id=device) if backend == "nccl" and device is not None else {}
@@ -100,11 +101,16 @@ class Group:
     def start_keepalive(self) -> None:
         """Rank 0, once every rank has its model and store: ping the others while there is nothing to do (not
         before: a rank still loading its shard is not listening yet) and watch them."""
-        threading.Thread(target=self._keepalive, name="vpaged-tp-keepalive", daemon=True).start()
+        self._start_thread(self._keepalive, "vpaged-tp-keepalive")
 
     def start_heartbeat(self) -> None:
         """Other ranks, once they serve rank 0: bump this rank's heartbeat until the group closes."""
-        threading.Thread(target=self._heartbeat, name="vpaged-tp-heartbeat", daemon=True).start()
+        self._start_thread(self._heartbeat, "vpaged-tp-heartbeat")
+
+    def _start_thread(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     # ---- rank 0
     def send(self, message: Message) -> None:
@@ -261,6 +267,12 @@ class Group:
                 _log.warning("tensor-parallel stop not delivered: %s", e)
         self.closed = True
         self._stop_threads.set()
+        # Joined before the process group and the store go: a daemon thread still inside a store or gloo call when
+        # the interpreter exits aborted the process ("terminate called without an active exception") about one
+        # torchrun launch in ten on a 2-core box.
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5.0)
         for p in self.processes.values():
             p.join(timeout=self.timeout_s if self.broken is None else 5.0)
             if p.is_alive():
