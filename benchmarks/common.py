@@ -21,18 +21,25 @@ import torch
 RESULTS = Path(os.environ.get("VPAGED_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 
 
-def machine() -> dict:
-    cpu = platform.processor()
+def cpuinfo() -> dict:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+                if not line.strip():
+                    break  # the end of the first processor's block
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    return fields
+
+
+def machine() -> dict:
+    fields = cpuinfo()
     info = {
-        "cpu": cpu,
+        "cpu": fields.get("model name") or platform.processor(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -40,23 +47,18 @@ def machine() -> dict:
         "load_average_1min": os.getloadavg()[0],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    info.update(isa_facts())
+    info.update(isa_facts(fields))
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
 
 
-def isa_facts() -> dict:
+def isa_facts(fields: dict | None = None) -> dict:
     """The instruction sets a figure was measured with: the CPU's (from its flags), the path vpaged's kernels run
     for isa='auto' (capped by VPAGED_CPU_ISA), and torch's own kernels' (capped by ATEN_CPU_CAPABILITY)."""
-    facts = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-        wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16")
-        facts["cpu_flags"] = [x for x in wanted if x in flags]
-    except OSError:
-        pass
+    flags = (cpuinfo() if fields is None else fields).get("flags", "").split()
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16")
+    facts = {"cpu_flags": [x for x in wanted if x in flags]}
     try:
         from vpaged import _C
 

@@ -24,13 +24,9 @@ void address_field(py::class_<C>& cls, const char* name, P C::* field) {
 }
 
 int isa_code(const std::string& isa) {
-  using namespace vpaged::kernels;
-  if (isa == "auto") return kIsaAuto;
-  if (isa == "baseline") return kIsaBaseline;
-  if (isa == "avx2") return kIsaAvx2;
-  if (isa == "avx512") return kIsaAvx512;
-  if (isa == "avx512bf16") return kIsaAvx512Bf16;
-  throw vpaged::InvalidArgument("isa must be auto, baseline, avx2, avx512 or avx512bf16, got " + isa);
+  const int code = vpaged::kernels::cpu_isa_from_name(isa);
+  if (code == -2) throw vpaged::InvalidArgument("isa must be auto, baseline, avx2, avx512 or avx512bf16, got " + isa);
+  return code;
 }
 
 // Every length in 1..capacity (the longest is returned): checked before any kernel reads memory.
@@ -213,17 +209,12 @@ void register_kernels(py::module_& m) {
       "decode_cpu_isas",
       [] {
         py::list l;
-        const char* names[] = {"baseline", "avx2", "avx512", "avx512bf16"};
-        for (int i = 0; i <= cpu_best_isa(); ++i) l.append(names[i]);
+        for (int i = kIsaBaseline; i <= cpu_best_isa(); ++i) l.append(cpu_isa_name(i));
         return l;
       },
       "The CPU code paths of the decode kernels this CPU can run, portable first.");
   m.def(
-      "cpu_auto_isa",
-      [] {
-        const char* names[] = {"baseline", "avx2", "avx512", "avx512bf16"};
-        return std::string(names[cpu_auto_isa()]);
-      },
+      "cpu_auto_isa", [] { return std::string(cpu_isa_name(cpu_auto_isa())); },
       "The CPU code path isa='auto' runs: the best this CPU has, capped by VPAGED_CPU_ISA.");
   m.def("decode_cuda", &decode_cuda, py::arg("params"), py::arg("launch"), py::call_guard<py::gil_scoped_release>(),
         "Decode attention on CUDA (asynchronous on launch.stream).");

@@ -25,6 +25,7 @@
 // dtypes and devices before calling, and the kernels never read a token at or past a sequence's length.
 #pragma once
 #include <cstdint>
+#include <string>
 
 namespace vpaged {
 namespace kernels {
@@ -79,6 +80,10 @@ void check_params(const DecodeParams& p);
 // Quantized K/V run a tile loop that dequantizes in registers: the AVX2 one (AVX2 + F16C) on the AVX2 path, the
 // 16-lane one on both AVX-512 paths; the portable build on baseline.
 enum CpuIsa : int { kIsaAuto = -1, kIsaBaseline = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3 };
+// The name of a path ("baseline", "avx2", "avx512", "avx512bf16"), and back: the code of a name, kIsaAuto for
+// "auto", -2 for a name of no path.
+const char* cpu_isa_name(int isa);
+int cpu_isa_from_name(const std::string& name);
 // The best path this CPU (and OS) supports.
 int cpu_best_isa();
 // The path kIsaAuto runs: the best one, capped by the environment variable VPAGED_CPU_ISA (baseline, avx2,

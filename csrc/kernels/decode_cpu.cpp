@@ -595,15 +595,26 @@ int cpu_best_isa() {
                                : kIsaBaseline;
 }
 
+namespace {
+const char* const kIsaNames[] = {"baseline", "avx2", "avx512", "avx512bf16"};  // by code, kIsaBaseline first
+}  // namespace
+
+const char* cpu_isa_name(int isa) { return isa >= kIsaBaseline && isa <= kIsaAvx512Bf16 ? kIsaNames[isa] : "auto"; }
+
+int cpu_isa_from_name(const std::string& name) {
+  if (name == "auto") return kIsaAuto;
+  for (int i = kIsaBaseline; i <= kIsaAvx512Bf16; ++i)
+    if (name == kIsaNames[i]) return i;
+  return -2;
+}
+
 int cpu_auto_isa() {
   // -2: VPAGED_CPU_ISA names no path (reported on every use, not at load time, where nothing can catch it).
   static const int cap = [] {
     const char* v = std::getenv("VPAGED_CPU_ISA");
-    if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return int(kIsaAvx512Bf16);
-    const char* names[] = {"baseline", "avx2", "avx512", "avx512bf16"};
-    for (int i = 0; i <= kIsaAvx512Bf16; ++i)
-      if (std::strcmp(v, names[i]) == 0) return i;
-    return -2;
+    if (v == nullptr || *v == '\0') return int(kIsaAvx512Bf16);
+    const int code = cpu_isa_from_name(v);
+    return code == kIsaAuto ? int(kIsaAvx512Bf16) : code;
   }();
   if (cap == -2)
     throw InvalidArgument(std::string("VPAGED_CPU_ISA must be auto, baseline, avx2, avx512 or avx512bf16, got '") +

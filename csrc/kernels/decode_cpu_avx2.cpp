@@ -96,18 +96,7 @@ namespace kernels {
 namespace cpu_decode {
 
 ItemFn avx2_tile_item(int dtype, int kv_dtype, int D, int DV) {
-  if (dtype == kFloat32) {
-    switch (kv_dtype) {
-      case kInt8:
-        return tile_item_for_dims<Avx2Lanes, kFloat32, kInt8>(D, DV);
-      case kFloat8E4M3:
-        return tile_item_for_dims<Avx2Lanes, kFloat32, kFloat8E4M3>(D, DV);
-      case kFloat8E5M2:
-        return tile_item_for_dims<Avx2Lanes, kFloat32, kFloat8E5M2>(D, DV);
-      default:
-        return nullptr;  // fp32 K/V: the generic loop
-    }
-  }
+  if (dtype == kFloat32) return quantized_tile_item<Avx2Lanes>(kv_dtype, D, DV);  // fp32 K/V: the generic loop
   if (kv_dtype != dtype) return nullptr;
   if (dtype == kFloat16) return tile_item_for_dims<Avx2Lanes, kFloat16, kFloat16>(D, DV);
   if (dtype == kBFloat16) return tile_item_for_dims<Avx2Lanes, kBFloat16, kBFloat16>(D, DV);

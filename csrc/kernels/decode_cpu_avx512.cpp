@@ -191,18 +191,7 @@ namespace kernels {
 namespace cpu_decode {
 
 ItemFn avx512_tile_item(int dtype, int kv_dtype, int D, int DV, bool bf16_dot) {
-  if (dtype == kFloat32) {
-    switch (kv_dtype) {
-      case kInt8:
-        return tile_item_for_dims<Avx512Lanes, kFloat32, kInt8>(D, DV);
-      case kFloat8E4M3:
-        return tile_item_for_dims<Avx512Lanes, kFloat32, kFloat8E4M3>(D, DV);
-      case kFloat8E5M2:
-        return tile_item_for_dims<Avx512Lanes, kFloat32, kFloat8E5M2>(D, DV);
-      default:
-        break;
-    }
-  }
+  if (dtype == kFloat32 && is_quantized(kv_dtype)) return quantized_tile_item<Avx512Lanes>(kv_dtype, D, DV);
   if (kv_dtype != dtype) return nullptr;
   switch (dtype) {
     case kFloat32:

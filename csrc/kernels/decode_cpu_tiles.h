@@ -329,6 +329,22 @@ ItemFn tile_item_for_dims(int D, int DV) {
   return nullptr;
 }
 
+// The item function of a 1-byte K/V format (fp32 q and out) at the compiled head dims, or nullptr (other formats,
+// other head dims).
+template <typename W>
+ItemFn quantized_tile_item(int kv_dtype, int D, int DV) {
+  switch (kv_dtype) {
+    case kInt8:
+      return tile_item_for_dims<W, kFloat32, kInt8>(D, DV);
+    case kFloat8E4M3:
+      return tile_item_for_dims<W, kFloat32, kFloat8E4M3>(D, DV);
+    case kFloat8E5M2:
+      return tile_item_for_dims<W, kFloat32, kFloat8E5M2>(D, DV);
+    default:
+      return nullptr;
+  }
+}
+
 }  // namespace
 }  // namespace cpu_decode
 }  // namespace kernels
