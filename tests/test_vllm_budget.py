@@ -114,7 +114,9 @@ def test_plan_caps_the_blocks_to_what_the_budget_can_map(budget_name, monkeypatc
     capacity = rng.randint(20, 40)
     SharedBudget.create(budget_name, capacity * PAGE)
     other = PagePool("cpu", capacity_pages=capacity, shared_budget=budget_name)
-    taken = rng.randint(0, capacity - 8)  # the other member holds these pages
+    # The other member holds these pages; what it leaves covers the held blocks' pages (up to 6 blocks in
+    # pages of their own, in each of 2 layers: 12) and a page or two of the queue.
+    taken = rng.randint(0, capacity - 14)
     assert other.ensure_free(max(1, taken))
     other_range = other.new_range(max(1, taken) * PAGE)
     other_range.map_new(list(range(max(1, taken))))
