@@ -149,3 +149,41 @@ def test_kept_pages_survive_many_reuses_of_others(rng):
     assert torch.equal(view, data)
     del view
     gc.collect()
+
+
+@pytest.mark.parametrize("zero_on_reuse", [False, True])
+def test_copy_on_write_into_kept_and_punched_pages_copies_every_value(zero_on_reuse, rng):
+    """A fork's first write copies into the fresh page before the remap: into a kept page (its memory in place,
+    written through the pool's second mapping of its file), into a hole (a pwrite), and into a kept page again
+    after trim() punched it. Every cycle: the copy equals the parent's page, and parent and child are
+    independent afterwards."""
+    pool = vpaged.PagePool(
+        "cpu", capacity_bytes=64 * PAGE, page_size=PAGE, keep_freed_bytes=8 * PAGE, zero_on_reuse=zero_on_reuse
+    )
+    r = _C.VirtualRange(pool._pool, 8 * PAGE)
+    (parent,) = r.map_new([0])
+
+    def view(index):
+        return torch.from_dlpack(r.view(index * PAGE, [FLOATS], [1], 2, 32))
+
+    for cycle in range(12):
+        if cycle == 8:
+            pool.trim()  # the kept pages are punched: the next copies go into holes
+            assert pool.stats().kept_free_pages == 0
+        data = torch.randn(FLOATS, generator=rng) + 5
+        view(0).copy_(data)
+        r.map_shared([1, 2], [parent, parent])
+        assert r.make_private([1, 2]) == 2
+        child1, child2 = view(1), view(2)
+        assert torch.equal(child1, data) and torch.equal(child2, data), cycle
+        child1.copy_(-data)
+        assert torch.equal(view(0), data) and torch.equal(child2, data)
+        view(0).fill_(7.0)
+        assert torch.equal(child1, -data) and torch.equal(child2, data)
+        del child1, child2
+        gc.collect()
+        r.unmap([1, 2])  # the copies' pages go free: kept, and the next cycle copies into them again
+        assert pool.stats().kept_free_pages <= 8
+    gc.collect()
+    r.unmap([0])
+    assert pool.stats().used_pages == 0

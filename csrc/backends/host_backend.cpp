@@ -32,6 +32,13 @@
 // an anonymous mapping + MADV_DONTNEED design in benchmarks/NOTES.md (that one must copy a page into the memfd the
 // first time it is shared; this one never copies to share).
 //
+// The window. Copying into a page that no index shows yet (copy-on-write's fresh page, before the remap) has no
+// address to memcpy to, and a pwrite into the file costs several memcpys of the page. So a range's stretch of
+// the file is mapped a second time, a 1 GiB chunk at a time on first use, until the range goes: a home page
+// whose memory is in place (a kept free page) is written there with a memcpy; a hole is still filled by a
+// pwrite, which allocates it without the zeroing a fault would do. The window holds no memory of its own and
+// costs one mapping per chunk used, outside the range's addresses.
+//
 // A logically unmapped index is still readable memory here (its home page, usually a punched hole reading
 // zeros): the range's page table, not a fault, keeps views away from it, as before.
 #include <errno.h>
@@ -385,8 +392,14 @@ class HostBackend final : public Backend {
     // Where the source shows at its home index (the usual case: the page a fork or a prefix hit shares is its
     // first owner's), one pwrite from there: a third faster than copy_file_range into the fresh page's hole
     // (benchmarks/NOTES.md). The lock keeps that mapping in place while the data is read through it.
+    // Into a page whose memory is in place (a free page the pool kept), a memcpy through the window: a pwrite
+    // walks the page cache 4 KiB at a time and costs 4-5 memcpys of the page (benchmarks/NOTES.md).
     if (const char* from = home_address_locked(src)) {
-      io(false, const_cast<char*>(from), offset(dst), page_size_);
+      if (char* to = resident_window_locked(dst)) {
+        std::memcpy(to, from, page_size_);
+      } else {
+        io(false, const_cast<char*>(from), offset(dst), page_size_);
+      }
       return;
     }
     // In-kernel copy between two stretches of the memfd, wherever (and however often) they are mapped.
@@ -479,7 +492,11 @@ class HostBackend final : public Backend {
         : va(va_), count(count_), base(base_), delta(static_cast<PageId*>(std::calloc(count_, sizeof(PageId)))) {
       if (delta == nullptr) throw std::bad_alloc();
     }
-    ~Region() { std::free(delta); }
+    ~Region() {
+      std::free(delta);
+      for (const auto& chunk : window)
+        if (chunk.first != nullptr) munmap(chunk.first, chunk.second);
+    }
     Region(const Region&) = delete;
     Region& operator=(const Region&) = delete;
 
@@ -500,6 +517,7 @@ class HostBackend final : public Backend {
     PageId* delta;
     size_t away = 0;   // indices not showing their home page (unmap has nothing to do while this is 0)
     size_t holes = 0;  // indices with nothing mapped
+    std::vector<std::pair<char*, size_t>> window;  // its window's chunks (resident_window_locked), once made
   };
 
   off_t offset(PageId page) const { return static_cast<off_t>(page) * static_cast<off_t>(page_size_); }
@@ -713,6 +731,12 @@ class HostBackend final : public Backend {
   }
 
   void punch(PageId first, size_t count) {
+    // The hole reads as zeros and takes the window's page table entries with it (resident_window_locked).
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const size_t end = std::min(window_written_.size(), static_cast<size_t>(first) + count);
+      for (size_t id = static_cast<size_t>(first); id < end; ++id) window_written_[id] = false;
+    }
     if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset(first),
                   static_cast<off_t>(count * page_size_)) != 0) {
       throw BackendFailure(errno_text("fallocate(PUNCH_HOLE)", errno));
@@ -824,6 +848,41 @@ class HostBackend final : public Backend {
     return const_cast<char*>(at);
   }
 
+  // The address of `page` in its range's window (a second mapping of the range's stretch of the pool's file,
+  // made a 1 GiB chunk at a time on first use and unmapped with the range) when every OS page of it is
+  // resident, else nullptr; nullptr too for a page that is no live range's home, or when the chunk cannot be
+  // mapped (at the mapping limit: the caller's pwrite then does the work). Unlike a range's index, a window
+  // address always shows the same page, so the page table entries a write there made stay valid until the
+  // page's hole is punched (the kernel then drops them in every mapping): a kept page written through the
+  // window before is written again at memcpy speed, with no fault. Called with mu_ held.
+  char* resident_window_locked(PageId page) {
+    auto it = region_of_id_.upper_bound(page);
+    if (it == region_of_id_.begin()) return nullptr;
+    Region& r = regions_.at((--it)->second);
+    const size_t i = static_cast<size_t>(page - r.base);
+    if (i >= r.count) return nullptr;
+    const size_t chunk_pages = std::max<size_t>(1, (size_t{1} << 30) / page_size_);
+    const size_t c = i / chunk_pages;
+    if (r.window.empty()) r.window.assign((r.count + chunk_pages - 1) / chunk_pages, {nullptr, 0});
+    if (r.window[c].first == nullptr) {
+      const size_t bytes = std::min(chunk_pages, r.count - c * chunk_pages) * page_size_;
+      void* p = mmap(nullptr, bytes, kRW, kShared, fd_, offset(r.home(c * chunk_pages)));
+      if (p == MAP_FAILED) return nullptr;
+      r.window[c] = {static_cast<char*>(p), bytes};
+    }
+    char* at = r.window[c].first + (i - c * chunk_pages) * page_size_;
+    // A page written here before and not punched since is in place: no mincore (half a memcpy of the page).
+    const size_t id = static_cast<size_t>(page);
+    if (id < window_written_.size() && window_written_[id]) return at;
+    mincore_buf_.resize(page_size_ / os_page_);
+    if (mincore(at, page_size_, mincore_buf_.data()) != 0) return nullptr;
+    for (unsigned char b : mincore_buf_)
+      if ((b & 1) == 0) return nullptr;
+    if (id >= window_written_.size()) window_written_.resize(std::max(id + 1, file_pages_), false);
+    window_written_[id] = true;  // the caller writes it now
+    return at;
+  }
+
   // The end of the run starting at i: consecutive page ids whose buffers follow each other.
   template <typename Ptr>
   size_t run_end(const PageId* pages, const Ptr* host, size_t i, size_t n) const {
@@ -839,10 +898,11 @@ class HostBackend final : public Backend {
   size_t page_size_;
   size_t capacity_pages_;
   size_t os_page_ = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  std::vector<unsigned char> mincore_buf_;  // resident_home_locked's scratch (under mu_)
+  std::vector<unsigned char> mincore_buf_;  // resident_home_locked / resident_window_locked scratch (under mu_)
   int fd_ = -1;
-  std::vector<void*> reserve_;  // see top_up_reserve_locked
-  mutable std::mutex mu_;       // regions, id blocks, file size, reserve
+  std::vector<void*> reserve_;        // see top_up_reserve_locked
+  std::vector<bool> window_written_;  // per page id: written through the window, not punched since
+  mutable std::mutex mu_;             // regions, id blocks, file size, reserve, window
   PageId next_id_;
   size_t file_pages_ = 0;
   std::map<uintptr_t, Region> regions_;
