@@ -154,7 +154,7 @@ def test_kept_pages_survive_many_reuses_of_others(rng):
 @pytest.mark.parametrize("zero_on_reuse", [False, True])
 def test_copy_on_write_into_kept_and_punched_pages_copies_every_value(zero_on_reuse, rng):
     """A fork's first write copies into the fresh page before the remap: into a kept page (its memory in place,
-    written through the pool's second mapping of its file), into a hole (a pwrite), and into a kept page again
+    written through the range's second mapping of its pages), into a hole (a pwrite), and into a kept page again
     after trim() punched it. Every cycle: the copy equals the parent's page, and parent and child are
     independent afterwards."""
     pool = vpaged.PagePool(

@@ -390,10 +390,10 @@ class HostBackend final : public Backend {
     check_page_locked(dst);
     check_page_locked(src);
     // Where the source shows at its home index (the usual case: the page a fork or a prefix hit shares is its
-    // first owner's), one pwrite from there: a third faster than copy_file_range into the fresh page's hole
-    // (benchmarks/NOTES.md). The lock keeps that mapping in place while the data is read through it.
-    // Into a page whose memory is in place (a free page the pool kept), a memcpy through the window: a pwrite
-    // walks the page cache 4 KiB at a time and costs 4-5 memcpys of the page (benchmarks/NOTES.md).
+    // first owner's), the data is read from there (the lock keeps that mapping in place meanwhile): into a page
+    // whose memory is in place (a free page the pool kept) by a memcpy through the window, since a pwrite walks
+    // the page cache 4 KiB at a time and costs 4-5 memcpys of the page; into a hole by one pwrite, a third
+    // faster than copy_file_range (benchmarks/NOTES.md).
     if (const char* from = home_address_locked(src)) {
       if (char* to = resident_window_locked(dst)) {
         std::memcpy(to, from, page_size_);
