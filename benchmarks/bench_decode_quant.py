@@ -95,7 +95,9 @@ def main() -> None:
     )
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--isas", nargs="+", default=None, help="CPU code paths (default: baseline, avx2, the best)")
-    ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument(
+        "--output", type=Path, default=None, help="JSON file name under benchmarks/results/ (an absolute path as given)"
+    )
     args = ap.parse_args()
 
     have = _C.decode_cpu_isas()
@@ -103,7 +105,7 @@ def main() -> None:
         [have[-1]] if have[-1] not in ("baseline", "avx2") else []
     )
     info = machine()
-    out_path = args.output or RESULTS / f"decode_quant_{machine_tag(info)}.json"
+    out_path = RESULTS / (args.output or f"decode_quant_{machine_tag(info)}.json")
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu measures the calling thread only: use it with --threads 1")
     timer = Timer(torch.device("cpu"), args.clock)
