@@ -54,6 +54,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <new>
@@ -827,25 +828,42 @@ class HostBackend final : public Backend {
   // The address where page `page` shows at its home index, nullptr when that index shows another page (or the
   // page is no range's home). Called with mu_ held.
   const char* home_address_locked(PageId page) const {
-    auto it = region_of_id_.upper_bound(page);
-    if (it == region_of_id_.begin()) return nullptr;
-    --it;
-    const Region& r = regions_.at(it->second);
-    const size_t i = static_cast<size_t>(page - r.base);
-    if (i >= r.count || r.shown(i) != page) return nullptr;
-    return reinterpret_cast<const char*>(r.va + i * page_size_);
+    size_t i = 0;
+    const Region* r = home_region_locked(page, &i);
+    if (r == nullptr || r->shown(i) != page) return nullptr;
+    return reinterpret_cast<const char*>(r->va + i * page_size_);
   }
 
-  // The address where `page` shows at its home index when every OS page of it is resident (mincore), else
-  // nullptr. Called with mu_ held (mincore_buf_ is the pool's scratch).
+  // The live range whose block of home pages holds `page`, and the page's index there in *index; nullptr where
+  // no live range's does. Called with mu_ held.
+  const Region* home_region_locked(PageId page, size_t* index) const {
+    auto it = region_of_id_.upper_bound(page);
+    if (it == region_of_id_.begin()) return nullptr;
+    const Region& r = regions_.at(std::prev(it)->second);
+    const size_t i = static_cast<size_t>(page - r.base);
+    if (i >= r.count) return nullptr;
+    *index = i;
+    return &r;
+  }
+  Region* home_region_locked(PageId page, size_t* index) {
+    return const_cast<Region*>(static_cast<const HostBackend*>(this)->home_region_locked(page, index));
+  }
+
+  // Whether every OS page of the page at `at` is resident (mincore). Called with mu_ held (mincore_buf_ is the
+  // pool's scratch).
+  bool resident_locked(const char* at) {
+    mincore_buf_.resize(page_size_ / os_page_);
+    if (mincore(const_cast<char*>(at), page_size_, mincore_buf_.data()) != 0) return false;
+    for (unsigned char b : mincore_buf_)
+      if ((b & 1) == 0) return false;
+    return true;
+  }
+
+  // The address where `page` shows at its home index when its memory is resident, else nullptr. Called with
+  // mu_ held.
   char* resident_home_locked(PageId page) {
     const char* at = home_address_locked(page);
-    if (at == nullptr) return nullptr;
-    mincore_buf_.resize(page_size_ / os_page_);
-    if (mincore(const_cast<char*>(at), page_size_, mincore_buf_.data()) != 0) return nullptr;
-    for (unsigned char b : mincore_buf_)
-      if ((b & 1) == 0) return nullptr;
-    return const_cast<char*>(at);
+    return at != nullptr && resident_locked(at) ? const_cast<char*>(at) : nullptr;
   }
 
   // The address of `page` in its range's window (a second mapping of the range's stretch of the pool's file,
@@ -856,11 +874,10 @@ class HostBackend final : public Backend {
   // page's hole is punched (the kernel then drops them in every mapping): a kept page written through the
   // window before is written again at memcpy speed, with no fault. Called with mu_ held.
   char* resident_window_locked(PageId page) {
-    auto it = region_of_id_.upper_bound(page);
-    if (it == region_of_id_.begin()) return nullptr;
-    Region& r = regions_.at((--it)->second);
-    const size_t i = static_cast<size_t>(page - r.base);
-    if (i >= r.count) return nullptr;
+    size_t i = 0;
+    Region* found = home_region_locked(page, &i);
+    if (found == nullptr) return nullptr;
+    Region& r = *found;
     const size_t chunk_pages = std::max<size_t>(1, (size_t{1} << 30) / page_size_);
     const size_t c = i / chunk_pages;
     if (r.window.empty()) r.window.assign((r.count + chunk_pages - 1) / chunk_pages, {nullptr, 0});
@@ -874,10 +891,7 @@ class HostBackend final : public Backend {
     // A page written here before and not punched since is in place: no mincore (half a memcpy of the page).
     const size_t id = static_cast<size_t>(page);
     if (id < window_written_.size() && window_written_[id]) return at;
-    mincore_buf_.resize(page_size_ / os_page_);
-    if (mincore(at, page_size_, mincore_buf_.data()) != 0) return nullptr;
-    for (unsigned char b : mincore_buf_)
-      if ((b & 1) == 0) return nullptr;
+    if (!resident_locked(at)) return nullptr;
     if (id >= window_written_.size()) window_written_.resize(std::max(id + 1, file_pages_), false);
     window_written_[id] = true;  // the caller writes it now
     return at;
@@ -898,7 +912,7 @@ class HostBackend final : public Backend {
   size_t page_size_;
   size_t capacity_pages_;
   size_t os_page_ = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  std::vector<unsigned char> mincore_buf_;  // resident_home_locked / resident_window_locked scratch (under mu_)
+  std::vector<unsigned char> mincore_buf_;  // resident_locked's scratch (under mu_)
   int fd_ = -1;
   std::vector<void*> reserve_;        // see top_up_reserve_locked
   std::vector<bool> window_written_;  // per page id: written through the window, not punched since
