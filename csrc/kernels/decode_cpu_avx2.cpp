@@ -21,7 +21,8 @@ struct Avx2Lanes {
   using Mask = __m256;  // all-ones lanes
   static constexpr int kLanes = 8;
   static constexpr int kPvVecs = 2;  // P.V tiles of 16 dims: 4 heads x 2 vectors of accumulators
-  static constexpr bool kWholeRowsAhead = true;
+  template <int KT>
+  static constexpr PrefetchPlan kPrefetch = is_quantized(KT) ? PrefetchPlan::kRowsSpread : PrefetchPlan::kRowsAhead;
   template <int KT>
   static constexpr bool kPermutedPv = false;
 

@@ -64,7 +64,8 @@ struct Avx512Lanes {
   using Mask = __mmask16;
   static constexpr int kLanes = 16;
   static constexpr int kPvVecs = 4;  // P.V tiles of 64 dims: 4 heads x 4 vectors = 16 accumulator registers
-  static constexpr bool kWholeRowsAhead = false;
+  template <int KT>
+  static constexpr PrefetchPlan kPrefetch = PrefetchPlan::kHeadSlices;
   template <int KT>
   static constexpr bool kPermutedPv = KT == kBFloat16;
 

@@ -18,7 +18,7 @@
 // Compiled for head dims 64/64, 128/128, 256/256 and 192/128 (K with a rotary part beside a 128-wide V).
 //
 // What the trait gives (all static, always inlined, compiled for its ISA):
-//   Vec, Mask; kLanes; kPvVecs (vectors per P.V tile row); kWholeRowsAhead (the prefetch strategy, below);
+//   Vec, Mask; kLanes; kPvVecs (vectors per P.V tile row); kPrefetch<KT> (the prefetch plan, below);
 //   zero, set1, loadu, storeu, add, sub, mul, max, fma(a, b, c) = a * b + c; exp (the softmax's, x <= 0);
 //   hsum, hmax (horizontal); reduce_rows(r): lane j = the sum of the kLanes floats of row j (rows kLanes apart);
 //   first(base, n): the mask of lanes with base + lane < n; select(m, v, fallback); zero_unless(m, v);
@@ -40,6 +40,17 @@ namespace kernels {
 namespace cpu_decode {
 namespace {
 
+// How an item's K/V rows are prefetched (into L2), each plan measured on its ISA (benchmarks/NOTES.md):
+//   kRowsAhead:  every kv head's K and V rows of the token kAhead tokens on, asked for during the first kv head's
+//                scores pass (as in the generic loop). AVX2, 16-bit K/V.
+//   kRowsSpread: every kv head's rows of the token a chunk on, asked for one token in HKV per kv head's scores
+//                pass (token j in pass j % HKV), so that the next chunk streams in evenly over the whole chunk
+//                instead of in a burst during its first eighth. AVX2, 1-byte K/V: 0.75-0.8x the time of
+//                kRowsAhead from memory on a Zen 3, while bf16 ran ~1.15x slower with it.
+//   kHeadSlices: each kv head's K and V slices of the token a chunk on, in the scores pass over that head.
+//                AVX-512, every format.
+enum class PrefetchPlan { kRowsAhead, kRowsSpread, kHeadSlices };
+
 // Stored element type of K/V format KT: float, uint16_t for the 16-bit types, a byte for the 1-byte formats.
 template <int KT>
 using Stored = std::conditional_t<KT == kFloat32, float, std::conditional_t<is_quantized(KT), uint8_t, uint16_t>>;
@@ -53,8 +64,10 @@ struct Ahead {
   int64_t HS, VHS;  // bytes between heads
   int k_foot, v_foot;
   int64_t head_k = 0, head_v = 0;
+  int every = 1, phase = 0;  // only tokens j with j % every == phase
   VP_INLINE void token(int j) const {
-    if (k_off[j] >= 0) prefetch_token(K, V, k_off[j] + head_k, v_off[j] + head_v, heads, HS, VHS, k_foot, v_foot);
+    if (k_off[j] >= 0 && j % every == phase)
+      prefetch_token(K, V, k_off[j] + head_k, v_off[j] + head_v, heads, HS, VHS, k_foot, v_foot);
   }
 };
 
@@ -119,15 +132,8 @@ VP_INLINE void pv_tile(float* __restrict acc, const Stored<KT>* V, const int64_t
 // One item. DT: q and out; KT: K/V as stored (DT, or a 1-byte format with DT == kFloat32). DP: bf16 scores by
 // W::scores_bf16dp of the raw (unscaled) bf16 query, scaled after the reduction.
 //
-// Prefetch, two strategies (W::kWholeRowsAhead), both measured on their own ISA:
-//   whole rows (AVX2): every kv head's K and V rows of the token kAhead on, during the first kv head's scores
-//     pass (as in the generic loop). Each head's rows a chunk ahead, in that head's pass, left the 1-byte
-//     formats at 0.85-0.95x of bf16 from memory (0.6x in cache) on the EPYC; whole rows brought them to ~0.6x.
-//   per head (AVX-512): each head's slices one chunk ahead, in the pass over that head: a whole chunk's time
-//     before they are read (half a chunk measured 5-10 % slower for bf16 on the Xeon, a chunk and two alike).
-//     The 1-byte formats too: whole rows measured 1.0-1.25x their time on an AMD EPYC Zen 4 (benchmarks/NOTES.md).
-// Either way the first rows of an item are asked for up front, so that they arrive in parallel instead of as
-// one demand miss after another.
+// Prefetch: by the trait's plan for KT (PrefetchPlan above). Whatever the plan, the first rows of an item are
+// asked for up front, so that they arrive in parallel instead of as one demand miss after another.
 template <typename W, int DT, int KT, int D, int DV, bool DP>
 void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* part_acc, float* part_ml) {
   static_assert(is_quantized(KT) ? DT == kFloat32 : KT == DT, "quantized K/V come with fp32 q/out");
@@ -141,7 +147,9 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
   constexpr bool kTensorScale = KT == kFloat8E4M3 || KT == kFloat8E5M2;
   constexpr int kFoot = D + (kRowScale ? 4 : 0), kVFoot = DV + (kRowScale ? 4 : 0);  // elements of a head row
   constexpr int DR = D > DV ? D : DV;
-  constexpr int kDist = W::kWholeRowsAhead ? kAhead : kChunk;  // tokens between a prefetch and its use
+  constexpr PrefetchPlan kPlan = W::template kPrefetch<KT>;
+  constexpr bool kWholeRows = kPlan != PrefetchPlan::kHeadSlices;
+  constexpr int kDist = kPlan == PrefetchPlan::kRowsAhead ? kAhead : kChunk;  // tokens between a prefetch and its use
   const int H = p.num_heads, HKV = p.num_kv_heads, G = H / HKV;
   float* __restrict qf = ws;                 // [H][D] query, pre-scaled (fp8: by k_scale too)
   float* __restrict acc = qf + H * D;        // [H][DV] unnormalised output
@@ -169,8 +177,9 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
   const RowFinder row(p, it.b);
   const int64_t HS = p.head_stride, VHS = p.v_head_stride;
   int64_t off[kChunk], voff[kChunk], aoff[kChunk], avoff[kChunk];
-  Ahead ahead{KB,          VB,           aoff,           avoff,          W::kWholeRowsAhead ? HKV : 1,
+  Ahead ahead{KB,          VB,           aoff,           avoff,          kWholeRows ? HKV : 1,
               HS * kBytes, VHS * kBytes, kFoot * kBytes, kVFoot * kBytes};
+  if constexpr (kPlan == PrefetchPlan::kRowsSpread) ahead.every = HKV;
   for (int t = it.t0; t < std::min(it.t1, it.t0 + kDist); ++t) {
     int64_t ko, vo;
     row(t, ko, vo);
@@ -191,9 +200,11 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
     }
 
     for (int kh = 0; kh < HKV; ++kh) {
-      ahead.head_k = W::kWholeRowsAhead ? 0 : kh * HS * kBytes;
-      ahead.head_v = W::kWholeRowsAhead ? 0 : kh * VHS * kBytes;
-      const Ahead* pf = W::kWholeRowsAhead && kh > 0 ? nullptr : &ahead;  // in the first group's pass
+      ahead.head_k = kWholeRows ? 0 : kh * HS * kBytes;
+      ahead.head_v = kWholeRows ? 0 : kh * VHS * kBytes;
+      if constexpr (kPlan == PrefetchPlan::kRowsSpread) ahead.phase = kh;
+      // In the first query group's pass over the head; kRowsAhead: in the first head's only.
+      const Ahead* pf = kPlan == PrefetchPlan::kRowsAhead && kh > 0 ? nullptr : &ahead;
       if constexpr (kRowScale)
         for (int i = 0; i < n; ++i) rs[i] = row_factor<KT>(KB + off[i] + kh * HS, D, 1.0f);
       for (int g0 = 0; g0 < G; g0 += 4, pf = nullptr) {
