@@ -45,7 +45,7 @@ namespace {
 //                scores pass (as in the generic loop). AVX2, 16-bit K/V.
 //   kRowsSpread: every kv head's rows of the token a chunk on, asked for one token in HKV per kv head's scores
 //                pass (token j in pass j % HKV), so that the next chunk streams in evenly over the whole chunk
-//                instead of in a burst during its first eighth. AVX2, 1-byte K/V: 0.75-0.8x the time of
+//                instead of in a burst during its first eighth. AVX2, 1-byte K/V: 0.8-0.95x the time of
 //                kRowsAhead from memory on a Zen 3, while bf16 ran ~1.15x slower with it.
 //   kHeadSlices: each kv head's K and V slices of the token a chunk on, in the scores pass over that head.
 //                AVX-512, every format.
