@@ -177,8 +177,7 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
   const RowFinder row(p, it.b);
   const int64_t HS = p.head_stride, VHS = p.v_head_stride;
   int64_t off[kChunk], voff[kChunk], aoff[kChunk], avoff[kChunk];
-  Ahead ahead{KB,          VB,           aoff,           avoff,          kWholeRows ? HKV : 1,
-              HS * kBytes, VHS * kBytes, kFoot * kBytes, kVFoot * kBytes};
+  Ahead ahead{KB, VB, aoff, avoff, kWholeRows ? HKV : 1, HS * kBytes, VHS * kBytes, kFoot * kBytes, kVFoot * kBytes};
   if constexpr (kPlan == PrefetchPlan::kRowsSpread) ahead.every = HKV;
   for (int t = it.t0; t < std::min(it.t1, it.t0 + kDist); ++t) {
     int64_t ko, vo;
