@@ -43,10 +43,10 @@ namespace {
 // How an item's K/V rows are prefetched (into L2), each plan measured on its ISA (benchmarks/NOTES.md):
 //   kRowsAhead:  every kv head's K and V rows of the token kAhead tokens on, asked for during the first kv head's
 //                scores pass (as in the generic loop). AVX2, 16-bit K/V.
-//   kRowsSpread: every kv head's rows of the token a chunk on, asked for one token in HKV per kv head's scores
-//                pass (token j in pass j % HKV), so that the next chunk streams in evenly over the whole chunk
-//                instead of in a burst during its first eighth. AVX2, 1-byte K/V: 0.8-0.95x the time of
-//                kRowsAhead from memory on a Zen 3, while bf16 ran ~1.15x slower with it.
+//   kRowsSpread: every kv head's rows of the token a chunk on, one token in HKV per kv head's scores pass (token j
+//                in pass j % HKV, from a list made per pass): the next chunk streams in evenly over the chunk
+//                instead of in a burst during its first eighth. AVX2, 1-byte K/V: 12-25 % less time than
+//                kRowsAhead from memory on a Zen 3, while bf16 took ~15 % more with it.
 //   kHeadSlices: each kv head's K and V slices of the token a chunk on, in the scores pass over that head.
 //                AVX-512, every format.
 enum class PrefetchPlan { kRowsAhead, kRowsSpread, kHeadSlices };
@@ -64,10 +64,8 @@ struct Ahead {
   int64_t HS, VHS;  // bytes between heads
   int k_foot, v_foot;
   int64_t head_k = 0, head_v = 0;
-  int every = 1, phase = 0;  // only tokens j with j % every == phase
   VP_INLINE void token(int j) const {
-    if (k_off[j] >= 0 && j % every == phase)
-      prefetch_token(K, V, k_off[j] + head_k, v_off[j] + head_v, heads, HS, VHS, k_foot, v_foot);
+    if (k_off[j] >= 0) prefetch_token(K, V, k_off[j] + head_k, v_off[j] + head_v, heads, HS, VHS, k_foot, v_foot);
   }
 };
 
@@ -92,7 +90,10 @@ VP_INLINE void scores_tile(const float* __restrict q, const Stored<KT>* K, const
     for (int c = 0; c < D; c += L) {
       const Vec x = W::template load<KT>(k0 + c), y = W::template load<KT>(k1 + c);
       for (int g = 0; g < GB; ++g) {
-        const Vec qv = W::loadu(q + g * D + c);
+        Vec qv = W::loadu(q + g * D + c);
+        // Held in a register for both tokens: GCC otherwise folds the load into each FMA, and loads, not FMAs,
+        // bound this step (AVX2 int8: 10 loads per 2 x 8 elements, 6 this way).
+        __asm__("" : "+v"(qv));
         a[g] = W::fma(qv, x, a[g]);
         b[g] = W::fma(qv, y, b[g]);
       }
@@ -177,8 +178,10 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
   const RowFinder row(p, it.b);
   const int64_t HS = p.head_stride, VHS = p.v_head_stride;
   int64_t off[kChunk], voff[kChunk], aoff[kChunk], avoff[kChunk];
-  Ahead ahead{KB, VB, aoff, avoff, kWholeRows ? HKV : 1, HS * kBytes, VHS * kBytes, kFoot * kBytes, kVFoot * kBytes};
-  if constexpr (kPlan == PrefetchPlan::kRowsSpread) ahead.every = HKV;
+  int64_t pass_k[kChunk], pass_v[kChunk];  // kRowsSpread: the byte offsets one pass asks for (the rest -1)
+  constexpr bool kSpread = kPlan == PrefetchPlan::kRowsSpread;
+  Ahead ahead{KB,          VB,           kSpread ? pass_k : aoff, kSpread ? pass_v : avoff, kWholeRows ? HKV : 1,
+              HS * kBytes, VHS * kBytes, kFoot * kBytes,          kVFoot * kBytes};
   for (int t = it.t0; t < std::min(it.t1, it.t0 + kDist); ++t) {
     int64_t ko, vo;
     row(t, ko, vo);
@@ -201,7 +204,13 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
     for (int kh = 0; kh < HKV; ++kh) {
       ahead.head_k = kWholeRows ? 0 : kh * HS * kBytes;
       ahead.head_v = kWholeRows ? 0 : kh * VHS * kBytes;
-      if constexpr (kPlan == PrefetchPlan::kRowsSpread) ahead.phase = kh;
+      if constexpr (kSpread) {
+        std::fill(pass_k, pass_k + n, int64_t(-1));
+        for (int j = kh; j < n; j += HKV) {
+          pass_k[j] = aoff[j];
+          pass_v[j] = avoff[j];
+        }
+      }
       // In the first query group's pass over the head; kRowsAhead: in the first head's only.
       const Ahead* pf = kPlan == PrefetchPlan::kRowsAhead && kh > 0 ? nullptr : &ahead;
       if constexpr (kRowScale)
