@@ -13,7 +13,7 @@ step over many layers would). Reports the median ms, the K/V read rate, and quan
     python benchmarks/bench_decode_quant.py --repeats 15 --contexts 4096
     python benchmarks/bench_decode_quant.py --threads 1 --clock cpu   # on a machine busy with other work
 
-Writes benchmarks/results/decode_quant_<machine>.json (machine: e.g. epyc-2c, xeon-avx512-2c).
+Writes benchmarks/results/decode_quant_<machine>.json (machine: e.g. epyc-avx2-2c, xeon-avx512-2c).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ FORMATS = {"bf16": (2, -1), "int8": (0, 3), "e4m3": (0, 4), "e5m2": (0, 5)}  # n
 def machine_tag(info: dict) -> str:
     cpu = info["cpu"].lower()
     name = "epyc" if "epyc" in cpu else "xeon" if "xeon" in cpu else (cpu.split()[0] if cpu else "cpu")
-    if "avx512" in _C.decode_cpu_isas():
-        name += "-avx512"
+    # The best ISA of this CPU in the name, so that runs on an AVX2 and an AVX-512 box of one vendor land in
+    # different files.
+    name += "-" + _C.decode_cpu_isas()[-1]
     return f"{name}-{info['cores']}c"
 
 

@@ -170,6 +170,15 @@ def test_second_pool_takes_dormant_pages_of_the_first(budget_name, rng):
     for s in list(data_a)[1:]:
         a.free(s)  # dormant: still mapped, charged to a's grant
     assert a.pool.stats().used_pages == used_a
+    # An asker asks for what the others' last reports show spare (live K/V is never asked for): wait for a's
+    # thread to report its frees (every REPORT_S), or a report from before them (all 32 pages live) would
+    # leave nothing to ask a for.
+    budget, index = SharedBudget.open(budget_name), a.pool.budget.index
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        if next(m for m in budget.state().members if m.index == index).live_bytes <= 8 * PAGE:
+            break
+        time.sleep(0.02)
     t0 = time.monotonic()
     data_b = fill(b, 3, 256, rng)  # 24 pages: a's free grant and then its dormant slots give them back
     assert time.monotonic() - t0 < 2.0 + 1.0  # answered by a's thread (a is in this process, not waiting)
