@@ -1,4 +1,5 @@
 import os
+import time
 
 import pytest
 import torch
@@ -10,6 +11,16 @@ def rng():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"random seed {seed}")  # shown by pytest on failure, to replay a case
     return torch.Generator().manual_seed(seed)
+
+
+def wait_until(cond, timeout: float) -> bool:
+    """Poll cond every 20 ms until it holds or timeout seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
 
 
 def open_fds() -> int:

@@ -20,6 +20,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from conftest import wait_until  # noqa: E402
 from serve_helpers import one_torch_thread  # noqa: E402, F401 - the autouse fixture
 
 from vpaged.serve import LLMEngine, load_model  # noqa: E402
@@ -59,15 +60,6 @@ def stats(srv, engine):
     return srv.app.state.engine_loop.call(engine.stats).result(TIMEOUT)
 
 
-def wait(pred, timeout):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def assert_openai_error(resp, status: int, word: str | None = None):
     assert resp.status_code == status, (resp.status_code, resp.text)
     err = resp.json()["error"]
@@ -95,10 +87,12 @@ def test_non_streaming_request_is_aborted_when_its_client_goes_away(served):
         + f"Content-Length: {len(payload)}\r\n\r\n".encode()
         + payload
     )
-    assert wait(lambda: stats(srv, engine).running == 1, TIMEOUT), "the request never ran"
+    assert wait_until(lambda: stats(srv, engine).running == 1, TIMEOUT), "the request never ran"
     sock.close()
     gone = time.monotonic()
-    assert wait(lambda: stats(srv, engine).live_kv_tokens == 0, 1.0), "pages not back within 1 s of the disconnect"
+    assert wait_until(lambda: stats(srv, engine).live_kv_tokens == 0, 1.0), (
+        "pages not back within 1 s of the disconnect"
+    )
     after = stats(srv, engine)
     assert time.monotonic() - gone < 2.0
     assert after.running == 0 and after.waiting == 0
@@ -324,7 +318,7 @@ def test_kv_metrics_mean_what_they_say():
         assert 0 < seen["vpaged_kv_utilization"] <= 1.0
         live = seen["vpaged_kv_used_pages"] - seen["vpaged_kv_dormant_pages"]
         assert live > 0 and seen["vpaged_kv_used_pages"] + seen["vpaged_kv_free_pages"] == total
-        assert wait(lambda: metrics(c)["vpaged_running"] == 0, TIMEOUT)
+        assert wait_until(lambda: metrics(c)["vpaged_running"] == 0, TIMEOUT)
         m = metrics(c)
         assert m["vpaged_kv_used_pages"] == m["vpaged_kv_dormant_pages"]  # idle: only pages kept for reuse
         assert m["vpaged_kv_used_pages"] + m["vpaged_kv_free_pages"] == total

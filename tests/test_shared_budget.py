@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 import torch
+from conftest import wait_until
 
 from vpaged import PagePool, VirtualKVCache
 from vpaged.errors import (
@@ -174,11 +175,7 @@ def test_second_pool_takes_dormant_pages_of_the_first(budget_name, rng):
     # thread to report its frees (every REPORT_S), or a report from before them (all 32 pages live) would
     # leave nothing to ask a for.
     budget, index = SharedBudget.open(budget_name), a.pool.budget.index
-    deadline = time.monotonic() + 3.0
-    while time.monotonic() < deadline:
-        if next(m for m in budget.state().members if m.index == index).live_bytes <= 8 * PAGE:
-            break
-        time.sleep(0.02)
+    wait_until(lambda: next(m for m in budget.state().members if m.index == index).live_bytes <= 8 * PAGE, 3.0)
     t0 = time.monotonic()
     data_b = fill(b, 3, 256, rng)  # 24 pages: a's free grant and then its dormant slots give them back
     assert time.monotonic() - t0 < 2.0 + 1.0  # answered by a's thread (a is in this process, not waiting)
@@ -199,9 +196,7 @@ def test_set_ceiling_shrinks_an_idle_member(budget_name, rng):
         a.free(s)
     live = 8
     budget.set_ceiling(a.pool.budget.budget.member(a.pool.budget.index).name, live * PAGE)
-    deadline = time.monotonic() + 3.0
-    while time.monotonic() < deadline and budget.state().members[0].granted_bytes > live * PAGE:
-        time.sleep(0.02)
+    wait_until(lambda: budget.state().members[0].granted_bytes <= live * PAGE, 3.0)
     m = budget.state().members[0]
     assert m.granted_bytes <= live * PAGE and m.ceiling_bytes == live * PAGE
     assert intact(a, {s: data[s] for s in list(data)[:1]})

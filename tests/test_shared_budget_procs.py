@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_until
 
 from vpaged import VirtualKVCache
 from vpaged.errors import OutOfPagesError
@@ -87,15 +88,6 @@ def intact(cache, data):
         for s, layers in data.items()
         for layer, kv in enumerate(layers)
     )
-
-
-def wait_until(cond, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def test_idle_member_gives_back_within_2s_and_its_rss_falls(budget_name, members, rng):
