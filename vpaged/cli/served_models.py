@@ -204,35 +204,37 @@ def _budget_page_size(configs: dict[str, EngineConfig]) -> int:
 def several_engines(models: list[ServedModel], args):
     """Yields ({name: LLMEngine}, the budget's name, its capacity in bytes): every model's engine on one
     shared budget (the --shared-budget given, else one made here and removed on exit). The engines close on
-    exit."""
+    exit, also on SIGTERM (termination.py: while the models load, or once the server has stopped)."""
     from ..memory import SharedBudget
     from ..serve import LLMEngine, load_model
+    from ..serve.http.termination import sigterm_raises
 
     budget = args.shared_budget
     made_here = budget is None
     if made_here:
         budget = f"serve-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     configs = engine_configs(models, args, budget)
-    if made_here:
-        handle = SharedBudget.create(budget, args.kv_budget_bytes, _budget_page_size(configs))
-    else:
-        handle = SharedBudget.open(budget)
-    capacity = handle.capacity_bytes
-    handle.close()  # each engine's pool opens the budget for itself
     engines = {}
-    try:
-        for m in models:
-            config = configs[m.name]
-            try:
-                model, tokenizer = load_model(m.path, dtype=config.model.dtype)
-                engines[m.name] = LLMEngine(model, tokenizer, config=config)
-                engines[m.name].store.label_budget_member(m.path)  # `vpaged budget show`: name and model
-            except VPagedError as e:
-                raise InvalidArgumentError(f"model {m.name!r} ({m.path}): {type(e).__name__}: {e}") from None
-        yield engines, budget, capacity
-    finally:
-        for engine in engines.values():
-            with contextlib.suppress(Exception):
-                engine.close()
-        if made_here:
-            SharedBudget.remove(budget)
+    with sigterm_raises():
+        try:
+            if made_here:
+                handle = SharedBudget.create(budget, args.kv_budget_bytes, _budget_page_size(configs))
+            else:
+                handle = SharedBudget.open(budget)
+            capacity = handle.capacity_bytes
+            handle.close()  # each engine's pool opens the budget for itself
+            for m in models:
+                config = configs[m.name]
+                try:
+                    model, tokenizer = load_model(m.path, dtype=config.model.dtype)
+                    engines[m.name] = LLMEngine(model, tokenizer, config=config)
+                    engines[m.name].store.label_budget_member(m.path)  # `vpaged budget show`: name and model
+                except VPagedError as e:
+                    raise InvalidArgumentError(f"model {m.name!r} ({m.path}): {type(e).__name__}: {e}") from None
+            yield engines, budget, capacity
+        finally:
+            for engine in engines.values():
+                with contextlib.suppress(Exception):
+                    engine.close()
+            if made_here:  # a name of this process's: nobody else's budget (remove is a no-op if not made)
+                SharedBudget.remove(budget)

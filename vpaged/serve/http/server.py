@@ -40,6 +40,7 @@ from .app import create_app
 from .guard import ServerLimits, hosts_for_bind
 from .loop import EngineLoop
 from .metrics import prometheus_text
+from .termination import Terminated, sigterm_raises
 
 try:
     import h11
@@ -51,6 +52,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 # Seconds a server whose engine cannot go on keeps answering (503 and the cause on /health, the reason on
 # /metrics) before it exits: a health check polled every second or two sees why instead of a refused connection.
 FATAL_GRACE_S = 3.0
+# Seconds a stopping server (SIGTERM, SIGINT) waits for the requests in flight to finish before it cancels them
+# (their clients see the connection close) and closes the engines: under docker's default 10 s from SIGTERM to
+# SIGKILL, so that the cleanup after it (the engines, a shared budget the server made) has time to run.
+SHUTDOWN_TIMEOUT_S = 5.0
 
 __all__ = ["EngineLoop", "ServerLimits", "ServerThread", "create_app", "prometheus_text", "serve"]
 
@@ -114,10 +119,15 @@ def _limits_for(limits: ServerLimits | None, host: str) -> ServerLimits:
     return limits
 
 
-def _uvicorn_config(app, limits: ServerLimits, log_level: str) -> uvicorn.Config:
+def _uvicorn_config(app, limits: ServerLimits, log_level: str, shutdown_timeout_s: float) -> uvicorn.Config:
     protocol = type("VPagedH11Protocol", (_Protocol,), {"header_timeout_s": float(limits.header_timeout_s)})
     return uvicorn.Config(
-        app, log_level=log_level, lifespan="on", http=protocol, timeout_keep_alive=limits.keep_alive_s
+        app,
+        log_level=log_level,
+        lifespan="on",
+        http=protocol,
+        timeout_keep_alive=limits.keep_alive_s,
+        timeout_graceful_shutdown=shutdown_timeout_s,
     )
 
 
@@ -136,6 +146,7 @@ def serve(
     on_ready: Callable[[str], None] | None = None,
     limits: ServerLimits | None = None,
     tool_call_parser: str = "hermes",
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
 ) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM). `engine`: an LLMEngine, or a dict {served name: engine} of
     several models (model_name None). Port 0 takes a free port; `on_ready(url)` is called once the server
@@ -143,11 +154,16 @@ def serve(
     engine that cannot go on (a tensor-parallel engine that lost a rank, found by a step or while idle; any
     one of several) shuts the server down FATAL_GRACE_S later (meanwhile /health answers 503 with the cause,
     so that a health check sees why), and serve raises its TensorParallelError once the requests in flight
-    have had their answers."""
+    have had their answers.
+
+    SIGTERM (what systemd, docker and Kubernetes send) stops the server as Ctrl-C does, and serve returns
+    normally: no new connections, the requests in flight get up to `shutdown_timeout_s` to finish (then they are
+    cancelled), the engine threads end, and the caller's cleanup runs (termination.py); a second SIGINT cuts the
+    wait short."""
     sock = _bind(host, port)
     limits = _limits_for(limits, host)
     app = create_app(engine, model_name, default_max_tokens, limits, tool_call_parser)
-    server = uvicorn.Server(_uvicorn_config(app, limits, log_level))
+    server = uvicorn.Server(_uvicorn_config(app, limits, log_level, shutdown_timeout_s))
     loops = app.state.router.loops()
 
     def shut_down(_error) -> None:
@@ -172,8 +188,9 @@ def serve(
                 task.cancel()
 
     try:
-        asyncio.run(main())
-    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C it caught
+        with sigterm_raises():
+            asyncio.run(main())
+    except (KeyboardInterrupt, Terminated):  # uvicorn shut down gracefully, then re-raised the signal it caught
         pass
     finally:
         sock.close()
@@ -199,13 +216,14 @@ class ServerThread:
         log_level: str = "warning",
         limits: ServerLimits | None = None,
         tool_call_parser: str = "hermes",
+        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
     ):
         self.limits = _limits_for(limits, host)
         self.app = create_app(engine, model_name, default_max_tokens, self.limits, tool_call_parser)
         self._sock = _bind(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = _url(self._sock)
-        self.server = uvicorn.Server(_uvicorn_config(self.app, self.limits, log_level))
+        self.server = uvicorn.Server(_uvicorn_config(self.app, self.limits, log_level, shutdown_timeout_s))
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self._sock]}, name="vpaged-http", daemon=True
         )
