@@ -143,3 +143,8 @@ class BudgetPermissionError(BudgetError, PermissionError):
 class BudgetMismatchError(BudgetError, ValueError):
     """Joining a budget was refused up front: another page size, a min_bytes the budget cannot guarantee (the
     members' minimums would exceed its capacity, or the member's own ceiling), or no free member slot."""
+
+
+class EngineUnavailableError(EngineStepError):
+    """The server's engine loop of a model takes no more commands: its thread died (the message names the
+    model and the cause) or it stopped (the server is shutting down). HTTP 503 at once, never a wait."""

@@ -21,7 +21,14 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ...errors import EngineStepError, InvalidArgumentError, ModelNotFoundError, TensorParallelError, VPagedError
+from ...errors import (
+    EngineStepError,
+    EngineUnavailableError,
+    InvalidArgumentError,
+    ModelNotFoundError,
+    TensorParallelError,
+    VPagedError,
+)
 from . import guided, tools
 from . import protocol as proto
 from . import tokenize as tok
@@ -379,9 +386,9 @@ class _Server:
         return tok.detokenize(self.tokenizer, req, self._vocab_size())
 
     def failure(self) -> Exception | None:
-        """Why the engine cannot serve (the loop's fatal error, or a tensor-parallel group found broken while
-        the loop has not looked yet), else None."""
-        return self.loop.fatal or getattr(self.engine, "broken", None)
+        """Why the engine cannot serve (the loop's fatal error, why its thread died, or a tensor-parallel group
+        found broken while the loop has not looked yet), else None."""
+        return self.loop.fatal or self.loop.dead or getattr(self.engine, "broken", None)
 
     async def metrics(self):
         extra = {"engine_step_failures_total": self.loop.step_failures}
@@ -390,7 +397,7 @@ class _Server:
         if failure is None:
             try:
                 stats = await asyncio.wrap_future(self.loop.call(self.engine.stats))
-            except TensorParallelError as e:  # broke meanwhile: the ranks cannot be asked any more
+            except (TensorParallelError, EngineUnavailableError) as e:  # broke, died or stopped meanwhile
                 failure = e
         # Answered 200 also when the engine is down, so that a scraper records why (vpaged_engine_up 0 and
         # vpaged_engine_failure_info's reason) instead of a failed scrape.
@@ -447,6 +454,10 @@ def create_app(
 
     @app.exception_handler(TensorParallelError)
     async def engine_lost_a_rank(_request, e: TensorParallelError):
+        return _error(503, str(e), "server_error")
+
+    @app.exception_handler(EngineUnavailableError)
+    async def engine_unavailable(_request, e: EngineUnavailableError):  # its thread died, or the server stops
         return _error(503, str(e), "server_error")
 
     @app.exception_handler(StarletteHTTPException)

@@ -8,6 +8,11 @@ engine that lost a rank: TensorParallelError): then the loop stops, keeps the er
 later command with it and calls on_fatal(error). An idle loop does not wait for a step to find that out: it
 looks at engine.broken (set by the tensor-parallel keepalive while nothing runs) every idle_wait_s and stops
 the same way.
+
+Anything else that escapes the loop (a BaseException out of a step, an error outside it) ends the thread: the
+loop keeps why in `dead` (an EngineUnavailableError naming the model and the cause), ends the requests in flight
+and the commands queued with it, and every later command fails at once with it, as every command does once the
+loop has stopped: nothing waits on a thread that will not answer.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import EngineStepError, TensorParallelError, VPagedError
+from ...errors import EngineStepError, EngineUnavailableError, TensorParallelError, VPagedError
 
 log = logging.getLogger("vpaged.serve")
 
@@ -34,6 +39,8 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
+        self._closed = False  # set (under _lock) once the thread takes no more commands: call() fails at once
+        self.name = name
         self._idle_wait_s = idle_wait_s
         self._sinks: dict[str, Callable[[Any], None]] = {}  # request id -> where its outputs go (engine thread)
         self._thread = threading.Thread(
@@ -43,6 +50,7 @@ class EngineLoop:
         self.step_failures = 0
         self.fatal: TensorParallelError | None = None
         self.on_fatal: Callable[[TensorParallelError], None] | None = None
+        self.dead: EngineUnavailableError | None = None  # why the thread died, if it did
 
     # ---- any thread
     def start(self) -> EngineLoop:
@@ -54,15 +62,23 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stop
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run fn on the engine thread between two steps."""
+        """Run fn on the engine thread between two steps. A loop that takes no more commands (stopped, or its
+        thread died) fails the future at once: with `fatal`, `dead`, or an EngineUnavailableError."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self._stop:
-            fut.set_exception(self.fatal or RuntimeError("the engine loop is stopped"))
-            return fut
         with self._lock:
-            self._commands.append((fn, fut))
-        self._wake.set()
+            if not self._closed and not self._stop:
+                self._commands.append((fn, fut))
+                self._wake.set()
+                return fut
+        fut.set_exception(self.unavailable())
         return fut
+
+    def unavailable(self) -> Exception:
+        """What a command to this loop fails with once the loop takes no more."""
+        return self.fatal or self.dead or EngineUnavailableError(f"{self._model()} is stopped (the server is stopping)")
+
+    def _model(self) -> str:
+        return f"the engine of model {self.name!r}" if self.name else "the engine"
 
     def add(self, prompt, params, request_id: str, sink: Callable[[Any], None]) -> concurrent.futures.Future:
         """Queue a request; `sink` receives each RequestOutput of it (or an EngineStepError) on the engine thread.
@@ -84,11 +100,13 @@ class EngineLoop:
         return self.call(abort)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Abort what is in flight and end the thread."""
+        """Abort what is in flight (each request's sink gets an EngineUnavailableError: the server is stopping)
+        and end the thread."""
         if not self._thread.is_alive():
             self._stop = True
             return
-        done = self.call(self._abort_all)
+        stopping = EngineUnavailableError(f"{self._model()} is stopped (the server is stopping)")
+        done = self.call(lambda: self._abort_all(stopping))
         with contextlib.suppress(Exception):
             done.result(timeout)
         self._stop = True
@@ -107,11 +125,15 @@ class EngineLoop:
             except BaseException as e:  # noqa: BLE001 - handed to the caller, whatever it is
                 fut.set_exception(e)
 
-    def _abort_all(self) -> None:
+    def _abort_all(self, notify: Exception | None = None) -> None:
+        """Abort every request in flight; `notify`: what their sinks get (None: nothing)."""
         for rid in list(self._sinks):
-            self._sinks.pop(rid, None)
+            sink = self._sinks.pop(rid, None)
             with contextlib.suppress(Exception):
                 self.engine.abort(rid)
+            if notify is not None and sink is not None:
+                with contextlib.suppress(Exception):
+                    sink(notify)
 
     def _fail(self, e: Exception) -> None:
         """End the requests in flight with the failure; a TensorParallelError also stops the loop."""
@@ -119,14 +141,28 @@ class EngineLoop:
         if isinstance(e, TensorParallelError):
             failure = self.fatal = e
             self._stop = True
-        sinks = list(self._sinks.values())
-        self._abort_all()
-        for sink in sinks:
-            sink(failure)
+        self._abort_all(failure)
         if self.fatal is not None and self.on_fatal is not None:
             self.on_fatal(self.fatal)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - the thread ends either way; the server must hear why
+            dead = EngineUnavailableError(f"{self._model()} died: {type(e).__name__}: {e}")
+            log.error("%s; its requests get 503 from now on", dead, exc_info=e)
+            with self._lock:
+                self.dead = dead
+                self._closed = True
+                self._stop = True
+                commands, self._commands = self._commands, []
+            for _fn, fut in commands:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(self.dead)
+            with contextlib.suppress(BaseException):
+                self._abort_all(self.dead)
+
+    def _serve(self) -> None:
         while not self._stop:
             self._wake.clear()  # before running commands: a command queued after this wakes the wait below
             self._run_commands()
@@ -155,4 +191,6 @@ class EngineLoop:
                 if out.finished:
                     del self._sinks[out.request_id]
                 sink(out)
+        with self._lock:  # from here on call() fails at once: nothing is queued that no one will run
+            self._closed = True
         self._run_commands()  # answer anything queued during shutdown
