@@ -13,18 +13,34 @@ grant together. Pages a cache unmaps go back to the pool, whose host backend pun
 so the process's RSS falls. A member that is idle (not calling into vpaged) answers within POLL_S plus the
 reclaim itself; a busy one answers when its current cache call returns.
 
+Ceilings: a ceiling lowered below what a busy member holds (`vpaged budget limit`) cannot be met at once
+(live K/V is never taken). The member answers the ask with what it can free, and from then on, while its
+limit is above the ceiling, it takes no new grant and lowers its limit again as its pages free: at each of
+its scheduler's steps (answer_pending) and at each REPORT_S of its thread, which reads its ceiling from the
+ledger. So a member over its ceiling is down to it within one report period after its requests finish.
+
+Health (budget_health.py): the thread also looks, every REPORT_S, whether the segment at the budget's path is
+still the one it joined. Removed: the member says so (health(), GET /health 503) and keeps what it holds.
+Replaced by a budget created again under the same name: it joins the new one with the same name, minimum and
+ceiling, has what its pool holds granted there (shrinking to what it uses when the new budget is short), and
+leaves the old one. A ledger call that fails with a BudgetError (a damaged or truncated segment) marks the
+member "corrupt" and grants nothing; the pool keeps serving from what it holds.
+
 Lock order: pool.client_lock, then the membership's lock, then the segment's (never the other way round).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from ..errors import BudgetError
+from .budget_health import OK, STALL_S, BudgetHealth, SegmentIdentity, verdict
 from .shared_budget import SharedBudget
 
 if TYPE_CHECKING:
@@ -36,12 +52,15 @@ IDLE_RELEASE_S = 1.0  # granted pages unused this long go back unasked, beyond G
 GIVE_BACK_WAIT_S = 3.0  # how long a member that is short waits for the others to answer
 FIGURES_S = 0.25  # how long figures() (what /metrics exports) may be reused
 GRANT_CHUNK_PAGES = 32  # pages asked beyond the need when growing, so a growing engine rarely asks
+_FAILED = object()  # what a guarded ledger read gives when it failed
 
 
 @dataclass(frozen=True)
 class BudgetFigures:
     """A member's budget at one moment, as a server's /metrics exports it (bytes): the budget's totals, then
-    this member's own figures (mapped / live / dormant counted now, the rest as the ledger holds them)."""
+    this member's own figures (mapped / live / dormant counted now, the rest as the ledger holds them). ok is
+    0 while the budget is unusable or the member waits on others (problem says why; the other figures are
+    then the last ones read)."""
 
     name: str
     share_policy: str
@@ -59,6 +78,9 @@ class BudgetFigures:
     member_ceiling_bytes: int
     member_fair_share_bytes: int
     member_starved: int  # 1 while asking for pages below its fair share
+    ok: int = 1  # 1 while the budget is the one joined and readable, and no wait on another member lasts
+    problem_kind: str = "ok"  # budget_health.KINDS
+    problem: str = ""  # the cause, in words
 
 
 class BudgetMembership:
@@ -68,9 +90,11 @@ class BudgetMembership:
         self.page_size = pool.page_size
         self._core = core
         self._lock = threading.Lock()
-        ceiling = pool.capacity_pages * pool.page_size
+        self.member_name, self.model = name, model  # kept to join a budget created again under the same name
+        self._ceiling_bytes = pool.capacity_pages * pool.page_size  # as asked at join; then as the ledger holds it
+        self._identity = SegmentIdentity(self.budget.name)
         self.index = self.budget.join(
-            page_size=pool.page_size, ceiling_bytes=ceiling, min_bytes=min_bytes, name=name, model=model
+            page_size=pool.page_size, ceiling_bytes=self._ceiling_bytes, min_bytes=min_bytes, name=name, model=model
         )
         self._core.set_limit(0)
         self.min_bytes = -(-int(min_bytes) // self.page_size) * self.page_size
@@ -78,13 +102,41 @@ class BudgetMembership:
             self._add(self.budget.grant(self.index, 0, prefer=min(self.min_bytes, self.budget.headroom(self.index))))
         self._last_ask = 0.0
         self._figures_cache: tuple[float, BudgetFigures | None] | None = None
+        self._last_figures: BudgetFigures | None = None
         self._seen_ask = -1  # the last ask counter answered (by the thread or by answer_pending)
         self._cap_at, self._cap = -1.0, None  # the share policy's admission cap, read at most every POLL_S
+        self._health: BudgetHealth = OK
+        self._over_ceiling = False  # the limit is above the ledger's ceiling: lowered as pages free
+        self._short_since: float | None = None  # since when grants are refused (cleared by a grant)
+        self._short_at = 0.0  # the last refused grant
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._serve, args=(weakref.ref(pool),), name=f"vpaged-budget-{self.index}", daemon=True
         )
         self._thread.start()
+
+    # ------------------------------------------------------------------------------------- health
+    def health(self) -> BudgetHealth:
+        """Whether the budget is the one joined and usable (budget_health.py); read without a lock."""
+        return self._health
+
+    def _set_health(self, kind: str, detail: str = "") -> None:
+        self._health = verdict(kind, self.budget.name, detail, self._health)
+
+    def _guarded(self, default, fn, *args, **kwargs):
+        """fn(*args) on the ledger; a damaged or vanished segment marks the member "corrupt" and gives
+        `default` (a member never fails its pool's callers for the ledger's sake)."""
+        try:
+            return fn(*args, **kwargs)
+        except (BudgetError, OSError, ValueError) as e:  # ValueError: a closed or cut mapping
+            self._set_health("corrupt", f"{type(e).__name__}: {e}")
+            return default
+
+    def _peek_ask(self) -> int:
+        try:
+            return self.budget.segment.peek_ask_seq(self.index)
+        except (BudgetError, OSError, ValueError, IndexError):
+            return self._seen_ask
 
     # ------------------------------------------------------------------------------------- growing
     def grow(self, pages: int, wait_s: float = 0.0) -> int:
@@ -100,16 +152,18 @@ class BudgetMembership:
             added = self._grant(pages, ask=False)
             if added:
                 return added
-            if not self.budget.pending_asks(self.index):
+            if not self._guarded(False, self.budget.pending_asks, self.index):
                 # Everyone asked has answered: one more ask covers what they freed since, then stop.
                 added = self._grant(pages, ask=True)
-                if added or not self.budget.pending_asks(self.index):
+                if added or not self._guarded(False, self.budget.pending_asks, self.index):
                     return added
         return 0
 
     def headroom_pages(self) -> int:
         """Pages the budget would grant now without anyone giving back."""
-        return self.budget.headroom(self.index) // self.page_size
+        if self._over_ceiling or not self._health.serves:
+            return 0
+        return self._guarded(0, self.budget.headroom, self.index) // self.page_size
 
     def ask(self, pages: int) -> None:
         """Ask the others to give back `pages` pages (not waiting); grants them at once if they are free. A
@@ -128,7 +182,7 @@ class BudgetMembership:
             return None
         now = time.monotonic()
         if now - self._cap_at >= POLL_S:
-            cap = self.budget.admission_cap(self.index)
+            cap = self._guarded(None, self.budget.admission_cap, self.index)
             self._cap = None if cap is None else cap // self.page_size
             self._cap_at = now
         return self._cap
@@ -138,14 +192,23 @@ class BudgetMembership:
         with self._lock:
             short = pages - self._core.free_pages()
             if short <= 0:
+                self._short_since = None
+                return 0
+            if self._over_ceiling or not self._health.serves:  # above its ceiling, or no usable budget
                 return 0
             if ask:
-                got = self.budget.grant(self.index, short * ps, prefer=max(short, GRANT_CHUNK_PAGES) * ps)
+                got = self._guarded(0, self.budget.grant, self.index, short * ps, max(short, GRANT_CHUNK_PAGES) * ps)
             else:
-                room = self.budget.headroom(self.index) // ps
-                if room < short:
-                    return 0
-                got = self.budget.grant(self.index, short * ps, prefer=min(room, max(short, GRANT_CHUNK_PAGES)) * ps)
+                room = self._guarded(0, self.budget.headroom, self.index) // ps
+                got = 0
+                if room >= short:
+                    prefer = min(room, max(short, GRANT_CHUNK_PAGES)) * ps
+                    got = self._guarded(0, self.budget.grant, self.index, short * ps, prefer)
+            if got > 0:
+                self._short_since = None
+            else:
+                self._short_at = time.monotonic()
+                self._short_since = self._short_since or self._short_at
             return self._add(got)
 
     def _add(self, got: int) -> int:
@@ -154,17 +217,33 @@ class BudgetMembership:
         self._core.set_limit(self._core.limit + got // self.page_size)
         return got // self.page_size
 
+    def label(self, model: str) -> None:
+        """Name the model this member serves, as `vpaged budget show` lists it (kept for a rejoin too)."""
+        self.model = str(model)
+        self._guarded(None, self.budget.label, self.index, self.model)
+
     def figures(self, pool: PagePool) -> BudgetFigures | None:
-        """The budget's totals and this member's figures (None when its record is gone), at most FIGURES_S
-        old: engine.stats() carries them, and a benchmark that reads stats() at every step paid a locked
-        ledger read and a count of reclaimable pages each time (0.65x the steps per second of an engine
-        without a budget)."""
+        """The budget's totals and this member's figures (None when its record is gone and the budget is
+        well), at most FIGURES_S old: engine.stats() carries them, and a benchmark that reads stats() at every
+        step paid a locked ledger read and a count of reclaimable pages each time (0.65x the steps per second
+        of an engine without a budget). While the budget is unusable: the last figures read, ok=0 and why."""
         now = time.monotonic()
-        if self._figures_cache is not None and now - self._figures_cache[0] < FIGURES_S:
-            return self._figures_cache[1]
-        figures = self._read_figures(pool)
-        self._figures_cache = (now, figures)
-        return figures
+        if self._figures_cache is None or now - self._figures_cache[0] >= FIGURES_S:
+            figures = self._guarded(None, self._read_figures, pool) if self._health.serves else None
+            self._last_figures = figures or self._last_figures
+            self._figures_cache = (now, figures)
+        figures, health = self._figures_cache[1], self._health
+        if health.ok:
+            return figures
+        base = figures or self._last_figures or self._empty_figures()
+        return replace(base, ok=0, problem_kind=health.kind, problem=health.message)
+
+    def _empty_figures(self) -> BudgetFigures:
+        ceiling, ps = self._ceiling_bytes, self.page_size
+        return BudgetFigures(
+            self.budget.name, self.budget.policy.name, 0, 0, 0, 0, 0, self.index, self._core.limit * ps, 0, 0, 0,
+            self.min_bytes, ceiling, 0, 0,
+        )  # fmt: skip
 
     def _read_figures(self, pool: PagePool) -> BudgetFigures | None:
         state = self.budget.state()
@@ -181,28 +260,37 @@ class BudgetMembership:
     # ------------------------------------------------------------------------------------- giving back
     def answer_pending(self, pool: PagePool) -> int:
         """Answer an ask that this member's thread has not handled yet, now, from the caller's thread (a
-        scheduler calls this between steps, where no cache call is under way); returns the pages given back.
-        A busy engine's main thread re-takes the pool's client lock between cache calls at once, so the
-        thread alone may wait for it for many steps (measured: a starved engine sat 11 s below its fair
-        share while the other engine's dormant pages went unclaimed)."""
-        seq = self.budget.segment.peek_ask_seq(self.index)
-        if seq == self._seen_ask:
-            return 0
-        self._seen_ask = seq
-        return self.give_back(pool)
+        scheduler calls this between steps, where no cache call is under way), and lower the limit towards
+        the ceiling while it is above it; returns the pages given back. A busy engine's main thread re-takes
+        the pool's client lock between cache calls at once, so the thread alone may wait for it for many
+        steps (measured: a starved engine sat 11 s below its fair share while the other engine's dormant
+        pages went unclaimed)."""
+        given = 0
+        seq = self._peek_ask()
+        if seq != self._seen_ask:
+            self._seen_ask = seq
+            given = self.give_back(pool)
+        if self._over_ceiling:
+            given += self._shrink_to_ceiling(pool)
+        return given
 
     def _serve(self, pool_ref) -> None:
-        last_report, slack_since = 0.0, None
+        last_report, last_check, slack_since = 0.0, 0.0, None
         while not self._stop.wait(POLL_S):
             pool = pool_ref()
             if pool is None:
                 return
             try:
                 now = time.monotonic()
-                if self.budget.segment.peek_ask_seq(self.index) != self._seen_ask:
+                if now - last_check >= REPORT_S:
+                    last_check = now
+                    self._check(pool)
+                if self._peek_ask() != self._seen_ask:
                     self.answer_pending(pool)
                     last_report = now
-                elif now - last_report > REPORT_S:
+                elif self._over_ceiling:
+                    self._shrink_to_ceiling(pool, blocking=False)  # a busy pool: answer_pending does it
+                elif now - last_report > REPORT_S and self._health.serves:
                     # Granted pages nobody uses go back unasked after a while (no cache is touched: only the
                     # pool's limit), so that a member that grows finds them free without asking anyone.
                     slack = self._core.free_pages() > GRANT_CHUNK_PAGES
@@ -213,7 +301,7 @@ class BudgetMembership:
                     else:
                         self._report(pool)
                     last_report = now
-            except Exception:  # a closed or removed segment: the member keeps its pool and stops serving
+            except Exception:  # noqa: BLE001 - whatever happens, the thread keeps watching the budget
                 if self._stop.is_set():
                     return
                 time.sleep(REPORT_S)
@@ -225,30 +313,59 @@ class BudgetMembership:
         grant; returns the pages given back."""
         ps = self.page_size
         with pool.client_lock, self._lock:
-            me = self.budget.member(self.index)
+            me = self._guarded(None, self.budget.member, self.index)
             if me is None:
                 return 0
+            self._ceiling_bytes = me.ceiling_bytes
             limit = self._core.limit
             want = max(-(-me.asked_bytes // ps), limit - me.ceiling_bytes // ps)  # asked, or over the ceiling
             if want > self._core.free_pages():
                 pool.reclaim_clients(want - self._core.free_pages())
             pool.trim()
             new_limit = self._core.set_limit(max(0, limit - want))  # clamped to the pages in use
+            self._over_ceiling = new_limit > me.ceiling_bytes // ps  # busy: lowered again as its pages free
             mapped, live, dormant = self._figures(pool)
-            self.budget.give_back(self.index, new_limit * ps, mapped, live, dormant)
+            self._guarded(None, self.budget.give_back, self.index, new_limit * ps, mapped, live, dormant)
             return limit - new_limit
+
+    def _shrink_to_ceiling(self, pool: PagePool, blocking: bool = True) -> int:
+        """Lower the limit towards the ceiling by what is free now (the clients' reusable pages first freed),
+        and the grant with it; returns the pages given back."""
+        if not pool.client_lock.acquire(blocking=blocking):
+            return 0
+        try:
+            with self._lock:
+                ps, limit = self.page_size, self._core.limit
+                ceiling = self._ceiling_bytes // ps
+                if limit <= ceiling:
+                    self._over_ceiling = False
+                    return 0
+                if self._core.free_pages() < limit - ceiling:
+                    pool.reclaim_clients(limit - ceiling - self._core.free_pages())
+                new_limit = self._core.set_limit(ceiling)  # clamped to the pages in use
+                self._over_ceiling = new_limit > ceiling
+                if new_limit == limit:
+                    return 0
+                pool.trim()
+                mapped, live, dormant = self._figures(pool)
+                self._guarded(
+                    None, self.budget.give_back, self.index, new_limit * ps, mapped, live, dormant, answer=False
+                )
+                return limit - new_limit
+        finally:
+            pool.client_lock.release()
 
     def _release_unused(self, pool: PagePool) -> None:
         with self._lock:
             used = self._core.limit - self._core.free_pages()
             new_limit = self._core.set_limit(used + GRANT_CHUNK_PAGES)
             figures = self._figures(pool, lock=False)
-            self.budget.give_back(self.index, new_limit * self.page_size, *figures, answer=False)
+            self._guarded(None, self.budget.give_back, self.index, new_limit * self.page_size, *figures, answer=False)
 
     def _report(self, pool: PagePool) -> None:
         if pool.client_lock.acquire(blocking=False):  # a busy member reports at its next quiet moment
             try:
-                self.budget.report(self.index, *self._figures(pool))
+                self._guarded(None, self.budget.report, self.index, *self._figures(pool))
             finally:
                 pool.client_lock.release()
 
@@ -257,11 +374,85 @@ class BudgetMembership:
         ps = self.page_size
         mapped = pool.stats().used_pages * ps
         if not lock:
-            me = self.budget.member(self.index)
+            me = self._guarded(None, self.budget.member, self.index)
             dormant = min(mapped, me.dormant_bytes if me else 0)
         else:
             dormant = min(mapped, pool.reclaimable_pages() * ps)
         return mapped, mapped - dormant, dormant
+
+    # ------------------------------------------------------------------------------------- watching the budget
+    def _check(self, pool: PagePool) -> None:
+        """Every REPORT_S, on the thread: is the segment at the path the one joined, is this member's record in
+        it, what is its ceiling, and does a wait on other members last (health() tells)."""
+        where = self._identity.where()
+        if where == "removed":
+            self._set_health("removed")
+            return
+        if where == "replaced":
+            self._rejoin(pool, same_file=False)
+            return
+        me = self._guarded(_FAILED, self.budget.member, self.index)
+        if me is _FAILED:
+            return  # the ledger cannot be read: health() says why
+        if me is None:  # dropped from a budget that is well (e.g. stopped past its lease): join it again
+            self._rejoin(pool, same_file=True)
+            return
+        self._ceiling_bytes = me.ceiling_bytes
+        self._over_ceiling = self._core.limit > me.ceiling_bytes // self.page_size
+        now = time.monotonic()
+        stalled = self._short_since is not None and now - self._short_since >= STALL_S
+        if stalled and now - self._short_at < 2 * REPORT_S:
+            state = self._guarded(None, self.budget.state)
+            waited = [m for m in (state.members if state else ()) if m.index != self.index and m.asked_bytes > 0]
+            if waited:
+                names = ", ".join(f"member {m.index} (pid {m.pid}, name {m.name!r})" for m in waited)
+                self._set_health("waiting", f"for {now - self._short_since:.1f} s, asked {names} to give back")
+                return
+        self._set_health("ok")
+
+    def _rejoin(self, pool: PagePool, same_file: bool) -> None:
+        """Join the budget now at the path (created again, or one that dropped this member's record) with the
+        same name, minimum and ceiling; have what the pool holds granted there (shrunk to the pages in use
+        when it is short), then leave the old one. Until it can: health() says "replaced"."""
+        name, ps = self.budget.name, self.page_size
+        try:
+            new = SharedBudget.open(name)
+        except BudgetError as e:
+            self._set_health("removed" if not os.path.exists(self._identity.path) else "replaced", str(e))
+            return
+        identity = SegmentIdentity(name)
+        with pool.client_lock, self._lock:
+            try:
+                index = new.join(
+                    page_size=ps, ceiling_bytes=self._ceiling_bytes, min_bytes=self.min_bytes,
+                    name=self.member_name, model=self.model,
+                )  # fmt: skip
+                keep = max(self._core.limit * ps, self.min_bytes)
+                used = pool.stats().used_pages * ps
+                got = new.grant(index, used, prefer=keep)
+                if got <= 0 and used:  # the new budget is short: keep only the pages in use, ask again
+                    pool.reclaim_clients(pool.reclaimable_pages())
+                    pool.trim()
+                    used = pool.stats().used_pages * ps
+                    got = new.grant(index, used, prefer=used)
+                if got <= 0 and used:
+                    new.leave(index)
+                    raise BudgetError(f"it cannot grant the {used} bytes this member's pages use (others hold them)")
+            except (BudgetError, OSError, ValueError) as e:
+                new.close()
+                self._set_health("replaced", f"joining it again failed: {e}; retrying every {REPORT_S} s")
+                return
+            old, old_index = self.budget, self.index
+            self.budget, self.index, self._identity = new, index, identity
+            self._core.set_limit(max(0, got) // ps)  # clamped to the pages in use
+            self._seen_ask, self._cap_at, self._figures_cache = -1, -1.0, None
+            self._over_ceiling = self._core.limit > self._ceiling_bytes // ps
+            self._short_since = None
+        with contextlib.suppress(Exception):
+            if not same_file:  # the old file: nobody else counts with it; its index may be ours again here
+                old.leave(old_index)
+            old.close()
+        self._set_health("ok")
 
     # ------------------------------------------------------------------------------------- leaving
     def close(self) -> None:
@@ -272,6 +463,7 @@ class BudgetMembership:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * POLL_S + 1)
         try:
-            self.budget.leave(self.index)
+            self._guarded(None, self.budget.leave, self.index)  # the file it has open (removed or not)
         finally:
-            self.budget.close()
+            with contextlib.suppress(Exception):
+                self.budget.close()

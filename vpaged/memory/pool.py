@@ -342,7 +342,13 @@ class PagePool:
         """In a shared budget: name the model this pool serves in `vpaged budget show` (a server knows it
         only once the model is loaded, after the pool joined); a no-op outside a budget."""
         if self.budget is not None:
-            self.budget.budget.label(self.budget.index, model)
+            self.budget.label(model)
+
+    def budget_health(self):
+        """In a shared budget: whether it is still the one joined and usable (budget_health.BudgetHealth:
+        ok, removed, replaced, corrupt, or waiting on members that do not answer); None outside a budget. A
+        read without a lock, for a server's /health while its engine thread is busy."""
+        return self.budget.health() if self.budget is not None else None
 
     def leave_budget(self) -> None:
         """Leave the shared budget (its grant returns to the others); the pool keeps what it has in use,

@@ -44,6 +44,13 @@ def shared_budget_lines(figures) -> list[str]:
         metric = f"vpaged_shared_budget_{name}"
         lines += [f"# HELP {metric} LLMEngine.stats().shared_budget.{name}", f"# TYPE {metric} gauge"]
         lines.append(f"{metric}{{{label}}} {value!r}")
+    if not getattr(figures, "ok", 1):  # removed, replaced, damaged, or waiting on a member (budget_health.py)
+        cause = f'kind="{escape_label(figures.problem_kind)}",reason="{escape_label(figures.problem)}"'
+        lines += [
+            "# HELP vpaged_shared_budget_problem_info why the shared budget is not ok (vpaged_shared_budget_ok 0)",
+            "# TYPE vpaged_shared_budget_problem_info gauge",
+            f"vpaged_shared_budget_problem_info{{{label},{cause}}} 1.0",
+        ]
     return lines
 
 

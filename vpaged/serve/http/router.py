@@ -12,7 +12,9 @@ model's requests, and one model's long step never holds up another's. Every requ
 GET /v1/models lists every model. GET /metrics of several models labels each engine's series with
 model="NAME" (model_metrics.py); the HTTP request counts are the server's, unlabelled. GET /health answers
 200 only while every model serves, else 503 naming those that cannot and why: one server is one process,
-restarted as a whole; `models` in its body gives each model's state ("ok" or the cause).
+restarted as a whole; `models` in its body gives each model's state ("ok" or the cause). A model whose
+machine-wide shared budget is removed, replaced (until its member joins the new one) or damaged answers
+503 with the cause there and to new requests; one waiting on a member that does not answer, at /health.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import InvalidArgumentError, ModelNotFoundError, RequestError
+from ..stores.base import budget_health
 from . import protocol as proto
 from . import tokenize as tok
 from .model_metrics import labelled_exposition
@@ -106,11 +109,13 @@ class ModelRouter:
     # ---- routes
     async def completions(self, request: Request):
         req = await proto.read_request(request, proto.CompletionRequest)
-        return await self.pick(req.model).completions(request, req)
+        server = self.pick(req.model)
+        return _budget_refusal(server) or await server.completions(request, req)
 
     async def chat(self, request: Request):
         req = await proto.read_request(request, proto.ChatCompletionRequest)
-        return await self.pick(req.model).chat(request, req)
+        server = self.pick(req.model)
+        return _budget_refusal(server) or await server.chat(request, req)
 
     async def models(self):
         return {"object": "list", "data": [server.card() for server in self.servers.values()]}
@@ -159,4 +164,17 @@ def _problem(server) -> tuple[str, str | None] | None:
         return str(failure), type(failure).__name__
     if not server.loop.alive:
         return "the engine thread is not running", None
+    budget = budget_health(getattr(server.engine, "store", None))
+    if budget is not None and not budget.ok:  # removed, replaced, damaged, or waiting on a member that is stopped
+        return budget.message, f"shared_budget_{budget.kind}"
     return None
+
+
+def _budget_refusal(server) -> JSONResponse | None:
+    """503 for a new request while the model's shared budget is unusable (removed, replaced and not joined
+    again yet, or damaged: memory/budget_health.py), rather than a request that would fail in the engine."""
+    budget = budget_health(getattr(server.engine, "store", None))
+    if budget is None or budget.serves:
+        return None
+    body = proto.error_body(budget.message, "server_error", code=f"shared_budget_{budget.kind}")
+    return JSONResponse(body, status_code=503)

@@ -218,3 +218,14 @@ def mutating_methods(protocol) -> tuple[str, ...]:
 KVSTORE_METHODS = protocol_methods(KVStore)
 KVSTORE_ATTRIBUTES = tuple(KVStore.__annotations__)
 KVSTORE_MUTATING = mutating_methods(KVStore)
+
+
+def budget_health(store):
+    """The health of the machine-wide shared budget `store`'s pool is a member of (memory.BudgetHealth: ok,
+    removed, replaced, corrupt, waiting), or None outside a budget. A lock-free read, for a server's /health
+    and its routes while the engine thread is busy: a vpaged / static store's pool, or a paged store's
+    reservation in the budget."""
+    cache = getattr(store, "cache", None)
+    pool = getattr(cache, "budget_share", None) or getattr(cache, "pool", None)
+    probe = getattr(pool, "budget_health", None)
+    return probe() if callable(probe) else None
