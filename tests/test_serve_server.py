@@ -473,8 +473,11 @@ def test_parse_request_reports_the_field():
     assert e.value.param == "n"
     with pytest.raises(RequestError, match="frequency_penalty"):
         parse_request(CompletionRequest, {"model": "m", "prompt": "x", "frequency_penalty": 5.0})
-    req = parse_request(CompletionRequest, {"model": "m", "prompt": [[1, 2], [3]], "unknown_field": 1})
+    req = parse_request(CompletionRequest, {"model": "m", "prompt": [[1, 2], [3]]})
     assert req.prompts() == [[1, 2], [3]]
+    with pytest.raises(RequestError, match="unknown field unknown_field") as e:  # refused, not ignored
+        parse_request(CompletionRequest, {"model": "m", "prompt": [[1, 2], [3]], "unknown_field": 1})
+    assert e.value.param == "unknown_field"
 
 
 class FailingStepEngine:

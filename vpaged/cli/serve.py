@@ -226,6 +226,7 @@ def _server_limits(args):
     try:
         return ServerLimits(
             max_body_bytes=args.max_body_kib << 10,
+            max_response_bytes=args.max_response_mib << 20,
             max_prompt_tokens=args.max_prompt_tokens,
             max_n=args.max_n,
             max_prompts=args.max_prompts,
@@ -440,6 +441,12 @@ def add_serve_commands(sub) -> None:
     )
     lim = srv.add_argument_group("limits (checked before any work)")
     lim.add_argument("--max-body-kib", type=int, default=4096, help="request body size (413 beyond)")
+    lim.add_argument(
+        "--max-response-mib",
+        type=int,
+        default=32,
+        help="an answer's size, estimated from what the request asks for before any work (400 beyond)",
+    )
     lim.add_argument(
         "--max-prompt-tokens", type=int, default=None, help="tokens of one prompt (default: max model length - 1)"
     )

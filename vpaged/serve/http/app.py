@@ -32,6 +32,8 @@ from ...errors import (
 from . import guided, tools
 from . import protocol as proto
 from . import tokenize as tok
+from .admission import RequestChecks
+from .chat_template import ChatRenderer
 from .generation import Generation
 from .guard import Guard, ServerLimits
 from .guided import grammar_of
@@ -59,7 +61,7 @@ def _error(
     return JSONResponse(proto.error_body(message, type_, param, code), status_code=status)
 
 
-class _Server:
+class _Server(RequestChecks):
     """The request handlers of one served model, bound to its engine loop (ModelRouter picks the model)."""
 
     def __init__(
@@ -81,85 +83,13 @@ class _Server:
         self.http_counts = http_counts  # the app's, counted by its Guard (one for all the models)
         self.token_texts = TokenTexts(self.tokenizer)  # token id -> text, for logprobs
         self.tool_call_parser = tool_call_parser  # how tool calls are read from an output (tools.PARSERS)
+        self.renderer = ChatRenderer(self.tokenizer, model_name)  # chat template, and tools it cannot render
 
-    # ---- helpers
-    def _max_model_len(self) -> int | None:
-        limit = getattr(self.engine, "max_model_len", None)
-        return limit if isinstance(limit, int) else None
-
-    def _max_prompt_tokens(self) -> int | None:
-        limits = [x for x in (self.limits.max_prompt_tokens, self._max_model_len()) if x is not None]
-        if self._max_model_len() is not None:
-            limits[-1] -= 1  # a prompt must leave room for one token
-        return min(limits) if limits else None
-
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        limit = self._max_prompt_tokens()
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer: send the prompt as token ids", param="prompt")
-            if limit is not None and len(prompt) > 64 * limit:  # no tokenizer makes a token of < 1 character
-                self._prompt_too_long(f"over {64 * limit} characters", limit)
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            vocab = self._vocab_size()
-            if vocab is not None and any(t < 0 or t >= vocab for t in prompt):
-                raise RequestError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
-            ids = list(prompt)
-        if limit is not None and len(ids) > limit:
-            self._prompt_too_long(f"{len(ids)} tokens", limit)
-        return ids
-
-    @staticmethod
-    def _prompt_too_long(what: str, limit: int):
-        raise RequestError(
-            f"prompt of {what}: this server takes prompts of at most {limit} tokens",
-            param="prompt",
-            code="PromptTooLongError",
-        )
-
-    def _check_limits(self, req, num_prompts: int) -> tuple[str, ...]:
-        """The limits of what one request asks for; returns its stop strings."""
-        lim = self.limits
-        if num_prompts > lim.max_prompts:
-            raise RequestError(f"at most {lim.max_prompts} prompts per request, got {num_prompts}", param="prompt")
-        if req.n > lim.max_n:
-            raise RequestError(f"n must be at most {lim.max_n}, got {req.n}", param="n")
-        if req.stop_token_ids and len(req.stop_token_ids) > lim.max_stop_token_ids:
-            raise RequestError(f"at most {lim.max_stop_token_ids} stop_token_ids", param="stop_token_ids")
-        stops = req.stop_strings(lim.max_stop_strings)
-        if stops and self.tokenizer is None:
-            raise RequestError("this model has no tokenizer: stop strings cannot be matched", param="stop")
-        return stops
-
-    def _check_max_tokens(self, prompts: list[list[int]], max_tokens: int | None, param: str) -> None:
-        """A max_tokens the client gave that cannot fit the model's length is refused (as vLLM does)."""
-        limit = self._max_model_len()
-        if max_tokens is None or limit is None or not prompts:
-            return
-        longest = max(len(p) for p in prompts)
-        if longest + max_tokens > limit:
-            raise RequestError(
-                f"this model's maximum context length is {limit} tokens; the request asks for {longest + max_tokens} "
-                f"({longest} in the prompt, {max_tokens} to generate): lower {param} or the prompt",
-                param=param,
-            )
-
-    def _vocab_size(self) -> int | None:
-        cfg = getattr(getattr(self.engine, "model", None), "config", None)
-        if cfg is not None and hasattr(cfg, "get_text_config"):
-            cfg = cfg.get_text_config(decoder=True)
-        return getattr(cfg, "vocab_size", None)
-
+    # ---- helpers (the checks of what a request asks for: RequestChecks)
     def _params(self, req, prompts: list[list[int]], max_tokens: int | None, structured=None):
         from ..params import SamplingParams
 
-        if max_tokens is None:
-            max_tokens = self.default_max_tokens
-            limit = getattr(self.engine, "max_model_len", None)
-            if isinstance(limit, int) and prompts:
-                max_tokens = max(1, min(max_tokens, limit - max(len(p) for p in prompts)))
-        kwargs = proto.sampling_kwargs(req, max_tokens)
+        kwargs = proto.sampling_kwargs(req, self._max_tokens_of(prompts, max_tokens))
         if structured is not None:
             kwargs["structured"] = structured
         vocab = self._vocab_size()
@@ -183,13 +113,15 @@ class _Server:
         prefix: str,
         stops: tuple[str, ...],
         structured: tuple | None = None,
+        keep_outputs: bool = True,
     ) -> Generation:
-        """structured: (GrammarSpec, the field it comes from) in place of the request's own (tool calls)."""
+        """structured: (GrammarSpec, the field it comes from) in place of the request's own (tool calls);
+        keep_outputs: Generation's (False: the prompts are only scored)."""
         spec, field = structured if structured is not None else grammar_of(req)
         params = self._params(req, prompts, max_tokens, spec)
         if spec is not None:
             await guided.compile_off_thread(self.engine, spec, field)
-        gen = Generation(self.loop, self.tokenizer, prompts, params, req.n, stops, prefix)
+        gen = Generation(self.loop, self.tokenizer, prompts, params, req.n, stops, prefix, keep_outputs)
         try:
             await gen.start()
         except EngineStepError:  # the engine cannot serve at all (a lost rank: 503), not a refusal of this request
@@ -222,7 +154,12 @@ class _Server:
         prompts = [self._tokenize(p) for p in req.prompts()]
         self._check_max_tokens(prompts, req.max_tokens, "max_tokens")
         rid, created = proto.new_id("cmpl"), proto.now()
-        gen = await self._start(req, prompts, req.max_tokens if req.max_tokens is not None else 16, rid, stops)
+        # max_tokens 0 (echo): the engine draws one token that no choice takes
+        max_tokens = 1 if req.scores_only else (req.max_tokens if req.max_tokens is not None else 16)
+        generated = 0 if req.scores_only else max_tokens
+        sizes = [generated + (len(p) if req.echo else 0) for p in prompts]
+        self._check_response_size(req, sizes, req.logprobs, chat=False)
+        gen = await self._start(req, prompts, max_tokens, rid, stops, keep_outputs=not req.scores_only)
         echoes = [self._echo_text(p, ids) for p, ids in zip(req.prompts(), prompts)] if req.echo else None
         with_logprobs = req.logprobs is not None
         if req.stream:
@@ -268,25 +205,18 @@ class _Server:
     async def chat(self, request: Request, req: proto.ChatCompletionRequest):
         guided.check_available(self.engine, req)
         stops = self._check_limits(req, 1)
-        fns = tools.functions(req.tools) if req.tools else {}
-        choice = tools.choice_of(req.tool_choice, fns)
+        legacy = req.legacy_functions  # functions / function_call: the legacy names of tools / tool_choice
+        fns = tools.functions(req.tools, "functions" if legacy else "tools") if req.tools else {}
+        choice = tools.choice_of(req.tool_choice, fns, "function_call" if legacy else "tool_choice")
         tool_grammar = tools.grammar(choice, fns)
         if tool_grammar is not None:
             if grammar_of(req)[0] is not None:
                 raise RequestError("tool_choice required / a named function and a response_format", "tool_choice")
             guided.grammars(self.engine, "tool_choice")
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError(
-                "this model's tokenizer has no chat template: use /v1/completions", code="no_chat_template"
-            )
+        if not self.renderer.available():
+            self.renderer.render([])  # the 400 saying there is no chat template
         conversation = req.conversation()  # a part the server cannot read is refused as such, not as a template error
-        rendered = {"tools": [{"type": "function", "function": fn} for fn in fns.values()]} if fns else {}
-        try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True, **rendered
-            )
-        except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. role order)
-            raise RequestError(f"the chat template refused these messages: {e}", param="messages") from None
+        text = self.renderer.render(conversation, True, [{"type": "function", "function": fn} for fn in fns.values()])
         prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
         limit = self._max_prompt_tokens()
         if limit is not None and len(prompt) > limit:
@@ -294,19 +224,29 @@ class _Server:
         given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self._check_max_tokens([prompt], max_tokens, given)
+        self._check_response_size(req, [self._max_tokens_of([prompt], max_tokens)], req.logprobs_count(), chat=True)
         rid, created = proto.new_id("chatcmpl"), proto.now()
         structured = (tool_grammar, "tool_choice") if tool_grammar is not None else None
         gen = await self._start(req, [prompt], max_tokens, rid, stops, structured)
         with_logprobs = bool(req.logprobs)
         calls_possible = choice != "none"
 
-        def message(c) -> tuple[str | None, list[dict] | None, str | None]:
-            """content, tool_calls, finish_reason of a finished choice"""
+        def message(c) -> tuple[str | None, dict, str | None]:
+            """content, the message's calls ({"tool_calls": [...]} or legacy {"function_call": {...}}, or {}),
+            finish_reason of a finished choice"""
             if not calls_possible:
-                return c.text, None, c.finish_reason
+                return c.text, {}, c.finish_reason
             content, calls = tools.parse(c.text, choice, self.tool_call_parser)
-            finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
-            return content, [call.body(i) for i, call in enumerate(calls)] or None, finish
+            if calls and (legacy or req.parallel_tool_calls is False):
+                calls = calls[:1]  # a legacy message holds one function_call
+            if not calls:
+                return content, {}, c.finish_reason
+            finish = c.finish_reason
+            if finish == "stop":
+                finish = "function_call" if legacy else "tool_calls"
+            if legacy:
+                return content, {"function_call": calls[0].legacy_body()}, finish
+            return content, {"tool_calls": [call.body(i) for i, call in enumerate(calls)]}, finish
 
         if req.stream:
 
@@ -317,8 +257,7 @@ class _Server:
                     if finish is not None:
                         content, calls, finish = message(gen.choices[k])
                         delta = {"content": content} if content else {}
-                        if calls:
-                            delta["tool_calls"] = calls
+                        delta.update(calls)
                 else:
                     delta = {"content": text} if text or finish is None else {}
                 return proto.chat_chunk(
@@ -362,6 +301,9 @@ class _Server:
                 except EngineStepError as e:
                     yield _sse(proto.error_body(str(e), "server_error"))
                     return
+                except RequestError as e:  # found mid-stream (no token left that the request allows)
+                    yield _sse(proto.error_body(e.message, param=e.param, code=e.code))
+                    return
                 for k in changed:
                     ch = gen.choices[k]
                     start = ch.sent_tokens
@@ -380,7 +322,7 @@ class _Server:
 
     def tokenize(self, req: tok.TokenizeRequest) -> dict:
         limit = self._max_prompt_tokens()
-        return tok.tokenize(self.tokenizer, req, self._max_model_len(), 64 * limit if limit else 1 << 24)
+        return tok.tokenize(self.renderer, req, self._max_model_len(), 64 * limit if limit else 1 << 24)
 
     def detokenize(self, req: tok.DetokenizeRequest) -> dict:
         return tok.detokenize(self.tokenizer, req, self._vocab_size())
@@ -482,4 +424,16 @@ def create_app(
     app.post("/detokenize")(router.detokenize)
     app.get("/metrics")(router.metrics)
     app.get("/health")(router.health)
+
+    async def responses_not_served():
+        # The Responses API keeps conversations server-side; this server is stateless: say so, not a bare 404.
+        return _error(
+            404,
+            "the Responses API (/v1/responses) is not served by vpaged: use POST /v1/chat/completions "
+            "(openai: client.chat.completions.create) or /v1/completions",
+            code="responses_api_not_served",
+        )
+
+    for path in ("/v1/responses", "/v1/responses/{rest:path}"):
+        app.api_route(path, methods=["GET", "POST", "DELETE"], include_in_schema=False)(responses_not_served)
     return app

@@ -11,16 +11,28 @@ import asyncio
 import contextlib
 import time
 
+from ...errors import RequestError
 from . import protocol as proto
+from .choice_text import ChoiceText
 from .loop import EngineLoop
-from .protocol import ChoiceText
 
 
 class Generation:
     def __init__(
-        self, loop: EngineLoop, tokenizer, prompts: list[list[int]], params, n: int, stops: tuple[str, ...], prefix: str
+        self,
+        loop: EngineLoop,
+        tokenizer,
+        prompts: list[list[int]],
+        params,
+        n: int,
+        stops: tuple[str, ...],
+        prefix: str,
+        keep_outputs: bool = True,
     ):
+        """keep_outputs False: the prompts are only scored (completions' max_tokens 0): the engine still draws
+        its one token (it has no prefill-only request), which no choice takes; each ends with "length"."""
         self.loop = loop
+        self.keep_outputs = keep_outputs
         self.prompts = prompts
         self.params = params
         self.n = n
@@ -61,6 +73,15 @@ class Generation:
         if isinstance(out, BaseException):
             self.finished[i] = True
             raise out
+        for c in out.outputs:
+            if c.finish_reason == "error":  # the sampler found no token the request allows (sampler.NO_TOKEN)
+                self.finished[i] = out.finished  # the rest of an unfinished prompt is aborted by the caller
+                raise RequestError(
+                    f"no token is left that the request allows after {len(c.token_ids)} generated tokens: its "
+                    "grammar and its bad_words / min_tokens together exclude every token (or the model's logits "
+                    "were NaN)",
+                    code="NoAllowedTokenError",
+                )
         changed = []
         self.cached_tokens[i] = out.metrics.prefix_hit_tokens
         if out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(self.prompts[i]):
@@ -70,7 +91,10 @@ class Generation:
             ch = self.choices[k]
             if ch.done:
                 continue
-            ch.update(c.token_ids, c.finish_reason if (c.finish_reason or out.finished) else None, c.logprobs)
+            if self.keep_outputs:
+                ch.update(c.token_ids, c.finish_reason if (c.finish_reason or out.finished) else None, c.logprobs)
+            else:
+                ch.update([], "length" if out.finished else None, [] if c.logprobs is not None else None)
             if out.finished and ch.finish_reason is None:
                 ch.finish_reason = "length"
             changed.append(k)

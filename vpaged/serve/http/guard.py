@@ -29,17 +29,19 @@ OPEN_PATHS = ("/health",)
 class ServerLimits:
     """What one HTTP request may ask of the server; every limit is checked before any work is done.
 
-    max_body_bytes: request body size (413 beyond). max_prompt_tokens: tokens of one prompt (None: the
-    engine's max_model_len less one token to generate; more is a 400 either way). max_n: completions per
-    prompt. max_prompts: prompts in one /v1/completions batch. max_stop_strings, max_stop_token_ids: per
-    request. header_timeout_s: a connection must send a request's headers within this many seconds of
-    opening (or of its previous response); slow senders are closed. body_timeout_s: the body must arrive
-    within this (408). keep_alive_s: an idle kept-alive connection is closed after this. api_key: when set,
-    every route but /health wants `Authorization: Bearer <api_key>`. allowed_hosts: Host header names
-    accepted (None: no check; "*" in it: any).
+    max_body_bytes: request body size (413 beyond). max_response_bytes: the size an answer may reach,
+    estimated before any work from what the request asks for (response_bytes_estimate; 400 beyond).
+    max_prompt_tokens: tokens of one prompt (None: the engine's max_model_len less one token to generate; more
+    is a 400 either way). max_n: completions per prompt. max_prompts: prompts in one /v1/completions batch.
+    max_stop_strings, max_stop_token_ids: per request. header_timeout_s: a connection must send a request's
+    headers within this many seconds of opening (or of its previous response); slow senders are closed.
+    body_timeout_s: the body must arrive within this (408). keep_alive_s: an idle kept-alive connection is
+    closed after this. api_key: when set, every route but /health wants `Authorization: Bearer <api_key>`.
+    allowed_hosts: Host header names accepted (None: no check; "*" in it: any).
     """
 
     max_body_bytes: int = 4 << 20
+    max_response_bytes: int = 32 << 20
     max_prompt_tokens: int | None = None
     max_n: int = 16
     max_prompts: int = 64
@@ -52,7 +54,14 @@ class ServerLimits:
     allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self):
-        for name in ("max_body_bytes", "max_n", "max_prompts", "max_stop_strings", "max_stop_token_ids"):
+        for name in (
+            "max_body_bytes",
+            "max_response_bytes",
+            "max_n",
+            "max_prompts",
+            "max_stop_strings",
+            "max_stop_token_ids",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
@@ -67,6 +76,27 @@ class ServerLimits:
             raise InvalidArgumentError("api_key must be a non-empty string or None")
         if self.allowed_hosts is not None:
             object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))
+
+
+# JSON bytes per token of an answer, a little over what SmolLM2's and the word tokenizer's answers measured
+# (tests/test_serve_limits.py checks answers against the estimate): the token's text and its id; with logprobs,
+# each entry of a completion (a "text": logprob pair, and the token's own tokens / token_logprobs / text_offset
+# items), or of a chat answer ({"token", "logprob", "bytes"}); and a streamed chunk's envelope.
+TOKEN_BYTES = 24
+COMPLETION_LOGPROB_BYTES = 40
+CHAT_LOGPROB_BYTES = 96
+STREAM_CHUNK_BYTES = 240
+
+
+def response_bytes_estimate(
+    tokens_per_choice: list[int], n: int, logprobs: int | None, chat: bool, stream: bool
+) -> int:
+    """The size of an answer whose choices (n per prompt; tokens_per_choice: each prompt's choice's tokens at
+    most, echoed prompt included) each carry `logprobs` alternatives per token (None: no logprobs)."""
+    per_token = TOKEN_BYTES + (STREAM_CHUNK_BYTES if stream else 0)
+    if logprobs is not None:
+        per_token += (logprobs + 1) * CHAT_LOGPROB_BYTES if chat else (logprobs + 2) * COMPLETION_LOGPROB_BYTES
+    return n * sum(tokens_per_choice) * per_token
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")

@@ -2,9 +2,11 @@
 to SamplingParams, incremental detokenization with stop strings, and the JSON of responses and stream chunks.
 
 Kept apart from server.py so that what a request means is testable without HTTP or an engine. Fields of the
-OpenAI API that the engine cannot honour (suffix, tools, response_format, ...) are refused with a clear
+OpenAI API that the engine cannot honour (suffix, audio, prediction, ...) are refused with a clear
 message rather than silently ignored, and so are combinations that would be (top_logprobs without logprobs,
-stream_options without stream); unknown extra fields are ignored, as OpenAI-compatible servers do.
+stream_options without stream); so is any field this server does not know (400 naming it), since a client
+that sends one expects it to do something. The exceptions are IGNORED_FIELDS: hints about billing, storage
+and caching on OpenAI's side that change nothing in the answer, which real clients send routinely.
 Types are strict (pydantic strict mode): `"max_tokens": "5"`, `"n": 2.0`, `"stream": "yes"` or a token id
 `true` are refused, not coerced (an int is still a valid float).
 """
@@ -15,17 +17,32 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ...errors import RequestError
 from ..params import MAX_LOGPROBS
+from .choice_text import ChoiceText  # noqa: F401 - where the server's modules and tests have imported it from
 
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias one request may give
 MAX_BAD_WORDS = 64  # bad_words one request may give
 MAX_BAD_WORD_CHARS = 256  # the length of each
+
+# Accepted and ignored: they ask OpenAI to bill, store, log or cache on its side, never to change the answer.
+IGNORED_FIELDS = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+)
+# OpenAI chat fields this server does not implement: accepted only at their neutral value (null; modalities
+# ["text"]), refused naming the field otherwise.
+UNIMPLEMENTED_CHAT_FIELDS = ("audio", "modalities", "prediction", "reasoning_effort", "verbosity", "web_search_options")
 
 
 def error_body(
@@ -37,7 +54,7 @@ def error_body(
 class _Sampling(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: int | None = None
@@ -48,7 +65,15 @@ class _Sampling(BaseModel):
     stream_options: dict | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    # IGNORED_FIELDS
     user: str | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
     # Fields outside the OpenAI API that OpenAI-compatible servers commonly accept (pass via extra_body).
     top_k: int | None = None
     stop_token_ids: list[int] | None = None
@@ -81,9 +106,9 @@ class _Sampling(BaseModel):
             v = getattr(self, name)
             if v is not None and not -2.0 <= v <= 2.0:
                 raise RequestError(f"{name} must be in [-2, 2], got {v}", param=name)
-        if self.repetition_penalty is not None and not 0.0 < self.repetition_penalty <= 100.0:
+        if self.repetition_penalty is not None and not 0.01 <= self.repetition_penalty <= 100.0:  # SamplingParams'
             raise RequestError(
-                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}", "repetition_penalty"
+                f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}", "repetition_penalty"
             )
         if self.min_tokens is not None and self.min_tokens < 0:
             raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens")
@@ -150,6 +175,16 @@ class CompletionRequest(_Sampling):
     def check(self) -> None:
         super().check()
         _check_logprobs_count("logprobs", self.logprobs)
+        if self.max_tokens == 0:  # the legacy API's prompt scoring (lm-eval, vLLM): echo, nothing generated
+            if not self.echo:
+                raise RequestError("max_tokens 0 needs echo: true (it scores the prompt only)", param="max_tokens")
+            if self.min_tokens:
+                raise RequestError("min_tokens must be 0 with max_tokens 0", param="min_tokens")
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt (and its logprobs) comes back, and no generated token."""
+        return self.max_tokens == 0
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
@@ -188,11 +223,13 @@ class CompletionRequest(_Sampling):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # "function": a legacy function's result (read as a tool message)
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]
     # OpenAI allows content as a list of parts; only text parts can be rendered by a text chat template.
     content: str | list[dict] | None = None
     tool_calls: list[dict] | None = None  # an assistant message's calls, in the history
     tool_call_id: str | None = None  # a tool message: the call it answers
+    function_call: dict | None = None  # the legacy form of an assistant's one call, in the history
     name: str | None = None
 
     def text(self) -> str:
@@ -219,12 +256,56 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per choice
+    # The legacy form of tools (before tools and tool_choice): served as the tools they map to, answered in
+    # the legacy shape (message.function_call, finish_reason "function_call").
+    functions: list | None = None
+    function_call: str | dict | None = None
+    # UNIMPLEMENTED_CHAT_FIELDS
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        for name in UNIMPLEMENTED_CHAT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not (name == "modalities" and value == ["text"]):
+                bad.append(name)
+        return bad
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         _check_logprobs_count("top_logprobs", self.top_logprobs)
+        self._map_legacy_functions()
+
+    @property
+    def legacy_functions(self) -> bool:
+        """Whether the request gave `functions` (the answer then takes the legacy shape)."""
+        return self.functions is not None
+
+    def _map_legacy_functions(self) -> None:
+        if self.functions is None:
+            if self.function_call is not None:
+                raise RequestError("function_call needs functions", param="function_call")
+            return
+        if self.tools is not None or self.tool_choice is not None:
+            raise RequestError("give functions (legacy) or tools, not both", param="functions")
+        if not self.functions or not all(isinstance(f, dict) for f in self.functions):
+            raise RequestError("functions must be a non-empty list of {name, description, parameters}", "functions")
+        self.tools = [{"type": "function", "function": f} for f in self.functions]
+        call = self.function_call
+        if call is None or call in ("auto", "none"):
+            self.tool_choice = call
+        elif isinstance(call, dict) and set(call) == {"name"} and isinstance(call["name"], str):
+            self.tool_choice = {"type": "function", "function": {"name": call["name"]}}
+        else:
+            raise RequestError('function_call must be "auto", "none" or {"name": a given function}', "function_call")
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -244,9 +325,17 @@ def parse_request(cls: type[_Sampling], body: Any) -> _Sampling:
     except RecursionError:
         raise RequestError("the request body is nested too deeply") from None
     except ValidationError as e:
-        first = e.errors()[0]
+        errors = e.errors()
+        # An unknown field is named as such, before any other problem: it is what the client must change.
+        first = next((x for x in errors if x.get("type") == "extra_forbidden"), errors[0])
         loc = first.get("loc", ())
         where = ".".join(str(x) for x in loc)
+        if first.get("type") == "extra_forbidden":
+            raise RequestError(
+                f"unknown field {where}: not part of this API or not implemented by this server",
+                param=str(loc[0]) if loc else None,
+                code="unknown_field",
+            ) from None
         raise RequestError(
             f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=str(loc[0]) if loc else None
         ) from None
@@ -319,78 +408,6 @@ def sampling_kwargs(req: _Sampling, max_tokens: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Incremental detokenization
-
-
-@dataclass
-class ChoiceText:
-    """The text of one choice as tokens arrive: what may be sent now, and where a stop string ended it.
-
-    Text is always the decode of all tokens so far (decoding token by token would split multi-byte
-    characters and break tokenizers that merge spaces), and a delta is the part past what was already sent.
-    Text is held back while it ends in an incomplete character (U+FFFD) or could be the start of a stop
-    string, so the concatenated deltas equal the final text exactly.
-    """
-
-    tokenizer: Any
-    stops: tuple[str, ...] = ()
-    sent: str = ""
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    sent_tokens: int = 0
-    finish_reason: str | None = None
-    logprobs: list = field(default_factory=list)  # TokenLogprob per token of token_ids, when asked
-
-    def new_logprobs(self, start: int, count: int) -> list:
-        """The TokenLogprobs of token_ids[start : start + count] (empty when not asked)."""
-        return self.logprobs[start : start + count]
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def update(self, token_ids: list[int], finish_reason: str | None, logprobs: list | None = None) -> None:
-        """Take the choice's token ids so far (and the engine's finish reason, if it finished; and the tokens'
-        TokenLogprobs when the request asked for them)."""
-        if self.done:
-            return
-        self.token_ids = list(token_ids)
-        if logprobs is not None:
-            self.logprobs = logprobs
-        if self.tokenizer is not None:
-            self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-            if self.stops:
-                start = max(0, len(self.sent) - max(len(s) for s in self.stops))
-                hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-                if hits:
-                    self.text = self.text[: min(hits)]
-                    self.finish_reason = "stop"
-                    return
-        self.finish_reason = finish_reason
-
-    def delta(self) -> tuple[str, list[int]]:
-        """Text and token ids not sent yet that are safe to send; marks them sent."""
-        new_tokens = self.token_ids[self.sent_tokens :]
-        self.sent_tokens = len(self.token_ids)
-        if self.done:
-            safe = self.text
-        else:
-            safe = self.text
-            if safe.endswith("\ufffd"):
-                safe = safe.rstrip("\ufffd")
-            if self.stops:
-                safe = safe[: max(len(self.sent), len(safe) - (max(len(s) for s in self.stops) - 1))]
-        if not safe.startswith(self.sent):
-            # An earlier character changed with more context (rare with byte-level tokenizers): wait until
-            # the text is final; the remainder goes out then.
-            if not self.done:
-                return "", new_tokens
-        out = safe[len(self.sent) :]
-        self.sent = safe
-        return out, new_tokens
-
-
-# --------------------------------------------------------------------------------------------------------
 # Response bodies
 
 
@@ -451,11 +468,10 @@ def chat_choice(
     token_ids: list[int],
     finish_reason: str | None,
     logprobs: dict | None = None,
-    tool_calls: list[dict] | None = None,
+    calls: dict | None = None,
 ) -> dict:
-    message = {"role": "assistant", "content": text}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
+    """calls: {"tool_calls": [...]}, the legacy {"function_call": {...}}, or None."""
+    message = {"role": "assistant", "content": text, **(calls or {})}
     return {
         "index": index,
         "message": message,

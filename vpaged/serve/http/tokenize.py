@@ -1,10 +1,11 @@
 """vLLM's /tokenize and /detokenize (lm-eval's `tokenizer_backend=remote` and other clients probe them).
 
 POST /tokenize `{"prompt": str, "add_special_tokens": true}` or `{"messages": [...], "add_generation_prompt":
-true}` (rendered by the chat template, as /v1/chat/completions does) -> `{"count", "max_model_len", "tokens",
-"token_strs"}` (token_strs only with `"return_token_strs": true`). POST /detokenize `{"tokens": [...]}` ->
-`{"prompt": str}`. `model` is optional with one model (when given it must be the served one); a server of
-several needs it (router.py).
+true, "tools": [...]}` (rendered as /v1/chat/completions renders them, tools included: chat_template.py) ->
+`{"count", "max_model_len", "tokens", "token_strs"}` (token_strs only with `"return_token_strs": true`).
+POST /detokenize `{"tokens": [...]}` -> `{"prompt": str}`. `model` is optional with one model (when given it
+must be the served one); a server of several needs it (router.py). Unknown fields are refused naming them,
+as on the generation routes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .protocol import ChatMessage
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | None = None
@@ -24,6 +25,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list | None = None  # with messages: rendered as a chat request's tools are
 
     def unsupported(self) -> list[str]:
         return []
@@ -31,10 +33,12 @@ class TokenizeRequest(BaseModel):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("give exactly one of prompt and messages", param="prompt")
+        if self.tools and self.messages is None:
+            raise RequestError("tools go with messages", param="tools")
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int]
@@ -46,21 +50,19 @@ class DetokenizeRequest(BaseModel):
         pass
 
 
-def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int | None, max_chars: int) -> dict:
+def tokenize(renderer, req: TokenizeRequest, max_model_len: int | None, max_chars: int) -> dict:
+    """renderer: the model's ChatRenderer (its tokenizer, and how chat requests are rendered)."""
+    from .tools import functions, history
+
+    tokenizer = renderer.tokenizer
     if tokenizer is None:
         raise RequestError("this model has no tokenizer", code="no_tokenizer")
     if req.prompt is not None:
         text, special = req.prompt, True if req.add_special_tokens is None else req.add_special_tokens
     else:
-        if not getattr(tokenizer, "chat_template", None):
-            raise RequestError("this model's tokenizer has no chat template", param="messages", code="no_chat_template")
-        conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=req.add_generation_prompt
-            )
-        except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. role order)
-            raise RequestError(f"the chat template refused these messages: {e}", param="messages") from None
+        fns = functions(req.tools) if req.tools else {}
+        tools = [{"type": "function", "function": fn} for fn in fns.values()]
+        text = renderer.render([history(m) for m in req.messages], req.add_generation_prompt, tools)
         special = bool(req.add_special_tokens)  # the template already wrote the special tokens
     if len(text) > max_chars:
         raise RequestError(f"at most {max_chars} characters", param="prompt")

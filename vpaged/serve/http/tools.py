@@ -1,5 +1,6 @@
-"""Tool calling on /v1/chat/completions: `tools` rendered by the model's own chat template, `tool_choice`, and
-the calls parsed from the output.
+"""Tool calling on /v1/chat/completions: `tools` rendered by the model's own chat template (or, when it has no
+tool support, in the Hermes convention: chat_template.py), `tool_choice`, and the calls parsed from the output.
+The legacy `functions` / `function_call` arrive here as the tools / tool_choice they map to (protocol.py).
 
 tool_choice "auto" (the default with tools): the model decides; calls are parsed from its text by the server's
 tool-call parser (`hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, the form of
@@ -17,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from ...errors import RequestError
-from ..structured import GrammarSpec
+from ..structured import GrammarSpec, relocate_refs
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -32,38 +33,43 @@ class ToolCall:
         out["function"] = {"name": self.name, "arguments": self.arguments}
         return out if index is None else {"index": index, **out}
 
+    def legacy_body(self) -> dict:
+        """The call as a legacy message's function_call (the request gave `functions`)."""
+        return {"name": self.name, "arguments": self.arguments}
 
-def functions(tools) -> dict[str, dict]:
-    """name -> the function's record ({name, description, parameters}) of a request's tools; 400 otherwise."""
+
+def functions(tools, param: str = "tools") -> dict[str, dict]:
+    """name -> the function's record ({name, description, parameters}) of a request's tools; 400 otherwise
+    naming `param` (the legacy `functions` arrive here as the tools they map to)."""
     if not isinstance(tools, list):
-        raise RequestError("tools must be a list of {type: function, function: {name, parameters}}", param="tools")
+        raise RequestError("tools must be a list of {type: function, function: {name, parameters}}", param=param)
     out = {}
     for tool in tools:
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name) or name in out:
-            raise RequestError("each tool must be {type: function, function: {name (unique), ...}}", param="tools")
+            raise RequestError("each tool must be {type: function, function: {name (unique), ...}}", param=param)
         params = fn.get("parameters", EMPTY_PARAMETERS)
         if not isinstance(params, dict):
-            raise RequestError(f"tool {name}: parameters must be a JSON schema object", param="tools")
+            raise RequestError(f"tool {name}: parameters must be a JSON schema object", param=param)
         out[name] = {**fn, "parameters": params}
     return out
 
 
-def choice_of(tool_choice, fns: dict[str, dict]) -> str:
-    """ "auto" | "none" | "required" | the name of the function asked for."""
+def choice_of(tool_choice, fns: dict[str, dict], param: str = "tool_choice") -> str:
+    """ "auto" | "none" | "required" | the name of the function asked for; 400 otherwise naming `param`."""
     if tool_choice is None:
         return "auto" if fns else "none"
     if tool_choice in ("auto", "none", "required"):
         if tool_choice != "none" and not fns:
-            raise RequestError(f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
+            raise RequestError(f"tool_choice {tool_choice!r} needs tools", param=param)
         return tool_choice
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) and tool_choice.get("type") == "function" else None
     if name not in fns:
         raise RequestError(
             "tool_choice must be auto, none, required or {type: function, function: {name}} of a given tool",
-            param="tool_choice",
+            param=param,
         )
     return name
 
@@ -74,17 +80,25 @@ def grammar(choice: str, fns: dict[str, dict]) -> GrammarSpec | None:
         return None
     if choice != "required":
         return GrammarSpec.json_schema(fns[choice]["parameters"])
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": fn["parameters"]},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for name, fn in fns.items()
-    ]
+    calls, defs = [], {}
+    for name, fn in fns.items():
+        # Parameters with local references ("#/$defs/Addr" of Pydantic's nested models, "#" for a recursive
+        # one) would resolve against this wrapper: they move to its $defs/<name>, their references rewritten
+        # to resolve there, and the call refers to them. The name comes first, as OpenAI and vLLM write it.
+        arguments = relocate_refs(fn["parameters"], f"#/$defs/{name}")
+        if arguments is not fn["parameters"]:
+            defs[name], arguments = arguments, {"$ref": f"#/$defs/{name}"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     # Exactly one call: with no upper bound a small model kept appending calls until max_tokens.
-    return GrammarSpec.json_schema({"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": calls}})
+    schema = {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": calls}}
+    return GrammarSpec.json_schema({**schema, "$defs": defs} if defs else schema)
 
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -130,10 +144,13 @@ def parse(text: str, choice: str, parser: str) -> tuple[str | None, list[ToolCal
 
 def history(message) -> dict:
     """A chat message as the template reads it: tool calls' arguments as objects (HF templates expect dicts)."""
-    out = {"role": message.role, "content": message.text()}
-    if message.tool_calls:
+    out = {"role": "tool" if message.role == "function" else message.role, "content": message.text()}
+    given = message.tool_calls
+    if not given and message.function_call:  # the legacy form: one call, no id
+        given = [{"id": "call_0", "type": "function", "function": message.function_call}]
+    if given:
         calls = []
-        for call in message.tool_calls:
+        for call in given:
             fn = dict(call.get("function") or {}) if isinstance(call, dict) else {}
             if isinstance(fn.get("arguments"), str):
                 try:
