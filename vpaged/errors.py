@@ -148,3 +148,9 @@ class BudgetMismatchError(BudgetError, ValueError):
 class EngineUnavailableError(EngineStepError):
     """The server's engine loop of a model takes no more commands: its thread died (the message names the
     model and the cause) or it stopped (the server is shutting down). HTTP 503 at once, never a wait."""
+
+
+class NoAllowedTokenError(InvalidArgumentError):
+    """A request's constraints leave no token to generate: its grammar allows none of the model's vocabulary,
+    or its bad_words / min_tokens ban every token the grammar allows (HTTP 400, code NoAllowedTokenError). Found
+    when the request is added for its first token; found later, the request ends with finish_reason "error"."""

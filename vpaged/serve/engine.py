@@ -34,7 +34,7 @@ from .models import attention_window, load_model, model_geometry
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepRecord, StepTimes
 from .params import SamplingParams
 from .runner import ModelRunner, prompt_logprob_rows
-from .sampler import sample
+from .sampler import NO_TOKEN, check_first_draw, sample
 from .scheduler import Scheduler, StepUpdate
 from .sequence import Request, Sequence
 from .stores import make_store
@@ -213,6 +213,7 @@ class LLMEngine:
         if params.structured is not None:
             self.grammars.compile(params.structured)  # refused here if it cannot compile; cached for the steps
         tokens = self._prompt_tokens(prompt)
+        check_first_draw(params, tokens, self.vocab_size, self.eos_token_ids, self.grammars)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests:
@@ -312,7 +313,8 @@ class LLMEngine:
         for seq, entries in drawn_logprobs:
             # a request that forked at this draw: entry k belongs to completion k (created by postprocess)
             for target, entry in zip(seq.request.seqs if len(entries) > 1 else [seq], entries):
-                target.logprobs.append(entry)
+                if entry is not None:  # None: no token was drawn (the sequence ended with "error")
+                    target.logprobs.append(entry)
         outputs += self._outputs(update)
         times = StepTimes(schedule_s, prepare_s, forward_s, sample_s, clock.lap())
         self.counters.steps += 1
@@ -344,8 +346,9 @@ class LLMEngine:
         draws = [(seq, [next(drawn) for _ in range(count)]) for seq, count in zip(samplers, counts)]
         if allowed is not None:
             for seq, seq_draws in draws:
-                if seq.matcher is not None and not seq.matcher.is_terminated():
-                    seq.matcher.accept_token(seq_draws[0][0])  # forked completions replay their own later
+                token = seq_draws[0][0]
+                if seq.matcher is not None and token != NO_TOKEN and not seq.matcher.is_terminated():
+                    seq.matcher.accept_token(token)  # forked completions replay their own later
         asking = [r for r, p in enumerate(params) if p.logprobs is not None]
         if not asking:
             return draws, []

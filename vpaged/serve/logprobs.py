@@ -11,14 +11,14 @@ import torch
 from .outputs import TokenLogprob
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob | None]:
     """logits [R, V]; tokens[i]: the token row i chose (or the prompt token that followed it); ks[i]: the
-    alternatives row i reports."""
+    alternatives row i reports. None for a row that drew no token (sampler.NO_TOKEN, a negative id)."""
     if not tokens:
         return []
     device = logits.device
     logp = logits.float().log_softmax(dim=-1)
-    chosen_ids = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
+    chosen_ids = torch.tensor(tokens, dtype=torch.long, device=device).clamp(min=0)[:, None]
     chosen = logp.gather(1, chosen_ids)
     ranks = ((logp > chosen).sum(dim=-1) + 1).tolist()
     chosen = chosen.squeeze(1).tolist()
@@ -29,6 +29,9 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
         top_values, top_ids = top.values.tolist(), top.indices.tolist()
     out = []
     for i, (token, lp, rank, k) in enumerate(zip(tokens, chosen, ranks, ks)):
+        if token < 0:
+            out.append(None)
+            continue
         top_pairs = tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else ()
         out.append(TokenLogprob(token, lp, rank, top_pairs))
     return out

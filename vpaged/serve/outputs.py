@@ -31,7 +31,9 @@ class CompletionOutput:
     token_ids: list[int]  # all generated so far
     new_token_ids: list[int]  # generated in this step (the streaming delta)
     text: str | None = None  # None without a tokenizer
-    finish_reason: str | None = None  # None while running, else "stop" | "length" | "abort"
+    # None while running, else "stop" | "length" | "abort" | "error" (the request's constraints - its grammar with
+    # bad_words or min_tokens - left no token to draw at some step: sampler.NO_TOKEN; token_ids end before it)
+    finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (SamplingParams.logprobs set)
 
     @property

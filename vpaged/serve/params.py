@@ -9,6 +9,8 @@ from ..errors import InvalidArgumentError
 from .structured import GrammarSpec
 
 MAX_LOGPROBS = 20  # most alternatives per token that logprobs / prompt_logprobs may ask for (OpenAI's chat limit)
+GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (logits / 1e-300 are inf and NaN in float32)
+MIN_REPETITION_PENALTY = 0.01  # the reciprocal of the largest (100): a factor of 100 either way at most
 
 
 def _is_int(value) -> bool:
@@ -60,7 +62,8 @@ def _bad_sequences(sequences) -> tuple[tuple[int, ...], ...]:
 class SamplingParams:
     """
     max_tokens: tokens to generate at most (finish_reason "length" when reached).
-    temperature: 0 is greedy (argmax); otherwise logits are divided by it before sampling.
+    temperature: 0 (or below GREEDY_BELOW, 1e-5) is greedy (argmax); otherwise logits are divided by it before
+        sampling (a smaller divisor would overflow float32 logits to inf and NaN; vLLM's rule too).
     top_k: keep the k most likely tokens (-1 or 0: all).
     top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1.0: all).
     seed: an int in [-2**63, 2**64); seeds this request's own random generator, so its tokens do not depend
@@ -76,8 +79,10 @@ class SamplingParams:
         request reads no K/V from the prefix cache (positions served from it would have no logits).
     presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of every token already
         generated, once (presence) or once per occurrence (frequency), as in the OpenAI API.
-    repetition_penalty: > 0 (1: off); logits of tokens in the prompt or the output are divided by it when
-        positive and multiplied when negative (the CTRL / transformers / vLLM rule).
+    repetition_penalty: in [0.01, 100] (1: off; below 1 it favours repeats; past 100 either way the penalty
+        alone decides already, and a factor like 1e-300 turns float32 logits into inf); logits of tokens in the
+        prompt or the output are divided by it when positive and multiplied when negative (the CTRL /
+        transformers / vLLM rule).
     logit_bias: {token id: bias in [-100, 100]} added to the logits (kept as sorted (id, bias) pairs).
     min_tokens: the EOS and stop tokens cannot be drawn before this many tokens are generated.
     structured: a GrammarSpec the output must follow (structured.py; needs xgrammar and a tokenizer).
@@ -147,9 +152,10 @@ class SamplingParams:
             if not _is_number(v) or not -2.0 <= v <= 2.0:
                 raise InvalidArgumentError(f"{name} must be a number in [-2, 2], got {v!r}")
             object.__setattr__(self, name, float(v))
-        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+        penalty = self.repetition_penalty
+        if not _is_number(penalty) or not MIN_REPETITION_PENALTY <= penalty <= 100.0:
             raise InvalidArgumentError(
-                f"repetition_penalty must be a number in (0, 100], got {self.repetition_penalty!r}"
+                f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 100], got {penalty!r}"
             )
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -174,4 +180,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

@@ -4,14 +4,23 @@ Each request's logit controls (penalties, logit_bias, min_tokens: logits.py) app
 Greedy rows take the argmax. Sampled rows are scaled by their temperature, cut to their top-k and top-p
 sets, and drawn by inverse CDF with one uniform number from the sequence's own generator: a sequence's
 tokens depend only on its logits and its seed, never on which other sequences share the batch.
+
+A row left with no token to draw (every logit -inf or NaN: a grammar whose every allowed token bad_words or
+min_tokens ban, a model whose logits are NaN) is never sampled: it gets NO_TOKEN, and the engine ends that
+sequence with finish_reason "error"; the other rows are drawn as if it were not there. A row with +inf logits
+draws among those tokens only (their probabilities, in the limit). check_first_draw refuses a request whose
+constraints leave no token for its very first draw when it is added, before it costs a step.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..errors import NoAllowedTokenError
 from .logits import History, apply_controls
 from .params import SamplingParams
+
+NO_TOKEN = -1  # sample()'s answer for a row that has no token left to draw
 
 
 def sample(
@@ -25,7 +34,8 @@ def sample(
     """logits [R, V] (row i for params[i] / generators[i]; generators[i] is None for greedy rows).
     histories[i]: row i's tokens so far and prompt length, needed by the rows with penalties or min_tokens;
     eos_token_ids: what min_tokens holds back (with each request's stop tokens); allowed: (rows, bool
-    [len(rows), V]) the only tokens those rows may draw (structured output), applied after the controls."""
+    [len(rows), V]) the only tokens those rows may draw (structured output), applied after the controls.
+    A row with no token left to draw gets NO_TOKEN."""
     rows = logits.shape[0]
     if rows == 0:
         return []
@@ -34,15 +44,36 @@ def sample(
         idx = torch.tensor(allowed[0], device=logits.device)
         masked = logits.index_select(0, idx).masked_fill(~allowed[1].to(logits.device), float("-inf"))
         logits = logits.index_copy(0, idx, masked)
-    tokens = logits.argmax(dim=-1)
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    best, tokens = logits.max(dim=-1)  # max propagates NaN: a row's best is finite unless the row needs care
+    dead: list[int] = []
+    troubled = ~torch.isfinite(best)
+    if bool(troubled.any()):
+        logits, tokens, dead = _mend(logits, tokens, troubled)
+    sampled = [i for i, p in enumerate(params) if not p.greedy and i not in dead]
     if sampled:
         idx = torch.tensor(sampled, device=logits.device)
         picked = _sample_rows(
             logits.index_select(0, idx).float(), [params[i] for i in sampled], [generators[i] for i in sampled]
         )
         tokens = tokens.index_copy(0, idx, picked)
-    return tokens.tolist()
+    out = tokens.tolist()
+    for i in dead:
+        out[i] = NO_TOKEN
+    return out
+
+
+def _mend(logits: torch.Tensor, tokens: torch.Tensor, troubled: torch.Tensor):
+    """(logits, greedy tokens, dead rows) with the rows whose best logit is not finite made drawable where they
+    can be: NaN counts as -inf (no evidence for the token), and a row with +inf logits keeps only those tokens,
+    at equal odds; a row with no token above -inf is dead."""
+    rows = troubled.nonzero()[:, 0]
+    sub = logits.index_select(0, rows)
+    sub = sub.masked_fill(sub.isnan(), float("-inf"))
+    infinite = sub == float("inf")
+    sub = torch.where(infinite.any(dim=-1, keepdim=True), torch.where(infinite, 0.0, float("-inf")).to(sub.dtype), sub)
+    best, picked = sub.max(dim=-1)
+    dead = rows[best == float("-inf")].tolist()
+    return logits.index_copy(0, rows, sub), tokens.index_copy(0, rows, picked), dead
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
@@ -72,3 +103,29 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
     u = 1.0 - torch.cat([torch.rand(1, generator=g) for g in generators]).to(device=device, dtype=cdf.dtype)
     picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1)
     return picked.clamp_(max=logits.shape[1] - 1)  # rounding at the very top of the CDF
+
+
+def check_first_draw(params: SamplingParams, prompt: list[int], vocab_size: int, eos_token_ids, grammars=None) -> None:
+    """NoAllowedTokenError (naming the fields) when the request's own constraints leave no token for its first
+    draw: its grammar (grammars: the engine's structured.Grammars) allows none of this vocabulary, or bad_words /
+    bad_words_token_ids / min_tokens ban every token it allows. A contradiction that shows only later (a
+    grammar whose second token is banned) ends the request then, with finish_reason "error"."""
+    if params.structured is None and not params.bad_words_token_ids:
+        return  # without a grammar or bans nothing takes a token out of the running
+    row = apply_controls(torch.zeros(1, vocab_size), [params], [(prompt, len(prompt))], eos_token_ids)
+    banned = row[0] == float("-inf")
+    if params.structured is None:
+        if bool(banned.all()):
+            field = "bad_words" if params.bad_words else "bad_words_token_ids"
+            raise NoAllowedTokenError(f"{field} ban every token of the vocabulary: nothing can be generated")
+        return
+    allowed = grammars.allowed([grammars.matcher(params.structured, [])])[0]
+    kind = params.structured.kind
+    if not bool(allowed.any()):
+        raise NoAllowedTokenError(f"the {kind} grammar allows no token of this model's vocabulary to begin with")
+    if not bool((allowed & ~banned).any()):
+        fields = [n for n in ("bad_words", "bad_words_token_ids") if getattr(params, n)][:1]
+        fields += ["min_tokens"] if params.min_tokens else []
+        raise NoAllowedTokenError(
+            f"{' and '.join(fields)} ban every token the {kind} grammar allows to begin with: no output can follow both"
+        )

@@ -334,16 +334,19 @@ class Scheduler:
 
     def _append(self, seq: Sequence, token: int, eos_token_ids, now: float, update: StepUpdate) -> None:
         req = seq.request
-        seq.tokens.append(token)
-        update.generated_tokens += 1
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        if token in req.params.stop_token_ids or (not req.params.ignore_eos and token in eos_token_ids):
-            seq.finish_reason = "stop"
-        elif seq.num_generated >= req.max_tokens:
-            seq.finish_reason = "length"
+        if token < 0:  # sampler.NO_TOKEN: the request's constraints left no token to draw; nothing is appended
+            seq.finish_reason = "error"
         else:
-            return
+            seq.tokens.append(token)
+            update.generated_tokens += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if token in req.params.stop_token_ids or (not req.params.ignore_eos and token in eos_token_ids):
+                seq.finish_reason = "stop"
+            elif seq.num_generated >= req.max_tokens:
+                seq.finish_reason = "length"
+            else:
+                return
         self.remove(seq)
         if all(s.finish_reason is not None for s in req.seqs) and (req.forked or req.params.n == 1):
             self._finish(req, now)

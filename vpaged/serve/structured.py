@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -48,7 +49,10 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict | str) -> GrammarSpec:
-        """From a schema (a dict, or its JSON text), kept as canonical JSON so equal schemas share a grammar."""
+        """From a schema (a dict, or its JSON text), kept as compact JSON text in the schema's own key order:
+        the grammar writes an object's properties in the order the schema lists them (as OpenAI and vLLM do:
+        a "reasoning, then answer" schema gets its reasoning first), so two schemas that list the same
+        properties in another order are two grammars, and equal texts share one."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -56,13 +60,66 @@ class GrammarSpec:
                 raise InvalidArgumentError(f"json_schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise InvalidArgumentError("json_schema must be a JSON object")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def choice(cls, options: list[str]) -> GrammarSpec:
         if not options or not all(isinstance(o, str) for o in options):
             raise InvalidArgumentError("a choice must be a non-empty list of strings")
         return cls("choice", json.dumps(list(options)))
+
+
+# xgrammar's C++ errors start with its log prefix, "[08:29:22] /project/cpp/json_schema_converter.cc:5082: ":
+# the time and its build's source path mean nothing to a client, what follows says what is wrong.
+_LOG_TIME = re.compile(r"^\s*\[[0-9:.\- ]+\]\s*")
+_SOURCE_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-]+)+\.(?:cc|cpp|cxx|h|hpp|py)(?::\d+)*:?\s*")
+
+
+def compile_error_text(error: BaseException) -> str:
+    """What a grammar compiler's error says is wrong, without its log time stamp and source locations (the
+    first line that says anything; the type of the error when none does)."""
+    for line in str(error).splitlines():
+        text = _SOURCE_PATH.sub("", _LOG_TIME.sub("", line)).strip()
+        if text:
+            return text
+    return type(error).__name__
+
+
+def relocate_refs(schema: dict, pointer: str) -> dict:
+    """A copy of schema whose local references ("$ref": "#..." : "#" itself, "#/$defs/Addr") resolve in a larger
+    document in which schema sits at `pointer` (a JSON pointer fragment such as "#/$defs/f"), so that the
+    schema can be embedded in another one; schema itself when it has none. References to other documents, and
+    the values of keywords that hold data (const, enum, default, examples), are kept as they are."""
+    changed = False
+
+    def walk(node, named: bool = False):
+        """named: node maps names (of properties, definitions) to schemas, so no key of it is a keyword."""
+        nonlocal changed
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if named:
+                out[key] = walk(value)
+            elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                out[key] = pointer + value[1:]
+                changed = True
+            elif key in _DATA_KEYWORDS:
+                out[key] = value
+            else:
+                out[key] = walk(value, named=key in _NAMED_SCHEMAS)
+        return out
+
+    moved = walk(schema)
+    return moved if changed else schema
+
+
+_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
+_NAMED_SCHEMAS = frozenset(
+    ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+)
 
 
 class Grammars:
@@ -133,8 +190,7 @@ class Grammars:
                 return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
             return compiler.compile_grammar(spec.value)
         except (RuntimeError, ValueError, TypeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise InvalidArgumentError(f"the {spec.kind} cannot be compiled: {first}") from None
+            raise InvalidArgumentError(f"the {spec.kind} cannot be compiled: {compile_error_text(e)}") from None
 
     def matcher(self, spec: GrammarSpec, generated: list[int]):
         """A matcher of spec that has accepted `generated` (a sequence's tokens so far)."""
@@ -147,17 +203,23 @@ class Grammars:
         return m
 
     def allowed(self, matchers: list) -> torch.Tensor:
-        """bool [len(matchers), vocab_size]: the tokens each matcher allows next (a completed grammar allows
-        its stop tokens; a matcher that allows nothing - a token the grammar refused - allows the stop tokens
-        too, so the request ends rather than sampling from nothing)."""
+        """bool [len(matchers), vocab_size]: the tokens each matcher allows next. A grammar that ended with a
+        stop token (a request with ignore_eos goes on past it) allows the stop tokens again; a row that allows
+        nothing stays empty: the sampler then ends that request with finish_reason "error" (sampler.py)."""
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        ended = []
         for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bitmask, i)
+            if m.is_terminated():  # xgrammar refuses to fill a mask after the stop token
+                ended.append(i)
+            else:
+                m.fill_next_token_bitmask(bitmask, i)
         bits = torch.arange(32, dtype=torch.int32)
         mask = ((bitmask[:, :, None] >> bits) & 1).bool().view(len(matchers), -1)[:, : self.vocab_size]
-        empty = ~mask.any(dim=1)
-        if bool(empty.any()) and self.stop_token_ids:
-            mask[empty.nonzero()[:, 0][:, None], torch.tensor(self.stop_token_ids)] = True
+        if ended:
+            rows = torch.tensor(ended)
+            mask[rows] = False
+            if self.stop_token_ids:
+                mask[rows[:, None], torch.tensor(self.stop_token_ids)] = True
         return mask
