@@ -18,7 +18,7 @@ PAGE = 64 * 1024
 def budget_name():
     name = f"cli-{uuid.uuid4().hex[:12]}"
     yield name
-    SharedBudget.remove(name)
+    SharedBudget.remove(name, force=True)
 
 
 def test_parse_bytes():

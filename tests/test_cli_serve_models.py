@@ -88,7 +88,7 @@ def test_several_models_join_the_shared_budget_given(captured, tmp_path):
         assert members["c"].min_bytes > 0  # the paged baseline reserves its block pools whole
         assert os.path.exists(segment_path(name))  # not this server's to remove
     finally:
-        SharedBudget.remove(name)
+        SharedBudget.remove(name, force=True)
 
 
 def test_one_model_by_flag_keeps_its_name_and_member(monkeypatch):
@@ -109,7 +109,7 @@ def test_one_model_by_flag_keeps_its_name_and_member(monkeypatch):
         assert main(argv) == 0
         assert [(m.name, m.model) for m in members] == [("tiny", "random:llama-tiny")]
     finally:
-        SharedBudget.remove(name)
+        SharedBudget.remove(name, force=True)
 
 
 def test_one_model_of_a_file_is_served_alone_with_its_options(monkeypatch, tmp_path):

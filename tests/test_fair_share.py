@@ -86,7 +86,7 @@ def test_policy_is_kept_in_the_header_and_checked():
         b = SharedBudget.create(name, 16 * PAGE, share_policy="greedy")
         assert SharedBudget.open(name).policy.name == "greedy" and b.state().share_policy == "greedy"
     finally:
-        SharedBudget.remove(name)
+        SharedBudget.remove(name, force=True)
     with pytest.raises(InvalidArgumentError):
         SharedBudget.create(name, 16 * PAGE, share_policy="loudest")
     assert not SharedBudget.remove(name)  # the refused create left nothing behind
@@ -108,7 +108,7 @@ def test_starved_ask_reaches_a_member_above_its_share_whatever_it_reported():
         assert state["a"].asked_bytes == 4 * PAGE  # asked although its report says all live (its excess: 32 pages)
         assert budget.admission_cap(a) == 32 * PAGE and budget.admission_cap(b) is None
     finally:
-        SharedBudget.remove(name)
+        SharedBudget.remove(name, force=True)
         budget.close()
 
 

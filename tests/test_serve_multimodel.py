@@ -79,7 +79,7 @@ def served(model_dirs):
         with ServerThread(engines) as srv, httpx.Client(base_url=srv.url, timeout=TIMEOUT) as client:
             yield srv, engines, budget, client
     finally:
-        SharedBudget.remove(name)
+        SharedBudget.remove(name, force=True)
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +281,7 @@ def test_health_reports_each_model(model_dirs):
             assert client.post("/v1/completions", json={"model": "alpha", "prompt": [5], "max_tokens": 1}).is_success
         assert not any(loop.alive for loop in srv.app.state.router.loops())  # the shutdown stopped every loop
     finally:
-        SharedBudget.remove(name)
+        SharedBudget.remove(name, force=True)
 
 
 class IdleEngine:

@@ -30,7 +30,7 @@ PAGE = 64 * 1024
 def budget_name():
     name = f"test-{uuid.uuid4().hex[:12]}"
     yield name
-    SharedBudget.remove(name)
+    SharedBudget.remove(name, force=True)
 
 
 def small_cache(budget, **kw):
@@ -72,10 +72,14 @@ def test_create_open_remove(budget_name):
         SharedBudget.open("../etc/passwd")
 
 
-@pytest.mark.parametrize("where", ["magic", "version", "capacity", "table"])
+@pytest.mark.parametrize("where", ["magic", "version", "capacity", "lease", "table", "record"])
 def test_corrupt_segment_refused_naming_the_fix(budget_name, where):
-    SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
-    offset = {"magic": 0, "version": 8, "capacity": 24, "table": 56 + 20}[where]
+    budget = SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    budget.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name="someone")
+    table = budget.segment.active_table_offset()
+    offset = {"magic": 0, "version": 8, "capacity": 24, "lease": 60, "table": table + 8, "record": table + 16 + 40}[
+        where
+    ]
     with open(segment_path(budget_name), "r+b") as f:
         f.seek(offset)
         old = f.read(1)
@@ -209,9 +213,7 @@ def test_dead_member_is_reaped(budget_name):
     index = budget.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name="ghost")
     assert budget.grant(index, 8 * PAGE) == 8 * PAGE
     # Make the record claim a process that is gone: a pid that exists with another start time.
-    seg = budget.segment
-    with seg.locked() as records:
-        records[0].start_ticks += 1
+    budget.ledger.transact(lambda records: setattr(records[0], "start_ticks", records[0].start_ticks + 1))
     assert budget.state().members == ()  # reaped by the next locked call
     assert budget.headroom(index) == 0 and budget.grant(index, PAGE) == -1
 
@@ -224,5 +226,5 @@ def test_segment_holds_counts_not_kv(budget_name, rng):
     k = torch.full((256, 2, 64), 1234.5678, dtype=torch.float32)
     cache.write(0, s, k, k, start=0)
     raw = open(segment_path(budget_name), "rb").read()
-    assert len(raw) < 16 * 1024  # a header and a member table
+    assert len(raw) < 4 << 20  # a header, status records and the member table buffers
     assert struct.pack("<f", 1234.5678) not in raw

@@ -31,7 +31,7 @@ MAX_TOKENS = 16
 def budget_name():
     name = f"fair-{uuid.uuid4().hex[:12]}"
     yield name
-    SharedBudget.remove(name)
+    SharedBudget.remove(name, force=True)
 
 
 def granted(budget: SharedBudget, pid: int) -> int:

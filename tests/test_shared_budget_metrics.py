@@ -43,7 +43,7 @@ def model_and_tok(tmp_path_factory):
 def budget_name():
     name = f"metrics-{uuid.uuid4().hex[:12]}"
     yield name
-    SharedBudget.remove(name)
+    SharedBudget.remove(name, force=True)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -50,7 +50,7 @@ class Member:
 def budget_name():
     name = f"test-{uuid.uuid4().hex[:12]}"
     yield name
-    SharedBudget.remove(name)
+    SharedBudget.remove(name, force=True)
 
 
 @pytest.fixture

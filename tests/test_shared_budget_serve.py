@@ -19,7 +19,7 @@ PAGE = 64 * 1024
 def budget_name():
     name = f"serve-{uuid.uuid4().hex[:12]}"
     yield name
-    SharedBudget.remove(name)
+    SharedBudget.remove(name, force=True)
 
 
 @pytest.fixture(scope="module")

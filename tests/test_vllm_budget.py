@@ -34,7 +34,7 @@ PAGE = 64 * 1024
 def budget_name():
     name = f"test-vllm-{uuid.uuid4().hex[:12]}"
     yield name
-    SharedBudget.remove(name)
+    SharedBudget.remove(name, force=True)
 
 
 class FakeQueue(list):

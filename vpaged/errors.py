@@ -150,6 +150,15 @@ class EngineUnavailableError(EngineStepError):
     model and the cause) or it stopped (the server is shutting down). HTTP 503 at once, never a wait."""
 
 
+class BudgetInUseError(BudgetError):
+    """`remove` of a shared budget that live members still use: refused unless forced (`--force`)."""
+
+
+class BudgetContentionError(BudgetError):
+    """A change to a shared budget's ledger could not land in time (every try found another change landed
+    first): nothing was changed; try again."""
+
+
 class NoAllowedTokenError(InvalidArgumentError):
     """A request's constraints leave no token to generate: its grammar allows none of the model's vocabulary,
     or its bad_words / min_tokens ban every token the grammar allows (HTTP 400, code NoAllowedTokenError). Found

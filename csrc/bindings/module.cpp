@@ -14,6 +14,7 @@ using namespace vpaged;
 
 void register_kernels(py::module_& m);          // csrc/bindings/kernels.cpp
 void register_torch_allocator(py::module_& m);  // csrc/bindings/torch_allocator.cpp
+void register_shm_ledger(py::module_& m);       // csrc/bindings/shm_ledger.cpp
 
 namespace {
 
@@ -233,4 +234,5 @@ PYBIND11_MODULE(_C, m) {
 
   register_kernels(m);
   register_torch_allocator(m);
+  register_shm_ledger(m);
 }

@@ -1,30 +1,37 @@
-"""BudgetSegment: the bytes of a machine-wide shared budget in /dev/shm, their lock, and who is alive.
+"""BudgetSegment: the bytes of a machine-wide shared budget in /dev/shm, read without a lock and checked.
 
 Note (why this shape). Several processes must agree on how many bytes each may map. The agreement lives in
-one small POSIX shared-memory file, `/dev/shm/vpaged-budget.NAME`: a header (magic, format version, page
-size, capacity, a checksum of these fixed fields) and a table of member records. Only counts are shared;
-every member's pages stay in its own pool, so no process can see another's K/V.
+one small POSIX shared-memory file, `/dev/shm/vpaged-budget.NAME`; only counts are shared, every member's
+pages stay in its own pool, so no process can see another's K/V. The file must survive anything a member
+does: a SIGKILL at any instruction, a SIGSTOP for any time, a truncation by anyone who may write it, members
+in other PID namespaces. So it has no lock at all (a stopped process holding one would stall everybody):
 
-- Lock: `flock(LOCK_EX)` on the segment's file. The kernel drops it when its holder dies, so a member
-  killed inside a critical section never wedges the others (no robust mutex needed). flock excludes open
-  file descriptions, not threads: a process-local lock is taken first.
-- Integrity: a crc32 of the header's fixed fields and one of the member table, rewritten on every locked
-  write and checked on every locked read. A segment failing either, or of another size or version, is
-  refused with BudgetCorruptError naming the fix (`vpaged budget remove NAME`).
-- Liveness: a member record keeps its pid and the pid's start time (from /proc/PID/stat), so a reused pid is
-  not mistaken for the member. Whoever takes the lock reaps records whose process is gone (or a zombie):
-  a member killed with SIGKILL is freed at the next locked call of any other member.
+- Header: magic, format version, page size, capacity, share policy, lease length, and a crc32 of it all;
+  written once, at create, before the file is linked in.
+- Member table, copy on write: the grant-relevant records of all members live in one *table buffer*, a crc32
+  over its count, generation and records inside it. There are two buffers per member slot, written only by
+  that slot's member, and a few scratch buffers (claimed by compare-and-swap on a claim word, released after)
+  for callers that own no slot yet (join, `vpaged budget limit`). A 64-bit control word holds (generation,
+  active buffer). A change (budget_ledger.py) reads the control word, reads and checks the active buffer,
+  computes the new table, writes it into one of its own buffers that is not the active one, then moves the
+  control word (g, active) -> (g+1, mine) by compare-and-swap, or starts again. A kill at any instruction
+  leaves the active buffer whole; a stopped process holds nothing. Reads are the same without the last two
+  steps, and retry while the control word moves under them.
+- Status records: what changes often (mapped / live / dormant, the lease, budget_liveness.py) lives in a
+  record per slot that only its member writes, as two copies, each with its own sequence number, member
+  token and crc32: the writer overwrites the older copy, readers take the newest valid one. report() and the
+  lease need no table change.
+- Bounds: the mapping is read and written only through vpaged._C.LedgerMapping, whose accesses are bounds
+  checked and guarded against SIGBUS (a truncated file: csrc/bindings/shm_ledger.cpp). Every call checks the
+  file's size first (fstat); a fault that races it marks the mapping damaged, and the call raises
+  BudgetCorruptError. Nothing read from the file is trusted before its checksum passed.
 - Permissions: created 0600 (owner only) unless asked for 0660 (a group). Opening refuses a segment of
   another owner unless its group may use it, and any segment other users may read or write.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import mmap
 import os
-import re
 import stat
 import struct
 import threading
@@ -32,6 +39,7 @@ import time
 import zlib
 from dataclasses import dataclass
 
+from .. import _C
 from ..errors import (
     BudgetCorruptError,
     BudgetExistsError,
@@ -39,21 +47,33 @@ from ..errors import (
     BudgetPermissionError,
     InvalidArgumentError,
 )
+from .budget_liveness import FENCED, LEASE_S, USED, boottime_ns, process_start_ticks  # noqa: F401 (re-exported)
 
 SHM_DIR = "/dev/shm"
 MAGIC = b"VPBUDGET"
-VERSION = 2  # 2: the share policy in the header, each member's demand in its record
+VERSION = 3  # 3: lock-free copy-on-write table buffers, per-member status records and leases (2: one flock)
 MAX_MEMBERS = 64
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+NAME_BYTES = 64  # a member's name, kept whole (longer names are refused at join)
+N_SCRATCH = 8
+N_BUFFERS = 2 * MAX_MEMBERS + N_SCRATCH
+_NAME_RE = __import__("re").compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
-# magic, version, fixed crc, page size, capacity bytes, max members, owner uid, created ns, table crc, share
-# policy (fair_share.POLICY_CODES)
+# magic, version, crc (of the 64 header bytes with this field 0), page size, capacity, max members, owner uid,
+# created ns, share policy (fair_share.POLICY_CODES), lease ms
 _HEADER = struct.Struct("<8sIIQQIIQII")
-# state, pid, start ticks, name, model, min, ceiling, granted, mapped, live, dormant, asked, ask seq,
-# answered seq, updated ns, demand bytes, demand ns
-_MEMBER = struct.Struct("<IIQ32s64sQQQQQQQQQQQQ")
-_FREE, _USED = 0, 1
-ASK_SEQ_OFFSET = 4 + 4 + 8 + 32 + 64 + 8 * 7  # of a member record: what an idle member's thread polls
+HEADER_BYTES = 64
+CONTROL_OFFSET = 64  # (generation << 8) | active buffer
+CLAIMS_OFFSET = 128  # N_SCRATCH claim words: 0 free, else the claimer's boottime ns
+STATUS_OFFSET = 256
+_STATUS = struct.Struct("<QQQQQQQI4x")  # seq, token, lease ns, mapped, live, dormant, updated ns, crc
+STATUS_SLOT_BYTES = 2 * _STATUS.size
+# state, index, pid, start ticks, pid namespace, token, joined ns, name, model, min, ceiling, granted, asked,
+# ask seq, answered seq, demand bytes, demand ns, fenced ns
+_RECORD = struct.Struct("<HHIQQQQ64s64sQQQQQQQQQ")
+_BUF_HEAD = struct.Struct("<IIQ")  # crc (of what follows it), count, generation
+BUFFER_BYTES = _BUF_HEAD.size + MAX_MEMBERS * _RECORD.size
+BUFFERS_OFFSET = STATUS_OFFSET + MAX_MEMBERS * STATUS_SLOT_BYTES
+_READ_TRIES = 200
 
 
 def segment_path(name: str) -> str:
@@ -63,12 +83,18 @@ def segment_path(name: str) -> str:
 
 
 def segment_bytes(max_members: int = MAX_MEMBERS) -> int:
-    return _HEADER.size + max_members * _MEMBER.size
+    return BUFFERS_OFFSET + N_BUFFERS * BUFFER_BYTES
+
+
+def buffer_offset(buffer: int) -> int:
+    return BUFFERS_OFFSET + buffer * BUFFER_BYTES
 
 
 @dataclass
 class MemberRecord:
-    """One member of a budget: a pool of one process. Bytes throughout; granted is what counts."""
+    """One member of a budget: a pool of one process. Bytes throughout; granted is what counts. The fields
+    up to min/ceiling/granted, asked, the ask counters and the demand live in the table (changed only by a
+    transaction); mapped / live / dormant / updated_ns / lease_ns come from the member's status record."""
 
     index: int
     pid: int
@@ -87,60 +113,102 @@ class MemberRecord:
     updated_ns: int = 0
     demand_bytes: int = 0  # what the member was short of when it last asked (fair_share.py: starved)
     demand_ns: int = 0  # when it last asked (time.time_ns)
+    pidns: int = 0  # the member's PID namespace (budget_liveness.pid_namespace)
+    token: int = 0  # random, per join: which process owns the record (pids repeat across namespaces)
+    joined_ns: int = 0  # boottime ns of the join (the lease until the first renewal)
+    lease_ns: int = 0  # boottime ns of the last renewal (status record)
+    fenced_ns: int = 0  # boottime ns when its lease was found expired (state FENCED)
+    state: int = USED
 
     def reserved_bytes(self) -> int:
         """What others cannot take: the grant or the guaranteed minimum, whichever is larger."""
         return max(self.granted_bytes, self.min_bytes)
 
     def pack(self) -> bytes:
-        return _MEMBER.pack(
-            _USED, self.pid, self.start_ticks, self.name.encode()[:32], self.model.encode()[:64], self.min_bytes,
-            self.ceiling_bytes, self.granted_bytes, self.mapped_bytes, self.live_bytes, self.dormant_bytes,
-            self.asked_bytes, self.ask_seq, self.answered_seq, self.updated_ns, self.demand_bytes, self.demand_ns,
+        return _RECORD.pack(
+            self.state, self.index, self.pid, self.start_ticks, self.pidns, self.token, self.joined_ns,
+            self.name.encode(), self.model.encode(), self.min_bytes, self.ceiling_bytes, self.granted_bytes,
+            self.asked_bytes, self.ask_seq, self.answered_seq, self.demand_bytes, self.demand_ns, self.fenced_ns,
+        )  # fmt: skip
+
+    @classmethod
+    def unpack(cls, raw: bytes, offset: int) -> MemberRecord:
+        f = _RECORD.unpack_from(raw, offset)
+        return cls(
+            f[1], f[2], f[3], _text(f[7]), _text(f[8]), f[9], f[10], f[11], asked_bytes=f[12], ask_seq=f[13],
+            answered_seq=f[14], demand_bytes=f[15], demand_ns=f[16], pidns=f[4], token=f[5], joined_ns=f[6],
+            fenced_ns=f[17], state=f[0],
         )  # fmt: skip
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """The start time of `pid` (clock ticks since boot), or None when it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = text[text.rindex(b")") + 2 :].split()  # the command name may hold spaces and parentheses
-    if fields[0] in (b"Z", b"X"):  # killed but not yet waited for: its memory is already gone
-        return None
-    return int(fields[19])
+@dataclass(frozen=True)
+class Snapshot:
+    """One validated read of the table: the control word it was read under, the records, and the buffer's
+    body (what a change compares its new table with, to skip writing an unchanged one)."""
+
+    control: int
+    records: list[MemberRecord]
+    body: bytes
+
+    @property
+    def generation(self) -> int:
+        return self.control >> 8
+
+
+@dataclass(frozen=True)
+class SegmentStatus:
+    """What an open segment is now: "ok", "removed" (unlinked), "replaced" (another file under its name: a
+    re-created budget to rejoin) or "corrupt" (truncated, overwritten); message says it in a sentence."""
+
+    state: str
+    message: str
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "ok"
 
 
 class BudgetSegment:
-    """An open segment: mapped, with its lock. Every read or write of the member table is done inside
-    `locked()`, which checks the checksums first and rewrites the table's after."""
+    """An open segment: mapped through a LedgerMapping. Reads are lock-free (snapshot()); changes are made
+    by budget_ledger.BudgetLedger."""
 
     def __init__(self, name: str, fd: int, path: str):
         self.name, self.path, self._fd = name, path, fd
-        self._mm = mmap.mmap(fd, segment_bytes())
-        self._thread_lock = threading.Lock()
-        self._check_header()
+        self.map = _C.LedgerMapping(fd, segment_bytes())
+        self.status_lock = threading.Lock()  # this process's writers of status records (one copy at a time)
+        try:
+            self._check_header()
+        except BaseException:
+            self.map.close()
+            raise
 
     # ------------------------------------------------------------------------------- create, open, remove
     @classmethod
     def create(
-        cls, name: str, capacity_bytes: int, page_size: int, mode: int = 0o600, policy_code: int = 0
+        cls,
+        name: str,
+        capacity_bytes: int,
+        page_size: int,
+        mode: int = 0o600,
+        policy_code: int = 0,
+        lease_s: float = LEASE_S,
     ) -> BudgetSegment:
         path = segment_path(name)
         if mode not in (0o600, 0o660):
             raise InvalidArgumentError(f"a budget's mode is 0o600 (owner) or 0o660 (owner and group), got {mode:#o}")
+        lease_ms = int(round(float(lease_s) * 1000))
+        if not 100 <= lease_ms <= 3_600_000:
+            raise InvalidArgumentError(f"a budget's lease is 0.1 to 3600 s, got {lease_s!r}")
         # Written whole under a temporary name, then linked in: no process ever opens a half-made segment.
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
         try:
             os.fchmod(fd, mode)  # the umask may have taken bits away; the mode is the contract
-            table = bytes(MAX_MEMBERS * _MEMBER.size)
-            header = _pack_header(
-                page_size, capacity_bytes, MAX_MEMBERS, os.geteuid(), time.time_ns(), zlib.crc32(table), policy_code
-            )
-            os.write(fd, header + table)
+            os.ftruncate(fd, segment_bytes())
+            header = _pack_header(page_size, capacity_bytes, os.geteuid(), time.time_ns(), policy_code, lease_ms)
+            os.pwrite(fd, header, 0)
+            os.pwrite(fd, struct.pack("<Q", (1 << 8) | 2 * MAX_MEMBERS), CONTROL_OFFSET)  # scratch 0, generation 1
+            os.pwrite(fd, pack_table([], 1), buffer_offset(2 * MAX_MEMBERS))
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -169,10 +237,18 @@ class BudgetSegment:
             ) from None
         try:
             _check_owner(name, path, os.fstat(fd))
-            if os.fstat(fd).st_size != segment_bytes():
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise BudgetCorruptError(f"budget {name!r} ({path}) has {size} bytes: {_fix(name)}")
+            magic, version = struct.unpack("<8sI", os.pread(fd, 12, 0))
+            if magic == MAGIC and version != VERSION:
                 raise BudgetCorruptError(
-                    f"budget {name!r} ({path}) has {os.fstat(fd).st_size} bytes, not {segment_bytes()}: damaged or of "
-                    f"another vpaged version; remove it with `vpaged budget remove {name}` and create it again"
+                    f"budget {name!r} ({path}) has format version {version}, this vpaged reads {VERSION}: {_fix(name)}"
+                )
+            if size != segment_bytes():
+                raise BudgetCorruptError(
+                    f"budget {name!r} ({path}) has {size} bytes, not {segment_bytes()}: damaged or of another "
+                    f"vpaged version; {_fix(name)}"
                 )
             return cls(name, fd, path)
         except BaseException:
@@ -187,88 +263,162 @@ class BudgetSegment:
             return True
         except FileNotFoundError:
             return False
+        except PermissionError:
+            raise BudgetPermissionError(
+                f"budget {name!r} ({segment_path(name)}) cannot be removed by this user (uid {os.geteuid()}): "
+                "ask its owner"
+            ) from None
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
 
     def close(self) -> None:
         if self._fd >= 0:
-            self._mm.close()
+            self.map.close()
             os.close(self._fd)
             self._fd = -1
 
-    # ----------------------------------------------------------------------------------------- header
-    def _header(self) -> tuple:
-        return _HEADER.unpack_from(self._mm, 0)
+    def status(self) -> SegmentStatus:
+        """Whether this open segment is still the budget of its name, and readable (see SegmentStatus)."""
+        if self._fd < 0:
+            return SegmentStatus("removed", f"budget {self.name!r} is closed here")
+        mine = os.fstat(self._fd)
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            return SegmentStatus("removed", f"budget {self.name!r} ({self.path}) was removed")
+        if (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+            return SegmentStatus("replaced", f"budget {self.name!r} ({self.path}) was removed and created again")
+        try:
+            self.snapshot()
+        except BudgetCorruptError as e:
+            return SegmentStatus("corrupt", str(e))
+        return SegmentStatus("ok", f"budget {self.name!r} is readable")
+
+    # ----------------------------------------------------------------------------------------- checks
+    def check_readable(self) -> None:
+        """Raise BudgetCorruptError when the file shrank or an access to it faulted (truncated under us)."""
+        if self._fd < 0:
+            raise BudgetCorruptError(f"budget {self.name!r} is closed in this process")
+        size = os.fstat(self._fd).st_size
+        if size < segment_bytes() or self.map.damaged:
+            raise BudgetCorruptError(
+                f"budget {self.name!r} ({self.path}) was truncated to {size} of {segment_bytes()} bytes while in "
+                f"use: {_fix(self.name)}"
+            )
 
     def _check_header(self) -> None:
-        magic, version, crc, page_size, capacity, max_members, uid, created, _table_crc, policy = self._header()
-        fix = f"remove it with `vpaged budget remove {self.name}` and create it again"
+        self.check_readable()
+        raw = self.map.read(0, HEADER_BYTES)
+        magic, version, crc, page_size, capacity, max_members, uid, created, policy, lease_ms = _HEADER.unpack_from(raw)
         if magic != MAGIC:
-            raise BudgetCorruptError(f"budget {self.name!r} ({self.path}) is not a vpaged budget (bad magic): {fix}")
+            raise BudgetCorruptError(
+                f"budget {self.name!r} ({self.path}) is not a vpaged budget (bad magic): {_fix(self.name)}"
+            )
         if version != VERSION:
             raise BudgetCorruptError(
-                f"budget {self.name!r} ({self.path}) has format version {version}, this vpaged reads {VERSION}: {fix}"
+                f"budget {self.name!r} ({self.path}) has format version {version}, this vpaged reads {VERSION}: "
+                f"{_fix(self.name)}"
             )
-        if crc != _fixed_crc(page_size, capacity, max_members, uid, created, policy) or max_members != MAX_MEMBERS:
-            raise BudgetCorruptError(f"budget {self.name!r} ({self.path}) fails its header checksum: {fix}")
+        if crc != _header_crc(raw) or max_members != MAX_MEMBERS:
+            raise BudgetCorruptError(f"budget {self.name!r} ({self.path}) fails its header checksum: {_fix(self.name)}")
         self.page_size, self.capacity_bytes, self.owner_uid, self.policy_code = page_size, capacity, uid, policy
+        self.lease_ns = lease_ms * 1_000_000
 
-    # ----------------------------------------------------------------------------------------- the table
-    @contextlib.contextmanager
-    def locked(self, write: bool = True):
-        """Hold the budget's lock; yields the live member records (dead ones already reaped). Changes made
-        to the records are written back when the block ends without an error (write=False: a reading call,
-        written back only when it reaped a dead member)."""
-        with self._thread_lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                self._check_header()
-                records = self._read_table()
-                live = [r for r in records if process_start_ticks(r.pid) == r.start_ticks]
-                yield live
-                if write or len(live) != len(records):
-                    self._write_table(live)
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+    def corrupt(self, what: str) -> BudgetCorruptError:
+        self.check_readable()  # a truncation explains it better than the symptom
+        return BudgetCorruptError(f"budget {self.name!r} ({self.path}) {what}: {_fix(self.name)}")
 
-    def _read_table(self) -> list[MemberRecord]:
-        table = self._mm[_HEADER.size : segment_bytes()]
-        if zlib.crc32(table) != self._header()[8]:
-            raise BudgetCorruptError(
-                f"budget {self.name!r} ({self.path}) fails its member table checksum (written outside vpaged?): "
-                f"remove it with `vpaged budget remove {self.name}` and create it again"
-            )
-        out = []
-        for i in range(MAX_MEMBERS):
-            f = _MEMBER.unpack_from(table, i * _MEMBER.size)
-            if f[0] == _USED:
-                out.append(MemberRecord(i, f[1], f[2], _text(f[3]), _text(f[4]), *f[5:]))
-        return out
-
-    def _write_table(self, records: list[MemberRecord]) -> None:
-        table = bytearray(MAX_MEMBERS * _MEMBER.size)
-        for r in records:
-            table[r.index * _MEMBER.size : (r.index + 1) * _MEMBER.size] = r.pack()
-        self._mm[_HEADER.size : segment_bytes()] = bytes(table)
-        struct.pack_into("<I", self._mm, _HEADER.size - 8, zlib.crc32(table))
-
-    def free_index(self, records: list[MemberRecord]) -> int | None:
-        taken = {r.index for r in records}
-        return next((i for i in range(MAX_MEMBERS) if i not in taken), None)
+    # ----------------------------------------------------------------------------------------- reading
+    def snapshot(self, figures: bool = True) -> Snapshot:
+        """The table as of one generation, checked, with each record's status figures filled in. Retries while
+        the control word moves under the read; BudgetCorruptError when the active buffer fails its checks."""
+        bad = ""
+        for _ in range(_READ_TRIES):
+            self.check_readable()
+            control = self.map.load64(CONTROL_OFFSET)
+            buffer = control & 0xFF
+            if buffer >= N_BUFFERS:
+                bad = f"names table buffer {buffer} of {N_BUFFERS}"
+                continue
+            offset = buffer_offset(buffer)
+            crc, count, generation = _BUF_HEAD.unpack(self.map.read(offset, _BUF_HEAD.size))
+            size = min(count, MAX_MEMBERS) * _RECORD.size
+            body = self.map.read(offset + 4, _BUF_HEAD.size - 4 + size)
+            if self.map.load64(CONTROL_OFFSET) != control:
+                continue  # a change landed while we read: read the new table
+            if count > MAX_MEMBERS or generation != control >> 8 or zlib.crc32(body) != crc:
+                bad = "fails its member table checksum (written outside vpaged?)"
+                continue  # once more, in case the bytes moved under a reader paused between the two loads
+            records = [MemberRecord.unpack(body, 12 + i * _RECORD.size) for i in range(count)]
+            for r in records if figures else ():
+                if r.state == USED:
+                    self._fill_status(r)
+            return Snapshot(control, records, body[12:])
+        raise self.corrupt(bad or "kept changing under a reader")
 
     def peek_ask_seq(self, index: int) -> int:
-        """A member's ask counter, read without the lock (a torn read only wakes the member early)."""
-        return struct.unpack_from("<Q", self._mm, _HEADER.size + index * _MEMBER.size + ASK_SEQ_OFFSET)[0]
+        """A member's ask counter (0 when it has no record): what an idle member's thread polls."""
+        mine = next((r for r in self.snapshot(figures=False).records if r.index == index and r.state == USED), None)
+        return 0 if mine is None else mine.ask_seq
+
+    def active_table_offset(self) -> int:
+        """Where the active table buffer starts in the file (diagnostics and tests)."""
+        return buffer_offset(self.map.load64(CONTROL_OFFSET) & 0xFF)
+
+    # ----------------------------------------------------------------------------------- status records
+    def _read_status(self, index: int) -> list[tuple | None]:
+        """Both copies of slot `index`'s status record, None for one that fails its crc."""
+        raw = self.map.read(STATUS_OFFSET + index * STATUS_SLOT_BYTES, STATUS_SLOT_BYTES)
+        out = []
+        for at in (0, _STATUS.size):
+            c = _STATUS.unpack_from(raw, at)
+            out.append(c if c[7] == zlib.crc32(raw[at : at + _STATUS.size - 8]) else None)
+        return out
+
+    def _fill_status(self, r: MemberRecord) -> None:
+        good = [c for c in self._read_status(r.index) if c is not None and c[1] == r.token]
+        if good:
+            _, _, r.lease_ns, r.mapped_bytes, r.live_bytes, r.dormant_bytes, r.updated_ns, _ = max(good)
+
+    def write_status(self, index: int, token: int, lease_ns: int, mapped: int, live: int, dormant: int) -> None:
+        """Overwrite the older (or a damaged) copy of slot `index`'s status record; only the slot's member
+        calls this. A kill mid-write leaves the other copy, which readers then take."""
+        with self.status_lock:
+            self.check_readable()
+            copies = self._read_status(index)
+            seq = max((c[0] for c in copies if c is not None), default=0) + 1
+            at = next((i for i, c in enumerate(copies) if c is None), None)
+            if at is None:
+                at = 0 if copies[0][0] <= copies[1][0] else 1
+            head = struct.pack("<QQQQQQQ", seq, token, lease_ns, mapped, live, dormant, time.time_ns())
+            offset = STATUS_OFFSET + index * STATUS_SLOT_BYTES + at * _STATUS.size
+            self.map.write(offset, head + struct.pack("<I4x", zlib.crc32(head)))
 
 
-def _fixed_crc(page_size: int, capacity: int, max_members: int, uid: int, created: int, policy: int) -> int:
-    fixed = struct.pack("<IQQIIQI", VERSION, page_size, capacity, max_members, uid, created, policy)
-    return zlib.crc32(MAGIC + fixed)
+def pack_table(records: list[MemberRecord], generation: int) -> bytes:
+    """A table buffer: crc32, count, generation, then the records (by index)."""
+    body = struct.pack("<IQ", len(records), generation) + b"".join(r.pack() for r in sorted(records, key=_by_index))
+    return struct.pack("<I", zlib.crc32(body)) + body
 
 
-def _pack_header(
-    page_size: int, capacity: int, max_members: int, uid: int, created: int, table_crc: int, policy: int
-) -> bytes:
-    crc = _fixed_crc(page_size, capacity, max_members, uid, created, policy)
-    return _HEADER.pack(MAGIC, VERSION, crc, page_size, capacity, max_members, uid, created, table_crc, policy)
+def _by_index(r: MemberRecord) -> int:
+    return r.index
+
+
+def _header_crc(raw: bytes) -> int:
+    return zlib.crc32(raw[:12] + b"\0\0\0\0" + raw[16:HEADER_BYTES])
+
+
+def _pack_header(page_size: int, capacity: int, uid: int, created: int, policy: int, lease_ms: int) -> bytes:
+    raw = _HEADER.pack(MAGIC, VERSION, 0, page_size, capacity, MAX_MEMBERS, uid, created, policy, lease_ms)
+    raw = raw.ljust(HEADER_BYTES, b"\0")
+    return raw[:12] + struct.pack("<I", _header_crc(raw)) + raw[16:]
+
+
+def _fix(name: str) -> str:
+    return f"remove it with `vpaged budget remove {name}` and create it again"
 
 
 def _check_owner(name: str, path: str, st: os.stat_result) -> None:

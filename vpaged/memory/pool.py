@@ -23,7 +23,7 @@ from ..errors import BackendUnavailableError, InvalidArgumentError, OutOfPagesEr
 from .budget_member import GIVE_BACK_WAIT_S, BudgetMembership
 from .device import CUDA_PAGE_SIZE, default_page_size, make_backend, normalize_device
 from .limits import check_host_capacity
-from .shared_budget import SharedBudget
+from .shared_budget import SharedBudget, default_member_name
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class PagePool:
             if min_bytes and min_bytes > self.capacity_pages * self.page_size:
                 raise InvalidArgumentError(f"min_bytes={min_bytes} exceeds the pool's capacity")
             self.budget = BudgetMembership(
-                self, self._pool, shared_budget, min_bytes, member_name or f"pool-{os.getpid()}", model
+                self, self._pool, shared_budget, min_bytes, member_name or default_member_name(), model
             )
             weakref.finalize(self, self.budget.close)
         elif min_bytes:

@@ -6,11 +6,15 @@ member may hold a guaranteed minimum (`min_bytes`) that the others cannot take. 
 than the budget has free, it asks the others to give back what they can spare (budget_member.py): their
 free granted pages, then pages kept only for reuse (freed slots, cached prefixes), never live K/V.
 
-Invariants, all kept under the segment's lock (budget_segment.py):
+Invariants, kept by changes that land by compare-and-swap on one consistent table (budget_ledger.py), so no
+lock exists that a stopped member could hold:
 - sum over members of max(granted, min) <= capacity, except while a member that just joined waits for the
   others to give back down to their minimums (its minimum was checked to fit: sum of minimums <= capacity);
 - a member's granted bytes are a whole number of pages, never above its ceiling;
-- a record whose process is gone is dropped by the next locked call, returning its grant.
+- a member whose process is gone (same PID namespace) is dropped by the next change, returning its grant at
+  once; one whose lease ran out (stopped, or in another namespace and gone) is dropped likewise
+  (budget_liveness.py); readers leave both out at once;
+- two live members never share a non-empty name; names are kept whole (up to 64 bytes of UTF-8).
 
 Under contention a share policy (fair_share.py, chosen when the budget is created) says whom a short member
 asks and, with "fair" (not the default), caps what a member holding more than its fair share may admit while
@@ -19,12 +23,21 @@ another member is starved.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass
 
-from ..errors import BudgetMismatchError, InvalidArgumentError
-from .budget_segment import BudgetSegment, MemberRecord, process_start_ticks
+from ..errors import (
+    BudgetCorruptError,
+    BudgetInUseError,
+    BudgetMismatchError,
+    BudgetPermissionError,
+    InvalidArgumentError,
+)
+from .budget_ledger import BudgetLedger
+from .budget_liveness import LEASE_S, boottime_ns
+from .budget_segment import NAME_BYTES, BudgetSegment, MemberRecord, SegmentStatus
 from .fair_share import (
     DEFAULT_SHARE_POLICY,
     active_count,
@@ -53,6 +66,9 @@ class BudgetMember:
     asked_bytes: int
     fair_share_bytes: int = 0  # max(min, capacity / active members), at most the ceiling (fair_share.py)
     starved: bool = False  # asking for pages while holding less than its fair share
+    lease_age_s: float = 0.0  # since its process last renewed its lease (stopped or stalled when it grows)
+    pid_namespace: int = 0  # the inode of its /proc/self/ns/pid: its pid means something only there
+    answered: bool = True  # no ask on it is pending (asked_bytes may stay until it answers)
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,7 @@ class BudgetState:
     members: tuple[BudgetMember, ...]
     share_policy: str = DEFAULT_SHARE_POLICY
     active_members: int = 0  # members holding live K/V or asking for pages
+    lease_s: float = LEASE_S  # a member whose lease is older than this is dropped
 
     @property
     def free_bytes(self) -> int:
@@ -74,10 +91,11 @@ class BudgetState:
 class SharedBudget:
     """A named machine-wide budget. create() makes it, open() opens one that exists; join() is what a pool
     calls (see PagePool's shared_budget); state() and set_ceiling() are what `vpaged budget` shows and
-    changes."""
+    changes; check() says whether the open budget is still the one of its name and readable."""
 
     def __init__(self, segment: BudgetSegment):
         self.segment = segment
+        self.ledger = BudgetLedger(segment)
         self.name = segment.name
         self.policy = share_policy(segment.policy_code)
 
@@ -89,10 +107,12 @@ class SharedBudget:
         page_size: int = 64 * 1024,
         mode: int = 0o600,
         share_policy: str = DEFAULT_SHARE_POLICY,
+        lease_s: float = LEASE_S,
     ) -> SharedBudget:
         """A new budget of capacity_bytes (rounded down to whole pages of page_size; every member must use
         that page size). mode: 0o600 (this user only, the default) or 0o660 (also its group). share_policy:
-        "greedy" (default) or "fair", what a member may admit while another is starved (fair_share.py)."""
+        "greedy" (default) or "fair", what a member may admit while another is starved (fair_share.py).
+        lease_s: a member whose process has not renewed its lease this long is dropped (budget_liveness.py)."""
         code = policy_code(share_policy)
         capacity_bytes, page_size = int(capacity_bytes), int(page_size)
         if page_size <= 0 or capacity_bytes < page_size:
@@ -100,17 +120,45 @@ class SharedBudget:
                 f"a budget needs at least one page: capacity_bytes={capacity_bytes}, page_size={page_size}"
             )
         capacity_bytes -= capacity_bytes % page_size
-        return cls(BudgetSegment.create(name, capacity_bytes, page_size, mode, code))
+        return cls(BudgetSegment.create(name, capacity_bytes, page_size, mode, code, lease_s))
 
     @classmethod
     def open(cls, name: str) -> SharedBudget:
         return cls(BudgetSegment.open(name))
 
     @staticmethod
-    def remove(name: str) -> bool:
-        """Remove the budget's segment; returns whether there was one. Members that have it open go on
-        counting on their copy; new members cannot join it."""
+    def remove(name: str, force: bool = False) -> bool:
+        """Remove the budget's segment; returns whether there was one. Refused (BudgetInUseError) while live
+        members use it, unless force (they then go on counting on their copy: check() tells them). A damaged
+        segment is removed without asking (that is its fix). BudgetPermissionError: not this user's to
+        remove."""
+        if not force:
+            try:
+                budget = SharedBudget.open(name)
+            except (BudgetCorruptError, BudgetPermissionError):  # unreadable here: the unlink decides
+                budget = None
+            except FileNotFoundError:
+                return False
+            if budget is not None:
+                try:
+                    members = budget.state().members
+                except BudgetCorruptError:
+                    members = ()
+                finally:
+                    budget.close()
+                if members:
+                    names = ", ".join(f"{m.index} ({m.name or 'unnamed'}, pid {m.pid})" for m in members)
+                    raise BudgetInUseError(
+                        f"budget {name!r} has {len(members)} live member(s): {names}; stop them first, or remove "
+                        "it anyway with force (`vpaged budget remove --force`): they keep counting on the removed "
+                        "copy until they rejoin"
+                    )
         return BudgetSegment.remove(name)
+
+    def check(self) -> SegmentStatus:
+        """Whether this open budget is still the budget of its name and readable: state "ok", "removed",
+        "replaced" (removed and created again: rejoin the new one) or "corrupt", with a message."""
+        return self.segment.status()
 
     @property
     def capacity_bytes(self) -> int:
@@ -120,15 +168,24 @@ class SharedBudget:
     def page_size(self) -> int:
         return self.segment.page_size
 
+    @property
+    def lease_s(self) -> float:
+        return self.segment.lease_ns / 1e9
+
     def close(self) -> None:
+        self.ledger.stop()
         self.segment.close()
 
     # ------------------------------------------------------------------------------------------ members
     def join(self, *, page_size: int, ceiling_bytes: int, min_bytes: int = 0, name: str = "", model: str = "") -> int:
-        """Add a member of this process; returns its index. Refused up front (BudgetMismatchError, nothing
-        changed) when the page size differs, when min_bytes exceeds the ceiling, or when the members'
-        minimums would exceed the capacity."""
+        """Add a member of this process; returns its index. Refused up front (nothing changed): with
+        InvalidArgumentError when the name is longer than 64 bytes of UTF-8; with BudgetMismatchError when the
+        page size differs, when min_bytes exceeds the ceiling, when the members' minimums would exceed the
+        capacity, when a live member has the same (non-empty) name, or when no slot is free."""
         ps = self.page_size
+        name, model = str(name), _cut(str(model))
+        if len(name.encode()) > NAME_BYTES:
+            raise InvalidArgumentError(f"a member's name is at most {NAME_BYTES} bytes of UTF-8, got {name!r}")
         if page_size != ps:
             raise BudgetMismatchError(
                 f"budget {self.name!r} counts pages of {ps} bytes; this pool's are {page_size} bytes: give the "
@@ -140,37 +197,60 @@ class SharedBudget:
             raise BudgetMismatchError(
                 f"min_bytes={min_bytes} cannot be guaranteed within the member's ceiling of {ceiling_bytes} bytes"
             )
-        me = os.getpid()
-        with self.segment.locked() as records:
+
+        def change(records: list[MemberRecord]) -> MemberRecord:
             taken = sum(r.min_bytes for r in records)
             if taken + min_bytes > self.capacity_bytes:
                 raise BudgetMismatchError(
                     f"budget {self.name!r} cannot guarantee min_bytes={min_bytes}: its members already hold "
                     f"minimums of {taken} of {self.capacity_bytes} bytes"
                 )
-            index = self.segment.free_index(records)
+            twin = next((r for r in records if name and r.name == name), None)
+            if twin is not None:
+                raise BudgetMismatchError(
+                    f"budget {self.name!r} already has a live member named {name!r} (index {twin.index}, pid "
+                    f"{twin.pid}): give this pool another member_name"
+                )
+            index = self.ledger.free_index()
             if index is None:
                 raise BudgetMismatchError(f"budget {self.name!r} has no free member slot ({len(records)} members)")
-            record = MemberRecord(index, me, process_start_ticks(me), name, model, min_bytes, ceiling_bytes)
+            record = self.ledger.new_record(
+                index, name=name, model=model, min_bytes=min_bytes, ceiling_bytes=ceiling_bytes
+            )
             records.append(record)
             self._ask_others(records, record, max(0, min_bytes - self._headroom(records, record)), for_minimum=True)
-        return index
+            return record
 
-    def leave(self, index: int) -> None:
-        """Drop this process's member `index`; its grant returns to the budget."""
-        with self.segment.locked() as records:
+        record = self.ledger.transact(change)
+        self.ledger.adopt(record)
+        return record.index
+
+    def leave(self, index: int) -> bool:
+        """Drop this process's member `index`; its grant returns to the budget. Returns whether it was there
+        (False also when the segment is damaged: there is nothing left to leave)."""
+        if self.ledger.token_of(index) is None:
+            return False
+
+        def change(records):
             mine = self._mine(records, index)
             if mine is not None:
                 records.remove(mine)
+            return mine is not None
+
+        try:
+            return self.ledger.transact(change, actor=index)
+        except BudgetCorruptError:
+            return False
 
     def grant(self, index: int, need: int, prefer: int = 0) -> int:
         """Raise member `index`'s grant by `prefer` bytes if that fits, else by `need`, else not at all (then
         the others are asked to give back the difference, and the member's demand is published for the share
         policy). Returns the bytes added (0 or a whole number of pages), or -1 when the member is gone (its
-        record was removed)."""
+        record was removed: its process was taken for dead or its lease ran out)."""
         ps = self.page_size
         need, prefer = -(-need // ps) * ps, -(-max(prefer, need) // ps) * ps
-        with self.segment.locked() as records:
+
+        def change(records):
             mine = self._mine(records, index)
             if mine is None:
                 return -1
@@ -184,12 +264,15 @@ class SharedBudget:
                 self._ask_others(records, mine, prefer - max(0, room))
             return add
 
+        return self.ledger.transact(change, actor=index)
+
     def give_back(
         self, index: int, granted_bytes: int, mapped: int, live: int, dormant: int, answer: bool = True
     ) -> None:
         """Member `index` now holds `granted_bytes` (at most what it held) and, with answer, answers every ask
         so far (answer=False: it gave back unasked, and asks still pending stay pending)."""
-        with self.segment.locked() as records:
+
+        def change(records):
             mine = self._mine(records, index)
             if mine is None:
                 return
@@ -197,96 +280,124 @@ class SharedBudget:
             if answer:
                 mine.asked_bytes = 0  # it gave what it could; an asker still short asks again
                 mine.answered_seq = mine.ask_seq
-            mine.mapped_bytes, mine.live_bytes, mine.dormant_bytes = mapped, live, dormant
-            mine.updated_ns = _now_ns()
+
+        # Figures first: a member asked to give back is judged by them once its answer lands.
+        self.ledger.report(index, mapped, live, dormant)
+        self.ledger.transact(change, actor=index)
 
     def report(self, index: int, mapped: int, live: int, dormant: int) -> None:
-        """Update the figures `vpaged budget show` lists for member `index` (changes no grant)."""
-        with self.segment.locked() as records:
-            mine = self._mine(records, index)
-            if mine is not None:
-                mine.mapped_bytes, mine.live_bytes, mine.dormant_bytes = mapped, live, dormant
-                mine.updated_ns = _now_ns()
+        """Update the figures `vpaged budget show` lists for member `index` (changes no grant; writes only the
+        member's own status record, so it never waits for anyone)."""
+        self.ledger.report(index, mapped, live, dormant)
 
     def label(self, index: int, model: str) -> None:
         """Set the model member `index` serves, as `vpaged budget show` lists it (64 bytes of UTF-8 kept)."""
-        with self.segment.locked() as records:
+        model = _cut(str(model))
+
+        def change(records):
             mine = self._mine(records, index)
             if mine is not None:
-                mine.model = str(model)
+                mine.model = model
+
+        self.ledger.transact(change, actor=index)
 
     def member(self, index: int) -> BudgetMember | None:
-        with self.segment.locked(write=False) as records:
-            mine = self._mine(records, index)
-            if mine is None:
-                return None
-            now = _now_ns()
-            return _public(mine, active_count(records, now), self.capacity_bytes, self.page_size, now)
+        records = self.ledger.records()
+        mine = self._mine(records, index)
+        if mine is None:
+            return None
+        now = _now_ns()
+        return self._public(mine, active_count(records, now), now)
 
     def headroom(self, index: int) -> int:
         """Bytes member `index` could be granted now without anyone giving back (0 when gone)."""
-        with self.segment.locked(write=False) as records:
-            mine = self._mine(records, index)
-            return 0 if mine is None else max(0, self._headroom(records, mine))
+        records = self.ledger.records()
+        mine = self._mine(records, index)
+        return 0 if mine is None else max(0, self._headroom(records, mine))
 
     def admission_cap(self, index: int) -> int | None:
         """Live bytes member `index` may hold when it admits new work, by the budget's share policy (None: no
         cap, e.g. nobody else is starved)."""
-        with self.segment.locked(write=False) as records:
-            mine = self._mine(records, index)
-            if mine is None:
-                return None
-            return self.policy.admission_cap(records, mine, self.capacity_bytes, self.page_size, _now_ns())
+        records = self.ledger.records()
+        mine = self._mine(records, index)
+        if mine is None:
+            return None
+        return self.policy.admission_cap(records, mine, self.capacity_bytes, self.page_size, _now_ns())
 
     def pending_asks(self, index: int) -> bool:
         """Whether a member asked by `index` has not answered yet (so waiting for it may still help)."""
-        with self.segment.locked(write=False) as records:
-            return any(r.asked_bytes and r.answered_seq < r.ask_seq for r in records if r.index != index)
+        return any(r.asked_bytes and r.answered_seq < r.ask_seq for r in self.ledger.records() if r.index != index)
 
     # -------------------------------------------------------------------------------------- control
     def state(self) -> BudgetState:
-        with self.segment.locked(write=False) as records:
-            now, cap, ps = _now_ns(), self.capacity_bytes, self.page_size
-            active = active_count(records, now)
-            return BudgetState(
-                self.name,
-                cap,
-                ps,
-                sum(r.granted_bytes for r in records),
-                sum(r.reserved_bytes() for r in records),
-                tuple(_public(r, active, cap, ps, now) for r in sorted(records, key=lambda r: r.index)),
-                self.policy.name,
-                sum(1 for r in records if r.live_bytes > 0 or is_asking(r, now)),
-            )
+        records = self.ledger.records()
+        now, cap, ps = _now_ns(), self.capacity_bytes, self.page_size
+        active = active_count(records, now)
+        return BudgetState(
+            self.name,
+            cap,
+            ps,
+            sum(r.granted_bytes for r in records),
+            sum(r.reserved_bytes() for r in records),
+            tuple(self._public(r, active, now) for r in sorted(records, key=lambda r: r.index)),
+            self.policy.name,
+            sum(1 for r in records if r.live_bytes > 0 or is_asking(r, now)),
+            self.lease_s,
+        )
 
-    def set_ceiling(self, member: str, max_bytes: int) -> list[int]:
-        """Change the ceiling of the members whose name, index or pid is `member` (at run time); a member
-        now above it is asked to give back down to it. Returns the indices changed."""
+    def set_ceiling(
+        self,
+        member: str | None = None,
+        max_bytes: int | None = None,
+        *,
+        index: int | None = None,
+        pid: int | None = None,
+    ) -> list[int]:
+        """Change the ceiling of the member named `member` (a name only, never read as an index or pid), or
+        of the member at `index=`, or of the members of process `pid=` (as this process's PID namespace sees
+        it), at run time; a member now above it is asked to give back down to it. Exactly one selector.
+        Returns the indices changed; InvalidArgumentError when none matches."""
+        if sum(x is not None for x in (member, index, pid)) != 1 or max_bytes is None:
+            raise InvalidArgumentError("set_ceiling takes max_bytes and exactly one of a name, index= or pid=")
         ps = self.page_size
         max_bytes = min(int(max_bytes) // ps * ps, self.capacity_bytes)
-        changed = []
-        with self.segment.locked() as records:
+        pidns = self.ledger.pidns
+        what = (
+            f"named {member!r}" if member is not None else f"at index {index}" if index is not None else f"of pid {pid}"
+        )
+
+        def picked(r: MemberRecord) -> bool:
+            if member is not None:
+                return r.name == member
+            if index is not None:
+                return r.index == index
+            return r.pid == pid and r.pidns == pidns
+
+        def change(records):
+            changed = []
             for r in records:
-                if member in (r.name, str(r.index), str(r.pid)):
+                if picked(r):
                     if max_bytes < r.min_bytes:
-                        raise BudgetMismatchError(
-                            f"member {member!r} is guaranteed min_bytes={r.min_bytes}: a ceiling of {max_bytes} "
-                            "bytes is below it"
+                        raise InvalidArgumentError(
+                            f"member {what} is guaranteed min_bytes={r.min_bytes}: a ceiling of {max_bytes} bytes "
+                            "is below it"
                         )
                     r.ceiling_bytes = max_bytes
                     if r.granted_bytes > max_bytes:
                         r.asked_bytes = max(r.asked_bytes, r.granted_bytes - max_bytes)
                         r.ask_seq += 1
                     changed.append(r.index)
+            return changed
+
+        actor = next(iter(self.ledger.owned()), None)
+        changed = self.ledger.transact(change, actor=actor)
         if not changed:
-            raise InvalidArgumentError(f"budget {self.name!r} has no member named {member!r} (name, index or pid)")
+            raise InvalidArgumentError(f"budget {self.name!r} has no member {what} among its live members")
         return changed
 
     # -------------------------------------------------------------------------------------- helpers
-    @staticmethod
-    def _mine(records: list[MemberRecord], index: int) -> MemberRecord | None:
-        me = os.getpid()
-        return next((r for r in records if r.index == index and r.pid == me), None)
+    def _mine(self, records: list[MemberRecord], index: int) -> MemberRecord | None:
+        return next((r for r in records if r.index == index and self.ledger.is_mine(r)), None)
 
     def _headroom(self, records: list[MemberRecord], mine: MemberRecord) -> int:
         """How far `mine` may grow now: up to its ceiling, in what the others do not reserve (its own
@@ -311,13 +422,29 @@ class SharedBudget:
             if short <= 0:
                 break
 
+    def _public(self, r: MemberRecord, active: int, now: int) -> BudgetMember:
+        cap, ps = self.capacity_bytes, self.page_size
+        lease_age = max(0, boottime_ns() - max(r.lease_ns, r.joined_ns)) / 1e9
+        return BudgetMember(
+            r.index, r.pid, r.name, r.model, r.min_bytes, r.ceiling_bytes, r.granted_bytes, r.mapped_bytes,
+            r.live_bytes, r.dormant_bytes, r.asked_bytes, fair_share_bytes(r, active, cap, ps),
+            is_starved(r, active, cap, ps, now), lease_age, r.pidns, r.answered_seq >= r.ask_seq,
+        )  # fmt: skip
 
-def _public(r: MemberRecord, active: int = 1, capacity: int = 0, page_size: int = 1, now: int = 0) -> BudgetMember:
-    return BudgetMember(
-        r.index, r.pid, r.name, r.model, r.min_bytes, r.ceiling_bytes, r.granted_bytes, r.mapped_bytes,
-        r.live_bytes, r.dormant_bytes, r.asked_bytes, fair_share_bytes(r, active, capacity, page_size),
-        is_starved(r, active, capacity, page_size, now),
-    )  # fmt: skip
+
+_DEFAULT_NAMES = itertools.count()
+
+
+def default_member_name() -> str:
+    """A member name for a pool that gives none: "pool-PID", then "pool-PID-2", ... for further pools of the
+    process (two live members may not share a name)."""
+    n = next(_DEFAULT_NAMES)
+    return f"pool-{os.getpid()}" + (f"-{n + 1}" if n else "")
+
+
+def _cut(text: str, limit: int = 64) -> str:
+    """At most `limit` bytes of UTF-8, cut at a character boundary."""
+    return text.encode()[:limit].decode(errors="ignore")
 
 
 def _now_ns() -> int:
