@@ -75,10 +75,17 @@ class EngineLoop:
 
     def unavailable(self) -> Exception:
         """What a command to this loop fails with once the loop takes no more."""
-        return self.fatal or self.dead or EngineUnavailableError(f"{self._model()} is stopped (the server is stopping)")
+        return (
+            self.fatal or self.dead or EngineUnavailableError(f"{self.describe()} is stopped: the server is stopping")
+        )
 
-    def _model(self) -> str:
+    def describe(self) -> str:
+        """'the engine of model NAME', for messages."""
         return f"the engine of model {self.name!r}" if self.name else "the engine"
+
+    def abort_in_flight(self, error: Exception) -> concurrent.futures.Future:
+        """Abort every request in flight; each one's sink gets `error`. The loop goes on."""
+        return self.call(lambda: self._abort_all(error))
 
     def add(self, prompt, params, request_id: str, sink: Callable[[Any], None]) -> concurrent.futures.Future:
         """Queue a request; `sink` receives each RequestOutput of it (or an EngineStepError) on the engine thread.
@@ -105,8 +112,7 @@ class EngineLoop:
         if not self._thread.is_alive():
             self._stop = True
             return
-        stopping = EngineUnavailableError(f"{self._model()} is stopped (the server is stopping)")
-        done = self.call(lambda: self._abort_all(stopping))
+        done = self.abort_in_flight(EngineUnavailableError(f"{self.describe()} is stopped: the server is stopping"))
         with contextlib.suppress(Exception):
             done.result(timeout)
         self._stop = True
@@ -149,7 +155,7 @@ class EngineLoop:
         try:
             self._serve()
         except BaseException as e:  # noqa: BLE001 - the thread ends either way; the server must hear why
-            dead = EngineUnavailableError(f"{self._model()} died: {type(e).__name__}: {e}")
+            dead = EngineUnavailableError(f"{self.describe()} died: {type(e).__name__}: {e}")
             log.error("%s; its requests get 503 from now on", dead, exc_info=e)
             with self._lock:
                 self.dead = dead

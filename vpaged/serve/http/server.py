@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ...errors import EngineUnavailableError
 from .app import create_app
 from .guard import ServerLimits, hosts_for_bind
 from .loop import EngineLoop
@@ -56,6 +57,9 @@ FATAL_GRACE_S = 3.0
 # (their clients see the connection close) and closes the engines: under docker's default 10 s from SIGTERM to
 # SIGKILL, so that the cleanup after it (the engines, a shared budget the server made) has time to run.
 SHUTDOWN_TIMEOUT_S = 5.0
+# Seconds the requests still in flight at shutdown_timeout_s have to write their answer (a 503 naming the stop;
+# a stream's error event) once their engine requests are aborted, before uvicorn cancels what is left.
+ANSWER_GRACE_S = 2.0
 
 __all__ = ["EngineLoop", "ServerLimits", "ServerThread", "create_app", "prometheus_text", "serve"]
 
@@ -127,13 +131,47 @@ def _uvicorn_config(app, limits: ServerLimits, log_level: str, shutdown_timeout_
         lifespan="on",
         http=protocol,
         timeout_keep_alive=limits.keep_alive_s,
-        timeout_graceful_shutdown=shutdown_timeout_s,
+        timeout_graceful_shutdown=shutdown_timeout_s + ANSWER_GRACE_S,
     )
 
 
 def _url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def _run(
+    server: uvicorn.Server,
+    sock: socket.socket,
+    loops: list[EngineLoop],
+    shutdown_timeout_s: float,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve on `sock` until server.should_exit (a signal, stop(), a fatal engine). Once it is set, uvicorn
+    refuses new connections and waits for the requests in flight; those still running shutdown_timeout_s later
+    have their engine requests aborted, so that each answers 503 (a stream: an error event) rather than being
+    cancelled without an answer (uvicorn's 500 or a cut connection) ANSWER_GRACE_S after that."""
+
+    async def announce():
+        while not server.started:
+            await asyncio.sleep(0.01)
+        on_ready(_url(sock))
+
+    async def end_in_flight_when_stopping():
+        while not server.should_exit:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(shutdown_timeout_s)
+        for loop in loops:
+            loop.abort_in_flight(EngineUnavailableError(f"{loop.describe()} is stopped: the server is stopping"))
+
+    helpers = [asyncio.ensure_future(end_in_flight_when_stopping())]
+    if on_ready is not None:
+        helpers.append(asyncio.ensure_future(announce()))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for task in helpers:
+            task.cancel()
 
 
 def serve(
@@ -158,8 +196,8 @@ def serve(
 
     SIGTERM (what systemd, docker and Kubernetes send) stops the server as Ctrl-C does, and serve returns
     normally: no new connections, the requests in flight get up to `shutdown_timeout_s` to finish (then they are
-    cancelled), the engine threads end, and the caller's cleanup runs (termination.py); a second SIGINT cuts the
-    wait short."""
+    answered 503), the engine threads end, and the caller's cleanup runs (termination.py); a second SIGINT cuts
+    the wait short."""
     sock = _bind(host, port)
     limits = _limits_for(limits, host)
     app = create_app(engine, model_name, default_max_tokens, limits, tool_call_parser)
@@ -174,22 +212,9 @@ def serve(
     for loop in loops:
         loop.on_fatal = shut_down
 
-    async def announce():
-        while not server.started:
-            await asyncio.sleep(0.01)
-        on_ready(_url(sock))
-
-    async def main():
-        task = asyncio.ensure_future(announce()) if on_ready is not None else None
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            if task is not None:
-                task.cancel()
-
     try:
         with sigterm_raises():
-            asyncio.run(main())
+            asyncio.run(_run(server, sock, loops, shutdown_timeout_s, on_ready))
     except (KeyboardInterrupt, Terminated):  # uvicorn shut down gracefully, then re-raised the signal it caught
         pass
     finally:
@@ -224,9 +249,8 @@ class ServerThread:
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = _url(self._sock)
         self.server = uvicorn.Server(_uvicorn_config(self.app, self.limits, log_level, shutdown_timeout_s))
-        self._thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self._sock]}, name="vpaged-http", daemon=True
-        )
+        serving = _run(self.server, self._sock, self.app.state.router.loops(), shutdown_timeout_s)
+        self._thread = threading.Thread(target=asyncio.run, args=(serving,), name="vpaged-http", daemon=True)
 
     def start(self, timeout: float = 30.0) -> ServerThread:
         self._thread.start()
