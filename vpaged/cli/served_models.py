@@ -236,5 +236,5 @@ def several_engines(models: list[ServedModel], args):
             for engine in engines.values():
                 with contextlib.suppress(Exception):
                     engine.close()
-            if made_here:  # a name of this process's: nobody else's budget (remove is a no-op if not made)
-                SharedBudget.remove(budget)
+            if made_here:  # this server's own budget: it ends with the server, whoever is still a member
+                SharedBudget.remove(budget, force=True)
