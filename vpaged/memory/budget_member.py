@@ -14,10 +14,12 @@ so the process's RSS falls. A member that is idle (not calling into vpaged) answ
 reclaim itself; a busy one answers when its current cache call returns.
 
 Ceilings: a ceiling lowered below what a busy member holds (`vpaged budget limit`) cannot be met at once
-(live K/V is never taken). The member answers the ask with what it can free, and from then on, while its
-limit is above the ceiling, it takes no new grant and lowers its limit again as its pages free: at each of
-its scheduler's steps (answer_pending) and at each REPORT_S of its thread, which reads its ceiling from the
-ledger. So a member over its ceiling is down to it within one report period after its requests finish.
+(live K/V is never taken). From then on, while its limit is above the ceiling, the member takes no new
+grant, admits no new request past the ceiling (admission_cap_pages), lets its running requests finish on
+what it holds, and as soon as its live K/V fits under the ceiling frees its reusable pages and lowers its
+limit to it: at each of its scheduler's steps (answer_pending) and every POLL_S on its thread, which reads
+its ceiling from the ledger every REPORT_S. So it is down to its ceiling within one report period after its
+requests finish.
 
 Health (budget_health.py): the thread also looks, every REPORT_S, whether the segment at the budget's path is
 still the one it joined. Removed: the member says so (health(), GET /health 503) and keeps what it holds.
@@ -177,7 +179,11 @@ class BudgetMembership:
 
     def admission_cap_pages(self) -> int | None:
         """Pages of live K/V this member may hold when it admits new work (the budget's share policy,
-        fair_share.py); None: no cap. Read from the ledger at most every POLL_S (a scheduler asks each step)."""
+        fair_share.py), and at most its ceiling while its limit is above it (running requests keep what they
+        hold; nothing new is admitted past the ceiling); None: no cap. Read from the ledger at most every
+        POLL_S (a scheduler asks each step)."""
+        if self._over_ceiling:
+            return self._ceiling_bytes // self.page_size
         if not self.budget.policy.caps_admissions:
             return None
         now = time.monotonic()
@@ -317,13 +323,15 @@ class BudgetMembership:
             if me is None:
                 return 0
             self._ceiling_bytes = me.ceiling_bytes
-            limit = self._core.limit
-            want = max(-(-me.asked_bytes // ps), limit - me.ceiling_bytes // ps)  # asked, or over the ceiling
+            limit, ceiling = self._core.limit, me.ceiling_bytes // ps
+            want = max(-(-me.asked_bytes // ps), limit - ceiling)  # asked, or over the ceiling
+            if limit > ceiling and self._live_pages(pool) > ceiling:
+                want = 0  # its running requests keep what they hold (the ask is the ceiling's): see the module
             if want > self._core.free_pages():
                 pool.reclaim_clients(want - self._core.free_pages())
             pool.trim()
             new_limit = self._core.set_limit(max(0, limit - want))  # clamped to the pages in use
-            self._over_ceiling = new_limit > me.ceiling_bytes // ps  # busy: lowered again as its pages free
+            self._over_ceiling = new_limit > ceiling  # busy: lowered as its requests finish
             mapped, live, dormant = self._figures(pool)
             self._guarded(None, self.budget.give_back, self.index, new_limit * ps, mapped, live, dormant)
             return limit - new_limit
@@ -340,6 +348,8 @@ class BudgetMembership:
                 if limit <= ceiling:
                     self._over_ceiling = False
                     return 0
+                if self._live_pages(pool) > ceiling:  # its running requests keep what they hold meanwhile
+                    return 0
                 if self._core.free_pages() < limit - ceiling:
                     pool.reclaim_clients(limit - ceiling - self._core.free_pages())
                 new_limit = self._core.set_limit(ceiling)  # clamped to the pages in use
@@ -354,6 +364,10 @@ class BudgetMembership:
                 return limit - new_limit
         finally:
             pool.client_lock.release()
+
+    @staticmethod
+    def _live_pages(pool: PagePool) -> int:
+        return pool.stats().used_pages - pool.reclaimable_pages()
 
     def _release_unused(self, pool: PagePool) -> None:
         with self._lock:
