@@ -86,7 +86,8 @@ class RequestChecks:
         raise RequestError(
             f"the answer to this request could take about {size / 2**20:.1f} MiB ({len(tokens_per_choice)} "
             f"prompt(s) x n={req.n} x up to {max(tokens_per_choice)} tokens{each}): over this server's limit of "
-            f"{limit / 2**20:.1f} MiB (--max-response-mib); ask for fewer tokens, choices or logprobs",
+            f"{limit / 2**20:.1f} MiB (--max-response-mib): lower {', '.join(dict.fromkeys((param, 'max_tokens')))}"
+            " or n",
             param=param,
             code="response_too_large",
         )

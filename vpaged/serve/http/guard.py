@@ -81,7 +81,10 @@ class ServerLimits:
 # JSON bytes per token of an answer, a little over what SmolLM2's and the word tokenizer's answers measured
 # (tests/test_serve_limits.py checks answers against the estimate): the token's text and its id; with logprobs,
 # each entry of a completion (a "text": logprob pair, and the token's own tokens / token_logprobs / text_offset
-# items), or of a chat answer ({"token", "logprob", "bytes"}); and a streamed chunk's envelope.
+# items), or of a chat answer ({"token", "logprob", "bytes"}); and a streamed chunk's envelope. Plus what an
+# answer holds however short: its envelope (id, usage, ...) and each choice's (index, finish_reason, ...).
+ANSWER_BYTES = 1024
+CHOICE_BYTES = 512
 TOKEN_BYTES = 24
 COMPLETION_LOGPROB_BYTES = 40
 CHAT_LOGPROB_BYTES = 96
@@ -96,7 +99,7 @@ def response_bytes_estimate(
     per_token = TOKEN_BYTES + (STREAM_CHUNK_BYTES if stream else 0)
     if logprobs is not None:
         per_token += (logprobs + 1) * CHAT_LOGPROB_BYTES if chat else (logprobs + 2) * COMPLETION_LOGPROB_BYTES
-    return n * sum(tokens_per_choice) * per_token
+    return ANSWER_BYTES + n * (len(tokens_per_choice) * CHOICE_BYTES + sum(tokens_per_choice) * per_token)
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")

@@ -48,7 +48,8 @@ def functions(tools, param: str = "tools") -> dict[str, dict]:
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name) or name in out:
-            raise RequestError("each tool must be {type: function, function: {name (unique), ...}}", param=param)
+            shape = "each tool must be {type: function, function: {name (unique), ...}}"
+            raise RequestError(shape if param == "tools" else f"{param}: each must be {{name (unique), ...}}", param)
         params = fn.get("parameters", EMPTY_PARAMETERS)
         if not isinstance(params, dict):
             raise RequestError(f"tool {name}: parameters must be a JSON schema object", param=param)
@@ -67,10 +68,8 @@ def choice_of(tool_choice, fns: dict[str, dict], param: str = "tool_choice") -> 
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) and tool_choice.get("type") == "function" else None
     if name not in fns:
-        raise RequestError(
-            "tool_choice must be auto, none, required or {type: function, function: {name}} of a given tool",
-            param=param,
-        )
+        shape = "{type: function, function: {name}}" if param == "tool_choice" else "{name}"
+        raise RequestError(f"{param} must be auto, none, required or {shape} of a given tool", param=param)
     return name
 
 
