@@ -228,3 +228,101 @@ def test_segment_holds_counts_not_kv(budget_name, rng):
     raw = open(segment_path(budget_name), "rb").read()
     assert len(raw) < 4 << 20  # a header, status records and the member table buffers
     assert struct.pack("<f", 1234.5678) not in raw
+
+
+def test_names_are_kept_whole_and_never_shared(budget_name):
+    budget = SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    long_a, long_b = "model-" + "a" * 50 + "-one", "model-" + "a" * 50 + "-two"  # alike in their first 32 bytes
+    ia = budget.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name=long_a)
+    ib = budget.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name=long_b)
+    assert [m.name for m in budget.state().members] == [long_a, long_b]
+    before = budget.segment.snapshot()
+    with pytest.raises(BudgetMismatchError, match="already has a live member named"):
+        budget.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name=long_a)
+    with pytest.raises(InvalidArgumentError, match="at most 64 bytes"):
+        budget.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name="é" * 33)  # 66 bytes of UTF-8
+    after = budget.segment.snapshot()
+    assert (after.generation, after.body) == (before.generation, before.body)  # refusals wrote nothing
+    budget.leave(ia)
+    assert budget.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name=long_a) == ia  # free again once it left
+    assert ib == 1
+
+
+def test_set_ceiling_selectors_are_unambiguous(budget_name):
+    budget = SharedBudget.create(budget_name, capacity_bytes=16 * PAGE)
+    i0 = budget.join(page_size=PAGE, ceiling_bytes=16 * PAGE, name="1")  # a name that looks like an index
+    i1 = budget.join(page_size=PAGE, ceiling_bytes=16 * PAGE, name="other")
+    assert budget.set_ceiling("1", 4 * PAGE) == [i0]  # the name "1", not the member at index 1
+    assert budget.set_ceiling(index=1, max_bytes=6 * PAGE) == [i1]
+    ceilings = {m.index: m.ceiling_bytes for m in budget.state().members}
+    assert ceilings == {i0: 4 * PAGE, i1: 6 * PAGE}
+    assert budget.set_ceiling(pid=os.getpid(), max_bytes=8 * PAGE) == [i0, i1]
+    with pytest.raises(InvalidArgumentError, match="no member named '0'"):
+        budget.set_ceiling("0", PAGE)  # an index given as a name matches no name
+    with pytest.raises(InvalidArgumentError, match="exactly one"):
+        budget.set_ceiling("1", PAGE, index=0)
+    assert {m.ceiling_bytes for m in budget.state().members} == {8 * PAGE}
+
+
+def test_remove_refuses_live_members_unless_forced(budget_name):
+    from vpaged.errors import BudgetInUseError
+
+    budget = SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    index = budget.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name="busy")
+    with pytest.raises(BudgetInUseError, match="busy"):
+        SharedBudget.remove(budget_name)
+    assert budget.check().state == "ok"
+    budget.leave(index)
+    assert SharedBudget.remove(budget_name)
+    assert budget.check().state == "removed"
+    SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    assert budget.check().state == "replaced"  # a re-created budget: the member side rejoins it
+    again = SharedBudget.open(budget_name)
+    again.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name="x")
+    assert SharedBudget.remove(budget_name, force=True)
+
+
+def test_a_damaged_segment_reads_as_corrupt_and_is_removable(budget_name):
+    budget = SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    budget.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name="m")
+    with open(segment_path(budget_name), "r+b") as f:
+        f.seek(budget.segment.active_table_offset() + 20)
+        f.write(b"\xff")
+    status = budget.check()
+    assert status.state == "corrupt" and "checksum" in status.message
+    assert not budget.leave(0)  # nothing to leave, and no error at exit
+    assert SharedBudget.remove(budget_name)  # the fix the message names works without --force
+
+
+def test_an_old_format_segment_is_refused_with_the_fix(budget_name):
+    path = segment_path(budget_name)
+    with open(path, "wb") as f:  # a version-2 segment (the flock ledger) of its own size
+        f.write(b"VPBUDGET" + struct.pack("<I", 2) + bytes(9000))
+    os.chmod(path, 0o600)
+    with pytest.raises(BudgetCorruptError, match=f"format version 2, this vpaged reads 3.*remove {budget_name}"):
+        SharedBudget.open(budget_name)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
+def test_another_users_remove_is_a_typed_error(budget_name):
+    SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        code = b"?"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                SharedBudget.remove(budget_name, force=True)
+                code = b"R"
+            except BudgetPermissionError:
+                code = b"P"
+        finally:
+            os.write(w, code)
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.waitpid(pid, 0)
+    assert got == b"P" and os.path.exists(segment_path(budget_name))

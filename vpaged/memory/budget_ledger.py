@@ -61,8 +61,19 @@ from .budget_segment import (
 )
 
 TRANSACTION_S = 2.5  # a change that cannot land this long is refused (the bound for a grant is 3 s)
+_MIN_TRIES = 20  # tries before giving up, however long they took (a caller stopped mid-change resumes late)
 SCRATCH_GRACE_S = 120.0  # a scratch claim older than this is taken over
 _WRITE_LOCK = threading.RLock()  # this process's writers of any ledger (see the Note)
+
+
+def _after_fork_in_child() -> None:
+    # A thread of the parent (its lease renewer) may have held the lock at the fork: the child has no such
+    # thread, and it owns none of its parent's members (_Owned clears them).
+    global _WRITE_LOCK
+    _WRITE_LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 # Test hook: called after a change's buffer is written and before its compare-and-swap (tests stop or kill
 # the process there to show that a change cut at that point harms no one). None in production.
@@ -202,7 +213,7 @@ class BudgetLedger:
                     if self.segment.map.cas64(CONTROL_OFFSET, snap.control, ((snap.generation + 1) << 8) | target):
                         self._after_landing(snap.records, table)
                         return result
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > deadline and attempt >= _MIN_TRIES:
                         break
                     time.sleep(random.uniform(0, min(0.02, 0.0002 * 2 ** min(attempt, 7))))
             finally:

@@ -175,7 +175,6 @@ class BudgetSegment:
     def __init__(self, name: str, fd: int, path: str):
         self.name, self.path, self._fd = name, path, fd
         self.map = _C.LedgerMapping(fd, segment_bytes())
-        self.status_lock = threading.Lock()  # this process's writers of status records (one copy at a time)
         try:
             self._check_header()
         except BaseException:
@@ -384,17 +383,17 @@ class BudgetSegment:
 
     def write_status(self, index: int, token: int, lease_ns: int, mapped: int, live: int, dormant: int) -> None:
         """Overwrite the older (or a damaged) copy of slot `index`'s status record; only the slot's member
-        calls this. A kill mid-write leaves the other copy, which readers then take."""
-        with self.status_lock:
-            self.check_readable()
-            copies = self._read_status(index)
-            seq = max((c[0] for c in copies if c is not None), default=0) + 1
-            at = next((i for i, c in enumerate(copies) if c is None), None)
-            if at is None:
-                at = 0 if copies[0][0] <= copies[1][0] else 1
-            head = struct.pack("<QQQQQQQ", seq, token, lease_ns, mapped, live, dormant, time.time_ns())
-            offset = STATUS_OFFSET + index * STATUS_SLOT_BYTES + at * _STATUS.size
-            self.map.write(offset, head + struct.pack("<I4x", zlib.crc32(head)))
+        calls this, holding budget_ledger's process-wide lock. A kill mid-write leaves the other copy, which
+        readers then take."""
+        self.check_readable()
+        copies = self._read_status(index)
+        seq = max((c[0] for c in copies if c is not None), default=0) + 1
+        at = next((i for i, c in enumerate(copies) if c is None), None)
+        if at is None:
+            at = 0 if copies[0][0] <= copies[1][0] else 1
+        head = struct.pack("<QQQQQQQ", seq, token, lease_ns, mapped, live, dormant, time.time_ns())
+        offset = STATUS_OFFSET + index * STATUS_SLOT_BYTES + at * _STATUS.size
+        self.map.write(offset, head + struct.pack("<I4x", zlib.crc32(head)))
 
 
 def pack_table(records: list[MemberRecord], generation: int) -> bytes:
