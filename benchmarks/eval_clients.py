@@ -7,12 +7,19 @@
 2. LangChain (langchain-openai's ChatOpenAI on the server): `with_structured_output` of a Pydantic schema with
    `method="json_schema"` and `method="function_calling"`, and `bind_tools(..., tool_choice="required")`, each
    on `--prompts` prompts: how many outputs parse and validate.
+3. Agent frameworks with tools under `tool_choice="auto"`: LangGraph's prebuilt ReAct agent and LangChain's
+   `create_agent`, openai-agents' `Runner` over its chat-completions model, pydantic-ai's `Agent`, each on
+   `--agent-prompts` prompts with two tools. Recorded per framework: runs that finished, tool calls the model
+   made, and failures (an exception other than the framework's own turn limit). First the server is asked
+   whether the tools reach the prompt at all: the prompt token count of one chat request with and without them.
+   What a 135M model chooses to call is its own affair; every reply must parse.
 
 The clients live in their own venv (they pull packages vpaged does not need); the server runs vpaged from this
 checkout in the venv given by --server-python:
 
   python3 -m venv /work/venv-clients && /work/venv-clients/bin/pip install torch==2.13.0 \
       && /work/venv-clients/bin/pip install lm-eval==0.4.13 langchain-openai openai transformers accelerate
+  /work/venv-clients/bin/pip install langgraph langchain openai-agents "pydantic-ai-slim[openai]"  # part 3
   /work/venv-clients/bin/python benchmarks/eval_clients.py --server-python .venv/bin/python
 
 Writes benchmarks/results/<--output> with the CPU named.
@@ -278,6 +285,155 @@ def run_langchain(base_url: str, prompts: int) -> dict:
     return report
 
 
+AGENT_CITIES = ["Lisbon", "Oslo", "Lima", "Cairo", "Hanoi", "Quito", "Perth", "Dakar", "Riga", "Pune"]
+
+
+def agent_prompts(n: int, rng: random.Random) -> list[str]:
+    return [
+        rng.choice(
+            [
+                f"What is the weather in {rng.choice(AGENT_CITIES)}? Use the tool.",
+                f"Use the add tool to add {rng.randint(1, 99)} and {rng.randint(1, 99)}.",
+                "Say hello in one short sentence.",
+            ]
+        )
+        for _ in range(n)
+    ]
+
+
+def weather_tool(city: str) -> str:
+    """The current weather in a city."""
+    return f"sunny and 21 degrees in {city}"
+
+
+def add_tool(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def tools_reach_prompt(base_url: str) -> dict:
+    """The prompt token count of one chat request with and without the tools (equal: the tools were dropped)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The current weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    bare = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1)
+    with_tools = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1, tools=tools)
+    return {
+        "prompt_tokens_without_tools": bare.usage.prompt_tokens,
+        "prompt_tokens_with_tools": with_tools.usage.prompt_tokens,
+        "tools_reach_prompt": with_tools.usage.prompt_tokens > bare.usage.prompt_tokens,
+    }
+
+
+def _agent_run(report: dict, run, limit_errors: tuple) -> None:
+    """One agent run: counts it as finished, as stopped by the framework's own turn limit, or as a failure."""
+    try:
+        report["tool_calls"] += run()
+        report["finished"] += 1
+    except limit_errors:
+        report["turn_limit"] += 1
+    except Exception as e:  # a reply that did not parse, a refused request: a failure, with its reason
+        report["failures"].append(f"{type(e).__name__}: {e}"[:300])
+
+
+def run_agents(base_url: str, prompts: int) -> dict:
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents.exceptions import MaxTurnsExceeded
+    from langchain.agents import create_agent
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.errors import GraphRecursionError
+    from langgraph.prebuilt import create_react_agent
+    from openai import AsyncOpenAI
+    from pydantic_ai import Agent as PydanticAgent
+    from pydantic_ai.exceptions import UsageLimitExceeded
+    from pydantic_ai.messages import ToolCallPart
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
+
+    texts = agent_prompts(prompts, random.Random(1))
+    report = {"tools_check": tools_reach_prompt(base_url)}
+
+    def fresh() -> dict:
+        return {"prompts": len(texts), "finished": 0, "turn_limit": 0, "tool_calls": 0, "failures": []}
+
+    llm = ChatOpenAI(
+        model=NAME, base_url=base_url, api_key="unused", temperature=0, max_tokens=96, timeout=600, max_retries=0
+    )
+    lc_tools = [tool(weather_tool), tool(add_tool)]
+
+    def langchain_calls(state: dict) -> int:
+        return sum(len(m.tool_calls) for m in state["messages"] if isinstance(m, AIMessage))
+
+    for name, graph in (
+        ("langgraph create_react_agent", create_react_agent(llm, lc_tools)),
+        ("langchain create_agent", create_agent(model=llm, tools=lc_tools)),
+    ):
+        r = fresh()
+        for text in texts:
+            _agent_run(
+                r,
+                lambda g=graph, t=text: langchain_calls(
+                    g.invoke({"messages": [{"role": "user", "content": t}]}, {"recursion_limit": 8})
+                ),
+                (GraphRecursionError,),
+            )
+        report[name] = r
+
+    set_tracing_disabled(True)
+    oa_model = OpenAIChatCompletionsModel(
+        model=NAME, openai_client=AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0)
+    )
+    oa_agent = Agent(
+        name="assistant",
+        instructions="You are a helpful assistant. Use the tools when they help.",
+        tools=[function_tool(weather_tool), function_tool(add_tool)],
+        model=oa_model,
+        model_settings=ModelSettings(temperature=0, max_tokens=96),
+    )
+    r = fresh()
+    for text in texts:
+        _agent_run(
+            r,
+            lambda t=text: sum(
+                1 for item in Runner.run_sync(oa_agent, t, max_turns=4).new_items if item.type == "tool_call_item"
+            ),
+            (MaxTurnsExceeded,),
+        )
+    report["openai-agents Runner"] = r
+
+    pa_model = OpenAIChatModel(NAME, provider=OpenAIProvider(base_url=base_url, api_key="unused"))
+    pa_agent = PydanticAgent(
+        pa_model, tools=[weather_tool, add_tool], model_settings={"temperature": 0, "max_tokens": 96}
+    )
+    r = fresh()
+    for text in texts:
+        _agent_run(
+            r,
+            lambda t=text: sum(
+                isinstance(part, ToolCallPart)
+                for message in pa_agent.run_sync(t, usage_limits=UsageLimits(request_limit=4)).all_messages()
+                for part in getattr(message, "parts", ())
+            ),
+            (UsageLimitExceeded,),
+        )
+    report["pydantic-ai Agent"] = r
+    return report
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server-python", default=os.environ.get("VPAGED_SERVER_PYTHON", sys.executable))
@@ -285,9 +441,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--gen-samples", type=int, default=20)
     ap.add_argument("--max-gen-tokens", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=20, help="LangChain prompts per check")
+    ap.add_argument("--agent-prompts", type=int, default=12, help="prompts per agent framework")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=None, help="of the task data (default: a fresh one)")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: lm_eval, langchain")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: lm_eval, langchain, agents")
     ap.add_argument("--output", default="eval-clients_smollm2_epyc-avx2-2c.json")
     args = ap.parse_args(argv)
     why = real_model.why_unavailable()
@@ -315,6 +472,10 @@ def main(argv=None) -> dict:
                 t0 = time.perf_counter()
                 payload["langchain"] = run_langchain(f"http://127.0.0.1:{port}/v1", args.prompts)
                 payload["langchain_s"] = time.perf_counter() - t0
+            if "agents" not in skip:
+                t0 = time.perf_counter()
+                payload["agents"] = run_agents(f"http://127.0.0.1:{port}/v1", args.agent_prompts)
+                payload["agents_s"] = time.perf_counter() - t0
         finally:
             server.terminate()
             server.wait(60)
@@ -331,6 +492,23 @@ def main(argv=None) -> dict:
         rows.append(["lm-eval generate_until equal", f"{e['gen_equal']} / {e['gen_docs']}"])
     for name, r in payload.get("langchain", {}).items():
         rows.append([f"langchain {name}", f"{r['valid']} / {r['prompts']} parse + validate"])
+    agents = dict(payload.get("agents", {}))
+    if agents:
+        check = agents.pop("tools_check")
+        rows.append(
+            [
+                "tools reach the prompt (prompt tokens without / with)",
+                f"{check['prompt_tokens_without_tools']} / {check['prompt_tokens_with_tools']}",
+            ]
+        )
+    for name, r in agents.items():
+        rows.append(
+            [
+                f"agents {name}",
+                f"{r['finished']} / {r['prompts']} finished, {r['turn_limit']} at the turn limit, "
+                f"{r['tool_calls']} tool calls, {len(r['failures'])} failures",
+            ]
+        )
     print_table(["check", "result"], rows)
     print(f"wrote {write_json(args.output, payload)}")
     return payload
