@@ -4,7 +4,8 @@ A PagePool owns one device's pages (over the C++ backend: host memfd or CUDA VMM
 backend and page size, limits.py checks a host pool against what the machine can back, buildinfo.py says how
 the extension was built, and allocator.py plugs a pool into torch's allocator. shared_budget.py is the
 machine-wide ledger that pools of several processes join (budget_segment.py its bytes in /dev/shm,
-budget_member.py a pool's grant and give-back thread, fair_share.py the rule under contention). Nothing
+budget_ledger.py its lock-free changes, budget_liveness.py the members' leases, budget_member.py a pool's
+grant and give-back thread, fair_share.py the rule under contention). Nothing
 here knows about tokens or caches.
 """
 
