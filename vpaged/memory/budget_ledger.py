@@ -131,7 +131,7 @@ class BudgetLedger:
         token = int.from_bytes(os.urandom(8), "little") | 1
         now = boottime_ns()
         return MemberRecord(
-            index, me, process_start_ticks(me) or 0, pidns=self.pidns, token=token, joined_ns=now, lease_ns=now,
+            index, me, process_start_ticks("self") or 0, pidns=self.pidns, token=token, joined_ns=now, lease_ns=now,
             **fields,
         )  # fmt: skip
 

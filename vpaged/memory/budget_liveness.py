@@ -47,8 +47,9 @@ def pid_namespace() -> int:
         return 0
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """The start time of `pid` (clock ticks since boot), or None when it is gone or a zombie."""
+def process_start_ticks(pid: int | str) -> int | None:
+    """The start time of `pid` (clock ticks since boot), or None when it is gone or a zombie. "self": this
+    process's, right even where /proc is another PID namespace's (a container given the host's /proc)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()

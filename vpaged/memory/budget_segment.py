@@ -351,9 +351,11 @@ class BudgetSegment:
                 bad = "fails its member table checksum (written outside vpaged?)"
                 continue  # once more, in case the bytes moved under a reader paused between the two loads
             records = [MemberRecord.unpack(body, 12 + i * _RECORD.size) for i in range(count)]
-            for r in records if figures else ():
-                if r.state == USED:
-                    self._fill_status(r)
+            if figures and records:  # all status records in one read: a change reads them every time
+                status = self.map.read(STATUS_OFFSET, MAX_MEMBERS * STATUS_SLOT_BYTES)
+                for r in records:
+                    if r.state == USED:
+                        self._fill_status(r, status)
             return Snapshot(control, records, body[12:])
         raise self.corrupt(bad or "kept changing under a reader")
 
@@ -367,17 +369,21 @@ class BudgetSegment:
         return buffer_offset(self.map.load64(CONTROL_OFFSET) & 0xFF)
 
     # ----------------------------------------------------------------------------------- status records
-    def _read_status(self, index: int) -> list[tuple | None]:
-        """Both copies of slot `index`'s status record, None for one that fails its crc."""
-        raw = self.map.read(STATUS_OFFSET + index * STATUS_SLOT_BYTES, STATUS_SLOT_BYTES)
+    def _read_status(self, index: int, status: bytes | None = None) -> list[tuple | None]:
+        """Both copies of slot `index`'s status record, None for one that fails its crc (from `status`, the
+        whole status area read at once, when given)."""
+        if status is None:
+            raw, base = self.map.read(STATUS_OFFSET + index * STATUS_SLOT_BYTES, STATUS_SLOT_BYTES), 0
+        else:
+            raw, base = status, index * STATUS_SLOT_BYTES
         out = []
-        for at in (0, _STATUS.size):
+        for at in (base, base + _STATUS.size):
             c = _STATUS.unpack_from(raw, at)
             out.append(c if c[7] == zlib.crc32(raw[at : at + _STATUS.size - 8]) else None)
         return out
 
-    def _fill_status(self, r: MemberRecord) -> None:
-        good = [c for c in self._read_status(r.index) if c is not None and c[1] == r.token]
+    def _fill_status(self, r: MemberRecord, status: bytes) -> None:
+        good = [c for c in self._read_status(r.index, status) if c is not None and c[1] == r.token]
         if good:
             _, _, r.lease_ns, r.mapped_bytes, r.live_bytes, r.dormant_bytes, r.updated_ns, _ = max(good)
 
