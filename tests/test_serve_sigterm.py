@@ -217,3 +217,20 @@ def test_a_stopping_server_answers_the_requests_in_flight_after_its_timeout():
     assert took < TIMEOUT / 2, f"stop took {took:.1f} s"  # a bounded wait, not the generation's 200 s
     assert not srv.app.state.engine_loop.alive
     assert not engine.has_unfinished()  # the requests in flight were aborted in the engine
+
+
+def test_sigterm_stops_a_tensor_parallel_server_with_its_ranks_and_temporary_directory():
+    before = set(glob.glob("/tmp/vpaged-tp-*"))
+    proc, lines = start(["random:llama-tiny", "--tensor-parallel-size", "2"])
+    try:
+        ready(proc, lines)
+        made = set(glob.glob("/tmp/vpaged-tp-*")) - before  # random weights saved for the ranks to load
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    finally:
+        rc, err = terminate(proc)
+    assert rc == 0 and "Traceback" not in err, err
+    assert made and not any(os.path.exists(d) for d in made)
+    deadline = time.monotonic() + EXIT_WAIT  # the ranks end with their group (a helper may outlive it briefly)
+    while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
