@@ -63,10 +63,7 @@ def budget_name():
 
 def force_remove(name: str) -> None:
     """Remove the budget's segment even while members are in it (`vpaged budget remove NAME --force`)."""
-    try:
-        SharedBudget.remove(name, force=True)
-    except TypeError:  # a ledger whose remove() refuses nothing
-        SharedBudget.remove(name)
+    SharedBudget.remove(name, force=True)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -1,29 +1,61 @@
 """`vpaged budget create | show | limit | remove`: the machine-wide shared budget from the shell (what
-kvcached's kvctl does for its instances). The ledger itself is vpaged/memory/shared_budget.py."""
+kvcached's kvctl does for its instances). The ledger itself is vpaged/memory/shared_budget.py.
+
+Every error is one line on stderr (`vpaged budget: ...`) and exit status 1: a bad name, size or page size,
+a budget that is missing, damaged, in use (`remove` without --force) or another user's; never a traceback.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import mmap
+import re
 import sys
 from dataclasses import asdict
 
-from ..errors import VPagedError
+from ..errors import InvalidArgumentError, VPagedError
 from ..memory.fair_share import DEFAULT_SHARE_POLICY, SHARE_POLICIES
 from ..memory.shared_budget import BudgetState, SharedBudget
 
 _UNITS = {"": 1, "b": 1}
 for _i, _p in enumerate("kmgt", start=1):  # binary multiples, whichever way they are written
     _UNITS.update({_p: 1024**_i, f"{_p}b": 1024**_i, f"{_p}ib": 1024**_i})
+_MAX_BYTES = 1 << 62  # beyond any machine's memory (and the ledger's 64-bit fields)
+# fullmatch, not match with "$": "$" also matches before a trailing newline ("kv\n" is not a name)
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def parse_bytes(text: str) -> int:
-    """'1073741824', '512MiB', '4G', '1.5gib' -> bytes (k, m, g, t are powers of 1024)."""
+    """'1073741824', '512MiB', '4G', '1.5gib' -> bytes (k, m, g, t are powers of 1024). InvalidArgumentError
+    (a ValueError) for anything else: no unit known, not a finite number >= 0, or past 2**62."""
     t = text.strip().lower()
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = t[len(num) :]
-    if unit not in _UNITS or not num:
-        raise ValueError(f"not a size: {text!r} (examples: 1073741824, 512MiB, 4GiB)")
-    return int(float(num) * _UNITS[unit])
+    try:
+        value = float(num) * _UNITS[unit] if num else math.nan
+    except (KeyError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or value > _MAX_BYTES:
+        raise InvalidArgumentError(f"not a size: {text!r} (examples: 1073741824, 512MiB, 4GiB; at most 2**62)")
+    return int(value)
+
+
+def check_name(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise InvalidArgumentError(f"a budget name is 1-64 of A-Z a-z 0-9 _ . -, got {name!r}")
+    return name
+
+
+def check_page_size(page_size: int) -> int:
+    """A members' page size: a positive multiple of the OS page size (what a host pool maps; a CUDA pool's
+    2 MiB granularity is one too)."""
+    if page_size <= 0 or page_size % mmap.PAGESIZE:
+        raise InvalidArgumentError(
+            f"--page-size must be a positive multiple of the OS page size ({mmap.PAGESIZE} bytes), got {page_size}"
+        )
+    return page_size
 
 
 def _mib(n: int) -> str:
@@ -40,8 +72,8 @@ def add_parser(sub) -> None:
     cmds = p.add_subparsers(dest="budget_command", required=True)
     c = cmds.add_parser("create", help="create a budget of N bytes")
     c.add_argument("name")
-    c.add_argument("--bytes", required=True, type=parse_bytes, help="capacity, e.g. 8GiB")
-    c.add_argument("--page-size", type=parse_bytes, default=64 * 1024, help="members' page size (default 64KiB)")
+    c.add_argument("--bytes", required=True, help="capacity, e.g. 8GiB")
+    c.add_argument("--page-size", default="64KiB", help="members' page size: a multiple of the OS page (default 64KiB)")
     c.add_argument("--group", action="store_true", help="mode 0660: the owner's group may join too")
     c.add_argument(
         "--share-policy",
@@ -57,26 +89,54 @@ def add_parser(sub) -> None:
     s.set_defaults(func=cmd_show)
     lim = cmds.add_parser("limit", help="change a member's ceiling at run time")
     lim.add_argument("name")
-    lim.add_argument("--member", required=True, help="the member's name, index or pid")
-    lim.add_argument("--max", required=True, type=parse_bytes, help="the new ceiling, e.g. 2GiB")
+    which = lim.add_mutually_exclusive_group(required=True)
+    which.add_argument("--member", help="the member's name (a name only: never read as an index or pid)")
+    which.add_argument("--index", type=int, help="the member's index (the # column of `vpaged budget show`)")
+    which.add_argument("--pid", type=int, help="the members of this process id")
+    lim.add_argument("--max", required=True, help="the new ceiling, e.g. 2GiB")
     lim.set_defaults(func=cmd_limit)
-    r = cmds.add_parser("remove", help="remove the budget's segment (members keep counting on their copy)")
+    r = cmds.add_parser("remove", help="remove the budget's segment (refused while members use it)")
     r.add_argument("name")
+    r.add_argument(
+        "--force",
+        action="store_true",
+        help="remove it even while members use it: they report it (/health 503) and rejoin a budget created "
+        "again under the name",
+    )
     r.set_defaults(func=cmd_remove)
 
 
 def _run(fn, args) -> int:
     try:
         return fn(args)
-    except VPagedError as e:
-        print(f"vpaged budget: {e}", file=sys.stderr)
-        return 1
+    except (VPagedError, ValueError, OverflowError) as e:
+        print(f"vpaged budget: {_one_line(str(e))}", file=sys.stderr)
+    except OSError as e:  # e.g. another user's segment in /dev/shm (sticky): not this user's to remove
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"vpaged budget: {e.strerror or type(e).__name__}{where}", file=sys.stderr)
+    return 1
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+@contextlib.contextmanager
+def _opened(name: str):
+    """The budget, closed however the command ends (a damaged one too, without a word at exit)."""
+    budget = SharedBudget.open(check_name(name))
+    try:
+        yield budget
+    finally:
+        with contextlib.suppress(Exception):
+            budget.close()
 
 
 def cmd_create(args) -> int:
     def go(a):
         mode = 0o660 if a.group else 0o600
-        b = SharedBudget.create(a.name, a.bytes, page_size=a.page_size, mode=mode, share_policy=a.share_policy)
+        name, capacity, page_size = check_name(a.name), parse_bytes(a.bytes), check_page_size(parse_bytes(a.page_size))
+        b = SharedBudget.create(name, capacity, page_size=page_size, mode=mode, share_policy=a.share_policy)
         print(
             f"created budget {a.name!r}: {_mib(b.capacity_bytes)} MiB in pages of {b.page_size} bytes, "
             f"share policy {b.policy.name}"
@@ -89,9 +149,8 @@ def cmd_create(args) -> int:
 
 def cmd_show(args) -> int:
     def go(a):
-        b = SharedBudget.open(a.name)
-        state = b.state()
-        b.close()
+        with _opened(a.name) as b:
+            state = b.state()
         if a.json:
             print(json.dumps(asdict(state) | {"free_bytes": state.free_bytes}, indent=2))
         else:
@@ -133,10 +192,13 @@ def print_state(state: BudgetState) -> None:
 
 def cmd_limit(args) -> int:
     def go(a):
-        b = SharedBudget.open(a.name)
-        changed = b.set_ceiling(a.member, a.max)
-        b.close()
-        print(f"ceiling of member(s) {', '.join(map(str, changed))} set to {_mib(a.max)} MiB")
+        max_bytes = parse_bytes(a.max)
+        with _opened(a.name) as b:
+            if a.member is not None:
+                changed = b.set_ceiling(a.member, max_bytes)
+            else:
+                changed = b.set_ceiling(max_bytes=max_bytes, index=a.index, pid=a.pid)
+        print(f"ceiling of member(s) {', '.join(map(str, changed))} set to {_mib(max_bytes)} MiB")
         return 0
 
     return _run(go, args)
@@ -144,7 +206,7 @@ def cmd_limit(args) -> int:
 
 def cmd_remove(args) -> int:
     def go(a):
-        if SharedBudget.remove(a.name):
+        if SharedBudget.remove(check_name(a.name), force=a.force):
             print(f"removed budget {a.name!r}")
             return 0
         print(f"vpaged budget: no budget named {a.name!r}", file=sys.stderr)

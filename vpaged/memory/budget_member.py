@@ -405,6 +405,10 @@ class BudgetMembership:
         if where == "replaced":
             self._rejoin(pool, same_file=False)
             return
+        status = self._guarded(None, self.budget.check)
+        if status is not None and status.state == "corrupt":  # the header is read at open only: ask again
+            self._set_health("corrupt", status.message)
+            return
         me = self._guarded(_FAILED, self.budget.member, self.index)
         if me is _FAILED:
             return  # the ledger cannot be read: health() says why

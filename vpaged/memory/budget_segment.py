@@ -290,6 +290,7 @@ class BudgetSegment:
         if (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
             return SegmentStatus("replaced", f"budget {self.name!r} ({self.path}) was removed and created again")
         try:
+            self._check_header()  # read at open only otherwise: a header overwritten since shows here
             self.snapshot()
         except BudgetCorruptError as e:
             return SegmentStatus("corrupt", str(e))

@@ -346,9 +346,8 @@ class LLMEngine:
         draws = [(seq, [next(drawn) for _ in range(count)]) for seq, count in zip(samplers, counts)]
         if allowed is not None:
             for seq, seq_draws in draws:
-                token = seq_draws[0][0]
-                if seq.matcher is not None and token != NO_TOKEN and not seq.matcher.is_terminated():
-                    seq.matcher.accept_token(token)  # forked completions replay their own later
+                if seq.matcher is not None and seq_draws[0][0] != NO_TOKEN and not seq.matcher.is_terminated():
+                    seq.matcher.accept_token(seq_draws[0][0])  # forked completions replay their own later
         asking = [r for r, p in enumerate(params) if p.logprobs is not None]
         if not asking:
             return draws, []
