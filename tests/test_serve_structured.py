@@ -170,3 +170,81 @@ def test_server_structured_output_and_required_tool_calls_validate(smol):
         assert msg.message.tool_calls and all(t.function.name == "get_weather" for t in msg.message.tool_calls)
         for t in msg.message.tool_calls:
             Weather.model_validate_json(t.function.arguments)
+
+
+class Verdict(pydantic.BaseModel):
+    # Not in alphabetical order: the reasoning is written before the answer it leads to.
+    reasoning: str = pydantic.Field(max_length=24)
+    answer: int = pydantic.Field(ge=0, le=99)
+    sure: bool
+
+
+class Addr(pydantic.BaseModel):
+    street: str = pydantic.Field(max_length=16)
+    city: str = pydantic.Field(max_length=16)
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=16)
+    home: Addr  # a local "$ref": "#/$defs/Addr" in the tool's parameters
+
+
+def test_real_model_keeps_schema_key_order_and_required_tools_with_defs_validate(smol):
+    """On SmolLM2 through the server: json_schema answers keep the schema's key order (they came back
+    alphabetical), a Pydantic tool with $defs under tool_choice "required" is served (it was a 400) and its
+    arguments validate; in the engine, the required call writes its name before its arguments."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    openai = pytest.importorskip("openai")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vpaged.serve.http import tools
+    from vpaged.serve.http.server import ServerThread
+
+    tool = {"type": "function", "function": {"name": "add_person", "parameters": Person.model_json_schema()}}
+    cities = PLACES.split()[:4]
+    with ServerThread(smol.engine, model_name="smol") as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=600) as client:
+
+            def verdict(i):
+                return client.chat.completions.create(
+                    model="smol",
+                    messages=[{"role": "user", "content": f"How many letters has {cities[i]}? Reason, then answer."}],
+                    max_tokens=64,
+                    temperature=0.7,
+                    seed=i,
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "Verdict", "schema": Verdict.model_json_schema(), "strict": True},
+                    },
+                )
+
+            def person(i):
+                return client.chat.completions.create(
+                    model="smol",
+                    messages=[{"role": "user", "content": f"Add Ann, who lives on Main Street in {cities[i]}."}],
+                    max_tokens=64,
+                    temperature=0.7,
+                    seed=i,
+                    tools=[tool],
+                    tool_choice="required",
+                )
+
+            with ThreadPoolExecutor(8) as pool:  # all in flight at once: one batch in the engine
+                answers = [pool.submit(verdict, i) for i in range(len(cities))]
+                calls = [pool.submit(person, i) for i in range(len(cities))]
+                answers, calls = [a.result() for a in answers], [c.result() for c in calls]
+    for answer in answers:
+        text = answer.choices[0].message.content
+        assert [k for k, _ in json.loads(text, object_pairs_hook=list)] == ["reasoning", "answer", "sure"], text
+        Verdict.model_validate_json(text)
+    for call in calls:
+        choice = call.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (made,) = choice.message.tool_calls
+        assert made.function.name == "add_person"
+        Person.model_validate_json(made.function.arguments)
+    spec = tools.grammar("required", tools.functions([tool]))
+    prompt = chat_prompt(smol.engine.tokenizer, "Add Bob, who lives on High Street in Oslo.")
+    out = smol.generate([prompt], SamplingParams(max_tokens=64, temperature=0.0, structured=spec))[0]
+    assert out.finish_reason == "stop" and out.text.startswith('[{"name": "add_person", "arguments": {'), out.text
