@@ -5,11 +5,14 @@ layer groups, attention.py the attention function `attn_implementation="vpaged"`
 differs between the supported transformers releases, prepack.py the linear layers on oneDNN-packed weights,
 fused.py the RMSNorms and gated MLPs on vpaged's fused CPU ops.
 Names are loaded on first use, so that `vpaged.hf.compat` (read by `vpaged info`) never imports transformers.
+Importing the package makes attn_implementation="vpaged" known to transformers (now, or as soon as transformers'
+modeling code loads: autoregister.py), so `import vpaged.hf` is the one line that enables it.
 """
 
 from __future__ import annotations
 
 from ..lazy import lazy_names
+from .autoregister import register_when_transformers_loads
 
 _NAMES = {
     "VPagedCache": "cache",
@@ -35,3 +38,4 @@ __all__ = sorted(_NAMES)
 
 
 __getattr__, __dir__ = lazy_names(__name__, _NAMES, globals())
+register_when_transformers_loads()

@@ -4,13 +4,15 @@
     llm = LLM("random:llama-tiny", kv_budget_bytes=64 << 20, kv="vpaged")
     outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.0))
 
-Needs transformers (the `hf` extra). Loading the engine (LLM, LLMEngine) registers attn_implementation="vpaged".
+Needs transformers (the `hf` extra). Importing the package makes attn_implementation="vpaged" known to
+transformers, as `import vpaged.hf` does (vpaged/hf/autoregister.py).
 Names are loaded on first use, so that the CLI reads the engine's options (`vpaged.serve.config`, from which
 its flags are made) without importing transformers.
 """
 
 from __future__ import annotations
 
+from ..hf import autoregister as _autoregister  # noqa: F401  (importing vpaged.hf registers "vpaged")
 from ..lazy import lazy_names
 
 _NAMES = {
