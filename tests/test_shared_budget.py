@@ -70,6 +70,10 @@ def test_create_open_remove(budget_name):
         SharedBudget.open(budget_name)
     with pytest.raises(InvalidArgumentError):
         SharedBudget.open("../etc/passwd")
+    for bad in (budget_name + "\n", "", "x" * 65):  # a trailing newline is no name ("$" let it through)
+        with pytest.raises(InvalidArgumentError):
+            SharedBudget.create(bad, capacity_bytes=PAGE)
+    assert not os.path.exists(segment_path(budget_name) + "\n")
 
 
 @pytest.mark.parametrize("where", ["magic", "version", "capacity", "lease", "table", "record"])

@@ -11,11 +11,11 @@ import contextlib
 import json
 import math
 import mmap
-import re
 import sys
 from dataclasses import asdict
 
 from ..errors import InvalidArgumentError, VPagedError
+from ..memory.budget_segment import check_budget_name as check_name
 from ..memory.fair_share import DEFAULT_SHARE_POLICY, SHARE_POLICIES
 from ..memory.shared_budget import BudgetState, SharedBudget
 
@@ -23,8 +23,6 @@ _UNITS = {"": 1, "b": 1}
 for _i, _p in enumerate("kmgt", start=1):  # binary multiples, whichever way they are written
     _UNITS.update({_p: 1024**_i, f"{_p}b": 1024**_i, f"{_p}ib": 1024**_i})
 _MAX_BYTES = 1 << 62  # beyond any machine's memory (and the ledger's 64-bit fields)
-# fullmatch, not match with "$": "$" also matches before a trailing newline ("kv\n" is not a name)
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def parse_bytes(text: str) -> int:
@@ -40,12 +38,6 @@ def parse_bytes(text: str) -> int:
     if not math.isfinite(value) or value < 0 or value > _MAX_BYTES:
         raise InvalidArgumentError(f"not a size: {text!r} (examples: 1073741824, 512MiB, 4GiB; at most 2**62)")
     return int(value)
-
-
-def check_name(name: str) -> str:
-    if not _NAME.fullmatch(name):
-        raise InvalidArgumentError(f"a budget name is 1-64 of A-Z a-z 0-9 _ . -, got {name!r}")
-    return name
 
 
 def check_page_size(page_size: int) -> int:

@@ -7,7 +7,8 @@ vpaged, truncated) refuses every ledger call with BudgetCorruptError. The member
 every REPORT_S (budget_member.py) and keeps the verdict here, where a server reads it without any lock
 (GET /health, /metrics, and the routes that refuse new requests while the budget is unusable):
 
-- "ok": the path names the segment the member has open, and the last ledger call succeeded;
+- "ok": the path names the segment the member has open (BudgetSegment.status()), and the last ledger call
+  succeeded;
 - "removed": no segment at the path any more (nobody else counts with this member: 503 until one is made);
 - "replaced": another segment at the path, which the member could not join yet (it joins it as soon as it
   can, with the same name, minimum and ceiling, and is then "ok" again);
@@ -18,11 +19,8 @@ every REPORT_S (budget_member.py) and keeps the verdict here, where a server rea
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
-
-from .budget_segment import segment_path
 
 STALL_S = 1.0  # short this long while an asked member has not answered: /health names that member
 KINDS = ("ok", "removed", "replaced", "corrupt", "waiting")
@@ -45,29 +43,6 @@ class BudgetHealth:
 
 
 OK = BudgetHealth("ok")
-
-
-class SegmentIdentity:
-    """Which file a member joined: the segment's path and its (device, inode) when it was opened."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.path = segment_path(name)
-        self.file_id = self._file_id()
-
-    def _file_id(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        return st.st_dev, st.st_ino
-
-    def where(self) -> str:
-        """ "same", "removed" (nothing at the path) or "replaced" (another file at the path)."""
-        now = self._file_id()
-        if now is None:
-            return "removed"
-        return "same" if now == self.file_id else "replaced"
 
 
 def verdict(kind: str, name: str, detail: str = "", previous: BudgetHealth = OK) -> BudgetHealth:

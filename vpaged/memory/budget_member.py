@@ -42,7 +42,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..errors import BudgetError
-from .budget_health import OK, STALL_S, BudgetHealth, SegmentIdentity, verdict
+from .budget_health import OK, STALL_S, BudgetHealth, verdict
+from .budget_segment import segment_path
 from .shared_budget import SharedBudget
 
 if TYPE_CHECKING:
@@ -94,7 +95,6 @@ class BudgetMembership:
         self._lock = threading.Lock()
         self.member_name, self.model = name, model  # kept to join a budget created again under the same name
         self._ceiling_bytes = pool.capacity_pages * pool.page_size  # as asked at join; then as the ledger holds it
-        self._identity = SegmentIdentity(self.budget.name)
         self.index = self.budget.join(
             page_size=pool.page_size, ceiling_bytes=self._ceiling_bytes, min_bytes=min_bytes, name=name, model=model
         )
@@ -398,15 +398,16 @@ class BudgetMembership:
     def _check(self, pool: PagePool) -> None:
         """Every REPORT_S, on the thread: is the segment at the path the one joined, is this member's record in
         it, what is its ceiling, and does a wait on other members last (health() tells)."""
-        where = self._identity.where()
-        if where == "removed":
+        status = self._guarded(None, self.budget.check)  # the open file against the path, header and table
+        if status is None:
+            return  # the check itself failed: health() says why
+        if status.state == "removed":
             self._set_health("removed")
             return
-        if where == "replaced":
+        if status.state == "replaced":
             self._rejoin(pool, same_file=False)
             return
-        status = self._guarded(None, self.budget.check)
-        if status is not None and status.state == "corrupt":  # the header is read at open only: ask again
+        if status.state == "corrupt":
             self._set_health("corrupt", status.message)
             return
         me = self._guarded(_FAILED, self.budget.member, self.index)
@@ -436,9 +437,8 @@ class BudgetMembership:
         try:
             new = SharedBudget.open(name)
         except BudgetError as e:
-            self._set_health("removed" if not os.path.exists(self._identity.path) else "replaced", str(e))
+            self._set_health("removed" if not os.path.exists(segment_path(name)) else "replaced", str(e))
             return
-        identity = SegmentIdentity(name)
         with pool.client_lock, self._lock:
             try:
                 index = new.join(
@@ -461,7 +461,7 @@ class BudgetMembership:
                 self._set_health("replaced", f"joining it again failed: {e}; retrying every {REPORT_S} s")
                 return
             old, old_index = self.budget, self.index
-            self.budget, self.index, self._identity = new, index, identity
+            self.budget, self.index = new, index
             self._core.set_limit(max(0, got) // ps)  # clamped to the pages in use
             self._seen_ask, self._cap_at, self._figures_cache = -1, -1.0, None
             self._over_ceiling = self._core.limit > self._ceiling_bytes // ps

@@ -32,6 +32,7 @@ in other PID namespaces. So it has no lock at all (a stopped process holding one
 from __future__ import annotations
 
 import os
+import re
 import stat
 import struct
 import threading
@@ -56,7 +57,8 @@ MAX_MEMBERS = 64
 NAME_BYTES = 64  # a member's name, kept whole (longer names are refused at join)
 N_SCRATCH = 8
 N_BUFFERS = 2 * MAX_MEMBERS + N_SCRATCH
-_NAME_RE = __import__("re").compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# fullmatch, not match with "$": "$" also matches before a trailing newline ("kv\n" is not a name)
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 # magic, version, crc (of the 64 header bytes with this field 0), page size, capacity, max members, owner uid,
 # created ns, share policy (fair_share.POLICY_CODES), lease ms
@@ -76,13 +78,18 @@ BUFFERS_OFFSET = STATUS_OFFSET + MAX_MEMBERS * STATUS_SLOT_BYTES
 _READ_TRIES = 200
 
 
-def segment_path(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+def check_budget_name(name: str) -> str:
+    """`name` if it names a budget (1-64 of A-Z a-z 0-9 _ . -), else InvalidArgumentError."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise InvalidArgumentError(f"a budget name is 1-64 of A-Z a-z 0-9 _ . -, got {name!r}")
-    return os.path.join(SHM_DIR, f"vpaged-budget.{name}")
+    return name
 
 
-def segment_bytes(max_members: int = MAX_MEMBERS) -> int:
+def segment_path(name: str) -> str:
+    return os.path.join(SHM_DIR, f"vpaged-budget.{check_budget_name(name)}")
+
+
+def segment_bytes() -> int:
     return BUFFERS_OFFSET + N_BUFFERS * BUFFER_BYTES
 
 
