@@ -149,28 +149,26 @@ class BudgetLedger:
         _OWNED.figures.pop((*self._file, index), None)
 
     # ---------------------------------------------------------------------------------------- reading
-    def view(self) -> tuple[object, list[MemberRecord], list[MemberRecord], bool]:
-        """(snapshot, live records, kept fenced records, whether the liveness pass changed anything)."""
+    def view(self, fresh: bool = False) -> tuple[object, list[MemberRecord], list[MemberRecord]]:
+        """(snapshot, live records, kept fenced records); records gone for sure are left out of both. fresh:
+        judge every process's liveness now, not from budget_liveness's short cache (what a change does)."""
         snap = self.segment.snapshot()
         now, lease = boottime_ns(), self.segment.lease_ns
-        live, fenced, changed = [], [], False
+        live, fenced = [], []
         for r in snap.records:
-            verdict = classify(r, now, self.pidns, lease)
+            verdict = classify(r, now, self.pidns, lease, fresh)
             if r.state == FENCED:
-                if verdict == FREE_FENCE or self.is_mine(r):
-                    changed = True
-                else:
+                if verdict != FREE_FENCE and not self.is_mine(r):
                     fenced.append(r)
             elif verdict == DEAD:
-                changed = True
+                continue
             elif verdict == EXPIRED and not self.is_mine(r):  # running here, so alive: its thread renews it
                 r.state, r.fenced_ns, r.granted_bytes, r.min_bytes, r.asked_bytes = FENCED, now, 0, 0, 0
                 r.demand_bytes = 0
                 fenced.append(r)
-                changed = True
             else:
                 live.append(r)
-        return snap, live, fenced, changed
+        return snap, live, fenced
 
     def free_index(self) -> int | None:
         """Inside a change: a slot no record holds (fenced ones hold theirs), or None."""
@@ -189,7 +187,7 @@ class BudgetLedger:
         with _WRITE_LOCK:
             try:
                 for attempt in range(1_000_000):
-                    snap, live, fenced, _ = self.view()
+                    snap, live, fenced = self.view(fresh=True)
                     self._occupied = {r.index for r in live + fenced}
                     result = change(live)
                     table = live + fenced
