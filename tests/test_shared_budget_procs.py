@@ -62,9 +62,19 @@ def members():
 
 
 def rss_shmem_kib(pid: int) -> int:
-    """Resident shared memory of a process: where its memfd pages show."""
+    """Resident shared memory of a process where its pool's memfd pages show, less the budget's own segment
+    (its ledger, mapped shared too: the pages of it a member touches move with the table buffers in use)."""
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+        shmem = next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+    ledger, in_ledger = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: address range, ..., [path]
+                in_ledger = len(head) >= 6 and head[5].startswith("/dev/shm/vpaged-budget.")
+            elif in_ledger and head[0] == "Rss:":
+                ledger += int(head[1])
+    return shmem - ledger
 
 
 def my_cache(name, **kw):
