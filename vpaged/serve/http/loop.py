@@ -75,9 +75,11 @@ class EngineLoop:
 
     def unavailable(self) -> Exception:
         """What a command to this loop fails with once the loop takes no more."""
-        return (
-            self.fatal or self.dead or EngineUnavailableError(f"{self.describe()} is stopped: the server is stopping")
-        )
+        return self.fatal or self.dead or self.stopping_error()
+
+    def stopping_error(self) -> EngineUnavailableError:
+        """What a request of a stopping server ends with (503 naming the model)."""
+        return EngineUnavailableError(f"{self.describe()} is stopped: the server is stopping")
 
     def describe(self) -> str:
         """'the engine of model NAME', for messages."""
@@ -112,7 +114,7 @@ class EngineLoop:
         if not self._thread.is_alive():
             self._stop = True
             return
-        done = self.abort_in_flight(EngineUnavailableError(f"{self.describe()} is stopped: the server is stopping"))
+        done = self.abort_in_flight(self.stopping_error())
         with contextlib.suppress(Exception):
             done.result(timeout)
         self._stop = True

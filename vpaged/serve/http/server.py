@@ -36,7 +36,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from ...errors import EngineUnavailableError
 from .app import create_app
 from .guard import ServerLimits, hosts_for_bind
 from .loop import EngineLoop
@@ -162,7 +161,7 @@ async def _run(
             await asyncio.sleep(0.1)
         await asyncio.sleep(shutdown_timeout_s)
         for loop in loops:
-            loop.abort_in_flight(EngineUnavailableError(f"{loop.describe()} is stopped: the server is stopping"))
+            loop.abort_in_flight(loop.stopping_error())
 
     helpers = [asyncio.ensure_future(end_in_flight_when_stopping())]
     if on_ready is not None:
