@@ -213,8 +213,7 @@ class _Server(RequestChecks):
             if grammar_of(req)[0] is not None:
                 raise RequestError("tool_choice required / a named function and a response_format", "tool_choice")
             guided.grammars(self.engine, "tool_choice")
-        if not self.renderer.available():
-            self.renderer.render([])  # the 400 saying there is no chat template
+        self.renderer.require()
         conversation = req.conversation()  # a part the server cannot read is refused as such, not as a template error
         text = self.renderer.render(conversation, True, [{"type": "function", "function": fn} for fn in fns.values()])
         prompt = list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -69,6 +69,16 @@ class ChatRenderer:
     def available(self) -> bool:
         return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
 
+    def require(self) -> None:
+        """The 400 for a chat request to a model without a chat template (before its messages are read)."""
+        if not self.available():
+            raise RequestError(
+                "this model's tokenizer has no chat template: use /v1/completions (or serve it with "
+                "--chat-template FILE)",
+                param="messages",
+                code="no_chat_template",
+            )
+
     def _apply(self, conversation: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
         kwargs = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(
@@ -99,13 +109,7 @@ class ChatRenderer:
 
     def render(self, conversation: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None):
         """The prompt text; tools: the request's {type: function, function} records (None or []: none)."""
-        if not self.available():
-            raise RequestError(
-                "this model's tokenizer has no chat template: use /v1/completions (or serve it with "
-                "--chat-template FILE)",
-                param="messages",
-                code="no_chat_template",
-            )
+        self.require()
         uses_tools = bool(tools) or any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation)
         if uses_tools:
             tools_ok, history_ok = self._probe()
