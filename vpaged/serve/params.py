@@ -10,7 +10,8 @@ from .structured import GrammarSpec
 
 MAX_LOGPROBS = 20  # most alternatives per token that logprobs / prompt_logprobs may ask for (OpenAI's chat limit)
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (logits / 1e-300 are inf and NaN in float32)
-MIN_REPETITION_PENALTY = 0.01  # the reciprocal of the largest (100): a factor of 100 either way at most
+MAX_REPETITION_PENALTY = 100.0
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY  # a factor of 100 either way at most
 
 
 def _is_int(value) -> bool:
@@ -153,9 +154,10 @@ class SamplingParams:
                 raise InvalidArgumentError(f"{name} must be a number in [-2, 2], got {v!r}")
             object.__setattr__(self, name, float(v))
         penalty = self.repetition_penalty
-        if not _is_number(penalty) or not MIN_REPETITION_PENALTY <= penalty <= 100.0:
+        if not _is_number(penalty) or not MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY:
             raise InvalidArgumentError(
-                f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 100], got {penalty!r}"
+                f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}], "
+                f"got {penalty!r}"
             )
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ...errors import RequestError
-from ..params import MAX_LOGPROBS
+from ..params import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from .choice_text import ChoiceText  # noqa: F401 - where the server's modules and tests have imported it from
 
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias one request may give
@@ -106,9 +106,11 @@ class _Sampling(BaseModel):
             v = getattr(self, name)
             if v is not None and not -2.0 <= v <= 2.0:
                 raise RequestError(f"{name} must be in [-2, 2], got {v}", param=name)
-        if self.repetition_penalty is not None and not 0.01 <= self.repetition_penalty <= 100.0:  # SamplingParams'
+        penalty = self.repetition_penalty
+        if penalty is not None and not MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY:
             raise RequestError(
-                f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}", "repetition_penalty"
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}], got {penalty}",
+                "repetition_penalty",
             )
         if self.min_tokens is not None and self.min_tokens < 0:
             raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens")
