@@ -107,6 +107,21 @@ def test_a_schema_that_cannot_compile_is_refused(smol):
     assert not smol.engine.has_unfinished()
 
 
+def schema_answer(client, content: str, schema: type[pydantic.BaseModel], seed: int, max_tokens: int):
+    """One sampled chat answer of model "smol" under a strict json_schema response_format of `schema`."""
+    return client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens,
+        temperature=0.7,
+        seed=seed,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": schema.__name__, "schema": schema.model_json_schema(), "strict": True},
+        },
+    )
+
+
 class Weather(pydantic.BaseModel):
     city: str = pydantic.Field(max_length=16)
     unit: str = pydantic.Field(pattern="^(celsius|fahrenheit)$")
@@ -135,17 +150,7 @@ def test_server_structured_output_and_required_tool_calls_validate(smol):
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=600) as client:
 
             def structured(i):
-                return client.chat.completions.create(
-                    model="smol",
-                    messages=[{"role": "user", "content": f"Describe {cities[i]} as JSON."}],
-                    max_tokens=96,
-                    temperature=0.7,
-                    seed=i,
-                    response_format={
-                        "type": "json_schema",
-                        "json_schema": {"name": "City", "schema": City.model_json_schema(), "strict": True},
-                    },
-                )
+                return schema_answer(client, f"Describe {cities[i]} as JSON.", City, seed=i, max_tokens=96)
 
             def required(i):
                 choice = "required" if i % 2 else {"type": "function", "function": {"name": "get_weather"}}
@@ -207,17 +212,8 @@ def test_real_model_keeps_schema_key_order_and_required_tools_with_defs_validate
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=600) as client:
 
             def verdict(i):
-                return client.chat.completions.create(
-                    model="smol",
-                    messages=[{"role": "user", "content": f"How many letters has {cities[i]}? Reason, then answer."}],
-                    max_tokens=64,
-                    temperature=0.7,
-                    seed=i,
-                    response_format={
-                        "type": "json_schema",
-                        "json_schema": {"name": "Verdict", "schema": Verdict.model_json_schema(), "strict": True},
-                    },
-                )
+                text = f"How many letters has {cities[i]}? Reason, then answer."
+                return schema_answer(client, text, Verdict, seed=i, max_tokens=64)
 
             def person(i):
                 return client.chat.completions.create(

@@ -113,33 +113,43 @@ def test_world_readable_or_foreign_segment_refused(budget_name):
             SharedBudget.open(budget_name)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
-def test_other_user_cannot_open_or_read(budget_name):
-    SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+def as_nobody(attempt) -> bytes:
+    """attempt() run in a forked child that became uid/gid 65534: the one-byte code it returns (b"?" when it
+    raised something else)."""
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child becomes nobody and tries to join, then to read the file
+    if pid == 0:
         os.close(r)
         code = b"?"
         try:
             os.setgid(65534)
             os.setuid(65534)
-            try:
-                SharedBudget.open(budget_name)
-                code = b"O"
-            except BudgetPermissionError:
-                try:
-                    open(segment_path(budget_name), "rb").read(1)
-                    code = b"R"
-                except PermissionError:
-                    code = b"P"
+            code = attempt()
         finally:
             os.write(w, code)
             os._exit(0)
     os.close(w)
     got = os.read(r, 1)
     os.waitpid(pid, 0)
-    assert got == b"P"  # refused with the typed error, and the bytes cannot be read either
+    return got
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
+def test_other_user_cannot_open_or_read(budget_name):
+    SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+
+    def join_then_read() -> bytes:
+        try:
+            SharedBudget.open(budget_name)
+            return b"O"
+        except BudgetPermissionError:
+            try:
+                open(segment_path(budget_name), "rb").read(1)
+                return b"R"
+            except PermissionError:
+                return b"P"
+
+    assert as_nobody(join_then_read) == b"P"  # refused with the typed error, and the bytes cannot be read either
 
 
 def test_join_refusals_change_nothing(budget_name):
@@ -310,23 +320,12 @@ def test_an_old_format_segment_is_refused_with_the_fix(budget_name):
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
 def test_another_users_remove_is_a_typed_error(budget_name):
     SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        code = b"?"
+
+    def remove() -> bytes:
         try:
-            os.setgid(65534)
-            os.setuid(65534)
-            try:
-                SharedBudget.remove(budget_name, force=True)
-                code = b"R"
-            except BudgetPermissionError:
-                code = b"P"
-        finally:
-            os.write(w, code)
-            os._exit(0)
-    os.close(w)
-    got = os.read(r, 1)
-    os.waitpid(pid, 0)
-    assert got == b"P" and os.path.exists(segment_path(budget_name))
+            SharedBudget.remove(budget_name, force=True)
+            return b"R"
+        except BudgetPermissionError:
+            return b"P"
+
+    assert as_nobody(remove) == b"P" and os.path.exists(segment_path(budget_name))
