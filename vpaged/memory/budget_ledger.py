@@ -105,8 +105,7 @@ class BudgetLedger:
 
     def __init__(self, segment: BudgetSegment):
         self.segment = segment
-        st = os.fstat(segment._fd)
-        self._file = (st.st_dev, st.st_ino)
+        self._file = segment.file_id()
         self.pidns = pid_namespace()
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()

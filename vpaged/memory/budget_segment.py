@@ -279,6 +279,11 @@ class BudgetSegment:
     def closed(self) -> bool:
         return self._fd < 0
 
+    def file_id(self) -> tuple[int, int]:
+        """(device, inode) of the file this segment has open (another file may have its name by now)."""
+        st = os.fstat(self._fd)
+        return st.st_dev, st.st_ino
+
     def close(self) -> None:
         if self._fd >= 0:
             self.map.close()
@@ -289,12 +294,11 @@ class BudgetSegment:
         """Whether this open segment is still the budget of its name, and readable (see SegmentStatus)."""
         if self._fd < 0:
             return SegmentStatus("removed", f"budget {self.name!r} is closed here")
-        mine = os.fstat(self._fd)
         try:
             there = os.stat(self.path)
         except FileNotFoundError:
             return SegmentStatus("removed", f"budget {self.name!r} ({self.path}) was removed")
-        if (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+        if (there.st_dev, there.st_ino) != self.file_id():
             return SegmentStatus("replaced", f"budget {self.name!r} ({self.path}) was removed and created again")
         try:
             self._check_header()  # read at open only otherwise: a header overwritten since shows here
