@@ -26,6 +26,7 @@ from ...errors import (
     EngineUnavailableError,
     InvalidArgumentError,
     ModelNotFoundError,
+    NoAllowedTokenError,
     TensorParallelError,
     VPagedError,
 )
@@ -127,9 +128,10 @@ class _Server(RequestChecks):
         except EngineStepError:  # the engine cannot serve at all (a lost rank: 503), not a refusal of this request
             raise
         except VPagedError as e:  # the engine refused this request (too long, bad parameters, ...)
-            raise RequestError(
-                str(e), param=proto.refused_param(e, req.model_fields_set), code=type(e).__name__
-            ) from None
+            param = proto.refused_param(e, req.model_fields_set)
+            if param is None and spec is not None and isinstance(e, NoAllowedTokenError):
+                param = field  # the grammar itself allows no token: the field it came from (guided_json, ...)
+            raise RequestError(str(e), param=param, code=type(e).__name__) from None
         return gen
 
     async def _collect(self, request: Request, gen: Generation) -> bool:
