@@ -58,6 +58,26 @@ def test_tool_choice_modes_and_their_grammars():
     assert body["index"] == 0 and body["type"] == "function" and body["id"].startswith("call_")
 
 
+@pytest.mark.parametrize("char", ["\x0c", "\t", "\x01"])
+def test_calls_with_raw_control_characters_come_back_as_strict_json(char):
+    # xgrammar's string rule with maxLength lets a raw control character into a string (strict JSON refuses
+    # one): the calls built from such an output carry strict JSON arguments, the character escaped.
+    label = f"a{char}b"
+    raw = json.dumps({"label": label}).replace(json.dumps(char)[1:-1], char)
+    with pytest.raises(ValueError):
+        json.loads(raw)  # the output as the grammar let it be written
+    outputs = {
+        "required": f'[{{"name": "tree", "arguments": {raw}}}]',
+        "tree": raw,  # a named function: the output is its arguments
+        "auto": f'<tool_call>{{"name": "tree", "arguments": {raw}}}</tool_call>',
+    }
+    for choice, text in outputs.items():
+        content, calls = tools.parse(text, choice, "hermes")
+        assert content is None and [c.name for c in calls] == ["tree"], choice
+        assert json.loads(calls[0].arguments) == {"label": label}, choice
+    assert tools.parse('{"label": "ab"}', "tree", "hermes")[1][0].arguments == '{"label": "ab"}'  # kept as written
+
+
 @pytest.mark.parametrize(
     "tool_list, choice",
     [

@@ -103,13 +103,20 @@ def grammar(choice: str, fns: dict[str, dict]) -> GrammarSpec | None:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
+def _loads(text: str):
+    """JSON that may hold raw control characters inside its strings: xgrammar's string rule with maxLength
+    admits them (a tab, a form feed: measured with its JSON-schema grammar), and strict JSON refuses them. The
+    calls built from it are written back with json.dumps, which escapes them."""
+    return json.loads(text, strict=False)
+
+
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     """(the text outside the calls or None, the calls) of `<tool_call>{json}</tool_call>` blocks; a block
     whose JSON does not parse stays in the text."""
     calls, kept, last = [], [], 0
     for m in _HERMES.finditer(text):
         try:
-            obj = json.loads(m.group(1))
+            obj = _loads(m.group(1))
         except ValueError:
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -126,16 +133,30 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
 PARSERS = {"hermes": parse_hermes}
 
 
+def _strict_json_text(text: str) -> str:
+    """`text` when it is strict JSON; written again with its control characters escaped when only _loads reads
+    it; as it is otherwise (cut by max_tokens)."""
+    try:
+        json.loads(text)
+        return text
+    except ValueError:
+        pass
+    try:
+        return json.dumps(_loads(text), ensure_ascii=False)
+    except ValueError:
+        return text
+
+
 def parse(text: str, choice: str, parser: str) -> tuple[str | None, list[ToolCall]]:
     """The message content and the tool calls of an output under a tool_choice."""
     if choice == "none":
         return text, []
     if choice == "auto":
         return PARSERS[parser](text)
-    if choice != "required":  # a named function: the output is its arguments
-        return None, [ToolCall(choice, text)]
+    if choice != "required":  # a named function: the output is its arguments (as written, when strict JSON)
+        return None, [ToolCall(choice, _strict_json_text(text))]
     try:
-        items = json.loads(text)
+        items = _loads(text)
     except ValueError:  # cut by max_tokens: what there is goes back as text
         return text, []
     return None, [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
