@@ -23,6 +23,16 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+def option_of(config, name: str):
+    """The flat option `name` of an EngineConfig, read from the part that holds it (the config has no
+    flat attributes: each option is read as config.<part>.<name>)."""
+    for part in ("store", "scheduler", "model", "parallel"):
+        held = getattr(config, part)
+        if name in held.__dataclass_fields__:
+            return getattr(held, name)
+    return getattr(config, name)  # seed, record_steps: EngineConfig's own
+
+
 # Renders a conversation as plain words the word-level tokenizer knows ("user : hello dog assistant :").
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"

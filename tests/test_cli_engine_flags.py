@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from serve_helpers import option_of
 
 from vpaged.cli import main
 from vpaged.cli.engine_flags import NOT_FLAGS, SPELLINGS, byte_count, dest_of, engine_config, flag_of
@@ -111,7 +112,7 @@ def test_the_flags_give_the_config_they_say(command, kind):
     if command != "serve":
         assert args.seed == own_seed
     assert config.kv == kind and type(config.store) is STORE_CONFIGS[kind]
-    assert {name: getattr(config, name) for name in want} == want
+    assert {name: option_of(config, name) for name in want} == want
     assert config.unused_options == ()
 
 

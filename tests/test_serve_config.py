@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from serve_helpers import option_of
 
 from vpaged.errors import DTypeError, InvalidArgumentError
 from vpaged.kvcache.formats import KVFormat
@@ -51,8 +52,8 @@ def test_the_flat_form_builds_the_same_config_as_the_parts():
     )
     by_flat = EngineConfig(**flat, page_size=page, layout=layout, swap_bytes=swap)
     assert by_parts == by_flat and by_flat.unused_options == ()
-    for name, value in flat.items():  # the flat names read through to the parts
-        assert getattr(by_flat, name) == value, name
+    for name, value in flat.items():  # each flat name lands in its part
+        assert option_of(by_flat, name) == value, name
     assert pickle.loads(pickle.dumps(by_flat)) == by_flat  # what a spawned tensor-parallel rank receives
 
 

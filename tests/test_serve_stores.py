@@ -53,14 +53,15 @@ def test_engine_config_refuses_bad_options_with_the_engines_messages(options, me
 
 def test_engine_config_defaults_normalizes_and_is_frozen():
     c = EngineConfig(kv_budget_bytes=1 << 20)
-    assert (c.kv, c.max_num_seqs, c.max_num_batched_tokens, c.block_size, c.watermark_fraction) == (
+    scheduler = c.scheduler
+    assert (c.kv, scheduler.max_num_seqs, scheduler.max_num_batched_tokens, scheduler.watermark_fraction) == (
         "vpaged",
         64,
         512,
-        16,
         0.01,
     )
-    assert c.device == torch.device("cpu") and c.max_cache_seqs == 128
+    assert EngineConfig(kv_budget_bytes=1 << 20, kv="paged").store.block_size == 16
+    assert c.model.device == torch.device("cpu") and c.scheduler.max_cache_seqs == 128
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.kv = "paged"
     with pytest.raises(TypeError):
@@ -69,9 +70,9 @@ def test_engine_config_defaults_normalizes_and_is_frozen():
 
 @pytest.mark.parametrize("total", [0, 1, 99, 100, 101, 299, 300, 700, 12345, 10**7 + 99])
 def test_the_default_watermark_is_one_percent_of_the_pages_rounded_down(total):
-    assert EngineConfig(kv_budget_bytes=1).watermark_pages(total) == total // 100
-    assert EngineConfig(kv_budget_bytes=1, watermark_fraction=0).watermark_pages(total) == 0
-    assert EngineConfig(kv_budget_bytes=1, watermark_fraction=0.1).watermark_pages(total) == total // 10
+    assert EngineConfig(kv_budget_bytes=1).scheduler.watermark_pages(total) == total // 100
+    assert EngineConfig(kv_budget_bytes=1, watermark_fraction=0).scheduler.watermark_pages(total) == 0
+    assert EngineConfig(kv_budget_bytes=1, watermark_fraction=0.1).scheduler.watermark_pages(total) == total // 10
 
 
 # ------------------------------------------------------------------------------------------ KVStore

@@ -205,8 +205,8 @@ def test_one_process_config_is_unchanged():
     from vpaged.serve import EngineConfig
 
     config = EngineConfig(kv_budget_bytes=1 << 20)
-    assert config.tensor_parallel_size == 1
-    assert dataclasses.replace(config, tensor_parallel_size=2).tensor_parallel_size == 2
+    assert config.parallel.tensor_parallel_size == 1
+    assert dataclasses.replace(config, tensor_parallel_size=2).parallel.tensor_parallel_size == 2
 
 
 class _FailsOnRank1(LLMEngine):

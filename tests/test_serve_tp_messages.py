@@ -210,7 +210,7 @@ def test_nccl_device_is_current_and_bound_before_the_process_group(monkeypatch):
     started = launch.start("/a/model", config, LLMEngine)
     cuda1 = torch.device("cuda", 1)
     assert calls == [("set_device", cuda1), ("init", "nccl", cuda1), ("new_group", "gloo")]
-    assert started.config.device == cuda1 and started.group.rank == 1
+    assert started.config.model.device == cuda1 and started.group.rank == 1
     # on the CPU: gloo, no device bound
     calls.clear()
     started = launch.start("/a/model", dataclasses.replace(config, device="cpu"), LLMEngine)

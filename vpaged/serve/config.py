@@ -6,9 +6,10 @@
     ModelConfig       the model's dtype and device, its longest sequence, CPU preparation
     ParallelConfig    tensor parallelism
 
-The engine, the scheduler, the store and the runner read their own part of one frozen EngineConfig. The flat
-form of earlier releases still works and is mapped onto the parts (`dataclasses.replace(config, block_size=32)`
-too); `config.max_num_seqs` reads through to its part:
+The engine, the scheduler, the store and the runner read their own part of one frozen EngineConfig
+(`config.scheduler.max_num_seqs`, `config.model.device`): an option has one place to be read. The flat form
+of earlier releases still builds a config, mapped onto the parts (`dataclasses.replace(config,
+block_size=32)` too):
 
     from vpaged.serve import EngineConfig, LLMEngine, PagedStoreConfig
     config = EngineConfig(store=PagedStoreConfig(kv_budget_bytes=64 << 20, block_size=32))
@@ -380,32 +381,10 @@ class EngineConfig:
         """This config for a model of `dtype` (the engine's, once loaded): kv_format resolved against it."""
         return self if self.model.dtype == dtype else dataclasses.replace(self, dtype=dtype)
 
-    # ---- what every part offers, under the names of the flat form
     @property
     def kv(self) -> str:
-        """The store's kind: "vpaged", "paged" or "static"."""
+        """The store's kind: "vpaged", "paged" or "static" (config.store.kind, the name the flat form sets)."""
         return self.store.kind
-
-    @property
-    def max_cache_seqs(self) -> int:
-        return self.scheduler.max_cache_seqs
-
-    def watermark_pages(self, total_pages: int) -> int:
-        return self.scheduler.watermark_pages(total_pages)
-
-    def __getattr__(self, name: str):
-        # Only reached when ordinary lookup fails: a flat option read through to its part. A store option of
-        # another kind reads as its default (that kind's store would start from it).
-        parts = self.__dict__
-        if name in STORE_OPTIONS and "store" in parts:
-            store = parts["store"]
-            if name in store.__dataclass_fields__:
-                return getattr(store, name)
-            return next(cls.__dataclass_fields__[name].default for cls in STORE_CONFIGS.values() if name in _names(cls))
-        for part in PARTS:
-            if part in parts and name in parts[part].__dataclass_fields__:
-                return getattr(parts[part], name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def _store_part(store, options: dict) -> tuple[StoreConfig, tuple[str, ...]]:

@@ -56,7 +56,7 @@ class ModelRunner:
     def __init__(self, model, store: KVStore, config: EngineConfig):
         self.model = model
         self.store = store
-        self.device = device = config.device
+        self.device = device = config.model.device
         # Handed to the model as a prepared 4D mask: transformers returns such a mask untouched instead of
         # building one, and the vpaged attention function ignores it in a packed step.
         self._mask_placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)

@@ -78,16 +78,17 @@ class Scheduler:
 
     def __init__(self, store: KVStore, config: EngineConfig):
         self.store = store
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.waiting = admission_queue(config.scheduling_policy)  # AdmissionQueue: the head is admitted next
-        self.victims = preemption_policy(config.preemption_policy, config.scheduling_policy)
+        part = config.scheduler
+        self.max_num_seqs = part.max_num_seqs
+        self.max_num_batched_tokens = part.max_num_batched_tokens
+        self.waiting = admission_queue(part.scheduling_policy)  # AdmissionQueue: the head is admitted next
+        self.victims = preemption_policy(part.preemption_policy, part.scheduling_policy)
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.swapped: list[Sequence] = []  # in admission order (the queue's sort_key)
         self.preemptions_swap = 0
         self.preemptions_recompute = 0
         self.prefix_hit_tokens = 0
-        self.watermark_pages = config.watermark_pages(store.total_pages())
+        self.watermark_pages = part.watermark_pages(store.total_pages())
 
     # ------------------------------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:

@@ -73,10 +73,10 @@ def materialize(spec, dtype: torch.dtype) -> tuple[str, str | None]:
 
 def start(spec, config, engine_class) -> Launch:
     """Check, then start or join the ranks of a tensor-parallel engine (see the module docstring)."""
-    size = config.tensor_parallel_size
-    check_tensor_parallel(spec, size, config.device)
+    size = config.parallel.tensor_parallel_size
+    check_tensor_parallel(spec, size, config.model.device)
     timeout = collective_timeout()
-    backend = "nccl" if config.device.type == "cuda" else "gloo"
+    backend = "nccl" if config.model.device.type == "cuda" else "gloo"
     env = torchrun_env()
     if env is not None and env[1] != size:
         raise InvalidArgumentError(f"tensor_parallel_size={size}, but this launch has WORLD_SIZE={env[1]} processes")
@@ -84,10 +84,10 @@ def start(spec, config, engine_class) -> Launch:
         raise InvalidArgumentError("MASTER_PORT=0: give torchrun a real --master-port (or use --rdzv-endpoint)")
     if dist.is_initialized():
         raise InvalidArgumentError("torch.distributed is already initialised in this process: one engine per launch")
-    dtype = config.dtype or torch.float32
+    dtype = config.model.dtype or torch.float32
     rank, _, local_rank = env if env is not None else (0, size, 0)
     device = None
-    if config.device.type == "cuda":  # current before the process group exists (see the module docstring)
+    if config.model.device.type == "cuda":  # current before the process group exists (see the module docstring)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         config = replace(config, device=device)
@@ -111,7 +111,9 @@ def _spawn(path: str, config, size: int, backend: str, timeout: float, engine_cl
     ctx = mp.get_context("spawn")
     processes = {}
     for rank in range(1, size):
-        rank_config = replace(config, device=torch.device("cuda", rank)) if config.device.type == "cuda" else config
+        rank_config = (
+            replace(config, device=torch.device("cuda", rank)) if config.model.device.type == "cuda" else config
+        )
         p = ctx.Process(
             target=spawned,
             args=(rank, size, store.port, path, rank_config, timeout, torch.get_num_threads(), engine_class),
