@@ -1,9 +1,11 @@
-"""The README's usage example runs as written, and its error list is that of vpaged/errors.py."""
+"""The README's usage example runs as written, and the error list of docs/errors.md is that of vpaged/errors.py."""
 
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+ERRORS_PAGE = ROOT / "docs" / "errors.md"
 
 
 def test_readme_usage_example_runs():
@@ -18,10 +20,10 @@ def test_readme_usage_example_runs():
     assert cache._closed
 
 
-def test_readme_error_list_names_every_error_class():
+def test_errors_page_names_every_error_class():
     import vpaged.errors as errors
 
-    text = README.read_text()
+    text = ERRORS_PAGE.read_text()
     paragraph = text.split("**Errors**", 1)[1].split("\n\n", 1)[0]
     named = set(re.findall(r"`(\w+(?:Error|Warning))`", paragraph))
     classes = {
@@ -31,6 +33,19 @@ def test_readme_error_list_names_every_error_class():
         and issubclass(value, Warning | errors.VPagedError)
         and value is not errors.VPagedError
     }
-    assert classes - named == set(), "errors.py classes missing from the README's error list"
+    assert classes - named == set(), "errors.py classes missing from docs/errors.md"
     builtin = {"MemoryError"}  # named as a base class
-    assert named - classes - builtin == set(), "the README's error list names classes errors.py does not define"
+    assert named - classes - builtin == set(), "docs/errors.md names classes errors.py does not define"
+
+
+def test_readme_links_resolve():
+    """Every relative link of the README and the docs pages names a file of the tree."""
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    missing = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            if not (page.parent / target).exists():
+                missing.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert missing == [], missing
