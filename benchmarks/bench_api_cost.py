@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_model  # noqa: E402
 from common import machine, print_table, write_json  # noqa: E402
 
-import vpaged.serve.sampler as sampler  # noqa: E402
+import vpaged.serve.sample.sampler as sampler  # noqa: E402
 from vpaged.serve import LLM, LLMEngine, SamplingParams  # noqa: E402
-from vpaged.serve.structured import GrammarSpec  # noqa: E402
+from vpaged.serve.sample.structured import GrammarSpec  # noqa: E402
 
 SCHEMA = {
     "type": "object",

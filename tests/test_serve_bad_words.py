@@ -12,9 +12,8 @@ from serve_helpers import tiny_engine_and_reference
 
 from vpaged.errors import InvalidArgumentError
 from vpaged.serve import SamplingParams
-from vpaged.serve.bad_words import bad_word_sequences, resolve_bad_words
-from vpaged.serve.logits import apply_controls
-from vpaged.serve.sampler import sample
+from vpaged.serve.sample.bad_words import bad_word_sequences, resolve_bad_words
+from vpaged.serve.sample.sampler import apply_controls, sample
 
 VOCAB = 48
 EOS = (2,)

@@ -10,8 +10,7 @@ from serve_helpers import tiny_engine_and_reference
 
 from vpaged.errors import InvalidArgumentError
 from vpaged.serve import SamplingParams
-from vpaged.serve.logits import apply_controls
-from vpaged.serve.sampler import sample
+from vpaged.serve.sample.sampler import apply_controls, sample
 
 VOCAB = 64
 EOS = (2,)

@@ -24,9 +24,8 @@ from serve_helpers import one_torch_thread, save_model_with_tokenizer  # noqa: E
 from vpaged.errors import InvalidArgumentError, NoAllowedTokenError  # noqa: E402
 from vpaged.hf.compat import serving_support  # noqa: E402
 from vpaged.serve import SamplingParams  # noqa: E402
-from vpaged.serve.logits import apply_controls  # noqa: E402
-from vpaged.serve.sampler import NO_TOKEN, sample  # noqa: E402
-from vpaged.serve.structured import GrammarSpec  # noqa: E402
+from vpaged.serve.sample.sampler import NO_TOKEN, apply_controls, sample  # noqa: E402
+from vpaged.serve.sample.structured import GrammarSpec  # noqa: E402
 
 NEG, NAN, INF = float("-inf"), float("nan"), float("inf")
 VOCAB = 64

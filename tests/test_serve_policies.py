@@ -12,7 +12,6 @@ from vpaged.errors import InvalidArgumentError
 from vpaged.kvcache.geometry import KVGeometry
 from vpaged.serve.config import EngineConfig
 from vpaged.serve.outputs import RequestMetrics
-from vpaged.serve.params import SamplingParams
 from vpaged.serve.policies import (
     FCFSQueue,
     LowestPriorityFirst,
@@ -21,6 +20,7 @@ from vpaged.serve.policies import (
     admission_queue,
     preemption_policy,
 )
+from vpaged.serve.sample.params import SamplingParams
 from vpaged.serve.scheduler import Scheduler
 from vpaged.serve.sequence import Request, Sequence
 from vpaged.serve.stores import make_store

@@ -1,4 +1,4 @@
-"""Structured output (vpaged/serve/structured.py, xgrammar): on the real SmolLM2-135M-Instruct, 20 chat requests
+"""Structured output (vpaged/serve/sample/structured.py, xgrammar): on the real SmolLM2-135M-Instruct, 20 chat requests
 with a Pydantic schema as response_format all parse and validate (sampled, in one batch); any-JSON, regex and
 choice grammars hold for LLM.generate; and on the tiny server, bad schemas and several grammar fields are 400s
 naming the field. Skipped with the reason when xgrammar or the model is missing."""
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import real_model  # noqa: E402
 
 from vpaged.serve import LLM, SamplingParams  # noqa: E402
-from vpaged.serve.structured import GrammarSpec  # noqa: E402
+from vpaged.serve.sample.structured import GrammarSpec  # noqa: E402
 
 SERVING, WHY_NOT_SERVING = serving_support()
 if not SERVING:

@@ -1,4 +1,4 @@
-"""Grammars of structured output (vpaged/serve/structured.py, http/tools.py) walked by a random "model": random
+"""Grammars of structured output (vpaged/serve/sample/structured.py, http/tools.py) walked by a random "model": random
 logits through the real batched sampler under each step's grammar mask, on SmolLM2's tokenizer (no weights).
 JSON objects come out in the schema's key order (a shuffled one each run) and a required tool call writes its
 name before its arguments; Pydantic tools with local $defs / $ref and a tool whose parameters refer to
@@ -27,8 +27,8 @@ from serve_helpers import one_torch_thread  # noqa: E402, F401 - the autouse fix
 from vpaged.errors import InvalidArgumentError  # noqa: E402
 from vpaged.serve import SamplingParams  # noqa: E402
 from vpaged.serve.http import tools  # noqa: E402
-from vpaged.serve.sampler import sample  # noqa: E402
-from vpaged.serve.structured import Grammars, GrammarSpec, compile_error_text, relocate_refs  # noqa: E402
+from vpaged.serve.sample.sampler import sample  # noqa: E402
+from vpaged.serve.sample.structured import Grammars, GrammarSpec, compile_error_text, relocate_refs  # noqa: E402
 
 WHY = real_model.why_unavailable()
 NAMES = ["reasoning", "answer", "zeta", "confidence", "mid", "alpha", "verdict"]

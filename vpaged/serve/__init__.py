@@ -27,7 +27,7 @@ _NAMES = {
     "ModelConfig": "config",
     "ParallelConfig": "config",
     "KVStore": "stores",
-    "SamplingParams": "params",
+    "SamplingParams": "sample.params",
     "RequestOutput": "outputs",
     "CompletionOutput": "outputs",
     "RequestMetrics": "outputs",

@@ -4,7 +4,7 @@
     llm = LLM("random:llama-tiny", kv_budget_bytes=64 << 20)
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8, temperature=0.0))
 
-A step: schedule (scheduler.py) -> one packed forward (runner.py) -> sample (sampler.py) -> postprocess
+A step: schedule (scheduler.py) -> one packed forward (runner.py) -> sample (sample/sampler.py) -> postprocess
 (scheduler.py: every change to the sequences) -> outputs for the requests that changed. The engine only
 orchestrates: the options live in one EngineConfig (config.py), the K/V in a KVStore (stores/), sequence
 state in the scheduler. Not thread-safe: one thread drives an engine.
@@ -27,18 +27,18 @@ from ..hf.compat import serving_support
 from ..hf.fused import fuse_modules
 from ..hf.prepack import prepack_linears, prepack_supported
 from ..kvcache.geometry import KVGeometry
-from .bad_words import resolve_bad_words
 from .config import EngineConfig
-from .logprobs import record_prompt_logprobs, token_logprobs
 from .models import attention_window, load_model, model_geometry
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepRecord, StepTimes
-from .params import SamplingParams
 from .runner import ModelRunner, prompt_logprob_rows
-from .sampler import NO_TOKEN, check_first_draw, sample
+from .sample.bad_words import resolve_bad_words
+from .sample.logprobs import record_prompt_logprobs, token_logprobs
+from .sample.params import SamplingParams
+from .sample.sampler import NO_TOKEN, check_first_draw, sample
+from .sample.structured import Grammars
 from .scheduler import Scheduler, StepUpdate
 from .sequence import Request, Sequence
 from .stores import make_store
-from .structured import Grammars
 
 _log = logging.getLogger("vpaged.serve")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .outputs import RequestMetrics
-from .params import SamplingParams
+from .sample.params import SamplingParams
 
 
 class Status(enum.Enum):

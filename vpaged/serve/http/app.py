@@ -88,7 +88,7 @@ class _Server(RequestChecks):
 
     # ---- helpers (the checks of what a request asks for: RequestChecks)
     def _params(self, req, prompts: list[list[int]], max_tokens: int | None, structured=None):
-        from ..params import SamplingParams
+        from ..sample.params import SamplingParams
 
         kwargs = proto.sampling_kwargs(req, self._max_tokens_of(prompts, max_tokens))
         if structured is not None:

@@ -1,4 +1,4 @@
-"""Request fields that constrain the output to a grammar (structured.py), mapped to one GrammarSpec.
+"""Request fields that constrain the output to a grammar (sample/structured.py), mapped to one GrammarSpec.
 
 OpenAI: `response_format` `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
 "json_schema": {"name", "schema", "strict"}}` (`{"type": "text"}`: no constraint). vLLM: `structured_outputs`
@@ -12,7 +12,7 @@ import asyncio
 from typing import Any
 
 from ...errors import InvalidArgumentError, RequestError, VPagedError
-from ..structured import GrammarSpec
+from ..sample.structured import GrammarSpec
 
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar larger than this is refused before compiling
 

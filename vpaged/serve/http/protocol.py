@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ...errors import RequestError
-from ..params import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+from ..sample.params import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from .choice_text import ChoiceText  # noqa: F401 - where the server's modules and tests have imported it from
 
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias one request may give

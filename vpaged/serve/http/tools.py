@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from ...errors import RequestError
-from ..structured import GrammarSpec, relocate_refs
+from ..sample.structured import GrammarSpec, relocate_refs
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 

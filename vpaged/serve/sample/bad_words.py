@@ -4,15 +4,17 @@ A word can reach the output as the tokens of the word alone (at the start of the
 that is its own token) or as the tokens of " word" (inside a text: BPE tokenizers fold the space into the
 word's first token), so each word is tokenized both ways (vLLM's rule, which only adds the spaced form when it
 is a different sequence). The sampler then bans the last token of a sequence while the output ends with the
-tokens before it (logits.py), which keeps the whole sequence out of the output whichever way it was reached.
+tokens before it (banned_next_tokens, applied in logits_processors.py), which keeps the whole sequence out of
+the output whichever way it was reached.
 Like vLLM, this bans token sequences, not the string: a word the model spells with other tokens goes through.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
-from ..errors import InvalidArgumentError
+from ...errors import InvalidArgumentError
 from .params import SamplingParams
 
 
@@ -42,3 +44,15 @@ def resolve_bad_words(params: SamplingParams, tokenizer, vocab_size: int) -> Sam
         name = "bad_words" if params.bad_words else "bad_words_token_ids"
         raise InvalidArgumentError(f"{name} token ids must lie in 0..{vocab_size - 1}")
     return params
+
+
+def banned_next_tokens(sequences, tokens: Sequence[int], prompt_len: int) -> list[int]:
+    """The tokens that would complete one of the bad sequences next: the last token of each sequence whose
+    other tokens are the end of the output, tokens[prompt_len:] (every one-token sequence). The prompt does not
+    count: a bad word the prompt ends with may be completed, as in vLLM."""
+    out = []
+    for seq in sequences:
+        head = len(seq) - 1
+        if head == 0 or (len(tokens) - prompt_len >= head and tuple(tokens[len(tokens) - head :]) == tuple(seq[:head])):
+            out.append(seq[-1])
+    return out

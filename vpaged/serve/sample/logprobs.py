@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .outputs import TokenLogprob
+from ..outputs import TokenLogprob
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob | None]:

@@ -1,6 +1,9 @@
 """Sampler: the next token of every sequence of a step from its logits row, vectorized over the rows.
 
-Each request's logit controls (penalties, logit_bias, min_tokens: logits.py) apply first, to its rows only.
+Each request's logit controls apply first, to its rows only (apply_controls): the logits processors (logit_bias,
+min_tokens, bad_words: logits_processors.py), then the penalties (penalties.py). Rows whose request asks for
+none of them are not touched, so a batch costs nothing there unless one of its requests asks; those that do are
+changed in one float32 copy of their rows.
 Greedy rows take the argmax. Sampled rows are scaled by their temperature, cut to their top-k and top-p
 sets, and drawn by inverse CDF with one uniform number from the sequence's own generator: a sequence's
 tokens depend only on its logits and its seed, never on which other sequences share the batch.
@@ -14,13 +17,33 @@ constraints leave no token for its very first draw when it is added, before it c
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
-from ..errors import NoAllowedTokenError
-from .logits import History, apply_controls
+from ...errors import NoAllowedTokenError
+from .logits_processors import History, apply_processors
 from .params import SamplingParams
+from .penalties import apply_penalties
 
 NO_TOKEN = -1  # sample()'s answer for a row that has no token left to draw
+
+
+def apply_controls(
+    logits: torch.Tensor, params: list[SamplingParams], histories: list[History] | None, eos_token_ids: Collection[int]
+) -> torch.Tensor:
+    """logits [R, V] with each row's controls applied (the same tensor when no row asks for any)."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    if histories is None:
+        raise ValueError("penalties and min_tokens need each row's token history")
+    index = torch.tensor(rows, device=logits.device)
+    ps, hist = [params[i] for i in rows], [histories[i] for i in rows]
+    sub = apply_processors(logits.index_select(0, index).float(), ps, hist, eos_token_ids)
+    sub = apply_penalties(sub, ps, hist)
+    out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    return out.index_copy(0, index, sub)
 
 
 def sample(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InvalidArgumentError
+from ...errors import InvalidArgumentError
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
 
