@@ -1,0 +1,177 @@
+"""docs/numbers.md, generated from the benchmark results files (benchmarks/results/*.json, not archive/), so
+no figure in the documentation is typed by hand.
+
+One table per claim (a benchmark kind: mapping, sharing, decode, transformers, serving, elastic), each row a
+comparison the benchmark measured beside its baseline, read by the same extractors `vpaged bench` uses
+(suite.py), and naming the machine, ISA and date it ran on: taken from the file, else from the machine tag of
+its name (`..._epyc-zen3-avx2-2c.json`); a file without a date says "date unknown". Files no extractor reads
+are listed with their provenance, so each one is accounted for.
+
+    python -m vpaged.cli.numbers            # rewrites docs/numbers.md
+    python -m vpaged.cli.numbers --check    # exit 1 when docs/numbers.md differs from the results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import suite
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "numbers.md"
+
+# The file-name prefix of a results file -> the claim it backs and how its rows are read.
+CLAIMS: dict[str, tuple[str, Callable[[dict], list[suite.Row]]]] = {
+    "mapping": ("Mapping a page: vpaged against the bare system calls", suite._mapping),
+    "sharing": ("Sharing: fork, copy-on-write and swap against plain copies", suite._sharing),
+    "decode": ("Decode attention: vpaged against the copy floor and a block table", suite._decode),
+    "hf": ("transformers: VPagedCache against DynamicCache", suite._hf),
+    "serve": ("Serving throughput: the engine against generate_batch and vLLM", suite._serve),
+    "elastic": ("A shared budget against a static split", suite._elastic),
+}
+
+_ISAS = ("avx512bf16", "avx512", "avx2", "neon", "sve")
+
+
+@dataclass(frozen=True)
+class Provenance:
+    machine: str
+    isa: str
+    date: str
+
+
+def _find(d, keys: tuple[str, ...], depth: int = 0):
+    """The first scalar value under one of `keys`, searched breadth-first a few levels into the file."""
+    if depth > 3 or not isinstance(d, dict):
+        return None
+    for k in keys:
+        if k in d and isinstance(d[k], str | int | float) and not isinstance(d[k], bool):
+            return d[k]
+    for v in d.values():
+        found = _find(v, keys, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def machine_tag(path: Path) -> str:
+    """The machine tag of a results file's name: its last `_`-separated part (`epyc-zen3-avx2-2c`)."""
+    return path.stem.rsplit("_", 1)[-1]
+
+
+def provenance(path: Path, data: dict) -> Provenance:
+    tag = machine_tag(path)
+    parts = tag.split("-")
+    cpu = _find(data, ("cpu", "cpu_model"))
+    cores = _find(data, ("cores",))
+    machine = f"{cpu}, {cores} cores" if cpu and cores else (str(cpu) if cpu else None)
+    machine = f"{machine} ({tag})" if machine else tag
+    isa = _find(data, ("vpaged_isa", "isa"))
+    if not isa:
+        isa = next((p for p in parts if p in _ISAS), None) or "ISA unknown"
+    date = _find(data, ("date", "timestamp"))
+    date = str(date)[:10] if date else "date unknown"
+    return Provenance(machine, str(isa), date)
+
+
+def results_files(results: Path = RESULTS) -> list[Path]:
+    return sorted(results.glob("*.json"))
+
+
+def _fmt(x: float) -> str:
+    if x != x:  # nan
+        return "–"
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.3g}"
+
+
+def _rows(path: Path, data: dict) -> tuple[str | None, list[suite.Row]]:
+    claim = CLAIMS.get(path.name.split("_", 1)[0])
+    if claim is None:
+        return None, []
+    try:
+        return path.name.split("_", 1)[0], claim[1](data)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError):
+        return None, []  # a file of another shape than the extractor reads: listed with the others
+
+
+def render(results: Path = RESULTS) -> str:
+    tables: dict[str, list[str]] = {key: [] for key in CLAIMS}
+    others: list[str] = []
+    for path in results_files(results):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            data = {"rows": data}
+        prov = provenance(path, data)
+        key, rows = _rows(path, data)
+        ref = f"[{path.name}](../benchmarks/results/{path.name})"
+        if not rows:
+            others.append(f"| {ref} | {prov.machine} | {prov.isa} | {prov.date} |")
+            continue
+        for r in rows:
+            tables[key].append(
+                f"| {r.comparison} | {_fmt(r.vpaged)} {r.unit} | {_fmt(r.baseline)} {r.unit} ({r.baseline_name}) "
+                f"| {_fmt(r.ratio)}x ({r.better} is better) | {prov.machine} | {prov.isa} | {prov.date} | {ref} |"
+            )
+    out = [
+        "# Numbers",
+        "",
+        "Generated by `python -m vpaged.cli.numbers` from `benchmarks/results/*.json`; do not edit by hand",
+        "(`tests/test_docs_numbers.py` fails when this page and the results files disagree). Each row names the",
+        "machine, ISA and date of the run; the file's own fields where it has them, else its name's machine tag.",
+        "The command that wrote each kind of file, its settings and the analysis: `benchmarks/NOTES.md`.",
+        "",
+    ]
+    for key, (title, _) in CLAIMS.items():
+        if not tables[key]:
+            continue
+        out += [
+            f"## {title}",
+            "",
+            "| comparison | vpaged | baseline | vpaged / baseline | machine | ISA | date | results |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            *tables[key],
+            "",
+        ]
+    if others:
+        out += [
+            "## Other results files",
+            "",
+            "Results that no summary table reads (their own benchmark's report has the figures):",
+            "",
+            "| results | machine | ISA | date |",
+            "| --- | --- | --- | --- |",
+            *others,
+            "",
+        ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vpaged.cli.numbers", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when the page differs from the results")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="results folder (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=PAGE, help="the page to write (default: %(default)s)")
+    args = parser.parse_args(argv)
+    text = render(args.results)
+    if args.check:
+        if not args.out.is_file() or args.out.read_text() != text:
+            print(f"{args.out} is not what the results generate: run python -m vpaged.cli.numbers", file=sys.stderr)
+            return 1
+        return 0
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
