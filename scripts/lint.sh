@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Lint and format checks: ruff (lint + format) over the Python code, clang-format over the C++/CUDA code.
-# Changes nothing: prints what it would change and exits non-zero when something is off.
+# Changes nothing: prints what it would change and exits non-zero when something is off; then prints the
+# largest modules of vpaged/ and their line counts (a report: it never fails the run).
 #
 #   scripts/lint.sh          check
 #   scripts/lint.sh --fix    apply ruff's fixes and both formatters instead
@@ -37,5 +38,8 @@ echo "==> ruff format --check"
 "$RUFF" format --check . || status=1
 echo "==> clang-format --dry-run -Werror (${#CXX[@]} files)"
 "$CLANG_FORMAT" --dry-run -Werror "${CXX[@]}" || status=1
+# A report, not a gate: modules are split by concern, not by a line cap; the largest are worth a look.
+echo "==> largest modules (lines)"
+find vpaged -name '*.py' -exec wc -l {} + | grep -v ' total$' | sort -rn | head -n "${LINT_REPORT_MODULES:-10}" || true
 ((status == 0)) && echo "lint: clean"
 exit $status
