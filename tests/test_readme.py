@@ -1,7 +1,10 @@
 """The README's usage example runs as written, and the error list of docs/errors.md is that of vpaged/errors.py."""
 
+import importlib
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -49,3 +52,33 @@ def test_readme_links_resolve():
             if not (page.parent / target).exists():
                 missing.append(f"{page.relative_to(ROOT)} -> {target}")
     assert missing == [], missing
+
+
+def _resolve(dotted: str):
+    """The object a dotted name written in the docs stands for: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def test_every_vpaged_name_in_the_docs_resolves():
+    """A module or name the README or a docs page writes as `vpaged.x.y` is importable from there (so a module
+    moved without its docs fails here)."""
+    pytest.importorskip("transformers")
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    names = {name for page in pages for name in re.findall(r"`(vpaged(?:\.\w+)+)", page.read_text())}
+    assert len(names) > 10
+    unresolved = []
+    for name in sorted(names):
+        try:
+            _resolve(name)
+        except (ImportError, AttributeError) as e:
+            unresolved.append(f"{name}: {e}")
+    assert unresolved == [], unresolved
