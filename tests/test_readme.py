@@ -82,3 +82,15 @@ def test_every_vpaged_name_in_the_docs_resolves():
         except (ImportError, AttributeError) as e:
             unresolved.append(f"{name}: {e}")
     assert unresolved == [], unresolved
+
+
+def test_the_two_commands_are_the_ones_ci_runs():
+    """The README's two commands exist, and CI (.ci/run) runs its test command as written."""
+    block = re.search(r"## Two commands\n.*?```bash\n(.*?)```", README.read_text(), re.S).group(1)
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands == ["./scripts/demo.sh", "./scripts/test.sh"]
+    for command in commands:
+        script = ROOT / command
+        assert script.is_file() and script.stat().st_mode & 0o111, f"{command} is not an executable script"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "./scripts/test.sh" in [line.strip() for line in ci], ".ci/run does not run the README's test command"
