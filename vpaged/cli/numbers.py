@@ -26,6 +26,27 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "numbers.md"
 
+
+def _vllm_plugin(d: dict) -> list[suite.Row]:
+    """bench_vllm_plugin.py: vLLM's CPU engine with the plugin on against off, over bursts."""
+    s = d["summary"]
+    rss = s["rss_after_start_gib"]
+    tps = s["tokens_per_s_median"]
+    return [
+        suite.Row("vllm", "RSS after start", min(rss["on"]), min(rss["off"]), "plugin off", "GiB", "lower"),
+        suite.Row("vllm", "output tokens/s, median of bursts", tps["on"], tps["off"], "plugin off", "tok/s", "higher"),
+    ]
+
+
+def _vllm_elastic(d: dict) -> list[suite.Row]:
+    """bench_vllm_elastic.py: two vLLM engines on one shared budget against a static split of it."""
+    st, sh = d["static"], d["shared"]
+    return [
+        suite.Row("vllm", f"TTFT {q}, all requests", sh[key]["all"], st[key]["all"], "static split", "s", "lower")
+        for q, key in (("p50", "ttft_p50_s"), ("p99", "ttft_p99_s"))
+    ]
+
+
 # The file-name prefix of a results file -> the claim it backs and how its rows are read.
 CLAIMS: dict[str, tuple[str, Callable[[dict], list[suite.Row]]]] = {
     "mapping": ("Mapping a page: vpaged against the bare system calls", suite._mapping),
@@ -34,6 +55,8 @@ CLAIMS: dict[str, tuple[str, Callable[[dict], list[suite.Row]]]] = {
     "hf": ("transformers: VPagedCache against DynamicCache", suite._hf),
     "serve": ("Serving throughput: the engine against generate_batch and vLLM", suite._serve),
     "elastic": ("A shared budget against a static split", suite._elastic),
+    "vllm-plugin": ("The vLLM plugin: vLLM's CPU engine with the plugin on against off", _vllm_plugin),
+    "vllm-elastic": ("Two vLLM engines on one shared budget against a static split", _vllm_elastic),
 }
 
 _ISAS = ("avx512bf16", "avx512", "avx2", "neon", "sve")
