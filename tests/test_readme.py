@@ -74,6 +74,9 @@ def test_every_vpaged_name_in_the_docs_resolves():
     pytest.importorskip("transformers")
     pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
     names = {name for page in pages for name in re.findall(r"`(vpaged(?:\.\w+)+)", page.read_text())}
+    for page in pages:  # and the names code blocks import: `from vpaged.serve import LLM, SamplingParams`
+        for module, imported in re.findall(r"^\s*from (vpaged[\w.]*) import ([\w, ]+)$", page.read_text(), re.M):
+            names |= {f"{module}.{name.strip()}" for name in imported.split(",")}
     assert len(names) > 10
     unresolved = []
     for name in sorted(names):
