@@ -1,4 +1,4 @@
-"""Real clients against `vpaged serve` on SmolLM2-135M-Instruct (benchmarks/real_model.py): lm-eval and LangChain.
+"""Real clients against `vpaged serve` on SmolLM2-135M-Instruct (benchmarks/real_model.py): lm-eval, LangChain, agents.
 
 1. lm-eval, a local `multiple_choice` task (a JSONL and a task YAML written to a temporary folder, read through
    `--include_path`; nothing is downloaded), run with the `hf` backend (transformers in this process's venv)
@@ -9,10 +9,13 @@
    on `--prompts` prompts: how many outputs parse and validate.
 3. Agent frameworks with tools under `tool_choice="auto"`: LangGraph's prebuilt ReAct agent and LangChain's
    `create_agent`, openai-agents' `Runner` over its chat-completions model, pydantic-ai's `Agent`, each on
-   `--agent-prompts` prompts with two tools. Recorded per framework: runs that finished, tool calls the model
-   made, and failures (an exception other than the framework's own turn limit). First the server is asked
-   whether the tools reach the prompt at all: the prompt token count of one chat request with and without them.
-   What a 135M model chooses to call is its own affair; every reply must parse.
+   `--agent-prompts` prompts with two tools, through a recording proxy (eval_agents.py): per framework its
+   requests, each one's prompt tokens with and without its tools (the server's /tokenize), the replies that
+   parsed, the tool calls in them, runs that finished or hit the framework's turn limit, and client exceptions
+   with their message. What a 135M model chooses to call is its own affair; every reply must parse.
+
+The server's log (warnings and errors) is kept in the results: `server_log` (its lines at WARNING or above,
+and whether any holds a traceback).
 
 The clients live in their own venv (they pull packages vpaged does not need); the server runs vpaged from this
 checkout in the venv given by --server-python:
@@ -43,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_model  # noqa: E402
 from common import machine, print_table, write_json  # noqa: E402
+from eval_agents import AGENT_HEADERS, agent_rows, run_agents  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "smollm2"
@@ -133,12 +137,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, model: Path, port: int) -> subprocess.Popen:
+def start_server(args, model: Path, port: int, log) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
     cmd = [args.server_python, "-m", "vpaged.cli.main", "serve", str(model), "--port", str(port)]
     cmd += ["--served-model-name", NAME, "--threads", str(args.threads), "--kv-budget-mib", "256"]
     cmd += ["--max-num-seqs", "8", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -151,6 +155,21 @@ def start_server(args, model: Path, port: int) -> subprocess.Popen:
             time.sleep(1)
     proc.kill()
     raise SystemExit("the server did not become ready in 600 s")
+
+
+def server_log(text: str) -> dict:
+    """The server's lines at WARNING or above (it runs with --log-level warning, so that is every line but
+    uvicorn's start and stop) and how many tracebacks it printed."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    noise = (
+        "Loading weights",
+        "Started server process",
+        "Waiting for application",
+        "Application startup",
+        "Uvicorn running",
+    )
+    kept = [line for line in lines if not any(n in line for n in noise)]
+    return {"lines": kept[:50], "lines_total": len(kept), "tracebacks": sum("Traceback" in line for line in lines)}
 
 
 def run_lm_eval(args, folder: Path, model_kind: str, model_args: str, out: Path) -> None:
@@ -285,155 +304,6 @@ def run_langchain(base_url: str, prompts: int) -> dict:
     return report
 
 
-AGENT_CITIES = ["Lisbon", "Oslo", "Lima", "Cairo", "Hanoi", "Quito", "Perth", "Dakar", "Riga", "Pune"]
-
-
-def agent_prompts(n: int, rng: random.Random) -> list[str]:
-    return [
-        rng.choice(
-            [
-                f"What is the weather in {rng.choice(AGENT_CITIES)}? Use the tool.",
-                f"Use the add tool to add {rng.randint(1, 99)} and {rng.randint(1, 99)}.",
-                "Say hello in one short sentence.",
-            ]
-        )
-        for _ in range(n)
-    ]
-
-
-def weather_tool(city: str) -> str:
-    """The current weather in a city."""
-    return f"sunny and 21 degrees in {city}"
-
-
-def add_tool(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-
-def tools_reach_prompt(base_url: str) -> dict:
-    """The prompt token count of one chat request with and without the tools (equal: the tools were dropped)."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0)
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "description": "The current weather in a city.",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-            },
-        }
-    ]
-    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
-    bare = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1)
-    with_tools = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1, tools=tools)
-    return {
-        "prompt_tokens_without_tools": bare.usage.prompt_tokens,
-        "prompt_tokens_with_tools": with_tools.usage.prompt_tokens,
-        "tools_reach_prompt": with_tools.usage.prompt_tokens > bare.usage.prompt_tokens,
-    }
-
-
-def _agent_run(report: dict, run, limit_errors: tuple) -> None:
-    """One agent run: counts it as finished, as stopped by the framework's own turn limit, or as a failure."""
-    try:
-        report["tool_calls"] += run()
-        report["finished"] += 1
-    except limit_errors:
-        report["turn_limit"] += 1
-    except Exception as e:  # a reply that did not parse, a refused request: a failure, with its reason
-        report["failures"].append(f"{type(e).__name__}: {e}"[:300])
-
-
-def run_agents(base_url: str, prompts: int) -> dict:
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-    from agents.exceptions import MaxTurnsExceeded
-    from langchain.agents import create_agent
-    from langchain_core.messages import AIMessage
-    from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
-    from langgraph.errors import GraphRecursionError
-    from langgraph.prebuilt import create_react_agent
-    from openai import AsyncOpenAI
-    from pydantic_ai import Agent as PydanticAgent
-    from pydantic_ai.exceptions import UsageLimitExceeded
-    from pydantic_ai.messages import ToolCallPart
-    from pydantic_ai.models.openai import OpenAIChatModel
-    from pydantic_ai.providers.openai import OpenAIProvider
-    from pydantic_ai.usage import UsageLimits
-
-    texts = agent_prompts(prompts, random.Random(1))
-    report = {"tools_check": tools_reach_prompt(base_url)}
-
-    def fresh() -> dict:
-        return {"prompts": len(texts), "finished": 0, "turn_limit": 0, "tool_calls": 0, "failures": []}
-
-    llm = ChatOpenAI(
-        model=NAME, base_url=base_url, api_key="unused", temperature=0, max_tokens=96, timeout=600, max_retries=0
-    )
-    lc_tools = [tool(weather_tool), tool(add_tool)]
-
-    def langchain_calls(state: dict) -> int:
-        return sum(len(m.tool_calls) for m in state["messages"] if isinstance(m, AIMessage))
-
-    for name, graph in (
-        ("langgraph create_react_agent", create_react_agent(llm, lc_tools)),
-        ("langchain create_agent", create_agent(model=llm, tools=lc_tools)),
-    ):
-        r = fresh()
-        for text in texts:
-            _agent_run(
-                r,
-                lambda g=graph, t=text: langchain_calls(
-                    g.invoke({"messages": [{"role": "user", "content": t}]}, {"recursion_limit": 8})
-                ),
-                (GraphRecursionError,),
-            )
-        report[name] = r
-
-    set_tracing_disabled(True)
-    oa_model = OpenAIChatCompletionsModel(
-        model=NAME, openai_client=AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0)
-    )
-    oa_agent = Agent(
-        name="assistant",
-        instructions="You are a helpful assistant. Use the tools when they help.",
-        tools=[function_tool(weather_tool), function_tool(add_tool)],
-        model=oa_model,
-        model_settings=ModelSettings(temperature=0, max_tokens=96),
-    )
-    r = fresh()
-    for text in texts:
-        _agent_run(
-            r,
-            lambda t=text: sum(
-                1 for item in Runner.run_sync(oa_agent, t, max_turns=4).new_items if item.type == "tool_call_item"
-            ),
-            (MaxTurnsExceeded,),
-        )
-    report["openai-agents Runner"] = r
-
-    pa_model = OpenAIChatModel(NAME, provider=OpenAIProvider(base_url=base_url, api_key="unused"))
-    pa_agent = PydanticAgent(
-        pa_model, tools=[weather_tool, add_tool], model_settings={"temperature": 0, "max_tokens": 96}
-    )
-    r = fresh()
-    for text in texts:
-        _agent_run(
-            r,
-            lambda t=text: sum(
-                isinstance(part, ToolCallPart)
-                for message in pa_agent.run_sync(t, usage_limits=UsageLimits(request_limit=4)).all_messages()
-                for part in getattr(message, "parts", ())
-            ),
-            (UsageLimitExceeded,),
-        )
-    report["pydantic-ai Agent"] = r
-    return report
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server-python", default=os.environ.get("VPAGED_SERVER_PYTHON", sys.executable))
@@ -446,6 +316,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=None, help="of the task data (default: a fresh one)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: lm_eval, langchain, agents")
     ap.add_argument("--output", default="eval-clients_smollm2_epyc-avx2-2c.json")
+    ap.add_argument("--box", default="AMD EPYC (Zen 3 class), 2 cores, AVX2; model fp32", help="recorded as is")
     args = ap.parse_args(argv)
     why = real_model.why_unavailable()
     if why:
@@ -453,13 +324,21 @@ def main(argv=None) -> dict:
     model = real_model.model_dir()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     skip = set(filter(None, args.skip.split(",")))
-    payload = {"machine": machine(), "args": vars(args), "seed": seed, "model": real_model.NAME}
+    payload = {"machine": machine(), "box": args.box, "args": vars(args), "seed": seed, "model": real_model.NAME}
     with tempfile.TemporaryDirectory(prefix="vpaged-eval-") as tmp:
         folder = Path(tmp)
         write_tasks(folder, args, random.Random(seed))
         port = free_port()
-        server = start_server(args, model, port)
+        log_path = folder / "server.log"
+        log = log_path.open("w")
+        server = start_server(args, model, port, log)
         try:
+            # Each part's results are written as soon as it ends (a run stopped later keeps them).
+            if "agents" not in skip:
+                t0 = time.perf_counter()
+                payload["agents"] = run_agents(f"http://127.0.0.1:{port}/v1", args.agent_prompts)
+                payload["agents_s"] = time.perf_counter() - t0
+                write_json(args.output, payload)
             if "lm_eval" not in skip:
                 t0 = time.perf_counter()
                 model_args = (
@@ -472,13 +351,12 @@ def main(argv=None) -> dict:
                 t0 = time.perf_counter()
                 payload["langchain"] = run_langchain(f"http://127.0.0.1:{port}/v1", args.prompts)
                 payload["langchain_s"] = time.perf_counter() - t0
-            if "agents" not in skip:
-                t0 = time.perf_counter()
-                payload["agents"] = run_agents(f"http://127.0.0.1:{port}/v1", args.agent_prompts)
-                payload["agents_s"] = time.perf_counter() - t0
+                write_json(args.output, payload)
         finally:
             server.terminate()
             server.wait(60)
+            log.close()
+            payload["server_log"] = server_log(log_path.read_text(errors="replace"))
         if "lm_eval" not in skip:
             t0 = time.perf_counter()
             run_lm_eval(args, folder, "hf", f"pretrained={model},dtype=float32", folder / "hf")
@@ -492,24 +370,19 @@ def main(argv=None) -> dict:
         rows.append(["lm-eval generate_until equal", f"{e['gen_equal']} / {e['gen_docs']}"])
     for name, r in payload.get("langchain", {}).items():
         rows.append([f"langchain {name}", f"{r['valid']} / {r['prompts']} parse + validate"])
-    agents = dict(payload.get("agents", {}))
-    if agents:
-        check = agents.pop("tools_check")
+    if "agents" in payload:
+        check = payload["agents"]["tools_check"]
         rows.append(
             [
                 "tools reach the prompt (prompt tokens without / with)",
                 f"{check['prompt_tokens_without_tools']} / {check['prompt_tokens_with_tools']}",
             ]
         )
-    for name, r in agents.items():
-        rows.append(
-            [
-                f"agents {name}",
-                f"{r['finished']} / {r['prompts']} finished, {r['turn_limit']} at the turn limit, "
-                f"{r['tool_calls']} tool calls, {len(r['failures'])} failures",
-            ]
-        )
+    log_summary = payload["server_log"]
+    rows.append(["server log: warnings+ / tracebacks", f"{len(log_summary['lines'])} / {log_summary['tracebacks']}"])
     print_table(["check", "result"], rows)
+    if "agents" in payload:
+        print_table(AGENT_HEADERS, agent_rows(payload["agents"]))
     print(f"wrote {write_json(args.output, payload)}")
     return payload
 
