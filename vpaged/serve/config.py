@@ -147,8 +147,9 @@ class StoreConfig:
     shared_budget_member: str | None = field(
         default=None,
         metadata=option(
-            "how `vpaged budget show` names this engine's member of the shared budget (its first 32 bytes; "
-            "default pool-PID; `vpaged serve` gives the served model's name)"
+            "how `vpaged budget show` names this engine's member of the shared budget (kept whole: at most 64 "
+            "bytes of UTF-8, unique among the budget's live members, else the join is refused; default pool-PID; "
+            "`vpaged serve` gives the served model's name)"
         ),
     )
 
