@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # AddressSanitizer + UndefinedBehaviorSanitizer run of the C++ core: builds vpaged._C with
 # -fsanitize=address,undefined into build/sanitize/ (apart from the normal build, which stays as it is) and
-# runs the C++-heavy tests against it: ranges, caches, sharing, regressions, the CUDA backend through the fake
+# runs the C++-heavy tests against it: ranges, caches, sharing, regressions, the shared budget's ledger (its
+# SIGBUS guard against a truncated segment included), the CUDA backend through the fake
 # driver. Any sanitizer report fails the run (UBSan errors are fatal, ASan aborts on the first error).
 #
 #   scripts/sanitize.sh [extra pytest arguments]
@@ -70,7 +71,11 @@ echo "==> built in $(($(date +%s) - START)) s"
 # to intercept C++ exceptions (otherwise the first exception the extension throws aborts the process).
 ASAN_RT="$("$CXX" -print-file-name=libasan.so):$("$CXX" -print-file-name=libstdc++.so)"
 export LD_PRELOAD="$ASAN_RT${LD_PRELOAD:+:$LD_PRELOAD}"
-export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1:handle_segv=0:${ASAN_OPTIONS:-}"
+# handle_sigbus=0: the budget ledger (csrc/bindings/shm_ledger.cpp) installs its own SIGBUS handler, which
+# turns an access past a truncated segment into BudgetCorruptError; ASan must leave that signal to it.
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1:handle_segv=0:handle_sigbus=0:${ASAN_OPTIONS:-}"
+# The ledger fault test kills workers mid-change this many times (400 by default; fewer under ASan's cost).
+export VPAGED_LEDGER_KILLS="${VPAGED_LEDGER_KILLS:-100}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
 export PYTHONPATH="$OUT/pkg${PYTHONPATH:+:$PYTHONPATH}"
 # From $OUT: `python -m` puts the working directory first on sys.path, and the checkout's vpaged/ (with the
@@ -81,5 +86,6 @@ T="$ROOT/tests"
 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$T/test_range.py" "$T/test_cache.py" "$T/test_cache_parts.py" \
   "$T/test_sharing.py" "$T/test_sharing_stateful.py" "$T/test_regressions.py" "$T/test_reliability.py" \
   "$T/test_cuda_backend_fake.py" "$T/test_paged_cache.py" "$T/test_write_kv.py" "$T/test_decode_kernels.py" \
-  "$T/test_decode_paged_steps.py" "$T/test_fused_ops.py" "$T/test_pool_keep_freed.py" "$@"
+  "$T/test_decode_paged_steps.py" "$T/test_fused_ops.py" "$T/test_pool_keep_freed.py" \
+  "$T/test_budget_ledger_faults.py" "$T/test_shared_budget.py" "$@"
 echo "==> sanitizers clean ($(($(date +%s) - START)) s in all)"

@@ -24,7 +24,11 @@ from vpaged.memory.shared_budget import SharedBudget
 
 PAGE = 4096
 WORKER = Path(__file__).with_name("ledger_worker.py")
-ENV = dict(os.environ, PYTHONPATH=str(WORKER.parent.parent))
+# A PYTHONPATH given stays first: scripts/sanitize.sh puts its instrumented build there, which the workers
+# must load too (the checkout, with the normal build, comes after it).
+ENV = dict(
+    os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(WORKER.parent.parent)]))
+)
 
 
 @pytest.fixture
