@@ -97,7 +97,7 @@ def provenance(path: Path, data: dict) -> Provenance:
     machine = f"{cpu}, {cores} cores" if cpu and cores else (str(cpu) if cpu else None)
     machine = f"{machine} ({tag})" if machine else tag
     isa = _find(data, ("vpaged_isa", "isa"))
-    if not isa:
+    if not isa or str(isa).startswith("unknown"):  # a run that could not ask the extension records "unknown (...)"
         isa = next((p for p in parts if p in _ISAS), None) or "ISA unknown"
     date = _find(data, ("date", "timestamp"))
     date = str(date)[:10] if date else "date unknown"
