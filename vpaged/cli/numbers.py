@@ -48,13 +48,16 @@ def _vllm_elastic(d: dict) -> list[suite.Row]:
 
 
 # The file-name prefix of a results file -> the claim it backs and how its rows are read.
+# suite.py's readers, by the name of the benchmark they read.
+_READERS = {bench.name: bench.extract for bench in suite.SUITE}
+
 CLAIMS: dict[str, tuple[str, Callable[[dict], list[suite.Row]]]] = {
-    "mapping": ("Mapping a page: vpaged against the bare system calls", suite._mapping),
-    "sharing": ("Sharing: fork, copy-on-write and swap against plain copies", suite._sharing),
-    "decode": ("Decode attention: vpaged against the copy floor and a block table", suite._decode),
-    "hf": ("transformers: VPagedCache against DynamicCache", suite._hf),
-    "serve": ("Serving throughput: the engine against generate_batch and vLLM", suite._serve),
-    "elastic": ("A shared budget against a static split", suite._elastic),
+    "mapping": ("Mapping a page: vpaged against the bare system calls", _READERS["mapping"]),
+    "sharing": ("Sharing: fork, copy-on-write and swap against plain copies", _READERS["sharing"]),
+    "decode": ("Decode attention: vpaged against the copy floor and a block table", _READERS["decode"]),
+    "hf": ("transformers: VPagedCache against DynamicCache", _READERS["transformers"]),
+    "serve": ("Serving throughput: the engine against generate_batch and vLLM", _READERS["serving"]),
+    "elastic": ("A shared budget against a static split", _READERS["elastic"]),
     "vllm-plugin": ("The vLLM plugin: vLLM's CPU engine with the plugin on against off", _vllm_plugin),
     "vllm-elastic": ("Two vLLM engines on one shared budget against a static split", _vllm_elastic),
 }
