@@ -47,10 +47,10 @@ def _vllm_elastic(d: dict) -> list[suite.Row]:
     ]
 
 
-# The file-name prefix of a results file -> the claim it backs and how its rows are read.
 # suite.py's readers, by the name of the benchmark they read.
 _READERS = {bench.name: bench.extract for bench in suite.SUITE}
 
+# The file-name prefix of a results file -> the claim it backs and how its rows are read.
 CLAIMS: dict[str, tuple[str, Callable[[dict], list[suite.Row]]]] = {
     "mapping": ("Mapping a page: vpaged against the bare system calls", _READERS["mapping"]),
     "sharing": ("Sharing: fork, copy-on-write and swap against plain copies", _READERS["sharing"]),
@@ -124,11 +124,12 @@ def _fmt(x: float) -> str:
 
 
 def _rows(path: Path, data: dict) -> tuple[str | None, list[suite.Row]]:
-    claim = CLAIMS.get(path.name.split("_", 1)[0])
+    prefix = path.name.split("_", 1)[0]
+    claim = CLAIMS.get(prefix)
     if claim is None:
         return None, []
     try:
-        return path.name.split("_", 1)[0], claim[1](data)
+        return prefix, claim[1](data)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError):
         return None, []  # a file of another shape than the extractor reads: listed with the others
 
