@@ -337,6 +337,12 @@ def main() -> None:
     if args.quick:
         args.phases, args.phase_s = 3, 4.0
     args.budget_bytes = int(args.budget_mib * 2**20)
+    # Beside the other results by default (VPAGED_RESULTS_DIR redirects them, as `vpaged bench` does); a
+    # folder that does not exist is said now, not after the runs.
+    results_dir = Path(os.environ.get("VPAGED_RESULTS_DIR") or HERE / "results")
+    output = Path(args.output) if args.output else results_dir / "elastic_cpu.json"
+    if not output.parent.is_dir():
+        ap.error(f"--output {output}: folder {output.parent} does not exist")
     rounds = {mode: [] for mode in args.modes}
     for k in range(args.rounds if args.modes else 0):
         shift = k % len(args.modes)
@@ -378,9 +384,6 @@ def main() -> None:
             "load_average": os.getloadavg()}  # fmt: skip
     if args.plot and args.modes and plot({m: results[m] for m in args.modes}, args.plot):
         print(f"plot: {args.plot}")
-    # Beside the other results by default (VPAGED_RESULTS_DIR redirects them, as `vpaged bench` does).
-    results_dir = Path(os.environ.get("VPAGED_RESULTS_DIR") or HERE / "results")
-    output = Path(args.output) if args.output else results_dir / "elastic_cpu.json"
     output.write_text(json.dumps({"config": meta, "results": results}, indent=2) + "\n")
 
 

@@ -232,6 +232,21 @@ def test_dead_member_is_reaped(budget_name):
     assert budget.headroom(index) == 0 and budget.grant(index, PAGE) == -1
 
 
+def test_closing_a_cache_leaves_the_budget_at_once(budget_name, rng):
+    budget = SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    cache = small_cache(budget_name, page_size=PAGE, member_name="closing")
+    fill(cache, 1, 100, rng)
+    assert [m.name for m in budget.state().members] == ["closing"]
+    cache.close()  # no reference dropped: the cache object stays alive
+    assert not budget.state().members
+    SharedBudget.remove(budget_name)  # no live member left: no force needed
+    # A build that fails after joining leaves too: a layout this cache cannot take.
+    budget = SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
+    with pytest.raises(InvalidArgumentError):
+        small_cache(budget_name, page_size=PAGE, layout="no-such-layout")
+    assert not budget.state().members
+
+
 def test_segment_holds_counts_not_kv(budget_name, rng):
     SharedBudget.create(budget_name, capacity_bytes=32 * PAGE)
     cache = small_cache(budget_name)
@@ -246,7 +261,7 @@ def test_segment_holds_counts_not_kv(budget_name, rng):
 
 def test_names_are_kept_whole_and_never_shared(budget_name):
     budget = SharedBudget.create(budget_name, capacity_bytes=8 * PAGE)
-    long_a, long_b = "model-" + "a" * 50 + "-one", "model-" + "a" * 50 + "-two"  # alike in their first 32 bytes
+    long_a, long_b = "model-" + "a" * 50 + "-one", "model-" + "a" * 50 + "-two"  # alike but for the end
     ia = budget.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name=long_a)
     ib = budget.join(page_size=PAGE, ceiling_bytes=8 * PAGE, name=long_b)
     assert [m.name for m in budget.state().members] == [long_a, long_b]

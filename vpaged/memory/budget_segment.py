@@ -182,6 +182,7 @@ class BudgetSegment:
     def __init__(self, name: str, fd: int, path: str):
         self.name, self.path, self._fd = name, path, fd
         self.map = _C.LedgerMapping(fd, segment_bytes())
+        self._last_ask: tuple[int, int, int] | None = None  # (control word, index, ask counter) last peeked
         try:
             self._check_header()
         except BaseException:
@@ -372,9 +373,20 @@ class BudgetSegment:
         raise self.corrupt(bad or "kept changing under a reader")
 
     def peek_ask_seq(self, index: int) -> int:
-        """A member's ask counter (0 when it has no record): what an idle member's thread polls."""
-        mine = next((r for r in self.snapshot(figures=False).records if r.index == index and r.state == USED), None)
-        return 0 if mine is None else mine.ask_seq
+        """A member's ask counter (0 when it has no record): what an idle member's thread polls, and a busy
+        engine between two steps. Every table change publishes a new control word, so while the word is the
+        one the last peek read under, the counter is the one it found: one 8-byte load (and the truncation
+        check) instead of reading and checksumming the whole table at each step. Bytes scribbled into the
+        table without a new control word are then found by the next full read (any change, grant or state)."""
+        self.check_readable()
+        last = self._last_ask
+        if last is not None and last[1] == index and last[0] == self.map.load64(CONTROL_OFFSET):
+            return last[2]
+        snap = self.snapshot(figures=False)
+        mine = next((r for r in snap.records if r.index == index and r.state == USED), None)
+        ask = 0 if mine is None else mine.ask_seq
+        self._last_ask = (snap.control, index, ask)
+        return ask
 
     def active_table_offset(self) -> int:
         """Where the active table buffer starts in the file (diagnostics and tests)."""

@@ -124,10 +124,18 @@ class VirtualKVCache(KVCacheBase):
         self._init_shape(geometry, max_seqs, max_seq_len, kv_scales)
         budget = dict(shared_budget=shared_budget, min_bytes=min_bytes, member_name=member_name)
         self.device, self.pool = resolve_pool(device, pool, capacity_bytes, page_size, **budget)
-        self.layout = lay = Layout.of(layout, self.geometry, max_seqs, max_seq_len, self.pool.page_size)
-        if not self.pool.accounting_only:  # address space and mapping limit: said now, not mid-serving
-            check_cache(lay, self.device)
-        self._page_map = PageMap(self.pool.new_range(lay.total_bytes), lay, self.pool)
+        # A pool made here for a shared budget is this cache's membership: close() (or a failed build) leaves
+        # the budget at once, rather than when the pool is collected, so the others get its grant back.
+        self._owns_membership = pool is None and shared_budget is not None
+        try:
+            self.layout = lay = Layout.of(layout, self.geometry, max_seqs, max_seq_len, self.pool.page_size)
+            if not self.pool.accounting_only:  # address space and mapping limit: said now, not mid-serving
+                check_cache(lay, self.device)
+            self._page_map = PageMap(self.pool.new_range(lay.total_bytes), lay, self.pool)
+        except BaseException:
+            if self._owns_membership:
+                self.pool.leave_budget()
+            raise
         self._range, self._slots = self._page_map.range, self._page_map.table
         self._views = SlotViews(self._range, lay, self.kv_format, self.device, self.kv_scales)
         self._prefix_hits = 0
@@ -480,6 +488,8 @@ class VirtualKVCache(KVCacheBase):
         self.kernel_plans.clear()  # their parameters address memory that is gone
         self._closed = True
         self.pool.unregister(self)
+        if self._owns_membership:
+            self.pool.leave_budget()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._slots.sequences)} sequences"
