@@ -24,7 +24,7 @@ import contextlib
 import torch
 from common import machine, print_table, write_json
 
-from vpaged import VirtualKVCache, ops
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache, ops
 
 HEADS, KV_HEADS, HEAD_DIM, BATCH = 9, 3, 64, 16
 FORMATS = {"fp32": None, "int8": torch.int8, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -44,8 +44,10 @@ def trial(kv_dtype, device: str, gen: torch.Generator) -> tuple[int, float]:
     """(rows bit-identical alone and in the batch, largest |difference|) for one random batch."""
     lengths = torch.randint(1, 401, (BATCH,), generator=gen).tolist()
     scales = None if kv_dtype in (None, torch.int8) else "calibrate"
-    cache = VirtualKVCache(1, KV_HEADS, HEAD_DIM, torch.float32, max_seqs=BATCH, max_seq_len=400, device=device,
-                           capacity_bytes=64 << 20, kv_dtype=kv_dtype, kv_scales=scales)  # fmt: skip
+    cache = VirtualKVCache(
+        KVGeometry(1, KV_HEADS, HEAD_DIM, torch.float32, kv_dtype=kv_dtype),
+        VirtualCacheConfig(max_seqs=BATCH, max_seq_len=400, device=device, capacity_bytes=64 << 20, kv_scales=scales),
+    )
     seqs = [cache.allocate() for _ in lengths]
     for s, n in zip(seqs, lengths):
         cache.extend(s, n)

@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 import vpaged
-from vpaged import PagedKVCache, VirtualKVCache, ops
+from vpaged import KVGeometry, PagedCacheConfig, PagedKVCache, VirtualCacheConfig, VirtualKVCache, ops
 from vpaged.kvcache.virtual.cache import BatchedKV
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK = 8, 32, 128, 16
@@ -205,20 +205,22 @@ def run_cell(
     itemsize = torch.empty((), dtype=dtype).element_size()
     token_bytes = KV_HEADS * HEAD_DIM * itemsize
     paged = PagedKVCache(
-        1, KV_HEADS, HEAD_DIM, dtype, batch, ctx, device, num_blocks=batch * -(-ctx // BLOCK), block_size=BLOCK
+        KVGeometry(1, KV_HEADS, HEAD_DIM, dtype),
+        PagedCacheConfig(
+            max_seqs=batch, max_seq_len=ctx, device=device, num_blocks=batch * -(-ctx // BLOCK), block_size=BLOCK
+        ),
     )
     pseqs = paged.allocate_many(batch)
     if use_vmm:
         virt = VirtualKVCache(
-            1,
-            KV_HEADS,
-            HEAD_DIM,
-            dtype,
-            batch,
-            ctx,
-            device=device,
-            layout=layout,
-            capacity_bytes=2 * batch * (ctx * token_bytes + (2 << 20)),
+            KVGeometry(1, KV_HEADS, HEAD_DIM, dtype),
+            VirtualCacheConfig(
+                max_seqs=batch,
+                max_seq_len=ctx,
+                device=device,
+                layout=layout,
+                capacity_bytes=2 * batch * (ctx * token_bytes + (2 << 20)),
+            ),
         )
         vseqs = virt.allocate_many(batch)
     (kt, vt), desc = tensor_contiguous(batch, ctx, dtype, device)
@@ -298,7 +300,10 @@ def run_cell(
 
 def one_token_calls(dtype, device, layout: str, use_vmm: bool):
     """Each kernel's call on a batch of one 1-token sequence, in caches of its own: (fns, close)."""
-    paged = PagedKVCache(1, KV_HEADS, HEAD_DIM, dtype, 1, 16, device, num_blocks=1, block_size=BLOCK)
+    paged = PagedKVCache(
+        KVGeometry(1, KV_HEADS, HEAD_DIM, dtype),
+        PagedCacheConfig(max_seqs=1, max_seq_len=16, device=device, num_blocks=1, block_size=BLOCK),
+    )
     ps = paged.allocate()
     paged.extend(ps, 1)
     (kt, vt), desc = tensor_contiguous(1, 1, dtype, device)
@@ -316,7 +321,10 @@ def one_token_calls(dtype, device, layout: str, use_vmm: bool):
     }
     virt = None
     if use_vmm:
-        virt = VirtualKVCache(1, KV_HEADS, HEAD_DIM, dtype, 1, 16, device=device, layout=layout, capacity_bytes=8 << 20)
+        virt = VirtualKVCache(
+            KVGeometry(1, KV_HEADS, HEAD_DIM, dtype),
+            VirtualCacheConfig(max_seqs=1, max_seq_len=16, device=device, layout=layout, capacity_bytes=8 << 20),
+        )
         vs = virt.allocate()
         virt.extend(vs, 1)
         virt.write(0, vs, kt[0], vt[0])
@@ -531,15 +539,14 @@ def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str])
         tensors[name] = {"q": q, "k": k, "v": v}
         token_bytes = kvh * d * q.element_size()
         virt = VirtualKVCache(
-            1,
-            kvh,
-            d,
-            dtype,
-            b,
-            ctx,
-            device=device,
-            layout=args.layout,
-            capacity_bytes=2 * b * (ctx * token_bytes + (2 << 20)),
+            KVGeometry(1, kvh, d, dtype),
+            VirtualCacheConfig(
+                max_seqs=b,
+                max_seq_len=ctx,
+                device=device,
+                layout=args.layout,
+                capacity_bytes=2 * b * (ctx * token_bytes + (2 << 20)),
+            ),
         )
         seqs = virt.allocate_many(b)
         for i in range(b):

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from vpaged import _C, PagedKVCache, VirtualKVCache, ops
+from vpaged import _C, KVGeometry, PagedCacheConfig, PagedKVCache, VirtualCacheConfig, VirtualKVCache, ops
 from vpaged.errors import InvalidArgumentError
 from vpaged.ops.plans import layer_plan
 
@@ -47,9 +47,13 @@ def medians_us(fns: dict, repeats: int) -> dict:
 def caches(dtype, batch: int, ctx: int):
     """A PagedKVCache and a VirtualKVCache holding the same random K/V for `batch` sequences of ctx tokens."""
     paged = PagedKVCache(
-        1, KV_HEADS, HEAD_DIM, dtype, batch, ctx, num_blocks=batch * -(-ctx // BLOCK), block_size=BLOCK
+        KVGeometry(1, KV_HEADS, HEAD_DIM, dtype),
+        PagedCacheConfig(max_seqs=batch, max_seq_len=ctx, num_blocks=batch * -(-ctx // BLOCK), block_size=BLOCK),
     )
-    virt = VirtualKVCache(1, KV_HEADS, HEAD_DIM, dtype, batch, ctx, capacity_bytes=batch * ctx * 8 * 1024 + (8 << 20))
+    virt = VirtualKVCache(
+        KVGeometry(1, KV_HEADS, HEAD_DIM, dtype),
+        VirtualCacheConfig(max_seqs=batch, max_seq_len=ctx, capacity_bytes=batch * ctx * 8 * 1024 + (8 << 20)),
+    )
     ps, vs = paged.allocate_many(batch), virt.allocate_many(batch)
     paged.extend_many(ps, ctx)
     for p, v in zip(ps, vs):
@@ -86,7 +90,10 @@ def calls(dtype, batch: int, ctx: int, repeats: int) -> dict:
 
 
 def handover(batch: int, ctx: int, repeats: int) -> dict:
-    paged = PagedKVCache(1, 1, 8, torch.float32, batch, ctx, num_blocks=batch * ctx // BLOCK, block_size=BLOCK)
+    paged = PagedKVCache(
+        KVGeometry(1, 1, 8, torch.float32),
+        PagedCacheConfig(max_seqs=batch, max_seq_len=ctx, num_blocks=batch * ctx // BLOCK, block_size=BLOCK),
+    )
     ps = paged.allocate_many(batch)
     paged.extend_many(ps, ctx)
     base = layer_plan(paged, 0).params

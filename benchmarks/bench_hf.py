@@ -45,6 +45,7 @@ from common import machine, print_table, write_json  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
 
 import vpaged  # noqa: E402
+from vpaged import KVGeometry, VirtualCacheConfig
 from vpaged.hf import VPagedCache, cache_kwargs  # noqa: E402
 from vpaged.hf import attention as vpaged_attention  # noqa: E402  (registers attn_implementation="vpaged")
 
@@ -242,7 +243,8 @@ def bench_sdpa(config, context: int) -> dict:
     q = torch.randn(1, heads, 1, dim)
     dense_k, dense_v = torch.randn(1, kv_heads, context, dim), torch.randn(1, kv_heads, context, dim)
     cache = vpaged.VirtualKVCache(
-        1, kv_heads, dim, dtype=torch.float32, max_seqs=1, max_seq_len=context, capacity_bytes=64 << 20, layout=LAYOUT
+        KVGeometry(1, kv_heads, dim, torch.float32),
+        VirtualCacheConfig(max_seqs=1, max_seq_len=context, capacity_bytes=64 << 20, layout=LAYOUT),
     )
     seq = cache.allocate()
     cache.extend(seq, context)

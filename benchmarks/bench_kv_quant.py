@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import common_prefix, machine, write_json  # noqa: E402
 
-from vpaged import VirtualKVCache, ops  # noqa: E402
+from vpaged import KVGeometry, PagedCacheConfig, VirtualCacheConfig, VirtualKVCache, ops  # noqa: E402
 
 FORMATS = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -97,11 +97,12 @@ def section_memory() -> dict:
 
     rows = []
     args = (32, 8, 128)  # Llama-3-8B: 32 layers, 8 KV heads, head_dim 128
-    bf16 = VirtualKVCache(*args, torch.bfloat16, max_seqs=2, max_seq_len=64, capacity_bytes=1 << 24)
+    virtual = VirtualCacheConfig(max_seqs=2, max_seq_len=64, capacity_bytes=1 << 24)
+    bf16 = VirtualKVCache(KVGeometry(*args, torch.bfloat16), virtual)
     for name, kv_dtype in FORMATS.items():
-        v = VirtualKVCache(*args, torch.bfloat16, max_seqs=2, max_seq_len=64, capacity_bytes=1 << 24, kv_dtype=kv_dtype)
-        p = PagedKVCache(*args, torch.bfloat16, max_seqs=2, max_seq_len=64, num_blocks=4, kv_dtype=kv_dtype,
-                         accounting_only=True)  # fmt: skip
+        geometry = KVGeometry(*args, torch.bfloat16, kv_dtype=kv_dtype)
+        v = VirtualKVCache(geometry, virtual)
+        p = PagedKVCache(geometry, PagedCacheConfig(max_seqs=2, max_seq_len=64, num_blocks=4, accounting_only=True))
         assert v.bytes_per_token == p.bytes_per_token
         rows.append(dict(kv=name, bytes_per_token=v.bytes_per_token, vs_bf16=v.bytes_per_token / bf16.bytes_per_token))
         print(f"{name:<10} {v.bytes_per_token:>8} B/token  {rows[-1]['vs_bf16']:.4f}x bf16")
@@ -186,9 +187,15 @@ def section_decode(quick: bool, repeats: int) -> dict:
         k = torch.randn(ctx, kv_heads, dim).bfloat16()
         v = torch.randn(ctx, kv_heads, dim).bfloat16()
         for name in ["bf16", *FORMATS]:
-            c = VirtualKVCache(1, kv_heads, dim, torch.bfloat16, max_seqs=batch, max_seq_len=ctx, capacity_bytes=2 << 30,
-                               kv_dtype=None if name == "bf16" else FORMATS[name],
-                               kv_scales="calibrate" if name.startswith("fp8") else None)  # fmt: skip
+            c = VirtualKVCache(
+                KVGeometry(1, kv_heads, dim, torch.bfloat16, kv_dtype=None if name == "bf16" else FORMATS[name]),
+                VirtualCacheConfig(
+                    max_seqs=batch,
+                    max_seq_len=ctx,
+                    capacity_bytes=2 << 30,
+                    kv_scales="calibrate" if name.startswith("fp8") else None,
+                ),
+            )
             seqs = c.allocate_many(batch)
             for s in seqs:
                 c.extend(s, ctx)

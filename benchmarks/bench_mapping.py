@@ -32,7 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_ext, machine, median_time, print_table, write_json  # noqa: E402
 
 import vpaged  # noqa: E402
-from vpaged import _C  # noqa: E402
+from vpaged import (
+    _C,  # noqa: E402
+    KVGeometry,
+    VirtualCacheConfig,
+)
 from vpaged.memory.limits import mapping_count  # noqa: E402
 
 BENCH = bench_ext()  # the per-page backend and the C++ floors: benchmark-only C++, not in vpaged._C
@@ -119,7 +123,9 @@ def cache_on(backend: str, page_size: int, capacity_bytes: int, **kw) -> vpaged.
         pool._pool = _C.PagePool(BACKENDS[backend](page_size, pool.capacity_pages))
     with warnings.catch_warnings():  # sharing's worst case; these benchmarks share nothing
         warnings.simplefilter("ignore", vpaged.MappingLimitWarning)
-        return vpaged.VirtualKVCache(32, 8, 128, dtype=torch.bfloat16, pool=pool, layout="per_layer", **kw)
+        return vpaged.VirtualKVCache(
+            KVGeometry(32, 8, 128, torch.bfloat16), VirtualCacheConfig(layout="per_layer", **kw), pool=pool
+        )
 
 
 def crossing_step(num_seqs: int, repeats: int, backend: str) -> float:

@@ -27,16 +27,18 @@ from common import machine, median_time, print_table, write_json  # noqa: E402
 
 import vpaged  # noqa: E402
 
-GEOM = dict(num_layers=8, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)  # 1 KiB/token/region
+GEOM = vpaged.KVGeometry(8, 8, 64, torch.bfloat16)  # 1 KiB/token/region
 
 
 def make(max_seqs=64, max_len=8192, pages=4096, layout="per_layer", keep_freed_bytes=0, **kw):
     if keep_freed_bytes:
         pool = vpaged.PagePool("cpu", capacity_pages=pages, page_size=65536, keep_freed_bytes=keep_freed_bytes)
-        return vpaged.VirtualKVCache(**GEOM, max_seqs=max_seqs, max_seq_len=max_len, pool=pool, layout=layout, **kw)
-    return vpaged.VirtualKVCache(
-        **GEOM, max_seqs=max_seqs, max_seq_len=max_len, capacity_bytes=pages * 65536, layout=layout, **kw
+        config = vpaged.VirtualCacheConfig(max_seqs=max_seqs, max_seq_len=max_len, layout=layout, **kw)
+        return vpaged.VirtualKVCache(GEOM, config, pool=pool)
+    config = vpaged.VirtualCacheConfig(
+        max_seqs=max_seqs, max_seq_len=max_len, capacity_bytes=pages * 65536, layout=layout, **kw
     )
+    return vpaged.VirtualKVCache(GEOM, config)
 
 
 def fork_cost(lengths, repeats):

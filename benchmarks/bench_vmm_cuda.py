@@ -38,7 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, print_table, write_json  # noqa: E402
 
 import vpaged  # noqa: E402
-from vpaged import _C  # noqa: E402
+from vpaged import (
+    _C,  # noqa: E402
+    KVGeometry,
+    VirtualCacheConfig,
+)
 
 DEVICE = 0
 GOAL_US_PER_PAGE = 10.0
@@ -289,14 +293,10 @@ def bench_steady(quick: bool) -> dict:
     rows = []
     for name, (prompt, decode) in scenarios.items():
         cache = vpaged.VirtualKVCache(
-            layers,
-            heads,
-            dim,
-            dtype=torch.bfloat16,
-            max_seqs=batch,
-            max_seq_len=max_len,
-            device=f"cuda:{DEVICE}",
-            capacity_bytes=cap_pages * gran,
+            KVGeometry(layers, heads, dim, torch.bfloat16),
+            VirtualCacheConfig(
+                max_seqs=batch, max_seq_len=max_len, device=f"cuda:{DEVICE}", capacity_bytes=cap_pages * gran
+            ),
         )
         res = steady_workload(cache, batch, steps, prompt, decode, seed=1234)
         cache.close()
@@ -361,14 +361,8 @@ def bench_sdpa(quick: bool) -> dict:
         per_seq_bytes = 2 * ctx * kv_heads * dim * 2  # K and V, bf16
         pages = batch * 2 * -(-(ctx * kv_heads * dim * 2) // gran)  # K and V regions, whole pages each
         cache = vpaged.VirtualKVCache(
-            1,
-            kv_heads,
-            dim,
-            dtype=torch.bfloat16,
-            max_seqs=batch,
-            max_seq_len=ctx,
-            device=dev,
-            capacity_bytes=pages * gran,
+            KVGeometry(1, kv_heads, dim, torch.bfloat16),
+            VirtualCacheConfig(max_seqs=batch, max_seq_len=ctx, device=dev, capacity_bytes=pages * gran),
         )
         seqs = cache.allocate_many(batch)
         cache.extend_many(seqs, ctx)

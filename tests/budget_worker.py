@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from vpaged import VirtualKVCache
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
 from vpaged.errors import VPagedError
 
 LAYERS, HEADS, DIM = 2, 2, 64  # 512 bytes per token per layer and K/V: 128 tokens per 64 KiB page
@@ -38,9 +38,15 @@ def main() -> None:
             if cmd == "join":
                 page_size = int(args[2]) if len(args) > 2 else None
                 cache = VirtualKVCache(
-                    LAYERS, HEADS, DIM, torch.float32, max_seqs=32, max_seq_len=4096, shared_budget=args[0],
-                    min_bytes=int(args[1]) if len(args) > 1 else 0, page_size=page_size,
-                )  # fmt: skip
+                    KVGeometry(LAYERS, HEADS, DIM, torch.float32),
+                    VirtualCacheConfig(
+                        max_seqs=32,
+                        max_seq_len=4096,
+                        shared_budget=args[0],
+                        min_bytes=int(args[1]) if len(args) > 1 else 0,
+                        page_size=page_size,
+                    ),
+                )
                 out = {"ok": True, "pid": os.getpid()}
             elif cmd == "fill":
                 seqs, tokens, seed = (int(a) for a in args)

@@ -15,6 +15,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+from vpaged import KVGeometry, VirtualCacheConfig  # noqa: E402
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -83,7 +85,8 @@ def test_decode_kv_bytes_match_a_cache_that_decodes(floor, model):
     counts = floor.workload_counts(model, prompts, max_tokens)
     cfg = model.config
     cache = VirtualKVCache(
-        cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32, len(prompts), 64, capacity_bytes=8 << 20
+        KVGeometry(cfg.num_hidden_layers, cfg.num_key_value_heads, 16, torch.float32),
+        VirtualCacheConfig(max_seqs=len(prompts), max_seq_len=64, capacity_bytes=8 << 20),
     )
     read = 0
     try:

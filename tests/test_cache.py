@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import address_is_mapped
 
 import vpaged
-from vpaged import VirtualKVCache
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
 
 LAYOUTS = ["per_layer", "interleaved", "head_major"]
 PAGE = 64 * 1024
@@ -29,15 +29,8 @@ def make_cache(
     **kw,
 ):
     return VirtualKVCache(
-        layers,
-        heads,
-        dim,
-        dtype=dtype,
-        max_seqs=max_seqs,
-        max_seq_len=max_len,
-        capacity_bytes=capacity,
-        layout=layout,
-        **kw,
+        KVGeometry(layers, heads, dim, dtype),
+        VirtualCacheConfig(max_seqs=max_seqs, max_seq_len=max_len, capacity_bytes=capacity, layout=layout, **kw),
     )
 
 
@@ -170,8 +163,8 @@ def test_free_keeps_pages_for_the_next_allocate_and_the_pool_takes_them_back(rng
 
 def test_shared_pool_reclaims_across_caches():
     pool = vpaged.PagePool("cpu", capacity_pages=12)
-    a = VirtualKVCache(3, 2, 64, dtype=torch.float32, max_seqs=2, max_seq_len=512, pool=pool)
-    b = VirtualKVCache(3, 2, 64, dtype=torch.float32, max_seqs=2, max_seq_len=512, pool=pool)
+    a = VirtualKVCache(KVGeometry(3, 2, 64, torch.float32), VirtualCacheConfig(max_seqs=2, max_seq_len=512), pool=pool)
+    b = VirtualKVCache(KVGeometry(3, 2, 64, torch.float32), VirtualCacheConfig(max_seqs=2, max_seq_len=512), pool=pool)
     s = a.allocate()
     a.extend(s, 256)
     a.free(s)  # 12 dormant pages in a
@@ -258,20 +251,22 @@ def test_errors_are_typed_and_change_nothing(layout, rng):
 
 def test_constructor_errors():
     with pytest.raises(vpaged.InvalidArgumentError):
-        VirtualKVCache(0, 2, 64, capacity_bytes=PAGE)
+        VirtualKVCache(KVGeometry(0, 2, 64, torch.bfloat16), VirtualCacheConfig(capacity_bytes=PAGE))
     with pytest.raises(vpaged.InvalidArgumentError, match="layout"):
-        VirtualKVCache(2, 2, 64, capacity_bytes=PAGE, layout="blocked")
+        VirtualKVCache(KVGeometry(2, 2, 64, torch.bfloat16), VirtualCacheConfig(capacity_bytes=PAGE, layout="blocked"))
     with pytest.raises(vpaged.DTypeError):
-        VirtualKVCache(2, 2, 64, dtype=torch.int64, capacity_bytes=PAGE)
+        VirtualKVCache(KVGeometry(2, 2, 64, torch.int64), VirtualCacheConfig(capacity_bytes=PAGE))
     with pytest.raises(vpaged.InvalidArgumentError, match="device"):
-        VirtualKVCache(2, 2, 64, capacity_bytes=PAGE, device="meta")
+        VirtualKVCache(KVGeometry(2, 2, 64, torch.bfloat16), VirtualCacheConfig(capacity_bytes=PAGE, device="meta"))
     with pytest.raises(vpaged.InvalidArgumentError, match="at least one page"):
-        VirtualKVCache(2, 2, 64, capacity_bytes=100)
+        VirtualKVCache(KVGeometry(2, 2, 64, torch.bfloat16), VirtualCacheConfig(capacity_bytes=100))
 
 
 def test_close_returns_every_page_and_the_address_range(rng):
     pool = vpaged.PagePool("cpu", capacity_pages=64)
-    with VirtualKVCache(3, 2, 64, dtype=torch.float32, max_seqs=4, max_seq_len=700, pool=pool) as cache:
+    with VirtualKVCache(
+        KVGeometry(3, 2, 64, torch.float32), VirtualCacheConfig(max_seqs=4, max_seq_len=700), pool=pool
+    ) as cache:
         seqs = [cache.allocate() for _ in range(3)]
         for s in seqs:
             fill(cache, s, 300, rng)
@@ -316,8 +311,9 @@ def test_hitting_the_host_mapping_limit_is_a_clean_error():
         import warnings
         import torch, vpaged
         warnings.simplefilter("ignore", vpaged.MappingLimitWarning)
-        cache = vpaged.VirtualKVCache(64, 1, 16, dtype=torch.float32, max_seqs=1200, max_seq_len=128,
-                                      capacity_bytes=1200 * 128 * 4096, page_size=4096)
+        cache = vpaged.VirtualKVCache(vpaged.KVGeometry(64, 1, 16, torch.float32),
+                                      vpaged.VirtualCacheConfig(max_seqs=1200, max_seq_len=128,
+                                                                capacity_bytes=1200 * 128 * 4096, page_size=4096))
         parent = cache.allocate()
         cache.extend(parent, 1)
         forks = []

@@ -46,6 +46,7 @@ import torch
 
 import vpaged
 import vpaged._C as C
+from vpaged import KVGeometry, VirtualCacheConfig
 from vpaged.errors import (
     BackendError,
     BackendUnavailableError,
@@ -1077,7 +1078,8 @@ def test_virtual_kv_cache_steady_state_makes_no_driver_calls(drv, rng):
     torch.cuda.current_stream = lambda device=None: CurrentStream()  # this child process only
     # 8 heads x 128 x bf16: 1,024 tokens per page and region; 2 layers x K/V = 4 regions.
     cache = vpaged.VirtualKVCache(
-        2, 8, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=4096, device="cuda", capacity_bytes=64 * g
+        KVGeometry(2, 8, 128, torch.bfloat16),
+        VirtualCacheConfig(max_seqs=4, max_seq_len=4096, device="cuda", capacity_bytes=64 * g),
     )
     assert cache.layout.tokens_per_page == 1024
     backend = cache.pool.backend
@@ -1104,7 +1106,9 @@ def test_virtual_kv_cache_steady_state_makes_no_driver_calls(drv, rng):
     # A second cache on the same pool takes the first one's dormant pages back (waiting on the stream
     # before the first unmap), then runs out cleanly.
     other = vpaged.VirtualKVCache(
-        2, 8, 128, dtype=torch.bfloat16, max_seqs=5, max_seq_len=4096, device="cuda", pool=cache.pool
+        KVGeometry(2, 8, 128, torch.bfloat16),
+        VirtualCacheConfig(max_seqs=5, max_seq_len=4096, device="cuda"),
+        pool=cache.pool,
     )
     seqs = [other.allocate() for _ in range(4)]
     unmaps = drv.calls("cuMemUnmap")
@@ -1135,7 +1139,11 @@ def test_device_out_of_memory_reclaims_dormant_pages_first(drv, rng):
     drv.set_memory_limit(32 * g)  # the device holds half of what the pool may use
     pool = vpaged.PagePool("cuda", capacity_pages=64)
     first, second = (
-        vpaged.VirtualKVCache(2, 8, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=4096, device="cuda", pool=pool)
+        vpaged.VirtualKVCache(
+            KVGeometry(2, 8, 128, torch.bfloat16),
+            VirtualCacheConfig(max_seqs=4, max_seq_len=4096, device="cuda"),
+            pool=pool,
+        )
         for _ in range(2)
     )
     seqs = [first.allocate() for _ in range(4)]
@@ -1154,10 +1162,16 @@ def test_device_out_of_memory_reclaims_dormant_pages_first(drv, rng):
 def test_a_cache_on_a_cuda_pool_is_on_the_pools_device(drv, rng):
     torch.cuda.current_stream = lambda device=None: CurrentStream()  # this child process only
     pool = vpaged.PagePool("cuda", capacity_pages=8)
-    cache = vpaged.VirtualKVCache(1, 8, 128, dtype=torch.bfloat16, max_seqs=2, max_seq_len=2048, pool=pool)
+    cache = vpaged.VirtualKVCache(
+        KVGeometry(1, 8, 128, torch.bfloat16), VirtualCacheConfig(max_seqs=2, max_seq_len=2048), pool=pool
+    )
     assert cache.device == pool.device == torch.device("cuda", 0)
     with pytest.raises(InvalidArgumentError, match="pool is on cuda:0, device='cpu' asks for cpu"):
-        vpaged.VirtualKVCache(1, 8, 128, dtype=torch.bfloat16, max_seqs=2, max_seq_len=2048, pool=pool, device="cpu")
+        vpaged.VirtualKVCache(
+            KVGeometry(1, 8, 128, torch.bfloat16),
+            VirtualCacheConfig(max_seqs=2, max_seq_len=2048, device="cpu"),
+            pool=pool,
+        )
     seq = cache.allocate()
     cache.extend(seq, 1500)
     assert cache.stats().mapped_pages == 4 and cache.pool.stats().used_pages == 4
@@ -1172,15 +1186,8 @@ def test_failed_swap_in_waits_for_its_copies_before_unmapping(drv, rng):
     g = drv.granularity
     torch.cuda.current_stream = lambda device=None: CurrentStream()  # this child process only
     cache = vpaged.VirtualKVCache(
-        1,
-        8,
-        128,
-        dtype=torch.bfloat16,
-        max_seqs=2,
-        max_seq_len=4096,
-        device="cuda",
-        capacity_bytes=16 * g,
-        swap_bytes=8 * g,
+        KVGeometry(1, 8, 128, torch.bfloat16),
+        VirtualCacheConfig(max_seqs=2, max_seq_len=4096, device="cuda", capacity_bytes=16 * g, swap_bytes=8 * g),
     )
     seq = cache.allocate()
     cache.extend(seq, int(rng.integers(1025, 4096)))  # 2 to 4 pages in each of the 2 regions
@@ -1309,15 +1316,8 @@ def test_cache_waits_for_its_streams_before_unmapping(drv, rng):
     torch.cuda.current_stream = lambda device=None: current  # this child process only
     # interleaved: one run of pages per sequence, so a truncate is one cuMemUnmap
     cache = vpaged.VirtualKVCache(
-        1,
-        2,
-        128,
-        dtype=torch.float32,
-        max_seqs=4,
-        max_seq_len=8192,
-        device="cuda",
-        capacity_bytes=64 * g,
-        layout="interleaved",
+        KVGeometry(1, 2, 128, torch.float32),
+        VirtualCacheConfig(max_seqs=4, max_seq_len=8192, device="cuda", capacity_bytes=64 * g, layout="interleaved"),
     )
     cache.use_stream(side)
     lay = cache.layout
@@ -1360,7 +1360,11 @@ def test_reclaim_during_a_graph_capture_never_waits_for_the_capturing_stream(drv
     torch.cuda.current_stream = lambda device=None: current  # this child process only
     pool = vpaged.PagePool("cuda", capacity_pages=16)
     first, second = (
-        vpaged.VirtualKVCache(1, 8, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=4096, device="cuda", pool=pool)
+        vpaged.VirtualKVCache(
+            KVGeometry(1, 8, 128, torch.bfloat16),
+            VirtualCacheConfig(max_seqs=4, max_seq_len=4096, device="cuda"),
+            pool=pool,
+        )
         for _ in range(2)
     )
     seqs = [first.allocate() for _ in range(4)]

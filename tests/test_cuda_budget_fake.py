@@ -20,6 +20,7 @@ from test_cuda_backend_fake import fake_driver_dir  # noqa: F401 - the fixture, 
 
 import vpaged
 import vpaged._C as C
+from vpaged import KVGeometry, VirtualCacheConfig
 from vpaged.errors import BackendError, InvalidArgumentError, OutOfPagesError
 from vpaged.memory import SharedBudget
 
@@ -252,7 +253,8 @@ def test_random_acquire_free_trim_and_limit_keep_data_and_device_memory_within_t
 def kv_cache(budget):
     # 1 layer x K/V of 8 heads x 128 bf16: 1,024 tokens per 2 MiB page and region; 2,048 tokens = 4 pages.
     return vpaged.VirtualKVCache(
-        1, 8, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=2048, device="cuda", shared_budget=budget
+        KVGeometry(1, 8, 128, torch.bfloat16),
+        VirtualCacheConfig(max_seqs=4, max_seq_len=2048, device="cuda", shared_budget=budget),
     )
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from test_vllm_plugin import _reference_pages
 
 import vpaged
-from vpaged import _C
+from vpaged import _C, KVGeometry, PagedCacheConfig, VirtualCacheConfig
 from vpaged.integrations.vllm.backing import BlockGeometry, KVBacking, make_pool
 
 REASON = _C.cuda_unavailable_reason(0) or ("" if torch.cuda.is_available() else "torch has no CUDA")
@@ -38,16 +38,10 @@ def make(
     layout="per_layer", dtype=torch.bfloat16, pages=64, layers=2, heads=2, dim=128, max_seqs=8, max_len=16384, **kw
 ):
     return vpaged.VirtualKVCache(
-        layers,
-        heads,
-        dim,
-        dtype=dtype,
-        max_seqs=max_seqs,
-        max_seq_len=max_len,
-        device=DEV,
-        capacity_bytes=pages * GRAN,
-        layout=layout,
-        **kw,
+        KVGeometry(layers, heads, dim, dtype),
+        VirtualCacheConfig(
+            max_seqs=max_seqs, max_seq_len=max_len, device=DEV, capacity_bytes=pages * GRAN, layout=layout, **kw
+        ),
     )
 
 
@@ -170,7 +164,9 @@ def close_scenario(device):
     and cache device arguments are checked without a GPU."""
     pool = vpaged.PagePool(device, capacity_pages=256, reserve_pages=128)
     cache = vpaged.VirtualKVCache(
-        2, 2, 128, dtype=torch.bfloat16, max_seqs=4, max_seq_len=65536, device=device, pool=pool
+        KVGeometry(2, 2, 128, torch.bfloat16),
+        VirtualCacheConfig(max_seqs=4, max_seq_len=65536, device=device),
+        pool=pool,
     )
     s = cache.allocate()
     cache.extend(s, 60000)
@@ -232,9 +228,10 @@ def test_quantized_cache_end_to_end_on_cuda(kind, kv_dtype, gen):
     heads, dim, layers, lengths = 2, 128, 2, [1, 37, 700, 129]
     scales = None if kv_dtype == torch.int8 else (0.02, 0.03)
     if kind == "paged":
-        make_one = lambda: PagedKVCache(layers, heads, dim, torch.float32, max_seqs=8, max_seq_len=1024,  # noqa: E731
-                                        device=DEV, num_blocks=64, block_size=16, kv_dtype=kv_dtype,
-                                        kv_scales=scales)  # fmt: skip
+        make_one = lambda: PagedKVCache(  # noqa: E731
+            KVGeometry(layers, heads, dim, torch.float32, kv_dtype=kv_dtype),
+            PagedCacheConfig(max_seqs=8, max_seq_len=1024, device=DEV, num_blocks=64, block_size=16, kv_scales=scales),
+        )
     else:
         make_one = lambda: make(kind, torch.float32, layers=layers, heads=heads, dim=dim, max_len=1024,  # noqa: E731
                                 kv_dtype=kv_dtype, kv_scales=scales)  # fmt: skip
@@ -283,8 +280,11 @@ def test_reclaim_during_a_real_graph_capture_skips_unmapping(gen):
     OutOfPagesError with nothing changed, the capture stays valid (the graph replays), and after the
     capture the same allocation reclaims and succeeds."""
     first = make("per_layer", torch.float32, pages=8, layers=1, dim=128, max_len=8192)
-    second = vpaged.VirtualKVCache(1, 2, 128, dtype=torch.float32, max_seqs=2, max_seq_len=8192, device=DEV,
-                                   pool=first.pool)  # fmt: skip
+    second = vpaged.VirtualKVCache(
+        KVGeometry(1, 2, 128, torch.float32),
+        VirtualCacheConfig(max_seqs=2, max_seq_len=8192, device=DEV),
+        pool=first.pool,
+    )
     page_tokens = GRAN // (2 * 128 * 4)
     seqs = [first.allocate() for _ in range(4)]
     first.extend_many(seqs, page_tokens)  # 4 sequences x 2 regions x 1 page: the whole pool

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import vpaged
-from vpaged import _C, PagedKVCache, VirtualKVCache, ops
+from vpaged import _C, KVGeometry, PagedCacheConfig, PagedKVCache, VirtualCacheConfig, VirtualKVCache, ops
 from vpaged.errors import BackendError, DTypeError, InvalidArgumentError, ShapeError
 from vpaged.kvcache.virtual.cache import BatchedKV
 from vpaged.kvcache.virtual.layout import Layout
@@ -80,22 +80,24 @@ def build(kind, dtype, head_dim, lengths, device="cpu", layers=2, hkv=HKV, page_
         lay = Layout(kind, layers, hkv, head_dim, dtype.itemsize, len(lengths) + 1, max_len, page)
         needed = sum(lay.runs * lay.pages_for(n) for n in lengths) * page
         cache = VirtualKVCache(
-            layers,
-            hkv,
-            head_dim,
-            dtype,
-            len(lengths) + 1,
-            max_len,
-            device=device,
-            capacity_bytes=max(64 << 20, needed),
-            layout=kind,
-            page_size=page,
+            KVGeometry(layers, hkv, head_dim, dtype),
+            VirtualCacheConfig(
+                max_seqs=len(lengths) + 1,
+                max_seq_len=max_len,
+                device=device,
+                capacity_bytes=max(64 << 20, needed),
+                layout=kind,
+                page_size=page,
+            ),
         )
     else:
         bs = int(kind.removeprefix("paged"))
         blocks = sum(-(-n // bs) for n in lengths)
         cache = PagedKVCache(
-            layers, hkv, head_dim, dtype, len(lengths) + 1, max_len, device, num_blocks=blocks + 3, block_size=bs
+            KVGeometry(layers, hkv, head_dim, dtype),
+            PagedCacheConfig(
+                max_seqs=len(lengths) + 1, max_seq_len=max_len, device=device, num_blocks=blocks + 3, block_size=bs
+            ),
         )
     seqs = [cache.allocate() for _ in lengths]
     # Two rounds of extends interleave the blocks of different sequences in a PagedKVCache.
@@ -617,7 +619,9 @@ def test_cache_argument_errors(paged):
         ops.decode_attention_paged(
             q, cache.key_caches[0][:, :8], cache.value_caches[0][:, :8], cache.block_tables(seqs), cache.lengths(seqs)
         )  # not a dense pool
-    f64 = VirtualKVCache(1, HKV, 64, torch.float64, 2, 16, capacity_bytes=4 << 20)
+    f64 = VirtualKVCache(
+        KVGeometry(1, HKV, 64, torch.float64), VirtualCacheConfig(max_seqs=2, max_seq_len=16, capacity_bytes=4 << 20)
+    )
     s = f64.allocate()
     f64.extend(s, 3)
     with pytest.raises(DTypeError):
@@ -739,7 +743,10 @@ def test_cache_steps_follow_lengths_and_slots():
 
 
 def test_cache_steps_refuse_what_the_kernel_must_not_read():
-    cache = VirtualKVCache(2, HKV, 64, torch.bfloat16, 2, 40, capacity_bytes=8 << 20, swap_bytes=4 << 20)
+    cache = VirtualKVCache(
+        KVGeometry(2, HKV, 64, torch.bfloat16),
+        VirtualCacheConfig(max_seqs=2, max_seq_len=40, capacity_bytes=8 << 20, swap_bytes=4 << 20),
+    )
     seqs = cache.allocate_many(2)
     for s, n in zip(seqs, (5, 40)):
         cache.extend(s, n)

@@ -13,7 +13,7 @@ import torch
 from test_decode_kernels import DTYPES, HKV, ISAS, build, check, force_isa, poisoned, torch_threads
 
 import vpaged
-from vpaged import _C, PagedKVCache, VirtualKVCache, ops
+from vpaged import _C, KVGeometry, PagedCacheConfig, PagedKVCache, VirtualCacheConfig, VirtualKVCache, ops
 from vpaged.errors import CacheClosedError, DTypeError, InvalidArgumentError, ShapeError
 from vpaged.ops.plans import layer_plan
 
@@ -111,7 +111,12 @@ def test_step_path_matches_reference_and_tensor_api(dtype, head_dim, group, bloc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_dims_and_value_head_dims(dtype, dims, calls):
     d, dv = dims
-    m = Mirror(PagedKVCache(2, HKV, d, dtype, 4, 200, num_blocks=40, block_size=16, v_head_dim=dv))
+    m = Mirror(
+        PagedKVCache(
+            KVGeometry(2, HKV, d, dtype, v_head_dim=dv),
+            PagedCacheConfig(max_seqs=4, max_seq_len=200, num_blocks=40, block_size=16),
+        )
+    )
     seqs = [m.new() for _ in range(3)]
     m.grow(seqs, 5)
     m.grow(seqs[1:], 130)
@@ -138,7 +143,11 @@ def test_steps_across_block_boundaries_forks_frees_and_reuse(dtype, calls):
     """A decode loop: one token per step (crossing block boundaries at different steps), forks sharing
     blocks (copy-on-write of a shared last block on the next extend), a sequence freed and its blocks
     reused by a new one; every step checked on every layer."""
-    m = Mirror(PagedKVCache(2, HKV, 64, dtype, 8, 64, num_blocks=30, block_size=8))
+    m = Mirror(
+        PagedKVCache(
+            KVGeometry(2, HKV, 64, dtype), PagedCacheConfig(max_seqs=8, max_seq_len=64, num_blocks=30, block_size=8)
+        )
+    )
     a, b, c = (m.new() for _ in range(3))
     m.grow([a], 7)
     m.grow([b], 15)
@@ -166,7 +175,12 @@ def test_steps_across_block_boundaries_forks_frees_and_reuse(dtype, calls):
 
 
 def test_plan_follows_replaced_pools_and_dies_with_the_cache():
-    m = Mirror(PagedKVCache(2, HKV, 64, torch.float32, 2, 32, num_blocks=8, block_size=8))
+    m = Mirror(
+        PagedKVCache(
+            KVGeometry(2, HKV, 64, torch.float32),
+            PagedCacheConfig(max_seqs=2, max_seq_len=32, num_blocks=8, block_size=8),
+        )
+    )
     seqs = [m.new(), m.new()]
     m.grow(seqs, 11)
     m.check(seqs)
@@ -287,13 +301,18 @@ def test_bad_calls_are_typed_errors_that_change_nothing():
 
 
 def test_cache_states_that_hold_no_readable_kv():
-    acct = PagedKVCache(2, HKV, 64, torch.float32, 2, 32, num_blocks=8, accounting_only=True)
+    acct = PagedKVCache(
+        KVGeometry(2, HKV, 64, torch.float32),
+        PagedCacheConfig(max_seqs=2, max_seq_len=32, num_blocks=8, accounting_only=True),
+    )
     s = acct.allocate()
     acct.extend(s, 5)
     with pytest.raises(InvalidArgumentError, match="accounting-only"):
         ops.decode_attention(torch.randn(1, HKV, 64), acct, [s], 0)
     assert acct.seq_len(s) == 5 and acct.blocks(s) == [0]
-    f64 = PagedKVCache(1, HKV, 64, torch.float64, 2, 32, num_blocks=8)
+    f64 = PagedKVCache(
+        KVGeometry(1, HKV, 64, torch.float64), PagedCacheConfig(max_seqs=2, max_seq_len=32, num_blocks=8)
+    )
     s = f64.allocate()
     f64.extend(s, 3)
     with pytest.raises(DTypeError):
@@ -337,7 +356,9 @@ def test_entry_checks_every_length_and_block_before_reading():
         with pytest.raises(InvalidArgumentError):
             _C.decode_cpu_tables(block_tables=tbl, lengths=lens, **call)
         assert torch.isnan(out).all()
-    contiguous = VirtualKVCache(1, HKV, 64, torch.float32, 2, 16, capacity_bytes=4 << 20)
+    contiguous = VirtualKVCache(
+        KVGeometry(1, HKV, 64, torch.float32), VirtualCacheConfig(max_seqs=2, max_seq_len=16, capacity_bytes=4 << 20)
+    )
     s = contiguous.allocate()
     contiguous.extend(s, 3)
     with pytest.raises(InvalidArgumentError, match="block pools"):

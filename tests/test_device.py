@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import vpaged
-from vpaged import _C
+from vpaged import _C, KVGeometry, VirtualCacheConfig
 
 CUDA_REASON = _C.cuda_unavailable_reason(0)
 
@@ -23,7 +23,7 @@ def test_backends_report_cpu_usable_and_why_cuda_is_not():
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:1"])
 def test_a_cuda_cache_where_cuda_is_unusable_raises_the_reason(device, kwargs):
     with pytest.raises(vpaged.BackendUnavailableError) as e:
-        vpaged.VirtualKVCache(2, 2, 64, device=device, **kwargs)
+        vpaged.VirtualKVCache(KVGeometry(2, 2, 64, torch.bfloat16), VirtualCacheConfig(device=device, **kwargs))
     assert CUDA_REASON.split(":")[0] in str(e.value) or "cuda" in str(e.value)
     assert isinstance(e.value, RuntimeError)
     with pytest.raises(vpaged.BackendUnavailableError):
@@ -33,7 +33,9 @@ def test_a_cuda_cache_where_cuda_is_unusable_raises_the_reason(device, kwargs):
 def test_bad_devices_are_typed_errors():
     for device in ("tpu", "meta", 3.5):
         with pytest.raises(vpaged.InvalidArgumentError):
-            vpaged.VirtualKVCache(2, 2, 64, device=device, capacity_bytes=1 << 20)
+            vpaged.VirtualKVCache(
+                KVGeometry(2, 2, 64, torch.bfloat16), VirtualCacheConfig(device=device, capacity_bytes=1 << 20)
+            )
 
 
 def test_pool_arguments_are_checked():
@@ -45,9 +47,11 @@ def test_pool_arguments_are_checked():
         vpaged.PagePool("cpu", capacity_pages=4, page_size=1000)
     pool = vpaged.PagePool("cpu", capacity_pages=4, page_size=8192)
     with pytest.raises(vpaged.InvalidArgumentError, match="page_size"):
-        vpaged.VirtualKVCache(2, 2, 64, pool=pool, page_size=4096)
+        vpaged.VirtualKVCache(KVGeometry(2, 2, 64, torch.bfloat16), VirtualCacheConfig(page_size=4096), pool=pool)
     with pytest.raises(vpaged.InvalidArgumentError, match="not both"):
-        vpaged.VirtualKVCache(2, 2, 64, pool=pool, capacity_bytes=1 << 20)
+        vpaged.VirtualKVCache(
+            KVGeometry(2, 2, 64, torch.bfloat16), VirtualCacheConfig(capacity_bytes=1 << 20), pool=pool
+        )
 
 
 def test_default_pool_is_per_device_and_replaceable():
@@ -56,7 +60,9 @@ def test_default_pool_is_per_device_and_replaceable():
     mine = vpaged.PagePool("cpu", capacity_pages=64)
     vpaged.set_default_pool(mine)
     try:
-        cache = vpaged.VirtualKVCache(2, 2, 64, dtype=torch.float32, max_seqs=2, max_seq_len=256)
+        cache = vpaged.VirtualKVCache(
+            KVGeometry(2, 2, 64, torch.float32), VirtualCacheConfig(max_seqs=2, max_seq_len=256)
+        )
         assert cache.pool is mine
         s = cache.allocate()
         cache.extend(s, 10)
@@ -69,7 +75,7 @@ def test_default_pool_is_per_device_and_replaceable():
 
 def test_steady_workload_makes_no_map_calls_after_warm_up():
     cache = vpaged.VirtualKVCache(
-        2, 2, 64, dtype=torch.float32, max_seqs=8, max_seq_len=512, capacity_bytes=128 * 65536
+        KVGeometry(2, 2, 64, torch.float32), VirtualCacheConfig(max_seqs=8, max_seq_len=512, capacity_bytes=128 * 65536)
     )
     for _round in range(2):
         seqs = [cache.allocate() for _ in range(6)]

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vpaged import InvalidArgumentError, PagePool, VirtualKVCache
+from vpaged import InvalidArgumentError, KVGeometry, PagePool, VirtualCacheConfig, VirtualKVCache
 from vpaged.kvcache import LFUEviction, LRUEviction, ReclaimOrder, ReclaimStage
 from vpaged.kvcache.eviction import resolve_eviction_policy, resolve_reclaim_order
 from vpaged.kvcache.virtual.layout import Layout
@@ -135,7 +135,9 @@ class MostRecentFirst:
 
 def cache(**kw):
     pool = PagePool("cpu", capacity_pages=64, page_size=PS)
-    return VirtualKVCache(1, 2, 16, dtype=torch.float32, max_seqs=4, max_seq_len=4 * CACHE_TPP, pool=pool, **kw)
+    return VirtualKVCache(
+        KVGeometry(1, 2, 16, torch.float32), VirtualCacheConfig(max_seqs=4, max_seq_len=4 * CACHE_TPP, **kw), pool=pool
+    )
 
 
 def use_prompt(c: VirtualKVCache, prompt: list[int]) -> int:
@@ -251,7 +253,9 @@ def test_unknown_policy_names_are_typed_errors_and_create_nothing(kw, message):
     pool = PagePool("cpu", capacity_pages=16, page_size=PS)
     before = pool.stats()
     with pytest.raises(InvalidArgumentError, match=message):
-        VirtualKVCache(1, 2, 16, dtype=torch.float32, max_seqs=2, max_seq_len=64, pool=pool, **kw)
+        VirtualKVCache(
+            KVGeometry(1, 2, 16, torch.float32), VirtualCacheConfig(max_seqs=2, max_seq_len=64, **kw), pool=pool
+        )
     assert pool.stats() == before and pool.reclaimable_pages() == 0  # nothing registered, nothing taken
 
 

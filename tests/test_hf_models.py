@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 from hf_helpers import PAD, VOCAB, generate, prompts  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
+from vpaged import KVGeometry, VirtualCacheConfig  # noqa: E402
 from vpaged.errors import InvalidArgumentError, ShapeError  # noqa: E402
 from vpaged.hf import VPagedCache  # noqa: E402
 
@@ -253,7 +254,9 @@ def test_bounded_sliding_compaction_out_of_pages_keeps_the_window(models, rng):
     prefill, grow, decode = kv(6), kv(8), kv(1)  # 6 held + 8 new > 13 a row holds: compact to 5 + 8 tokens
     for a, b in zip(step(cache, prefill), step(ref, prefill)):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-    hog = VirtualKVCache(1, 1, 1024, dtype=torch.float32, max_seqs=1, max_seq_len=4096, pool=pool)
+    hog = VirtualKVCache(
+        KVGeometry(1, 1, 1024, torch.float32), VirtualCacheConfig(max_seqs=1, max_seq_len=4096), pool=pool
+    )
     seq = hog.allocate()
     hog.extend(seq, pool.free_pages() // 2)  # 2 pages a token: every free page taken
     before = cache.window_stats().mapped_pages

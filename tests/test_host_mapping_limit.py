@@ -205,8 +205,10 @@ CACHE_CHILD = FILLER + textwrap.dedent("""
     LAYERS, HEADS, DIM, MAX_LEN, PAGE = 2, 2, 32, 96, 4096
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", vpaged.MappingLimitWarning)
-        cache = vpaged.VirtualKVCache(LAYERS, HEADS, DIM, dtype=torch.float32, max_seqs=8, max_seq_len=MAX_LEN,
-                                      capacity_bytes=256 * PAGE, page_size=PAGE, layout=layout)
+        geometry = vpaged.KVGeometry(LAYERS, HEADS, DIM, torch.float32)
+        config = vpaged.VirtualCacheConfig(max_seqs=8, max_seq_len=MAX_LEN, capacity_bytes=256 * PAGE, page_size=PAGE,
+                                           layout=layout)
+        cache = vpaged.VirtualKVCache(geometry, config)
     r = cache._page_map.range
     pool = cache.pool._pool
     # K/V of token id t at position p, layer l: E[l, kv, t] + P[l, kv, p] (as in test_sharing_stateful.py)

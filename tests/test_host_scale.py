@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import vpaged
+from vpaged import KVGeometry, VirtualCacheConfig
 from vpaged.errors import MappingLimitWarning
 from vpaged.memory.limits import mapping_count, mapping_limit
 
@@ -43,7 +44,9 @@ def make_cache(layout, page_size, max_len=MAX_LEN):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MappingLimitWarning)  # sharing's worst case; this fill shares nothing
         return vpaged.VirtualKVCache(
-            LAYERS, HEADS, DIM, dtype=torch.bfloat16, max_seqs=SEQS, max_seq_len=max_len, pool=pool, layout=layout
+            KVGeometry(LAYERS, HEADS, DIM, torch.bfloat16),
+            VirtualCacheConfig(max_seqs=SEQS, max_seq_len=max_len, layout=layout),
+            pool=pool,
         )
 
 

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from vpaged import _C, PagedKVCache, VirtualKVCache, ops
+from vpaged import _C, KVGeometry, PagedCacheConfig, PagedKVCache, VirtualCacheConfig, VirtualKVCache, ops
 from vpaged.errors import DTypeError, InvalidArgumentError, ReadOnlyTokensError, ShapeError
 from vpaged.kvcache.formats import FP8_MAX, KVFormat, QuantizedKV
 
@@ -82,10 +82,15 @@ def test_fp8_rows_are_torchs_own_float8_bytes(kv_dtype):
 
 def test_bytes_per_token_with_scales_at_most_052_of_bf16():
     for dim in (64, 128, 256):
-        bf16 = VirtualKVCache(4, 8, dim, torch.bfloat16, max_seqs=2, max_seq_len=64, capacity_bytes=1 << 22)
+        bf16 = VirtualKVCache(
+            KVGeometry(4, 8, dim, torch.bfloat16),
+            VirtualCacheConfig(max_seqs=2, max_seq_len=64, capacity_bytes=1 << 22),
+        )
         for kv_dtype in FORMATS:
-            q = VirtualKVCache(4, 8, dim, torch.bfloat16, max_seqs=2, max_seq_len=64, capacity_bytes=1 << 22,
-                               kv_dtype=kv_dtype)  # fmt: skip
+            q = VirtualKVCache(
+                KVGeometry(4, 8, dim, torch.bfloat16, kv_dtype=kv_dtype),
+                VirtualCacheConfig(max_seqs=2, max_seq_len=64, capacity_bytes=1 << 22),
+            )
             extra = 4 if kv_dtype == torch.int8 else 0
             assert q.bytes_per_token == 4 * 8 * 2 * (dim + extra)
             if dim >= 128:
@@ -97,10 +102,22 @@ def test_bytes_per_token_with_scales_at_most_052_of_bf16():
 # --------------------------------------------------------------------------------------------- caches
 def make_cache(kind: str, kv_dtype, dtype=torch.float32, heads=2, dim=16, layers=2, max_seq_len=96, **kw):
     if kind == "paged":
-        return PagedKVCache(layers, heads, dim, dtype, max_seqs=8, max_seq_len=max_seq_len, num_blocks=64,
-                            block_size=16, kv_dtype=kv_dtype, **kw)  # fmt: skip
-    return VirtualKVCache(layers, heads, dim, dtype, max_seqs=8, max_seq_len=max_seq_len, capacity_bytes=1 << 22,
-                          page_size=64 << 10, layout=kind, swap_bytes=1 << 21, kv_dtype=kv_dtype, **kw)  # fmt: skip
+        return PagedKVCache(
+            KVGeometry(layers, heads, dim, dtype, kv_dtype=kv_dtype),
+            PagedCacheConfig(max_seqs=8, max_seq_len=max_seq_len, num_blocks=64, block_size=16, **kw),
+        )
+    return VirtualKVCache(
+        KVGeometry(layers, heads, dim, dtype, kv_dtype=kv_dtype),
+        VirtualCacheConfig(
+            max_seqs=8,
+            max_seq_len=max_seq_len,
+            capacity_bytes=1 << 22,
+            page_size=64 << 10,
+            layout=kind,
+            swap_bytes=1 << 21,
+            **kw,
+        ),
+    )
 
 
 @pytest.mark.parametrize("kind", LAYOUTS + ["paged"])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import vpaged  # noqa: F401  (imports every cache class)
+from vpaged import KVGeometry, PagedCacheConfig, VirtualCacheConfig
 from vpaged.kvcache import KVCache, KVCacheBase, PagedKVCache, VirtualKVCache
 
 # The protocol's members by kind, read from the protocol itself.
@@ -50,10 +51,10 @@ def contract_breaks(cls: type) -> list[str]:
 
 
 def small_caches():
-    geometry = dict(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, max_seqs=2, max_seq_len=64)
+    geometry, seqs = KVGeometry(2, 2, 8, torch.float32), dict(max_seqs=2, max_seq_len=64)
     return [
-        VirtualKVCache(**geometry, capacity_bytes=1 << 20, page_size=1 << 16),
-        PagedKVCache(**geometry, capacity_bytes=1 << 20, block_size=16),
+        VirtualKVCache(geometry, VirtualCacheConfig(**seqs, capacity_bytes=1 << 20, page_size=1 << 16)),
+        PagedKVCache(geometry, PagedCacheConfig(**seqs, capacity_bytes=1 << 20, block_size=16)),
     ]
 
 
@@ -104,7 +105,10 @@ def test_paged_pages_needed_reads_the_extend_plan():
     """PagedKVCache plans an extend once: pages_needed() is what extend_many() then takes, shared last block
     (copy-on-write) included."""
     gen = torch.Generator().manual_seed(7)
-    cache = PagedKVCache(2, 2, 8, torch.float32, max_seqs=8, max_seq_len=256, capacity_bytes=1 << 20, block_size=16)
+    cache = PagedKVCache(
+        KVGeometry(2, 2, 8, torch.float32),
+        PagedCacheConfig(max_seqs=8, max_seq_len=256, capacity_bytes=1 << 20, block_size=16),
+    )
     seqs = [cache.allocate() for _ in range(3)]
     for _ in range(20):
         n = int(torch.randint(0, 40, (1,), generator=gen))
@@ -133,7 +137,9 @@ def test_ops_takes_any_kvcache_not_only_the_base_class():
             return getattr(self._inner, name)
 
     gen = torch.Generator().manual_seed(3)
-    inner = VirtualKVCache(2, 2, 8, torch.float32, max_seqs=4, max_seq_len=64, capacity_bytes=1 << 20)
+    inner = VirtualKVCache(
+        KVGeometry(2, 2, 8, torch.float32), VirtualCacheConfig(max_seqs=4, max_seq_len=64, capacity_bytes=1 << 20)
+    )
     seqs = inner.allocate_many(3)
     for seq, n in zip(seqs, (5, 17, 1)):
         inner.extend(seq, n)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import vpaged
-from vpaged import _C
+from vpaged import _C, KVGeometry, VirtualCacheConfig
 from vpaged.memory.limits import mapping_count
 
 GIB = 2**30
@@ -46,7 +46,9 @@ def test_oversized_reservation_names_address_space():
     maps = mapping_count()
     # 4,096 sequences x 1M tokens of Llama-2-7B: 2 PiB of address space, 128 TiB exist.
     with pytest.raises(vpaged.AddressSpaceError) as e:
-        vpaged.VirtualKVCache(32, 32, 128, dtype=torch.bfloat16, max_seqs=4096, max_seq_len=2**20, pool=pool)
+        vpaged.VirtualKVCache(
+            KVGeometry(32, 32, 128, torch.bfloat16), VirtualCacheConfig(max_seqs=4096, max_seq_len=2**20), pool=pool
+        )
     msg = str(e.value)
     assert isinstance(e.value, vpaged.MappingLimitError)  # what older code caught still catches it
     assert "virtual address space" in msg and "max_map_count" not in msg
@@ -69,21 +71,27 @@ def test_head_major_sharing_worst_case_warns_at_creation():
     pool = vpaged.PagePool("cpu", capacity_bytes=GIB)
     with pytest.warns(vpaged.MappingLimitWarning, match=r"4,096 host mappings .* 262,145") as w:
         c = vpaged.VirtualKVCache(
-            32, 32, 128, dtype=torch.bfloat16, max_seqs=64, max_seq_len=4096, pool=pool, layout="head_major"
+            KVGeometry(32, 32, 128, torch.bfloat16),
+            VirtualCacheConfig(max_seqs=64, max_seq_len=4096, layout="head_major"),
+            pool=pool,
         )
     assert "max_map_count" in str(w[0].message) and "per_layer" in str(w[0].message)
     c.close()
     with warnings.catch_warnings():
         warnings.simplefilter("error", vpaged.MappingLimitWarning)
         vpaged.VirtualKVCache(
-            32, 32, 128, dtype=torch.bfloat16, max_seqs=64, max_seq_len=4096, pool=pool, layout="per_layer"
+            KVGeometry(32, 32, 128, torch.bfloat16),
+            VirtualCacheConfig(max_seqs=64, max_seq_len=4096, layout="per_layer"),
+            pool=pool,
         ).close()
 
 
 def written_cache(zero: bool, rng, layout):
     pool = vpaged.PagePool("cpu", capacity_bytes=64 * 2**16, page_size=2**16, zero_on_reuse=zero)
     assert pool.zero_on_reuse is zero
-    cache = vpaged.VirtualKVCache(2, 2, 64, dtype=torch.float32, max_seqs=4, max_seq_len=256, pool=pool, layout=layout)
+    cache = vpaged.VirtualKVCache(
+        KVGeometry(2, 2, 64, torch.float32), VirtualCacheConfig(max_seqs=4, max_seq_len=256, layout=layout), pool=pool
+    )
     a = cache.allocate()
     cache.extend(a, 100)
     data = {}

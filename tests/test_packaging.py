@@ -105,7 +105,8 @@ ROUND_TRIP = r"""
 import os, sys, torch, vpaged
 assert os.path.realpath(vpaged.__file__).startswith(os.path.realpath(sys.prefix)), vpaged.__file__
 assert vpaged.__version__ == vpaged.build_info()["version"]
-cache = vpaged.VirtualKVCache(2, 2, 64, dtype=torch.float32, max_seqs=4, max_seq_len=512, capacity_bytes=8 << 20)
+config = vpaged.VirtualCacheConfig(max_seqs=4, max_seq_len=512, capacity_bytes=8 << 20)
+cache = vpaged.VirtualKVCache(vpaged.KVGeometry(2, 2, 64, torch.float32), config)
 g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
 seq = cache.allocate()
 cache.extend(seq, 300)

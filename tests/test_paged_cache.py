@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from vpaged import PagedKVCache
+from vpaged import KVGeometry, PagedCacheConfig, PagedKVCache
 from vpaged.errors import (
     DTypeError,
     InvalidArgumentError,
@@ -22,7 +22,10 @@ L, HKV, D = 2, 2, 8
 
 
 def make(num_blocks=16, block_size=8, max_seqs=4, max_seq_len=64, dtype=torch.float32):
-    return PagedKVCache(L, HKV, D, dtype, max_seqs, max_seq_len, num_blocks=num_blocks, block_size=block_size)
+    return PagedKVCache(
+        KVGeometry(L, HKV, D, dtype),
+        PagedCacheConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, num_blocks=num_blocks, block_size=block_size),
+    )
 
 
 def rand_kv(n, dtype=torch.float32):
@@ -59,7 +62,10 @@ def test_construction_and_geometry():
     assert c.key_caches[0].shape == (10, 16, HKV, D) and len(c.value_caches) == L
     assert c.bytes_per_token == 2 * L * HKV * D * 4 and c.block_bytes == 16 * c.bytes_per_token
     assert c.max_blocks_per_seq == 4
-    by_bytes = PagedKVCache(L, HKV, D, torch.float32, 4, 64, capacity_bytes=3 * c.block_bytes + 5, block_size=16)
+    by_bytes = PagedKVCache(
+        KVGeometry(L, HKV, D, torch.float32),
+        PagedCacheConfig(max_seqs=4, max_seq_len=64, capacity_bytes=3 * c.block_bytes + 5, block_size=16),
+    )
     assert by_bytes.num_blocks == 3
     s = c.stats()
     assert (s.used_blocks, s.free_blocks, s.pool_bytes, s.utilization) == (0, 10, 10 * c.block_bytes, 1.0)
@@ -78,7 +84,7 @@ def test_construction_and_geometry():
 def test_construction_errors(kwargs, error):
     dtype = kwargs.pop("dtype", torch.float32)
     with pytest.raises(error):
-        PagedKVCache(L, HKV, D, dtype, 4, 64, **kwargs)
+        PagedKVCache(KVGeometry(L, HKV, D, dtype), PagedCacheConfig(max_seqs=4, max_seq_len=64, **kwargs))
 
 
 def test_lifecycle_blocks_and_stats():
@@ -244,7 +250,10 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
     @initialize(block_size=st.sampled_from([8, 16]), num_blocks=st.integers(2, 12))
     def setup(self, block_size, num_blocks):
-        self.cache = PagedKVCache(1, 1, 2, torch.float32, 4, 48, num_blocks=num_blocks, block_size=block_size)
+        self.cache = PagedKVCache(
+            KVGeometry(1, 1, 2, torch.float32),
+            PagedCacheConfig(max_seqs=4, max_seq_len=48, num_blocks=num_blocks, block_size=block_size),
+        )
         self.model: dict[int, list[float]] = {}
 
     def _write(self, seq, start, values):
@@ -322,35 +331,35 @@ TestPagedCacheMachine.settings = settings(max_examples=40, stateful_step_count=2
 
 
 @pytest.mark.parametrize("kind", ["virtual", "paged"])
-def test_a_cache_takes_its_geometry_whole_or_by_fields_not_both(kind):
+def test_a_cache_is_built_from_a_geometry_and_its_config_record(kind):
+    import dataclasses
     import random
 
-    from vpaged import KVGeometry, VirtualKVCache
+    from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
     from vpaged.errors import InvalidArgumentError
 
     rng = random.Random()
     layers, heads, dim = rng.randint(1, 4), rng.randint(1, 4), 4 * rng.randint(2, 8)
-    make = VirtualKVCache if kind == "virtual" else PagedKVCache
+    make, record = (VirtualKVCache, VirtualCacheConfig) if kind == "virtual" else (PagedKVCache, PagedCacheConfig)
     size = dict(capacity_bytes=1 << 20) if kind == "virtual" else dict(num_blocks=4)
     geometry = KVGeometry(layers, heads, dim, torch.float32, kv_dtype="int8")
-    whole = make(geometry=geometry, max_seqs=2, max_seq_len=64, **size)
-    positional = make(geometry, max_seqs=2, max_seq_len=64, **size)
-    loose = make(layers, heads, dim, torch.float32, max_seqs=2, max_seq_len=64, kv_dtype=torch.int8, **size)
-    try:
-        assert whole.geometry is geometry and positional.geometry is geometry  # carried, not rebuilt
-        assert loose.geometry == geometry and whole.bytes_per_token == loose.bytes_per_token
-        assert (whole.num_layers, whole.num_kv_heads, whole.head_dim, whole.kv_dtype) == (
-            layers,
-            heads,
-            dim,
-            torch.int8,
-        )
-    finally:
-        for c in (whole, positional, loose):
-            c.close()
-    with pytest.raises(InvalidArgumentError, match="not both"):
-        make(geometry=geometry, num_kv_heads=heads, max_seqs=2, max_seq_len=64, **size)
-    with pytest.raises(InvalidArgumentError, match="missing"):
-        make(num_layers=layers, max_seqs=2, max_seq_len=64, **size)
+    config = record(max_seqs=2, max_seq_len=64, **size)
+    with make(geometry, config) as c:
+        assert c.geometry is geometry and c.config is config  # carried, not rebuilt
+        assert (c.num_layers, c.num_kv_heads, c.head_dim, c.kv_dtype) == (layers, heads, dim, torch.int8)
+        assert (c.max_seqs, c.max_seq_len) == (2, 64)
+        assert c.bytes_per_token == geometry.bytes_per_token
+    # The loose form of earlier releases is refused with the call that replaces it, building nothing.
+    with pytest.raises(InvalidArgumentError, match=r"KVGeometry\(num_layers, num_kv_heads, head_dim, dtype\)"):
+        make(layers, config)
     with pytest.raises(InvalidArgumentError, match="KVGeometry"):
-        make(geometry=(layers, heads, dim), max_seqs=2, max_seq_len=64, **size)
+        make((layers, heads, dim), config)
+    with pytest.raises(InvalidArgumentError, match=f"config must be a {record.__name__}"):
+        make(geometry, dict(max_seqs=2, max_seq_len=64, **size))
+    with pytest.raises(TypeError):
+        make(layers, heads, dim, torch.float32, config)
+    # A record checks its fields when it is made, naming the field.
+    with pytest.raises(InvalidArgumentError, match="max_seqs"):
+        record(max_seqs=0, **size)
+    with pytest.raises(InvalidArgumentError, match="max_seq_len"):
+        dataclasses.replace(config, max_seq_len=-1)

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from vpaged import KVGeometry, PagedCacheConfig
 from vpaged.errors import InvalidArgumentError, UnknownSequenceError
 from vpaged.kvcache.paged import PagedKVCache
 
@@ -11,7 +12,10 @@ BS = 8
 
 
 def cache(num_blocks=16):
-    return PagedKVCache(2, 2, 4, dtype=torch.float32, max_seqs=4, max_seq_len=64, num_blocks=num_blocks, block_size=BS)
+    return PagedKVCache(
+        KVGeometry(2, 2, 4, torch.float32),
+        PagedCacheConfig(max_seqs=4, max_seq_len=64, num_blocks=num_blocks, block_size=BS),
+    )
 
 
 def filled(c, n, seed=0):

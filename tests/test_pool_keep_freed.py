@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import vpaged
-from vpaged import _C
+from vpaged import _C, KVGeometry, VirtualCacheConfig
 
 PAGE = 2**16
 FLOATS = PAGE // 4
@@ -92,7 +92,9 @@ def test_swap_and_copy_on_write_with_kept_pages_keep_every_value(keep, rng):
     child independent, the kept pages within the bound."""
     pool = vpaged.PagePool("cpu", capacity_bytes=512 * PAGE, page_size=PAGE, keep_freed_bytes=keep)
     cache = vpaged.VirtualKVCache(
-        2, 2, 64, dtype=torch.float32, max_seqs=8, max_seq_len=1024, pool=pool, swap_bytes=256 * PAGE
+        KVGeometry(2, 2, 64, torch.float32),
+        VirtualCacheConfig(max_seqs=8, max_seq_len=1024, swap_bytes=256 * PAGE),
+        pool=pool,
     )
     seqs, data = [], {}
     for n in (700, 333):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vpaged import VirtualKVCache
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
 
 LAYERS, HKV, HEADS, D = 2, 2, 8, 64
 
@@ -39,7 +39,10 @@ def sdpa(q, k, v, mask=None, causal=False):
 @pytest.mark.parametrize("prefix, rest", [(50, 20), (1, 63), (64, 1)])
 def test_prefill_with_cached_prefix(layout, prefix, rest):
     total = prefix + rest
-    cache = VirtualKVCache(LAYERS, HKV, D, torch.float32, 2, 128, capacity_bytes=16 << 20, layout=layout)
+    cache = VirtualKVCache(
+        KVGeometry(LAYERS, HKV, D, torch.float32),
+        VirtualCacheConfig(max_seqs=2, max_seq_len=128, capacity_bytes=16 << 20, layout=layout),
+    )
     other = cache.allocate()  # a neighbour, so the sequence under test is not in slot 0
     cache.extend(other, 5)
     seq = cache.allocate()

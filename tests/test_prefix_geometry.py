@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vpaged
-from vpaged import VirtualKVCache
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
 
 ROW = 3 * 64 * 4  # bytes of one token's K of one layer (and of V)
 
@@ -25,7 +25,9 @@ def test_two_mib_pages_on_the_accounting_backend(layout):
     (pages counted, nothing mapped) a second identical 40,000-token prompt maps >= 90 % of its full pages
     shared and takes no page of its own for them."""
     pool = vpaged.PagePool("cpu", page_size=2 << 20, capacity_pages=2000, accounting_only=True)
-    cache = VirtualKVCache(4, 3, 64, dtype=torch.float32, max_seqs=4, max_seq_len=65536, pool=pool, layout=layout)
+    cache = VirtualKVCache(
+        KVGeometry(4, 3, 64, torch.float32), VirtualCacheConfig(max_seqs=4, max_seq_len=65536, layout=layout), pool=pool
+    )
     lay = cache.layout
     prompt = list(range(1, 40_001))
     a = cache.allocate(tokens=prompt)

@@ -4,7 +4,7 @@ in which order it is given back, and what the stats count, against sums computed
 import pytest
 import torch
 
-from vpaged import PagePool
+from vpaged import KVGeometry, PagePool, VirtualCacheConfig
 from vpaged.kvcache.virtual.layout import Layout
 from vpaged.kvcache.virtual.page_map import PageMap
 from vpaged.kvcache.virtual.prefix import PrefixIndex
@@ -120,8 +120,10 @@ def test_pages_needed_counts_the_spare_pages_an_extend_keeps(rng):
     page = 64 << 10
     tokens_per_page = page // (2 * 16 * 4)  # 2 heads x 16 dims x fp32 per region
     for n in range(1, 30 * tokens_per_page, tokens_per_page // 3 + int(torch.randint(1, 7, (), generator=rng))):
-        cache = VirtualKVCache(1, 2, 16, torch.float32, max_seqs=2, max_seq_len=40 * tokens_per_page,
-                               capacity_bytes=24 * page, page_size=page)  # fmt: skip
+        cache = VirtualKVCache(
+            KVGeometry(1, 2, 16, torch.float32),
+            VirtualCacheConfig(max_seqs=2, max_seq_len=40 * tokens_per_page, capacity_bytes=24 * page, page_size=page),
+        )
         a = cache.allocate()
         cache.extend(a, 10 * tokens_per_page)  # 20 pages (K and V)
         cache.free(a)  # dormant: its pages stay mapped for the next sequence

@@ -4,6 +4,7 @@ swapped sequence pinned by a view, reclaim through a closed cache, stale Batched
 import pytest
 import torch
 
+from vpaged import KVGeometry, VirtualCacheConfig
 from vpaged.errors import InvalidArgumentError, ReadOnlyTokensError, ViewsAliveError
 from vpaged.kvcache.virtual.cache import VirtualKVCache
 from vpaged.memory.pool import PagePool
@@ -13,9 +14,13 @@ PS = 4096  # 4 KiB pages: 128 tokens of one fp32 head of 8 per page and region
 
 
 def make(**kw):
-    args = dict(dtype=torch.float32, max_seqs=4, max_seq_len=1024, capacity_bytes=PS * 256, page_size=PS)
+    args = dict(max_seqs=4, max_seq_len=1024, capacity_bytes=PS * 256, page_size=PS)
     args.update(kw)
-    return VirtualKVCache(1, 1, 8, **args)
+    live = {k: args.pop(k) for k in ("pool", "prefix_hash") if k in args}  # the cache's keywords, not the record's
+    if "pool" in live:
+        args.pop("capacity_bytes")
+        args.pop("page_size")
+    return VirtualKVCache(KVGeometry(1, 1, 8, torch.float32), VirtualCacheConfig(**args), **live)
 
 
 def fill(cache, seq, value, start, n):
@@ -151,7 +156,8 @@ def test_stale_batched_descriptor_is_refused_not_read():
 @pytest.mark.parametrize("layout", ["per_layer", "interleaved", "head_major"])
 def test_fresh_batched_descriptor_passes_the_mapping_check(layout):
     cache = VirtualKVCache(
-        2, 2, 8, dtype=torch.float32, max_seqs=3, max_seq_len=512, layout=layout, capacity_bytes=PS * 256, page_size=PS
+        KVGeometry(2, 2, 8, torch.float32),
+        VirtualCacheConfig(max_seqs=3, max_seq_len=512, layout=layout, capacity_bytes=PS * 256, page_size=PS),
     )
     seqs = [cache.allocate() for _ in range(3)]
     for i, s in enumerate(seqs):

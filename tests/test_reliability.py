@@ -7,16 +7,20 @@ import gc
 import pytest
 import torch
 
-from vpaged import PagePool, VirtualKVCache
+from vpaged import KVGeometry, PagePool, VirtualCacheConfig, VirtualKVCache
 from vpaged.errors import InvalidArgumentError, OutOfPagesError, SlotsExhaustedError
 
 PS = 4096  # 128 tokens of one fp32 head of 8 per page and region
 
 
 def make(**kw):
-    args = dict(dtype=torch.float32, max_seqs=4, max_seq_len=1024, capacity_bytes=PS * 64, page_size=PS)
+    args = dict(max_seqs=4, max_seq_len=1024, capacity_bytes=PS * 64, page_size=PS)
     args.update(kw)
-    return VirtualKVCache(1, 1, 8, **args)
+    live = {k: args.pop(k) for k in ("pool", "prefix_hash") if k in args}  # the cache's keywords, not the record's
+    if "pool" in live:
+        args.pop("capacity_bytes")
+        args.pop("page_size")
+    return VirtualKVCache(KVGeometry(1, 1, 8, torch.float32), VirtualCacheConfig(**args), **live)
 
 
 def fill(cache, seq, rng):
@@ -111,11 +115,22 @@ def test_swap_out_without_swap_space_is_an_argument_error():
 
 def test_the_cache_device_comes_from_its_pool():
     pool = PagePool("cpu", capacity_pages=8, page_size=PS)
-    cache = VirtualKVCache(1, 1, 8, dtype=torch.float32, max_seqs=2, max_seq_len=128, pool=pool)
+    cache = VirtualKVCache(
+        KVGeometry(1, 1, 8, torch.float32), VirtualCacheConfig(max_seqs=2, max_seq_len=128), pool=pool
+    )
     assert cache.device == pool.device == torch.device("cpu")
     with pytest.raises(InvalidArgumentError, match="pool is on cpu, device='cuda:1' asks for cuda:1"):
-        VirtualKVCache(1, 1, 8, dtype=torch.float32, max_seqs=2, max_seq_len=128, pool=pool, device="cuda:1")
-    assert VirtualKVCache(1, 1, 8, dtype=torch.float32, capacity_bytes=PS * 4, page_size=PS).device.type == "cpu"
+        VirtualKVCache(
+            KVGeometry(1, 1, 8, torch.float32),
+            VirtualCacheConfig(max_seqs=2, max_seq_len=128, device="cuda:1"),
+            pool=pool,
+        )
+    assert (
+        VirtualKVCache(
+            KVGeometry(1, 1, 8, torch.float32), VirtualCacheConfig(capacity_bytes=PS * 4, page_size=PS)
+        ).device.type
+        == "cpu"
+    )
 
 
 def test_vpaged_cache_device_comes_from_its_pool():

@@ -12,7 +12,7 @@ import torch
 from test_cache import assert_same, snapshot
 
 import vpaged
-from vpaged import VirtualKVCache
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
 
 PAGE = 64 * 1024
 LAYOUTS = ["per_layer", "interleaved", "head_major"]
@@ -21,9 +21,11 @@ LAYOUTS = ["per_layer", "interleaved", "head_major"]
 def make(layout="per_layer", max_seqs=8, max_len=1200, capacity_pages=400, **kw):
     # 2 layers, 2 heads x 64 dims fp32: per_layer 128 tokens a page, interleaved 32, head_major 256 per head
     return VirtualKVCache(
-        2, 2, 64, dtype=torch.float32, max_seqs=max_seqs, max_seq_len=max_len, capacity_bytes=capacity_pages * PAGE,
-        layout=layout, **kw,
-    )  # fmt: skip
+        KVGeometry(2, 2, 64, torch.float32),
+        VirtualCacheConfig(
+            max_seqs=max_seqs, max_seq_len=max_len, capacity_bytes=capacity_pages * PAGE, layout=layout, **kw
+        ),
+    )
 
 
 class Reference:

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from vpaged import _C
+from vpaged import _C, KVGeometry, VirtualCacheConfig
 from vpaged.hf.compat import serving_support
 
 pytestmark = pytest.mark.gpu
@@ -139,7 +139,8 @@ def test_write_kv_scatter_on_cuda():
     for layout in ("per_layer", "interleaved", "head_major"):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             cache = VirtualKVCache(
-                2, 2, 16, dtype=dtype, max_seqs=4, max_seq_len=96, device=DEV, capacity_bytes=64 * PAGE, layout=layout
+                KVGeometry(2, 2, 16, dtype),
+                VirtualCacheConfig(max_seqs=4, max_seq_len=96, device=DEV, capacity_bytes=64 * PAGE, layout=layout),
             )
             seqs = [cache.allocate() for _ in range(3)]
             lengths = [70, 1, 33]

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from vpaged import PagedKVCache, VirtualKVCache
+from vpaged import KVGeometry, PagedCacheConfig, PagedKVCache, VirtualCacheConfig, VirtualKVCache
 from vpaged.errors import OutOfPagesError, SequenceTooLongError
 
 PAGE = 4096
@@ -44,20 +44,16 @@ def test_virtual_pages_needed_is_exactly_what_extend_takes(prng, layout):
     it succeeds: the probe is the pool's real requirement, copy-on-write copies and swap-ins included."""
     # 2 layers x 2 heads x 16 dims x 4 bytes: 32 tokens per page (per_layer), 8 (interleaved), 64 (head_major).
     cache = VirtualKVCache(
-        2,
-        2,
-        16,
-        dtype=torch.float32,
-        max_seqs=16,
-        max_seq_len=512,
-        capacity_bytes=8 << 20,
-        page_size=PAGE,
-        layout=layout,
-        swap_bytes=4 << 20,
+        KVGeometry(2, 2, 16, torch.float32),
+        VirtualCacheConfig(
+            max_seqs=16, max_seq_len=512, capacity_bytes=8 << 20, page_size=PAGE, layout=layout, swap_bytes=4 << 20
+        ),
     )
     # One layer, one head, interleaved: 128 bytes a token, so 32 tokens take exactly one page.
     filler = VirtualKVCache(
-        1, 1, 16, dtype=torch.float32, max_seqs=1, max_seq_len=1 << 17, pool=cache.pool, layout="interleaved"
+        KVGeometry(1, 1, 16, torch.float32),
+        VirtualCacheConfig(max_seqs=1, max_seq_len=1 << 17, layout="interleaved"),
+        pool=cache.pool,
     )
     holder = filler.allocate()
     seqs = []
@@ -106,7 +102,10 @@ def test_virtual_pages_needed_is_exactly_what_extend_takes(prng, layout):
 def test_paged_pages_needed_is_exactly_what_extend_takes(prng):
     """Same for the block cache: one block short fails, exactly enough succeeds (forks sharing a partly filled
     last block each copy it)."""
-    cache = PagedKVCache(2, 2, 16, dtype=torch.float32, max_seqs=16, max_seq_len=8192, num_blocks=600, block_size=8)
+    cache = PagedKVCache(
+        KVGeometry(2, 2, 16, torch.float32),
+        PagedCacheConfig(max_seqs=16, max_seq_len=8192, num_blocks=600, block_size=8),
+    )
     filler = None  # a sequence holding the blocks that must not be free
 
     def squeeze_to(free):
@@ -148,15 +147,8 @@ def test_paged_pages_needed_is_exactly_what_extend_takes(prng):
 @pytest.mark.parametrize("layout", ["per_layer", "interleaved", "head_major"])
 def test_kv_layers_is_every_layers_kv(rng, layout):
     cache = VirtualKVCache(
-        3,
-        2,
-        16,
-        dtype=torch.float32,
-        max_seqs=4,
-        max_seq_len=256,
-        capacity_bytes=8 << 20,
-        page_size=PAGE,
-        layout=layout,
+        KVGeometry(3, 2, 16, torch.float32),
+        VirtualCacheConfig(max_seqs=4, max_seq_len=256, capacity_bytes=8 << 20, page_size=PAGE, layout=layout),
     )
     a, b = cache.allocate(), cache.allocate()
     cache.extend(a, 70)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import wait_until
 
-from vpaged import PagePool, VirtualKVCache
+from vpaged import KVGeometry, PagePool, VirtualCacheConfig, VirtualKVCache
 from vpaged.errors import (
     BudgetCorruptError,
     BudgetExistsError,
@@ -35,7 +35,10 @@ def budget_name():
 
 def small_cache(budget, **kw):
     # 2 layers x K/V x 2 heads x 64 fp32 = 512 bytes per token per region: 128 tokens per page
-    return VirtualKVCache(2, 2, 64, torch.float32, max_seqs=16, max_seq_len=4096, shared_budget=budget, **kw)
+    return VirtualKVCache(
+        KVGeometry(2, 2, 64, torch.float32),
+        VirtualCacheConfig(max_seqs=16, max_seq_len=4096, shared_budget=budget, **kw),
+    )
 
 
 def fill(cache, seqs, tokens, rng):

@@ -11,6 +11,7 @@ import uuid
 import pytest
 import torch
 
+from vpaged import KVGeometry, VirtualCacheConfig
 from vpaged.hf.compat import serving_support
 
 pytest.importorskip("fastapi")
@@ -61,7 +62,8 @@ def test_metrics_carry_the_shared_budget(model_and_tok, budget_name):
     budget = SharedBudget.create(budget_name, capacity, share_policy=random.choice(["fair", "greedy"]))
     min_bytes = random.randint(1, 8) * PAGE  # the other member's guarantee: counted in the budget, not the engine's
     other = VirtualKVCache(
-        2, 2, 64, torch.float32, max_seqs=8, max_seq_len=1024, shared_budget=budget_name, min_bytes=min_bytes
+        KVGeometry(2, 2, 64, torch.float32),
+        VirtualCacheConfig(max_seqs=8, max_seq_len=1024, shared_budget=budget_name, min_bytes=min_bytes),
     )
     held = []
     for _ in range(random.randint(1, 4)):  # another member holding pages

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import wait_until
 
-from vpaged import VirtualKVCache
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
 from vpaged.errors import OutOfPagesError
 from vpaged.memory import SharedBudget
 
@@ -78,7 +78,9 @@ def rss_shmem_kib(pid: int) -> int:
 
 
 def my_cache(name, **kw):
-    return VirtualKVCache(2, 2, 64, torch.float32, max_seqs=32, max_seq_len=4096, shared_budget=name, **kw)
+    return VirtualKVCache(
+        KVGeometry(2, 2, 64, torch.float32), VirtualCacheConfig(max_seqs=32, max_seq_len=4096, shared_budget=name, **kw)
+    )
 
 
 def fill(cache, seqs, tokens, rng):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from serve_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
 
-from vpaged import PagedKVCache
+from vpaged import KVGeometry, PagedCacheConfig, PagedKVCache
 from vpaged.errors import BudgetMismatchError, InvalidArgumentError
 from vpaged.memory import SharedBudget
 
@@ -73,10 +73,15 @@ def test_engine_config_rejects_a_non_name(tiny):
 
 def test_paged_cache_holds_its_reservation(budget_name):
     budget = SharedBudget.create(budget_name, capacity_bytes=64 * PAGE)
-    a = PagedKVCache(2, 2, 64, torch.float32, num_blocks=40, block_size=16, shared_budget=budget_name)  # 40 x 32 KiB
+    a = PagedKVCache(
+        KVGeometry(2, 2, 64, torch.float32), PagedCacheConfig(num_blocks=40, block_size=16, shared_budget=budget_name)
+    )  # 40 x 32 KiB
     assert budget.state().members[0].granted_bytes == 20 * PAGE == budget.state().members[0].min_bytes
     with pytest.raises(BudgetMismatchError, match="cannot guarantee"):  # 50 pages, 44 not guaranteed to a
-        PagedKVCache(2, 2, 64, torch.float32, num_blocks=100, block_size=16, shared_budget=budget_name)
+        PagedKVCache(
+            KVGeometry(2, 2, 64, torch.float32),
+            PagedCacheConfig(num_blocks=100, block_size=16, shared_budget=budget_name),
+        )
     assert len(budget.state().members) == 1  # the refused one holds nothing
     a.close()
     assert budget.state().members == ()

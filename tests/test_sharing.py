@@ -7,24 +7,20 @@ import torch
 from test_cache import assert_same, fill, snapshot
 
 import vpaged
-from vpaged import VirtualKVCache
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
 
 PAGE = 64 * 1024
 LAYOUTS = ["per_layer", "interleaved", "head_major"]
 
 
-def make(layout="per_layer", layers=2, capacity_pages=200, max_seqs=16, max_len=1200, **kw):
+def make(layout="per_layer", layers=2, capacity_pages=200, max_seqs=16, max_len=1200, prefix_hash=None, **kw):
     # 2 heads x 64 dims fp32: 512 B per token per region, 128 tokens per page (per_layer), 32 (interleaved)
     return VirtualKVCache(
-        layers,
-        2,
-        64,
-        dtype=torch.float32,
-        max_seqs=max_seqs,
-        max_seq_len=max_len,
-        capacity_bytes=capacity_pages * PAGE,
-        layout=layout,
-        **kw,
+        KVGeometry(layers, 2, 64, torch.float32),
+        VirtualCacheConfig(
+            max_seqs=max_seqs, max_seq_len=max_len, capacity_bytes=capacity_pages * PAGE, layout=layout, **kw
+        ),
+        prefix_hash=prefix_hash,
     )
 
 
@@ -293,9 +289,9 @@ def test_prefix_caching_with_pages_that_hold_part_tokens(geometry, rng):
     copies that page, so the cached K/V never change. Data end to end equals a sequence computed alone."""
     g = dict(geometry)
     cache = VirtualKVCache(
-        g.pop("num_layers"), g.pop("num_kv_heads"), g.pop("head_dim"), dtype=torch.float32, max_seqs=6,
-        max_seq_len=4096, capacity_bytes=600 * PAGE, **g,
-    )  # fmt: skip
+        KVGeometry(g.pop("num_layers"), g.pop("num_kv_heads"), g.pop("head_dim"), torch.float32),
+        VirtualCacheConfig(max_seqs=6, max_seq_len=4096, capacity_bytes=600 * PAGE, **g),
+    )
     lay = cache.layout
     tpp = lay.page_size / lay.token_bytes
     assert not tpp.is_integer()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import vpaged
-from vpaged import VirtualKVCache
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
 
 PAGE = 4096
 LAYERS, HEADS, DIM = 2, 2, 32  # per run: 256 B per token (per_layer, 16 tokens a page), 1 KiB (interleaved,
@@ -39,16 +39,15 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(layout=st.sampled_from(["per_layer", "interleaved", "head_major"]))
     def make_cache(self, layout):
         self.cache = VirtualKVCache(
-            LAYERS,
-            HEADS,
-            DIM,
-            dtype=torch.float32,
-            max_seqs=8,
-            max_seq_len=self.max_len,
-            capacity_bytes=40 * PAGE,
-            page_size=PAGE,
-            layout=layout,
-            swap_bytes=24 * PAGE,
+            KVGeometry(LAYERS, HEADS, DIM, torch.float32),
+            VirtualCacheConfig(
+                max_seqs=8,
+                max_seq_len=self.max_len,
+                capacity_bytes=40 * PAGE,
+                page_size=PAGE,
+                layout=layout,
+                swap_bytes=24 * PAGE,
+            ),
         )
 
     def kv_of(self, layer, kv, ids, start=0):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vpaged
-from vpaged import PagedKVCache, PagePool, VirtualKVCache
+from vpaged import KVGeometry, PagedCacheConfig, PagedKVCache, PagePool, VirtualCacheConfig, VirtualKVCache
 from vpaged.cli import main as cli_main
 from vpaged.errors import InvalidArgumentError, OutOfPagesError
 from vpaged.kvcache.accounting import page_fill
@@ -31,14 +31,14 @@ from vpaged.sim.kinds import StaticSlots
 PAGE = 4096
 # 2 layers, 2 KV heads of 16 fp32: 128 bytes per token in a per_layer region (32 tokens per 4 KiB page),
 # 512 bytes of K and V per token over all layers.
-GEOM = dict(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+GEOM = KVGeometry(2, 2, 16, torch.float32)
 BPT = 512
 TB = 128
 
 
 def _cache(accounting=False, layout="per_layer", pages=256, **kw):
     pool = PagePool("cpu", capacity_pages=pages, page_size=PAGE, accounting_only=accounting)
-    return VirtualKVCache(**GEOM, max_seqs=8, max_seq_len=256, pool=pool, layout=layout, **kw)
+    return VirtualKVCache(GEOM, VirtualCacheConfig(max_seqs=8, max_seq_len=256, layout=layout, **kw), pool=pool)
 
 
 def test_page_fill_keeps_the_fullest_use_of_a_shared_page():
@@ -88,7 +88,7 @@ def test_breakdown_counts_prefix_cache_pages_as_dormant():
 
 
 def test_paged_cache_breakdown_by_hand():
-    c = PagedKVCache(**GEOM, max_seqs=4, max_seq_len=256, num_blocks=16, block_size=16)
+    c = PagedKVCache(GEOM, PagedCacheConfig(max_seqs=4, max_seq_len=256, num_blocks=16, block_size=16))
     s = c.allocate()
     c.extend(s, 40)
     st = c.stats()
@@ -122,7 +122,7 @@ def test_accounting_backend_refuses_views_kernels_and_data():
             with pytest.raises(InvalidArgumentError, match="accounting"):
                 call()
         assert c.seq_len(s) == 10  # nothing changed
-    p = PagedKVCache(**GEOM, max_seqs=2, max_seq_len=64, num_blocks=4, accounting_only=True)
+    p = PagedKVCache(GEOM, PagedCacheConfig(max_seqs=2, max_seq_len=64, num_blocks=4, accounting_only=True))
     s = p.allocate()
     p.extend(s, 3)
     with pytest.raises(InvalidArgumentError, match="accounting"):
@@ -137,7 +137,9 @@ def test_accounting_backend_runs_at_gpu_scale():
     with pytest.raises(InvalidArgumentError, match="host object"):
         PagePool("cuda", capacity_bytes=1 << 30, accounting_only=True)
     with VirtualKVCache(
-        32, 8, 128, dtype=torch.bfloat16, max_seqs=1024, max_seq_len=4096, pool=pool, layout="interleaved"
+        KVGeometry(32, 8, 128, torch.bfloat16),
+        VirtualCacheConfig(max_seqs=1024, max_seq_len=4096, layout="interleaved"),
+        pool=pool,
     ) as c:
         seqs = c.allocate_many(600)
         c.extend_many(seqs, 1000)  # 600 x 1000 tokens x 128 KiB = 73 GiB

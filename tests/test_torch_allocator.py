@@ -19,7 +19,7 @@ from conftest import address_is_mapped, mapping_count, open_fds
 
 import vpaged
 import vpaged._C as C
-from vpaged import VirtualKVCache
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
 from vpaged.errors import BackendUnavailableError, InvalidArgumentError, OutOfPagesError
 from vpaged.memory.allocator import _expandable_segments_requested
 
@@ -346,7 +346,9 @@ def test_one_allocator_per_device(hook):
 def kv_cache(pool):
     # fp32, 2 heads x 64: 512 bytes per token and layer, so 128 tokens fill one 64 KiB page of each of the
     # 2 layers' K and V: 4 pages per 128 tokens.
-    return VirtualKVCache(2, 2, 64, dtype=torch.float32, max_seqs=8, max_seq_len=1024, pool=pool)
+    return VirtualKVCache(
+        KVGeometry(2, 2, 64, torch.float32), VirtualCacheConfig(max_seqs=8, max_seq_len=1024), pool=pool
+    )
 
 
 def test_kv_cache_filling_the_pool_makes_malloc_fail_and_closing_it_makes_room(hook):

@@ -15,7 +15,7 @@ import torch
 
 import vpaged
 import vpaged._C as C
-from vpaged import VirtualKVCache
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
 
 pytestmark = pytest.mark.gpu
 
@@ -176,7 +176,9 @@ def test_pool_filled_by_kv_gives_torch_out_of_memory_until_the_kv_is_freed(make_
     assert pool.capacity_pages == (64 << 20) // page
     # bf16, 8 heads x 128: 2 KiB per token and layer; 1024 tokens fill a 2 MiB page of each of 2 layers' K
     # and V: 4 pages per sequence of 1024 tokens (with 2 MiB pages).
-    cache = VirtualKVCache(2, 8, 128, dtype=torch.bfloat16, max_seqs=64, max_seq_len=4096, device=DEV, pool=pool)
+    cache = VirtualKVCache(
+        KVGeometry(2, 8, 128, torch.bfloat16), VirtualCacheConfig(max_seqs=64, max_seq_len=4096, device=DEV), pool=pool
+    )
     seqs = []
     while pool.free_pages() > 0:
         seq = cache.allocate()

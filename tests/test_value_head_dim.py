@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from vpaged import PagedKVCache, VirtualKVCache
+from vpaged import KVGeometry, PagedCacheConfig, PagedKVCache, VirtualCacheConfig, VirtualKVCache
 from vpaged.errors import InvalidArgumentError, ShapeError
 from vpaged.kvcache.records import BatchedKV
 
@@ -18,7 +18,8 @@ def _vcache(layout, dk, dv, dtype=torch.float32, **kw):
     kw.setdefault("max_seqs", 4)
     kw.setdefault("max_seq_len", 64)
     return VirtualKVCache(
-        2, 2, dk, dtype=dtype, layout=layout, capacity_bytes=4 << 20, page_size=4096, v_head_dim=dv, **kw
+        KVGeometry(2, 2, dk, dtype, v_head_dim=dv),
+        VirtualCacheConfig(layout=layout, capacity_bytes=4 << 20, page_size=4096, **kw),
     )
 
 
@@ -95,7 +96,9 @@ def test_kv_layers_refuses_mixed_head_sizes():
 
 @pytest.mark.parametrize("dk,dv", DIMS)
 def test_paged_cache_write_read_fork(dk, dv, rng):
-    with PagedKVCache(2, 2, dk, dtype=torch.float32, num_blocks=16, block_size=8, v_head_dim=dv) as c:
+    with PagedKVCache(
+        KVGeometry(2, 2, dk, torch.float32, v_head_dim=dv), PagedCacheConfig(num_blocks=16, block_size=8)
+    ) as c:
         assert c.bytes_per_token == 2 * 2 * (dk + dv) * 4
         seq = c.allocate()
         c.extend(seq, 13)
@@ -142,7 +145,7 @@ def test_decode_kernels_match_float64_reference(layout, dtype, rng):
 
     dk, dv, heads = 24, 8, 4  # 2 kv heads: GQA
     if layout == "paged":
-        cache = PagedKVCache(2, 2, dk, dtype=dtype, num_blocks=32, block_size=8, v_head_dim=dv)
+        cache = PagedKVCache(KVGeometry(2, 2, dk, dtype, v_head_dim=dv), PagedCacheConfig(num_blocks=32, block_size=8))
         seqs = [cache.allocate() for _ in range(3)]
     else:
         cache = _vcache(layout, dk, dv, dtype=dtype)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from vpaged import VirtualKVCache, ops
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache, ops
 from vpaged.errors import DTypeError, InvalidArgumentError, ShapeError
 from vpaged.kvcache.virtual.cache import BatchedKV
 
@@ -19,18 +19,15 @@ LAYERS, HKV, D = 3, 2, 16
 
 def make_cache(layout, dtype, v_head_dim=None, device="cpu", lengths=(5, 70, 1, 33)):
     cache = VirtualKVCache(
-        LAYERS,
-        HKV,
-        D,
-        dtype=dtype,
-        max_seqs=6,
-        max_seq_len=96,
-        device=device,
-        # CUDA pages are the VMM granularity (2 MiB): room for 4 sequences of the head_major layout.
-        capacity_bytes=(8 << 20) if device == "cpu" else (256 << 20),
-        page_size=4096 if device == "cpu" else None,
-        layout=layout,
-        v_head_dim=v_head_dim,
+        KVGeometry(LAYERS, HKV, D, dtype, v_head_dim=v_head_dim),
+        VirtualCacheConfig(
+            max_seqs=6,
+            max_seq_len=96,
+            device=device,
+            capacity_bytes=(8 << 20) if device == "cpu" else (256 << 20),
+            page_size=4096 if device == "cpu" else None,
+            layout=layout,
+        ),
     )
     seqs = []
     for n in lengths:

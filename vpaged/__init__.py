@@ -47,7 +47,18 @@ from .memory import (
     set_default_pool,
     torch_allocator,
 )
-from .kvcache import BatchedKV, CacheStats, KVCache, KVGeometry, Layout, PagedCacheStats, PagedKVCache, VirtualKVCache
+from .kvcache import (
+    BatchedKV,
+    CacheStats,
+    KVCache,
+    KVGeometry,
+    Layout,
+    PagedCacheConfig,
+    PagedCacheStats,
+    PagedKVCache,
+    VirtualCacheConfig,
+    VirtualKVCache,
+)
 from . import ops
 
 __version__ = "0.1.0"
@@ -58,6 +69,8 @@ __all__ = [
     "PagedKVCache",
     "KVCache",
     "KVGeometry",
+    "VirtualCacheConfig",
+    "PagedCacheConfig",
     "Layout",
     "CacheStats",
     "PagedCacheStats",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import OutOfPagesError, SlotsExhaustedError
-from ..kvcache import VirtualKVCache
+from ..kvcache import KVGeometry, VirtualCacheConfig, VirtualKVCache
 
 
 @dataclass
@@ -56,14 +56,10 @@ def run_demo(cfg: DemoConfig | None = None) -> DemoResult:
     cfg = cfg or DemoConfig()
     rnd = random.Random(cfg.seed)
     cache = VirtualKVCache(
-        cfg.num_layers,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        dtype=cfg.dtype,
-        max_seqs=cfg.max_seqs,
-        max_seq_len=cfg.max_seq_len,
-        capacity_bytes=cfg.budget_bytes,
-        layout=cfg.layout,
+        KVGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype),
+        VirtualCacheConfig(
+            max_seqs=cfg.max_seqs, max_seq_len=cfg.max_seq_len, capacity_bytes=cfg.budget_bytes, layout=cfg.layout
+        ),
     )
     shape = (cfg.num_kv_heads, cfg.head_dim)
     waiting: list[tuple[int, int]] = []

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import DTypeError, InvalidArgumentError, ShapeError, SlotsExhaustedError
-from ..kvcache import VirtualKVCache
+from ..kvcache import VirtualCacheConfig, VirtualKVCache
 from ..kvcache.geometry import KVGeometry
 from ..memory.device import normalize_device
 from ..memory.pool import default_pool
@@ -142,14 +142,16 @@ class KVGroup:
             self.kv_dtype,
         )  # fmt: skip
         kv = VirtualKVCache(
-            geometry=geometry,
-            max_seqs=max_seqs,
-            max_seq_len=self.capacity_for(key_states, value_states, pool),
-            device=device,
+            geometry,
+            VirtualCacheConfig(
+                max_seqs=max_seqs,
+                max_seq_len=self.capacity_for(key_states, value_states, pool),
+                device=device,
+                layout=self.layout,
+                page_size=None if pool is not None else self.page_size,
+                kv_scales=self.kv_scales,
+            ),
             pool=pool,
-            layout=self.layout,
-            page_size=None if pool is not None else self.page_size,
-            kv_scales=self.kv_scales,
         )
         rows = kv.allocate_many(batch)
         self.num_kv_heads, self.head_dim, self.v_head_dim = kv.num_kv_heads, kv.head_dim, kv.v_head_dim

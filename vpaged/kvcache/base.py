@@ -71,7 +71,7 @@ class KVCacheBase:
     geometry: KVGeometry
 
     def _init_shape(self, geometry: KVGeometry, max_seqs: int, max_seq_len: int, kv_scales=None) -> None:
-        # The geometry arrives checked (kvcache/geometry.py: cache_geometry); only the sequence limits and the
+        # The geometry arrives checked (kvcache/geometry.py: check_cache_args); only the sequence limits and the
         # scales are checked here.
         self.geometry = geometry
         check_positive_int("max_seqs", max_seqs)

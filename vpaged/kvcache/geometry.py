@@ -87,32 +87,21 @@ class KVGeometry:
         return num_seqs * max_seq_len * self.bytes_per_token
 
 
-def cache_geometry(
-    geometry: KVGeometry | None,
-    num_layers=None,
-    num_kv_heads=None,
-    head_dim=None,
-    dtype=None,
-    v_head_dim=None,
-    kv_dtype=None,
-) -> KVGeometry:
-    """The geometry a cache is built on: `geometry` given whole (then none of the loose fields), or one built
-    from the loose fields (dtype defaults to bfloat16), checked here once. A KVGeometry given in num_layers'
-    place (the first positional argument) counts as `geometry`."""
-    if isinstance(num_layers, KVGeometry) and geometry is None:
-        geometry, num_layers = num_layers, None
-    loose = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
-    loose.update(v_head_dim=v_head_dim, kv_dtype=kv_dtype)
-    if geometry is not None:
-        given = [name for name, value in loose.items() if value is not None]
-        if not isinstance(geometry, KVGeometry):
-            raise InvalidArgumentError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
-        if given:
-            raise InvalidArgumentError(f"give either geometry or {', '.join(given)}, not both")
-        return geometry
-    missing = [name for name in ("num_layers", "num_kv_heads", "head_dim") if loose[name] is None]
-    if missing:
-        raise InvalidArgumentError(f"give a geometry, or num_layers, num_kv_heads and head_dim (missing {missing})")
-    return KVGeometry(
-        num_layers, num_kv_heads, head_dim, torch.bfloat16 if dtype is None else dtype, v_head_dim, kv_dtype
-    )
+def check_cache_args(cache, geometry, config, config_type: type):
+    """(geometry, config) of a cache built as Cache(geometry, config): a KVGeometry and a config_type record
+    (None: config_type()), or InvalidArgumentError naming the form. The loose form of earlier releases
+    (num_layers, num_kv_heads, head_dim, dtype, ... as arguments) is refused here, in one place, with the
+    call that replaces it."""
+    name = type(cache).__name__
+    if not isinstance(geometry, KVGeometry):
+        raise InvalidArgumentError(
+            f"{name}(geometry, config): geometry must be a KVGeometry, got {type(geometry).__name__}; a cache is "
+            f"built as {name}(KVGeometry(num_layers, num_kv_heads, head_dim, dtype), {config_type.__name__}(...))"
+        )
+    if config is None:
+        config = config_type()
+    if not isinstance(config, config_type):
+        raise InvalidArgumentError(
+            f"{name}(geometry, config): config must be a {config_type.__name__}, got {type(config).__name__}"
+        )
+    return geometry, config

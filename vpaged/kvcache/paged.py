@@ -30,82 +30,41 @@ from ..memory.device import normalize_device
 from ..memory.pool import reserve_in_budget
 from .base import KVCacheBase
 from .checks import check_kv, check_layer, check_positive_int, check_token_count, is_int, lookup_sequence, write_start
-from .geometry import KVGeometry, cache_geometry
+from .config import BLOCK_SIZES, PagedCacheConfig
+from .geometry import KVGeometry, check_cache_args
 from .records import BlockPools, PagedCacheStats
 
-BLOCK_SIZES = (8, 16, 32)
+__all__ = ["BLOCK_SIZES", "PagedCacheConfig", "PagedKVCache"]
 
 
 class PagedKVCache(KVCacheBase):
     """KV cache in fixed-size blocks addressed through per-sequence block tables.
 
-    PagedKVCache(geometry, max_seqs=..., ...) with a KVGeometry, or PagedKVCache(num_layers, num_kv_heads,
-    head_dim, dtype, ...) with its fields (not both).
-
-    Args:
-        geometry: the model's KVGeometry, passed whole.
-        num_layers, num_kv_heads, head_dim: model geometry, when no geometry is given.
-        v_head_dim: head size of the values, when it differs from the keys' (multi-head latent attention).
-        dtype: element type of K and V (float32, float16, bfloat16, float64); default bfloat16.
-        max_seqs: sequences that may be live at once.
-        max_seq_len: tokens a sequence may hold (the width of its block table is max_seq_len / block_size).
-        device: "cpu", "cuda" or "cuda:N".
-        num_blocks or capacity_bytes (exactly one): size of the block pool; a block holds block_size tokens
-            of K and V in every layer, capacity_bytes is rounded down to whole blocks.
-        block_size: tokens per block, 8, 16 or 32.
-        accounting_only: keep the block tables and counts but allocate no block pools (the simulator's mode:
-            any scale on any host); write(), kv() and kernels then raise InvalidArgumentError.
-        kv_dtype, kv_scales: a quantized format for what is stored, as VirtualKVCache's (kvcache/formats.py):
-            the pools then hold bytes (an int8 row's scale after it), write() quantizes, kv() gives QuantizedKV.
-        shared_budget: the name of a machine-wide budget (vpaged.memory.SharedBudget): the block pools' bytes
-            are reserved in it for the cache's life (OutOfPagesError when it cannot grant them); member_name:
-            how `vpaged budget show` names that reservation (default paged-kv).
+    PagedKVCache(geometry, config): the model's KVGeometry (kvcache/geometry.py; a quantized kv_dtype makes
+    the pools hold bytes, an int8 row's scale after it: write() quantizes, kv() gives QuantizedKV) and a
+    PagedCacheConfig (what it maps, the block pool's size and block size, where it lives: kvcache/config.py).
     """
 
-    def __init__(
-        self,
-        num_layers: int | KVGeometry | None = None,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        dtype: torch.dtype | None = None,
-        max_seqs: int = 64,
-        max_seq_len: int = 4096,
-        device="cpu",
-        *,
-        num_blocks: int | None = None,
-        capacity_bytes: int | None = None,
-        block_size: int = 16,
-        accounting_only: bool = False,
-        v_head_dim: int | None = None,
-        kv_dtype=None,
-        kv_scales=None,
-        geometry: KVGeometry | None = None,
-        shared_budget=None,
-        member_name: str = "",
-    ):
-        geometry = cache_geometry(geometry, num_layers, num_kv_heads, head_dim, dtype, v_head_dim, kv_dtype)
-        self._init_shape(geometry, max_seqs, max_seq_len, kv_scales)
-        if block_size not in BLOCK_SIZES:
-            raise InvalidArgumentError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
-        self.device = normalize_device(device)
-        self.block_size = block_size
-        if (num_blocks is None) == (capacity_bytes is None):
-            raise InvalidArgumentError("give exactly one of num_blocks and capacity_bytes")
-        if num_blocks is None:
-            num_blocks = int(capacity_bytes) // self.block_bytes
-        if not is_int(num_blocks) or num_blocks <= 0:
+    def __init__(self, geometry: KVGeometry, config: PagedCacheConfig):
+        geometry, config = check_cache_args(self, geometry, config, PagedCacheConfig)
+        self.config = c = config
+        self._init_shape(geometry, c.max_seqs, c.max_seq_len, c.kv_scales)
+        self.device = normalize_device(c.device)
+        self.block_size = block_size = c.block_size
+        num_blocks = c.num_blocks if c.num_blocks is not None else int(c.capacity_bytes) // self.block_bytes
+        if num_blocks <= 0:
             raise InvalidArgumentError(
-                f"the pool needs at least one block of {self.block_bytes} bytes, got num_blocks={num_blocks!r} "
-                f"(capacity_bytes={capacity_bytes!r})"
+                f"the pool needs at least one block of {self.block_bytes} bytes, got capacity_bytes="
+                f"{c.capacity_bytes!r}"
             )
         self.num_blocks = num_blocks
-        self.accounting_only = bool(accounting_only)
+        self.accounting_only = bool(c.accounting_only)
         # Block pools are reserved whole, up front: in a shared budget they hold all their bytes as a
         # guaranteed share (there is nothing to give back), through an accounting-only member.
         self.budget_share = None
-        if shared_budget is not None:
+        if c.shared_budget is not None:
             self.budget_share = reserve_in_budget(
-                shared_budget, num_blocks * self.block_bytes, member_name or "paged-kv"
+                c.shared_budget, num_blocks * self.block_bytes, c.member_name or "paged-kv"
             )
         # The pools hold stored rows: values of dtype, or bytes of a quantized format (scales included).
         self._row_dims = self.geometry.storage_dims()[:2]

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import OutOfPagesError, SlotsExhaustedError
-from ..kvcache import VirtualKVCache
+from ..kvcache import VirtualCacheConfig, VirtualKVCache
 from ..kvcache.accounting import MemoryBreakdown, breakdown_of, page_fill
-from ..kvcache.paged import PagedKVCache
+from ..kvcache.paged import PagedCacheConfig, PagedKVCache
 from ..memory.pool import PagePool
 from .shapes import ModelShape
 from .traces import SimRequest
@@ -114,12 +114,14 @@ class BlockTables(CacheKind):
         self.budget_bytes = budget_bytes
         self.share = share
         self.cache = PagedKVCache(
-            geometry=shape.geometry,
-            max_seqs=max_seqs,
-            max_seq_len=max_seq_len,
-            capacity_bytes=budget_bytes,
-            block_size=block_size,
-            accounting_only=True,
+            shape.geometry,
+            PagedCacheConfig(
+                max_seqs=max_seqs,
+                max_seq_len=max_seq_len,
+                capacity_bytes=budget_bytes,
+                block_size=block_size,
+                accounting_only=True,
+            ),
         )
         self._templates: dict[int, int] = {}  # prefix id -> a sequence holding the prefix's full blocks
         self._template_use: dict[int, int] = {}  # prefix id -> running requests forked from it
@@ -231,11 +233,9 @@ class VirtualMemory(CacheKind):
         self.share = share
         self.pool = PagePool("cpu", capacity_bytes=budget_bytes, page_size=page_size, accounting_only=True)
         self.cache = VirtualKVCache(
-            geometry=shape.geometry,
-            max_seqs=max_seqs,
-            max_seq_len=max_seq_len,
+            shape.geometry,
+            VirtualCacheConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, layout=layout),
             pool=self.pool,
-            layout=layout,
         )
         self._prefix = share  # prefix blocks are pages, whole tokens or not (kvcache/virtual/prefix.py)
         self._ids = _TokenIds()

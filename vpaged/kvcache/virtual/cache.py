@@ -38,8 +38,9 @@ from ...errors import (
 from ...memory.pool import PagePool, pool_serialized, resolve_pool
 from ..base import KVCacheBase
 from ..checks import check_kv, check_layer, check_positive_int, check_token_count, check_token_span, is_int, write_start
-from ..eviction import EvictionPolicy, ReclaimOrder, resolve_eviction_policy, resolve_reclaim_order
-from ..geometry import KVGeometry, cache_geometry
+from ..config import VirtualCacheConfig
+from ..eviction import resolve_eviction_policy, resolve_reclaim_order
+from ..geometry import KVGeometry, check_cache_args
 from ..records import BatchedKV, CacheStats
 from .layout import Layout
 from .limits import check_cache
@@ -50,85 +51,50 @@ from .stats import virtual_cache_stats
 from .swap import SwappedSlots, SwapSpace
 from .views import SlotViews
 
-__all__ = ["BatchedKV", "CacheStats", "VirtualKVCache"]
+__all__ = ["BatchedKV", "CacheStats", "VirtualCacheConfig", "VirtualKVCache"]
 
 
 @pool_serialized  # the pool's shared-budget thread may reclaim from it between calls, never during one
 class VirtualKVCache(KVCacheBase):
     """KV cache with one contiguous virtual range per sequence slot.
 
-    VirtualKVCache(geometry, max_seqs=..., ...) with a KVGeometry, or VirtualKVCache(num_layers, num_kv_heads,
-    head_dim, dtype, ...) with its fields (not both).
+    VirtualKVCache(geometry, config): the model's KVGeometry (layers, heads, head sizes, dtype, what is
+    stored: kvcache/geometry.py) and a VirtualCacheConfig (what it maps, where it lives, how it keeps what it
+    stores: kvcache/config.py; default VirtualCacheConfig()).
 
-    Args:
-        geometry: the model's KVGeometry (layers, heads, head sizes, dtype, kv_dtype), passed whole.
-        num_layers, num_kv_heads, head_dim: model geometry, when no geometry is given.
-        v_head_dim: head size of V when it differs from K's (multi-head latent attention); see layout.py.
-        dtype: element type of K and V (float32, float16, bfloat16, float64); default bfloat16.
-        max_seqs: sequence slots (concurrent sequences).
-        max_seq_len: tokens a sequence may hold.
-        device: "cpu", "cuda" or "cuda:N"; default: the pool's device when a pool is given, else "cpu".
-        pool: a PagePool to share; or capacity_bytes for a private pool; neither: the device's default pool.
-        layout: "per_layer" (dense [T, H, D] per-layer views), "interleaved" (all layers of a token together:
-            finer fill granularity, one map per page for all layers) or "head_major" (dense [H, T, D] per
-            layer, what SDPA prefers; a page per head). See layout.py.
-        page_size: bytes per page for a private/default pool (must match a given pool).
-        swap_bytes: capacity of the host swap space for swap_out() (0: no swapping).
+    Keywords, for live objects the cache works with:
+        pool: a PagePool to share (then the config gives no capacity_bytes and no shared_budget; its device and
+            page size must agree with the config's when the config names them). Without one, the config's
+            capacity_bytes makes a private pool, else the device's default pool serves.
         prefix_hash: hash(parent_key, block_token_ids) -> bytes for the prefix index (default: blake2b chain).
-        kv_dtype: what is stored (default: dtype): torch.int8 (a scale per token and KV head, beside it),
-            torch.float8_e4m3fn or torch.float8_e5m2 (per-layer K and V scales), or their names "int8", "fp8",
-            "fp8_e5m2". write() takes values in dtype and quantizes; kv() returns QuantizedKV records,
-            dequantized_kv() values. See kvcache/formats.py.
-        kv_scales: fp8 only: the per-layer (K, V) scales: a float, a (k, v) pair, [num_layers, 2], or
-            "calibrate" (set from each layer's first write). Default 1.0.
-        eviction_policy: which cached prefix blocks go first when the pool runs low: "lru" (default), "lfu",
-            or an EvictionPolicy object; reclaim_order: which kind of kept pages goes back first:
-            "dormant_first" (default: freed slots, then prefix blocks, then spare tails), "prefix_first", or a
-            ReclaimOrder. See kvcache/eviction.py.
-        shared_budget: the name of a machine-wide budget (vpaged.memory.SharedBudget) for a private pool to
-            join: capacity_bytes (default: the budget's capacity) becomes its ceiling, min_bytes its guaranteed
-            share, member_name its name in `vpaged budget show`. Its pages count against the budget; idle, it
-            gives back what others need.
+
+    A quantized kv_dtype in the geometry (torch.int8: a scale per token and KV head, beside it; float8 e4m3 /
+    e5m2: per-layer K and V scales): write() takes values in dtype and quantizes, kv() returns QuantizedKV
+    records, dequantized_kv() values. See kvcache/formats.py.
     """
 
     def __init__(
         self,
-        num_layers: int | KVGeometry | None = None,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        dtype: torch.dtype | None = None,
-        max_seqs: int = 64,
-        max_seq_len: int = 4096,
-        device=None,
-        pool: PagePool | None = None,
-        capacity_bytes: int | None = None,
-        layout: str = "per_layer",
-        page_size: int | None = None,
-        swap_bytes: int = 0,
-        prefix_hash: HashFn | None = None,
-        v_head_dim: int | None = None,
-        kv_dtype=None,
-        kv_scales=None,
-        eviction_policy: str | EvictionPolicy = "lru",
-        reclaim_order: str | ReclaimOrder = "dormant_first",
+        geometry: KVGeometry,
+        config: VirtualCacheConfig | None = None,
         *,
-        geometry: KVGeometry | None = None,
-        shared_budget=None,
-        min_bytes: int = 0,
-        member_name: str = "",
+        pool: PagePool | None = None,
+        prefix_hash: HashFn | None = None,
     ):
+        geometry, config = check_cache_args(self, geometry, config, VirtualCacheConfig)
+        self.config = config
         # Policies first: a bad name raises before anything is created.
-        self.eviction_policy = resolve_eviction_policy(eviction_policy)
-        self.reclaim_order = resolve_reclaim_order(reclaim_order)
-        geometry = cache_geometry(geometry, num_layers, num_kv_heads, head_dim, dtype, v_head_dim, kv_dtype)
-        self._init_shape(geometry, max_seqs, max_seq_len, kv_scales)
-        budget = dict(shared_budget=shared_budget, min_bytes=min_bytes, member_name=member_name)
-        self.device, self.pool = resolve_pool(device, pool, capacity_bytes, page_size, **budget)
+        self.eviction_policy = resolve_eviction_policy(config.eviction_policy)
+        self.reclaim_order = resolve_reclaim_order(config.reclaim_order)
+        self._init_shape(geometry, config.max_seqs, config.max_seq_len, config.kv_scales)
+        c = config
+        budget = dict(shared_budget=c.shared_budget, min_bytes=c.min_bytes, member_name=c.member_name)
+        self.device, self.pool = resolve_pool(c.device, pool, c.capacity_bytes, c.page_size, **budget)
         # A pool made here for a shared budget is this cache's membership: close() (or a failed build) leaves
         # the budget at once, rather than when the pool is collected, so the others get its grant back.
-        self._owns_membership = pool is None and shared_budget is not None
+        self._owns_membership = pool is None and c.shared_budget is not None
         try:
-            self.layout = lay = Layout.of(layout, self.geometry, max_seqs, max_seq_len, self.pool.page_size)
+            self.layout = lay = Layout.of(c.layout, self.geometry, c.max_seqs, c.max_seq_len, self.pool.page_size)
             if not self.pool.accounting_only:  # address space and mapping limit: said now, not mid-serving
                 check_cache(lay, self.device)
             self._page_map = PageMap(self.pool.new_range(lay.total_bytes), lay, self.pool)
@@ -141,7 +107,8 @@ class VirtualKVCache(KVCacheBase):
         self._prefix_hits = 0
         self._prefix = PrefixIndex.for_layout(lay, self.pool, prefix_hash, self.eviction_policy)
         pin = self.device.type == "cuda" and torch.cuda.is_available()
-        self._swapped = SwappedSlots(SwapSpace(swap_bytes, self.pool.page_size, pin=pin) if swap_bytes else None)
+        swap = SwapSpace(c.swap_bytes, self.pool.page_size, pin=pin) if c.swap_bytes else None
+        self._swapped = SwappedSlots(swap)
         self._reclaim = SlotReclaim(self._page_map, self._prefix, self._swapped, self.reclaim_order)
         self._streams: list = []  # stream objects given to use_stream(), kept alive while registered
         self._on_cuda = self.device.type == "cuda"
@@ -440,7 +407,7 @@ class VirtualKVCache(KVCacheBase):
         mapped. The sequence keeps its id and addresses; returns the bytes swapped."""
         slot = self._live_slot(seq)
         if self._swapped.space is None:
-            raise InvalidArgumentError("this cache has no swap space (create it with swap_bytes=...)")
+            raise InvalidArgumentError("this cache has no swap space (build it with VirtualCacheConfig(swap_bytes=N))")
         private, chunks = self._page_map.swap_out(seq, slot, self._swapped.space)
         self._swapped.add(slot, private, chunks)
         return len(private) * self.layout.page_size

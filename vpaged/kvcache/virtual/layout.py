@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...errors import InvalidArgumentError
+from ..config import LAYOUTS
 
 if TYPE_CHECKING:
     from ..geometry import KVGeometry
-
-LAYOUTS = ("per_layer", "interleaved", "head_major")
 
 
 @dataclass(frozen=True)

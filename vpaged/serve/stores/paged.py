@@ -13,7 +13,7 @@ import torch
 
 from ...errors import InvalidArgumentError, SwapSpaceFullError
 from ...kvcache.geometry import KVGeometry
-from ...kvcache.paged import PagedKVCache
+from ...kvcache.paged import PagedCacheConfig, PagedKVCache
 from ...ops import DecodePlan, decode_unsupported
 from .attention import StepAttention, decodes_as_prefills, prefill_rows
 from .base import Allocation, StoreMemory
@@ -70,15 +70,17 @@ class PagedStore:
     def __init__(self, config: EngineConfig, geometry: KVGeometry, max_seq_len: int):
         options = config.store  # a PagedStoreConfig
         self.cache = PagedKVCache(
-            geometry=geometry,
-            max_seqs=config.scheduler.max_cache_seqs,
-            max_seq_len=max_seq_len,
-            device=config.model.device,
-            capacity_bytes=options.kv_budget_bytes,
-            block_size=options.block_size,
-            kv_scales=options.kv_scales,
-            shared_budget=options.shared_budget,
-            member_name=options.shared_budget_member or "",
+            geometry,
+            PagedCacheConfig(
+                max_seqs=config.scheduler.max_cache_seqs,
+                max_seq_len=max_seq_len,
+                device=config.model.device,
+                capacity_bytes=options.kv_budget_bytes,
+                block_size=options.block_size,
+                kv_scales=options.kv_scales,
+                shared_budget=options.shared_budget,
+                member_name=options.shared_budget_member or "",
+            ),
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.block_bytes

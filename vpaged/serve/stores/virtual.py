@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...kvcache import VirtualKVCache
+from ...kvcache import VirtualCacheConfig, VirtualKVCache
 from ...kvcache.geometry import KVGeometry
 from ...ops import DecodePlan, decode_unsupported, write_kv
 from .attention import StepAttention, decodes_as_prefills, prefill_rows
@@ -119,19 +119,21 @@ class VirtualStore:
         swap_bytes = options.swap_bytes if swap_bytes is None else swap_bytes
         prefix_caching = options.enable_prefix_caching if prefix_caching is None else prefix_caching
         self.cache = VirtualKVCache(
-            geometry=geometry,
-            max_seqs=config.scheduler.max_cache_seqs,
-            max_seq_len=max_seq_len,
-            device=config.model.device,
-            capacity_bytes=options.kv_budget_bytes,
-            page_size=options.page_size,
-            layout=store_layout(options.layout, geometry.quantized),
-            swap_bytes=swap_bytes,
-            kv_scales=options.kv_scales,
-            eviction_policy=getattr(options, "eviction_policy", "lru"),  # StaticStoreConfig: no prefix cache
-            reclaim_order=getattr(options, "reclaim_order", "dormant_first"),
-            shared_budget=options.shared_budget,
-            member_name=options.shared_budget_member or "",
+            geometry,
+            VirtualCacheConfig(
+                max_seqs=config.scheduler.max_cache_seqs,
+                max_seq_len=max_seq_len,
+                device=config.model.device,
+                capacity_bytes=options.kv_budget_bytes,
+                page_size=options.page_size,
+                layout=store_layout(options.layout, geometry.quantized),
+                swap_bytes=swap_bytes,
+                kv_scales=options.kv_scales,
+                eviction_policy=getattr(options, "eviction_policy", "lru"),  # StaticStoreConfig: no prefix cache
+                reclaim_order=getattr(options, "reclaim_order", "dormant_first"),
+                shared_budget=options.shared_budget,
+                member_name=options.shared_budget_member or "",
+            ),
         )
         self.device = self.cache.device
         self.page_bytes = self.cache.pool.page_size
