@@ -12,7 +12,7 @@ Runs only where vpaged's CUDA backend is usable; elsewhere it prints why and exi
    (Python-call overhead of the bindings included; cuCtxGetCurrent is timed as that overhead).
 2. map: vpaged's VirtualRange.map_new over runs of 1, 8 and 64 slots, then unmap, with the pages created
    ahead: µs per page. Goal: <= 10 µs per page amortized (map and unmap each).
-3. steady: a continuous-batching workload on VirtualKVCache(device="cuda") (sequences finish, are freed and
+3. steady: a continuous-batching workload on a VirtualKVCache with VirtualCacheConfig(device="cuda") (sequences finish, are freed and
    replaced; every step extends the batch by one token) counted with backend.map_calls / unmap_calls.
    Goal: zero driver calls per decode step once every slot has been used (deferred reclamation).
 4. sdpa: torch.nn.functional.scaled_dot_product_attention, bf16, GQA, one query token, on kv_batch views of

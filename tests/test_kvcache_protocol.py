@@ -3,6 +3,7 @@ signature by signature: ops, the serving stores and the simulator rely on nothin
 checked against it, as tests/test_serve_stores.py checks the stores against KVStore."""
 
 import inspect
+import typing
 
 import pytest
 import torch
@@ -47,6 +48,30 @@ def contract_breaks(cls: type) -> list[str]:
     for name in KVCACHE_PROPERTIES:
         if not isinstance(inspect.getattr_static(cls, name, None), property):
             breaks.append(f"{name}: not a property")
+    return breaks + annotation_breaks(cls)
+
+
+def function_of(owner: type, name: str):
+    member = inspect.getattr_static(owner, name, None)
+    return member.fget if isinstance(member, property) else member
+
+
+def annotation_breaks(cls: type) -> list[str]:
+    """Where cls's annotations depart from the protocol's, resolved (typing.get_type_hints, so spelling does
+    not count): every parameter must be annotated as the protocol's is; the return type must be the
+    protocol's, or one side of it when the protocol's is a union (a cache gives its own kind of record)."""
+    breaks = []
+    for name in KVCACHE_METHODS + KVCACHE_PROPERTIES:
+        mine = function_of(cls, name)
+        if not callable(mine):
+            continue  # reported above
+        want, have = typing.get_type_hints(function_of(KVCache, name)), typing.get_type_hints(mine)
+        for param, hint in want.items():
+            got = have.get(param, inspect.Parameter.empty)
+            if param == "return" and got != hint and got in typing.get_args(hint):
+                continue
+            if got != hint:
+                breaks.append(f"{name}: {param} is annotated {got}, the protocol says {hint}")
     return breaks
 
 
@@ -67,7 +92,7 @@ def test_every_cache_class_has_every_member_with_the_protocols_signature(cls):
     assert contract_breaks(cls) == []
 
 
-def test_the_check_finds_a_drifted_signature_and_a_missing_property():
+def test_the_check_finds_a_drifted_signature_a_missing_property_and_a_wrong_annotation():
     class Drifted(VirtualKVCache):
         def extend_many(self, growth) -> None:  # the protocol's old, wrong form
             pass
@@ -78,6 +103,17 @@ def test_the_check_finds_a_drifted_signature_and_a_missing_property():
         def allocate(self) -> int:  # no tokens
             return 0
 
+    class Untyped(VirtualKVCache):
+        def pages_needed(self, seqs, n: int = 1) -> int:  # the right shape, seqs not annotated
+            return 0
+
+        def stats(self) -> dict:  # neither side of the protocol's union
+            return {}
+
+    untyped = annotation_breaks(Untyped)
+    assert any(b.startswith("pages_needed: seqs") for b in untyped), untyped
+    assert any(b.startswith("stats: return") for b in untyped), untyped
+    assert len(untyped) == 2, untyped
     breaks = contract_breaks(Drifted)
     assert any(b.startswith("extend_many") for b in breaks)
     assert "sequences: not a property" in breaks

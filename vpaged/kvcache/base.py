@@ -12,51 +12,59 @@ context manager.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from .checks import check_positive_int
-from .formats import check_scales
+from .config import PagedCacheConfig, VirtualCacheConfig
+from .formats import QuantizedKV, check_scales
 from .geometry import KVGeometry
+from .records import BatchedKV, BlockPools, CacheStats, PagedCacheStats
 
 C = TypeVar("C", bound="KVCacheBase")
+
+# What the protocol's members take and give, named once (a cache may give one side of a union: its own kind).
+KVPair = tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedKV, QuantizedKV]  # QuantizedKV: quantized
+DecodeSource = BatchedKV | BlockPools  # one layer's memory, as vpaged.ops reads it
+DecodeRows = tuple[list[int], list[int]] | tuple[list[list[int]], list[int]]  # (slots | tables, lengths)
+AnyCacheStats = CacheStats | PagedCacheStats
+AnyCacheConfig = VirtualCacheConfig | PagedCacheConfig
 
 
 @runtime_checkable
 class KVCache(Protocol):
     """The operations every vpaged KV cache offers (VirtualKVCache, PagedKVCache). Each member's signature is
-    the caches' own: tests/test_kvcache_protocol.py compares them (inspect.signature) with every cache."""
+    the caches' own, annotations included: tests/test_kvcache_protocol.py compares them with every cache. The
+    geometry's fields (num_layers, num_kv_heads, head_dim, v_head_dim, dtype, kv_dtype) are read from
+    `geometry`; KVCacheBase also keeps them as attributes of the cache."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    dtype: torch.dtype  # of the K/V written and read
-    kv_dtype: torch.dtype  # what is stored: dtype, or a quantized format (formats.py)
+    geometry: KVGeometry  # what a token's K/V is: layers, heads, head sizes, dtype, what is stored
+    config: AnyCacheConfig  # the record the cache was built from (kvcache/config.py)
     device: torch.device
     max_seqs: int
     max_seq_len: int
-    kernel_plans: dict  # layer -> the kernel plan vpaged.ops built from decode_source(layer)
+    kernel_plans: dict[int, object]  # layer -> the kernel plan vpaged.ops built from decode_source(layer)
 
-    def allocate(self, tokens=None) -> int: ...  # tokens: a prompt, for a cache that finds cached prefixes
+    def allocate(self, tokens: Sequence[int] | None = None) -> int: ...  # a prompt: a cache may find its prefix
     def allocate_many(self, n: int) -> list[int]: ...
     def free(self, seq: int) -> None: ...
     def fork(self, seq: int) -> int: ...
     def extend(self, seq: int, n: int) -> None: ...
-    def extend_many(self, seqs, n: int = 1) -> None: ...
-    def pages_needed(self, seqs, n: int = 1) -> int: ...
+    def extend_many(self, seqs: Sequence[int], n: int = 1) -> None: ...
+    def pages_needed(self, seqs: Sequence[int], n: int = 1) -> int: ...
     def pages_available(self) -> int: ...
     def truncate(self, seq: int, new_len: int) -> None: ...
     def seq_len(self, seq: int) -> int: ...
     @property
     def sequences(self) -> list[int]: ...
-    def kv(self, layer: int, seq: int): ...  # (K, V) views; QuantizedKV records when quantized
+    def kv(self, layer: int, seq: int) -> KVPair: ...  # views; QuantizedKV records when quantized
     def dequantized_kv(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def write(self, layer: int, seq: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None: ...
-    def decode_source(self, layer: int) -> object: ...  # one layer's memory as a record (kvcache/records.py)
-    def decode_rows(self, seqs) -> tuple[list, list[int]]: ...  # a step's sequences: (slots | tables, lengths)
-    def stats(self): ...
+    def decode_source(self, layer: int) -> DecodeSource: ...  # one layer's memory as a record (records.py)
+    def decode_rows(self, seqs: Sequence[int]) -> DecodeRows: ...  # a step's sequences: (slots | tables, lengths)
+    def stats(self) -> AnyCacheStats: ...
     def close(self) -> None: ...
 
 

@@ -8,7 +8,7 @@
   sequences' spare tails) or "prefix_first" (cached prefixes before freed slots: for workloads whose
   prompts share little, where a freed slot's mapped pages save more than a cached prefix does).
 
-Both are chosen by one option string on the cache (VirtualKVCache(eviction_policy=..., reclaim_order=...)),
+Both are chosen by one option string of the cache's record (VirtualCacheConfig(eviction_policy=..., reclaim_order=...)),
 or passed as objects (any class with the protocol's members). Each policy only orders: which blocks or pages
 may be given back at all (nothing a live view reads, nothing another sequence maps) stays the cache's rule.
 """

@@ -16,6 +16,8 @@ Lifecycle and errors mirror VirtualKVCache (allocate, extend, write, free, fork,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..errors import (
@@ -28,7 +30,7 @@ from ..errors import (
 )
 from ..memory.device import normalize_device
 from ..memory.pool import reserve_in_budget
-from .base import KVCacheBase
+from .base import KVCacheBase, KVPair
 from .checks import check_kv, check_layer, check_positive_int, check_token_count, is_int, lookup_sequence, write_start
 from .config import BLOCK_SIZES, PagedCacheConfig
 from .geometry import KVGeometry, check_cache_args
@@ -94,7 +96,7 @@ class PagedKVCache(KVCacheBase):
         return -(-self.max_seq_len // self.block_size)
 
     # ----------------------------------------------------------------------------------------- lifecycle
-    def allocate(self, tokens=None) -> int:
+    def allocate(self, tokens: Sequence[int] | None = None) -> int:
         """A new empty sequence (no blocks yet); returns its id. tokens (a prompt's ids, as VirtualKVCache
         takes them to find a cached prefix) find nothing here: this cache keeps no prefix index, so the
         sequence starts empty whatever they are."""
@@ -138,7 +140,7 @@ class PagedKVCache(KVCacheBase):
         changed when the pool has too few free blocks."""
         self.extend_many([seq], n)
 
-    def extend_many(self, seqs, n: int = 1) -> None:
+    def extend_many(self, seqs: Sequence[int], n: int = 1) -> None:
         """extend() for several sequences at once (a decode step): all of them or, on error, none."""
         plan, needed = self._plan_extend(seqs, n)
         self._check_free(needed)
@@ -191,7 +193,7 @@ class PagedKVCache(KVCacheBase):
         del table[keep:]
         self._len[seq] = new_len
 
-    def pages_needed(self, seqs, n: int = 1) -> int:
+    def pages_needed(self, seqs: Sequence[int], n: int = 1) -> int:
         """Blocks that extend_many(seqs, n) would take: new blocks plus copy-on-write copies of a shared
         partly filled last block. Changes nothing (a scheduler plans with it and pages_available())."""
         return self._plan_extend(seqs, n)[1]
@@ -278,7 +280,7 @@ class PagedKVCache(KVCacheBase):
         self.key_caches[layer].view(-1, self.num_kv_heads, k_dim).index_copy_(0, slots, k)
         self.value_caches[layer].view(-1, self.num_kv_heads, v_dim).index_copy_(0, slots, v)
 
-    def kv(self, layer: int, seq: int):
+    def kv(self, layer: int, seq: int) -> KVPair:
         """(K, V) of the sequence as [seq_len, num_kv_heads, head_dim / v_head_dim] tensors gathered from its blocks
         (copies, unlike VirtualKVCache.kv(): a block table has no strided view). A quantized cache gives
         QuantizedKV records of the gathered rows (dequantized_kv(): values)."""
@@ -352,7 +354,7 @@ class PagedKVCache(KVCacheBase):
             kv_scales=self.kv_scales[layer] if self.kv_scales is not None else None,
         )
 
-    def decode_rows(self, seqs) -> tuple[list[list[int]], list[int]]:
+    def decode_rows(self, seqs: Sequence[int]) -> tuple[list[list[int]], list[int]]:
         """Where a step's sequences are for a block-table kernel: (block tables, lengths)."""
         return self.tables_and_lengths(seqs)
 

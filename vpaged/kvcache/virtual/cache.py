@@ -27,6 +27,8 @@ Not thread-safe: one cache belongs to one scheduler thread. The pool under it is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ...errors import (
@@ -36,7 +38,7 @@ from ...errors import (
     SequenceSwappedError,
 )
 from ...memory.pool import PagePool, pool_serialized, resolve_pool
-from ..base import KVCacheBase
+from ..base import KVCacheBase, KVPair
 from ..checks import check_kv, check_layer, check_positive_int, check_token_count, check_token_span, is_int, write_start
 from ..config import VirtualCacheConfig
 from ..eviction import resolve_eviction_policy, resolve_reclaim_order
@@ -118,7 +120,7 @@ class VirtualKVCache(KVCacheBase):
         self.pool.register(self)
 
     # ----------------------------------------------------------------------------------------- lifecycle
-    def allocate(self, tokens=None) -> int:
+    def allocate(self, tokens: Sequence[int] | None = None) -> int:
         """A new sequence; returns its id. Reuses a freed slot's pages when one has them.
 
         tokens: the prompt's token ids. The longest run of cached full pages whose tokens match is mapped in
@@ -184,7 +186,7 @@ class VirtualKVCache(KVCacheBase):
         (write() or the views of kv()). Raises OutOfPagesError with nothing changed when the pool is short."""
         self.extend_many([seq], n)
 
-    def extend_many(self, seqs, n: int = 1) -> None:
+    def extend_many(self, seqs: Sequence[int], n: int = 1) -> None:
         """extend() for several sequences at once (a decode step): all of them or, on error, none. New tokens
         that land in pages the sequence may share get a private copy of those pages first (copy-on-write)."""
         self._check_open()
@@ -192,7 +194,7 @@ class VirtualKVCache(KVCacheBase):
         seqs = list(seqs)
         self._page_map.extend(self._page_map.plan_extend(seqs, self._distinct_live_slots(seqs), n))
 
-    def pages_needed(self, seqs, n: int = 1) -> int:
+    def pages_needed(self, seqs: Sequence[int], n: int = 1) -> int:
         """Pages that extend_many(seqs, n) would take from the pool: new pages plus the copy-on-write copies
         of shared pages the new tokens land in; for a swapped-out sequence also the pages swap_in() maps back;
         plus the sequences' own spare pages that pages_available() counts as reclaimable (an extend keeps them).
@@ -231,7 +233,7 @@ class VirtualKVCache(KVCacheBase):
         return self._slots.sequences if not self._closed else []
 
     # ----------------------------------------------------------------------------------------- views
-    def kv(self, layer: int, seq: int):
+    def kv(self, layer: int, seq: int) -> KVPair:
         """Zero-copy (K, V) views of shape [seq_len, num_kv_heads, head_dim] covering exactly the tokens
         present (strided for the interleaved layout). While a view lives, its pages stay mapped. A quantized
         cache gives two QuantizedKV records (stored data and scales, views); dequantized_kv() gives values."""
@@ -299,7 +301,7 @@ class VirtualKVCache(KVCacheBase):
         and strides never change while the cache is open."""
         return self.batch(layer, [])
 
-    def decode_rows(self, seqs) -> tuple[list[int], list[int]]:
+    def decode_rows(self, seqs: Sequence[int]) -> tuple[list[int], list[int]]:
         """Where a step's sequences are for the contiguous kernel: (slots, lengths)."""
         return self.slots_and_lengths(seqs)
 
