@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 from hf_helpers import PAD, VOCAB, generate, prompts  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from vpaged import OutOfPagesError, PagePool, SequenceTooLongError  # noqa: E402
+from vpaged import KVGeometry, OutOfPagesError, PagePool, SequenceTooLongError  # noqa: E402
 from vpaged.errors import InvalidArgumentError, ShapeError  # noqa: E402
 from vpaged.hf import VPagedCache, cache_kwargs  # noqa: E402
 
@@ -305,9 +305,18 @@ def test_shape_and_argument_errors(models, rng):
         VPagedCache(model.config, max_cache_len=0)
     with pytest.raises(InvalidArgumentError):
         VPagedCache(None, max_cache_len=8)
-    cache = VPagedCache(model.config, max_cache_len=8, head_dim=32, capacity_bytes=1 << 20)
+    c = model.config
+    heads, dim = c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+    wrong = KVGeometry(c.num_hidden_layers, heads, 2 * dim, torch.float32)  # the model's heads are dim wide
+    cache = VPagedCache(model.config, max_cache_len=8, geometry=wrong, capacity_bytes=1 << 20)
     with pytest.raises(ShapeError):
         generate(model, cache, *prompts(1, 4, rng))
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        VPagedCache(model.config, max_cache_len=8, geometry=wrong, dtype=torch.float32)
+    with pytest.raises(InvalidArgumentError, match="layers"):
+        VPagedCache(
+            model.config, max_cache_len=8, geometry=KVGeometry(c.num_hidden_layers + 1, heads, dim, torch.float32)
+        )
     cache = make_cache(model, "per_layer")
     with pytest.raises(InvalidArgumentError):
         cache.layers[0].crop(-1)  # per-layer edits would desynchronise the shared rows

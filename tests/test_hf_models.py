@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from hf_helpers import PAD, VOCAB, generate, prompts  # noqa: E402
-from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig  # noqa: E402
 
 from vpaged import KVGeometry, VirtualCacheConfig  # noqa: E402
 from vpaged.errors import InvalidArgumentError, ShapeError  # noqa: E402
@@ -150,16 +150,21 @@ def test_geometry_comes_from_the_tensors(models, rng):
 
 def test_explicit_geometry_is_checked_against_the_model(models, rng):
     ds = models["deepseek_v3"]
-    cache = make_cache(ds, "per_layer", v_head_dim=16)  # the model's "V" (the rope key) has 8
+    layers = ds.config.num_hidden_layers
+    wrong = KVGeometry(layers, 1, 16, torch.float32, v_head_dim=16)  # the model's "V" (the rope key) has 8
+    cache = make_cache(ds, "per_layer", geometry=wrong)
     with pytest.raises(ShapeError, match="v_head_dim=16"):
         generate(ds, cache, *prompts(1, 4, rng), max_new_tokens=1)
     assert cache.kv is None  # nothing was created
-    cache = make_cache(ds, "per_layer", num_kv_heads=1, head_dim=16, v_head_dim=8)
+    cache = make_cache(ds, "per_layer", geometry=KVGeometry(layers, 1, 16, torch.float32, v_head_dim=8))
     generate(ds, cache, *prompts(1, 4, rng), max_new_tokens=2)
 
 
 def test_a_later_layer_of_another_shape_names_the_layer(models):
-    cache = VPagedCache(None, num_layers=2, max_cache_len=16, capacity_bytes=1 << 20, page_size=4096)
+    # A model config gives only the layers (the heads come from the first K/V of each kind of layer).
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=8, torch_dtype="float32")  # fmt: skip
+    cache = VPagedCache(config, max_cache_len=16, capacity_bytes=1 << 20, page_size=4096)
     k = torch.randn(1, 2, 3, 8)
     cache.update(k, k.clone(), 0)
     with pytest.raises(ShapeError, match="layer 1.*layer 0"):

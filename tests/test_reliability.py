@@ -136,7 +136,8 @@ def test_the_cache_device_comes_from_its_pool():
 def test_vpaged_cache_device_comes_from_its_pool():
     hf = pytest.importorskip("vpaged.hf")
     pool = PagePool("cpu", capacity_pages=8, page_size=PS)
-    cache = hf.VPagedCache(None, max_cache_len=64, pool=pool, num_layers=1, num_kv_heads=1, head_dim=8)
+    geometry = KVGeometry(1, 1, 8, torch.float32)
+    cache = hf.VPagedCache(None, max_cache_len=64, pool=pool, geometry=geometry)
     assert cache.device == torch.device("cpu") and cache.pool is pool
     with pytest.raises(InvalidArgumentError, match="pool is on cpu"):
-        hf.VPagedCache(None, max_cache_len=64, pool=pool, device="cuda", num_layers=1, num_kv_heads=1, head_dim=8)
+        hf.VPagedCache(None, max_cache_len=64, pool=pool, device="cuda", geometry=geometry)

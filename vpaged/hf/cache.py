@@ -149,7 +149,7 @@ class VPagedCache(CacheBase):
 
     Args:
         config: the model config (PreTrainedConfig): gives the layers and their kinds (layer_types) and the
-            dtype. May be None when num_layers is given (then every layer is a full-attention layer).
+            dtype. May be None when a geometry is given (then every layer is a full-attention layer).
         max_cache_len: tokens a row may hold (prompt + generated); going past it raises SequenceTooLongError.
         max_batch_size: rows the cache may hold at once (default: the batch of the first forward). Give it
             when batch_repeat_interleave() is to grow the batch.
@@ -164,9 +164,9 @@ class VPagedCache(CacheBase):
             finest pages, one map per page for all layers). See benchmarks/NOTES.md for measurements.
         dtype, device: of K/V; default: the config's dtype, and the dtype/device of the first K/V seen.
         page_size: bytes per page of a private or default pool.
-        num_layers: overrides the config's num_hidden_layers (required without a config).
-        num_kv_heads, head_dim, v_head_dim: normally read from the first K/V; when given, the model's K/V
-            must match them (ShapeError otherwise).
+        geometry: a KVGeometry, when the K/V are known up front (without a config it gives the layers); the
+            model's K/V must then match it (ShapeError otherwise), and its dtype / kv_dtype are the cache's (not
+            given again). Without one, the heads and head sizes are read from the first K/V.
         share_prefill: store identical prompt rows once (see the module docstring).
         bounded_sliding: hold only the window (plus one page of tokens) of each sliding-window layer per row,
             instead of every token; tokens generated are the same as with transformers' sliding cache.
@@ -190,30 +190,32 @@ class VPagedCache(CacheBase):
         dtype: torch.dtype | None = None,
         device=None,
         page_size: int | None = None,
-        num_layers: int | None = None,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        v_head_dim: int | None = None,
+        geometry: KVGeometry | None = None,
         share_prefill: bool = True,
         bounded_sliding: bool = False,
         kv_dtype=None,
         kv_scales=None,
         shared_budget=None,
     ):
+        num_kv_heads = head_dim = v_head_dim = None
+        if geometry is not None:
+            if not isinstance(geometry, KVGeometry):
+                raise InvalidArgumentError(f"geometry must be a KVGeometry, got {type(geometry).__name__}")
+            given = [name for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype)) if value is not None]
+            if given:
+                raise InvalidArgumentError(f"give either geometry or {', '.join(given)}, not both (it has them)")
+            num_kv_heads, head_dim, v_head_dim = geometry.num_kv_heads, geometry.head_dim, geometry.v_head_dim
+            dtype, kv_dtype = geometry.dtype, (geometry.kv_dtype if geometry.quantized else None)
         if config is not None:
             plan = layer_kinds(config)
-            if num_layers is not None and num_layers != len(plan):
-                raise InvalidArgumentError(f"num_layers={num_layers}, but the config has {len(plan)} layers")
+            if geometry is not None and geometry.num_layers != len(plan):
+                raise InvalidArgumentError(f"the geometry has {geometry.num_layers} layers, the config {len(plan)}")
             dtype = dtype if dtype is not None else config_dtype(config)
-        elif num_layers is None:
-            raise InvalidArgumentError("give a model config, or num_layers (num_kv_heads and head_dim are optional)")
+        elif geometry is None:
+            raise InvalidArgumentError("give a model config, or a KVGeometry (then every layer is full attention)")
         else:
-            check_positive_int("num_layers", num_layers)
-            plan = [("full_attention", {})] * num_layers
+            plan = [("full_attention", {})] * geometry.num_layers
         check_positive_int("max_cache_len", max_cache_len)
-        for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("v_head_dim", v_head_dim)):
-            if value is not None:
-                check_positive_int(name, value)
         if max_batch_size is not None:
             check_positive_int("max_batch_size", max_batch_size)
         if pool is not None and (capacity_bytes is not None or shared_budget is not None):
