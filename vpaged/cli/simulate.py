@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import DTypeError, InvalidArgumentError
-from ..kvcache.formats import resolve_kv_dtype
+from ..kvcache.formats import KVFormat
 
 GiB = 1 << 30
 
@@ -102,7 +102,7 @@ def run(args) -> int:
             raise InvalidArgumentError(f"--step-ms must be positive, got {args.step_ms}")
         shape = model_shape(args.model).per_rank(args.tensor_parallel_size)
         if args.kv_dtype != "auto":
-            shape = dataclasses.replace(shape, kv_dtype=resolve_kv_dtype(args.kv_dtype, shape.dtype))
+            shape = dataclasses.replace(shape, kv_dtype=KVFormat(shape.dtype, args.kv_dtype).kv_dtype)
         if Path(args.trace).suffix.lower() == ".csv" or Path(args.trace).exists():
             trace = load_csv(args.trace, args.max_seq_len, args.prefix_len)
             trace_name = Path(args.trace).name

@@ -45,7 +45,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..errors import DTypeError, InvalidArgumentError, ShapeError
 from ..kvcache import CacheStats, VirtualKVCache
 from ..kvcache.checks import check_positive_int
-from ..kvcache.formats import resolve_kv_dtype
+from ..kvcache.formats import KVFormat
 from ..kvcache.geometry import KVGeometry
 from ..memory.device import normalize_device
 from ..memory.pool import PagePool, resolve_pool
@@ -226,7 +226,7 @@ class VPagedCache(CacheBase):
         if pool is not None and device != pool.device:
             raise InvalidArgumentError(f"pool is on {pool.device}, device is {device}")
         if kv_dtype is not None:
-            resolve_kv_dtype(kv_dtype, dtype or torch.float32)  # DTypeError now, not at the first forward
+            KVFormat(dtype or torch.float32, kv_dtype)  # DTypeError now, not at the first forward
         self._plan = plan
         self.max_cache_len = max_cache_len
         self.max_batch_size = max_batch_size

@@ -38,8 +38,9 @@ INT8_SCALE_BYTES = 4  # a float32 per token and KV head, after the head's int8 r
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
-def resolve_kv_dtype(kv_dtype, dtype: torch.dtype) -> torch.dtype:
-    """A cache's stored element type: `dtype` when kv_dtype is None (or the same), else a quantized format,
+def _resolve_kv_dtype(kv_dtype, dtype: torch.dtype) -> torch.dtype:
+    """A cache's stored element type (the one place a kv_dtype is resolved; elsewhere KVFormat(dtype,
+    kv_dtype).kv_dtype): `dtype` when kv_dtype is None (or the same), else a quantized format,
     given as a torch dtype or by name ("int8", "fp8" = "fp8_e4m3", "fp8_e5m2", "auto" = the model dtype)."""
     if kv_dtype is None or kv_dtype == "auto":
         return dtype
@@ -79,11 +80,11 @@ class KVFormat:
         if cls is KVFormat:  # the scheme's class, from the same arguments as __init__'s
             dtype = args[0] if args else kwargs.get("dtype")
             kv_dtype = args[1] if len(args) > 1 else kwargs.get("kv_dtype")
-            cls = _scheme_class(resolve_kv_dtype(kv_dtype, dtype))
+            cls = _scheme_class(_resolve_kv_dtype(kv_dtype, dtype))
         return super().__new__(cls)
 
     def __post_init__(self):
-        kv_dtype = resolve_kv_dtype(self.kv_dtype, self.dtype)
+        kv_dtype = _resolve_kv_dtype(self.kv_dtype, self.dtype)
         if _scheme_class(kv_dtype) is not type(self):
             raise DTypeError(f"{type(self).__name__} does not store {kv_dtype}")
         object.__setattr__(self, "kv_dtype", kv_dtype)

@@ -16,7 +16,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..memory.dtypes import itemsize
 from .checks import check_positive_int
-from .formats import KVFormat, resolve_kv_dtype
+from .formats import KVFormat
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class KVGeometry:
         for name in ("num_layers", "num_kv_heads", "head_dim", "v_head_dim"):
             check_positive_int(name, getattr(self, name))
         itemsize(self.dtype)  # DTypeError for a dtype a cache cannot hold
-        object.__setattr__(self, "kv_dtype", resolve_kv_dtype(self.kv_dtype, self.dtype))
+        object.__setattr__(self, "kv_dtype", KVFormat(self.dtype, self.kv_dtype).kv_dtype)
         self.format.check_dims(self.head_dim, self.v_head_dim)
 
     @property

@@ -38,7 +38,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..kvcache.checks import check_positive_int, is_int
 from ..kvcache.eviction import EVICTION_POLICIES, RECLAIM_ORDERS, resolve_eviction_policy, resolve_reclaim_order
-from ..kvcache.formats import MODEL_DTYPES, NAMES, KVFormat, resolve_kv_dtype
+from ..kvcache.formats import MODEL_DTYPES, NAMES, KVFormat
 from ..kvcache.paged import BLOCK_SIZES
 from ..kvcache.virtual import LAYOUTS
 from ..memory.device import normalize_device
@@ -429,4 +429,4 @@ def _check_kv_dtype_alone(kv_dtype) -> None:
     """DTypeError for a kv_dtype that no model dtype makes valid (a model dtype itself may be the model's)."""
     if isinstance(kv_dtype, torch.dtype) and kv_dtype in MODEL_DTYPES:
         return
-    resolve_kv_dtype(kv_dtype, torch.float32)  # names, quantized formats; anything else raises
+    KVFormat(torch.float32, kv_dtype)  # names, quantized formats; anything else raises
