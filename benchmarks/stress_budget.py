@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vpaged.errors import BudgetContentionError, BudgetCorruptError, BudgetError  # noqa: E402
-from vpaged.memory.shared_budget import SharedBudget  # noqa: E402
+from vpaged.memory.budget.shared import SharedBudget  # noqa: E402
 
 PAGE = 4096
 CAPACITY_PAGES = 256

@@ -24,8 +24,8 @@ import sys
 import time
 
 from vpaged.errors import BudgetError
-from vpaged.memory import budget_ledger
-from vpaged.memory.shared_budget import SharedBudget
+from vpaged.memory.budget import ledger as budget_ledger
+from vpaged.memory.budget.shared import SharedBudget
 
 PAGE = 4096
 

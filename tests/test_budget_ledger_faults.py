@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from vpaged.errors import BudgetCorruptError
-from vpaged.memory.budget_segment import segment_bytes, segment_path
-from vpaged.memory.shared_budget import SharedBudget
+from vpaged.memory.budget.segment import segment_bytes, segment_path
+from vpaged.memory.budget.shared import SharedBudget
 
 PAGE = 4096
 WORKER = Path(__file__).with_name("ledger_worker.py")

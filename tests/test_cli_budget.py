@@ -19,7 +19,7 @@ from vpaged.cli.budget import check_name, parse_bytes
 from vpaged.cli.main import main
 from vpaged.errors import InvalidArgumentError
 from vpaged.memory import SharedBudget
-from vpaged.memory.budget_segment import segment_path
+from vpaged.memory.budget.segment import segment_path
 
 PAGE = 64 * 1024
 

@@ -23,7 +23,7 @@ from serve_helpers import one_torch_thread  # noqa: F401 - the autouse fixture
 from vpaged.cli import main
 from vpaged.hf.compat import serving_support
 from vpaged.memory import SharedBudget
-from vpaged.memory.budget_segment import segment_path
+from vpaged.memory.budget.segment import segment_path
 
 SERVING, WHY_NOT_SERVING = serving_support()
 if not SERVING:

@@ -11,8 +11,8 @@ import pytest
 
 from vpaged.errors import InvalidArgumentError
 from vpaged.memory import SharedBudget
-from vpaged.memory.budget_segment import MemberRecord
-from vpaged.memory.fair_share import STARVED_S, FairShare, Greedy, share_policy
+from vpaged.memory.budget.policy import STARVED_S, FairShare, Greedy, share_policy
+from vpaged.memory.budget.segment import MemberRecord
 
 PAGE = 64 * 1024
 

@@ -25,7 +25,7 @@ import torch
 from serve_helpers import one_torch_thread  # noqa: F401 - the autouse fixture
 
 from vpaged.hf.compat import serving_support
-from vpaged.memory.budget_segment import SHM_DIR, segment_path
+from vpaged.memory.budget.segment import SHM_DIR, segment_path
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")

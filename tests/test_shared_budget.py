@@ -21,7 +21,7 @@ from vpaged.errors import (
     OutOfPagesError,
 )
 from vpaged.memory import SharedBudget
-from vpaged.memory.budget_segment import segment_path
+from vpaged.memory.budget.segment import segment_path
 
 PAGE = 64 * 1024
 

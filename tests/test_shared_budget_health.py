@@ -33,8 +33,8 @@ import vpaged  # noqa: E402
 from vpaged import PagePool  # noqa: E402
 from vpaged.cli.main import main  # noqa: E402
 from vpaged.memory import SharedBudget  # noqa: E402
-from vpaged.memory.budget_member import REPORT_S  # noqa: E402
-from vpaged.memory.budget_segment import segment_path  # noqa: E402
+from vpaged.memory.budget.member import REPORT_S  # noqa: E402
+from vpaged.memory.budget.segment import segment_path  # noqa: E402
 from vpaged.serve import LLMEngine, load_model  # noqa: E402
 from vpaged.serve.http.server import ServerThread  # noqa: E402
 

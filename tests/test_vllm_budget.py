@@ -25,7 +25,8 @@ from vpaged.integrations.vllm.budget import (
     plan_step,
     refit_after_free,
 )
-from vpaged.memory import PagePool, SharedBudget, budget_member
+from vpaged.memory import PagePool, SharedBudget
+from vpaged.memory.budget import member as budget_member
 
 PAGE = 64 * 1024
 

@@ -15,9 +15,9 @@ import sys
 from dataclasses import asdict
 
 from ..errors import InvalidArgumentError, VPagedError
-from ..memory.budget_segment import check_budget_name as check_name
-from ..memory.fair_share import DEFAULT_SHARE_POLICY, SHARE_POLICIES
-from ..memory.shared_budget import BudgetState, SharedBudget
+from ..memory.budget.policy import DEFAULT_SHARE_POLICY, SHARE_POLICIES
+from ..memory.budget.segment import check_budget_name as check_name
+from ..memory.budget.shared import BudgetState, SharedBudget
 
 _UNITS = {"": 1, "b": 1}
 for _i, _p in enumerate("kmgt", start=1):  # binary multiples, whichever way they are written

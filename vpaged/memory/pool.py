@@ -20,10 +20,10 @@ import torch
 
 from .. import _C
 from ..errors import BackendUnavailableError, InvalidArgumentError, OutOfPagesError
-from .budget_member import GIVE_BACK_WAIT_S, BudgetMembership
+from .budget.member import GIVE_BACK_WAIT_S, BudgetMembership
+from .budget.shared import SharedBudget, default_member_name
 from .device import CUDA_PAGE_SIZE, default_page_size, make_backend, normalize_device
 from .limits import check_host_capacity
-from .shared_budget import SharedBudget, default_member_name
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class PagePool:
     again, not zeros (zero_on_reuse still zeroes it). No effect on CUDA, which keeps free pages' memory anyway.
     shared_budget: the name of a machine-wide SharedBudget (or one opened) to join: capacity becomes this
     pool's ceiling, and the pages it may have in use at once are granted by the budget, which asks the other
-    members to give back spare pages when it is full (memory/shared_budget.py, budget_member.py).
+    members to give back spare pages when it is full (memory/budget/: shared.py, member.py).
     min_bytes: with shared_budget, bytes guaranteed to this pool that no other member can take.
     member_name, model: how `vpaged budget show` names this member.
     """
@@ -282,7 +282,7 @@ class PagePool:
         return False
 
     def budget_figures(self):
-        """In a shared budget: its totals and this pool's figures (budget_member.BudgetFigures); else None."""
+        """In a shared budget: its totals and this pool's figures (budget.member.BudgetFigures); else None."""
         return self.budget.figures(self) if self.budget else None
 
     def answer_budget_asks(self) -> int:
@@ -294,7 +294,7 @@ class PagePool:
 
     def admission_cap_pages(self) -> int | None:
         """In a shared budget under contention: the pages of live K/V (used minus reclaimable) this pool may
-        hold when it admits new work, by the budget's share policy (memory/fair_share.py); None: no cap."""
+        hold when it admits new work, by the budget's share policy (memory/budget/policy.py); None: no cap."""
         return self.budget.admission_cap_pages() if self.budget else None
 
     def reclaim_clients(self, pages: int) -> int:
@@ -345,7 +345,7 @@ class PagePool:
             self.budget.label(model)
 
     def budget_health(self):
-        """In a shared budget: whether it is still the one joined and usable (budget_health.BudgetHealth:
+        """In a shared budget: whether it is still the one joined and usable (budget.health.BudgetHealth:
         ok, removed, replaced, corrupt, or waiting on members that do not answer); None outside a budget. A
         read without a lock, for a server's /health while its engine thread is busy."""
         return self.budget.health() if self.budget is not None else None

@@ -1,8 +1,8 @@
 """BudgetLedger: changes to a shared budget's member table by compare-and-swap, and the members' leases.
 
-Note (how a change lands; the layout is budget_segment.py's). `transact(change, actor)`:
+Note (how a change lands; the layout is segment.py's). `transact(change, actor)`:
 1. read a snapshot (control word, checked table), drop the records of members that are gone for sure and
-   fence those whose lease ran out (budget_liveness.py); records this process owned and finds fenced are
+   fence those whose lease ran out (liveness.py); records this process owned and finds fenced are
    freed (it knows it is no longer writing their slot);
 2. run `change(records)` on the live records: it edits them (or appends, removes) and returns the result;
    raising refuses the whole change, nothing written;
@@ -20,12 +20,12 @@ must not write the same buffer).
 
 Which buffer a process may write: its slot's buffers for as long as it owns the slot; a slot is owned from
 the join that put its record in the table until the change that takes it out. Slots of members that are
-gone are reused only when they are gone for sure, or fenced for FENCE_GRACE_S (budget_liveness.py), so no
+gone are reused only when they are gone for sure, or fenced for FENCE_GRACE_S (liveness.py), so no
 resumed process writes into a buffer that a new member uses. Scratch claims work the same way: a claim
 older than SCRATCH_GRACE_S is taken over (its claimer was killed or stopped inside a change).
 
 The lease: a daemon thread per segment renews the lease of this process's members every RENEW_S by
-rewriting their status records (budget_segment.write_status), with the figures they last reported.
+rewriting their status records (segment.write_status), with the figures they last reported.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import time
 import weakref
 from collections.abc import Callable
 
-from ..errors import BudgetContentionError, BudgetCorruptError
-from .budget_liveness import (
+from ...errors import BudgetContentionError, BudgetCorruptError
+from .liveness import (
     DEAD,
     EXPIRED,
     FENCED,
@@ -49,7 +49,7 @@ from .budget_liveness import (
     pid_namespace,
     process_start_ticks,
 )
-from .budget_segment import (
+from .segment import (
     CLAIMS_OFFSET,
     CONTROL_OFFSET,
     MAX_MEMBERS,
@@ -150,7 +150,7 @@ class BudgetLedger:
     # ---------------------------------------------------------------------------------------- reading
     def view(self, fresh: bool = False) -> tuple[object, list[MemberRecord], list[MemberRecord]]:
         """(snapshot, live records, kept fenced records); records gone for sure are left out of both. fresh:
-        judge every process's liveness now, not from budget_liveness's short cache (what a change does)."""
+        judge every process's liveness now, not from liveness.py's short cache (what a change does)."""
         snap = self.segment.snapshot()
         now, lease = boottime_ns(), self.segment.lease_ns
         live, fenced = [], []

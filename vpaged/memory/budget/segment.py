@@ -12,12 +12,12 @@ in other PID namespaces. So it has no lock at all (a stopped process holding one
   over its count, generation and records inside it. There are two buffers per member slot, written only by
   that slot's member, and a few scratch buffers (claimed by compare-and-swap on a claim word, released after)
   for callers that own no slot yet (join, `vpaged budget limit`). A 64-bit control word holds (generation,
-  active buffer). A change (budget_ledger.py) reads the control word, reads and checks the active buffer,
+  active buffer). A change (ledger.py) reads the control word, reads and checks the active buffer,
   computes the new table, writes it into one of its own buffers that is not the active one, then moves the
   control word (g, active) -> (g+1, mine) by compare-and-swap, or starts again. A kill at any instruction
   leaves the active buffer whole; a stopped process holds nothing. Reads are the same without the last two
   steps, and retry while the control word moves under them.
-- Status records: what changes often (mapped / live / dormant, the lease, budget_liveness.py) lives in a
+- Status records: what changes often (mapped / live / dormant, the lease, liveness.py) lives in a
   record per slot that only its member writes, as two copies, each with its own sequence number, member
   token and crc32: the writer overwrites the older copy, readers take the newest valid one. report() and the
   lease need no table change.
@@ -40,15 +40,15 @@ import time
 import zlib
 from dataclasses import dataclass
 
-from .. import _C
-from ..errors import (
+from ... import _C
+from ...errors import (
     BudgetCorruptError,
     BudgetExistsError,
     BudgetNotFoundError,
     BudgetPermissionError,
     InvalidArgumentError,
 )
-from .budget_liveness import FENCED, LEASE_S, USED, boottime_ns, process_start_ticks  # noqa: F401 (re-exported)
+from .liveness import FENCED, LEASE_S, USED, boottime_ns, process_start_ticks  # noqa: F401 (re-exported)
 
 SHM_DIR = "/dev/shm"
 MAGIC = b"VPBUDGET"
@@ -61,7 +61,7 @@ N_BUFFERS = 2 * MAX_MEMBERS + N_SCRATCH
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 # magic, version, crc (of the 64 header bytes with this field 0), page size, capacity, max members, owner uid,
-# created ns, share policy (fair_share.POLICY_CODES), lease ms
+# created ns, share policy (policy.POLICY_CODES), lease ms
 _HEADER = struct.Struct("<8sIIQQIIQII")
 HEADER_BYTES = 64
 CONTROL_OFFSET = 64  # (generation << 8) | active buffer
@@ -118,9 +118,9 @@ class MemberRecord:
     ask_seq: int = 0  # bumped at each ask; the member's thread polls it
     answered_seq: int = 0  # the last ask the member handled
     updated_ns: int = 0
-    demand_bytes: int = 0  # what the member was short of when it last asked (fair_share.py: starved)
+    demand_bytes: int = 0  # what the member was short of when it last asked (policy.py: starved)
     demand_ns: int = 0  # when it last asked (time.time_ns)
-    pidns: int = 0  # the member's PID namespace (budget_liveness.pid_namespace)
+    pidns: int = 0  # the member's PID namespace (liveness.pid_namespace)
     token: int = 0  # random, per join: which process owns the record (pids repeat across namespaces)
     joined_ns: int = 0  # boottime ns of the join (the lease until the first renewal)
     lease_ns: int = 0  # boottime ns of the last renewal (status record)
@@ -177,7 +177,7 @@ class SegmentStatus:
 
 class BudgetSegment:
     """An open segment: mapped through a LedgerMapping. Reads are lock-free (snapshot()); changes are made
-    by budget_ledger.BudgetLedger."""
+    by ledger.BudgetLedger."""
 
     def __init__(self, name: str, fd: int, path: str):
         self.name, self.path, self._fd = name, path, fd
@@ -413,7 +413,7 @@ class BudgetSegment:
 
     def write_status(self, index: int, token: int, lease_ns: int, mapped: int, live: int, dormant: int) -> None:
         """Overwrite the older (or a damaged) copy of slot `index`'s status record; only the slot's member
-        calls this, holding budget_ledger's process-wide lock. A kill mid-write leaves the other copy, which
+        calls this, holding ledger.py's process-wide lock. A kill mid-write leaves the other copy, which
         readers then take."""
         self.check_readable()
         copies = self._read_status(index)

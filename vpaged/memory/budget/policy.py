@@ -29,7 +29,7 @@ rule is a budget-wide choice, kept in the ledger's header (`SharedBudget.create(
   hold K/V long (long generations, a busy model beside a latency-bound one), where waiting for the first
   engine's requests to finish is what hurts.
 
-The members publish what the rule reads: live bytes (budget_member.py reports them every REPORT_S and at
+The members publish what the rule reads: live bytes (member.py reports them every REPORT_S and at
 each give-back) and, when short, the bytes they asked for and when (SharedBudget.grant). The cap is a
 planning answer: the scheduler asks it before admitting (KVStore.within_share), never a hard limit on
 the pool, so running requests are never failed by it.
@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..errors import InvalidArgumentError
-from .budget_segment import MemberRecord
+from ...errors import InvalidArgumentError
+from .segment import MemberRecord
 
 STARVED_S = 0.25  # a member's ask counts this long (a short member asks at every step, POLL_S apart at most)
 _STARVED_NS = int(STARVED_S * 1e9)

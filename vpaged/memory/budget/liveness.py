@@ -3,7 +3,7 @@
 Note (why a lease). A member record names a process, but a pid means something only inside one PID namespace:
 two containers sharing /dev/shm (a Kubernetes pod without shareProcessNamespace) see different /proc trees,
 and the same pid may be two processes there. So each member's own thread renews a lease (a CLOCK_BOOTTIME
-timestamp in its status record, budget_segment.py; the clock is the machine's, the same in every namespace)
+timestamp in its status record, segment.py; the clock is the machine's, the same in every namespace)
 every RENEW_S, and a member whose lease is older than the budget's lease length (LEASE_S by default, kept in
 the segment's header so that every member uses the same one) is dropped. 10 s: long enough that a member
 whose renewing thread waits for a busy interpreter or a loaded machine is not dropped by mistake (its thread

@@ -4,7 +4,7 @@ A member keeps its segment open for as long as it is a member, so that a budget 
 budget remove NAME --force`), or removed and created again under the same name, goes on working on the old
 file: its counts no longer agree with anyone who joined the new one. And a segment damaged (written outside
 vpaged, truncated) refuses every ledger call with BudgetCorruptError. The member's give-back thread looks
-every REPORT_S (budget_member.py) and keeps the verdict here, where a server reads it without any lock
+every REPORT_S (member.py) and keeps the verdict here, where a server reads it without any lock
 (GET /health, /metrics, and the routes that refuse new requests while the budget is unusable):
 
 - "ok": the path names the segment the member has open (BudgetSegment.status()), and the last ledger call

@@ -3,20 +3,20 @@
 Pools join a budget by name (`PagePool(..., shared_budget=NAME)`); each member's own capacity becomes its
 ceiling, and what it may have in use at once (its *grant*, the pool's limit) is charged to the budget. A
 member may hold a guaranteed minimum (`min_bytes`) that the others cannot take. When a member needs more
-than the budget has free, it asks the others to give back what they can spare (budget_member.py): their
+than the budget has free, it asks the others to give back what they can spare (member.py): their
 free granted pages, then pages kept only for reuse (freed slots, cached prefixes), never live K/V.
 
-Invariants, kept by changes that land by compare-and-swap on one consistent table (budget_ledger.py), so no
+Invariants, kept by changes that land by compare-and-swap on one consistent table (ledger.py), so no
 lock exists that a stopped member could hold:
 - sum over members of max(granted, min) <= capacity, except while a member that just joined waits for the
   others to give back down to their minimums (its minimum was checked to fit: sum of minimums <= capacity);
 - a member's granted bytes are a whole number of pages, never above its ceiling;
 - a member whose process is gone (same PID namespace) is dropped by the next change, returning its grant at
   once; one whose lease ran out (stopped, or in another namespace and gone) is dropped likewise
-  (budget_liveness.py); readers leave both out at once;
+  (liveness.py); readers leave both out at once;
 - two live members never share a non-empty name; names are kept whole (up to 64 bytes of UTF-8).
 
-Under contention a share policy (fair_share.py, chosen when the budget is created) says whom a short member
+Under contention a share policy (policy.py, chosen when the budget is created) says whom a short member
 asks and, with "fair" (not the default), caps what a member holding more than its fair share may admit while
 another member is starved.
 """
@@ -28,17 +28,16 @@ import os
 import time
 from dataclasses import dataclass
 
-from ..errors import (
+from ...errors import (
     BudgetCorruptError,
     BudgetInUseError,
     BudgetMismatchError,
     BudgetPermissionError,
     InvalidArgumentError,
 )
-from .budget_ledger import BudgetLedger
-from .budget_liveness import LEASE_S, boottime_ns
-from .budget_segment import NAME_BYTES, BudgetSegment, MemberRecord, SegmentStatus
-from .fair_share import (
+from .ledger import BudgetLedger
+from .liveness import LEASE_S, boottime_ns
+from .policy import (
     DEFAULT_SHARE_POLICY,
     active_count,
     fair_share_bytes,
@@ -47,6 +46,7 @@ from .fair_share import (
     policy_code,
     share_policy,
 )
+from .segment import NAME_BYTES, BudgetSegment, MemberRecord, SegmentStatus
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class BudgetMember:
     live_bytes: int
     dormant_bytes: int
     asked_bytes: int
-    fair_share_bytes: int = 0  # max(min, capacity / active members), at most the ceiling (fair_share.py)
+    fair_share_bytes: int = 0  # max(min, capacity / active members), at most the ceiling (policy.py)
     starved: bool = False  # asking for pages while holding less than its fair share
     lease_age_s: float = 0.0  # since its process last renewed its lease (stopped or stalled when it grows)
     pid_namespace: int = 0  # the inode of its /proc/self/ns/pid: its pid means something only there
@@ -111,8 +111,8 @@ class SharedBudget:
     ) -> SharedBudget:
         """A new budget of capacity_bytes (rounded down to whole pages of page_size; every member must use
         that page size). mode: 0o600 (this user only, the default) or 0o660 (also its group). share_policy:
-        "greedy" (default) or "fair", what a member may admit while another is starved (fair_share.py).
-        lease_s: a member whose process has not renewed its lease this long is dropped (budget_liveness.py)."""
+        "greedy" (default) or "fair", what a member may admit while another is starved (policy.py).
+        lease_s: a member whose process has not renewed its lease this long is dropped (liveness.py)."""
         code = policy_code(share_policy)
         capacity_bytes, page_size = int(capacity_bytes), int(page_size)
         if page_size <= 0 or capacity_bytes < page_size:

@@ -21,7 +21,7 @@ limit to it: at each of its scheduler's steps (answer_pending) and every POLL_S 
 its ceiling from the ledger every REPORT_S. So it is down to its ceiling within one report period after its
 requests finish.
 
-Health (budget_health.py): the thread also looks, every REPORT_S, whether the segment at the budget's path is
+Health (health.py): the thread also looks, every REPORT_S, whether the segment at the budget's path is
 still the one it joined. Removed: the member says so (health(), GET /health 503) and keeps what it holds.
 Replaced by a budget created again under the same name: it joins the new one with the same name, minimum and
 ceiling, has what its pool holds granted there (shrinking to what it uses when the new budget is short), and
@@ -39,15 +39,12 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
-from ..errors import BudgetError
-from .budget_health import OK, STALL_S, BudgetHealth, verdict
-from .budget_segment import segment_path
-from .shared_budget import SharedBudget
-
-if TYPE_CHECKING:
-    from .pool import PagePool
+from ...errors import BudgetError
+from .health import OK, STALL_S, BudgetHealth, verdict
+from .segment import segment_path
+from .shared import SharedBudget
 
 POLL_S = 0.02  # how often an idle member looks at its ask counter (the issue asks for an answer within 2 s)
 REPORT_S = 0.5  # how often it refreshes its figures (0.1 s cost a busy engine 27% here: the figures take its lock)
@@ -56,6 +53,64 @@ GIVE_BACK_WAIT_S = 3.0  # how long a member that is short waits for the others t
 FIGURES_S = 0.25  # how long figures() (what /metrics exports) may be reused
 GRANT_CHUNK_PAGES = 32  # pages asked beyond the need when growing, so a growing engine rarely asks
 _FAILED = object()  # what a guarded ledger read gives when it failed
+
+
+class ClientLock(Protocol):
+    """The lock a pool's clients hold around each call that changes their mappings (re-entrant)."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
+
+    def release(self) -> None: ...
+
+    def __enter__(self) -> bool: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class PageCounts(Protocol):
+    """A pool's page counts at one moment (memory/pool.py's PoolStats is one)."""
+
+    @property
+    def used_pages(self) -> int: ...
+
+
+@runtime_checkable
+class GrantedPool(Protocol):
+    """What a membership sees of the pool whose grant it keeps: only what it reads and calls. memory/pool.py's
+    PagePool is one; this package never imports it (the pool imports the budget, not the other way round)."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def capacity_pages(self) -> int: ...
+
+    @property
+    def client_lock(self) -> ClientLock: ...
+
+    def stats(self) -> PageCounts: ...
+
+    def reclaimable_pages(self) -> int:
+        """Pages the pool's clients keep only for reuse and would give back."""
+
+    def reclaim_clients(self, pages: int) -> int:
+        """Have the clients unmap reusable pages until `pages` are freed; returns the pages freed."""
+
+    def trim(self) -> int:
+        """Give the memory of the free pages back to the system."""
+
+
+@runtime_checkable
+class GrantedCore(Protocol):
+    """The pool's page allocator (vpaged._C.PagePool): its limit is the member's grant, in pages."""
+
+    @property
+    def limit(self) -> int: ...
+
+    def set_limit(self, pages: int) -> int:
+        """Set the limit, clamped to [pages in use, capacity]; returns the limit set."""
+
+    def free_pages(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -71,7 +126,7 @@ class BudgetFigures:
     granted_bytes: int  # all members' grants
     reserved_bytes: int  # sum of max(granted, min): what no new grant can take
     members: int
-    active_members: int  # holding live K/V or asking for pages (fair_share.py)
+    active_members: int  # holding live K/V or asking for pages (policy.py)
     member_index: int
     member_granted_bytes: int
     member_mapped_bytes: int
@@ -82,13 +137,15 @@ class BudgetFigures:
     member_fair_share_bytes: int
     member_starved: int  # 1 while asking for pages below its fair share
     ok: int = 1  # 1 while the budget is the one joined and readable, and no wait on another member lasts
-    problem_kind: str = "ok"  # budget_health.KINDS
+    problem_kind: str = "ok"  # health.KINDS
     problem: str = ""  # the cause, in words
 
 
 class BudgetMembership:
-    def __init__(self, pool: PagePool, core, budget: str | SharedBudget, min_bytes: int, name: str, model: str):
-        """pool: the PagePool joining; core: its C++ pool (thread-safe), whose limit the membership sets."""
+    def __init__(
+        self, pool: GrantedPool, core: GrantedCore, budget: str | SharedBudget, min_bytes: int, name: str, model: str
+    ):
+        """pool: the pool joining (a PagePool); core: its C++ pool (thread-safe), whose limit the membership sets."""
         self.budget = budget if isinstance(budget, SharedBudget) else SharedBudget.open(budget)
         self.page_size = pool.page_size
         self._core = core
@@ -119,7 +176,7 @@ class BudgetMembership:
 
     # ------------------------------------------------------------------------------------- health
     def health(self) -> BudgetHealth:
-        """Whether the budget is the one joined and usable (budget_health.py); read without a lock."""
+        """Whether the budget is the one joined and usable (health.py); read without a lock."""
         return self._health
 
     def _set_health(self, kind: str, detail: str = "") -> None:
@@ -179,7 +236,7 @@ class BudgetMembership:
 
     def admission_cap_pages(self) -> int | None:
         """Pages of live K/V this member may hold when it admits new work (the budget's share policy,
-        fair_share.py), and at most its ceiling while its limit is above it (running requests keep what they
+        policy.py), and at most its ceiling while its limit is above it (running requests keep what they
         hold; nothing new is admitted past the ceiling); None: no cap. Read from the ledger at most every
         POLL_S (a scheduler asks each step)."""
         if self._over_ceiling:
@@ -228,7 +285,7 @@ class BudgetMembership:
         self.model = str(model)
         self._guarded(None, self.budget.label, self.index, self.model)
 
-    def figures(self, pool: PagePool) -> BudgetFigures | None:
+    def figures(self, pool: GrantedPool) -> BudgetFigures | None:
         """The budget's totals and this member's figures (None when its record is gone and the budget is
         well), at most FIGURES_S old: engine.stats() carries them, and a benchmark that reads stats() at every
         step paid a locked ledger read and a count of reclaimable pages each time (0.65x the steps per second
@@ -251,7 +308,7 @@ class BudgetMembership:
             self.min_bytes, ceiling, 0, 0,
         )  # fmt: skip
 
-    def _read_figures(self, pool: PagePool) -> BudgetFigures | None:
+    def _read_figures(self, pool: GrantedPool) -> BudgetFigures | None:
         state = self.budget.state()
         me = next((m for m in state.members if m.index == self.index and m.pid == os.getpid()), None)
         if me is None:
@@ -264,7 +321,7 @@ class BudgetMembership:
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------- giving back
-    def answer_pending(self, pool: PagePool) -> int:
+    def answer_pending(self, pool: GrantedPool) -> int:
         """Answer an ask that this member's thread has not handled yet, now, from the caller's thread (a
         scheduler calls this between steps, where no cache call is under way), and lower the limit towards
         the ceiling while it is above it; returns the pages given back. A busy engine's main thread re-takes
@@ -314,7 +371,7 @@ class BudgetMembership:
             finally:
                 del pool
 
-    def give_back(self, pool: PagePool) -> int:
+    def give_back(self, pool: GrantedPool) -> int:
         """Answer the asks on this member: free up to the bytes asked (and down to the ceiling), lower the
         grant; returns the pages given back."""
         ps = self.page_size
@@ -336,7 +393,7 @@ class BudgetMembership:
             self._guarded(None, self.budget.give_back, self.index, new_limit * ps, mapped, live, dormant)
             return limit - new_limit
 
-    def _shrink_to_ceiling(self, pool: PagePool, blocking: bool = True) -> int:
+    def _shrink_to_ceiling(self, pool: GrantedPool, blocking: bool = True) -> int:
         """Lower the limit towards the ceiling by what is free now (the clients' reusable pages first freed),
         and the grant with it; returns the pages given back."""
         if not pool.client_lock.acquire(blocking=blocking):
@@ -366,24 +423,24 @@ class BudgetMembership:
             pool.client_lock.release()
 
     @staticmethod
-    def _live_pages(pool: PagePool) -> int:
+    def _live_pages(pool: GrantedPool) -> int:
         return pool.stats().used_pages - pool.reclaimable_pages()
 
-    def _release_unused(self, pool: PagePool) -> None:
+    def _release_unused(self, pool: GrantedPool) -> None:
         with self._lock:
             used = self._core.limit - self._core.free_pages()
             new_limit = self._core.set_limit(used + GRANT_CHUNK_PAGES)
             figures = self._figures(pool, lock=False)
             self._guarded(None, self.budget.give_back, self.index, new_limit * self.page_size, *figures, answer=False)
 
-    def _report(self, pool: PagePool) -> None:
+    def _report(self, pool: GrantedPool) -> None:
         if pool.client_lock.acquire(blocking=False):  # a busy member reports at its next quiet moment
             try:
                 self._guarded(None, self.budget.report, self.index, *self._figures(pool))
             finally:
                 pool.client_lock.release()
 
-    def _figures(self, pool: PagePool, lock: bool = True) -> tuple[int, int, int]:
+    def _figures(self, pool: GrantedPool, lock: bool = True) -> tuple[int, int, int]:
         """(mapped, live, dormant) bytes; lock=False: without the client lock, dormant as last reported."""
         ps = self.page_size
         mapped = pool.stats().used_pages * ps
@@ -395,7 +452,7 @@ class BudgetMembership:
         return mapped, mapped - dormant, dormant
 
     # ------------------------------------------------------------------------------------- watching the budget
-    def _check(self, pool: PagePool) -> None:
+    def _check(self, pool: GrantedPool) -> None:
         """Every REPORT_S, on the thread: is the segment at the path the one joined, is this member's record in
         it, what is its ceiling, and does a wait on other members last (health() tells)."""
         status = self._guarded(None, self.budget.check)  # the open file against the path, header and table
@@ -429,7 +486,7 @@ class BudgetMembership:
                 return
         self._set_health("ok")
 
-    def _rejoin(self, pool: PagePool, same_file: bool) -> None:
+    def _rejoin(self, pool: GrantedPool, same_file: bool) -> None:
         """Join the budget now at the path (created again, or one that dropped this member's record) with the
         same name, minimum and ceiling; have what the pool holds granted there (shrunk to the pages in use
         when it is short), then leave the old one. Until it can: health() says "replaced"."""
