@@ -15,8 +15,11 @@ The layers, lowest first (a module may import its own layer and the ones below i
 
 `vpaged/__init__.py` is the package face: it re-exports names of memory, kvcache, ops and errors, and no
 module of the package imports it except the command (cli/), which reads the version there as a user would.
-Imports inside functions (deferred) count like any other; imports under `if TYPE_CHECKING:` count for the
-direction of the layers but not for circles (they never run).
+Imports inside functions (deferred) count like any other, and so do imports under `if TYPE_CHECKING:`, for
+the layers and for circles alike: a type-only import still ties two modules together (a reader, a type checker
+and every refactoring must take both). A module that would close a circle only to name a type declares what
+it uses as a Protocol of its own instead (memory/budget/member.py's GrantedPool, which the pool satisfies
+without being imported).
 """
 
 from __future__ import annotations
@@ -145,10 +148,10 @@ def virtual_violations(package: Path = PACKAGE) -> list[str]:
 
 
 def import_cycles(package: Path = PACKAGE) -> list[list[str]]:
-    """Circles in the graph of imports that run (top level and deferred), one per strongly connected set."""
+    """Circles in the graph of all imports (top level, deferred and type-only), one per strongly connected set."""
     modules = all_modules(package)
     graph = {
-        name: sorted({t for t, _, runs in imports_of(name, path, modules) if runs and t in modules and t != name})
+        name: sorted({t for t, _, _ in imports_of(name, path, modules) if t in modules and t != name})
         for name, path in modules.items()
     }
     # Parent packages run on every import of a submodule; that edge is Python's, not the code's choice.
@@ -206,6 +209,27 @@ def test_no_import_circle():
     assert import_cycles() == []
 
 
+BUDGET = "vpaged.memory.budget"
+
+
+def test_the_budget_sees_its_pool_through_a_protocol():
+    """The shared budget is a package of its own under memory/: its modules import one another, errors and the
+    extension, never the rest of memory/ (the pool imports the budget; the budget knows the pool only as the
+    GrantedPool protocol), not even for a type."""
+    modules = all_modules()
+    budget = sorted(n for n in modules if n == BUDGET or n.startswith(BUDGET + "."))
+    assert {f"{BUDGET}.{m}" for m in ("segment", "ledger", "liveness", "member", "health", "shared", "policy")} < set(
+        budget
+    )
+    bad = [
+        f"{name}:{line} imports {target}"
+        for name in budget
+        for target, line, _ in imports_of(name, modules[name], modules)
+        if target.startswith("vpaged.memory") and not (target == BUDGET or target.startswith(BUDGET + "."))
+    ]
+    assert bad == []
+
+
 def test_the_checks_find_what_they_look_for(tmp_path):
     pkg = tmp_path / "vpaged"
     for sub in ("memory", "kvcache", "kvcache/virtual", "ops"):
@@ -222,7 +246,15 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     (pkg / "kvcache" / "virtual" / "layout.py").write_text("")
     (pkg / "kvcache" / "virtual" / "prefix.py").write_text("from .swap import Swap\n")
     (pkg / "kvcache" / "virtual" / "swap.py").write_text("")
-    assert import_cycles(pkg) == [["vpaged.kvcache.records", "vpaged.kvcache.virtual.cache", "vpaged.ops.kernel"]]
+    # a circle closed only by an import for a type: memory/grant.py names the pool's type under TYPE_CHECKING
+    (pkg / "memory" / "grant.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .holder import Holder\n"
+    )
+    (pkg / "memory" / "holder.py").write_text("from .grant import x\n")
+    assert sorted(import_cycles(pkg)) == [
+        ["vpaged.kvcache.records", "vpaged.kvcache.virtual.cache", "vpaged.ops.kernel"],
+        ["vpaged.memory.grant", "vpaged.memory.holder"],
+    ]
     assert sorted(v.split(":")[0] for v in layer_violations(pkg)) == [
         "vpaged.kvcache.records",
         "vpaged.memory.pool",
