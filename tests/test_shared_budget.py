@@ -1,6 +1,8 @@
 """The machine-wide shared budget within one process: the ledger's checks, grants, give-back between two
 pools, and its refusals (corrupt, foreign, mismatched). Several processes: test_shared_budget_procs.py."""
 
+import ast
+import inspect
 import os
 import struct
 import time
@@ -347,3 +349,48 @@ def test_another_users_remove_is_a_typed_error(budget_name):
             return b"P"
 
     assert as_nobody(remove) == b"P" and os.path.exists(segment_path(budget_name))
+
+
+def _protocol_members(protocol) -> set[str]:
+    return {n for n in vars(protocol) if not n.startswith("_")}
+
+
+def _names_used_on(tree: ast.AST, holder) -> set[str]:
+    """Attributes read on `holder` (a name, or self.<attr> given as ("self", attr)) anywhere in the tree."""
+    used = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        base = node.value
+        if isinstance(holder, str) and isinstance(base, ast.Name) and base.id == holder:
+            used.add(node.attr)
+        elif (
+            isinstance(holder, tuple)
+            and isinstance(base, ast.Attribute)
+            and isinstance(base.value, ast.Name)
+            and (base.value.id, base.attr) == holder
+        ):
+            used.add(node.attr)
+    return used
+
+
+def test_a_membership_sees_its_pool_only_through_the_granted_pool_protocol():
+    """budget/member.py never imports the pool: what it reads and calls on it is GrantedPool (and on the pool's
+    C++ core GrantedCore), exactly, and a PagePool (and its core) provide all of it with the same signatures."""
+    from vpaged import _C
+    from vpaged.memory.budget import member
+    from vpaged.memory.budget.member import GrantedCore, GrantedPool
+
+    tree = ast.parse(inspect.getsource(member))
+    assert _names_used_on(tree, "pool") == _protocol_members(GrantedPool)
+    assert _names_used_on(tree, ("self", "_core")) == _protocol_members(GrantedCore)
+    pool = PagePool("cpu", capacity_pages=4, accounting_only=True)
+    assert isinstance(pool, GrantedPool)
+    for name in _protocol_members(GrantedPool):
+        declared = getattr(GrantedPool, name)
+        if callable(declared):
+            assert list(inspect.signature(getattr(PagePool, name)).parameters) == list(
+                inspect.signature(declared).parameters
+            ), name
+    for name in _protocol_members(GrantedCore):
+        assert hasattr(_C.PagePool, name), name
