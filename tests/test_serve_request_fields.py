@@ -26,7 +26,7 @@ from serve_helpers import CHAT_TEMPLATE, one_torch_thread, save_model_with_token
 
 from vpaged.serve import LLMEngine, load_model  # noqa: E402
 from vpaged.serve.http import chat_template, guard, tools  # noqa: E402
-from vpaged.serve.http.protocol import IGNORED_FIELDS  # noqa: E402
+from vpaged.serve.http.common.protocol import IGNORED_FIELDS  # noqa: E402
 from vpaged.serve.http.server import ServerLimits, ServerThread  # noqa: E402
 
 SERVING, WHY_NOT_SERVING = serving_support()

@@ -27,8 +27,11 @@ from serve_helpers import (  # noqa: E402
     save_model_with_tokenizer,
 )
 
+from vpaged.errors import RequestError  # noqa: E402
 from vpaged.serve import LLMEngine, load_model  # noqa: E402
-from vpaged.serve.http.protocol import ChoiceText, CompletionRequest, RequestError, parse_request  # noqa: E402
+from vpaged.serve.http.choice_text import ChoiceText  # noqa: E402
+from vpaged.serve.http.common.parse import parse_request  # noqa: E402
+from vpaged.serve.http.completion.protocol import CompletionRequest  # noqa: E402
 from vpaged.serve.http.server import ServerThread, prometheus_text  # noqa: E402
 
 MODEL_NAME = "tiny"

@@ -12,7 +12,8 @@ pytest.importorskip("pydantic")
 
 from vpaged.errors import RequestError  # noqa: E402
 from vpaged.serve.http import tools  # noqa: E402
-from vpaged.serve.http.protocol import ChatCompletionRequest, parse_request  # noqa: E402
+from vpaged.serve.http.chat.protocol import ChatCompletionRequest  # noqa: E402
+from vpaged.serve.http.common.parse import parse_request  # noqa: E402
 
 WEATHER = {
     "type": "function",
@@ -54,7 +55,7 @@ def test_tool_choice_modes_and_their_grammars():
     assert content is None and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Rome"}
     assert tools.parse('{"city": "Rome"}', "get_weather", "hermes")[1][0].arguments == '{"city": "Rome"}'
     assert tools.parse("<tool_call>{}</tool_call>", "none", "hermes") == ("<tool_call>{}</tool_call>", [])
-    body = calls[0].body(0)
+    body = calls[0].body(0).json_body()
     assert body["index"] == 0 and body["type"] == "function" and body["id"].startswith("call_")
 
 
@@ -120,6 +121,6 @@ def test_tool_messages_in_the_history_reach_the_template():
         ],
         "tools": [WEATHER],
     }
-    conv = parse_request(ChatCompletionRequest, body).conversation()
+    conv = tools.conversation(parse_request(ChatCompletionRequest, body).messages)
     assert conv[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}  # HF templates read objects
     assert conv[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}

@@ -1,6 +1,6 @@
 """RequestChecks: what one request may ask of a served model, checked before any work (ServerLimits, the
 model's length and vocabulary, and the size its answer could reach); a refusal is a RequestError naming the
-field. The request handlers of app.py inherit it.
+field. The endpoints' handlers (common/serving.py) and served_model.py inherit it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from .guard import response_bytes_estimate
 
 
 class RequestChecks:
-    """Mixed into app._Server: needs self.engine, self.tokenizer, self.limits (ServerLimits) and
+    """Mixed into ServingBase and ServedModel: needs self.engine, self.tokenizer, self.limits (ServerLimits) and
     self.default_max_tokens."""
 
     def _max_model_len(self) -> int | None:

@@ -12,8 +12,8 @@ import contextlib
 import time
 
 from ...errors import RequestError
-from . import protocol as proto
 from .choice_text import ChoiceText
+from .common.protocol import UsageInfo
 from .loop import EngineLoop
 
 
@@ -114,7 +114,7 @@ class Generation:
                 self.finished[i] = True
                 self.loop.abort(rid)
 
-    def usage(self) -> dict:
-        return proto.usage(
+    def usage(self) -> UsageInfo:
+        return UsageInfo.of(
             sum(len(p) for p in self.prompts), sum(len(c.token_ids) for c in self.choices), sum(self.cached_tokens)
         )

@@ -10,6 +10,9 @@ character decodes to U+FFFD; its `bytes` are then those of U+FFFD); without a to
 
 from __future__ import annotations
 
+from .chat.protocol import ChatLogprobs, ChatLogprobToken, ChatTopLogprob
+from .completion.protocol import CompletionLogprobs
+
 # JSON has no -inf: a probability that underflowed is reported at this floor (as vLLM does).
 LOGPROB_FLOOR = -9999.0
 
@@ -36,23 +39,29 @@ class TokenTexts:
         return text
 
 
-def chat_logprobs(texts: TokenTexts, entries: list) -> dict:
-    def item(token_id: int, logprob: float) -> dict:
+def chat_logprobs(texts: TokenTexts, entries: list) -> ChatLogprobs:
+    def top(token_id: int, logprob: float) -> ChatTopLogprob:
         text = texts(token_id)
-        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
+        return ChatTopLogprob(token=text, logprob=_lp(logprob), bytes=list(text.encode("utf-8")))
 
-    content = [dict(item(e.token_id, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top]) for e in entries]
-    return {"content": content, "refusal": None}
+    content = []
+    for e in entries:
+        chosen = top(e.token_id, e.logprob)
+        alternatives = [top(t, lp) for t, lp in e.top]
+        content.append(
+            ChatLogprobToken(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes, top_logprobs=alternatives)
+        )
+    return ChatLogprobs(content=content)
 
 
-class CompletionLogprobs:
+class CompletionLogprobsFormat:
     """The logprobs object of one completion choice, built in pieces (streaming) with running text offsets."""
 
     def __init__(self, texts: TokenTexts):
         self.texts = texts
         self.offset = 0
 
-    def body(self, entries: list) -> dict:
+    def body(self, entries: list) -> CompletionLogprobs:
         """entries: TokenLogprobs, or None for a first prompt token (echo)."""
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
         for e in entries:
@@ -66,17 +75,19 @@ class CompletionLogprobs:
             top_logprobs.append(top)
             text_offset.append(self.offset)
             self.offset += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top_logprobs,
-            "text_offset": text_offset,
-        }
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=text_offset
+        )
 
-    def echo_body(self, prompt_ids: list[int], prompt_entries: list | None, entries: list) -> dict:
+    def echo_body(self, prompt_ids: list[int], prompt_entries: list | None, entries: list) -> CompletionLogprobs:
         """The prompt's tokens first (the first with null logprob and alternatives), then the generated ones."""
         first = self.texts(prompt_ids[0])
-        head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [self.offset]}
+        head = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[self.offset])
         self.offset += len(first)
         rest = self.body(list((prompt_entries or [None])[1:]) + list(entries))
-        return {key: head[key] + rest[key] for key in head}
+        return CompletionLogprobs(
+            tokens=head.tokens + rest.tokens,
+            token_logprobs=head.token_logprobs + rest.token_logprobs,
+            top_logprobs=head.top_logprobs + rest.top_logprobs,
+            text_offset=head.text_offset + rest.text_offset,
+        )

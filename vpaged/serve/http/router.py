@@ -26,8 +26,13 @@ from typing import Any
 
 from ...errors import InvalidArgumentError, ModelNotFoundError, RequestError
 from ..stores.base import budget_health
-from . import protocol as proto
 from . import tokenize as tok
+from .chat.protocol import ChatCompletionRequest
+from .common.parse import read_request
+from .common.protocol import error_body
+from .common.responses import json_response
+from .completion.protocol import CompletionRequest
+from .model_cards import ModelList
 from .model_metrics import labelled_exposition
 
 try:
@@ -58,7 +63,7 @@ def served_engines(engine, model_name: str | None) -> dict[str, Any]:
 
 
 class ModelRouter:
-    """The served models' request handlers by name (app._Server each) and the routes that pick one."""
+    """The served models by name (a ServedModel each: served_model.py) and the routes that pick one."""
 
     def __init__(self, servers: dict[str, Any]):
         self.servers = servers
@@ -86,7 +91,7 @@ class ModelRouter:
         return ", ".join(repr(name) for name in self.servers)
 
     def pick(self, name: str | None):
-        """The handlers of the model `name` (None: the request named none)."""
+        """The ServedModel named `name` (None: the request named none)."""
         if not self.several:
             if name is not None and name != self.first.model_name:
                 raise RequestError(
@@ -108,31 +113,31 @@ class ModelRouter:
 
     # ---- routes
     async def completions(self, request: Request):
-        req = await proto.read_request(request, proto.CompletionRequest)
+        req = await read_request(request, CompletionRequest)
         server = self.pick(req.model)
-        return _budget_refusal(server) or await server.completions(request, req)
+        return _budget_refusal(server) or await server.completions.handle(request, req)
 
     async def chat(self, request: Request):
-        req = await proto.read_request(request, proto.ChatCompletionRequest)
+        req = await read_request(request, ChatCompletionRequest)
         server = self.pick(req.model)
-        return _budget_refusal(server) or await server.chat(request, req)
+        return _budget_refusal(server) or await server.chat.handle(request, req)
 
     async def models(self):
-        return {"object": "list", "data": [server.card() for server in self.servers.values()]}
+        return json_response(ModelList(data=[server.card() for server in self.servers.values()]))
 
     async def model(self, model_id: str):
         server = self.servers.get(model_id)
         if server is None:
             raise ModelNotFoundError(f"model {model_id!r} is not served here", param="model", code="model_not_found")
-        return server.card()
+        return json_response(server.card())
 
     async def tokenize(self, request: Request):
-        req = await proto.read_request(request, tok.TokenizeRequest)
-        return self.pick(req.model).tokenize(req)
+        req = await read_request(request, tok.TokenizeRequest)
+        return json_response(self.pick(req.model).tokenize(req))
 
     async def detokenize(self, request: Request):
-        req = await proto.read_request(request, tok.DetokenizeRequest)
-        return self.pick(req.model).detokenize(req)
+        req = await read_request(request, tok.DetokenizeRequest)
+        return json_response(self.pick(req.model).detokenize(req))
 
     async def metrics(self):
         if not self.several:
@@ -148,12 +153,12 @@ class ModelRouter:
             if not down:
                 return {"status": "ok"}
             message, code = down[self.first.model_name]
-            return JSONResponse(proto.error_body(message, "server_error", code=code), status_code=503)
+            return JSONResponse(error_body(message, "server_error", code=code), status_code=503)
         states = {name: "ok" if p is None else p[0] for name, p in problems.items()}
         if not down:
             return {"status": "ok", "models": states}
         message = "; ".join(f"model {name!r} cannot serve: {p[0]}" for name, p in down.items())
-        body = proto.error_body(message, "server_error", code=next(iter(down.values()))[1])
+        body = error_body(message, "server_error", code=next(iter(down.values()))[1])
         return JSONResponse({**body, "models": states}, status_code=503)
 
 
@@ -176,5 +181,5 @@ def _budget_refusal(server) -> JSONResponse | None:
     budget = budget_health(getattr(server.engine, "store", None))
     if budget is None or budget.serves:
         return None
-    body = proto.error_body(budget.message, "server_error", code=f"shared_budget_{budget.kind}")
+    body = error_body(budget.message, "server_error", code=f"shared_budget_{budget.kind}")
     return JSONResponse(body, status_code=503)

@@ -13,7 +13,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...errors import RequestError
-from .protocol import ChatMessage
+from .chat.protocol import ChatMessage
+from .common.protocol import ResponseModel
 
 
 class TokenizeRequest(BaseModel):
@@ -50,9 +51,20 @@ class DetokenizeRequest(BaseModel):
         pass
 
 
-def tokenize(renderer, req: TokenizeRequest, max_model_len: int | None, max_chars: int) -> dict:
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None  # null unless return_token_strs
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+def tokenize(renderer, req: TokenizeRequest, max_model_len: int | None, max_chars: int) -> TokenizeResponse:
     """renderer: the model's ChatRenderer (its tokenizer, and how chat requests are rendered)."""
-    from .tools import functions, history
+    from .tools import conversation, functions
 
     tokenizer = renderer.tokenizer
     if tokenizer is None:
@@ -62,18 +74,18 @@ def tokenize(renderer, req: TokenizeRequest, max_model_len: int | None, max_char
     else:
         fns = functions(req.tools) if req.tools else {}
         tools = [{"type": "function", "function": fn} for fn in fns.values()]
-        text = renderer.render([history(m) for m in req.messages], req.add_generation_prompt, tools)
+        text = renderer.render(conversation(req.messages), req.add_generation_prompt, tools)
         special = bool(req.add_special_tokens)  # the template already wrote the special tokens
     if len(text) > max_chars:
         raise RequestError(f"at most {max_chars} characters", param="prompt")
     ids = list(tokenizer.encode(text, add_special_tokens=special))
     strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
 
 
-def detokenize(tokenizer, req: DetokenizeRequest, vocab_size: int | None) -> dict:
+def detokenize(tokenizer, req: DetokenizeRequest, vocab_size: int | None) -> DetokenizeResponse:
     if tokenizer is None:
         raise RequestError("this model has no tokenizer", code="no_tokenizer")
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in req.tokens):
         raise RequestError(f"token ids must lie in [0, {vocab_size})", param="tokens")
-    return {"prompt": tokenizer.decode(req.tokens)}
+    return DetokenizeResponse(prompt=tokenizer.decode(req.tokens))

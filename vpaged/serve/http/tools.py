@@ -1,6 +1,6 @@
 """Tool calling on /v1/chat/completions: `tools` rendered by the model's own chat template (or, when it has no
 tool support, in the Hermes convention: chat_template.py), `tool_choice`, and the calls parsed from the output.
-The legacy `functions` / `function_call` arrive here as the tools / tool_choice they map to (protocol.py).
+The legacy `functions` / `function_call` arrive here as the tools / tool_choice they map to (chat/protocol.py).
 
 tool_choice "auto" (the default with tools): the model decides; calls are parsed from its text by the server's
 tool-call parser (`hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, the form of
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ...errors import RequestError
 from ..sample.structured import GrammarSpec, relocate_refs
+from .chat.protocol import ChatMessage, ChatToolCall, FunctionCall
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -28,14 +29,13 @@ class ToolCall:
     name: str
     arguments: str  # JSON text, as the OpenAI API carries it
 
-    def body(self, index: int | None = None) -> dict:
-        out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function"}
-        out["function"] = {"name": self.name, "arguments": self.arguments}
-        return out if index is None else {"index": index, **out}
+    def body(self, index: int | None = None) -> ChatToolCall:
+        """The call as an answer's tool_calls entry, with a new id."""
+        return ChatToolCall(index=index, id=f"call_{uuid.uuid4().hex[:24]}", function=self.legacy_body())
 
-    def legacy_body(self) -> dict:
+    def legacy_body(self) -> FunctionCall:
         """The call as a legacy message's function_call (the request gave `functions`)."""
-        return {"name": self.name, "arguments": self.arguments}
+        return FunctionCall(name=self.name, arguments=self.arguments)
 
 
 def functions(tools, param: str = "tools") -> dict[str, dict]:
@@ -162,7 +162,13 @@ def parse(text: str, choice: str, parser: str) -> tuple[str | None, list[ToolCal
     return None, [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
 
 
-def history(message) -> dict:
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """A request's messages as the chat template reads them (history); a content part the server cannot read
+    is refused as such (RequestError), not as a template error."""
+    return [history(m) for m in messages]
+
+
+def history(message: ChatMessage) -> dict:
     """A chat message as the template reads it: tool calls' arguments as objects (HF templates expect dicts)."""
     out = {"role": "tool" if message.role == "function" else message.role, "content": message.text()}
     given = message.tool_calls
