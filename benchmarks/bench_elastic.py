@@ -4,7 +4,7 @@ Three engine processes (random-weight models by default; any `--models` the engi
 traffic: time is cut into phases, and engine i is busy in the phases p with p % 3 == i (Poisson arrivals at
 --rate within a busy phase) and idle otherwise. The total KV budget B is either split statically (each engine
 a private pool of B/3) or shared (one SharedBudget of B; each engine's ceiling is B) under the budget's share
-policy: "shared" with the default policy ("greedy"), "fair" with the fair-share rule (memory/fair_share.py).
+policy: "shared" with the default policy ("greedy"), "fair" with the fair-share rule (memory/budget/policy.py).
 Reported per engine and overall: TTFT p50 / p99, output tokens/s, preemptions, requests refused or lost; and
 each process's mapped KV bytes over time (a plot with matplotlib when it is installed).
 

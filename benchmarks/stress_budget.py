@@ -1,5 +1,5 @@
 """Stress of the shared budget's ledger: many member processes granting and giving back at random while they
-are SIGKILLed, SIGSTOPped and SIGCONTed at random (vpaged/memory/budget_ledger.py).
+are SIGKILLed, SIGSTOPped and SIGCONTed at random (vpaged/memory/budget/ledger.py).
 
     python benchmarks/stress_budget.py [--members 64] [--seconds 600] [--lease 2] [--out FILE]
 

@@ -1,4 +1,4 @@
-"""The share policy of a shared budget (vpaged/memory/fair_share.py): on random ledgers, the fair policy's
+"""The share policy of a shared budget (vpaged/memory/budget/policy.py): on random ledgers, the fair policy's
 admission cap equals a reference computed here from the rule's words; greedy never caps; the header keeps
 the policy; a starved member's ask reaches a member holding more than its fair share even when that member's
 last report says all its pages are live."""

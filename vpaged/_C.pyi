@@ -258,7 +258,7 @@ def silu_mul_cpu(
     isa: str = "auto",
 ) -> None: ...
 
-# csrc/bindings/shm_ledger.cpp: a shared budget ledger's mapping (memory/budget_segment.py). Bounds-checked
+# csrc/bindings/shm_ledger.cpp: a shared budget ledger's mapping (memory/budget/segment.py). Bounds-checked
 # (IndexError), atomics need 8-byte alignment; a SIGBUS from a truncated file sets `damaged` instead of killing.
 class LedgerMapping:
     def __init__(self, fd: int, size: int) -> None: ...

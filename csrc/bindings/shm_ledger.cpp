@@ -1,4 +1,4 @@
-// LedgerMapping: the shared mapping of a budget ledger (vpaged/memory/budget_segment.py), read and written only
+// LedgerMapping: the shared mapping of a budget ledger (vpaged/memory/budget/segment.py), read and written only
 // through bounds-checked copies and 64-bit atomics, with a SIGBUS guard against truncation.
 //
 // Why this is C++. The ledger has no lock: its control word moves only by compare-and-swap, and Python has no

@@ -72,7 +72,7 @@ class PagePool {
   // CUDA: handles released, re-created when the ids are handed out again). Returns the pages free.
   size_t trim();
   // The pages the pool may have in use at once: the backend's capacity unless lowered (a machine-wide
-  // budget grants the pool part of it: vpaged/memory/shared_budget.py). set_limit never goes below the
+  // budget grants the pool part of it: vpaged/memory/budget/shared.py). set_limit never goes below the
   // pages in use nor above capacity: it returns the limit it set, clamped, under the same lock as acquire,
   // so a shrink racing an acquire can never leave used pages above the limit. On a backend that keeps the
   // memory of free pages (CUDA), lowering the limit also releases free pages until those with memory fit in

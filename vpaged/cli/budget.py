@@ -1,5 +1,5 @@
 """`vpaged budget create | show | limit | remove`: the machine-wide shared budget from the shell (what
-kvcached's kvctl does for its instances). The ledger itself is vpaged/memory/shared_budget.py.
+kvcached's kvctl does for its instances). The ledger itself is vpaged/memory/budget/shared.py.
 
 Every error is one line on stderr (`vpaged budget: ...`) and exit status 1: a bad name, size or page size,
 a budget that is missing, damaged, in use (`remove` without --force) or another user's; never a traceback.

@@ -17,7 +17,7 @@ max_model_len, kv_dtype, kv_budget_bytes, kv, ...) of that model alone, over the
     kv_dtype = "int8"
     kv_budget_bytes = "256MiB"    # sizes in bytes or with a unit, as --page-size takes them
 
-Several models share one KV budget (memory/shared_budget.py): the `--shared-budget NAME` given, else one
+Several models share one KV budget (memory/budget/): the `--shared-budget NAME` given, else one
 this server creates for itself (`serve-PID-XXXXXX`, of --kv-budget-mib, removed when the server ends), so
 that the memory one model's finished burst leaves serves the next burst of another. Each model's pool is a
 member named after the model (`vpaged budget show` lists them), and the model's own kv_budget_bytes (the

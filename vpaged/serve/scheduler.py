@@ -16,7 +16,7 @@ ahead of later arrivals in the queue, its generated tokens kept). New requests n
 under the default policies the oldest always progress: no starvation. The two policies are injected
 strategies (policies.py), chosen by EngineConfig.scheduling_policy and preemption_policy. In a machine-wide
 shared budget the store's pages_available counts what the budget would grant, and within_share() stops
-admissions above this engine's fair share while another engine is starved (memory/fair_share.py).
+admissions above this engine's fair share while another engine is starved (memory/budget/policy.py).
 
 Admission uses prefix caching: allocating with the prompt's tokens maps the cached full pages, and only the
 rest is computed. The scheduler changes the store as it decides (allocate, extend, swap, free), the way
@@ -223,7 +223,7 @@ class Scheduler:
             headroom = self.watermark_pages if self.running else 0
             need = store.pages_needed([handle], n)
             # In a shared budget, a store above its fair share admits nothing new while another member is
-            # starved (memory/fair_share.py); with nothing running it may always start one request.
+            # starved (memory/budget/policy.py); with nothing running it may always start one request.
             if not store.pages_available(need + headroom) or (self.running and not store.within_share(need)):
                 store.free(handle)
                 break

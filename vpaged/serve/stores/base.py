@@ -109,7 +109,7 @@ class KVStore(Protocol):
     def within_share(self, need: int) -> bool:
         """Whether a new request taking `need` pages may be admitted under the store's share of a machine-wide
         budget: False while another member of the budget is starved and this store's live K/V plus `need`
-        would pass its fair share (memory/fair_share.py). True outside a shared budget."""
+        would pass its fair share (memory/budget/policy.py). True outside a shared budget."""
         ...
 
     # ---- sequences
