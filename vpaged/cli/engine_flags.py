@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
 from ..serve.config import FLAT_OPTIONS, PARTS, STORE_CONFIGS, EngineConfig
+from .record_flags import Spelling, add_field_flag, flag_name, value_type
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -44,17 +44,6 @@ def kv_scales(text: str):
         raise argparse.ArgumentTypeError(f"must be a number or 'calibrate', got {text!r}") from None
 
 
-@dataclass(frozen=True)
-class Spelling:
-    """How a field is spelled on the command line when not --<field-name> of its own value."""
-
-    flag: str
-    scale: int = 1  # the flag's value times this is the field's (MiB -> bytes)
-    negated: bool = False  # a flag that sets the bool field to False
-    default: str | None = None  # the CLI's default (parsed as if given) when it differs from the config's
-    metavar: str | None = None
-
-
 SPELLINGS = {
     "kv_budget_bytes": Spelling("--kv-budget-mib", scale=1 << 20, default="1024", metavar="MIB"),
     "swap_bytes": Spelling("--swap-mib", scale=1 << 20, metavar="MIB"),
@@ -71,8 +60,6 @@ CHOICES = {"dtype": tuple(DTYPES)}
 NOT_FLAGS = {
     "record_steps": "a per-step timing record read in process (LLMEngine.step_log); no command prints it",
 }
-
-_TYPES = {"int": int, "int | None": int, "float": float, "str": str}
 
 
 def _fields() -> dict[str, dataclasses.Field]:
@@ -98,7 +85,7 @@ def dest_of(name: str) -> str:
 
 def flag_of(name: str) -> str:
     spelling = SPELLINGS.get(name)
-    return spelling.flag if spelling is not None else "--" + name.replace("_", "-")
+    return spelling.flag if spelling is not None else flag_name(name)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -112,50 +99,24 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             continue
         spelling = SPELLINGS.get(name, Spelling(flag_of(name)))
         kinds = _kinds_of(name)
-        help_text = f.metadata.get("help") or ""
-        if kinds and len(kinds) < len(STORE_CONFIGS):
-            help_text += f" [--kv {' / '.join(kinds)}]"
-        if spelling.negated:
-            off = f"turn off: {help_text}"
-            group.add_argument(spelling.flag, dest=dest_of(name), action="store_const", const=False, help=off)
-            continue
-        if str(f.type) == "bool":
-            group.add_argument(spelling.flag, dest=dest_of(name), action=argparse.BooleanOptionalAction, help=help_text)
-            continue
-        parse = PARSERS.get(name) or _TYPES.get(str(f.type), str)
-        if spelling.scale != 1:
-            parse = _scaled(parse, spelling.scale)
-        choices = CHOICES.get(name) or f.metadata.get("choices")
-        if choices is not None:
-            parse = _one_of(parse, choices)
-            help_text += f" (one of {', '.join(map(str, choices))})"
+        suffix = f" [--kv {' / '.join(kinds)}]" if kinds and len(kinds) < len(STORE_CONFIGS) else ""
         if spelling.default is not None:
-            help_text += f"; default {spelling.default}"
+            shown = spelling.default
         elif f.default is not dataclasses.MISSING and f.default is not None:
-            help_text += f"; default {f.default}"
-        group.add_argument(
-            spelling.flag,
+            shown = str(f.default)
+        else:
+            shown = None
+        add_field_flag(
+            group,
+            f,
+            spelling,
             dest=dest_of(name),
-            type=parse,
-            default=spelling.default,
-            metavar=spelling.metavar or ("{" + ",".join(map(str, choices)) + "}" if choices else None),
-            help=help_text.replace("%", "%%"),
+            default=spelling.default,  # None: the config's default (a flag not given is left out)
+            parse=PARSERS.get(name) or value_type(f.type),
+            choices=CHOICES.get(name) or f.metadata.get("choices"),
+            shown_default=shown,
+            help_suffix=suffix,
         )
-
-
-def _scaled(parse, scale: int):
-    return lambda text: parse(text) * scale
-
-
-def _one_of(parse, choices):
-    """The text must be one of choices (as written), then parse it."""
-
-    def check(text: str):
-        if text not in map(str, choices):
-            raise argparse.ArgumentTypeError(f"invalid choice {text!r} (one of {', '.join(map(str, choices))})")
-        return parse(text)
-
-    return check
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -9,6 +9,7 @@ checkpoint. Random-weight models have no tokenizer: give prompts as token ids.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -17,8 +18,18 @@ import time
 import torch
 
 from ..errors import TensorParallelError, VPagedError
+from ..serve.bench import WorkloadSpec
+from ..serve.http.guard import ServerLimits
+from ..serve.http.options import ServerOptions
+from .command_options import (
+    BenchServeOptions,
+    GenerateOptions,
+    GenerateSampling,
+    ProcessOptions,
+    ServedModelsOptions,
+)
 from .engine_flags import add_engine_flags, engine_config
-from .served_models import model_flag
+from .record_flags import add_record_flags, record_of
 
 
 def _engine_args(p: argparse.ArgumentParser, model_optional: bool = False) -> None:
@@ -27,7 +38,7 @@ def _engine_args(p: argparse.ArgumentParser, model_optional: bool = False) -> No
         nargs="?" if model_optional else None,
         help="model directory, a .gguf file, or random:NAME (a random-weight model from a named config)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_record_flags(p, ProcessOptions)
     add_engine_flags(p)  # every EngineConfig option (vpaged/cli/engine_flags.py)
 
 
@@ -105,22 +116,12 @@ def _progress(total: int, description: str):
 
 
 def cmd_generate(args) -> int:
-    from ..serve import SamplingParams
-
-    prompts: list = list(args.prompt) + [_token_ids(t) for t in args.prompt_ids]
+    options = record_of(GenerateOptions, args)
+    prompts: list = list(args.prompt) + [_token_ids(t) for t in options.prompt_ids]
     if not prompts:
         raise SystemExit("give at least one prompt (text) or --prompt-ids")
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-            n=args.n,
-            stop_token_ids=tuple(args.stop_token_id),
-        )
+        params = record_of(GenerateSampling, args).params()
     except VPagedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -128,10 +129,10 @@ def cmd_generate(args) -> int:
     if any(isinstance(p, str) for p in prompts) and engine.tokenizer is None:
         print("error: this model has no tokenizer; give prompts with --prompt-ids", file=sys.stderr)
         return 2
-    if args.stream:
-        if len(prompts) != 1 or args.n != 1:
+    if options.stream:
+        if len(prompts) != 1 or params.n != 1:
             raise SystemExit("--stream takes one prompt and n=1")
-        return _generate_stream(engine, prompts[0], params, args)
+        return _generate_stream(engine, prompts[0], params, options.json)
     ids, t0 = [], time.perf_counter()
     try:
         for p in prompts:
@@ -159,7 +160,7 @@ def cmd_generate(args) -> int:
                 "num_preemptions": getattr(out.metrics, "num_preemptions", 0),
             }
         )
-    if args.json:
+    if options.json:
         stats = engine.stats()
         json.dump(
             {"model": args.model, "kv": engine.kv, "seconds": seconds, "results": results, "stats": _as_dict(stats)},
@@ -178,13 +179,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _generate_stream(engine, prompt, params, args) -> int:
+def _generate_stream(engine, prompt, params, as_json: bool) -> int:
     try:
         rid = engine.add_request(prompt, params)
     except VPagedError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    text_mode = engine.tokenizer is not None and not args.json
+    text_mode = engine.tokenizer is not None and not as_json
     sent = ""
     final = None
     while engine.has_unfinished():
@@ -197,14 +198,14 @@ def _generate_stream(engine, prompt, params, args) -> int:
                 if text.startswith(sent) and (out.finished or not text.endswith("\ufffd")):
                     sys.stdout.write(text[len(sent) :])
                     sent = text
-            elif args.json:
+            elif as_json:
                 print(json.dumps({"new_token_ids": list(c.new_token_ids), "finish_reason": c.finish_reason}))
             else:
                 sys.stdout.write("".join(f"{t} " for t in c.new_token_ids))
             sys.stdout.flush()
             if out.finished:
                 final = out
-    if not args.json:
+    if not as_json:
         print(f"\n[{final.outputs[0].finish_reason}, {len(final.outputs[0].token_ids)} tokens]")
     return 0
 
@@ -218,27 +219,10 @@ def _as_dict(obj) -> dict:
 # ---------------------------------------------------------------------------------------------- serve
 
 
-def _server_limits(args):
-    from ..serve.http.guard import ServerLimits
-
-    hosts = None
-    if args.allowed_hosts is not None:
-        hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+def _server_records(args) -> tuple[ServerOptions, ServerLimits]:
+    """The server's options and limits of the flags, checked before any model is loaded."""
     try:
-        return ServerLimits(
-            max_body_bytes=args.max_body_kib << 10,
-            max_response_bytes=args.max_response_mib << 20,
-            max_prompt_tokens=args.max_prompt_tokens,
-            max_n=args.max_n,
-            max_prompts=args.max_prompts,
-            max_stop_strings=args.max_stop_strings,
-            max_stop_token_ids=args.max_stop_token_ids,
-            header_timeout_s=args.header_timeout,
-            body_timeout_s=args.body_timeout,
-            keep_alive_s=args.keep_alive_timeout,
-            api_key=args.api_key,
-            allowed_hosts=hosts,
-        )
+        return record_of(ServerOptions, args), record_of(ServerLimits, args)
     except VPagedError as e:
         raise _EngineError(f"{type(e).__name__}: {e}") from None
 
@@ -252,7 +236,7 @@ def cmd_serve(args) -> int:
 
     if args.api_key is None:
         args.api_key = os.environ.get("VPAGED_API_KEY") or None
-    limits = _server_limits(args)
+    options, limits = _server_records(args)
     try:
         models = served_models(args)
         templates = read_chat_templates(args.chat_template, [m.name for m in models])  # before any loading
@@ -268,17 +252,17 @@ def cmd_serve(args) -> int:
         budget = f"budget {args.kv_budget_bytes >> 20} MiB" + (
             f" of {args.shared_budget}" if args.shared_budget else ""
         )
-        return _serve(args, limits, engine, models[0].name, f"kv={engine.kv}, {budget}")
+        return _serve(options, limits, engine, models[0].name, f"kv={engine.kv}, {budget}")
     with contextlib.ExitStack() as stack:
         try:
             engines, budget, capacity = stack.enter_context(several_engines(models, args))
             use_chat_templates(engines, templates)
         except VPagedError as e:
             raise _EngineError(str(e)) from None
-        return _serve(args, limits, engines, ", ".join(engines), f"one budget {budget} of {capacity >> 20} MiB")
+        return _serve(options, limits, engines, ", ".join(engines), f"one budget {budget} of {capacity >> 20} MiB")
 
 
-def _serve(args, limits, engine, name: str, about: str) -> int:
+def _serve(options: ServerOptions, limits: ServerLimits, engine, name: str, about: str) -> int:
     """Serve `engine` (one, named `name`, or a dict of several) until interrupted."""
     from ..serve.http.server import serve
 
@@ -288,14 +272,10 @@ def _serve(args, limits, engine, name: str, about: str) -> int:
     try:
         serve(
             engine,
-            host=args.host,
-            port=args.port,
             model_name=name if not isinstance(engine, dict) else None,
-            log_level=args.log_level,
-            default_max_tokens=args.default_max_tokens,
             on_ready=ready,
             limits=limits,
-            tool_call_parser=args.tool_call_parser,
+            **dataclasses.asdict(options),  # host, port, log_level, default_max_tokens, tool_call_parser
         )
     except TensorParallelError as e:
         print(f"error: the engine stopped: {e}", file=sys.stderr, flush=True)
@@ -308,30 +288,24 @@ def _serve(args, limits, engine, name: str, about: str) -> int:
 
 def cmd_bench_serve(args) -> int:
     from ..serve import SamplingParams
-    from ..serve.bench import Workload, poisson_arrivals, random_prompts, run_http_workload, run_workload
+    from ..serve.bench import run_http_workload, run_workload
 
-    if args.url is None and args.model is None:
+    spec, options = record_of(WorkloadSpec, args), record_of(BenchServeOptions, args)
+    url = options.url
+    if url is None and args.model is None:
         raise SystemExit("bench-serve needs MODEL (served in process) or --url (a running vpaged serve)")
-    engine = _make_engine(args) if args.url is None else None
+    engine = _make_engine(args) if url is None else None
     cfg = engine.model.config if engine is not None else None
-    vocab = args.vocab or getattr(cfg, "vocab_size", None) or 32000
-    prompts = random_prompts(
-        args.num_requests, args.min_prompt, args.max_prompt, vocab, seed=args.seed, shared_prefix=args.shared_prefix
-    )
-    if math.isinf(args.request_rate):
-        arrivals = [0.0] * len(prompts)
-    else:
-        arrivals = poisson_arrivals(len(prompts), args.request_rate, seed=args.seed)
-    workload = Workload(prompts, arrivals, args.max_tokens, name="bench-serve")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    workload = spec.draw(getattr(cfg, "vocab_size", None) or 32000)
+    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
 
     def run(progress=None):
-        if args.url is not None:
-            return run_http_workload(args.url, workload, progress=progress)
+        if url is not None:
+            return run_http_workload(url, workload, progress=progress)
         return run_workload(engine, workload, params, kv=engine.kv, progress=progress)
 
     kv = engine.kv if engine is not None else None
-    bar = None if args.no_progress else _progress(len(prompts), args.url or f"kv={kv}")
+    bar = _progress(len(workload.prompts), url or f"kv={kv}") if options.progress else None
     if bar is None:
         result = run()
     else:
@@ -341,24 +315,24 @@ def cmd_bench_serve(args) -> int:
     report = {
         "command": "bench-serve",
         "model": args.model,
-        "url": args.url,
+        "url": url,
         "kv": kv,
         "dtype": str(args.dtype).removeprefix("torch."),
-        "kv_dtype": None if args.url else (args.kv_dtype or "auto"),
+        "kv_dtype": None if url else (args.kv_dtype or "auto"),
         "threads": torch.get_num_threads(),
-        "num_requests": args.num_requests,
-        "prompt_len": [args.min_prompt, args.max_prompt],
-        "shared_prefix": args.shared_prefix,
-        "max_tokens": args.max_tokens,
-        "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+        "num_requests": spec.num_requests,
+        "prompt_len": [spec.min_prompt, spec.max_prompt],
+        "shared_prefix": spec.shared_prefix,
+        "max_tokens": spec.max_tokens,
+        "request_rate": None if math.isinf(spec.request_rate) else spec.request_rate,
         "kv_budget_bytes": args.kv_budget_bytes,
         "result": result.as_dict(),
     }
     text = json.dumps(report, indent=2)
-    if args.output:
-        with open(args.output, "w") as f:
+    if options.output:
+        with open(options.output, "w") as f:
             f.write(text + "\n")
-    if args.json:
+    if options.json:
         print(text)
     else:
         r = result
@@ -377,7 +351,7 @@ def cmd_bench_serve(args) -> int:
             ),
         ]
         width = max(len(k) for k, _ in lines)
-        print(f"vpaged bench-serve: {args.url or args.model}, " + ("over HTTP" if args.url else f"kv={kv}"))
+        print(f"vpaged bench-serve: {url or args.model}, " + ("over HTTP" if url else f"kv={kv}"))
         for k, v in lines:
             print(f"  {k:<{width}}  {v}")
     return 0
@@ -401,89 +375,20 @@ def _reporting_errors(fn):
 
 
 def add_serve_commands(sub) -> None:
+    """The three commands; every flag but the positional MODEL and prompts is a field of a record
+    (record_flags.py), its default and help the field's."""
     gen = sub.add_parser("generate", help="generate from prompts with the serving engine")
     _engine_args(gen)
     gen.add_argument("prompt", nargs="*", help="text prompts (need the model's tokenizer)")
-    gen.add_argument(
-        "--prompt-ids",
-        action="append",
-        default=[],
-        metavar="IDS",
-        help="a prompt as token ids, e.g. '1,2,3' (repeatable)",
-    )
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
-    gen.add_argument("--stop-token-id", type=int, action="append", default=[])
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    gen.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_record_flags(gen, GenerateOptions)
+    add_record_flags(gen, GenerateSampling, "sampling (vpaged.serve.SamplingParams)")
     gen.set_defaults(func=_reporting_errors(cmd_generate))
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs vpaged[serve])")
     _engine_args(srv, model_optional=True)
-    srv.add_argument(
-        "--model",
-        dest="models",
-        action="append",
-        type=model_flag,
-        metavar="NAME=PATH",
-        help="a model served under NAME (repeatable: several models, one engine each, on one KV budget)",
-    )
-    srv.add_argument(
-        "--models-config",
-        default=None,
-        metavar="FILE",
-        help="models and their own engine options: a TOML (or .json) file of [models.NAME] tables with a path",
-    )
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000, help="0 = a free port (printed when ready)")
-    srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
-    srv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of chat requests that give none")
-    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    srv.add_argument(
-        "--chat-template",
-        action="append",
-        default=None,
-        metavar="FILE",
-        help="a Jinja chat template (a file, or the template itself) in place of the tokenizer's; NAME=FILE: "
-        "model NAME's only (repeatable)",
-    )
-    srv.add_argument(
-        "--tool-call-parser", default="hermes", choices=["hermes"], help="how tool calls are read from outputs"
-    )
-    lim = srv.add_argument_group("limits (checked before any work)")
-    lim.add_argument("--max-body-kib", type=int, default=4096, help="request body size (413 beyond)")
-    lim.add_argument(
-        "--max-response-mib",
-        type=int,
-        default=32,
-        help="an answer's size, estimated from what the request asks for before any work (400 beyond)",
-    )
-    lim.add_argument(
-        "--max-prompt-tokens", type=int, default=None, help="tokens of one prompt (default: max model length - 1)"
-    )
-    lim.add_argument("--max-n", type=int, default=16, help="completions per prompt")
-    lim.add_argument("--max-prompts", type=int, default=64, help="prompts in one /v1/completions request")
-    lim.add_argument("--max-stop-strings", type=int, default=4)
-    lim.add_argument("--max-stop-token-ids", type=int, default=64)
-    lim.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send a request's headers")
-    lim.add_argument("--body-timeout", type=float, default=30.0, help="seconds to send a request's body (408)")
-    lim.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle connection stays open")
-    lim.add_argument(
-        "--api-key",
-        default=None,
-        help="require `Authorization: Bearer KEY` on every route but /health (default: $VPAGED_API_KEY; none)",
-    )
-    lim.add_argument(
-        "--allowed-hosts",
-        default=None,
-        help="comma-separated Host header names accepted, '*' for any "
-        "(default: the bind address; localhost, 127.0.0.1 and ::1 for a loopback one; any for 0.0.0.0)",
-    )
+    add_record_flags(srv, ServedModelsOptions)
+    add_record_flags(srv, ServerOptions, "server (vpaged.serve.http.options.ServerOptions)")
+    add_record_flags(srv, ServerLimits, "limits (checked before any work)")
     srv.set_defaults(func=_reporting_errors(cmd_serve))
 
     bench = sub.add_parser(
@@ -491,26 +396,6 @@ def add_serve_commands(sub) -> None:
         help="serve a random-prompt workload (in process, or to a running server with --url) and measure it",
     )
     _engine_args(bench, model_optional=True)
-    bench.add_argument(
-        "--url",
-        default=None,
-        help="benchmark a running `vpaged serve` at this URL instead "
-        "(streamed /v1/completions; peak KV and preemptions from its /metrics)",
-    )
-    bench.add_argument("--num-requests", type=int, default=64)
-    bench.add_argument("--min-prompt", type=int, default=64)
-    bench.add_argument("--max-prompt", type=int, default=512)
-    bench.add_argument("--shared-prefix", type=int, default=0, help="tokens of a system prompt all requests share")
-    bench.add_argument("--max-tokens", type=int, default=128, help="greedy output tokens per request (EOS ignored)")
-    bench.add_argument(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="Poisson arrivals per second (default: all requests at t=0)",
-    )
-    bench.add_argument("--vocab", type=int, default=None, help="draw prompt ids below this (default: the model's)")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--json", action="store_true", help="print the report as JSON")
-    bench.add_argument("--output", default=None, help="also write the JSON report to this file")
-    bench.add_argument("--no-progress", action="store_true")
+    add_record_flags(bench, BenchServeOptions)
+    add_record_flags(bench, WorkloadSpec, "workload (vpaged.serve.bench.WorkloadSpec)")
     bench.set_defaults(func=_reporting_errors(cmd_bench_serve))

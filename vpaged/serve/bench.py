@@ -8,11 +8,14 @@ peak KV bytes, preemptions and peak concurrency.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+
+from .options import option
 
 
 @dataclass
@@ -46,6 +49,40 @@ def poisson_arrivals(num: int, rate: float, seed: int = 0) -> list[float]:
         out.append(t)
         t += rng.expovariate(rate)
     return out
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A random workload by its shape (`vpaged bench-serve`'s flags are made from these fields): `draw` gives
+    the Workload, the same for the same spec and vocabulary."""
+
+    num_requests: int = field(default=64, metadata=option("requests in the workload"))
+    min_prompt: int = field(default=64, metadata=option("shortest prompt, in tokens (after the shared prefix)"))
+    max_prompt: int = field(default=512, metadata=option("longest prompt, in tokens (after the shared prefix)"))
+    shared_prefix: int = field(default=0, metadata=option("tokens of a system prompt all requests share"))
+    max_tokens: int = field(default=128, metadata=option("greedy output tokens per request (EOS ignored)"))
+    request_rate: float = field(
+        default=math.inf,
+        metadata=option("Poisson arrivals per second", default_text="all requests at t=0"),
+    )
+    vocab: int | None = field(default=None, metadata=option("draw prompt ids below this", default_text="the model's"))
+    seed: int = field(default=0, metadata=option("seed of the prompts and of the arrival times"))
+
+    def draw(self, vocab: int, name: str = "bench-serve") -> Workload:
+        """The workload: prompt ids drawn below self.vocab, or below `vocab` (the model's) when that is None."""
+        prompts = random_prompts(
+            self.num_requests,
+            self.min_prompt,
+            self.max_prompt,
+            self.vocab or vocab,
+            seed=self.seed,
+            shared_prefix=self.shared_prefix,
+        )
+        if math.isinf(self.request_rate):
+            arrivals = [0.0] * len(prompts)
+        else:
+            arrivals = poisson_arrivals(len(prompts), self.request_rate, seed=self.seed)
+        return Workload(prompts, arrivals, self.max_tokens, name=name)
 
 
 def percentile(xs: list[float], p: float) -> float | None:

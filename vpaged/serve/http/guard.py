@@ -16,13 +16,19 @@ import asyncio
 import hmac
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...errors import InvalidArgumentError
+from ..options import option
 
 # Route templates counted in vpaged_http_requests_total; every other path is counted as "other".
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/health")
 OPEN_PATHS = ("/health",)
+
+
+def host_list(text: str) -> tuple[str, ...]:
+    """allowed_hosts from comma-separated names ('a.example, b.example'; blanks dropped)."""
+    return tuple(h.strip() for h in text.split(",") if h.strip())
 
 
 @dataclass(frozen=True)
@@ -40,18 +46,49 @@ class ServerLimits:
     allowed_hosts: Host header names accepted (None: no check; "*" in it: any).
     """
 
-    max_body_bytes: int = 4 << 20
-    max_response_bytes: int = 32 << 20
-    max_prompt_tokens: int | None = None
-    max_n: int = 16
-    max_prompts: int = 64
-    max_stop_strings: int = 4
-    max_stop_token_ids: int = 64
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    keep_alive_s: float = 5.0
-    api_key: str | None = None
-    allowed_hosts: tuple[str, ...] | None = None
+    # The fields' metadata makes `vpaged serve`'s limit flags (vpaged/cli/record_flags.py).
+    max_body_bytes: int = field(
+        default=4 << 20, metadata=option("request body size (413 beyond)", flag="--max-body-kib", scale=1 << 10)
+    )
+    max_response_bytes: int = field(
+        default=32 << 20,
+        metadata=option(
+            "an answer's size, estimated from what the request asks for before any work (400 beyond)",
+            flag="--max-response-mib",
+            scale=1 << 20,
+        ),
+    )
+    max_prompt_tokens: int | None = field(
+        default=None, metadata=option("tokens of one prompt", default_text="max model length - 1")
+    )
+    max_n: int = field(default=16, metadata=option("completions per prompt"))
+    max_prompts: int = field(default=64, metadata=option("prompts in one /v1/completions request"))
+    max_stop_strings: int = field(default=4, metadata=option("stop strings of one request"))
+    max_stop_token_ids: int = field(default=64, metadata=option("stop token ids of one request"))
+    header_timeout_s: float = field(
+        default=10.0, metadata=option("seconds to send a request's headers", flag="--header-timeout")
+    )
+    body_timeout_s: float = field(
+        default=30.0, metadata=option("seconds to send a request's body (408)", flag="--body-timeout")
+    )
+    keep_alive_s: float = field(
+        default=5.0, metadata=option("seconds an idle connection stays open", flag="--keep-alive-timeout")
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata=option(
+            "require `Authorization: Bearer KEY` on every route but /health",
+            default_text="$VPAGED_API_KEY, else none",
+        ),
+    )
+    allowed_hosts: tuple[str, ...] | None = field(
+        default=None,
+        metadata=option(
+            "comma-separated Host header names accepted, '*' for any",
+            parse=host_list,
+            default_text="the bind address; localhost, 127.0.0.1 and ::1 for a loopback one; any for 0.0.0.0",
+        ),
+    )
 
     def __post_init__(self):
         for name in (
