@@ -209,3 +209,13 @@ def test_the_flags_the_docs_write_on_a_command_line_exist(page):
     for command, rest in COMMAND_LINE.findall(text):
         for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest):
             assert flag in flags[command], f"{page}: vpaged {command} {flag}"
+
+
+def test_the_defaults_the_serving_docs_quote_are_the_flags():
+    """docs/serving.md writes a limit's default beside its flag (`--max-body-kib` (4096; ...)): the record's."""
+    actions = {s: a for a in parsers()["serve"]._actions for s in a.option_strings}
+    quoted = re.findall(r"`(--[a-z-]+)` \((\d+(?:\.\d+)?)[ ;)]", (ROOT / "docs" / "serving.md").read_text())
+    assert len(quoted) >= 6
+    for flag, number in quoted:
+        shown = re.search(r"; default ([\d.]+)$", actions[flag].help).group(1)
+        assert float(shown) == float(number), (flag, number, shown)
