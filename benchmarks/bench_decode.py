@@ -603,5 +603,31 @@ def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str])
     return {"python": args.vllm_python, "vllm_version": res["vllm_version"], "threads": res["threads"], "rows": rows}
 
 
+def summary_rows(results: dict) -> list[dict]:
+    """This script's comparisons as `vpaged bench` and docs/numbers.md show them, read from its JSON: for each
+    cell, the median step of the kernel over vpaged's contiguous view against the block-table kernel's.
+    Builtins only: the suite compiles this function alone, without the imports above."""
+    rows = []
+    for c in results.get("cells", []):
+        kernels = c.get("kernels") if isinstance(c.get("kernels"), dict) else {}
+        contiguous, paged = kernels.get("contiguous"), kernels.get("paged")
+        contiguous_ms = contiguous.get("median_ms") if isinstance(contiguous, dict) else None
+        paged_ms = paged.get("median_ms") if isinstance(paged, dict) else None
+        if contiguous_ms is None or paged_ms is None:
+            continue
+        rows.append(
+            {
+                "benchmark": "decode",
+                "comparison": f"{c.get('dtype')} {c.get('batch')} x {c.get('context')} tokens",
+                "vpaged": contiguous_ms,
+                "baseline": paged_ms,
+                "baseline_name": "block-table kernel",
+                "unit": "ms",
+                "better": "lower",
+            }
+        )
+    return rows
+
+
 if __name__ == "__main__":
     main()

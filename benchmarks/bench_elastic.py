@@ -395,5 +395,34 @@ def _cpu_name() -> str:
         return "unknown"
 
 
+def summary_rows(results: dict) -> list[dict]:
+    """This script's comparisons as `vpaged bench` and docs/numbers.md show them, read from its JSON: three
+    engine processes on one shared budget against a static split of it, TTFT p99 and output tokens/s.
+    Builtins only: the suite compiles this function alone, without the imports above."""
+    r = results.get("results", {})
+    static, shared = r.get("static"), r.get("shared")
+    if not (static and shared):
+        return []
+    common = {"benchmark": "elastic", "baseline_name": "static split"}
+    return [
+        {
+            **common,
+            "comparison": "TTFT p99, 3 engines, bursty",
+            "vpaged": shared["ttft_p99"],
+            "baseline": static["ttft_p99"],
+            "unit": "s",
+            "better": "lower",
+        },
+        {
+            **common,
+            "comparison": "output tokens/s, 3 engines, bursty",
+            "vpaged": shared["output_tokens_per_s"],
+            "baseline": static["output_tokens_per_s"],
+            "unit": "tok/s",
+            "better": "higher",
+        },
+    ]
+
+
 if __name__ == "__main__":
     main()

@@ -408,5 +408,41 @@ def main() -> None:
     print(f"\nwrote {path}")
 
 
+def summary_rows(results: dict) -> list[dict]:
+    """This script's comparisons as `vpaged bench` and docs/numbers.md show them, read from its JSON: the decode
+    step of VPagedCache against DynamicCache and StaticCache at each context, and beam search's reorder time
+    and peak KV against DynamicCache. Builtins only: the suite compiles this function alone, without the
+    imports above (transformers)."""
+
+    def row(comparison, vpaged, baseline, baseline_name, unit):
+        return {
+            "benchmark": "transformers",
+            "comparison": comparison,
+            "vpaged": vpaged,
+            "baseline": baseline,
+            "baseline_name": baseline_name,
+            "unit": unit,
+            "better": "lower",
+        }
+
+    by = {(r["kind"], r["context"]): r for r in results.get("decode", [])}
+    rows = []
+    for ctx in sorted({c for _, c in by}):
+        v = by.get(("vpaged", ctx))
+        for base in ("dynamic", "static"):
+            b = by.get((base, ctx))
+            if v and b:
+                rows.append(
+                    row(f"decode step at {ctx} tokens", v["step_ms"], b["step_ms"], f"{base.capitalize()}Cache", "ms")
+                )
+    beam = {r["kind"]: r for r in results.get("beam", [])}
+    if "vpaged" in beam and "dynamic" in beam:
+        v, b = beam["vpaged"], beam["dynamic"]
+        shape = f"beam search {v['beams']}x{v['context']}"
+        rows.append(row(f"{shape}: reorder", v["reorder_ms"], b["reorder_ms"], "DynamicCache", "ms"))
+        rows.append(row(f"{shape}: peak KV", v["peak_kv_mib"], b["peak_kv_mib"], "DynamicCache", "MiB"))
+    return rows
+
+
 if __name__ == "__main__":
     main()

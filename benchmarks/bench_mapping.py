@@ -265,5 +265,38 @@ def main() -> None:
     print(f"\nwrote {path}")
 
 
+def summary_rows(results: dict) -> list[dict]:
+    """This script's comparisons as `vpaged bench` and docs/numbers.md show them, read from its JSON: vpaged's
+    map + unmap of one page against the bare system calls, and one extend_many() against 256 extend() calls.
+    Builtins only: the suite compiles this function alone, without the imports above (vpaged_bench_ext)."""
+
+    def row(comparison, vpaged, baseline, baseline_name):
+        return {
+            "benchmark": "mapping",
+            "comparison": comparison,
+            "vpaged": vpaged,
+            "baseline": baseline,
+            "baseline_name": baseline_name,
+            "unit": "µs",
+            "better": "lower",
+        }
+
+    rows = []
+    for m in results.get("mapping", []):
+        size = f"{m['page_size'] // 1024} KiB" if m["page_size"] < 1 << 20 else f"{m['page_size'] >> 20} MiB"
+        rows.append(row(f"map + unmap one {size} page", m["vpaged_1_us"], m["raw_c_us"], "bare syscalls (C++)"))
+    ext = results.get("extend_256")
+    if ext:
+        rows.append(
+            row(
+                "decode-step bookkeeping, 256 sequences",
+                ext["extend_many_us"],
+                ext["extend_loop_us"],
+                "256 extend() calls",
+            )
+        )
+    return rows
+
+
 if __name__ == "__main__":
     main()

@@ -795,5 +795,46 @@ def main(argv=None) -> int:
     return 0
 
 
+def summary_rows(results: dict) -> list[dict]:
+    """This script's comparisons as `vpaged bench` and docs/numbers.md show them, read from the throughput
+    section of its JSON: output tokens/s of each engine KV backend against transformers' generate_batch on the
+    same requests, and kv=vpaged against vLLM's CPU engine when the run had that row (--vllm-python). With
+    --repeats, each row's median. Builtins only: the suite compiles this function alone, without the imports
+    above."""
+
+    def row(comparison, vpaged, baseline, baseline_name):
+        return {
+            "benchmark": "serving",
+            "comparison": comparison,
+            "vpaged": vpaged,
+            "baseline": baseline,
+            "baseline_name": baseline_name,
+            "unit": "tok/s",
+            "better": "higher",
+        }
+
+    tp = results.get("throughput") or {}
+    medians = tp.get("medians") or {}
+    if medians:
+        tps = {str(k): float(m["output_tokens_per_s"]) for k, m in medians.items() if m.get("output_tokens_per_s")}
+    else:
+        tps = {
+            str(r.get("kv")): float(r["output_tokens_per_s"])
+            for r in tp.get("rows") or []
+            if r.get("output_tokens_per_s")
+        }
+    rows = []
+    base = tps.get("generate_batch")
+    if base:
+        rows += [
+            row(f"output tokens/s, engine kv={name}", value, base, "generate_batch")
+            for name, value in tps.items()
+            if name not in ("generate_batch", "vllm")
+        ]
+    if tps.get("vllm") and tps.get("vpaged"):
+        rows.append(row("output tokens/s, engine kv=vpaged", tps["vpaged"], tps["vllm"], "vLLM CPU"))
+    return rows
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -245,5 +245,60 @@ def main():
     print(f"\nwrote {write_json('sharing_cpu.json', res)}")
 
 
+def summary_rows(results: dict) -> list[dict]:
+    """This script's comparisons as `vpaged bench` and docs/numbers.md show them, read from its JSON:
+    copy-on-write and swap-out against plain copies, and the KV memory of shared pages against unshared ones.
+    Builtins only: the suite compiles this function alone, without the imports above."""
+
+    def row(comparison, vpaged, baseline, baseline_name, unit, better="lower"):
+        return {
+            "benchmark": "sharing",
+            "comparison": comparison,
+            "vpaged": vpaged,
+            "baseline": baseline,
+            "baseline_name": baseline_name,
+            "unit": unit,
+            "better": better,
+        }
+
+    rows = []
+    cow = results.get("cow")
+    if cow:
+        rows.append(
+            row(
+                "copy-on-write of one page",
+                cow["cow_us_per_page"],
+                cow["plain_copy_us_per_page"],
+                "memcpy of the page",
+                "µs",
+            )
+        )
+    swap = results.get("swap")
+    if swap:
+        rows.append(row("swap out", swap["swap_out_GBps"], swap["plain_copy_GBps"], "plain copy", "GB/s", "higher"))
+    for p in results.get("parallel_sampling", []):
+        rows.append(
+            row(
+                f"parallel sampling n={p['n']}: KV memory",
+                p["shared_MiB"],
+                p["unshared_MiB"],
+                "without sharing",
+                "MiB",
+            )
+        )
+    sp = results.get("system_prompt")
+    if sp:
+        rows.append(
+            row(
+                f"{sp['requests']} requests, shared system prompt: KV memory",
+                sp["shared_MiB"],
+                sp["unshared_MiB"],
+                "without prefix cache",
+                "MiB",
+            )
+        )
+    return rows
+
+
 if __name__ == "__main__":
     main()

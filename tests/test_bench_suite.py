@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import random
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from vpaged.cli import main as cli_main
-from vpaged.cli.suite import SUITE, Row
+from vpaged.cli.suite import SUITE, Row, summary_rows
+
+MAPPING = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_mapping.py"
+
+
+def _mapping_summary() -> str:
+    """The real bench_mapping.py's summary_rows, for the stand-in script to export."""
+    source = MAPPING.read_text()
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "summary_rows")
+    return ast.get_source_segment(source, node)
 
 
 def _fake_suite(tmp_path, mapping_us, fail_sharing=False):
@@ -28,6 +39,9 @@ def _fake_suite(tmp_path, mapping_us, fail_sharing=False):
         open(os.path.join(out, "mapping_cpu.json"), "w").write(json.dumps(data))
         print("mapping done")
     """)
+        + "\n\n"
+        + _mapping_summary()
+        + "\n"
     )
     (bench / "bench_sharing.py").write_text(
         "import sys; print('boom'); sys.exit(3)\n" if fail_sharing else "print('no json written')\n"
@@ -108,16 +122,14 @@ def test_row_ratio():
 
 
 def test_serving_rows_compare_each_backend_with_generate_batch():
-    from vpaged.cli.suite import _serve
-
     rates = {"vpaged": random.uniform(5, 50), "paged": random.uniform(5, 50), "generate_batch": random.uniform(5, 50)}
     data = {"throughput": {"rows": [{"kv": k, "output_tokens_per_s": v} for k, v in rates.items()]}}
-    rows = {r.comparison: r for r in _serve(data)}
+    rows = {r.comparison: r for r in summary_rows("serving", data)}
     assert set(rows) == {"output tokens/s, engine kv=vpaged", "output tokens/s, engine kv=paged"}
     for kv in ("vpaged", "paged"):
         r = rows[f"output tokens/s, engine kv={kv}"]
         assert r.ratio == pytest.approx(rates[kv] / rates["generate_batch"]) and r.better == "higher"
-    assert _serve({"throughput": {"rows": [{"kv": "vpaged", "output_tokens_per_s": 3.0}]}}) == []
+    assert summary_rows("serving", {"throughput": {"rows": [{"kv": "vpaged", "output_tokens_per_s": 3.0}]}}) == []
 
 
 @pytest.mark.parametrize("spelling", ["plain", "dotted", "home"])

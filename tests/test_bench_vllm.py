@@ -263,7 +263,7 @@ def test_bench_serve_refuses_a_head_dim_vllm_lacks(tmp_path):
 
 
 def test_suite_reads_the_vllm_row():
-    from vpaged.cli.suite import _serve
+    from vpaged.cli.suite import summary_rows
 
     d = {
         "throughput": {
@@ -275,7 +275,7 @@ def test_suite_reads_the_vllm_row():
             },
         }
     }
-    rows = {(r.comparison, r.baseline_name): (r.vpaged, r.baseline) for r in _serve(d)}
+    rows = {(r.comparison, r.baseline_name): (r.vpaged, r.baseline) for r in summary_rows("serving", d)}
     assert rows[("output tokens/s, engine kv=vpaged", "vLLM CPU")] == (30.0, 20.0)
     assert rows[("output tokens/s, engine kv=vpaged", "generate_batch")] == (30.0, 25.0)
     assert len(rows) == 2
@@ -290,13 +290,15 @@ def test_suite_passes_vllm_python(tmp_path):
         "import json, os, sys\n"
         "out = os.path.join(os.environ['VPAGED_RESULTS_DIR'], 'r.json')\n"
         "open(out, 'w').write(json.dumps({'argv': sys.argv[1:]}))\n"
+        "\n"
+        "def summary_rows(results):\n"
+        "    return [dict(benchmark='serving', comparison=' '.join(results['argv']), vpaged=1.0, baseline=1.0,\n"
+        "                 baseline_name='b', unit='tok/s', better='higher')]\n"
     )
-    seen = []
-    b = Bench("serving", "s.py", "r.json", ("--quick",), (), lambda d: seen.append(d["argv"]) or [])
-    assert run_one(b, bench, tmp_path / "out", True, 60, "/x/python").status == "ok"
-    assert seen == [["--quick", "--vllm-python", "/x/python"]]
-    run_one(b, bench, tmp_path / "out", True, 60)
-    assert seen[-1] == ["--quick"]
+    b = Bench("serving", "s.py", "r.json", ("--quick",), ())
+    outcome = run_one(b, bench, tmp_path / "out", True, 60, "/x/python")
+    assert outcome.status == "ok" and [r.comparison for r in outcome.rows] == ["--quick --vllm-python /x/python"]
+    assert [r.comparison for r in run_one(b, bench, tmp_path / "out", True, 60).rows] == ["--quick"]
 
 
 def test_bench_serve_vllm_failure_is_recorded(tmp_path):

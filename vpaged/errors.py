@@ -163,3 +163,9 @@ class NoAllowedTokenError(InvalidArgumentError):
     """A request's constraints leave no token to generate: its grammar allows none of the model's vocabulary,
     or its bad_words / min_tokens ban every token the grammar allows (HTTP 400, code NoAllowedTokenError). Found
     when the request is added for its first token; found later, the request ends with finish_reason "error"."""
+
+
+class BenchmarkScriptError(InvalidArgumentError):
+    """The benchmark scripts `vpaged bench` and docs/numbers.md read results with cannot be used: no benchmarks
+    folder, a script missing, one without a `summary_rows(results)` function, or rows that are not the summary
+    row fields; the message names the folder or the script."""

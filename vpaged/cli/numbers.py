@@ -2,10 +2,12 @@
 no figure in the documentation is typed by hand.
 
 One table per claim (a benchmark kind: mapping, sharing, decode, transformers, serving, elastic), each row a
-comparison the benchmark measured beside its baseline, read by the same extractors `vpaged bench` uses
-(suite.py), and naming the machine, ISA and date it ran on: taken from the file, else from the machine tag of
-its name (`..._epyc-zen3-avx2-2c.json`); a file without a date says "date unknown". Files no extractor reads
-are listed with their provenance, so each one is accounted for.
+comparison the benchmark measured beside its baseline, read by the `summary_rows(results)` function its script
+exports (benchmarks/bench_*.py, the rows `vpaged bench` prints, loaded through `suite.summary_rows`), and naming
+the machine, ISA and date it ran on: taken from the file, else from the machine tag of its name
+(`..._epyc-zen3-avx2-2c.json`); a file without a date says "date unknown". Files no reader reads are listed
+with their provenance, so each one is accounted for. Without a benchmarks/ folder beside the package (an
+installed wheel) the page cannot be generated: BenchmarkScriptError names the folder looked in.
 
     python -m vpaged.cli.numbers            # rewrites docs/numbers.md
     python -m vpaged.cli.numbers --check    # exit 1 when docs/numbers.md differs from the results
@@ -14,12 +16,14 @@ are listed with their provenance, so each one is accounted for.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import BenchmarkScriptError
 from . import suite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,17 +51,20 @@ def _vllm_elastic(d: dict) -> list[suite.Row]:
     ]
 
 
-# suite.py's readers, by the name of the benchmark they read.
-_READERS = {bench.name: bench.extract for bench in suite.SUITE}
+def _script_reader(bench: str) -> Callable[[dict], list[suite.Row]]:
+    """The rows of a suite benchmark's results, read by its script's summary_rows (found when a file is read,
+    not at import)."""
+    return functools.partial(suite.summary_rows, bench)
+
 
 # The file-name prefix of a results file -> the claim it backs and how its rows are read.
 CLAIMS: dict[str, tuple[str, Callable[[dict], list[suite.Row]]]] = {
-    "mapping": ("Mapping a page: vpaged against the bare system calls", _READERS["mapping"]),
-    "sharing": ("Sharing: fork, copy-on-write and swap against plain copies", _READERS["sharing"]),
-    "decode": ("Decode attention: vpaged against the copy floor and a block table", _READERS["decode"]),
-    "hf": ("transformers: VPagedCache against DynamicCache", _READERS["transformers"]),
-    "serve": ("Serving throughput: the engine against generate_batch and vLLM", _READERS["serving"]),
-    "elastic": ("A shared budget against a static split", _READERS["elastic"]),
+    "mapping": ("Mapping a page: vpaged against the bare system calls", _script_reader("mapping")),
+    "sharing": ("Sharing: fork, copy-on-write and swap against plain copies", _script_reader("sharing")),
+    "decode": ("Decode attention: vpaged against the copy floor and a block table", _script_reader("decode")),
+    "hf": ("transformers: VPagedCache against DynamicCache", _script_reader("transformers")),
+    "serve": ("Serving throughput: the engine against generate_batch and vLLM", _script_reader("serving")),
+    "elastic": ("A shared budget against a static split", _script_reader("elastic")),
     "vllm-plugin": ("The vLLM plugin: vLLM's CPU engine with the plugin on against off", _vllm_plugin),
     "vllm-elastic": ("Two vLLM engines on one shared budget against a static split", _vllm_elastic),
 }
@@ -130,8 +137,10 @@ def _rows(path: Path, data: dict) -> tuple[str | None, list[suite.Row]]:
         return None, []
     try:
         return prefix, claim[1](data)
+    except BenchmarkScriptError:
+        raise  # no script, or one whose summary_rows is missing or gives no rows: not a file of another shape
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError):
-        return None, []  # a file of another shape than the extractor reads: listed with the others
+        return None, []  # a file of another shape than the reader reads: listed with the others
 
 
 def render(results: Path = RESULTS) -> str:
@@ -194,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="results folder (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=PAGE, help="the page to write (default: %(default)s)")
     args = parser.parse_args(argv)
-    text = render(args.results)
+    try:
+        text = render(args.results)
+    except BenchmarkScriptError as e:
+        print(f"python -m vpaged.cli.numbers: {e}", file=sys.stderr)
+        return 2
     if args.check:
         if not args.out.is_file() or args.out.read_text() != text:
             print(f"{args.out} is not what the results generate: run python -m vpaged.cli.numbers", file=sys.stderr)

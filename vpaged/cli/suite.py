@@ -2,12 +2,19 @@
 writing its JSON into one results folder, then one table comparing vpaged with the baseline each script
 measures beside it (bare system calls, plain copies, block tables, transformers' caches, serving engines).
 
-The scripts stay the source of truth (each runs alone too); this module only runs them and reads the
-numbers back. A script that fails or is missing is reported as such; the others still run.
+The scripts stay the source of truth (each runs alone too): each writes its JSON and exports
+`summary_rows(results) -> list[dict]`, the comparisons that JSON holds (the fields of `Row`). This module only
+runs the scripts and collects those rows (`summary_rows` below; docs/numbers.md reads results through it too).
+A script that fails or is missing is reported as such; the others still run.
 """
 
 from __future__ import annotations
+import __future__
 
+import ast
+import builtins
+import dataclasses
+import functools
 import json
 import os
 import platform
@@ -18,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InvalidArgumentError
+from ..errors import BenchmarkScriptError, InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -37,219 +44,6 @@ class Row:
         return self.vpaged / self.baseline if self.baseline else float("nan")
 
 
-def _get(d, *keys, default=None):
-    for k in keys:
-        if isinstance(d, dict) and k in d:
-            d = d[k]
-        elif isinstance(d, list) and isinstance(k, int) and -len(d) <= k < len(d):
-            d = d[k]
-        else:
-            return default
-    return d
-
-
-def _mapping(d: dict) -> list[Row]:
-    rows = []
-    for m in d.get("mapping", []):
-        size = f"{m['page_size'] // 1024} KiB" if m["page_size"] < 1 << 20 else f"{m['page_size'] >> 20} MiB"
-        rows.append(
-            Row(
-                "mapping",
-                f"map + unmap one {size} page",
-                m["vpaged_1_us"],
-                m["raw_c_us"],
-                "bare syscalls (C++)",
-                "µs",
-                "lower",
-            )
-        )
-    ext = d.get("extend_256")
-    if ext:
-        rows.append(
-            Row(
-                "mapping",
-                "decode-step bookkeeping, 256 sequences",
-                ext["extend_many_us"],
-                ext["extend_loop_us"],
-                "256 extend() calls",
-                "µs",
-                "lower",
-            )
-        )
-    return rows
-
-
-def _sharing(d: dict) -> list[Row]:
-    rows = []
-    cow = d.get("cow")
-    if cow:
-        rows.append(
-            Row(
-                "sharing",
-                "copy-on-write of one page",
-                cow["cow_us_per_page"],
-                cow["plain_copy_us_per_page"],
-                "memcpy of the page",
-                "µs",
-                "lower",
-            )
-        )
-    swap = d.get("swap")
-    if swap:
-        rows.append(
-            Row("sharing", "swap out", swap["swap_out_GBps"], swap["plain_copy_GBps"], "plain copy", "GB/s", "higher")
-        )
-    for p in d.get("parallel_sampling", []):
-        rows.append(
-            Row(
-                "sharing",
-                f"parallel sampling n={p['n']}: KV memory",
-                p["shared_MiB"],
-                p["unshared_MiB"],
-                "without sharing",
-                "MiB",
-                "lower",
-            )
-        )
-    sp = d.get("system_prompt")
-    if sp:
-        rows.append(
-            Row(
-                "sharing",
-                f"{sp['requests']} requests, shared system prompt: KV memory",
-                sp["shared_MiB"],
-                sp["unshared_MiB"],
-                "without prefix cache",
-                "MiB",
-                "lower",
-            )
-        )
-    return rows
-
-
-def _decode(d: dict) -> list[Row]:
-    rows = []
-    for c in d.get("cells", []):
-        k = c.get("kernels", {})
-        cont, paged = _get(k, "contiguous", "median_ms"), _get(k, "paged", "median_ms")
-        if cont is None or paged is None:
-            continue
-        rows.append(
-            Row(
-                "decode",
-                f"{c.get('dtype')} {c.get('batch')} x {c.get('context')} tokens",
-                cont,
-                paged,
-                "block-table kernel",
-                "ms",
-                "lower",
-            )
-        )
-    return rows
-
-
-def _hf(d: dict) -> list[Row]:
-    by = {(r["kind"], r["context"]): r for r in d.get("decode", [])}
-    rows = []
-    for ctx in sorted({c for _, c in by}):
-        v = by.get(("vpaged", ctx))
-        for base in ("dynamic", "static"):
-            b = by.get((base, ctx))
-            if v and b:
-                rows.append(
-                    Row(
-                        "transformers",
-                        f"decode step at {ctx} tokens",
-                        v["step_ms"],
-                        b["step_ms"],
-                        f"{base.capitalize()}Cache",
-                        "ms",
-                        "lower",
-                    )
-                )
-    beam = {r["kind"]: r for r in d.get("beam", [])}
-    if "vpaged" in beam and "dynamic" in beam:
-        v, b = beam["vpaged"], beam["dynamic"]
-        rows.append(
-            Row(
-                "transformers",
-                f"beam search {v['beams']}x{v['context']}: reorder",
-                v["reorder_ms"],
-                b["reorder_ms"],
-                "DynamicCache",
-                "ms",
-                "lower",
-            )
-        )
-        rows.append(
-            Row(
-                "transformers",
-                f"beam search {v['beams']}x{v['context']}: peak KV",
-                v["peak_kv_mib"],
-                b["peak_kv_mib"],
-                "DynamicCache",
-                "MiB",
-                "lower",
-            )
-        )
-    return rows
-
-
-def _serve(d: dict) -> list[Row]:
-    """Serving (bench_serve.py's throughput section): output tokens/s of each engine KV backend against
-    transformers' generate_batch on the same requests, and kv=vpaged against vLLM's CPU engine when the run
-    had that row (--vllm-python). With --repeats, each row's median."""
-    tp = _get(d, "throughput", default={}) or {}
-    medians = tp.get("medians") or {}
-    if medians:
-        tps = {str(k): float(m["output_tokens_per_s"]) for k, m in medians.items() if m.get("output_tokens_per_s")}
-    else:
-        rows = tp.get("rows") or []
-        tps = {str(r.get("kv")): float(r["output_tokens_per_s"]) for r in rows if r.get("output_tokens_per_s")}
-    out = []
-    base = tps.get("generate_batch")
-    if base:
-        out += [
-            Row("serving", f"output tokens/s, engine kv={name}", value, base, "generate_batch", "tok/s", "higher")
-            for name, value in tps.items()
-            if name not in ("generate_batch", "vllm")
-        ]
-    if tps.get("vllm") and tps.get("vpaged"):
-        out.append(
-            Row(
-                "serving",
-                "output tokens/s, engine kv=vpaged",
-                tps["vpaged"],
-                tps["vllm"],
-                "vLLM CPU",
-                "tok/s",
-                "higher",
-            )
-        )
-    return out
-
-
-def _elastic(d: dict) -> list[Row]:
-    """bench_elastic.py: three engine processes on one shared budget against a static split of it."""
-    r = d.get("results", {})
-    st, sh = r.get("static"), r.get("shared")
-    if not (st and sh):
-        return []
-    rows = [Row("elastic", "TTFT p99, 3 engines, bursty", sh["ttft_p99"], st["ttft_p99"], "static split", "s", "lower")]
-    rows.append(
-        Row(
-            "elastic",
-            "output tokens/s, 3 engines, bursty",
-            sh["output_tokens_per_s"],
-            st["output_tokens_per_s"],
-            "static split",
-            "tok/s",
-            "higher",
-        )
-    )
-    return rows
-
-
 @dataclass(frozen=True)
 class Bench:
     name: str
@@ -257,25 +51,23 @@ class Bench:
     result: str
     quick: tuple[str, ...]
     full: tuple[str, ...]
-    extract: Callable[[dict], list[Row]]
     in_quick: bool = True
 
 
 SUITE = (
-    Bench("mapping", "bench_mapping.py", "mapping_cpu.json", ("--quick",), (), _mapping),
-    Bench("sharing", "bench_sharing.py", "sharing_cpu.json", ("--quick",), (), _sharing),
-    Bench("decode", "bench_decode.py", "decode_cpu.json", ("--quick", "--dtypes", "fp32"), (), _decode),
-    Bench("transformers", "bench_hf.py", "hf_cpu.json", ("--quick",), (), _hf, in_quick=False),
+    Bench("mapping", "bench_mapping.py", "mapping_cpu.json", ("--quick",), ()),
+    Bench("sharing", "bench_sharing.py", "sharing_cpu.json", ("--quick",), ()),
+    Bench("decode", "bench_decode.py", "decode_cpu.json", ("--quick", "--dtypes", "fp32"), ()),
+    Bench("transformers", "bench_hf.py", "hf_cpu.json", ("--quick",), (), in_quick=False),
     Bench(
         "serving",
         "bench_serve.py",
         "serve_cpu.json",
         ("--quick", "--output", "serve_cpu.json"),
         (),
-        _serve,
         in_quick=False,
     ),
-    Bench("elastic", "bench_elastic.py", "elastic_cpu.json", ("--quick",), (), _elastic, in_quick=False),
+    Bench("elastic", "bench_elastic.py", "elastic_cpu.json", ("--quick",), (), in_quick=False),
 )
 
 
@@ -284,11 +76,71 @@ def find_benchmarks(explicit: str | None) -> Path:
     # Absolute: the scripts run with this folder as their working directory (run_one).
     path = Path(explicit).expanduser().resolve() if explicit else Path(__file__).resolve().parents[2] / "benchmarks"
     if not (path / "common.py").is_file():
-        raise InvalidArgumentError(
+        raise BenchmarkScriptError(
             f"no benchmark scripts at {path}: `vpaged bench` runs the scripts of a source checkout's benchmarks/ "
             "folder; pass --benchmarks DIR"
         )
     return path
+
+
+SUMMARY = "summary_rows"
+ROW_FIELDS = frozenset(f.name for f in dataclasses.fields(Row))
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_summary(script: Path, mtime_ns: int) -> Callable[[dict], list[dict]]:
+    # Only the function is compiled, not the script: importing one runs its imports (bench_mapping.py builds
+    # the benchmark C++ extension, bench_hf.py and bench_serve.py load transformers and the engine: 40 s for
+    # the six on a 2-core box), which reading a results file does not need. So `summary_rows` uses builtins
+    # only. mtime_ns keys the cache: an edited script is compiled again.
+    del mtime_ns
+    tree = ast.parse(script.read_text(), filename=str(script))
+    found = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == SUMMARY]
+    if not found:
+        raise BenchmarkScriptError(f"{script} defines no {SUMMARY}(results) function: the suite reads its rows with it")
+    code = compile(
+        ast.Module(body=found[-1:], type_ignores=[]),
+        str(script),
+        "exec",
+        flags=__future__.annotations.compiler_flag,  # as the scripts are written: annotations stay unevaluated
+        dont_inherit=True,
+    )
+    namespace = {"__builtins__": builtins, "__name__": f"{script.stem}.{SUMMARY}"}
+    exec(code, namespace)
+    return namespace[SUMMARY]
+
+
+def summary_function(bench: Bench | str, bench_dir: Path | None = None) -> Callable[[dict], list[dict]]:
+    """The `summary_rows(results)` function of a benchmark's script (a SUITE entry or its name) in `bench_dir`
+    (default: the checkout's benchmarks/ folder), loaded without running the script."""
+    bench = _bench(bench)
+    script = (bench_dir if bench_dir is not None else find_benchmarks(None)) / bench.script
+    try:
+        mtime_ns = script.stat().st_mtime_ns
+    except OSError as e:
+        raise BenchmarkScriptError(f"no benchmark script {script} ({e.strerror})") from e
+    return _compiled_summary(script.resolve(), mtime_ns)
+
+
+def summary_rows(bench: Bench | str, results: dict, bench_dir: Path | None = None) -> list[Row]:
+    """The rows a benchmark's results hold, as its script's `summary_rows(results)` gives them."""
+    rows = []
+    for d in summary_function(bench, bench_dir)(results):
+        if not isinstance(d, dict) or set(d) != ROW_FIELDS:
+            raise BenchmarkScriptError(
+                f"{_bench(bench).script}'s {SUMMARY} gave {d!r}: each row must be a dict of {sorted(ROW_FIELDS)}"
+            )
+        rows.append(Row(**d))
+    return rows
+
+
+def _bench(bench: Bench | str) -> Bench:
+    if isinstance(bench, Bench):
+        return bench
+    known = {b.name: b for b in SUITE}
+    if bench not in known:
+        raise InvalidArgumentError(f"unknown benchmark {bench!r}; the suite has {', '.join(known)}")
+    return known[bench]
 
 
 def machine_facts() -> dict:
@@ -363,7 +215,13 @@ def run_one(
         data = json.loads((out_dir / bench.result).read_text())
     except (OSError, ValueError) as e:
         return Outcome(bench, f"no results ({e.__class__.__name__})", seconds, [], log)
-    return Outcome(bench, "ok", seconds, bench.extract(data), log)
+    try:
+        rows = summary_rows(bench, data, bench_dir)
+    except BenchmarkScriptError as e:
+        with log.open("a") as f:
+            print(f"vpaged bench: {e}", file=f)
+        return Outcome(bench, "no summary rows (see log)", seconds, [], log)
+    return Outcome(bench, "ok", seconds, rows, log)
 
 
 def select(names: str | None, quick: bool) -> list[Bench]:
