@@ -12,9 +12,11 @@ GET /metrics (Prometheus text: the engine's stats() and request counters), GET /
 Several models in one server: `serve({"a": engine_a, "b": engine_b})`, one engine thread each, requests
 routed by their `model` field (router.py).
 
-The parts, one file each: loop.py (EngineLoop, the thread that owns the engine), generation.py (one HTTP
-request's choices), metrics.py (the Prometheus text), app.py (the FastAPI app and its routes), router.py
-(the served models by name), model_metrics.py (/metrics of several), and this file:
+The parts, one concept each: loop.py (EngineLoop, the thread that owns the engine), generation.py (one HTTP
+request's choices), completion/ and chat/ (each endpoint's wire format in protocol.py, its handler in
+serving.py), common/ (what they share), streaming.py (SSE framing), served_model.py (one model's handlers),
+metrics.py (the Prometheus text), app.py (the FastAPI app and its routes), router.py (the served models by
+name), model_metrics.py (/metrics of several), and this file:
 running the app with uvicorn (serve, ServerThread). create_app, EngineLoop, ServerLimits and prometheus_text
 are importable from here too.
 
