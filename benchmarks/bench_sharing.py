@@ -203,7 +203,11 @@ def main():
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     repeats = 5 if args.quick else 11
-    res = {"machine": machine(), "geometry": {k: str(v) for k, v in GEOM.items()}, "page_size": 65536}
+    res = {
+        "machine": machine(),
+        "geometry": {k: str(getattr(GEOM, k)) for k in ("num_layers", "num_kv_heads", "head_dim", "dtype")},
+        "page_size": 65536,
+    }
     res["fork"] = fork_cost([64, 1000, 2000, 4000, 8000] if not args.quick else [64, 1000, 4000], repeats)
     print("fork + free of a sequence (median)")
     print_table(

@@ -8,6 +8,8 @@ import ast
 import json
 import os
 import shutil
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -273,3 +275,21 @@ def test_numbers_without_a_benchmarks_folder_names_the_folder(tmp_path, monkeypa
         numbers.render(results)
     assert numbers.main(["--check", "--results", str(results), "--out", str(tmp_path / "numbers.md")]) == 2
     assert f"no benchmark scripts at {tmp_path / 'site' / 'benchmarks'}" in capsys.readouterr().err
+
+
+def test_a_fresh_sharing_run_gives_its_summary_rows(tmp_path):
+    # bench_sharing.py's JSON kept its geometry record when GEOM became a KVGeometry (it called GEOM.items()
+    # and failed before writing anything); its quick run takes seconds.
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_sharing.py"), "--quick"],
+        cwd=BENCHMARKS,
+        env={**os.environ, "VPAGED_RESULTS_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "sharing_cpu.json").read_text())
+    assert data["geometry"] == {"num_layers": "8", "num_kv_heads": "8", "head_dim": "64", "dtype": "torch.bfloat16"}
+    rows = suite.summary_rows("sharing", data)
+    assert [(r.comparison, r.vpaged, r.baseline) for r in rows] == _sharing(data)
