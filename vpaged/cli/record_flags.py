@@ -1,7 +1,7 @@
 """Flags made from the fields of a record, and the record made back from the parsed flags.
 
 One field, one flag: its spelling, help, choices, unit and parser come from the field's metadata
-(vpaged.serve.options.option; the engine's fields: vpaged.serve.config.option and engine_flags.SPELLINGS), its
+(vpaged.serve.options.option, for the engine's fields too, with engine_flags.SPELLINGS for their spellings), its
 type from the annotation, and for an options record (ServerLimits, ServerOptions, WorkloadSpec, the commands'
 records in cli/command_options.py) its default from the field's default:
 

@@ -42,13 +42,9 @@ from ..kvcache.formats import MODEL_DTYPES, NAMES, KVFormat
 from ..kvcache.paged import BLOCK_SIZES
 from ..kvcache.virtual import LAYOUTS
 from ..memory.device import normalize_device
+from .options import option
 from .policies import PREEMPTION_POLICIES, SCHEDULING_POLICIES, check_policy_names
 from .stores.base import KV_KINDS
-
-
-def option(help: str, choices: tuple | None = None) -> dict:
-    """A field's metadata: what the option does (the CLI's --help shows it) and, for a closed set, its values."""
-    return {"help": help, "choices": choices}
 
 
 def _check_nonnegative_int(name: str, value) -> None:
