@@ -8,7 +8,7 @@ the other is idle). Reports time to first token (TTFT) p50/p99 per model and ove
 
 Each engine is a process of its own (this file with `--engine`), an in-process LLMEngine (VLLM_ENABLE_V1_
 MULTIPROCESSING=0) bound to one core (VLLM_CPU_OMP_THREADS_BIND=0 and =1: two cores, one each). Two copies
-of the tiny random Llama of tests/test_vllm_plugin.py, 32-token blocks of 64 KiB (set explicitly: vLLM's CPU
+of the tiny random Llama of tests/integrations/test_vllm_plugin.py, 32-token blocks of 64 KiB (set explicitly: vLLM's CPU
 default is 128 tokens, and the budget's bytes must be counted in the blocks the engines really use). Static: each engine
 gets budget_blocks / 2 blocks of its own (num_gpu_blocks_override), vpaged off. Shared: each engine's
 buffer is budget_blocks blocks (its ceiling), vpaged on with VPAGED_SHARED_BUDGET naming one budget of
@@ -163,7 +163,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vpaged_elastic_"))
     for which in (0, 1):
         subprocess.run(
-            [sys.executable, str(ROOT / "tests" / "test_vllm_plugin.py"), "model", f"{work}/m{which}"], check=True
+            [sys.executable, str(ROOT / "tests" / "integrations" / "test_vllm_plugin.py"), "model", f"{work}/m{which}"],
+            check=True,
         )
     arrivals = schedule(args.bursts, args.burst_requests, args.rate, args.gap_s, args.seed)
     (work / "arrivals.json").write_text(json.dumps(arrivals))

@@ -11,7 +11,7 @@ its VmRSS (/proc/self/status) and vpaged's mapped KV bytes are sampled every 100
 bursts of --requests requests (fresh random prompts each), each followed by --idle-s seconds of idle;
 throughput is the median over its bursts and the figure is the median over rounds. "Fall" is the time from
 a burst's end until RSS is back within 10 % of that burst's rise (plus 4 MiB of allocator noise). Writes
-<out>.json and <out>.svg. Without --model it builds the tiny random Llama of tests/test_vllm_plugin.py.
+<out>.json and <out>.svg. Without --model it builds the tiny random Llama of tests/integrations/test_vllm_plugin.py.
 """
 
 from __future__ import annotations
@@ -207,7 +207,9 @@ def main() -> None:
     model = args.model
     if model is None:
         model = tempfile.mkdtemp(prefix="vpaged_tiny_llama_")
-        subprocess.run([sys.executable, str(ROOT / "tests" / "test_vllm_plugin.py"), "model", model], check=True)
+        subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "integrations" / "test_vllm_plugin.py"), "model", model], check=True
+        )
     rounds = []
     for _ in range(args.rounds):
         runs = {}

@@ -40,7 +40,7 @@
 #            served through the CLI, one completion asked of it over HTTP)
 #
 # and its CAP comes out of the budget: the caps must add up to at most GPU_CHECK_BUDGET_S minus 15 s (the
-# report) minus 20 s (the environment probe, which runs before the stages), which tests/test_gpu_check.py
+# report) minus 20 s (the environment probe, which runs before the stages), which tests/project/test_gpu_check.py
 # checks; update the table of CAPS below with it. Lower another cap or raise the budget only if the whole run
 # still fits the device time (README: "GPU check"). Every test file that uses the gpu mark must have a stage
 # (also checked there).
@@ -247,12 +247,12 @@ stage() {
 
 stage build 75 gpu build_in_place
 stage probe 10 gpu vpaged_probe
-stage test:cuda_backend 20 vmm 'pytest_file tests/test_cuda_backend.py'
-stage test:decode_quant 35 gpu 'pytest_file tests/test_decode_quant_kernel.py'
-stage test:decode_kernels 30 gpu 'pytest_file tests/test_decode_kernels.py'
-stage test:torch_allocator 25 vmm 'pytest_file tests/test_torch_allocator_gpu.py'
-stage test:cuda_cache 20 vmm 'pytest_file tests/test_cuda_cache.py'
-stage test:serve_engine 35 vmm 'pytest_file tests/test_serve_engine_gpu.py'
+stage test:cuda_backend 20 vmm 'pytest_file tests/memory/test_cuda_backend.py'
+stage test:decode_quant 35 gpu 'pytest_file tests/ops/test_decode_quant_kernel.py'
+stage test:decode_kernels 30 gpu 'pytest_file tests/ops/test_decode_kernels.py'
+stage test:torch_allocator 25 vmm 'pytest_file tests/memory/test_torch_allocator_gpu.py'
+stage test:cuda_cache 20 vmm 'pytest_file tests/kvcache/test_cuda_cache.py'
+stage test:serve_engine 35 vmm 'pytest_file tests/serve/test_serve_engine_gpu.py'
 stage serve:cli 30 vmm serve_request
 stage bench:vmm_cuda 10 vmm 'bench benchmarks/bench_vmm_cuda.py --quick'
 stage bench:decode 15 vmm 'bench benchmarks/bench_decode.py --quick --device cuda'

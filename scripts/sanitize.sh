@@ -83,9 +83,9 @@ export PYTHONPATH="$OUT/pkg${PYTHONPATH:+:$PYTHONPATH}"
 cd "$OUT"
 "$PY" -c "import vpaged._C as C; assert C.__file__.startswith('$OUT/pkg'), C.__file__; print('==> testing', C.__file__)"
 T="$ROOT/tests"
-"$PY" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$T/test_range.py" "$T/test_cache.py" "$T/test_cache_parts.py" \
-  "$T/test_sharing.py" "$T/test_sharing_stateful.py" "$T/test_regressions.py" "$T/test_reliability.py" \
-  "$T/test_cuda_backend_fake.py" "$T/test_paged_cache.py" "$T/test_write_kv.py" "$T/test_decode_kernels.py" \
-  "$T/test_decode_paged_steps.py" "$T/test_fused_ops.py" "$T/test_pool_keep_freed.py" \
-  "$T/test_budget_ledger_faults.py" "$T/test_shared_budget.py" "$@"
+"$PY" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$T/memory/test_range.py" "$T/kvcache/test_cache.py" "$T/kvcache/test_cache_parts.py" \
+  "$T/kvcache/test_sharing.py" "$T/kvcache/test_sharing_stateful.py" "$T/kvcache/test_regressions.py" "$T/kvcache/test_reliability.py" \
+  "$T/memory/test_cuda_backend_fake.py" "$T/kvcache/test_paged_cache.py" "$T/ops/test_write_kv.py" "$T/ops/test_decode_kernels.py" \
+  "$T/ops/test_decode_paged_steps.py" "$T/ops/test_fused_ops.py" "$T/memory/test_pool_keep_freed.py" \
+  "$T/memory/test_budget_ledger_faults.py" "$T/memory/test_shared_budget.py" "$@"
 echo "==> sanitizers clean ($(($(date +%s) - START)) s in all)"

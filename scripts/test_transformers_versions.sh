@@ -20,9 +20,9 @@ if [ ${#VERSIONS[@]} -eq 0 ]; then
   read -r -a VERSIONS <<< "${VPAGED_HF_VERSIONS:-5.17.0 5.24.0}"
 fi
 # The serving tests too: the engine's greedy tokens against generate()'s on each release.
-TESTS=(tests/test_hf.py tests/test_hf_models.py tests/test_hf_compat.py tests/test_examples.py tests/test_cli.py
-  tests/test_serve_engine.py tests/test_cli_serve.py tests/test_serve_server.py tests/test_serve_stores.py
-  tests/test_prefix_geometry.py tests/test_decode_support.py)
+TESTS=(tests/hf/test_hf.py tests/hf/test_hf_models.py tests/hf/test_hf_compat.py tests/project/test_examples.py tests/cli/test_cli.py
+  tests/serve/test_serve_engine.py tests/cli/test_cli_serve.py tests/serve/test_serve_server.py tests/serve/test_serve_stores.py
+  tests/kvcache/test_prefix_geometry.py tests/ops/test_decode_support.py)
 BASE_PY="$("$BASE/bin/python" -c 'import sys; print(sys._base_executable)')"
 BASE_SITE="$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 

@@ -1,4 +1,4 @@
-"""A member process of a shared budget, driven line by line on stdin (tests/test_shared_budget_procs.py).
+"""A member process of a shared budget, driven line by line on stdin (tests/memory/test_shared_budget_procs.py).
 
 Commands (one per line; each answers one JSON line on stdout):
   join NAME [MIN_BYTES] [PAGE_SIZE]   a VirtualKVCache on a private pool in budget NAME

@@ -1,5 +1,6 @@
+"""Fixtures every area of the tests shares; each area's own are in tests/<area>/conftest.py."""
+
 import os
-import time
 
 import pytest
 import torch
@@ -13,29 +14,12 @@ def rng():
     return torch.Generator().manual_seed(seed)
 
 
-def wait_until(cond, timeout: float) -> bool:
-    """Poll cond every 20 ms until it holds or timeout seconds pass; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def mapping_count() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for _ in f)
-
-
-def address_is_mapped(addr: int) -> bool:
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= addr < hi:
-                return True
-    return False
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread: on a loaded machine OpenMP threads waiting on each other make tiny models many
+    times slower, and nothing in the tests measures speed. Autouse for every module of tests/serve and
+    tests/cli (their conftest.py); other modules ask for it by name."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

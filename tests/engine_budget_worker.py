@@ -1,4 +1,4 @@
-"""An engine process in a shared budget that keeps submitting requests (tests/test_shared_budget_fair.py).
+"""An engine process in a shared budget that keeps submitting requests (tests/serve/test_shared_budget_fair.py).
 
     python engine_budget_worker.py BUDGET SEED MAX_TOKENS
 

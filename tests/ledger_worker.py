@@ -1,4 +1,4 @@
-"""Member processes of a shared budget's ledger for the fault tests (tests/test_budget_ledger_faults.py) and
+"""Member processes of a shared budget's ledger for the fault tests (tests/memory/test_budget_ledger_faults.py) and
 benchmarks/stress_budget.py. No pool, no torch: members call the ledger directly, as fast as they can.
 
   python ledger_worker.py loop NAME SEED [SECONDS]

@@ -1,5 +1,5 @@
 """Helpers of the server and CLI tests: a random-weight model saved with a small local tokenizer (no network),
-a greedy reference from transformers' own generate(), and the fixture that runs torch on one thread."""
+a greedy reference from transformers' own generate() (the one-thread fixture is in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,6 @@ WORDS = (
     "light dark red blue green small large quick slow old new runs jumps sees eats finds makes holds "
     "gives takes sleeps sings over under near far here there now later today always never"
 ).split()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a loaded machine OpenMP threads waiting on each other make tiny models many
-    times slower, and nothing here measures speed. Autouse in every module that imports it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def option_of(config, name: str):

@@ -4,7 +4,7 @@ Every field of SchedulerConfig, of each kind's StoreConfig, of ModelConfig, Para
 own is a flag named after it (max_num_seqs: --max-num-seqs), with the help and the choices of the field's
 metadata (vpaged/serve/config.py). SPELLINGS keeps the names of earlier releases where they differ
 (--kv-budget-mib in MiB, --no-prefix-caching); NOT_FLAGS lists the fields left out, and why.
-tests/test_cli_engine_flags.py checks that every field has a flag and every flag a field.
+tests/cli/test_cli_engine_flags.py checks that every field has a flag and every flag a field.
 
 A flag not given leaves the config's default. A store flag of another kind than --kv (say --block-size with
 --kv vpaged) is refused: it would change nothing.

@@ -155,7 +155,7 @@ def __getattr__(name: str):
 # the same name made it (register_attention's `mask`); output [B, Tq, heads, D], weights or None. This is the
 # same in every supported release. What differs:
 #   - **kwargs: Llama and Mistral pass position_ids and use_cache (and sliding_window for sliding layers) in
-#     both 5.17 and 5.24 (tests/test_hf_compat.py records them); other models add their own (is_causal,
+#     both 5.17 and 5.24 (tests/hf/test_hf_compat.py records them); other models add their own (is_causal,
 #     softcap, s_aux, position_bias). A function must take **kwargs and read what it needs with .get().
 #   - transformers' own sdpa_attention_forward, for a function that delegates to it: named parameters
 #     is_causal and position_bias in 5.17-5.24, plus `cache` (the continuous-batching PagedAttentionCache)

@@ -25,7 +25,7 @@ weight is for inference, training sees the plain layer. The cost is memory: the 
 plain weight, which state_dict() must keep returning.
 
 torch's ops are private: they are named in one place, `packed_linear_ops()`, which says whether they exist
-here, and tests/test_prepack.py checks them against F.linear on the installed torch.
+here, and tests/hf/test_prepack.py checks them against F.linear on the installed torch.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ AnyCacheConfig = VirtualCacheConfig | PagedCacheConfig
 @runtime_checkable
 class KVCache(Protocol):
     """The operations every vpaged KV cache offers (VirtualKVCache, PagedKVCache). Each member's signature is
-    the caches' own, annotations included: tests/test_kvcache_protocol.py compares them with every cache. The
+    the caches' own, annotations included: tests/kvcache/test_kvcache_protocol.py compares them with every cache. The
     geometry's fields (num_layers, num_kv_heads, head_dim, v_head_dim, dtype, kv_dtype) are read from
     `geometry`; KVCacheBase also keeps them as attributes of the cache."""
 
@@ -70,7 +70,7 @@ class KVCache(Protocol):
 
 def is_kvcache(obj) -> bool:
     """isinstance(obj, KVCache): any object that implements the protocol. The caches built on KVCacheBase
-    pass at once (tests/test_kvcache_protocol.py checks their members and signatures): a runtime protocol
+    pass at once (tests/kvcache/test_kvcache_protocol.py checks their members and signatures): a runtime protocol
     check walks every member on each call, 0.6-0.9 ms here on Python 3.11, too much for once per step."""
     return isinstance(obj, KVCacheBase) or isinstance(obj, KVCache)
 

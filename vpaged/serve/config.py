@@ -23,7 +23,7 @@ engine asks `config.for_model_dtype(model.dtype)` once it has loaded the model).
 
 To add an option: a field with `metadata=option("help text")` on the part it belongs to (a scheduling policy
 goes on SchedulerConfig), checked in that part's __post_init__. The flat form and `vpaged serve`'s flags
-(vpaged/cli/engine_flags.py, from these fields) pick it up; tests/test_cli_engine_flags.py checks that.
+(vpaged/cli/engine_flags.py, from these fields) pick it up; tests/cli/test_cli_engine_flags.py checks that.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ it to the other ranks' stores, dispatching on the record's type, before their fo
 Which calls are recorded is not a list kept here by hand: the KVStore protocol marks the methods that change a
 store (@mutates, stores/base.py), OPERATIONS has one record type per marked method, and every other protocol
 method is in NOT_MIRRORED with the reason it need not travel. mirror_gaps() says what is missing
-(tests/test_serve_tp_messages.py asserts it is nothing), so a new mutating method cannot go unmirrored.
+(tests/serve/test_serve_tp_messages.py asserts it is nothing), so a new mutating method cannot go unmirrored.
 
 Handles are the cache's own sequence ids: a replica maps rank 0's handles to its own rather than assuming
 they agree. An allocation whose prefix hit differs from rank 0's means the caches went out of step: that

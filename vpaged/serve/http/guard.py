@@ -116,7 +116,7 @@ class ServerLimits:
 
 
 # JSON bytes per token of an answer, a little over what SmolLM2's and the word tokenizer's answers measured
-# (tests/test_serve_limits.py checks answers against the estimate): the token's text and its id; with logprobs,
+# (tests/serve/test_serve_limits.py checks answers against the estimate): the token's text and its id; with logprobs,
 # each entry of a completion (a "text": logprob pair, and the token's own tokens / token_logprobs / text_offset
 # items), or of a chat answer ({"token", "logprob", "bytes"}); and a streamed chunk's envelope. Plus what an
 # answer holds however short: its envelope (id, usage, ...) and each choice's (index, finish_reason, ...).

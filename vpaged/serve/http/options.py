@@ -11,7 +11,7 @@ from ..options import option
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # uvicorn's
 # The keys of tools.PARSERS, named here so that the CLI builds its flags without the server's dependencies
-# (tools.py needs pydantic); tests/test_cli_record_flags.py checks that the two agree.
+# (tools.py needs pydantic); tests/cli/test_cli_record_flags.py checks that the two agree.
 TOOL_CALL_PARSERS = ("hermes",)
 
 

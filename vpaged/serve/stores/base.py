@@ -213,8 +213,8 @@ def mutating_methods(protocol) -> tuple[str, ...]:
 
 
 # The methods and attributes every store must have: KVStore's own members, read from the protocol so that a
-# member added to it is checked too (tests/test_serve_stores.py); and the methods that change a store, which a
-# tensor-parallel engine mirrors on every rank (tests/test_serve_tp_messages.py).
+# member added to it is checked too (tests/serve/test_serve_stores.py); and the methods that change a store, which a
+# tensor-parallel engine mirrors on every rank (tests/serve/test_serve_tp_messages.py).
 KVSTORE_METHODS = protocol_methods(KVStore)
 KVSTORE_ATTRIBUTES = tuple(KVStore.__annotations__)
 KVSTORE_MUTATING = mutating_methods(KVStore)

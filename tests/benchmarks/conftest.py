@@ -1,0 +1,1 @@
+"""Tests of the benchmark scripts under benchmarks/ and what they report."""

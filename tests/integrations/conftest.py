@@ -1,0 +1,1 @@
+"""Tests of the vLLM plugin (vpaged/integrations/)."""

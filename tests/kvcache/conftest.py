@@ -1,0 +1,1 @@
+"""Tests of VirtualKVCache, PagedKVCache, their records, eviction and the KVCache protocol (vpaged/kvcache/)."""

@@ -1,0 +1,1 @@
+"""Tests of the decode kernels, their plans, write_kv and the fused CPU ops (vpaged/ops/)."""

@@ -1,0 +1,1 @@
+"""Tests of the KV-memory simulator (vpaged/sim/)."""
