@@ -5,7 +5,7 @@ into it on demand, so the KV of a sequence is an ordinary strided torch tensor t
 kernels read unchanged.
 
 The package face: the names below are what users import from `vpaged`; the layers live in subpackages
-(memory, kvcache, ops, hf, serve, sim, cli; see ARCHITECTURE.md).
+(memory, kvcache, ops, hf, serve, sim, cli; see docs/architecture.md).
 """
 
 from .errors import (

@@ -1,4 +1,4 @@
-"""Every repository path README.md, docs/*.md, ARCHITECTURE.md and benchmarks/NOTES.md mention exists.
+"""Every repository path README.md, docs/*.md and benchmarks/NOTES.md mention exists.
 
 A path is a mention starting with one of the top-level folders below (`benchmarks/results/x.json`,
 `vpaged/ops/`, `scripts/gpu_check.sh`), backticked or plain. Trailing punctuation is not part of it, nor is a
@@ -19,7 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TOP = ("benchmarks", "vpaged", "csrc", "scripts", "tests", "examples")
 DOCS = {
     "README.md": {},
-    "ARCHITECTURE.md": {},
     "benchmarks/NOTES.md": {"results": "benchmarks/results"},
     # The docs pages name repository paths from the root too (and link to them with ../).
     **{str(p.relative_to(ROOT)): {} for p in sorted((ROOT / "docs").glob("*.md"))},
