@@ -17,7 +17,6 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from .checks import check_positive_int
 from .config import PagedCacheConfig, VirtualCacheConfig
 from .formats import QuantizedKV, check_scales
 from .geometry import KVGeometry
@@ -78,12 +77,10 @@ def is_kvcache(obj) -> bool:
 class KVCacheBase:
     geometry: KVGeometry
 
-    def _init_shape(self, geometry: KVGeometry, max_seqs: int, max_seq_len: int, kv_scales=None) -> None:
-        # The geometry arrives checked (kvcache/geometry.py: check_cache_args); only the sequence limits and the
-        # scales are checked here.
+    def _init_shape(self, geometry: KVGeometry, config: AnyCacheConfig) -> None:
+        # Both arrive checked (kvcache/geometry.py: check_cache_args; the record's own __post_init__: the
+        # sequence limits); only the scales, which need the geometry's layers and format, are checked here.
         self.geometry = geometry
-        check_positive_int("max_seqs", max_seqs)
-        check_positive_int("max_seq_len", max_seq_len)
         self.num_layers, self.num_kv_heads, self.head_dim = (
             geometry.num_layers,
             geometry.num_kv_heads,
@@ -94,8 +91,8 @@ class KVCacheBase:
         self.kv_dtype = geometry.kv_dtype  # what is stored: dtype, or a quantized format (kvcache/formats.py)
         self.kv_format = geometry.format
         # fp8: each layer's (K, V) scales, [num_layers, 2] float32 (NaN: calibrated by the layer's first write).
-        self.kv_scales = check_scales(kv_scales, geometry.num_layers, self.kv_format)
-        self.max_seqs, self.max_seq_len = max_seqs, max_seq_len
+        self.kv_scales = check_scales(config.kv_scales, geometry.num_layers, self.kv_format)
+        self.max_seqs, self.max_seq_len = config.max_seqs, config.max_seq_len
         # layer -> the kernel plan vpaged.ops built for it (ops/plans.py); emptied by close().
         self.kernel_plans: dict = {}
 

@@ -50,7 +50,7 @@ class PagedKVCache(KVCacheBase):
     def __init__(self, geometry: KVGeometry, config: PagedCacheConfig):
         geometry, config = check_cache_args(self, geometry, config, PagedCacheConfig)
         self.config = c = config
-        self._init_shape(geometry, c.max_seqs, c.max_seq_len, c.kv_scales)
+        self._init_shape(geometry, c)
         self.device = normalize_device(c.device)
         self.block_size = block_size = c.block_size
         num_blocks = c.num_blocks if c.num_blocks is not None else int(c.capacity_bytes) // self.block_bytes

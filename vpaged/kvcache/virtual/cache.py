@@ -88,7 +88,7 @@ class VirtualKVCache(KVCacheBase):
         # Policies first: a bad name raises before anything is created.
         self.eviction_policy = resolve_eviction_policy(config.eviction_policy)
         self.reclaim_order = resolve_reclaim_order(config.reclaim_order)
-        self._init_shape(geometry, config.max_seqs, config.max_seq_len, config.kv_scales)
+        self._init_shape(geometry, config)
         c = config
         budget = dict(shared_budget=c.shared_budget, min_bytes=c.min_bytes, member_name=c.member_name)
         self.device, self.pool = resolve_pool(c.device, pool, c.capacity_bytes, c.page_size, **budget)
