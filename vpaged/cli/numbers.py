@@ -89,29 +89,24 @@ class Provenance:
     load: str  # the 1-minute load average when the run began: a busy box's figures are not a quiet one's
 
 
-def _find(d, keys: tuple[str, ...], depth: int = 0):
-    """The first scalar value under one of `keys`, searched breadth-first a few levels into the file."""
+def _is_scalar(v) -> bool:
+    return isinstance(v, str | int | float) and not isinstance(v, bool)
+
+
+def _is_numbers(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, int | float) for x in v)
+
+
+def _find(d, keys: tuple[str, ...], accept=_is_scalar, depth: int = 0):
+    """The first value `accept` takes under one of `keys`, searched breadth-first a few levels into the file
+    (a scalar by default)."""
     if depth > 3 or not isinstance(d, dict):
         return None
     for k in keys:
-        if k in d and isinstance(d[k], str | int | float) and not isinstance(d[k], bool):
+        if k in d and accept(d[k]):
             return d[k]
     for v in d.values():
-        found = _find(v, keys, depth + 1)
-        if found is not None:
-            return found
-    return None
-
-
-def _find_list(d, key: str, depth: int = 0) -> list | None:
-    """The first list of numbers under `key`, a few levels into the file."""
-    if depth > 3 or not isinstance(d, dict):
-        return None
-    value = d.get(key)
-    if isinstance(value, list) and value and all(isinstance(x, int | float) for x in value):
-        return value
-    for v in d.values():
-        found = _find_list(v, key, depth + 1)
+        found = _find(v, keys, accept, depth + 1)
         if found is not None:
             return found
     return None
@@ -136,7 +131,7 @@ def provenance(path: Path, data: dict) -> Provenance:
     date = str(date)[:10] if date else "date unknown"
     load = _find(data, ("load_average_1min", "load_1min"))
     if load is None:  # bench_elastic.py records os.getloadavg(): (1, 5, 15 minutes)
-        averages = _find_list(data, "load_average")
+        averages = _find(data, ("load_average",), _is_numbers)
         load = averages[0] if averages else None
     load = f"{float(load):.1f}" if isinstance(load, int | float) else "load unknown"
     return Provenance(machine, str(isa), date, load)
