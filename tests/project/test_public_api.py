@@ -64,6 +64,7 @@ PUBLIC = {
     ],
     "vpaged.hf": [
         "VPagedCache",
+        "VPagedCacheConfig",
         "VPagedLayer",
         "KVGroup",
         "WindowGroup",

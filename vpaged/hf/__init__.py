@@ -17,6 +17,7 @@ from .autoregister import register_when_transformers_loads
 _NAMES = {
     "VPagedCache": "cache",
     "VPagedLayer": "cache",
+    "VPagedCacheConfig": "cache_config",
     "KVGroup": "groups",
     "WindowGroup": "groups",
     "cache_keyword": "compat",

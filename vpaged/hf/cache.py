@@ -42,13 +42,12 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..errors import DTypeError, InvalidArgumentError, ShapeError
+from ..errors import InvalidArgumentError, ShapeError
 from ..kvcache import CacheStats, VirtualKVCache
-from ..kvcache.checks import check_positive_int
-from ..kvcache.formats import KVFormat
 from ..kvcache.geometry import KVGeometry
 from ..memory.device import normalize_device
 from ..memory.pool import PagePool, resolve_pool
+from .cache_config import VPagedCacheConfig
 from .compat import CacheBase, cache_keyword, cache_kwargs, layer_plan, register_attention, support_status  # noqa: F401
 from .config import ATTENTION_TYPES, config_dtype, layer_kinds
 from .groups import KVGroup, WindowGroup
@@ -147,32 +146,20 @@ class VPagedLayer(CacheLayerMixin):
 class VPagedCache(CacheBase):
     """A transformers Cache backed by VirtualKVCaches (one sequence per batch row).
 
+        VPagedCache(model.config, max_cache_len=4096, capacity_bytes=2 << 30)          # keywords fill the record
+        VPagedCache(model.config, VPagedCacheConfig(max_cache_len=4096, layout="per_layer"), pool=pool)
+
     Args:
         config: the model config (PreTrainedConfig): gives the layers and their kinds (layer_types) and the
             dtype. May be None when a geometry is given (then every layer is a full-attention layer).
-        max_cache_len: tokens a row may hold (prompt + generated); going past it raises SequenceTooLongError.
-        max_batch_size: rows the cache may hold at once (default: the batch of the first forward). Give it
-            when batch_repeat_interleave() is to grow the batch.
-        capacity_bytes: memory budget of a private page pool; running out raises OutOfPagesError.
-        pool: a PagePool to share with other caches (instead of capacity_bytes). Neither: the device's
-            default pool.
-        shared_budget: the name of a machine-wide budget (vpaged.memory.SharedBudget) the private pool joins;
-            capacity_bytes (default: the budget's capacity) is then its ceiling.
-        layout: "head_major" (default: each head's K/V dense, the [B, H, T, D] transformers' attention reads
-            fastest; a page per head at each page boundary), "per_layer" (dense [T, H, D] per layer: finer
-            pages, attention on a strided view) or "interleaved" (all layers of a token side by side:
-            finest pages, one map per page for all layers). See benchmarks/NOTES.md for measurements.
-        dtype, device: of K/V; default: the config's dtype, and the dtype/device of the first K/V seen.
-        page_size: bytes per page of a private or default pool.
+        cache_config: a VPagedCacheConfig (vpaged/hf/cache_config.py: max_cache_len, max_batch_size, device,
+            capacity_bytes, page_size, shared_budget, layout, share_prefill, bounded_sliding, dtype, kv_dtype,
+            kv_scales), or its fields as keyword options instead: the record is made from them and checks them.
         geometry: a KVGeometry, when the K/V are known up front (without a config it gives the layers); the
             model's K/V must then match it (ShapeError otherwise), and its dtype / kv_dtype are the cache's (not
-            given again). Without one, the heads and head sizes are read from the first K/V.
-        share_prefill: store identical prompt rows once (see the module docstring).
-        bounded_sliding: hold only the window (plus one page of tokens) of each sliding-window layer per row,
-            instead of every token; tokens generated are the same as with transformers' sliding cache.
-        kv_dtype, kv_scales: store K/V quantized (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2 or
-            "int8" / "fp8" / "fp8_e5m2"; fp8 scales: a float, (k, v), [layers, 2] or "calibrate"), as
-            VirtualKVCache does: layers attend over the dequantized stored K/V (not with bounded_sliding).
+            given again in the record). Without one, the heads and head sizes are read from the first K/V.
+        pool: a PagePool to share with other caches (instead of capacity_bytes / shared_budget). Neither: the
+            device's default pool.
 
     The VirtualKVCaches are created at the first update of a layer of their kind, when batch size, geometry,
     dtype and device are known, and released by reset() / close() or when the cache is dropped.
@@ -181,22 +168,20 @@ class VPagedCache(CacheBase):
     def __init__(
         self,
         config=None,
+        cache_config: VPagedCacheConfig | None = None,
         *,
-        max_cache_len: int,
-        max_batch_size: int | None = None,
-        capacity_bytes: int | None = None,
-        pool: PagePool | None = None,
-        layout: str = "head_major",
-        dtype: torch.dtype | None = None,
-        device=None,
-        page_size: int | None = None,
         geometry: KVGeometry | None = None,
-        share_prefill: bool = True,
-        bounded_sliding: bool = False,
-        kv_dtype=None,
-        kv_scales=None,
-        shared_budget=None,
+        pool: PagePool | None = None,
+        **options,
     ):
+        if cache_config is None:
+            cache_config = VPagedCacheConfig.from_options("VPagedCache", options)
+        elif options:
+            raise InvalidArgumentError(f"give either a VPagedCacheConfig or its fields {sorted(options)}, not both")
+        elif not isinstance(cache_config, VPagedCacheConfig):
+            raise InvalidArgumentError(f"cache_config must be a VPagedCacheConfig, got {type(cache_config).__name__}")
+        cc = cache_config
+        dtype, kv_dtype = cc.dtype, cc.kv_dtype
         num_kv_heads = head_dim = v_head_dim = None
         if geometry is not None:
             if not isinstance(geometry, KVGeometry):
@@ -215,43 +200,37 @@ class VPagedCache(CacheBase):
             raise InvalidArgumentError("give a model config, or a KVGeometry (then every layer is full attention)")
         else:
             plan = [("full_attention", {})] * geometry.num_layers
-        check_positive_int("max_cache_len", max_cache_len)
-        if max_batch_size is not None:
-            check_positive_int("max_batch_size", max_batch_size)
-        if pool is not None and (capacity_bytes is not None or shared_budget is not None):
+        if pool is not None and (cc.capacity_bytes is not None or cc.shared_budget is not None):
             raise InvalidArgumentError("give either pool or capacity_bytes / shared_budget, not both")
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise DTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        device = normalize_device(device) if device is not None else (pool.device if pool else None)
+        device = normalize_device(cc.device) if cc.device is not None else (pool.device if pool else None)
         if pool is not None and device != pool.device:
             raise InvalidArgumentError(f"pool is on {pool.device}, device is {device}")
-        if kv_dtype is not None:
-            KVFormat(dtype or torch.float32, kv_dtype)  # DTypeError now, not at the first forward
+        self.cache_config = cc
         self._plan = plan
-        self.max_cache_len = max_cache_len
-        self.max_batch_size = max_batch_size
-        self.layout = layout
+        self.max_cache_len = cc.max_cache_len
+        self.max_batch_size = cc.max_batch_size
+        self.layout = cc.layout
         self.dtype = dtype
         self.device = device
-        self.page_size = page_size
-        self.share_prefill = share_prefill
-        self.bounded_sliding = bool(bounded_sliding)
-        self._capacity_bytes = capacity_bytes
-        self._shared_budget = shared_budget
+        self.page_size = cc.page_size
+        self.share_prefill = cc.share_prefill
+        self.bounded_sliding = cc.bounded_sliding
+        self._capacity_bytes = cc.capacity_bytes
+        self._shared_budget = cc.shared_budget
         self._pool = pool
         common = dict(
-            max_len=max_cache_len,
-            max_batch_size=max_batch_size,
-            layout=layout,
+            max_len=cc.max_cache_len,
+            max_batch_size=cc.max_batch_size,
+            layout=cc.layout,
             dtype=dtype,
             device=device,
-            page_size=page_size,
+            page_size=cc.page_size,
             pool_for=self._pool_for,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             v_head_dim=v_head_dim,
             kv_dtype=kv_dtype,
-            kv_scales=kv_scales,
+            kv_scales=cc.kv_scales,
         )
         self.kv_dtype = kv_dtype
         windowed = [
@@ -265,7 +244,7 @@ class VPagedCache(CacheBase):
             raise InvalidArgumentError(f"bounded_sliding: the sliding layers have different windows {sorted(windows)}")
         self._groups: list[KVGroup] = []
         if full:
-            self._groups.append(KVGroup(full, share_prefill=share_prefill, **common))
+            self._groups.append(KVGroup(full, share_prefill=self.share_prefill, **common))
         if windowed:
             self._groups.append(WindowGroup(windowed, window=int(windows.pop()), **common))
         self._group_of = {layer: g for g in self._groups for layer in g.layers}

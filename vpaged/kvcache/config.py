@@ -29,12 +29,12 @@ BLOCK_SIZES = (8, 16, 32)  # tokens per block the paged decode kernels take
 LAYOUTS = ("per_layer", "interleaved", "head_major")  # of a VirtualKVCache: kvcache/virtual/layout.py
 
 
-def _check_optional_bytes(name: str, value) -> None:
+def check_optional_bytes(name: str, value) -> None:
     if value is not None and (not is_int(value) or value <= 0):
         raise InvalidArgumentError(f"{name} must be a positive int of bytes or None, got {value!r}")
 
 
-def _check_budget(shared_budget, min_bytes, member_name) -> None:
+def check_budget(shared_budget, min_bytes, member_name) -> None:
     if shared_budget is not None and not isinstance(shared_budget, (str, SharedBudget)):
         raise InvalidArgumentError(
             f"shared_budget must be a budget's name or a SharedBudget, got {type(shared_budget).__name__}"
@@ -89,13 +89,13 @@ class VirtualCacheConfig:
     def __post_init__(self):
         check_positive_int("max_seqs", self.max_seqs)
         check_positive_int("max_seq_len", self.max_seq_len)
-        _check_optional_bytes("capacity_bytes", self.capacity_bytes)
-        _check_optional_bytes("page_size", self.page_size)
+        check_optional_bytes("capacity_bytes", self.capacity_bytes)
+        check_optional_bytes("page_size", self.page_size)
         if not is_int(self.swap_bytes) or self.swap_bytes < 0:
             raise InvalidArgumentError(f"swap_bytes must be an int >= 0, got {self.swap_bytes!r}")
         if self.layout not in LAYOUTS:
             raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        _check_budget(self.shared_budget, self.min_bytes, self.member_name)
+        check_budget(self.shared_budget, self.min_bytes, self.member_name)
 
 
 @dataclass(frozen=True)
@@ -138,5 +138,5 @@ class PagedCacheConfig:
             raise InvalidArgumentError("give exactly one of num_blocks and capacity_bytes")
         if self.num_blocks is not None and (not is_int(self.num_blocks) or self.num_blocks <= 0):
             raise InvalidArgumentError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
-        _check_optional_bytes("capacity_bytes", self.capacity_bytes)
-        _check_budget(self.shared_budget, 0, self.member_name)
+        check_optional_bytes("capacity_bytes", self.capacity_bytes)
+        check_budget(self.shared_budget, 0, self.member_name)
