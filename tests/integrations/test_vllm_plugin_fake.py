@@ -124,6 +124,42 @@ def test_fake_step_short_of_pages_changes_nothing(drv, rng):
     gc.collect()
 
 
+@check(FAKE_CUDA_DEVICES=2)
+def test_fake_backing_tensor_names_the_device_index(drv, rng):
+    """The tensor over the range is made on an indexed device ("cuda" is cuda:0), so torch never asks the
+    driver which device an address of a reserved, not yet mapped range is on; the stream the range waits
+    for is that device's; a pool of another device is refused before anything is reserved."""
+    page = drv.granularity
+    geom = BlockGeometry(0, page, page, page, 1, 4)
+    made, streams = [], []
+
+    def as_tensor(data, device=None, **kwargs):  # a CPU build of torch cannot make the CUDA tensor itself
+        made.append((data.__cuda_array_interface__["data"][0], device))
+        return torch.empty(0, dtype=torch.int8)
+
+    torch.as_tensor = as_tensor
+    torch.cuda.current_stream = lambda device=None: streams.append(device) or CurrentStream()
+    for asked, index in [("cuda", 0), ("cuda:1", 1), (torch.device("cuda", 1), 1)]:
+        pool = make_pool(4 * page, asked)
+        backing = KVBacking(4 * page, [geom], pool, asked)
+        assert backing.device == torch.device("cuda", index)
+        assert backing.tensor.numel() == 0  # made before any page is mapped, as vLLM makes its views
+        assert made[-1] == (backing.address, torch.device("cuda", index)), made[-1]
+        assert streams[-1] == torch.device("cuda", index)
+        backing.map_blocks([0, 3])
+        assert backing.stats().mapped_bytes == 2 * page
+        backing.release_blocks([0, 3])
+        del backing, pool
+        gc.collect()
+    pool = make_pool(4 * page, "cuda:1")
+    reservations = drv.live("reservations")
+    with pytest.raises(InvalidArgumentError, match="cuda:0"):
+        KVBacking(4 * page, [geom], pool, "cuda")
+    assert drv.live("reservations") == reservations
+    del pool
+    gc.collect()
+
+
 if __name__ == "__main__":  # the runner in the child process: python this_file RESULT_JSON CHECK...
     fake.CHECKS.update(CHECKS)
     fake._serve(sys.argv[1], sys.argv[2:])

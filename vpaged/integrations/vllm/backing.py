@@ -147,6 +147,12 @@ class KVBacking:
                 raise InvalidArgumentError(f"a KV tensor reaches byte {g.end()}, past the buffer's {nbytes}")
         if len({g.num_blocks for g in geometries}) > 1:
             raise InvalidArgumentError("the KV tensors disagree on the number of blocks")
+        # Always with an index ("cuda" becomes cuda:0): torch makes a CUDA tensor from an address on the
+        # device it is told, and asks the driver which device the pointer is on only when told none, which
+        # fails for a reserved range whose pages are not mapped yet (and names the wrong device on cuda:1).
+        device = normalize_device(device)
+        if device != pool.device:
+            raise InvalidArgumentError(f"a KV buffer on {device} cannot take its pages from a pool on {pool.device}")
         self.pool = pool
         self.nbytes = int(nbytes)
         self.geometries = list(geometries)
@@ -160,7 +166,7 @@ class KVBacking:
         self.lock = threading.RLock()  # the worker's step holds it: no unmap runs under a kernel
         self.map_calls = 0
         self.unmap_calls = 0
-        self.device = torch.device(device)
+        self.device = device
         self._tensor: torch.Tensor | None = None
         if self.device.type == "cuda":
             # vLLM's kernels run on the current stream: the range waits for it before every unmap, so a
