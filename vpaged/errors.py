@@ -169,3 +169,36 @@ class BenchmarkScriptError(InvalidArgumentError):
     """The benchmark scripts `vpaged bench` and docs/numbers.md read results with cannot be used: no benchmarks
     folder, a script missing, one without a `summary_rows(results)` function, or rows that are not the summary
     row fields; the message names the folder or the script."""
+
+
+class StoreError(VPagedError, RuntimeError):
+    """Base class of the errors of a content-addressed KV page store (vpaged.memory.store.PageStore)."""
+
+
+class StoreNotFoundError(StoreError, FileNotFoundError):
+    """No page store under that name or directory (open it with create=True to make one)."""
+
+
+class StoreCorruptError(StoreError):
+    """A page store's files are damaged: truncated (also while in use), overwritten, a bad magic or checksum,
+    or a page whose bytes fail their checksum. Nothing of it was trusted; remove the store and create it again."""
+
+
+class StoreMismatchError(StoreError, ValueError):
+    """A page store that is not the one asked for: another format version, another page size or capacity than
+    the caller gave, or a data file of another store beside the index."""
+
+
+class StorePermissionError(StoreError, PermissionError):
+    """A page store's files belong to another user (and are not shared with this one's group, mode 0660), or
+    other users may read or write them: refused."""
+
+
+class StoreFullError(StoreError, MemoryError):
+    """A publish found no free slot and no page to evict (every published page is pinned or being written),
+    or no space for the page's bytes: nothing was published."""
+
+
+class StoreLeaseLostError(StoreError):
+    """This process lost its client record in a page store (its lease ran out while it was stopped, and the
+    others dropped its pins): its pinned handles are no longer valid; close the store and open it again."""
