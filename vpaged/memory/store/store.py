@@ -658,7 +658,12 @@ def _create(location: StoreLocation, capacity: int, page_bytes: int, mode: int, 
     """Write a new store's files, the index linked in last (an opener never sees half a store); returns
     quietly when another process linked its index first (the caller opens that one)."""
     if location.directory is not None:
-        os.makedirs(location.directory, mode=0o700 if mode == 0o600 else 0o770, exist_ok=True)
+        os.makedirs(os.path.dirname(location.directory), exist_ok=True)
+        try:
+            os.mkdir(location.directory)
+            os.chmod(location.directory, 0o700 if mode == 0o600 else 0o770)  # a directory made here: the umask aside
+        except FileExistsError:
+            pass  # the user's own directory keeps its mode
     header = lay.Header(
         page_bytes,
         capacity,
