@@ -135,18 +135,167 @@ def test_parallel_workers_are_declined(monkeypatch, caplog):
     assert guard.parallel_refusal(1, 1) is None
 
 
+def _cpu_backing(blocks=8, block_bytes=4096) -> KVBacking:
+    geom = BlockGeometry(0, block_bytes, block_bytes, block_bytes, 1, blocks)
+    return KVBacking(blocks * block_bytes, [geom], make_pool(blocks * block_bytes))
+
+
+def _scheduler_output(new_blocks):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(block_ids=[list(new_blocks)])],
+        scheduled_cached_reqs=SimpleNamespace(new_block_ids=[]),
+        new_block_ids_to_zero=None,
+    )
+
+
+def test_v2_dummy_runs_pass_straight_through(monkeypatch):
+    """The V2 runner runs profiling, warm-up and graph-capture batches through execute_model(dummy_run=True),
+    which may be inside a capture: they map and release nothing (they address only block 0 and padding);
+    a real step maps its blocks, with dummy_run given by keyword or by position."""
+    from vpaged.integrations.vllm import patches
+
+    backing = _cpu_backing()
+    backing.map_blocks([0])
+    monkeypatch.setattr(patches.STATE, "backing", backing)
+    monkeypatch.setattr(patches.STATE, "map_mode", "demand")
+    drained = []
+    monkeypatch.setattr(patches.STATE, "drain", lambda: drained.append(1) or 0)
+    ran = []
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, is_profile=False):
+        ran.append(dummy_run)
+        return "output"
+
+    step = patches.make_execute_model(execute_model)
+    assert step(None, _scheduler_output([3]), dummy_run=True) == "output"
+    assert step(None, _scheduler_output([4]), None, True) == "output"
+    assert ran == [True, True] and not drained and backing.stats().mapped_blocks == 1
+    assert step(None, _scheduler_output([5]), None, False) == "output"
+    assert drained == [1] and backing.is_mapped(5) and not backing.is_mapped(3) and not backing.is_mapped(4)
+    v1_step = patches.make_execute_model(lambda self, scheduler_output, intermediate_tensors=None: "v1")
+    assert v1_step(None, _scheduler_output([6])) == "v1" and backing.is_mapped(6)  # V1 has no dummy_run
+
+
+def test_profiling_kv_cache_stays_vllms_own(monkeypatch):
+    """initialize_kv_cache(is_profiling=True) (the throwaway KV cache both runners make to measure CUDA
+    graphs' memory) allocates through vLLM's own allocate_kv_cache; the real one goes on a vpaged range."""
+    from types import SimpleNamespace
+
+    from vpaged.integrations.vllm import patches
+
+    class FullAttentionSpec:  # the plain spec's name is what the guard matches
+        page_size_bytes = 4096
+
+    tensor = SimpleNamespace(size=1 << 16, layers=["a"], offset=0, layer_stride=1 << 16, block_stride=4096)
+    config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=FullAttentionSpec(), layer_names=["a"])],
+        kv_cache_tensors=[tensor],
+    )
+    own = []
+    allocate = patches.make_allocate_kv_cache(lambda *a: own.append(a) or "vllm's own")
+    onto_vpaged = []
+    monkeypatch.setattr(patches, "_allocate_on_vpaged", lambda *a: onto_vpaged.append(a) or "vpaged")
+    monkeypatch.setattr(patches, "_parallel_sizes", lambda: (1, 1))
+
+    def initialize_kv_cache(self, kv_cache_config, is_profiling=False, kv_cache_allocation_context=None):
+        return allocate(kv_cache_config, torch.device("cpu"), None)
+
+    init = patches.make_initialize_kv_cache(initialize_kv_cache)
+    assert init(None, config, is_profiling=True) == "vllm's own"
+    assert init(None, config, True) == "vllm's own"
+    assert len(own) == 2 and not onto_vpaged and patches.STATE.profiling == 0
+    assert init(None, config) == "vpaged" and init(None, config, False, None) == "vpaged"
+    assert len(own) == 2 and len(onto_vpaged) == 2
+
+    def failing(self, kv_cache_config, is_profiling=False):
+        raise RuntimeError("vLLM failed")
+
+    with pytest.raises(RuntimeError, match="vLLM failed"):
+        patches.make_initialize_kv_cache(failing)(None, config, is_profiling=True)
+    assert patches.STATE.profiling == 0
+
+
+def test_graph_capture_is_announced_and_counted(monkeypatch):
+    """vLLM's graph_capture context, wrapped: inside it the plugin's idle thread sees a capture (and
+    vpaged.memory's flag is up, where this vpaged has it); after it, also after an error, neither."""
+    import contextlib
+
+    from vpaged.integrations.vllm import patches, runners
+
+    seen = []
+
+    @contextlib.contextmanager
+    def vllm_graph_capture(device):
+        seen.append(("enter", device, patches.STATE.captures))
+        yield "context"
+        seen.append(("exit", patches.STATE.captures))
+
+    wrapped = runners.make_graph_capture(vllm_graph_capture)
+    assert not patches.STATE.capturing()
+    with wrapped(device="cuda:0") as context:
+        assert context == "context" and patches.STATE.captures == 1 and patches.STATE.capturing()
+        if runners.vpaged_capture_available():
+            from vpaged.memory import capture_active
+
+            assert capture_active()
+    assert seen == [("enter", "cuda:0", 1), ("exit", 1)]
+    assert patches.STATE.captures == 0 and not patches.STATE.capturing()
+    with pytest.raises(ValueError), wrapped(device="cuda:0"):
+        raise ValueError("the capture failed")
+    assert patches.STATE.captures == 0 and not patches.STATE.capturing()
+
+
+def test_a_runner_whose_names_moved_is_declined_with_one_warning(monkeypatch, caplog):
+    """A runner module without the names the hooks go on: no hook goes on it, one warning says which runner
+    and which names (vLLM keeps its own buffer under it); a runner vLLM could not import is skipped quietly."""
+    import types
+
+    from vpaged.integrations.vllm import runners
+
+    moved = types.ModuleType("fake_vllm_runner_moved")
+
+    class Runner:
+        def execute_model(self, scheduler_output):
+            return "vllm"
+
+    moved.Runner = Runner  # no allocate_kv_cache, no initialize_kv_cache
+    monkeypatch.setitem(sys.modules, moved.__name__, moved)
+    monkeypatch.setattr(
+        runners,
+        "RUNNERS",
+        (
+            runners.RunnerNames("VX", moved.__name__, "Runner", moved.__name__),
+            runners.RunnerNames("VY", "fake_vllm_runner_absent", "Runner", "fake_vllm_runner_absent"),
+        ),
+    )
+    monkeypatch.setattr(runners, "HOOKED", {})
+    monkeypatch.setattr(runners, "DECLINED", {})
+    monkeypatch.setattr(guard, "_warned", set())
+    with caplog.at_level("WARNING", logger="vpaged.integrations.vllm"):
+        assert runners.install_runner_hooks() == {}
+        assert runners.install_runner_hooks() == {}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "VX model runner cannot be hooked" in warnings[0], warnings
+    assert "fake_vllm_runner_moved.allocate_kv_cache" in warnings[0] and "initialize_kv_cache" in warnings[0]
+    assert Runner.execute_model(None, None) == "vllm" and not hasattr(Runner.execute_model, "_vpaged_original")
+    assert set(runners.DECLINED) == {"VX", "VY"} and not runners.hooked_runner(Runner)
+
+
 @needs_vllm
 def test_off_by_default_changes_nothing(monkeypatch):
     from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.gpu import attn_utils
 
     import vpaged.integrations.vllm as plugin
 
     monkeypatch.delenv("VPAGED_VLLM", raising=False)
-    before = gpu_model_runner.allocate_kv_cache
+    before = gpu_model_runner.allocate_kv_cache, attn_utils.allocate_kv_cache
     assert plugin.register() is plugin.installed()
     if not plugin.installed():
-        assert gpu_model_runner.allocate_kv_cache is before
-        assert not hasattr(before, "_vpaged_original")
+        assert (gpu_model_runner.allocate_kv_cache, attn_utils.allocate_kv_cache) == before
+        assert not any(hasattr(f, "_vpaged_original") for f in before)
 
 
 @needs_vllm
@@ -185,6 +334,136 @@ def test_layouts_it_cannot_map_are_refused():
     assert guard.layout_refusal(config(full)) is None
     assert "SlidingWindowSpec" in guard.layout_refusal(config(window))
     assert "hybrid" in guard.layout_refusal(config(full, window))
+
+
+def _run_entry(*args, env=None, timeout=600) -> dict:
+    """This file's entry point in a fresh process (its hooks stay out of this pytest process); its last line."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_vllm
+def test_the_runner_vllm_picks_is_hooked():
+    """vLLM 0.32 builds its V2 model runner wherever Triton runs (every CUDA install) and V1 on the CPU
+    build: for each case of vLLM's own choice (VllmConfig.use_v2_model_runner, read with Triton there or
+    not, VLLM_USE_V2_MODEL_RUNNER unset / 0 / 1, features V2 lacks or none), the class vLLM's GPU worker
+    builds (Worker._make_model_runner, the constructor skipped) carries the step hook, and the
+    allocate_kv_cache name its KV cache goes through puts the buffer on a vpaged range. The CPU runners
+    (V1 and V2) too; vLLM's graph_capture is wrapped under every name it is called by."""
+    out = _run_entry("runners", env={"VPAGED_VLLM": "1"})
+    cases = out["cases"]
+    assert len(cases) == 12
+    for case in cases:
+        want_v2 = case["env"] == "1" or (case["env"] is None and case["triton"] and not case["unsupported"])
+        assert case["use_v2"] == want_v2, case
+        assert case["runner"] == ("vllm.v1.worker.gpu.model_runner" if want_v2 else "vllm.v1.worker.gpu_model_runner")
+        assert case["step_hooked"] and case["allocates_on_vpaged"], case
+    assert out["cpu_runners_hooked"] == {"V1": True, "V2": True}
+    assert out["graph_capture_wrapped"] == {
+        "vllm.distributed.parallel_state": True,
+        "vllm.v1.worker.gpu_model_runner": True,
+        "vllm.v1.worker.gpu.cudagraph_utils": True,
+    }
+    assert out["hooked_runner"] is True and out["declined"] == {}
+
+
+def _runner_cases() -> dict:
+    """The entry point of test_the_runner_vllm_picks_is_hooked (a fresh process, VPAGED_VLLM=1)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.config import VllmConfig
+    from vllm.config import vllm as config_module
+    from vllm.v1 import kv_cache_interface as kv
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker import cpu_model_runner, gpu_worker
+    from vllm.v1.worker import gpu_model_runner as v1
+    from vllm.v1.worker import utils as worker_utils
+    from vllm.v1.worker.cpu import model_runner as cpu_v2
+    from vllm.v1.worker.gpu import attn_utils, cudagraph_utils
+    from vllm.v1.worker.gpu import model_runner as v2
+
+    import vpaged.integrations.vllm as plugin
+
+    vllm_allocate = worker_utils.allocate_kv_cache
+    vllm_steps = {
+        v1.GPUModelRunner: v1.GPUModelRunner.execute_model,
+        v2.GPUModelRunner: v2.GPUModelRunner.execute_model,
+    }
+    capture_modules = (parallel_state, v1, cudagraph_utils)
+    vllm_captures = {m.__name__: m.graph_capture for m in capture_modules}
+    assert plugin.register() and plugin.installed()
+    allocate_names = {v1.GPUModelRunner: v1, v2.GPUModelRunner: attn_utils}  # the name each runner calls
+    spec = kv.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    blocks = 8
+
+    def allocates_on_vpaged(module) -> bool:
+        """The runner's allocate_kv_cache name, called as its initialize_kv_cache calls it: the views lie in
+        the plugin's range (a fresh one each call)."""
+        tensor = kv.KVCacheTensor(
+            size=2 * blocks * spec.page_size_bytes,
+            layers=["l0", "l1"],
+            layer_stride=blocks * spec.page_size_bytes,
+            block_stride=spec.page_size_bytes,
+        )
+        config = kv.KVCacheConfig(
+            num_blocks=blocks, kv_cache_tensors=[tensor], kv_cache_groups=[kv.KVCacheGroupSpec(["l0", "l1"], spec)]
+        )
+        before = plugin.STATE.backing
+        views = module.allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, None)
+        backing = plugin.STATE.backing
+        if module.allocate_kv_cache is vllm_allocate or backing is None or backing is before:
+            return False
+        start, end = backing.address, backing.address + backing.nbytes
+        return all(start <= v.data_ptr() < end for v in views.values())
+
+    cases = []
+    for triton in (True, False):
+        for env in (None, "0", "1"):
+            for unsupported in ([], ["a feature V2 lacks"]):
+                config = SimpleNamespace(
+                    attention_config=SimpleNamespace(hisparse_config=None),
+                    _get_v2_model_runner_unsupported_features=lambda u=unsupported: u,
+                    is_mm_encoder_only=False,
+                )
+                with mock.patch.object(config_module, "HAS_TRITON", triton), mock.patch.dict(os.environ):
+                    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+                    if env is not None:
+                        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = env
+                    use_v2 = VllmConfig.use_v2_model_runner.fget(config)
+                worker = SimpleNamespace(use_v2_model_runner=use_v2, vllm_config=config, device=torch.device("cpu"))
+                with (
+                    mock.patch.object(v1.GPUModelRunner, "__init__", lambda self, *a: None),
+                    mock.patch.object(v2.GPUModelRunner, "__init__", lambda self, *a: None),
+                ):
+                    runner = gpu_worker.Worker._make_model_runner(worker)
+                cls = type(runner)
+                base = next(b for b in allocate_names if issubclass(cls, b))
+                cases.append(
+                    {
+                        "triton": triton,
+                        "env": env,
+                        "unsupported": bool(unsupported),
+                        "use_v2": use_v2,
+                        "runner": cls.__module__,
+                        "step_hooked": cls.execute_model is not vllm_steps[base],
+                        "allocates_on_vpaged": allocates_on_vpaged(allocate_names[base]),
+                    }
+                )
+    wrapped = {m.__name__: m.graph_capture is not vllm_captures[m.__name__] for m in capture_modules}
+    return {
+        "cases": cases,
+        "cpu_runners_hooked": {
+            "V1": plugin.hooked_runner(cpu_model_runner.CPUModelRunner),
+            "V2": plugin.hooked_runner(cpu_v2.CPUModelRunner),
+        },
+        "graph_capture_wrapped": wrapped,
+        "hooked_runner": plugin.hooked_runner(v1.GPUModelRunner) and plugin.hooked_runner(v2.GPUModelRunner),
+        "declined": dict(plugin.runners.DECLINED),
+    }
 
 
 def _run_engine(model_dir: Path, workload: str, plugin: bool, blocks: int) -> dict:
@@ -277,5 +556,7 @@ def _engine(model: str, workload: str, blocks: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "model":
         _make_model(sys.argv[2])
+    elif sys.argv[1] == "runners":
+        print(json.dumps(_runner_cases()))
     else:
         _engine(sys.argv[2], sys.argv[3], int(sys.argv[4]))

@@ -3,7 +3,9 @@
 vLLM loads `register` through its `vllm.general_plugins` entry point in every process it starts. It does
 nothing unless VPAGED_VLLM=1 (installing vpaged never changes vLLM) and the running vLLM is one of
 guard.SUPPORTED_VLLM_VERSIONS; otherwise, and for KV layouts it cannot map block by block, it leaves vLLM
-untouched with one warning. `stats()` reports vpaged's bytes for the vLLM KV buffer of this process.
+untouched with one warning. Both of vLLM's model runners get the hooks (runners.py: V2 is the one vLLM
+uses wherever Triton runs, V1 the CPU build's). `stats()` reports vpaged's bytes for the vLLM KV buffer of
+this process.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import os
 from .backing import BackingStats, BlockGeometry, KVBacking
 from .guard import SUPPORTED_VLLM_VERSIONS, SWITCH_ENV, enabled, version_supported, warn_once
 from .patches import STATE
+from .runners import hooked_runner
 
 __all__ = [
     "register",
     "stats",
     "installed",
+    "hooked_runner",
     "BackingStats",
     "BlockGeometry",
     "KVBacking",
@@ -50,13 +54,19 @@ def register() -> bool:
         return False
     from vllm.v1.core import block_pool
     from vllm.v1.core.sched import scheduler
-    from vllm.v1.worker import gpu_model_runner
 
-    from . import patches
+    from . import patches, runners
 
-    gpu_model_runner.allocate_kv_cache = patches.make_allocate_kv_cache(gpu_model_runner.allocate_kv_cache)
-    runner = gpu_model_runner.GPUModelRunner
-    runner.execute_model = patches.make_execute_model(runner.execute_model)
+    # Both model runners: vLLM picks V2 wherever Triton runs (every CUDA install), V1 on the CPU build.
+    if not runners.install_runner_hooks():
+        warn_once(
+            "runners",
+            "no model runner of this vLLM could be hooked ("
+            + "; ".join(f"{k}: {v}" for k, v in runners.DECLINED.items())
+            + f"); {SWITCH_ENV}=1 is ignored and vLLM keeps its own KV buffer",
+        )
+        return False
+    runners.install_capture_hooks()
     for name, fn in patches.make_block_pool_hooks(block_pool.BlockPool).items():
         setattr(block_pool.BlockPool, name, fn)
     scheduler_hooks, pool_hooks = patches.make_scheduler_hooks(scheduler.Scheduler, block_pool.BlockPool)

@@ -1,10 +1,13 @@
 """The hooks the plugin puts into vLLM 0.32, when switched on and the version is supported.
 
-- `vllm.v1.worker.gpu_model_runner.allocate_kv_cache` (the name initialize_kv_cache_tensors calls; the CPU
-  runner inherits it): the backing buffer becomes a KVBacking of the same size, viewed the same way.
-- `GPUModelRunner.execute_model`: before each step, under the backing's lock, every block id of the
+- `allocate_kv_cache` under the name each model runner calls (runners.py: V1 `gpu_model_runner`, V2
+  `gpu/attn_utils`; the CPU runners inherit them): the backing buffer becomes a KVBacking of the same size,
+  viewed the same way. The throwaway KV cache a runner makes to measure CUDA graphs' memory
+  (`initialize_kv_cache(is_profiling=True)`) stays vLLM's own.
+- `execute_model` of both runners: before each step, under the backing's lock, every block id of the
   scheduler's output (new requests, running and resumed ones, blocks to zero) is mapped, and the blocks the
   block pool has let go are unmapped. Block 0, vLLM's null block (padding slots point at it), stays mapped.
+  The V2 runner's dummy batches (`dummy_run=True`: profiling, warm-up, graph capture) pass straight through.
 - `BlockPool.free_blocks / _maybe_evict_cached_block / reset_prefix_cache`: note which block ids may have
   become unused. The block's state is read again when the release runs (on the worker's thread, or the
   idle thread between steps), so a block handed out again in the meantime is never unmapped: free, with no
@@ -12,7 +15,8 @@
 - `Scheduler.schedule` (holding the lock that keeps reclaim out) and `BlockPool.get_num_free_blocks /
   get_new_blocks`: in a shared budget, each schedule() is planned against the pages the budget can map
   (budget.py). Idle for IDLE_EVICT_S, the idle thread also gives back the pages of blocks kept only as
-  prefix cache (evicting them from vLLM's pool first) unless VPAGED_VLLM_KEEP_PREFIX=1.
+  prefix cache (evicting them from vLLM's pool first) unless VPAGED_VLLM_KEEP_PREFIX=1. While a CUDA graph
+  capture runs (vLLM's, counted by runners.make_graph_capture, or any vpaged.memory knows of) it waits.
 
 Cost per step: the ids of the step's new blocks only (vLLM sends a running request's blocks once), one
 C++ call for all their fresh pages, one for all pages released; no madvise on the step's path (the pool
@@ -22,6 +26,7 @@ trims once idle). TP or PP > 1 is declined (guard.parallel_refusal says why).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import threading
@@ -55,6 +60,8 @@ class PluginState:
         self.evict_when_idle = True
         self.plan_held = None  # the pool's client lock, held from schedule()'s plan to the step's map
         self.hook_seconds = 0.0  # time the step hooks took (mapping, releasing), for the overhead figure
+        self.captures = 0  # vLLM's CUDA graph captures running now (runners.make_graph_capture counts them)
+        self.profiling = 0  # vLLM's throwaway KV caches being set up (initialize_kv_cache(is_profiling=True))
         self.steps = 0
         self.step_seconds = 0.0  # whole steps, hooks included
         self._thread: threading.Thread | None = None
@@ -112,10 +119,18 @@ class PluginState:
             self._thread = threading.Thread(target=self._idle_loop, name="vpaged-vllm-release", daemon=True)
             self._thread.start()
 
+    def capturing(self) -> bool:
+        """Whether a CUDA graph capture runs in this process: vLLM's (counted here) or any other that
+        vpaged.memory knows of. No page is unmapped or released meanwhile: in the default capture mode a
+        driver memory call from any thread invalidates the capture."""
+        return self.captures > 0 or _vpaged_capture_active()
+
     def _idle_loop(self) -> None:
         while True:
             time.sleep(IDLE_PERIOD_S)
             try:
+                if self.capturing():
+                    continue  # the noted blocks stay noted; the first round after the capture releases them
                 self.drain()
                 backing = self.backing
                 idle_s = time.monotonic() - self.last_step
@@ -134,6 +149,15 @@ class PluginState:
 
 
 STATE = PluginState()
+
+
+def _vpaged_capture_active() -> bool:
+    """vpaged.memory.capture_active() where this vpaged has it (False otherwise)."""
+    try:
+        from ...memory import capture_active
+    except ImportError:
+        return False
+    return bool(capture_active())
 
 
 def scheduled_block_ids(scheduler_output) -> set[int]:
@@ -155,6 +179,10 @@ def scheduled_block_ids(scheduler_output) -> set[int]:
 def make_allocate_kv_cache(original):
     @functools.wraps(original)
     def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
+        if STATE.profiling:
+            # The minimal KV cache vLLM makes to measure CUDA graphs' memory, dropped right after: it stays
+            # vLLM's own (a backing here would become the live one and outlive it).
+            return original(kv_cache_config, device, layout, kernel_block_sizes)
         refusal = None if kv_cache_config.kv_cache_tensors else "no KV tensors"
         refusal = refusal or layout_refusal(kv_cache_config) or parallel_refusal(*_parallel_sizes())
         if refusal is None and device.type not in ("cpu", "cuda"):
@@ -246,10 +274,17 @@ def _allocate_on_vpaged(kv_cache_config, device, layout, kernel_block_sizes):
 
 
 def make_execute_model(original):
+    # The V2 runner also runs its dummy batches (profiling, warm-up, CUDA graph capture) through
+    # execute_model(dummy_run=True): they address only the null block (block 0, mapped from the start) and
+    # padding slots, and may run inside a capture, where no page may be mapped or unmapped.
+    params = list(inspect.signature(original).parameters)
+    dummy_at = params.index("dummy_run") - 2 if "dummy_run" in params else None  # in *args, past self and output
+
     @functools.wraps(original)
     def execute_model(self, scheduler_output, *args, **kwargs):
         backing = STATE.backing
-        if backing is None or STATE.map_mode != "demand":
+        dummy = kwargs.get("dummy_run", False) or (dummy_at is not None and len(args) > dummy_at and args[dummy_at])
+        if backing is None or STATE.map_mode != "demand" or dummy:
             return original(self, scheduler_output, *args, **kwargs)
         tic = time.perf_counter()
         STATE.drain()
@@ -267,6 +302,28 @@ def make_execute_model(original):
                 STATE.last_step = time.monotonic()
 
     return execute_model
+
+
+def make_initialize_kv_cache(original):
+    """initialize_kv_cache(config, is_profiling=True) makes a throwaway KV cache (to measure CUDA graphs'
+    memory before the real one exists): allocate_kv_cache leaves that one to vLLM."""
+    params = list(inspect.signature(original).parameters)
+    profiling_at = params.index("is_profiling") - 2 if "is_profiling" in params else None
+
+    @functools.wraps(original)
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        profiling = kwargs.get("is_profiling", False) or (
+            profiling_at is not None and len(args) > profiling_at and args[profiling_at]
+        )
+        if not profiling:
+            return original(self, kv_cache_config, *args, **kwargs)
+        STATE.profiling += 1
+        try:
+            return original(self, kv_cache_config, *args, **kwargs)
+        finally:
+            STATE.profiling -= 1
+
+    return initialize_kv_cache
 
 
 def make_block_pool_hooks(block_pool_cls):
