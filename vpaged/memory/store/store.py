@@ -507,8 +507,11 @@ class PageStore:
             self._closed = True
             self._stop.set()
             try:
-                if os.getpid() == self._pid and not self._imap.damaged:
+                if os.getpid() == self._pid:
+                    self._check_files()  # a truncated index: nothing of it to give back
                     self._leave()
+            except StoreCorruptError:
+                pass
             finally:
                 self._unmap()
         if self._renewer is not threading.current_thread():
@@ -566,12 +569,14 @@ class PageStore:
             raise InvalidArgumentError(
                 f"store {self.name!r} was opened by process {self._pid}: a forked process opens the store itself"
             )
+        self._check_files()
+        if not self._lost and self.clients.state(self._me) != self._live:
+            self._lost = True  # fenced (or reclaimed) while this process was stopped
         if self._lost:
             raise StoreLeaseLostError(
                 f"store {self.name!r}: this process lost its record (its lease ran out while it was stopped) and "
                 "with it its pins: close the store and open it again"
             )
-        self._check_files()
 
     def _check_files(self) -> None:
         index_size = os.fstat(self._index_fd).st_size
