@@ -248,6 +248,31 @@ def test_open_checks_the_geometry_asked_for(store_name):
         PageStore.open(store_name, page_bytes=2 * PAGE)
 
 
+def test_a_page_moved_by_eviction_and_republished_is_found_where_it_is_now(store_name):
+    """Two openers (two client records, as two processes would have): one's key -> slot dict goes stale when
+    the other evicts and publishes again; a hit is always re-checked, so it finds the page where it is now."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    keys = [os.urandom(32) for _ in range(5)]
+    with (
+        PageStore.open(store_name, create=True, capacity_pages=4, page_bytes=PAGE) as a,
+        PageStore.open(store_name) as b,
+    ):
+        assert a.client_index != b.client_index
+        for key in keys[:4]:
+            a.publish(key, page_for(key, rng))
+        assert b.match(keys[:4]) == 4
+        slot_of_0 = b.pin(keys[:1])[0]
+        slot_of_0.release()
+        a.publish(keys[4], page_for(keys[4], rng))  # evicts the least recently used: keys[1]
+        assert b.match(keys[1:2]) == 0 and b.match(keys[:1]) == 1
+        again = page_for(keys[1], rng)
+        a.publish(keys[1], again)  # back, in the slot of the next least recently used (keys[2])
+        assert b.match(keys[2:3]) == 0
+        [h] = b.pin(keys[1:2])
+        assert h.read() == again and h.slot != slot_of_0.slot
+        h.release()
+
+
 # --------------------------------------------------------------------------------------------- eviction
 def test_lru_eviction_order_against_a_model(store_name):
     """Random publishes and pins; whenever the store is full, the page evicted is the least recently used

@@ -249,14 +249,7 @@ class PageStore:
         keys = _check_keys(keys)
         with self._lock:
             self._usable()
-            found = self._key_slots()
-            n = 0
-            for key in keys:
-                slot = found.get(key)
-                if slot is None or self._published(slot, key) is None:
-                    break
-                n += 1
-            return n
+            return len(self._leading(keys, self._published))
 
     def pin(self, keys: Sequence[bytes]) -> list[PinnedPage]:
         """Pin the leading `keys` that are published (stopping at the first that is not): one handle each,
@@ -264,14 +257,7 @@ class PageStore:
         keys = _check_keys(keys)
         with self._lock:
             self._usable()
-            found = self._key_slots()
-            handles: list[PinnedPage] = []
-            for key in keys:
-                slot = found.get(key)
-                handle = None if slot is None else self._pin_slot(slot, key)
-                if handle is None:
-                    break
-                handles.append(handle)
+            handles: list[PinnedPage] = self._leading(keys, self._pin_slot)
             # Deepest first, so a prefix's first pages are the most recently used: eviction takes a chain's
             # tail before its head (a head's loss makes every page after it unreachable).
             for handle in reversed(handles):
@@ -282,16 +268,35 @@ class PageStore:
                 self.counters.add("misses", len(keys) - len(handles))
             return handles
 
-    def _key_slots(self) -> dict[bytes, int]:
+    def _leading(self, keys: list[bytes], act: Callable[[int, bytes], object]) -> list:
+        """act(slot, key) for the leading keys found, stopping at the first where it gives None. The key ->
+        slot dict is read again from the slot table only on a miss, and only when something was published
+        since it was read (a hit costs no table read, however busy the publishers)."""
+        out, refreshed = [], False
+        for key in keys:
+            while True:
+                slot = self._keys.get(key)
+                got = None if slot is None else act(slot, key)
+                if got is not None or refreshed:
+                    break
+                refreshed = True
+                if not self._refresh_keys():
+                    break
+            if got is None:
+                break
+            out.append(got)
+        return out
+
+    def _refresh_keys(self) -> bool:
+        """Read the key -> slot dict again if anything was published since it was read; whether it was."""
         seq = self.counters.get("publish_seq")
-        if seq != self._keys_seq:
-            snap = self.slots.snapshot()
-            kinds = snap["state"] & np.uint64(3)
-            published = np.flatnonzero(kinds == ix.PUBLISHED)[::-1]  # the lowest slot of a duplicated key wins
-            keys = snap["key"]
-            self._keys = {bytes(keys[s]): int(s) for s in published}
-            self._keys_seq = seq
-        return self._keys
+        if seq == self._keys_seq:
+            return False
+        snap = self.slots.snapshot()
+        published = np.flatnonzero((snap["state"] & np.uint64(3)) == ix.PUBLISHED)[::-1]  # a duplicate: lowest wins
+        self._keys = dict(zip(snap["key"][published].tolist(), published.tolist()))
+        self._keys_seq = seq
+        return True
 
     def _published(self, slot: int, key: bytes) -> tuple[int, int] | None:
         """(state word, data crc) when slot holds `key` published now, else None."""
@@ -359,10 +364,14 @@ class PageStore:
             raise InvalidArgumentError(f"a page of store {self.name!r} is {self.page_bytes} bytes, got {view.nbytes}")
         with self._lock:
             self._usable()
-            if self.match([key]):
+            snap = self.slots.snapshot()
+            other = _same_key(snap, key, None)  # before reserving: that could evict a page for nothing
+            if other == ix.PUBLISHED:
                 self.counters.add("duplicates")
                 return PRESENT
-            slot, writing = self._reserve()
+            if other == ix.WRITING:
+                return RACED
+            slot, writing = self._reserve(snap)
             try:
                 outcome = self._write(slot, writing, key, view)
             except BaseException:
@@ -410,20 +419,14 @@ class PageStore:
 
     def _same_key_elsewhere(self, slot: int, key: bytes) -> int | None:
         """The kind of another slot that holds or is writing `key` (PUBLISHED first), or None."""
-        snap = self.slots.snapshot()
-        kinds = snap["state"] & np.uint64(3)
-        same = (snap["key"] == np.void(key)) & (kinds != ix.FREE)
-        same[slot] = False
-        if not same.any():
-            return None
-        found = set(int(k) for k in kinds[same])
-        return ix.PUBLISHED if ix.PUBLISHED in found else min(found)
+        return _same_key(self.slots.snapshot(), key, slot)
 
-    def _reserve(self) -> tuple[int, int]:
+    def _reserve(self, snap: np.ndarray) -> tuple[int, int]:
         """(slot, its WRITING word) of a slot this process now writes: a free one, else the least recently
-        used unpinned page, evicted."""
+        used unpinned page, evicted (snap: the slot table as just read)."""
         for attempt in range(3):
-            snap = self.slots.snapshot()
+            if attempt:
+                snap = self.slots.snapshot()
             states = snap["state"]
             kinds = states & np.uint64(3)
             for slot in np.flatnonzero(kinds == ix.FREE):
@@ -591,6 +594,18 @@ class PageStore:
                 f"store {self.name!r} was truncated while in use (index {index_size} of {self._index_size} bytes, "
                 f"data {data_size} of {self.header.data_bytes}): remove it and create it again"
             )
+
+
+def _same_key(snap: np.ndarray, key: bytes, but: int | None) -> int | None:
+    """The kind of a slot of `snap` other than `but` that holds or is writing `key` (PUBLISHED first), or None."""
+    kinds = snap["state"] & np.uint64(3)
+    same = (snap["key"] == np.void(key)) & (kinds != ix.FREE)
+    if but is not None:
+        same[but] = False
+    if not same.any():
+        return None
+    found = {int(k) for k in kinds[same]}
+    return ix.PUBLISHED if ix.PUBLISHED in found else min(found)
 
 
 def _check_keys(keys) -> list[bytes]:
