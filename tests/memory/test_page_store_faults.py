@@ -178,6 +178,22 @@ def test_a_publisher_killed_at_each_step_of_a_publish(store_name, step):
         assert check_every_visible_page(store) == 1
 
 
+def test_a_publisher_killed_while_evicting_loses_no_published_page(store_name):
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    with PageStore.open(store_name, create=True, capacity_pages=4, page_bytes=PAGE) as store:
+        keys = [os.urandom(32) for _ in range(4)]
+        for key in keys:
+            store.publish(key, page_for(key, rng))  # full: the child's first publish must evict
+        for _ in range(3):
+            child = Child(_publish_forever, store_name, rng.randrange(1 << 30), "evicting")
+            assert child.readline().split()[0] == "ready"
+            assert child.wait() == -signal.SIGKILL  # killed with a published page EVICTING
+            assert wait_until(lambda: no_slot_leaked(store), 10.0), store.stats()
+            assert store.match(keys) == 4  # the page it was evicting is published again, unchanged
+            assert check_every_visible_page(store) == 4
+        assert store.stats().evictions == 0
+
+
 # --------------------------------------------------------------------------------------------- readers
 def _pin_and_wait(say, name, keys):
     store = PageStore.open(name)

@@ -54,9 +54,10 @@ from .stats import Counters, StoreStats
 PUBLISHED, PRESENT, RACED = "published", "present", "raced"
 LEASE_S = 10.0
 
-# Test hook: called with "reserved" (a slot is WRITING, its key written), "written" (its bytes are in the data
-# file) and "signed" (its checksums written, before the publishing compare-and-swap); tests kill the process
-# there to show that a publish cut at any step leaves nothing visible and nothing leaked. None in production.
+# Test hook: called with "evicting" (a published page is EVICTING, its pins not yet re-read), "reserved" (a slot
+# is WRITING, its key written), "written" (its bytes are in the data file) and "signed" (its checksums written,
+# before the publishing compare-and-swap); tests kill the process there to show that a publish cut at any step
+# leaves nothing visible, nothing leaked and no published page lost. None in production.
 publish_hook: Callable[[str], None] | None = None
 
 
@@ -451,6 +452,8 @@ class PageStore:
         evicting = ix.word(ix.EVICTING, self._me, ix.generation_of(published))
         if not self.slots.cas(slot, published, evicting):
             return None
+        if publish_hook is not None:
+            publish_hook("evicting")
         if self.slots.pins(slot) != 0:  # a reader pinned it after our read: it stays
             self.slots.cas(slot, evicting, published)
             return None
