@@ -107,10 +107,12 @@ def check_every_visible_page(store: PageStore) -> int:
     return checked
 
 
-def no_slot_leaked(store: PageStore) -> bool:
+def no_slot_leaked(store: PageStore, readers: int = 0) -> bool:
+    """Nothing half-written, no record of a dead process; with no reader left, no pin either."""
     store.reclaim()
     s = store.stats()
-    return s.writing_pages == 0 and s.used_pages == s.published_pages and s.clients == 1 and s.pinned_pages == 0
+    settled = s.writing_pages == 0 and s.used_pages == s.published_pages and s.clients == 1 + readers
+    return settled and (readers > 0 or s.pinned_pages == 0)
 
 
 # --------------------------------------------------------------------------------------------- publishers
@@ -125,12 +127,39 @@ def _publish_forever(say, name, seed, stop_at):
             store.publish(key, page_for(key, rng))
 
 
-def test_publishers_killed_mid_publish_leave_nothing_partial_and_nothing_leaked(store_name):
+def _verify_forever(say, name, stop_path, seed):
+    """A reader: pin every visible page (holding some a while, in the evictors' way), check each against its
+    key, until stop_path exists."""
+    rng = random.Random(seed)
+    checked = 0
+    with PageStore.open(name) as store:
+        say("ready")
+        while not os.path.exists(stop_path):
+            held = []
+            for key in published_keys(store):
+                for h in store.pin([key]):
+                    assert page_is_whole(key, h.read(verify=False)), f"slot {h.slot}: a visible page not whole"
+                    checked += 1
+                    held.append(h)
+                if len(held) > 4 or rng.random() < 0.5:
+                    for h in held:
+                        h.release()
+                    held = []
+            for h in held:
+                h.release()
+    say("checked", checked)
+
+
+def test_publishers_killed_mid_publish_leave_nothing_partial_and_nothing_leaked(store_name, tmp_path):
     kills = int(os.environ.get("VPAGED_STORE_KILLS", "300"))
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    stop = str(tmp_path / "stop")
     started = time.monotonic()
-    mid_publish = checked = 0
+    mid_publish = checked = readers_killed = 0
     with PageStore.open(store_name, create=True, capacity_pages=32, page_bytes=PAGE) as store:
+        readers = [Child(_verify_forever, store_name, stop, rng.randrange(1 << 30)) for _ in range(2)]
+        for r in readers:
+            assert r.readline() == "ready"
         for i in range(kills):
             child = Child(_publish_forever, store_name, rng.randrange(1 << 30), None)
             words = child.readline().split()
@@ -145,16 +174,29 @@ def test_publishers_killed_mid_publish_leave_nothing_partial_and_nothing_leaked(
             mid_publish += bool((((kinds == ix.WRITING) | (kinds == ix.EVICTING)) & (owners == index)).any())
             assert child.wait() == -signal.SIGKILL
             checked += check_every_visible_page(store)
+            if i % 50 == 25:  # a reader killed too, holding pins, and another started
+                victim = readers.pop(rng.randrange(len(readers)))
+                assert victim.kill() == -signal.SIGKILL
+                readers_killed += 1
+                readers.append(Child(_verify_forever, store_name, stop, rng.randrange(1 << 30)))
+                assert readers[-1].readline() == "ready"
             if i % 20 == 0:
-                assert wait_until(lambda: no_slot_leaked(store), 10.0), store.stats()
+                assert wait_until(lambda: no_slot_leaked(store, len(readers)), 10.0), store.stats()
+        open(stop, "w").close()
+        for r in readers:
+            words = r.readline().split()
+            assert words[0] == "checked", words
+            checked += int(words[1])
+            assert r.wait() == 0  # a reader that found a partial page fails its assertion and exits 1
         assert wait_until(lambda: no_slot_leaked(store), 10.0), store.stats()
         s = store.stats()
         assert store.verify() == s.published_pages
-        assert s.reclaimed_clients >= kills - s.fenced_clients  # every dead publisher's record came back
+        assert s.reclaimed_clients >= kills + readers_killed - s.fenced_clients  # every dead one's record is back
         elapsed = time.monotonic() - started
         print(
-            f"\n{kills} publishers SIGKILLed in {elapsed:.1f} s: {mid_publish} left a slot WRITING or EVICTING, "
-            f"{s.reclaimed_writing} slots reclaimed from the dead, {checked} visible pages checked whole, "
+            f"\n{kills} publishers and {readers_killed} readers SIGKILLed in {elapsed:.1f} s: {mid_publish} "
+            f"publishers left a slot WRITING or EVICTING, {s.reclaimed_writing} slots reclaimed from the dead, "
+            f"{s.reclaimed_pins} pins of the dead dropped, {checked} visible pages checked whole by the readers, "
             f"{s.published} published, {s.evictions} evictions"
         )
         assert mid_publish > 0  # the kills did land inside publishes (most of a publisher's time is one)
