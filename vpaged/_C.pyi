@@ -20,6 +20,8 @@ class Backend:
     def map_calls(self) -> int: ...  # map calls issued to the OS or driver since creation
     @property
     def unmap_calls(self) -> int: ...
+    @property
+    def unmap_fallbacks(self) -> int: ...  # runs the driver refused to unmap in one call, then unmapped page by page
     def reserve(self, bytes: int) -> int: ...
     def release(self, va: int, bytes: int) -> None: ...
     def synchronize(self, stream: int = 0) -> None: ...  # wait for the work queued on a CUDA stream
@@ -42,6 +44,14 @@ class PoolStats:
     kv_pages: int
     allocator_pages: int
     kept_free_pages: int  # free pages that kept their memory (PagePool.keep_freed)
+    unmap_fallbacks: int  # Backend.unmap_fallbacks
+    release_pending: bool  # a trim / lowered limit waits for a CUDA graph capture to end
+    deferred_teardowns: int  # ranges destroyed during a capture, unmapped once it ended
+
+# The process-wide CUDA graph capture flag (counted; vpaged/memory/capture.py raises it around a capture).
+def begin_capture() -> None: ...
+def end_capture() -> None: ...  # the last one releases what every pool deferred during the capture
+def capture_flagged() -> bool: ...
 
 class PagePool:
     """Physical pages of one backend: free list and reference counts. Thread-safe."""
@@ -61,6 +71,9 @@ class PagePool:
     def stats(self) -> PoolStats: ...
     def trim(self) -> int: ...  # free pages' memory back (CUDA: handles released); returns the pages free
     def set_limit(self, pages: int) -> int: ...  # clamped to [pages in use, capacity]; returns the limit set
+    def release_deferred(self) -> bool: ...  # what a capture deferred, unless one runs; True: nothing pending
+    @property
+    def capture_running(self) -> bool: ...  # releases are deferred now (capture flag, or the legacy stream says so)
     @property
     def limit(self) -> int: ...  # pages that may be in use at once (capacity unless lowered)
     def reset_high_water(self) -> None: ...

@@ -40,6 +40,12 @@
 // window address and sets access; every id that check_page accepts has memory, so no copy, map or view can
 // reach a released page. Costs (A100, DESIGN.md): ~26 us of cuMemUnmap per run plus a cuMemRelease per page to
 // release; ~0.2 ms of cuMemCreate per page plus ~36 us of cuMemSetAccess per run to re-create.
+//
+// UNMAPPING A RUN. Every page is its own mapping (one cuMemMap per handle). The driver API reference says the
+// range given to cuMemUnmap "must be the entire contiguous address range that was mapped to": one mapping.
+// Drivers have accepted a run of whole mappings in one call (cheaper: ~26 us per call), so a run is tried as
+// one call first; where the driver refuses it, every page of the run is unmapped with a call of its own
+// (unmap_run), and the refusal is counted (Backend::unmap_fallbacks, PoolStats.unmap_fallbacks).
 #include <memory>
 #include <string>
 
@@ -328,6 +334,7 @@ class CudaBackend final : public Backend {
   size_t created_pages() const override { return backed_.load(std::memory_order_acquire); }
   size_t page_ids() const override { return created_.load(std::memory_order_acquire); }
   bool keeps_freed_memory() const override { return true; }
+  bool mapping_breaks_capture() const override { return true; }
 
   // Creates up to `count` handles (cuMemCreate is the slow call, ~0.2 ms each) and maps them into the
   // pool window, with one cuMemSetAccess for the whole new run. If device memory runs out part way,
@@ -363,7 +370,7 @@ class CudaBackend final : public Backend {
       const CUdeviceptr run = window_ + first * page_size_;
       CUresult r = d.cuMemSetAccess(run, made * page_size_, &access_, 1);
       if (r != CUDA_SUCCESS) {
-        d.cuMemUnmap(run, made * page_size_);
+        unmap_run(run, made, nullptr, false);
         for (size_t i = first; i < first + made; ++i) d.cuMemRelease(handles_[i].exchange(0));
         throw BackendFailure(call_error("cuMemSetAccess(pool window)", r));
       }
@@ -388,8 +395,9 @@ class CudaBackend final : public Backend {
   void discard_page(PageId page) override { check_page(page); }
   void discard_pages(const PageId*, size_t) noexcept override {}
 
-  // Unmaps the pages from the pool window (one call per run of consecutive ids) and releases their handles.
-  // A run the driver refuses to unmap keeps its memory and stays usable.
+  // Unmaps the pages from the pool window (one call per run of consecutive ids, or one per page where the
+  // driver refuses the run: see "Unmapping a run" above) and releases their handles. A page the driver
+  // refuses to unmap keeps its memory and stays usable.
   size_t release_pages(PageId* pages, size_t n) noexcept override {
     try {
       std::lock_guard<std::mutex> lock(create_mu_);
@@ -400,13 +408,17 @@ class CudaBackend final : public Backend {
       ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
       const Driver& d = driver();
       ScopedContext current(context_->get());
+      std::vector<char> unmapped;
       for (size_t i = 0; i < ids.size();) {
         const size_t j = run_end(ids, i);
-        if (d.cuMemUnmap(window_address(ids[i]), (j - i) * page_size_) == CUDA_SUCCESS) {
-          // Out of the window, the id has no memory from here on, whatever cuMemRelease answers (it fails
-          // only for a handle that is not live, which there is then nothing left to free for).
-          for (size_t k = i; k < j; ++k) d.cuMemRelease(handles_[ids[k]].exchange(0, std::memory_order_acq_rel));
-          backed_.fetch_sub(j - i, std::memory_order_relaxed);
+        unmapped.assign(j - i, 0);
+        unmap_run(window_address(ids[i]), j - i, unmapped.data(), false);
+        // Out of the window, an id has no memory from here on, whatever cuMemRelease answers (it fails only
+        // for a handle that is not live, which there is then nothing left to free for).
+        for (size_t k = i; k < j; ++k) {
+          if (!unmapped[k - i]) continue;
+          d.cuMemRelease(handles_[ids[k]].exchange(0, std::memory_order_acq_rel));
+          backed_.fetch_sub(1, std::memory_order_relaxed);
         }
         i = j;
       }
@@ -455,7 +467,7 @@ class CudaBackend final : public Backend {
     }
     if (failed != nullptr) {
       for (size_t k = 0; k < mapped; ++k) {
-        d.cuMemUnmap(window_address(ids[k]), page_size_);
+        d.cuMemUnmap(window_address(ids[k]), page_size_);  // one page: one mapping
         d.cuMemRelease(made[k]);
       }
       if (err == CUDA_ERROR_OUT_OF_MEMORY) {
@@ -517,21 +529,18 @@ class CudaBackend final : public Backend {
     }
     count_calls(calls, 0);
     if (failed == nullptr) return;
-    if (done > 0) {
-      d.cuMemUnmap(static_cast<CUdeviceptr>(va), done * page_size_);
-      count_calls(0, 1);
-    }
+    if (done > 0) unmap_run(static_cast<CUdeviceptr>(va), done, nullptr, true);
     throw BackendFailure(call_error(failed, err));
   }
 
-  // One cuMemUnmap for the run: the driver accepts a range made of several whole mappings (it only
-  // refuses to split one). Does not wait for streams: see the protocol at the top of this file.
+  // One cuMemUnmap for the run, or one per page where the driver refuses the run (see "Unmapping a run").
+  // Does not wait for streams: see the protocol at the top of this file. On failure some pages of the run
+  // may be unmapped and others not: the caller treats the whole run as still mapped (its pages keep their
+  // references), which leaks rather than hands out a page that may still be mapped.
   void unmap(uintptr_t va, size_t n) override {
     if (n == 0) return;
     ScopedContext current(context_->get());
-    CUresult r = driver().cuMemUnmap(static_cast<CUdeviceptr>(va), n * page_size_);
-    count_calls(0, 1);
-    check(r, "cuMemUnmap");
+    check(unmap_run(static_cast<CUdeviceptr>(va), n, nullptr, true), "cuMemUnmap");
   }
 
   void copy_page(PageId dst, PageId src, uintptr_t stream) override {
@@ -657,6 +666,32 @@ class CudaBackend final : public Backend {
     unmap_calls_ += unmaps;
   }
 
+  // Unmap n pages from va, each its own mapping, with a current context: one cuMemUnmap for the run, and if
+  // the driver refuses it (a run of several mappings, see "Unmapping a run"), one call per page, the refusal
+  // counted in unmap_fallbacks_. unmapped (n entries, or null) marks the pages that are unmapped now. Returns
+  // CUDA_SUCCESS when every page is, else the first error. counted: the calls go into unmap_calls().
+  CUresult unmap_run(CUdeviceptr va, size_t n, char* unmapped, bool counted) noexcept {
+    const Driver& d = driver();
+    CUresult r = d.cuMemUnmap(va, n * page_size_);
+    if (counted) count_calls(0, 1);
+    if (r == CUDA_SUCCESS || n == 1) {
+      if (unmapped != nullptr && r == CUDA_SUCCESS) std::fill(unmapped, unmapped + n, 1);
+      return r;
+    }
+    unmap_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+    CUresult first_error = CUDA_SUCCESS;
+    for (size_t k = 0; k < n; ++k) {
+      const CUresult rk = d.cuMemUnmap(va + static_cast<CUdeviceptr>(k) * page_size_, page_size_);
+      if (counted) count_calls(0, 1);
+      if (rk == CUDA_SUCCESS) {
+        if (unmapped != nullptr) unmapped[k] = 1;
+      } else if (first_error == CUDA_SUCCESS) {
+        first_error = rk;
+      }
+    }
+    return first_error;
+  }
+
   // Undo everything the constructor did; safe on a partly built object and never throws. At process
   // exit the driver may already be torn down: its calls then fail and there is nothing left to free.
   void free_all() noexcept {
@@ -673,9 +708,7 @@ class CudaBackend final : public Backend {
         }
         size_t j = i + 1;
         while (j < made && has_memory(static_cast<PageId>(j))) ++j;
-        if (d.cuMemUnmap(window_address(static_cast<PageId>(i)), (j - i) * page_size_) != CUDA_SUCCESS) {
-          for (size_t k = i; k < j; ++k) d.cuMemUnmap(window_address(static_cast<PageId>(k)), page_size_);
-        }
+        unmap_run(window_address(static_cast<PageId>(i)), j - i, nullptr, false);
         i = j;
       }
       for (size_t i = 0; i < made; ++i)

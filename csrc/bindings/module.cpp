@@ -91,6 +91,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("created_pages", &Backend::created_pages)
       .def_property_readonly("map_calls", &Backend::map_calls)
       .def_property_readonly("unmap_calls", &Backend::unmap_calls)
+      .def_property_readonly("unmap_fallbacks", &Backend::unmap_fallbacks)
       .def_property_readonly("addressable", &Backend::addressable)
       .def_property_readonly("page_ids", &Backend::page_ids)
       .def("home_page", &Backend::home_page, py::arg("va"))
@@ -117,7 +118,16 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("created_pages", &PoolStats::created_pages)
       .def_readonly("kv_pages", &PoolStats::kv_pages)
       .def_readonly("allocator_pages", &PoolStats::allocator_pages)
-      .def_readonly("kept_free_pages", &PoolStats::kept_free_pages);
+      .def_readonly("kept_free_pages", &PoolStats::kept_free_pages)
+      .def_readonly("unmap_fallbacks", &PoolStats::unmap_fallbacks)
+      .def_readonly("release_pending", &PoolStats::release_pending)
+      .def_readonly("deferred_teardowns", &PoolStats::deferred_teardowns);
+
+  // The process-wide CUDA graph capture flag (page_pool.h): vpaged.memory.capture raises it around a capture.
+  m.def("begin_capture", &PagePool::begin_capture);
+  m.def("end_capture", &PagePool::end_capture,
+        "Lower the capture flag; the last one releases what every pool deferred during the capture");
+  m.def("capture_flagged", &PagePool::capture_flagged);
 
   py::class_<PagePool, std::shared_ptr<PagePool>>(m, "PagePool")
       .def(py::init<std::shared_ptr<Backend>, size_t, size_t>(), py::arg("backend"), py::arg("reserve_pages") = 0,
@@ -141,6 +151,9 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", &PagePool::stats)
       .def("trim", &PagePool::trim)
       .def("set_limit", &PagePool::set_limit, py::arg("pages"))
+      .def("release_deferred", &PagePool::release_deferred,
+           "Do what a CUDA graph capture deferred, unless one still runs; True when nothing is left pending")
+      .def_property_readonly("capture_running", &PagePool::capture_running)
       .def_property_readonly("limit", &PagePool::limit)
       .def("reset_high_water", &PagePool::reset_high_water)
       .def(
@@ -216,6 +229,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "capturing",
           [](VirtualRange& r) {
+            if (r.pool().capture_running()) return true;  // the capture flag, or a global-mode capture
             for (uintptr_t stream : r.streams())
               if (r.pool().backend().capturing(stream)) return true;
             return false;

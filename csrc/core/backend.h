@@ -211,15 +211,23 @@ class Backend {
     (void)stream;
     return false;
   }
+  // Whether this backend's mapping calls would break a CUDA graph capture running in the process (CUDA: in the
+  // global capture mode any thread's cuMemUnmap / cuMemMap / ... invalidates it). Where true, the pool defers
+  // releases and ranges defer unmapping while the process-wide capture flag is up (page_pool.h).
+  virtual bool mapping_breaks_capture() const { return false; }
 
   // Backend-level call counters, for benchmarks (map/unmap calls issued to the OS or driver).
   size_t map_calls() const { return map_calls_; }
   size_t unmap_calls() const { return unmap_calls_; }
+  // Unmaps of a run of separately mapped pages that the driver refused as one call, each then done page by
+  // page (CUDA: cuMemUnmap wants the range of one mapping; cuda_backend.cpp "Unmapping a run"). 0 elsewhere.
+  size_t unmap_fallbacks() const { return unmap_fallbacks_; }
 
  protected:
   // Atomic: ranges on different threads may map through one backend at once.
   std::atomic<size_t> map_calls_{0};
   std::atomic<size_t> unmap_calls_{0};
+  std::atomic<size_t> unmap_fallbacks_{0};
 };
 
 // Host backend: a sparse memfd is the physical memory; capacity_pages is the budget the pool enforces.

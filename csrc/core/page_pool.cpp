@@ -8,24 +8,156 @@
 
 namespace vpaged {
 
+namespace {
+// The process-wide capture flag and the pools with something deferred (drained by the last end_capture).
+std::atomic<int> capture_depth{0};
+std::mutex deferred_pools_mu;
+std::vector<std::weak_ptr<PagePool>> deferred_pools;
+}  // namespace
+
+void PagePool::begin_capture() { capture_depth.fetch_add(1, std::memory_order_acq_rel); }
+
+void PagePool::end_capture() {
+  int depth = capture_depth.load(std::memory_order_acquire);
+  do {
+    if (depth <= 0) return;  // unbalanced: nothing raised it
+  } while (!capture_depth.compare_exchange_weak(depth, depth - 1, std::memory_order_acq_rel));
+  if (depth != 1) return;
+  std::vector<std::weak_ptr<PagePool>> pools;
+  {
+    std::lock_guard<std::mutex> lock(deferred_pools_mu);
+    pools.swap(deferred_pools);
+  }
+  // A pool that still cannot release (another capture began, the device refused) lists itself again.
+  for (auto& weak : pools)
+    if (auto pool = weak.lock()) pool->release_deferred();
+}
+
+bool PagePool::capture_flagged() { return capture_depth.load(std::memory_order_acquire) > 0; }
+
+bool PagePool::capture_running() const {
+  return backend_->mapping_breaks_capture() && (capture_flagged() || backend_->capturing(0));
+}
+
 PagePool::PagePool(std::shared_ptr<Backend> backend, size_t reserve_pages, size_t create_batch)
     : backend_(std::move(backend)), create_batch_(std::max<size_t>(create_batch, 1)) {
   std::lock_guard<std::mutex> lock(mu_);
   grow_locked(std::min(reserve_pages, backend_->capacity_pages()));
 }
 
+PagePool::~PagePool() {
+  // Ranges destroyed during a capture and never drained: the pool goes, so their mappings and reservations
+  // go now, without waiting (the ranges' users are gone; the backend frees the pages themselves).
+  for (DeferredTeardown& t : teardowns_) {
+    size_t done = 0;
+    try {
+      backend_->unmap_runs(t.va, t.runs.data(), t.runs.size(), &done);
+      backend_->release(t.va, t.bytes);
+    } catch (...) {
+    }
+  }
+}
+
 size_t PagePool::limit_locked() const { return std::min(limit_, backend_->capacity_pages()); }
 
 size_t PagePool::set_limit(size_t pages) {
+  release_deferred();  // a release a capture deferred goes first, now that it may
   std::lock_guard<std::mutex> lock(mu_);
   const size_t before = limit_locked();
   limit_ = std::max(std::min(pages, backend_->capacity_pages()), used_);
   if (limit_locked() < before) drop_kept_locked(0);  // the budget took pages back: their memory goes too
   // A budget that lowers the limit has given the difference to another member, who will create pages of
-  // its own: on CUDA the free pages beyond the limit must let go of their device memory now.
+  // its own: on CUDA the free pages beyond the limit must let go of their device memory now, or, while a
+  // CUDA graph capture runs (releasing would invalidate it), as soon as it ended.
   const size_t with_memory = backend_->created_pages();
-  if (backend_->keeps_freed_memory() && with_memory > limit_) release_free_locked(with_memory - limit_);
+  if (backend_->keeps_freed_memory() && with_memory > limit_) {
+    if (capture_running()) {
+      defer_release_locked(kReleaseToLimit);
+    } else {
+      release_free_locked(with_memory - limit_);
+    }
+  }
   return limit_;
+}
+
+void PagePool::defer_release_locked(int kind) {
+  deferred_release_ = std::max(deferred_release_, kind);
+  note_deferred_locked();
+}
+
+void PagePool::note_deferred_locked() {
+  has_deferred_.store(true, std::memory_order_release);
+  std::weak_ptr<PagePool> self = weak_from_this();  // empty for a pool not owned by a shared_ptr
+  if (self.expired()) return;                       // such a pool drains at its next call only
+  std::lock_guard<std::mutex> lock(deferred_pools_mu);
+  for (const auto& w : deferred_pools)
+    if (!w.owner_before(self) && !self.owner_before(w)) return;  // listed already
+  deferred_pools.push_back(std::move(self));
+}
+
+void PagePool::defer_teardown(DeferredTeardown teardown) {
+  std::lock_guard<std::mutex> lock(mu_);
+  teardowns_.push_back(std::move(teardown));
+  note_deferred_locked();
+}
+
+bool PagePool::finish_teardown(DeferredTeardown& t) {
+  size_t done = 0;
+  try {
+    backend_->unmap_runs(t.va, t.runs.data(), t.runs.size(), &done);
+  } catch (...) {
+  }
+  // The runs unmapped lose their references; the others stay mapped and referenced for a later try.
+  size_t unmapped_pages = 0;
+  for (size_t k = 0; k < done; ++k) unmapped_pages += t.runs[k].count;
+  decref_all(std::vector<PageId>(t.pages.begin(), t.pages.begin() + static_cast<std::ptrdiff_t>(unmapped_pages)));
+  t.runs.erase(t.runs.begin(), t.runs.begin() + static_cast<std::ptrdiff_t>(done));
+  t.pages.erase(t.pages.begin(), t.pages.begin() + static_cast<std::ptrdiff_t>(unmapped_pages));
+  if (!t.runs.empty()) return false;
+  try {
+    backend_->release(t.va, t.bytes);
+  } catch (...) {
+  }
+  return true;
+}
+
+bool PagePool::release_deferred() {
+  if (!has_deferred_.load(std::memory_order_acquire)) return true;
+  std::vector<DeferredTeardown> teardowns;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (capture_running()) return false;
+    teardowns.swap(teardowns_);
+  }
+  // Outside the lock (finish_teardown drops references). Kernels queued before the capture may still use the
+  // ranges' pages on streams nobody registered: the whole device is waited for first.
+  std::vector<DeferredTeardown> left;
+  if (!teardowns.empty()) {
+    bool waited = true;
+    try {
+      backend_->synchronize_device();
+    } catch (...) {
+      waited = false;  // a capture began meanwhile, or a device error: try again later
+    }
+    for (DeferredTeardown& t : teardowns)
+      if (!waited || !finish_teardown(t)) left.push_back(std::move(t));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (DeferredTeardown& t : left) teardowns_.push_back(std::move(t));
+  if (deferred_release_ != kReleaseNone && !capture_running()) {
+    // After the teardowns: their pages are free now and count too.
+    if (deferred_release_ == kReleaseAll) {
+      release_free_locked(free_.size());
+    } else {
+      const size_t with_memory = backend_->created_pages();
+      if (with_memory > limit_locked()) release_free_locked(with_memory - limit_locked());
+    }
+    deferred_release_ = kReleaseNone;
+  }
+  const bool pending = deferred_release_ != kReleaseNone || !teardowns_.empty();
+  has_deferred_.store(pending, std::memory_order_release);
+  if (pending) note_deferred_locked();
+  return !pending;
 }
 
 void PagePool::release_free_locked(size_t count) {
@@ -94,6 +226,7 @@ std::vector<PageId> PagePool::acquire(size_t n, PageOwner owner) {
 }
 
 std::vector<PageId> PagePool::acquire_preferring(const std::vector<PageId>& wanted, PageOwner owner) {
+  if (has_deferred_.load(std::memory_order_acquire)) release_deferred();  // one atomic load when none is
   std::lock_guard<std::mutex> lock(mu_);
   const size_t n = wanted.size();
   const PageId first_home = static_cast<PageId>(general_ids_);
@@ -319,13 +452,23 @@ PoolStats PagePool::stats() const {
                    backend_->created_pages(),
                    owned_[static_cast<size_t>(PageOwner::kKVCache)],
                    owned_[static_cast<size_t>(PageOwner::kAllocator)],
-                   kept_count_};
+                   kept_count_,
+                   backend_->unmap_fallbacks(),
+                   deferred_release_ != kReleaseNone,
+                   teardowns_.size()};
 }
 
 size_t PagePool::trim() {
+  release_deferred();
   std::lock_guard<std::mutex> lock(mu_);
   drop_kept_locked(0);
-  release_free_locked(free_.size());  // host: holes punched, every id stays in free_; CUDA: handles released
+  // Host: holes punched, every id stays in free_; CUDA: handles released, or, while a CUDA graph capture runs,
+  // once it ended (see the class comment).
+  if (backend_->keeps_freed_memory() && capture_running()) {
+    defer_release_locked(kReleaseAll);
+  } else {
+    release_free_locked(free_.size());
+  }
   const size_t cap = limit_locked();
   return std::min(free_.size() + released_.size(), cap > used_ ? cap - used_ : 0);
 }

@@ -2,6 +2,7 @@
 // list and reference counts. A page is "used" while its count is above zero; ranges that map it hold
 // the references. Thread-safe: every public call takes the pool's mutex.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -24,16 +25,53 @@ struct PoolStats {
   size_t used_pages;
   size_t free_pages;
   size_t high_water_pages;
-  size_t created_pages;    // pages with memory now (Backend::created_pages): on CUDA it falls when trim releases
-  size_t kv_pages;         // used pages owned by KV caches (ranges, copy-on-write)
-  size_t allocator_pages;  // used pages owned by the torch allocator hook and vpaged.empty
-  size_t kept_free_pages;  // free pages that kept their memory (set_keep_freed): resident, not in use
+  size_t created_pages;       // pages with memory now (Backend::created_pages): on CUDA it falls when trim releases
+  size_t kv_pages;            // used pages owned by KV caches (ranges, copy-on-write)
+  size_t allocator_pages;     // used pages owned by the torch allocator hook and vpaged.empty
+  size_t kept_free_pages;     // free pages that kept their memory (set_keep_freed): resident, not in use
+  size_t unmap_fallbacks;     // runs the driver refused to unmap as one call, unmapped page by page (Backend)
+  bool release_pending;       // a trim or lowered limit waits for a CUDA graph capture to end (see below)
+  size_t deferred_teardowns;  // ranges destroyed during a capture, waiting to be unmapped (see below)
 };
 
-class PagePool {
+// A range destroyed while a CUDA graph capture ran: its pages stay mapped and referenced and its reservation
+// stays, until the pool can wait for the device and unmap them (PagePool::release_deferred).
+struct DeferredTeardown {
+  uintptr_t va;
+  size_t bytes;
+  std::vector<IndexRun> runs;  // the mapped indices, in runs
+  std::vector<PageId> pages;   // the pages shown by the runs, in order (one reference each)
+};
+
+// CUDA GRAPH CAPTURE. While a capture runs in the default (global) mode, a cuMemUnmap, cuMemRelease, cuMemCreate,
+// cuMemMap or cuMemSetAccess from any thread of the process invalidates it. The pool therefore never releases
+// memory while a capture runs: a trim, or a lowered limit, records what it would release (the limit itself is
+// set at once, so nothing more is handed out) and releases it at the first chance after the capture ended (the
+// next set_limit, trim or acquire, or end_capture's drain). Likewise a range destroyed during a capture leaves
+// its teardown here (defer_teardown). "A capture runs": the process-wide capture flag is up (begin_capture /
+// end_capture, counted; vpaged.memory.graph_capture() raises it around torch.cuda.graph and vLLM's capture), or
+// the backend says the legacy stream may not be used now (Backend::capturing(0): a global-mode capture).
+class PagePool : public std::enable_shared_from_this<PagePool> {
  public:
   // reserve_pages: physical pages created at construction (the rest in batches as needed).
   PagePool(std::shared_ptr<Backend> backend, size_t reserve_pages = 0, size_t create_batch = 64);
+  ~PagePool();
+  PagePool(const PagePool&) = delete;
+  PagePool& operator=(const PagePool&) = delete;
+
+  // The process-wide capture flag (counted: nested and concurrent captures each raise it once). The last
+  // end_capture releases what every pool deferred. Thread-safe.
+  static void begin_capture();
+  static void end_capture();
+  static bool capture_flagged();
+  // Whether releases are deferred now: on a backend whose mapping calls break a capture, the capture flag
+  // or the backend's legacy-stream answer.
+  bool capture_running() const;
+  // Do what a capture deferred (releases, range teardowns) unless a capture still runs; returns true when
+  // nothing is left pending. Teardowns first wait for the whole device (Backend::synchronize_device).
+  bool release_deferred();
+  // Keep a destroyed range's mappings, references and reservation until release_deferred can unmap them.
+  void defer_teardown(DeferredTeardown teardown);
 
   Backend& backend() { return *backend_; }
   const std::shared_ptr<Backend>& backend_ptr() const { return backend_; }
@@ -123,6 +161,18 @@ class PagePool {
   size_t high_water_ = 0;
   size_t limit_ = SIZE_MAX;  // clamped to the backend's capacity where read (limit_locked)
   size_t limit_locked() const;
+  // What a capture deferred (see the class comment): kReleaseToLimit (free pages with memory beyond the
+  // limit), kReleaseAll (every free page, a trim), and the teardowns. has_deferred_: either is pending (read
+  // without the lock on the hot path).
+  enum DeferredRelease : int { kReleaseNone = 0, kReleaseToLimit = 1, kReleaseAll = 2 };
+  int deferred_release_ = kReleaseNone;
+  std::vector<DeferredTeardown> teardowns_;
+  std::atomic<bool> has_deferred_{false};
+  void defer_release_locked(int kind);
+  void note_deferred_locked();  // has_deferred_ set and the pool listed for end_capture's drain
+  // Unmap a teardown's runs, drop their pages' references, release the reservation; false (the runs not
+  // unmapped left in it) when the backend refused.
+  bool finish_teardown(DeferredTeardown& t);
 };
 
 }  // namespace vpaged

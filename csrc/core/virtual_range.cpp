@@ -27,8 +27,26 @@ VirtualRange::~VirtualRange() {
   for (size_t s = 0; s < num_pages_; ++s)
     if (table_[s] >= 0) mapped.push_back(static_cast<int64_t>(s));
   try {
-    if (!mapped.empty()) wait_for_streams_locked();
+    if (!mapped.empty()) {
+      // A capture runs (the process flag, the legacy stream, or a registered stream): the wait and the unmap
+      // would break it. The pages stay mapped and referenced and the reservation stays, handed to the pool,
+      // which unmaps them once the capture ended (PagePool::release_deferred): kernels queued earlier may still
+      // write through these addresses, so the pages must not be trimmed or handed to another owner before.
+      if (pool_->capture_running()) throw CaptureActive("a CUDA graph capture runs");
+      wait_for_streams_locked();
+    }
     unmap_locked(mapped);
+  } catch (const CaptureActive&) {
+    DeferredTeardown t{va_, num_pages_ * page_size_, runs(mapped), {}};
+    t.pages.reserve(mapped.size());
+    for (int64_t s : mapped) t.pages.push_back(table_[s]);
+    try {
+      pool_->defer_teardown(std::move(t));
+      return;
+    } catch (...) {  // out of memory recording it: fall through to the old way (drop the references)
+    }
+    for (int64_t s : mapped)
+      if (table_[s] >= 0) pool_->decref(table_[s]);
   } catch (...) {
     // Releasing the reservation below removes the mappings anyway; drop the references by hand.
     for (int64_t s : mapped)
@@ -186,6 +204,13 @@ void VirtualRange::wait_for_streams_locked() {
   // capture mode torch.cuda.graph uses, invalidates the capture (the legacy stream 0 counts as capturing
   // whenever such a capture runs). So every unmap or remap is refused first, with nothing changed and the
   // capture intact; the cache's pool reclaim asks the same question and skips unmapping during a capture.
+  // The process-wide capture flag (vpaged.memory.graph_capture) or a global-mode capture the legacy stream
+  // reports: any thread's unmap would invalidate that capture too, whatever stream it runs on.
+  if (pool_->capture_running()) {
+    throw CaptureActive(
+        "a CUDA graph capture runs in this process (vpaged.memory.graph_capture, or a global-mode capture): "
+        "unmapping or remapping would invalidate it; nothing was changed (do it after the capture ends)");
+  }
   for (uintptr_t stream : streams_) {
     if (pool_->backend().capturing(stream)) {
       throw CaptureActive("stream " + std::to_string(stream) +

@@ -9,16 +9,33 @@
 //   mapping (cuMemMap)                    mmap(MAP_SHARED | MAP_FIXED) of the memfd, still PROT_NONE
 //   access (cuMemSetAccess)               mprotect(PROT_READ | PROT_WRITE)
 //   unmapping (cuMemUnmap)                the range goes back to a PROT_NONE anonymous mapping
-//   copies (cuMemcpy*Async)               on the NULL / legacy stream: memcpy before the call returns;
-//                                         on a stream of the tests (fake_cuda_stream_create): queued, and
-//                                         done only when that stream is synchronized
+//   copies (cuMemcpy*Async)               queued on their stream (the NULL / legacy stream of the current
+//                                         context's device, or a stream of the tests made by
+//                                         fake_cuda_stream_create), done only when that stream is synchronized
+//                                         (cuStreamSynchronize, or cuCtxSynchronize for every stream of the device)
 //   kernels (fake_cuda_launch_read)       a queued read of a device range, done at the stream's sync
-//   graph capture (fake_cuda_begin_capture / fake_cuda_end_capture)  a test stream marked as capturing:
-//                                         cuStreamIsCapturing reports it; cuCtxSynchronize (and
-//                                         cuStreamSynchronize of that stream) return
-//                                         CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture
-//                                         (the real driver does so in the default, global capture mode), which
-//                                         fake_cuda_end_capture then reports as CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+//   graph capture (fake_cuda_begin_capture[_mode] / fake_cuda_end_capture)  a test stream marked as capturing
+//                                         in a capture mode (global by default, as torch.cuda.graph): see
+//                                         "Capture rules" below; fake_cuda_end_capture reports a capture a call
+//                                         broke as CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+//
+// Strict where the real driver is (tests/memory/test_cuda_backend_fake.py runs every check so):
+//   * cuMemRelease of a handle that is still mapped only marks it released: its bytes stay allocated (and
+//     count against the memory limit) until its last mapping is unmapped, as the driver frees them.
+//   * cuMemUnmap must name exactly one whole mapping: a range over several separate mappings is refused with
+//     CUDA_ERROR_INVALID_VALUE ("the range must be the entire contiguous address range that was mapped to").
+//     Not a violation (vpaged falls back to one call per page); counted (fake_cuda_live("refused_unmaps")).
+//     FAKE_CUDA_MULTI_UNMAP=1 models a driver that accepts a run of whole mappings in one call (the checks of
+//     the one-call-per-run path use it).
+//   * Capture rules: while a capture runs in the global mode, cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap
+//     and cuMemSetAccess from ANY thread (in the thread-local mode: from the capturing thread) are refused
+//     with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture; a violation. cuCtxSynchronize,
+//     and cuStreamSynchronize of a capturing stream or (global mode) of the legacy stream, fail the same way
+//     and invalidate it (not violations: the caller cannot always know a capture runs).
+//   * cuStreamIsCapturing on the legacy stream answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT while a global-mode
+//     capture runs (the legacy stream may not be used then).
+//   * The legacy stream's copies are asynchronous, as on a device: reading their result before the stream is
+//     synchronized reads stale bytes, and unmapping their memory first faults (sticky).
 //
 // Streams made by fake_cuda_stream_create behave like torch's (created non-blocking): work on them is
 // ordered neither with the legacy stream nor with each other, so a missing cuStreamSynchronize shows as
@@ -51,6 +68,7 @@
 //   FAKE_CUDA_GRANULARITY_NEEDS_CONTEXT=1  cuMemGetAllocationGranularity wants a current context
 //   FAKE_CUDA_DRIVER_VERSION=V       CUDA version the driver supports (default 13000)
 //   FAKE_CUDA_MISSING=a,b            entry points cuGetProcAddress does not find
+//   FAKE_CUDA_MULTI_UNMAP=1          cuMemUnmap accepts a run of several whole mappings in one call
 // Build: g++ -std=c++17 -shared -fPIC -fvisibility=hidden -I<cuda>/include fake_libcuda.cpp
 //        -Wl,-soname,libcuda.so.1 -o <dir>/libcuda.so.1   (tests/test_cuda_backend_fake.py does this)
 #include <cuda.h>
@@ -66,6 +84,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #define FAKE_EXPORT extern "C" __attribute__((visibility("default")))
@@ -91,6 +110,7 @@ struct Config {
   size_t granularity = 2u << 20;
   bool granularity_needs_context = false;
   int driver_version = 13000;
+  bool multi_unmap = false;
   std::set<std::string> missing;
 };
 
@@ -104,6 +124,7 @@ Config read_config() {
   c.granularity = static_cast<size_t>(env_long("FAKE_CUDA_GRANULARITY", 2l << 20));
   c.granularity_needs_context = env_long("FAKE_CUDA_GRANULARITY_NEEDS_CONTEXT", 0) != 0;
   c.driver_version = static_cast<int>(env_long("FAKE_CUDA_DRIVER_VERSION", 13000));
+  c.multi_unmap = env_long("FAKE_CUDA_MULTI_UNMAP", 0) != 0;
   if (const char* m = std::getenv("FAKE_CUDA_MISSING")) {
     std::stringstream names(m);
     std::string name;
@@ -112,9 +133,11 @@ Config read_config() {
   return c;
 }
 
-struct Allocation {  // one cuMemCreate handle
+struct Allocation {  // one cuMemCreate handle, holding memory until released and unmapped everywhere
   int fd;
   size_t size;
+  int mappings = 0;       // live cuMemMap mappings of this handle
+  bool released = false;  // cuMemRelease was called: the memory goes with the last mapping
 };
 
 struct Mapping {  // one cuMemMap
@@ -131,11 +154,16 @@ struct PendingOp {
   size_t bytes;
 };
 
-struct FakeStream {  // made by fake_cuda_stream_create; belongs to one device's primary context
+// cudaStreamCaptureMode: which threads' unsafe calls break a capture (global: any thread's).
+enum CaptureMode { kCaptureGlobal = 0, kCaptureThreadLocal = 1, kCaptureRelaxed = 2 };
+
+struct FakeStream {  // made by fake_cuda_stream_create (or a device's legacy stream); one device's context
   int device;
   std::vector<PendingOp> queue;
   bool capturing = false;    // between fake_cuda_begin_capture and fake_cuda_end_capture
-  bool invalidated = false;  // a call during the capture broke it (cuCtxSynchronize)
+  bool invalidated = false;  // a call during the capture broke it
+  int mode = kCaptureGlobal;
+  std::thread::id capture_thread;  // the thread that began the capture (thread-local mode)
 };
 
 struct InjectedFailure {
@@ -160,9 +188,8 @@ struct State {
   std::map<uintptr_t, Mapping> mappings;     // start -> mapping
   std::map<std::string, long> calls;
   std::map<std::string, InjectedFailure> failures;
-  // Allocations a legacy-stream async copy touched since that stream was last synchronized: on a real
-  // device that copy may still be running, so unmapping them then is a bug (see fake_cuMemUnmap).
-  std::set<CUmemGenericAllocationHandle> copy_pending;
+  FakeStream legacy[kMaxDevices];  // each device's legacy (NULL) stream: its copies queue as on any stream
+  long refused_unmaps = 0;         // cuMemUnmap calls refused for spanning several mappings
   long violations = 0;
   std::string last_violation;
   std::map<CUstream, FakeStream*> streams;  // streams of the tests (never freed: handles stay unique)
@@ -174,7 +201,7 @@ struct State {
 State& state() {
   static State* s = [] {
     auto* st = new State;
-    for (int i = 0; i < kMaxDevices; ++i) st->contexts[i].device = i;
+    for (int i = 0; i < kMaxDevices; ++i) st->contexts[i].device = i, st->legacy[i].device = i;
     return st;
   }();
   return *s;
@@ -294,6 +321,43 @@ bool legacy_stream(CUstream stream) { return stream == nullptr || stream == CU_S
 // destroyed (vpaged passes the caller's stream through).
 bool known_stream(State& s, CUstream stream) { return legacy_stream(stream) || s.streams.count(stream) != 0; }
 
+// The stream a handle names for the calling thread: a test stream, or its current device's legacy stream.
+FakeStream& stream_of(State& s, CUstream stream) {
+  if (!legacy_stream(stream)) return *s.streams.at(stream);
+  const int device = context_stack.empty() || context_stack.back() == nullptr ? 0 : context_stack.back()->device;
+  return s.legacy[device];
+}
+
+// Whether a capture in the global mode runs on any stream (of any device: the mode is process-wide).
+bool global_capture_running(State& s) {
+  for (auto& [handle, st] : s.streams)
+    if (st->capturing && st->mode == kCaptureGlobal) return true;
+  return false;
+}
+
+// Capture rule: an unsafe call (the VMM calls that change memory or mappings) while a capture runs in the
+// global mode, from any thread, or in the thread-local mode from the capturing thread, is refused with
+// CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates that capture. Returns true when the call is refused.
+bool breaks_capture(State& s) {
+  bool broke = false;
+  for (auto& [handle, st] : s.streams) {
+    if (!st->capturing) continue;
+    if (st->mode == kCaptureGlobal ||
+        (st->mode == kCaptureThreadLocal && st->capture_thread == std::this_thread::get_id())) {
+      st->invalidated = true;
+      broke = true;
+    }
+  }
+  return broke;
+}
+
+#define NO_CAPTURE                                                                                            \
+  do {                                                                                                        \
+    if (breaks_capture(s))                                                                                    \
+      REFUSE(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,                                                           \
+             "called while a CUDA graph capture runs (global mode: from any thread); the capture is broken"); \
+  } while (0)
+
 // Queued work faulted: the context's error is sticky from now on (recorded as a violation: it means the
 // caller unmapped memory that work still queued on a stream was going to touch).
 void fault(State& s, FakeStream& st, const std::string& what) {
@@ -324,7 +388,10 @@ void drain(State& s, FakeStream& st) {
 // Unmapping [ptr, ptr + size) while work queued on a stream still touches it: that work faults (on a
 // GPU it may already be running; the unmap itself succeeds, the error surfaces at later calls).
 void fault_queued_work_in(State& s, uintptr_t ptr, size_t size) {
-  for (auto& [handle, st] : s.streams) {
+  std::vector<FakeStream*> all;
+  for (auto& [handle, st] : s.streams) all.push_back(st);
+  for (FakeStream& st : s.legacy) all.push_back(&st);
+  for (FakeStream* st : all) {
     for (const PendingOp& op : st->queue) {
       const bool dst_device = op.kind == PendingOp::kHtoD || op.kind == PendingOp::kDtoD;
       const bool src_device = op.kind != PendingOp::kHtoD;
@@ -337,28 +404,13 @@ void fault_queued_work_in(State& s, uintptr_t ptr, size_t size) {
   }
 }
 
-// A copy on the legacy stream runs now; on a test stream it is queued (checked now for mapped memory,
-// as the driver validates device pointers when the call is made, and again when it runs).
+// A copy is queued on its stream, the legacy one included (checked now for mapped memory, as the driver
+// validates device pointers when the call is made, and again when it runs).
 CUresult submit_copy(State& s, CUstream stream, PendingOp op) {
-  if (legacy_stream(stream)) {
-    std::memmove(reinterpret_cast<void*>(op.dst), reinterpret_cast<const void*>(op.src), op.bytes);
-    return CUDA_SUCCESS;
-  }
-  FakeStream& st = *s.streams.at(stream);
+  FakeStream& st = stream_of(s, stream);
   if (s.sticky[st.device] != CUDA_SUCCESS) return s.sticky[st.device];
   st.queue.push_back(op);
   return CUDA_SUCCESS;
-}
-
-// Copies on the legacy stream run at once here but may still be running on a device until the legacy
-// stream is synchronized: "pending" is one set for them (test streams queue their copies instead).
-void mark_copy_pending(State& s, uintptr_t p, size_t size) {
-  for (uintptr_t at = p; at < p + size;) {
-    auto it = mapping_at(s, at);
-    if (it == s.mappings.end()) return;
-    s.copy_pending.insert(it->second.handle);
-    at = it->first + it->second.size;
-  }
 }
 
 // --------------------------------------------------------------------------------------------------
@@ -386,6 +438,7 @@ CUresult fake_cuGetErrorName(CUresult error, const char** out) {
     NAME(CUDA_ERROR_ILLEGAL_ADDRESS)
     NAME(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
     NAME(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
+    NAME(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
     NAME(CUDA_ERROR_UNKNOWN)
 #undef NAME
     default:
@@ -511,6 +564,7 @@ CUresult fake_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, con
                           unsigned long long flags) {
   ENTER("cuMemCreate");
   NEED_CONTEXT;
+  NO_CAPTURE;
   if (handle == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null handle");
   // Rule: size must be a positive multiple of the granularity; flags must be 0.
   if (size == 0 || size % config(s).granularity != 0)
@@ -535,14 +589,19 @@ CUresult fake_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, con
 CUresult fake_cuMemRelease(CUmemGenericAllocationHandle handle) {
   ENTER("cuMemRelease");
   NEED_CONTEXT;
+  NO_CAPTURE;
   auto it = s.allocations.find(handle);
   // Rule: the handle must come from cuMemCreate and not be released yet.
-  if (it == s.allocations.end()) REFUSE(CUDA_ERROR_INVALID_VALUE, "unknown or already released handle");
-  // The driver frees the memory once the handle is released and its last mapping is gone; the memfd's
-  // mappings keep its pages alive here in the same way after the descriptor is closed.
-  close(it->second.fd);
-  s.bytes_allocated -= it->second.size;
-  s.allocations.erase(it);
+  if (it == s.allocations.end() || it->second.released)
+    REFUSE(CUDA_ERROR_INVALID_VALUE, "unknown or already released handle");
+  // The driver frees the memory once the handle is released and its last mapping is gone: while mappings
+  // remain, the bytes stay allocated (fake_cuMemUnmap frees them with the last one).
+  it->second.released = true;
+  if (it->second.mappings == 0) {
+    close(it->second.fd);
+    s.bytes_allocated -= it->second.size;
+    s.allocations.erase(it);
+  }
   return CUDA_SUCCESS;
 }
 
@@ -592,8 +651,9 @@ CUresult fake_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneric
                        unsigned long long flags) {
   ENTER("cuMemMap");
   NEED_CONTEXT;
+  NO_CAPTURE;
   auto a = s.allocations.find(handle);
-  if (a == s.allocations.end()) REFUSE(CUDA_ERROR_INVALID_VALUE, "unknown or released handle");
+  if (a == s.allocations.end() || a->second.released) REFUSE(CUDA_ERROR_INVALID_VALUE, "unknown or released handle");
   // Rules: offset must currently be 0 and flags 0; ptr a multiple of the granularity. The driver also
   // accepts a prefix of an allocation; vpaged always maps a whole page, so any other size is a bug.
   if (offset != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "offset must be 0");
@@ -609,27 +669,26 @@ CUresult fake_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneric
   void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, a->second.fd, 0);
   if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
   s.mappings[ptr] = Mapping{size, handle, false};
+  ++a->second.mappings;
   return CUDA_SUCCESS;
 }
 
 CUresult fake_cuMemUnmap(CUdeviceptr ptr, size_t size) {
   ENTER("cuMemUnmap");
   NEED_CONTEXT;
-  // Rule: the range must consist of entire mappings (no sub-range of one). Several adjacent whole
-  // mappings in one call are accepted, as by the driver (vpaged unmaps a run of pages in one call;
-  // tests/test_cuda_backend.py checks that on a real GPU).
+  NO_CAPTURE;
+  // Rule: the range must consist of entire mappings (no sub-range of one).
   if (!whole_mappings(s, ptr, size)) REFUSE(CUDA_ERROR_INVALID_VALUE, "range is not a sequence of whole mappings");
-  // Not refused by the driver, but a bug it would not forgive: an async copy that may still run reads or
-  // writes this memory (vpaged must synchronize the copy's stream before unmapping). Recorded as a
-  // violation; the unmap goes ahead as the driver's would.
-  for (uintptr_t at = ptr; at < ptr + size;) {
-    const Mapping& m = s.mappings.at(at);
-    if (s.copy_pending.count(m.handle)) {
-      violation(s, call_name, CUDA_SUCCESS, "unmapped memory an unsynchronized async copy may still access");
-      break;
-    }
-    at += m.size;
+  // Rule (the driver API reference): "the range must be the entire contiguous address range that was mapped
+  // to", i.e. one mapping. A run of several is refused (CUDA_ERROR_INVALID_VALUE), unless the fake models a
+  // driver that accepts it (FAKE_CUDA_MULTI_UNMAP=1). Not a violation: the caller may try the run first and
+  // fall back to one call per mapping; counted so that checks can see the refusals.
+  if (!config(s).multi_unmap && s.mappings.at(ptr).size != size) {
+    ++s.refused_unmaps;
+    return CUDA_ERROR_INVALID_VALUE;
   }
+  // Work still queued on a stream (the legacy one included: its copies are asynchronous) that touches this
+  // memory faults: vpaged must synchronize the stream before unmapping.
   fault_queued_work_in(s, ptr, size);
   void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
                  -1, 0);
@@ -637,6 +696,13 @@ CUresult fake_cuMemUnmap(CUdeviceptr ptr, size_t size) {
   for (uintptr_t at = ptr; at < ptr + size;) {
     auto it = s.mappings.find(at);
     at += it->second.size;
+    // A released handle's memory goes with its last mapping.
+    auto a = s.allocations.find(it->second.handle);
+    if (a != s.allocations.end() && --a->second.mappings == 0 && a->second.released) {
+      close(a->second.fd);
+      s.bytes_allocated -= a->second.size;
+      s.allocations.erase(a);
+    }
     s.mappings.erase(it);
   }
   return CUDA_SUCCESS;
@@ -645,6 +711,7 @@ CUresult fake_cuMemUnmap(CUdeviceptr ptr, size_t size) {
 CUresult fake_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
   ENTER("cuMemSetAccess");
   NEED_CONTEXT;
+  NO_CAPTURE;
   // Rules: at least one descriptor, each naming a visible device and known access flags; the range
   // must be fully mapped (the fake requires whole mappings, which is how vpaged calls it).
   if (desc == nullptr || count == 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "no access descriptors");
@@ -670,17 +737,14 @@ CUresult fake_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc
 }
 
 // Copies: the device side must be mapped and accessible (the driver reports an invalid or illegal
-// address otherwise); the stream must be one the fake knows. The copy is done before returning.
+// address otherwise); the stream must be one the fake knows. The copy is queued on the stream (the legacy
+// one too) and done when that stream is synchronized.
 CUresult fake_cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
   ENTER("cuMemcpyDtoDAsync");
   NEED_CONTEXT;
   if (!known_stream(s, stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
   if (!accessible(s, dst, bytes) || !accessible(s, src, bytes))
     REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
-  if (legacy_stream(stream)) {
-    mark_copy_pending(s, dst, bytes);
-    mark_copy_pending(s, src, bytes);
-  }
   return submit_copy(s, stream, PendingOp{PendingOp::kDtoD, dst, src, bytes});
 }
 
@@ -690,7 +754,6 @@ CUresult fake_cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstre
   if (!known_stream(s, stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
   if (dst == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null host pointer");
   if (!accessible(s, src, bytes)) REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
-  if (legacy_stream(stream)) mark_copy_pending(s, src, bytes);
   return submit_copy(s, stream, PendingOp{PendingOp::kDtoH, reinterpret_cast<uintptr_t>(dst), src, bytes});
 }
 
@@ -700,7 +763,6 @@ CUresult fake_cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, 
   if (!known_stream(s, stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
   if (src == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null host pointer");
   if (!accessible(s, dst, bytes)) REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
-  if (legacy_stream(stream)) mark_copy_pending(s, dst, bytes);
   return submit_copy(s, stream, PendingOp{PendingOp::kHtoD, dst, reinterpret_cast<uintptr_t>(src), bytes});
 }
 
@@ -709,8 +771,16 @@ CUresult fake_cuStreamSynchronize(CUstream stream) {
   NEED_CONTEXT;
   if (!known_stream(s, stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
   if (legacy_stream(stream)) {
-    s.copy_pending.clear();  // the legacy stream's copies are complete now
-    return CUDA_SUCCESS;
+    // In the global capture mode the legacy stream may not be waited for while any capture runs: the call
+    // fails and breaks the capture (not a violation, as below).
+    if (global_capture_running(s)) {
+      for (auto& [handle, st] : s.streams)
+        if (st->capturing && st->mode == kCaptureGlobal) st->invalidated = true;
+      return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+    }
+    FakeStream& legacy = stream_of(s, stream);
+    drain(s, legacy);
+    return s.sticky[legacy.device];
   }
   // Waits for this stream only: the tests' streams are non-blocking, as torch's are.
   FakeStream& st = *s.streams.at(stream);
@@ -732,13 +802,19 @@ CUresult fake_cuCtxSynchronize() {
   // While a stream of the context captures a graph, waiting for the device is not permitted: the driver
   // returns CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and, in the global capture mode torch.cuda.graph uses by
   // default, invalidates the capture. Not a violation: see cuStreamSynchronize.
+  const int device = context_stack.back()->device;
   bool capture = false;
   for (auto& [handle, st] : s.streams) {
-    if (st->device != context_stack.back()->device || !st->capturing) continue;
+    if (st->device != device || !st->capturing) continue;
     st->invalidated = true;
     capture = true;
   }
-  return capture ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED : CUDA_SUCCESS;  // otherwise no work is ever queued
+  if (capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+  // Otherwise it waits for every stream of the context: the legacy one and the tests'.
+  drain(s, s.legacy[device]);
+  for (auto& [handle, st] : s.streams)
+    if (st->device == device && s.sticky[device] == CUDA_SUCCESS) drain(s, *st);
+  return s.sticky[device];
 }
 
 CUresult fake_cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus* status) {
@@ -746,11 +822,11 @@ CUresult fake_cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus* status
   NEED_CONTEXT;
   if (status == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null status");
   if (!known_stream(s, stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
-  // The legacy stream never captures itself, and the tests' streams are non-blocking (as torch's are), so a
-  // capture on them does not make the legacy stream report CUDA_ERROR_STREAM_CAPTURE_IMPLICIT.
+  // The legacy stream never captures itself, but while a capture runs in the global mode it may not be used
+  // (a wait on it would break the capture): the driver answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT then.
   if (legacy_stream(stream)) {
     *status = CU_STREAM_CAPTURE_STATUS_NONE;
-    return CUDA_SUCCESS;
+    return global_capture_running(s) ? CUDA_ERROR_STREAM_CAPTURE_IMPLICIT : CUDA_SUCCESS;
   }
   const FakeStream& st = *s.streams.at(stream);
   if (st.device != context_stack.back()->device)
@@ -861,6 +937,12 @@ FAKE_EXPORT long long fake_cuda_live(const char* what) {
     return n;
   }
   if (w == "context_depth") return static_cast<long long>(context_stack.size());
+  if (w == "refused_unmaps") return s.refused_unmaps;
+  if (w == "released_mapped") {  // released handles whose memory a mapping still holds
+    long long n = 0;
+    for (auto& [h, a] : s.allocations) n += a.released;
+    return n;
+  }
   return -1;
 }
 
@@ -889,7 +971,8 @@ FAKE_EXPORT void fake_cuda_set_memory_limit(long long bytes) {
 FAKE_EXPORT CUstream fake_cuda_stream_create(int device) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  auto* st = new FakeStream{device, {}};
+  auto* st = new FakeStream;
+  st->device = device;
   CUstream handle = reinterpret_cast<CUstream>(st);
   s.streams[handle] = st;
   return handle;
@@ -910,17 +993,25 @@ FAKE_EXPORT int fake_cuda_launch_read(CUstream stream, CUdeviceptr ptr, size_t b
   return CUDA_SUCCESS;
 }
 
-// Start capturing a graph on a test stream (as cudaStreamBeginCapture would): 0, or
+// Start capturing a graph on a test stream (as cudaStreamBeginCapture would) in a capture mode (0 global, as
+// torch.cuda.graph by default; 1 thread-local; 2 relaxed), from the calling thread: 0, or
 // CUDA_ERROR_INVALID_HANDLE for the legacy stream, CUDA_ERROR_ILLEGAL_STATE when it captures already.
-FAKE_EXPORT int fake_cuda_begin_capture(CUstream stream) {
+FAKE_EXPORT int fake_cuda_begin_capture_mode(CUstream stream, int mode) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   if (legacy_stream(stream) || !s.streams.count(stream)) return CUDA_ERROR_INVALID_HANDLE;
+  if (mode < kCaptureGlobal || mode > kCaptureRelaxed) return CUDA_ERROR_INVALID_VALUE;
   FakeStream& st = *s.streams.at(stream);
   if (st.capturing) return CUDA_ERROR_ILLEGAL_STATE;
   st.capturing = true;
   st.invalidated = false;
+  st.mode = mode;
+  st.capture_thread = std::this_thread::get_id();
   return CUDA_SUCCESS;
+}
+
+FAKE_EXPORT int fake_cuda_begin_capture(CUstream stream) {
+  return fake_cuda_begin_capture_mode(stream, kCaptureGlobal);
 }
 
 // End the capture: 0 when the graph was captured, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED when a call during
@@ -935,18 +1026,18 @@ FAKE_EXPORT int fake_cuda_end_capture(CUstream stream) {
   return st.invalidated ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED : CUDA_SUCCESS;
 }
 
-// Work still queued on a stream (copies and kernels).
+// Work still queued on a stream (copies and kernels; the legacy stream: device 0's, or the current device's).
 FAKE_EXPORT long fake_cuda_pending(CUstream stream) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  return static_cast<long>(s.streams.at(stream)->queue.size());
+  return static_cast<long>(stream_of(s, stream).queue.size());
 }
 
 // Synchronize a stream as torch's stream.synchronize() would (without a current context on the thread).
 FAKE_EXPORT int fake_cuda_stream_synchronize(CUstream stream) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  FakeStream& st = *s.streams.at(stream);
+  FakeStream& st = stream_of(s, stream);
   drain(s, st);
   return s.sticky[st.device];
 }

@@ -142,6 +142,7 @@ class FakeDriver:
         lib.fake_cuda_sticky_error.argtypes = [ctypes.c_int]
         lib.fake_cuda_clear_sticky_error.argtypes = [ctypes.c_int]
         lib.fake_cuda_begin_capture.argtypes = [ctypes.c_void_p]
+        lib.fake_cuda_begin_capture_mode.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.fake_cuda_end_capture.argtypes = [ctypes.c_void_p]
         self.lib = lib
         self.granularity = int(os.environ.get("FAKE_CUDA_GRANULARITY", 2 << 20))
@@ -205,9 +206,10 @@ class FakeDriver:
     def sync_stream(self, stream: int) -> int:
         return self.lib.fake_cuda_stream_synchronize(stream)
 
-    def begin_capture(self, stream: int) -> None:
-        """Make `stream` (one of drv.stream()) capture a CUDA graph until end_capture."""
-        assert self.lib.fake_cuda_begin_capture(stream) == 0
+    def begin_capture(self, stream: int, mode: int = 0) -> None:
+        """Make `stream` (one of drv.stream()) capture a CUDA graph until end_capture, in a capture mode (0 global,
+        as torch.cuda.graph by default; 1 thread-local; 2 relaxed), from the calling thread."""
+        assert self.lib.fake_cuda_begin_capture_mode(stream, mode) == 0
 
     def end_capture(self, stream: int) -> int:
         """End the capture: 0 when it is valid, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED when a call broke it."""
@@ -901,8 +903,9 @@ def test_failed_page_creation_loses_no_pages(drv, rng):
 # Driver calls: counts, contexts, threads, teardown
 
 
-@fake_driver_check()
-def test_one_set_access_per_run_and_one_unmap_per_run(drv, rng):
+def set_access_and_unmap_calls(drv):
+    """Maps runs of pages and unmaps them; returns the backend, its pool, and (unmap calls the driver saw,
+    the backend's unmap_calls) for unmapping a run of 5 pages and runs of 2 and 1."""
     g = drv.granularity
     before = drv.snapshot()
     backend, pool = make_pool(drv, 16, 0, batch=8)
@@ -923,8 +926,24 @@ def test_one_set_access_per_run_and_one_unmap_per_run(drv, rng):
     before = drv.snapshot()
     r.unmap([4, 3, 2, 1, 0])
     r.unmap([11, 9, 8])
-    assert drv.calls_since(before, *VMM_CALLS) == {"cuMemUnmap": 1 + 2}
-    assert backend.unmap_calls - u0 == 3
+    assert drv.live("mappings") == 8  # the pool window's only
+    calls = drv.calls_since(before, *VMM_CALLS)
+    assert set(calls) == {"cuMemUnmap"}, calls
+    return backend, pool, (calls["cuMemUnmap"], backend.unmap_calls - u0)
+
+
+@fake_driver_check(FAKE_CUDA_MULTI_UNMAP=1)  # a driver that accepts a run of whole mappings in one call
+def test_one_set_access_per_run_and_one_unmap_per_run(drv, rng):
+    backend, pool, unmaps = set_access_and_unmap_calls(drv)
+    assert unmaps == (1 + 2, 1 + 2) and pool.stats().unmap_fallbacks == 0
+
+
+@fake_driver_check()
+def test_a_refused_run_unmap_falls_back_to_one_call_per_page(drv, rng):
+    # The strict fake, as the driver documents it: a run is refused, then each page goes with a call of its own.
+    backend, pool, unmaps = set_access_and_unmap_calls(drv)
+    assert unmaps == ((1 + 5) + (1 + 2) + 1,) * 2
+    assert pool.stats().unmap_fallbacks == backend.unmap_fallbacks == 2 == drv.live("refused_unmaps")
 
 
 @fake_driver_check(FAKE_CUDA_DEVICES=2)
@@ -992,8 +1011,10 @@ def test_calls_from_any_thread_leave_its_current_context_alone(drv, rng):
     for t in threads:
         t.join()
     calls = drv.calls_since(before, "cuMemMap", "cuMemSetAccess", "cuMemUnmap")
-    assert calls == {"cuMemMap": 400, "cuMemSetAccess": 200, "cuMemUnmap": 200}
-    assert (backend.map_calls - m0, backend.unmap_calls - u0) == (600, 200)
+    # Each unmap of two pages: the run refused as one call (the strict fake), then one call per page.
+    assert calls == {"cuMemMap": 400, "cuMemSetAccess": 200, "cuMemUnmap": 600}
+    assert (backend.map_calls - m0, backend.unmap_calls - u0) == (600, 600)
+    assert backend.unmap_fallbacks == 200
     assert pool.stats().used_pages == 0
 
 
@@ -1308,7 +1329,9 @@ def test_copy_on_write_waits_for_a_stream_still_writing_the_source(drv, rng):
     assert pool.stats().used_pages == 0
 
 
-@fake_driver_check()
+# A driver that unmaps a run in one call: unmapped page by page, the fault below would be sticky part way through a
+# run, leaving it half mapped, a state only a new process (not drv.recover) clears.
+@fake_driver_check(FAKE_CUDA_MULTI_UNMAP=1)
 def test_cache_waits_for_its_streams_before_unmapping(drv, rng):
     """VirtualKVCache's stream-safety protocol under a driver whose streams run late: kernels queued on the
     current and a declared side stream still read the pages that truncate/free/reclaim unmap; the cache
@@ -1382,7 +1405,7 @@ def test_reclaim_during_a_graph_capture_never_waits_for_the_capturing_stream(drv
     drv.begin_capture(current.handle)
     with pytest.raises(OutOfPagesError):
         second.extend(seq, page_tokens)  # would reclaim dormant pages: refused during the capture
-    with pytest.raises(BackendError, match="capturing a CUDA graph"):
+    with pytest.raises(BackendError, match="CUDA graph"):
         first.truncate(live, 1)  # an unmap of its own: refused before waiting
     assert second.seq_len(seq) == 0 and first.seq_len(live) > page_tokens
     assert first.stats().dormant_pages == dormant and pool.free_pages() == 0

@@ -22,6 +22,7 @@ from .. import _C
 from ..errors import BackendUnavailableError, InvalidArgumentError, OutOfPagesError
 from .budget.member import GIVE_BACK_WAIT_S, BudgetMembership
 from .budget.shared import SharedBudget, default_member_name
+from .capture import capture_active
 from .device import CUDA_PAGE_SIZE, default_page_size, make_backend, normalize_device
 from .limits import check_host_capacity
 
@@ -38,6 +39,11 @@ class PoolStats:
     kv_pages: int = 0  # used pages by owner: KV caches ...
     allocator_pages: int = 0  # ... and torch tensors (vpaged.torch_allocator, vpaged.empty)
     kept_free_pages: int = 0  # free pages that kept their memory (keep_freed_bytes): resident, not in use
+    # CUDA: runs of separately mapped pages the driver refused to unmap with one cuMemUnmap, each then unmapped
+    # page by page (the driver documents that the range must be one whole mapping; docs/gpu.md). 0 elsewhere.
+    unmap_fallbacks: int = 0
+    release_pending: bool = False  # a trim / lowered limit waits for a CUDA graph capture to end (capture.py)
+    deferred_teardowns: int = 0  # ranges destroyed during a capture, unmapped once it ended (capture.py)
 
     @property
     def used_bytes(self) -> int:
@@ -198,13 +204,27 @@ class PagePool:
             s.kv_pages,
             s.allocator_pages,
             s.kept_free_pages,
+            s.unmap_fallbacks,
+            s.release_pending,
+            s.deferred_teardowns,
         )
 
     def trim(self) -> int:
         """Give the memory of all free pages back to the system: the host punches their holes (done already as
         each page went free, except those keep_freed_bytes kept), CUDA releases their cuMemCreate handles (a
-        released page is re-created when it is handed out again). Returns how many pages were free."""
+        released page is re-created when it is handed out again). Returns how many pages were free. While a
+        CUDA graph capture runs (vpaged.memory.graph_capture), the release waits for the capture to end."""
         return self._pool.trim()
+
+    def capture_running(self) -> bool:
+        """Whether a CUDA graph capture runs as far as this pool can tell (capture.capture_active(), or on CUDA
+        the driver's answer for the legacy stream): unmapping would invalidate it, releases wait for its end."""
+        return capture_active() or self._pool.capture_running
+
+    def release_deferred(self) -> bool:
+        """Do the releases and range teardowns a CUDA graph capture deferred (capture.py), unless a capture
+        still runs; True when nothing is left pending. The capture flag's last exit does this already."""
+        return self._pool.release_deferred()
 
     def reset_high_water(self) -> None:
         self._pool.reset_high_water()

@@ -28,6 +28,11 @@ ceiling, has what its pool holds granted there (shrinking to what it uses when t
 leaves the old one. A ledger call that fails with a BudgetError (a damaged or truncated segment) marks the
 member "corrupt" and grants nothing; the pool keeps serving from what it holds.
 
+CUDA graph captures (the pool's capture_running(): memory/capture.py): while one runs, a member asked to give
+back gives its free pages only (no cache is asked to unmap: any thread's unmap would invalidate the capture;
+the asker, still short, asks again), and every lowered limit keeps its device release pending in the pool
+until the capture ended.
+
 Lock order: pool.client_lock, then the membership's lock, then the segment's (never the other way round).
 """
 
@@ -98,6 +103,9 @@ class GrantedPool(Protocol):
 
     def trim(self) -> int:
         """Give the memory of the free pages back to the system."""
+
+    def capture_running(self) -> bool:
+        """Whether a CUDA graph capture runs (no cache may unmap then; releases wait for its end)."""
 
 
 @runtime_checkable
@@ -384,7 +392,7 @@ class BudgetMembership:
             want = max(-(-me.asked_bytes // ps), limit - ceiling)  # asked, or over the ceiling
             if limit > ceiling and self._live_pages(pool) > ceiling:
                 want = 0  # its running requests keep what they hold (the ask is the ceiling's): see the module
-            if want > self._core.free_pages():
+            if want > self._core.free_pages() and not pool.capture_running():  # during a capture: free pages only
                 pool.reclaim_clients(want - self._core.free_pages())
             pool.trim()
             new_limit = self._core.set_limit(max(0, limit - want))  # clamped to the pages in use
@@ -407,7 +415,7 @@ class BudgetMembership:
                     return 0
                 if self._live_pages(pool) > ceiling:  # its running requests keep what they hold meanwhile
                     return 0
-                if self._core.free_pages() < limit - ceiling:
+                if self._core.free_pages() < limit - ceiling and not pool.capture_running():
                     pool.reclaim_clients(limit - ceiling - self._core.free_pages())
                 new_limit = self._core.set_limit(ceiling)  # clamped to the pages in use
                 self._over_ceiling = new_limit > ceiling
@@ -427,6 +435,8 @@ class BudgetMembership:
         return pool.stats().used_pages - pool.reclaimable_pages()
 
     def _release_unused(self, pool: GrantedPool) -> None:
+        # Only the limit changes here (no cache is touched); during a CUDA graph capture the pool keeps the
+        # release of the pages beyond it pending until the capture ended (memory/capture.py).
         with self._lock:
             used = self._core.limit - self._core.free_pages()
             new_limit = self._core.set_limit(used + GRANT_CHUNK_PAGES)
@@ -506,7 +516,8 @@ class BudgetMembership:
                 used = pool.stats().used_pages * ps
                 got = new.grant(index, used, prefer=keep)
                 if got <= 0 and used:  # the new budget is short: keep only the pages in use, ask again
-                    pool.reclaim_clients(pool.reclaimable_pages())
+                    if not pool.capture_running():
+                        pool.reclaim_clients(pool.reclaimable_pages())
                     pool.trim()
                     used = pool.stats().used_pages * ps
                     got = new.grant(index, used, prefer=used)
