@@ -4,6 +4,7 @@ input, permissions, and a directory store reopened by new processes. Faults (SIG
 overwritten files): test_page_store_faults.py."""
 
 import hashlib
+import mmap
 import os
 import random
 import select
@@ -183,7 +184,9 @@ def test_publish_match_pin_against_a_model(store_name):
             for h in handles:
                 assert h.offset == h.slot * PAGE and h.offset % OS_PAGE == 0 and h.nbytes == PAGE
                 assert h.read() == model[h.key] and page_is_whole(h.key, h.read())
-                assert os.pread(store.data_fd, PAGE, h.offset) == model[h.key]  # the bytes a mapping would see
+                assert os.pread(store.data_fd, PAGE, h.offset) == model[h.key]
+                with mmap.mmap(store.data_fd, PAGE, prot=mmap.PROT_READ, offset=h.offset) as m:
+                    assert m[:] == model[h.key]  # a read-only mapping at the page's offset sees exactly its bytes
             assert store.stats().pinned_pages == 4
             for h in handles:
                 h.release()
