@@ -2,9 +2,10 @@
 # The one-shot check for a lent GPU machine (an H200 with torch+CUDA and nvcc, no internet; pybind11,
 # transformers, pytest may be missing: the probe says so): probe the environment, build vpaged in place, run
 # each GPU test file, one request through `vpaged serve --device cuda` and each GPU benchmark as its own
-# capped stage, and leave a log and JSON behind. The stage caps add up to less than the budget (default
-# 360 s), so the whole script ends within 6 minutes: two runs fit 15 minutes of device time with ~3 minutes
-# of machine start-up. A stage that fails or hits its cap does not stop the others.
+# capped stage, and leave a log and JSON behind. The stages' time plan (below) fits the budget (default
+# 300 s) with the environment probe and the report, so the whole script ends within 5 minutes: two runs fit
+# 15 minutes of device time with the machines' start-up. A stage that fails or hits its cap does not stop the
+# others.
 #
 #   scripts/gpu_check.sh [--dry-run] [OUT_DIR]
 #
@@ -22,8 +23,11 @@
 # driver or --dry-run was given (every stage is then marked skipped, with the reason); 1 otherwise.
 #
 # Stages run in the order of the `stage` lines below (most informative first), each as its own process (an
-# illegal address on the GPU is sticky for the process: one bad test must not poison the next file). A stage
-# is stopped at its cap with SIGINT (`timeout -s INT`): pytest then ends the running test with
+# illegal address on the GPU is sticky for the process: one bad test must not poison the next file). The
+# stages between `together NAME` and `alone` start at once, each in its own process with its own cap, their
+# logs printed in order once all ended: test files that read no device-wide figure (one that compares the
+# device's free memory before and after runs alone, and the benchmarks, which time things, run alone after
+# them). A stage is stopped at its cap with SIGINT (`timeout -s INT`): pytest then ends the running test with
 # KeyboardInterrupt, prints the tracebacks and its summary and writes its junit file; SIGKILL follows 10 s
 # later if it does not exit. ADDING A STAGE is one line:
 #
@@ -39,45 +43,54 @@
 #            writing its JSON into OUT_DIR through benchmarks/common.py), `serve_request` (a tiny model
 #            served through the CLI, one completion asked of it over HTTP)
 #
-# and its CAP comes out of the budget: the caps must add up to at most GPU_CHECK_BUDGET_S minus 15 s (the
-# report) minus 20 s (the environment probe, which runs before the stages), which tests/project/test_gpu_check.py
-# checks; update the table of CAPS below with it. Lower another cap or raise the budget only if the whole run
-# still fits the device time (README: "GPU check"). Every test file that uses the gpu mark must have a stage
-# (also checked there).
+# and its CAP comes out of the budget: the time plan (the caps of the stages alone, plus for each group its
+# largest cap) must be at most GPU_CHECK_BUDGET_S minus 15 s (the report) minus 20 s (the environment probe,
+# which runs before the stages), and every cap at least 1.25 times its stage's worst case in the table below,
+# which tests/project/test_gpu_check.py checks; update the table of CAPS with it. Lower another cap or raise
+# the budget only if two whole runs still fit the device time (docs/gpu.md). Every test file that uses the gpu
+# mark must have a stage (also checked there).
 #
-# CAPS, from costs measured on the CPU side (a 2-core AMD EPYC at load 5-10, so pessimistic) plus CUDA's
-# initialization, assumed 10 s per process (worst case; ~1-3 s is usual on an H200):
-#   import torch                      6-12 s here (cold page cache on the first import; warm afterwards)
-#   import transformers + Llama       18 s here (torch included)
-#   pytest start + collecting a file  15 s here (torch imported)
+# CAPS. No GPU has run these yet: the worst cases are costs measured on the CPU side (a 2-core AMD EPYC,
+# load 1-2, CPU torch) scaled to the H200 machine (16 cores, CUDA torch, the page cache warm after the
+# environment probe's cold `import torch`), plus CUDA's initialization, taken as 4 s per process (1-3 s is
+# usual on an H200); a stage run together gets at least 1.5 times its worst case (7 processes share 16 cores
+# and the GPU):
+#   pytest start, torch + vpaged imported, one file collected: 4.5-5.0 s here (no GPU tests run); 6 s there
+#   with CUDA torch's larger libraries, + 4 s CUDA's start: F = 10 s for a GPU test file
 #   vpaged's build, 2 jobs            146-161 s wall here; its slowest unit is csrc/kernels/decode_cpu.cpp
 #                                     at -O3 (~60 s of CPU), so the check builds the C++ at -O1
 #                                     (GPU_CHECK_CXXFLAGS); nvcc of decode_cuda.cu for sm_90, 28 s here
 #   quantized decode CUDA grid        108 cases (one-pass and split launches share a case), each ~0.2 s of
 #                                     CPU reference work here on one thread (grouped GQA reference)
-#   a benchmark worker process start  6 s (imports) + CUDA's initialization
+#   a process with torch and vpaged   4 s (imports) + 4 s CUDA's start; transformers 5 s more
 #
 #   stage                 cap   worst case (s) on a cold H200 machine, 16 cores
 #   (environment probe)    -    15: nvidia-smi, a cold `import torch` (before the stages, out of the budget)
-#   build                 75    50: 16 parallel compiles at -O1, bounded by nvcc of decode_cuda.cu, + link
-#   probe                 10     8: torch + vpaged import (warm), cuInit + device query
-#   test:cuda_backend     20    18: pytest + torch (5-15) + CUDA init (10) + tests (~3)
-#   test:decode_quant     35    33: fixed + 108 quantized cases (~0.1 s each on an idle 16-core host)
-#   test:decode_kernels   30    27: fixed + kernels at several geometries (~10)
-#   test:torch_allocator  25    22: fixed + MemPool scopes, graph captures (~5)
-#   test:cuda_cache       20    20: the same fixed 15-25 + tests (~4; the vLLM plugin's buffer on CUDA ~1)
-#   test:serve_engine     35    33: fixed + transformers (~8) + two models and hundreds of steps (~10)
-#   serve:cli             30    28: a tiny model saved (transformers, ~8), the server's start (~10), one
-#                                   request (~2), shutdown
-#   bench:vmm_cuda        10    20: torch (5) + CUDA init (10) + parts (~5); JSON after every part
-#   bench:decode          15    25: the same; JSON after every part
-#   bench:allocator       20    35: parent (torch + CUDA init, host part, latency: ~15), then three workers
-#                                   started together that measure in turn; JSON after every part and worker
-#   caps' sum            325    of 360: 15 for the report, 20 for the environment probe
+#   build                 60    40: 16 parallel compiles at -O1 (~13 s), bounded by nvcc of decode_cuda.cu
+#                                   (28 s on the slow host here), + link
+#   probe                  8     6: torch + vpaged import (warm), cuInit + device query
+#   test:cuda_backend     18    13: F + tests (~3); alone: it compares the device's free memory
+#   test:cuda_cache       18    14: F + tests (~4; the vLLM plugin's buffer on CUDA ~1); alone, as above
+#   -- together (the group's time: its largest cap, 40) --
+#   test:decode_quant     32    21: F + 108 quantized cases (~0.1 s each on the H200 host's cores)
+#   test:decode_kernels   27    18: F + kernels at several geometries (~8)
+#   test:torch_allocator  23    15: F + MemPool scopes, graph captures (~5)
+#   test:budget_gpu       33    22: F + two member processes started together (8) + fills, checks (~4)
+#   test:capture_trim     18    12: F + one capture with a trim, three replays (~2)
+#   test:serve_engine     38    25: F + transformers (5) + two models and hundreds of steps (~10)
+#   serve:cli             40    26: a tiny model saved (transformers, ~9), the server's start (~13), one
+#                                   request (~2), shutdown (~2)
+#   -- alone --
+#   bench:vmm_cuda        18    13: torch + CUDA's start (8) + parts (~5); JSON after every part
+#   bench:decode          22    16: the same (8) + parts (~8); JSON after every part
+#   bench:allocator       36    27: parent (8, host part and latency ~5), then three workers started
+#                                   together (8) that measure in turn (~2 each); JSON after every part
+#   caps' sum            391    of 300 (the stages of the group run at once)
+#   time plan            220    of 300: 15 for the report, 20 for the environment probe, 45 to spare
 # A benchmark stopped at its cap keeps the parts it wrote; a test stage stopped at its cap keeps the tests
 # that finished (junit on SIGINT) and names the one that was running in the log.
 #
-# Settings (environment): PYTHON (default python3), GPU_CHECK_BUDGET_S (default 360), GPU_CHECK_DRY_RUN=1
+# Settings (environment): PYTHON (default python3), GPU_CHECK_BUDGET_S (default 300), GPU_CHECK_DRY_RUN=1
 # (same as --dry-run), VPAGED_CUDA_ARCHS (default 90: Hopper only, to save build time), VPAGED_BUILD_JOBS
 # (default: all cores), GPU_CHECK_CXXFLAGS (default -O1: the C++ flags of the check's build; "" for the
 # release -O3), GPU_TEST_TIMEOUT_S (per test, default 60, with pytest-timeout). For tests of the script
@@ -93,7 +106,7 @@ if [ "${1:-}" = "--dry-run" ]; then
   shift
 fi
 START=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET_S:-360}
+BUDGET=${GPU_CHECK_BUDGET_S:-300}
 REPORT_RESERVE=15
 PROBE_RESERVE=20 # the environment probe, before the first stage
 DEADLINE=$((START + BUDGET - REPORT_RESERVE))
@@ -236,36 +249,55 @@ EOF
 export -f pytest_file bench build_in_place vpaged_probe serve_request simulated_overcap
 
 # ---------------------------------------------------------------------------------------------------
-# The stages: name, cap (s), needs, command. Caps add up to 325 s of the 360 s budget (see CAPS above).
-STAGE_NAMES=() STAGE_CAPS=() STAGE_NEEDS=() STAGE_CMDS=()
+# The stages: name, cap (s), needs, command; the time plan (alone: its cap; together: the group's largest
+# cap) is 220 s of the 300 s budget (see CAPS above).
+STAGE_NAMES=() STAGE_CAPS=() STAGE_NEEDS=() STAGE_CMDS=() STAGE_GROUPS=()
+GROUP=""
 stage() {
   STAGE_NAMES+=("$1")
   STAGE_CAPS+=("$2")
   STAGE_NEEDS+=("$3")
   STAGE_CMDS+=("$4")
+  STAGE_GROUPS+=("$GROUP")
 }
+together() { GROUP=$1; } # the stages up to `alone` run at the same time, each still stopped at its own cap
+alone() { GROUP=""; }
 
-stage build 75 gpu build_in_place
-stage probe 10 gpu vpaged_probe
-stage test:cuda_backend 20 vmm 'pytest_file tests/memory/test_cuda_backend.py'
-stage test:decode_quant 35 gpu 'pytest_file tests/ops/test_decode_quant_kernel.py'
-stage test:decode_kernels 30 gpu 'pytest_file tests/ops/test_decode_kernels.py'
-stage test:torch_allocator 25 vmm 'pytest_file tests/memory/test_torch_allocator_gpu.py'
-stage test:cuda_cache 20 vmm 'pytest_file tests/kvcache/test_cuda_cache.py'
-stage test:serve_engine 35 vmm 'pytest_file tests/serve/test_serve_engine_gpu.py'
-stage serve:cli 30 vmm serve_request
-stage bench:vmm_cuda 10 vmm 'bench benchmarks/bench_vmm_cuda.py --quick'
-stage bench:decode 15 vmm 'bench benchmarks/bench_decode.py --quick --device cuda'
-stage bench:allocator 20 vmm 'bench benchmarks/bench_allocator.py --quick'
+stage build 60 gpu build_in_place
+stage probe 8 gpu vpaged_probe
+stage test:cuda_backend 18 vmm 'pytest_file tests/memory/test_cuda_backend.py'
+stage test:cuda_cache 18 vmm 'pytest_file tests/kvcache/test_cuda_cache.py'
+together tests
+stage test:decode_quant 32 gpu 'pytest_file tests/ops/test_decode_quant_kernel.py'
+stage test:decode_kernels 27 gpu 'pytest_file tests/ops/test_decode_kernels.py'
+stage test:torch_allocator 23 vmm 'pytest_file tests/memory/test_torch_allocator_gpu.py'
+stage test:budget_gpu 33 vmm 'pytest_file tests/memory/test_budget_gpu.py'
+stage test:capture_trim 18 vmm 'pytest_file tests/memory/test_capture_trim_gpu.py'
+stage test:serve_engine 38 vmm 'pytest_file tests/serve/test_serve_engine_gpu.py'
+stage serve:cli 40 vmm serve_request
+alone
+stage bench:vmm_cuda 18 vmm 'bench benchmarks/bench_vmm_cuda.py --quick'
+stage bench:decode 22 vmm 'bench benchmarks/bench_decode.py --quick --device cuda'
+stage bench:allocator 36 vmm 'bench benchmarks/bench_allocator.py --quick'
 
 # ---------------------------------------------------------------------------------------------------
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "no git")
-CAPS_TOTAL=0
-for cap in "${STAGE_CAPS[@]}"; do CAPS_TOTAL=$((CAPS_TOTAL + cap)); done
+CAPS_TOTAL=0 PLAN_S=0 # PLAN_S: the stages' wall time if every one ran to its cap (a group: its largest cap)
+declare -A GROUP_MAX=()
+for i in "${!STAGE_CAPS[@]}"; do
+  cap=${STAGE_CAPS[$i]} group=${STAGE_GROUPS[$i]}
+  CAPS_TOTAL=$((CAPS_TOTAL + cap))
+  if [ -z "$group" ]; then
+    PLAN_S=$((PLAN_S + cap))
+  elif ((cap > ${GROUP_MAX[$group]:-0})); then
+    PLAN_S=$((PLAN_S + cap - ${GROUP_MAX[$group]:-0}))
+    GROUP_MAX[$group]=$cap
+  fi
+done
 echo "gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), repo $ROOT ($COMMIT), output $OUT_DIR"
-echo "gpu_check: ${#STAGE_NAMES[@]} stages, caps ${CAPS_TOTAL}s of a ${BUDGET}s budget (${REPORT_RESERVE}s kept for the report)"
-if ((CAPS_TOTAL > BUDGET - REPORT_RESERVE - PROBE_RESERVE)); then
-  echo "gpu_check: WARNING: the stage caps exceed the budget: the last stages may get no time"
+echo "gpu_check: ${#STAGE_NAMES[@]} stages, a time plan of ${PLAN_S}s (caps ${CAPS_TOTAL}s, some stages together) of a ${BUDGET}s budget (${REPORT_RESERVE}s kept for the report)"
+if ((PLAN_S > BUDGET - REPORT_RESERVE - PROBE_RESERVE)); then
+  echo "gpu_check: WARNING: the stages' time plan exceeds the budget: the last stages may get no time"
 fi
 
 # Environment probe (first, ~seconds): driver, device and VMM support, nvcc, Python.h, torch's CUDA. It
@@ -382,6 +414,7 @@ dry = os.environ["DRY_RUN"] == "1"
 summary = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": socket.gethostname(),
            "commit": os.environ["COMMIT"], "dry_run": dry, "complete": final, "budget_s": int(os.environ["BUDGET"]),
            "report_reserve_s": int(os.environ["REPORT_RESERVE"]), "caps_total_s": int(os.environ["CAPS_TOTAL"]),
+           "plan_s": int(os.environ["PLAN_S"]),
            "environment": json.loads(env_file.read_text()) if env_file.is_file() else None,
            "stages": stages + pending,
            "ok": final and all(s["status"] == "ok" or (dry and s["status"] == "skipped") for s in stages)}
@@ -459,36 +492,46 @@ tmp.write_text(json.dumps(summary, indent=2) + "\n")
 tmp.replace(out / "summary.json")
 EOF
 }
-export BUDGET CAPS_TOTAL DRY_RUN COMMIT REPORT_RESERVE
+export BUDGET CAPS_TOTAL PLAN_S DRY_RUN COMMIT REPORT_RESERVE
 export STAGES_PLANNED="${STAGE_NAMES[*]}"
 
-run_stage() {
-  local i=$1
-  local name=${STAGE_NAMES[$i]} cap=${STAGE_CAPS[$i]} needs=${STAGE_NEEDS[$i]} cmd=${STAGE_CMDS[$i]}
-  local left=$((DEADLINE - $(date +%s)))
-  local status note="" rc=0 t0 t1
-  if [ "$name" = "$SIMULATE" ]; then # tests of this script: a stage that runs past its cap, even when dry
-    cmd=simulated_overcap needs=- cap=${GPU_CHECK_SIMULATE_CAP_S:-15}
+# Whether stage $1 may run with $2 seconds of the budget left. Sets G_NAME, G_CAP, G_CMD, G_LIMIT (its cap, or
+# what is left), and G_STATUS: "" to run it, else skipped / no-time with G_NOTE and G_RC.
+stage_gate() {
+  local i=$1 left=$2 needs=${STAGE_NEEDS[$1]}
+  G_NAME=${STAGE_NAMES[$i]} G_CAP=${STAGE_CAPS[$i]} G_CMD=${STAGE_CMDS[$i]}
+  G_STATUS="" G_NOTE="" G_RC=0
+  if [ "$G_NAME" = "$SIMULATE" ]; then # tests of this script: a stage that runs past its cap, even when dry
+    G_CMD=simulated_overcap needs=- G_CAP=${GPU_CHECK_SIMULATE_CAP_S:-15}
   fi
-  local limit=$((cap < left ? cap : left))
-  t0=$(date +%s)
-  echo
-  echo "=== [$name] $(date -u +%H:%M:%S), cap ${cap}s, limit ${limit}s"
+  G_LIMIT=$((G_CAP < left ? G_CAP : left))
   if [ "$needs" != "-" ] && [ -n "$GPU_REASON" ]; then
-    status=skipped note="no usable GPU: $GPU_REASON"
+    G_STATUS=skipped G_NOTE="no usable GPU: $GPU_REASON"
   elif [ "$needs" = vmm ] && [ -n "$VMM_REASON" ]; then
-    status=skipped note="no VMM: $VMM_REASON"
-  elif [ "$name" != build ] && [ "$needs" != "-" ] && [ -n "$BUILD_REASON" ]; then
-    status=skipped note="no CUDA build: $BUILD_REASON"
-  elif ((limit < 5)); then
-    status=no-time note="${left}s of the budget left"
-    rc=124
-  else
-    echo "\$ $cmd"
-    # SIGINT at the cap: pytest (and Python benchmarks) stop cleanly on KeyboardInterrupt, writing junit and
-    # tracebacks; SIGKILL 10 s later for a process stuck in a call that never returns.
-    GPU_CHECK_STAGE=$name VMM_REASON=$VMM_REASON timeout -s INT -k 10 "$limit" bash -c "$cmd"
-    rc=$?
+    G_STATUS=skipped G_NOTE="no VMM: $VMM_REASON"
+  elif [ "$G_NAME" != build ] && [ "$needs" != "-" ] && [ -n "$BUILD_REASON" ]; then
+    G_STATUS=skipped G_NOTE="no CUDA build: $BUILD_REASON"
+  elif ((G_LIMIT < 5)); then
+    G_STATUS=no-time G_NOTE="${left}s of the budget left" G_RC=124
+  fi
+}
+
+# A stage's command, stopped at LIMIT: SIGINT (pytest and the Python benchmarks stop cleanly on
+# KeyboardInterrupt, writing junit and tracebacks), SIGKILL 10 s later for a process stuck in a call that never
+# returns. Arguments: name, limit, command, threads (OMP_NUM_THREADS; "" leaves it).
+stage_command() {
+  local name=$1 limit=$2 cmd=$3 threads=$4
+  if [ -n "$threads" ]; then
+    export OMP_NUM_THREADS=$threads # in the stage's own subshell (run_group): the cores shared out
+  fi
+  GPU_CHECK_STAGE=$name VMM_REASON=$VMM_REASON timeout -s INT -k 10 "$limit" bash -c "$cmd"
+}
+
+# Record stage $1's outcome: status (ok / failed / timeout from exit status $3 when $2 is ""), seconds $4,
+# cap $5, note $6, the limit it ran under $7; then the report.
+record_stage() {
+  local i=$1 status=$2 rc=$3 seconds=$4 cap=$5 note=$6 limit=${7:-$5} name=${STAGE_NAMES[$1]}
+  if [ -z "$status" ]; then
     if ((rc == 0)); then
       status=ok
     elif ((rc == 124 || rc == 137)); then
@@ -497,21 +540,95 @@ run_stage() {
       status=failed note="exit status $rc"
     fi
   fi
-  t1=$(date +%s)
   if [ "$status" != ok ] && [ "$status" != skipped ]; then
     FAILED=$((FAILED + 1))
     [ "$name" = build ] && BUILD_REASON="the build stage $status"
   fi
   STAGE_STATUS+=("$status")
-  STAGE_SECONDS+=($((t1 - t0)))
+  STAGE_SECONDS+=("$seconds")
   STAGE_NOTES+=("$note")
-  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((t1 - t0))" "$cap" "$note" >>"$WORK/stages.tsv"
-  echo "=== [$name] $status ($((t1 - t0))s)${note:+: $note}"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$seconds" "$cap" "$note" >>"$WORK/stages.tsv"
+  echo "=== [$name] $status (${seconds}s)${note:+: $note}"
   write_report 0 || echo "gpu_check: the report step failed after $name"
 }
 
-for i in "${!STAGE_NAMES[@]}"; do
-  run_stage "$i"
+run_stage() {
+  local i=$1 t0 rc
+  t0=$(date +%s)
+  stage_gate "$i" $((DEADLINE - t0))
+  echo
+  echo "=== [$G_NAME] $(date -u +%H:%M:%S), cap ${G_CAP}s, limit ${G_LIMIT}s"
+  if [ -n "$G_STATUS" ]; then
+    record_stage "$i" "$G_STATUS" "$G_RC" $(($(date +%s) - t0)) "$G_CAP" "$G_NOTE"
+    return
+  fi
+  echo "\$ $G_CMD"
+  stage_command "$G_NAME" "$G_LIMIT" "$G_CMD" ""
+  rc=$?
+  record_stage "$i" "" "$rc" $(($(date +%s) - t0)) "$G_CAP" "" "$G_LIMIT"
+}
+
+# The stages of one `together` group ($@: their indices), started at once, each in its own process with its
+# own cap, its output into its own log; once all ended, each log is printed and each stage recorded, in
+# order. CPU threads are shared out (OMP_NUM_THREADS: the cores over the stages). Only stages that read no
+# device-wide figure go together (a stage reading the device's free memory runs alone).
+run_group() {
+  local idx=("$@") i t0 left threads
+  local -A pids=() limits=() caps=() cmds=() early=()
+  t0=$(date +%s)
+  left=$((DEADLINE - t0))
+  threads=$(($(nproc 2>/dev/null || echo 4) / ${#idx[@]}))
+  ((threads < 1)) && threads=1
+  echo
+  echo "=== [${STAGE_GROUPS[${idx[0]}]}: ${#idx[@]} stages together] $(date -u +%H:%M:%S), ${left}s of the budget left"
+  for i in "${idx[@]}"; do
+    stage_gate "$i" "$left"
+    caps[$i]=$G_CAP limits[$i]=$G_LIMIT cmds[$i]=$G_CMD
+    if [ -n "$G_STATUS" ]; then
+      early[$i]="$G_STATUS	$G_RC	$G_NOTE"
+      continue
+    fi
+    echo "=== [$G_NAME] started $(date -u +%H:%M:%S), cap ${G_CAP}s, limit ${G_LIMIT}s: \$ $G_CMD"
+    (
+      trap - INT # a background job of a script starts with SIGINT ignored: the cap's SIGINT must reach pytest
+      stage_command "$G_NAME" "$G_LIMIT" "$G_CMD" "$threads" >"$WORK/stage_$i.log" 2>&1
+      echo $? >"$WORK/stage_$i.rc"
+      date +%s >"$WORK/stage_$i.end"
+    ) &
+    pids[$i]=$!
+  done
+  for i in "${idx[@]}"; do # each by its pid: a plain `wait` would also wait for the log's tee
+    [ -n "${pids[$i]:-}" ] && wait "${pids[$i]}"
+  done
+  for i in "${idx[@]}"; do
+    echo
+    echo "=== [${STAGE_NAMES[$i]}] (together, started $(date -u -d "@$t0" +%H:%M:%S 2>/dev/null || echo "$t0"))"
+    if [ -n "${early[$i]:-}" ]; then
+      IFS=$'\t' read -r st rc note <<<"${early[$i]}"
+      record_stage "$i" "$st" "$rc" 0 "${caps[$i]}" "$note"
+      continue
+    fi
+    echo "\$ ${cmds[$i]}"
+    cat "$WORK/stage_$i.log" 2>/dev/null
+    rc=$(cat "$WORK/stage_$i.rc" 2>/dev/null || echo 1)
+    record_stage "$i" "" "$rc" $(($(cat "$WORK/stage_$i.end" 2>/dev/null || date +%s) - t0)) "${caps[$i]}" "" "${limits[$i]}"
+  done
+}
+
+i=0
+while ((i < ${#STAGE_NAMES[@]})); do
+  group=${STAGE_GROUPS[$i]}
+  if [ -z "$group" ]; then
+    run_stage "$i"
+    i=$((i + 1))
+    continue
+  fi
+  members=()
+  while ((i < ${#STAGE_NAMES[@]})) && [ "${STAGE_GROUPS[$i]}" = "$group" ]; do
+    members+=("$i")
+    i=$((i + 1))
+  done
+  run_group "${members[@]}"
 done
 SKIPPED=0
 for st in "${STAGE_STATUS[@]}"; do [ "$st" = skipped ] && SKIPPED=$((SKIPPED + 1)); done
