@@ -1,4 +1,5 @@
-"""Shared by the transformers tests: left-padded random prompts and generate() through a given cache."""
+"""Shared by the transformers tests: a tiny random Llama, left-padded random prompts and generate() through a
+given cache."""
 
 import warnings
 
@@ -25,3 +26,24 @@ def generate(model, cache, ids, mask, seed=None, max_new_tokens=16, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # generation-config chatter of random models
         return model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=max_new_tokens, **kw)
+
+
+def tiny_llama(seed: int = 0, **config):
+    """A 2-layer Llama (hidden 64, 4 heads over 2 kv heads, VOCAB tokens) with random weights from `seed`; config
+    keywords override or add to its config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**fields, **config})).eval()

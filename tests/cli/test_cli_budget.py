@@ -24,13 +24,6 @@ from vpaged.memory.budget.segment import segment_path
 PAGE = 64 * 1024
 
 
-@pytest.fixture
-def budget_name():
-    name = f"cli-{uuid.uuid4().hex[:12]}"
-    yield name
-    SharedBudget.remove(name, force=True)
-
-
 def test_parse_bytes():
     assert parse_bytes("1048576") == 2**20
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("4G") == 4 * 2**30 and parse_bytes("1.5gb") == 3 * 2**29

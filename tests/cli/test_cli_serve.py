@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import queue
 import random
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -22,14 +17,11 @@ from serve_helpers import (
 )
 
 from vpaged.cli import main
-from vpaged.hf.compat import serving_support
 
 TIMEOUT = 180
 
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -142,43 +134,14 @@ def test_bench_serve_json(tmp_path, capsys):
     assert r["output_tokens"] == 12 and r["prompt_tokens"] >= 4 * 68
 
 
-def test_serve_subprocess_answers_openai_client(model_dir):
+def test_serve_subprocess_answers_openai_client(model_dir, server_process):
     openai = pytest.importorskip("openai")
     path, model, tok = model_dir
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vpaged.cli",
-            "serve",
-            str(path),
-            "--port",
-            "0",
-            "--served-model-name",
-            "tiny",
-            "--kv-budget-mib",
-            "16",
-            "--log-level",
-            "warning",
-            "--threads",
-            "1",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    args = [str(path), "--port", "0", "--served-model-name", "tiny", "--kv-budget-mib", "16"]
+    server = server_process([*args, "--log-level", "warning", "--threads", "1"])
     try:
-        deadline = time.monotonic() + TIMEOUT
-        line = ""
-        while "serving" not in line:
-            assert time.monotonic() < deadline and proc.poll() is None, "the server did not come up"
-            with contextlib.suppress(queue.Empty):
-                line = lines.get(timeout=1)
-        url = line.split(" at ")[1].split()[0]
+        server.ready(TIMEOUT)
+        url = server.url
         assert url.startswith("http://127.0.0.1:")
         with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=TIMEOUT) as client:
             r = client.chat.completions.create(
@@ -240,13 +203,8 @@ def test_serve_subprocess_answers_openai_client(model_dir):
         assert r["requests"] == 5 and r["output_tokens"] == 20 and r["finish_reasons"] == {"length": 5}
         assert r["peak_kv_bytes"] > 0 and r["ttft_p50"] is not None and r["ttft_p50"] <= r["ttft_p99"]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0, proc.stderr.read()
+        rc, err = server.stop(signal.SIGINT)
+    assert rc == 0, err
 
 
 def test_serve_names_the_model_by_its_argument_and_passes_the_limits(monkeypatch):

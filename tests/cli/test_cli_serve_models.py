@@ -5,28 +5,19 @@ status 2 and a message naming the model and the field; a real server of two mode
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import queue
 import random
 import signal
-import subprocess
-import sys
-import threading
-import time
 import uuid
 
 import pytest
 
 from vpaged.cli import main
-from vpaged.hf.compat import serving_support
 from vpaged.memory import SharedBudget
 from vpaged.memory.budget.segment import segment_path
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 TIMEOUT = 180
 
@@ -173,21 +164,13 @@ def test_a_model_flag_without_a_name_or_path_is_a_usage_error(capsys):
     assert e.value.code == 2 and "NAME=PATH" in capsys.readouterr().err
 
 
-def test_serve_subprocess_of_two_models_answers_both():
+def test_serve_subprocess_of_two_models_answers_both(server_process):
     httpx = pytest.importorskip("httpx")
-    argv = [sys.executable, "-m", "vpaged.cli", "serve", "--model", "a=random:llama-tiny:1", "--model"]
-    argv += ["b=random:llama-tiny:2", "--port", "0", "--kv-budget-mib", "8", "--log-level", "warning", "--threads", "1"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    args = ["--model", "a=random:llama-tiny:1", "--model", "b=random:llama-tiny:2", "--port", "0"]
+    server = server_process([*args, "--kv-budget-mib", "8", "--log-level", "warning", "--threads", "1"])
     try:
-        deadline, line = time.monotonic() + TIMEOUT, ""
-        while "serving" not in line:
-            assert time.monotonic() < deadline and proc.poll() is None, "the server did not come up"
-            with contextlib.suppress(queue.Empty):
-                line = lines.get(timeout=1)
-        url = line.split(" at ")[1].split()[0].removesuffix("/v1")
+        line = server.ready(TIMEOUT)
+        url = server.base_url
         budget = line.split("one budget ")[1].split()[0]
         assert os.path.exists(segment_path(budget))
         with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
@@ -202,11 +185,6 @@ def test_serve_subprocess_of_two_models_answers_both():
             assert got["a"] != got["b"] and all(len(t) == 4 for t in got.values())
             assert client.post("/v1/completions", json={**body, "model": "c"}).status_code == 404
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0, proc.stderr.read()
+        rc, err = server.stop(signal.SIGINT)
+    assert rc == 0, err
     assert not os.path.exists(segment_path(budget))  # the server removed the budget it made

@@ -8,55 +8,34 @@ Random-weight llama-tiny models, token-id prompts, one torch thread; every wait 
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
-import queue
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
 
-from vpaged.hf.compat import serving_support
 from vpaged.memory.budget.segment import SHM_DIR, segment_path
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 TIMEOUT = 180
 EXIT_WAIT = 60  # the shutdown waits 5 s for requests in flight; the rest is a loaded machine's slack
 TWO_MODELS = ["--model", "a=random:llama-tiny:1", "--model", "b=random:llama-tiny:2"]
 
 
-def start(models: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
-    argv = [sys.executable, "-m", "vpaged.cli", "serve", *models, "--port", "0", "--kv-budget-mib", "8"]
-    argv += ["--log-level", "warning", "--threads", "1", "--max-model-len", "2048"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
-    return proc, lines
-
-
-def ready(proc: subprocess.Popen, lines: queue.Queue) -> str:
-    """The server's 'serving' line, once it is up."""
-    deadline, line = time.monotonic() + TIMEOUT, ""
-    while "serving" not in line:
-        assert time.monotonic() < deadline and proc.poll() is None, "the server did not come up"
-        with contextlib.suppress(queue.Empty):
-            line = lines.get(timeout=1)
-    return line
+def serve_args(models: list[str]) -> list[str]:
+    return [*models, "--port", "0", "--kv-budget-mib", "8", "--log-level", "warning", "--threads", "1",
+            "--max-model-len", "2048"]  # fmt: skip
 
 
 def made_by(pid: int) -> list[str]:
@@ -64,41 +43,32 @@ def made_by(pid: int) -> list[str]:
     return glob.glob(os.path.join(SHM_DIR, f"vpaged-budget.serve-{pid}-*"))
 
 
-def terminate(proc: subprocess.Popen) -> tuple[int, str]:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        rc = proc.wait(EXIT_WAIT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-        raise AssertionError("the server did not stop within a minute of SIGTERM") from None
-    return rc, proc.stderr.read()
-
-
 def url_and_budget(line: str) -> tuple[str, str]:
     return line.split(" at ")[1].split()[0].removesuffix("/v1"), line.split("one budget ")[1].split()[0]
 
 
-def test_sigterm_stops_an_idle_server_of_two_models_and_removes_its_budget():
-    proc, lines = start(TWO_MODELS)
+def test_sigterm_stops_an_idle_server_of_two_models_and_removes_its_budget(server_process):
+    server = server_process(serve_args(TWO_MODELS))
+    proc = server.proc
     try:
-        url, budget = url_and_budget(ready(proc, lines))
+        url, budget = url_and_budget(server.ready(TIMEOUT))
         assert os.path.exists(segment_path(budget)) and made_by(proc.pid) == [segment_path(budget)]
         with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
             body = {"model": "b", "prompt": [random.randrange(11, 500)], "max_tokens": 2, "ignore_eos": True}
             assert client.post("/v1/completions", json=body).status_code == 200
     finally:
-        rc, err = terminate(proc)
+        rc, err = server.stop(signal.SIGTERM, EXIT_WAIT)
     assert rc == 0, err
     assert made_by(proc.pid) == [] and "Traceback" not in err
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_sigterm_with_a_request_in_flight_ends_it_and_cleans_up(stream):
-    proc, lines = start(TWO_MODELS)
+def test_sigterm_with_a_request_in_flight_ends_it_and_cleans_up(stream, server_process):
+    server = server_process(serve_args(TWO_MODELS))
+    proc = server.proc
     answer: dict = {}
     try:
-        url, budget = url_and_budget(ready(proc, lines))
+        url, budget = url_and_budget(server.ready(TIMEOUT))
         started = threading.Event()
         prompt = [random.randrange(11, 500) for _ in range(random.randint(3, 30))]
         body = {"model": random.choice("ab"), "prompt": prompt, "max_tokens": 1900, "ignore_eos": True}
@@ -125,7 +95,7 @@ def test_sigterm_with_a_request_in_flight_ends_it_and_cleans_up(stream):
         assert started.wait(TIMEOUT)
         time.sleep(random.uniform(0.05, 0.3))  # non-streamed: let the request reach the engine
     finally:
-        rc, err = terminate(proc)
+        rc, err = server.stop(signal.SIGTERM, EXIT_WAIT)
     client_thread.join(TIMEOUT)
     assert not client_thread.is_alive(), "the request in flight was left hanging"
     assert rc == 0, err
@@ -139,27 +109,28 @@ def test_sigterm_with_a_request_in_flight_ends_it_and_cleans_up(stream):
         assert answer.get("status") in (200, 503), answer
 
 
-def test_sigterm_while_the_models_load_removes_the_budget():
-    proc, lines = start([*TWO_MODELS, "--model", "c=random:llama-tiny:3"])
+def test_sigterm_while_the_models_load_removes_the_budget(server_process):
+    server = server_process(serve_args([*TWO_MODELS, "--model", "c=random:llama-tiny:3"]))
+    proc = server.proc
     try:
         deadline = time.monotonic() + TIMEOUT
         while not made_by(proc.pid):  # the budget is made before the first model loads
             assert time.monotonic() < deadline and proc.poll() is None, "no budget was made"
             time.sleep(0.002)
     finally:
-        rc, err = terminate(proc)
+        rc, err = server.stop(signal.SIGTERM, EXIT_WAIT)
     assert made_by(proc.pid) == []
     # 143 (128 + SIGTERM) when it landed while loading; 0 if the server was already up
     assert rc in (0, 143), (rc, err)
     assert "Traceback" not in err, err
 
 
-def test_sigterm_stops_a_server_of_one_model_with_status_0():
-    proc, lines = start(["random:llama-tiny"])
+def test_sigterm_stops_a_server_of_one_model_with_status_0(server_process):
+    server = server_process(serve_args(["random:llama-tiny"]))
     try:
-        ready(proc, lines)
+        server.ready(TIMEOUT)
     finally:
-        rc, err = terminate(proc)
+        rc, err = server.stop(signal.SIGTERM, EXIT_WAIT)
     assert rc == 0 and "Traceback" not in err, err
 
 
@@ -218,15 +189,16 @@ def test_a_stopping_server_answers_the_requests_in_flight_after_its_timeout():
     assert not engine.has_unfinished()  # the requests in flight were aborted in the engine
 
 
-def test_sigterm_stops_a_tensor_parallel_server_with_its_ranks_and_temporary_directory():
+def test_sigterm_stops_a_tensor_parallel_server_with_its_ranks_and_temporary_directory(server_process):
     before = set(glob.glob("/tmp/vpaged-tp-*"))
-    proc, lines = start(["random:llama-tiny", "--tensor-parallel-size", "2"])
+    server = server_process(serve_args(["random:llama-tiny", "--tensor-parallel-size", "2"]))
+    proc = server.proc
     try:
-        ready(proc, lines)
+        server.ready(TIMEOUT)
         made = set(glob.glob("/tmp/vpaged-tp-*")) - before  # random weights saved for the ranks to load
         ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     finally:
-        rc, err = terminate(proc)
+        rc, err = server.stop(signal.SIGTERM, EXIT_WAIT)
     assert rc == 0 and "Traceback" not in err, err
     assert made and not any(os.path.exists(d) for d in made)
     deadline = time.monotonic() + EXIT_WAIT  # the ranks end with their group (a helper may outlive it briefly)

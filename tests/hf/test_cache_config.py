@@ -7,7 +7,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from hf_helpers import PAD, VOCAB, generate, prompts  # noqa: E402
+from hf_helpers import generate, prompts, tiny_llama  # noqa: E402
 
 from vpaged import PagePool  # noqa: E402
 from vpaged.errors import DTypeError, InvalidArgumentError  # noqa: E402
@@ -16,22 +16,7 @@ from vpaged.hf import VPagedCache, VPagedCacheConfig  # noqa: E402
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        pad_token_id=PAD,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).eval()
+    return tiny_llama()
 
 
 @pytest.mark.parametrize(

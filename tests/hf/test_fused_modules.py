@@ -17,14 +17,12 @@ pytest.importorskip("transformers")
 from test_prepack import ids, logits  # noqa: E402
 
 from vpaged.errors import InvalidArgumentError  # noqa: E402
-from vpaged.hf.compat import serving_support  # noqa: E402
 from vpaged.hf.fused import fuse_modules, fused_modules, unfuse  # noqa: E402
 from vpaged.hf.prepack import PrepackedLinear, prepack_linears  # noqa: E402
 from vpaged.serve import RANDOM_CONFIGS, LLMEngine, load_model  # noqa: E402
 
 FAMILIES = sorted(n for n in RANDOM_CONFIGS if n.endswith("-tiny"))
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=5e-2, rtol=5e-2)}
-needs_serving = pytest.mark.skipif(not serving_support()[0], reason="transformers cannot serve here")
 
 
 def expected_count(model) -> int:
@@ -167,7 +165,7 @@ def test_other_formulas_behind_familiar_names_are_left_alone():
         fuse_modules(m, batch_hint=0)
 
 
-@needs_serving
+@pytest.mark.serving
 def test_engine_fuses_by_default_and_cpu_prepack_false_leaves_every_module():
     on = LLMEngine(load_model("random:qwen3-tiny")[0], kv_budget_bytes=4 << 20)
     assert on.fused_modules == expected_count(on.model) > 0

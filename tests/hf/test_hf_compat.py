@@ -12,11 +12,10 @@ from vpaged.errors import InvalidArgumentError
 from vpaged.hf import compat as _hf_compat
 
 transformers = pytest.importorskip("transformers")
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from hf_helpers import VOCAB, tiny_llama  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from vpaged.hf import VPagedCache, cache_kwargs, register_attention  # noqa: E402
-
-VOCAB = 128
 
 
 @pytest.mark.parametrize(
@@ -44,21 +43,7 @@ def test_installed_release_is_supported():
 
 
 def _model(seed=0, **kw):
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
-        **kw,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(seed, **kw)
 
 
 def _left_padded(rng, lengths):

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 from vpaged.errors import InvalidArgumentError  # noqa: E402
-from vpaged.hf.compat import serving_support  # noqa: E402
 from vpaged.hf.prepack import (  # noqa: E402
     PrepackedLinear,
     pack_weight,
@@ -232,8 +231,6 @@ def test_training_runs_the_plain_layer_and_gets_its_gradients():
 
 
 # ------------------------------------------------------------------------------------------ the engine
-SERVING, WHY_NOT = serving_support()
-needs_serving = pytest.mark.skipif(not SERVING, reason=WHY_NOT or "")
 
 
 def run_greedy(eng, prompts, max_new):
@@ -247,7 +244,7 @@ def run_greedy(eng, prompts, max_new):
     return [final[i] for i in ids_]
 
 
-@needs_serving
+@pytest.mark.serving
 def test_engine_prepares_by_default_and_cpu_prepack_false_leaves_every_linear():
     on = LLMEngine(load_model("random:llama-tiny")[0], kv_budget_bytes=4 << 20)
     assert on.prepacked_layers == (15 if FP32_OK else 0)
@@ -258,7 +255,7 @@ def test_engine_prepares_by_default_and_cpu_prepack_false_leaves_every_linear():
         LLMEngine("random:llama-tiny", kv_budget_bytes=4 << 20, cpu_prepack=1)
 
 
-@needs_serving
+@pytest.mark.serving
 @pytest.mark.parametrize("name", FAMILIES)
 def test_engine_greedy_tokens_equal_generate_and_the_plain_engine(name):
     from test_serve_engine import check_greedy_against_generate

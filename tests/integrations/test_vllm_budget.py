@@ -9,10 +9,8 @@ import math
 import os
 import random
 import threading
-import uuid
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from vpaged.integrations.vllm import guard
@@ -29,13 +27,6 @@ from vpaged.memory import PagePool, SharedBudget
 from vpaged.memory.budget import member as budget_member
 
 PAGE = 64 * 1024
-
-
-@pytest.fixture
-def budget_name():
-    name = f"test-vllm-{uuid.uuid4().hex[:12]}"
-    yield name
-    SharedBudget.remove(name, force=True)
 
 
 class FakeQueue(list):

@@ -187,6 +187,31 @@ def test_the_capture_flag_defers_every_release_until_it_is_lowered(drv, rng):
     assert not pool.stats().release_pending
 
 
+@check()
+def test_mapping_under_the_capture_flag_is_refused_and_changes_nothing(drv, rng):
+    """Mapping creates and maps pages (cuMemCreate, cuMemMap, cuMemSetAccess): under the flag it is refused
+    before any of that, as unmapping is; the same call succeeds after the capture."""
+    from vpaged.memory import graph_capture
+
+    g = drv.granularity
+    n = int(rng.integers(2, 6))
+    backend, pool = fake.make_pool(drv, n, 0, batch=n)
+    r = C.VirtualRange(pool, n * g)
+    (page,) = r.map_new([0])
+    before, stats = drv.snapshot(), (pool.stats().used_pages, backend.created_pages, r.mapped_pages)
+    with graph_capture():
+        with pytest.raises(BackendError, match="mapping would invalidate"):
+            r.map_new(list(range(1, n)))
+        with pytest.raises(BackendError, match="mapping would invalidate"):
+            r.map_shared([1], [page])
+        with pytest.raises(BackendError, match="CUDA graph capture runs"):
+            r.unmap([0])
+        assert drv.calls_since(before, *fake.VMM_CALLS) == {}
+        assert (pool.stats().used_pages, backend.created_pages, r.mapped_pages) == stats
+    r.map_new(list(range(1, n)))
+    r.unmap(list(range(n)))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Item: a range destroyed during a capture.
 

@@ -6,7 +6,6 @@ import inspect
 import os
 import struct
 import time
-import uuid
 
 import pytest
 import torch
@@ -26,13 +25,6 @@ from vpaged.memory import SharedBudget
 from vpaged.memory.budget.segment import segment_path
 
 PAGE = 64 * 1024
-
-
-@pytest.fixture
-def budget_name():
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    yield name
-    SharedBudget.remove(name, force=True)
 
 
 def small_cache(budget, **kw):

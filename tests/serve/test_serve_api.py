@@ -10,26 +10,21 @@ from __future__ import annotations
 
 import json
 import math
-import random
 
 import pytest
 import torch
-
-from vpaged.hf.compat import serving_support
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from serve_helpers import save_model_with_tokenizer  # noqa: E402, F401 - the autouse fixture
+from serve_helpers import save_model_with_tokenizer  # noqa: E402
 
 from vpaged.serve import LLMEngine, load_model  # noqa: E402
 from vpaged.serve.http.server import ServerThread  # noqa: E402
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 NAME = "tiny"
 MAX_MODEL_LEN = 256
@@ -62,11 +57,6 @@ def served(tmp_path_factory):
 def client(served):
     with openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
         yield c
-
-
-@pytest.fixture
-def prng(rng):
-    return random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
 
 
 @torch.no_grad()

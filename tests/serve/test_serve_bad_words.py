@@ -32,11 +32,6 @@ def reference_banned(bad: tuple[tuple[int, ...], ...], tokens: list[int], prompt
     return banned
 
 
-@pytest.fixture
-def prng(rng):
-    return random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
-
-
 def random_row(prng: random.Random):
     """(params, history): bad sequences of 1-4 tokens, and an output that often ends with a sequence's head."""
     bad = tuple(tuple(prng.randrange(VOCAB) for _ in range(prng.randint(1, 4))) for _ in range(prng.randint(0, 4)))

@@ -18,8 +18,6 @@ import time
 import pytest
 import torch
 
-from vpaged.hf.compat import serving_support
-
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
@@ -30,9 +28,7 @@ from vpaged.serve import LLMEngine, load_model  # noqa: E402
 from vpaged.serve.http.loop import EngineLoop  # noqa: E402
 from vpaged.serve.http.server import ServerThread  # noqa: E402
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 TIMEOUT = 60  # a request that waits this long on a dead engine has hung
 OPTIONS = dict(kv_budget_bytes=8 << 20, max_num_seqs=8, max_model_len=256, cpu_prepack=False)

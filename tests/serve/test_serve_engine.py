@@ -2,12 +2,8 @@
 same engine with other batch compositions / budgets / caches for everything that must not change, and the
 caches' own stats for memory. Tiny random-weight fp32 models; pages of 32 tokens (4 KiB at 128 B/token)."""
 
-import random
-
 import pytest
 import torch
-
-from vpaged.hf.compat import serving_support
 
 pytest.importorskip("transformers")
 
@@ -19,35 +15,7 @@ TOKENS_PER_PAGE = 32
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine OpenMP threads waiting for each other
-    made these tests 30x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model("random:llama-tiny")[0]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """The same weights (same seed) on transformers' SDPA path, for model.generate references."""
-    return load_model("random:llama-tiny")[0]
-
-
-@pytest.fixture
-def prng(rng):
-    return random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 
 def engine(model, **kw):

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from vpaged import _C, KVGeometry, VirtualCacheConfig
-from vpaged.hf.compat import serving_support
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.serving, pytest.mark.gpu]
 REASON = _C.cuda_unavailable_reason(0) or ("" if torch.cuda.is_available() else "torch has no CUDA")
 if REASON:
     pytest.skip(f"CUDA unusable: {REASON}", allow_module_level=True)
@@ -26,11 +25,6 @@ from vpaged.serve import LLM, SamplingParams  # noqa: E402
 DEV = torch.device("cuda", 0)
 PAGE = 2 << 20
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
 
 
 def wide_model(seed: int = 0):

@@ -2,8 +2,6 @@
 extend_many() then takes (copy-on-write copies and swap-in included), and VirtualKVCache.kv_layers() is the
 same memory as kv() of every layer."""
 
-import random
-
 import pytest
 import torch
 
@@ -11,11 +9,6 @@ from vpaged import KVGeometry, PagedCacheConfig, PagedKVCache, VirtualCacheConfi
 from vpaged.errors import OutOfPagesError, SequenceTooLongError
 
 PAGE = 4096
-
-
-@pytest.fixture
-def prng(rng):
-    return random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
 
 
 def squeeze_pool_to(cache: VirtualKVCache, filler: VirtualKVCache, holder: int, free: int) -> None:

@@ -12,8 +12,6 @@ import time
 import pytest
 import torch
 
-from vpaged.hf.compat import serving_support
-
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
@@ -21,14 +19,12 @@ hypothesis = pytest.importorskip("hypothesis")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from serve_helpers import save_model_with_tokenizer  # noqa: E402, F401 - the autouse fixture
+from serve_helpers import save_model_with_tokenizer  # noqa: E402
 
 from vpaged.serve import LLMEngine, load_model  # noqa: E402
 from vpaged.serve.http.server import ServerLimits, ServerThread  # noqa: E402
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 NAME = "fuzz"
 MAX_MODEL_LEN = 48  # keeps every valid request short: prompt + max_tokens <= 48

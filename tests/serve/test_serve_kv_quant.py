@@ -2,13 +2,10 @@
 same format (what both attend over is the same stored K/V, dequantized), preemption (swap and recompute)
 changes no output, and the same budget holds proportionally more tokens."""
 
-import random
-
 import pytest
 import torch
 
 from vpaged import _C
-from vpaged.hf.compat import serving_support
 
 pytest.importorskip("transformers")
 
@@ -17,30 +14,13 @@ from vpaged.errors import DTypeError  # noqa: E402
 from vpaged.hf import VPagedCache, cache_kwargs  # noqa: E402
 from vpaged.serve import LLM, LLMEngine, SamplingParams, load_model  # noqa: E402
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 if not hasattr(_C.DecodeParams(), "kv_dtype"):
     pytest.skip("extension built without quantized decode kernels", allow_module_level=True)
 
 PAGE = 4096
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 FORMATS = ["int8", "fp8", "fp8_e5m2"]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model("random:llama-tiny")[0]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return load_model("random:llama-tiny")[0]
-
-
-@pytest.fixture
-def prng(rng):
-    return random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
 
 
 def random_prompt(prng, lo, hi, vocab=512):

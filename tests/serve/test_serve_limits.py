@@ -14,8 +14,6 @@ import time
 import pytest
 import torch
 
-from vpaged.hf.compat import serving_support
-
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
@@ -25,9 +23,7 @@ from process_helpers import wait_until  # noqa: E402
 from vpaged.serve import LLMEngine, load_model  # noqa: E402
 from vpaged.serve.http.server import ServerLimits, ServerThread  # noqa: E402
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 TIMEOUT = 60
 MAX_MODEL_LEN = 4096

@@ -53,11 +53,6 @@ def random_params(prng: random.Random) -> SamplingParams:
     )
 
 
-@pytest.fixture
-def prng(rng):
-    return random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
-
-
 def test_each_row_gets_its_own_controls(prng, rng):
     for _ in range(20):
         rows = prng.randint(1, 12)

@@ -3,41 +3,17 @@ log_softmax of a plain transformers forward (SDPA) on the same tokens, fp32: gre
 chunked prefill, a prompt found in the prefix cache, n > 1 completions; and requests that do not ask get
 nothing and the last-position-only path."""
 
-import random
-
 import pytest
 import torch
-
-from vpaged.hf.compat import serving_support
 
 pytest.importorskip("transformers")
 
 from vpaged.errors import InvalidArgumentError  # noqa: E402
-from vpaged.serve import LLM, SamplingParams, load_model  # noqa: E402
+from vpaged.serve import LLM, SamplingParams  # noqa: E402
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 TOL = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return load_model("random:llama-tiny")[0]  # the same weights as the engine's (same seed)
-
-
-@pytest.fixture
-def prng(rng):
-    return random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
 
 
 @torch.no_grad()

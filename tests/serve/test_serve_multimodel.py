@@ -20,8 +20,6 @@ from collections import Counter
 import pytest
 import torch
 
-from vpaged.hf.compat import serving_support
-
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
@@ -29,7 +27,7 @@ hypothesis = pytest.importorskip("hypothesis")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from serve_helpers import save_model_with_tokenizer  # noqa: E402, F401 - the autouse fixture
+from serve_helpers import save_model_with_tokenizer  # noqa: E402
 
 from vpaged.errors import InvalidArgumentError  # noqa: E402
 from vpaged.memory import SharedBudget  # noqa: E402
@@ -38,9 +36,7 @@ from vpaged.serve.http.app import create_app  # noqa: E402
 from vpaged.serve.http.model_metrics import labelled_exposition, sample_name  # noqa: E402
 from vpaged.serve.http.server import ServerThread, prometheus_text  # noqa: E402
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 PAGE = 64 * 1024
 # llama-tiny: 512 bytes per token; a sequence takes at least one page in each of its 4 regions (2 layers x K, V)

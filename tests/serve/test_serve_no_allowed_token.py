@@ -19,10 +19,9 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("xgrammar", reason="structured output needs xgrammar: pip install 'vpaged[structured]'")
 
-from serve_helpers import save_model_with_tokenizer  # noqa: E402, F401 - the autouse fixture
+from serve_helpers import save_model_with_tokenizer  # noqa: E402
 
 from vpaged.errors import InvalidArgumentError, NoAllowedTokenError  # noqa: E402
-from vpaged.hf.compat import serving_support  # noqa: E402
 from vpaged.serve import SamplingParams  # noqa: E402
 from vpaged.serve.sample.sampler import NO_TOKEN, apply_controls, sample  # noqa: E402
 from vpaged.serve.sample.structured import GrammarSpec  # noqa: E402
@@ -101,13 +100,8 @@ def test_extreme_valid_penalties_and_tiny_temperatures_keep_rows_finite(rng):
 
 
 # ------------------------------------------------------------------------------------------ the engine
-SERVING, WHY_NOT_SERVING = serving_support()
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    if not SERVING:
-        pytest.skip(WHY_NOT_SERVING)
     from vpaged.serve import LLMEngine, load_model
 
     path = tmp_path_factory.mktemp("tiny-llama-words")
@@ -141,6 +135,7 @@ def words(engine, text: str) -> list[int]:
         dict(structured=GrammarSpec.choice(["cat", "dog"]), bad_words_token_ids=[[26], [27]]),
     ],
 )
+@pytest.mark.serving
 def test_a_grammar_whose_first_tokens_are_banned_is_refused_when_added(engine, kw):
     assert words(engine, "cat dog") == [26, 27]  # the word tokenizer of serve_helpers: one token each
     with pytest.raises(NoAllowedTokenError, match="ban every token the (choice|regex) grammar allows"):
@@ -148,6 +143,7 @@ def test_a_grammar_whose_first_tokens_are_banned_is_refused_when_added(engine, k
     assert not engine.has_unfinished()
 
 
+@pytest.mark.serving
 def test_a_grammar_that_runs_out_later_ends_with_error_and_the_batch_is_unaffected(engine, rng):
     prompt = words(engine, "the small cat sees a dog")
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))

@@ -195,13 +195,9 @@ def test_priority_queue_holds_back_a_low_priority_arrival():
     assert order == [2, 4, 1, 3]
 
 
+@pytest.mark.serving
 def test_the_engine_serves_by_priority_and_hands_the_cache_its_policies():
     pytest.importorskip("transformers")
-    from vpaged.hf.compat import serving_support
-
-    ok, why = serving_support()
-    if not ok:
-        pytest.skip(why)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model gains nothing from threads on a shared machine
     try:

@@ -16,22 +16,18 @@ import random
 import pytest
 import torch
 
-from vpaged.hf.compat import serving_support
-
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from serve_helpers import CHAT_TEMPLATE, save_model_with_tokenizer  # noqa: E402, F401
+from serve_helpers import CHAT_TEMPLATE, save_model_with_tokenizer  # noqa: E402
 
 from vpaged.serve import LLMEngine, load_model  # noqa: E402
 from vpaged.serve.http import chat_template, guard, tools  # noqa: E402
 from vpaged.serve.http.common.protocol import IGNORED_FIELDS  # noqa: E402
 from vpaged.serve.http.server import ServerLimits, ServerThread  # noqa: E402
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 TIMEOUT = 60
 NAME = "m"

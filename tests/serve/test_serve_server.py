@@ -14,8 +14,6 @@ import time
 import pytest
 import torch
 
-from vpaged.hf.compat import serving_support
-
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
@@ -36,9 +34,7 @@ from vpaged.serve.http.server import ServerThread, prometheus_text  # noqa: E402
 MODEL_NAME = "tiny"
 
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 
 MAX_MODEL_LEN = 256

@@ -8,8 +8,6 @@ import inspect
 import pytest
 import torch
 
-from vpaged.hf.compat import serving_support
-
 pytest.importorskip("transformers")
 
 from vpaged.errors import InvalidArgumentError  # noqa: E402
@@ -215,8 +213,6 @@ def test_the_scheduler_takes_its_watermark_from_the_config():
 
 
 # ------------------------------------------------------------------------------------------ the engine
-SERVING, WHY_NOT_SERVING = serving_support()
-needs_serving = pytest.mark.skipif(not SERVING, reason=WHY_NOT_SERVING or "")
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +221,7 @@ def model():
     return load_model("random:llama-tiny")[0]
 
 
-@needs_serving
+@pytest.mark.serving
 @pytest.mark.parametrize("kind", KV_KINDS)
 def test_an_engine_from_a_config_runs_as_one_from_keywords(model, kind):
     options = dict(kv_budget_bytes=64 * PAGE, page_size=PAGE, kv=kind, max_model_len=96, max_num_batched_tokens=32)
@@ -247,7 +243,7 @@ def test_an_engine_from_a_config_runs_as_one_from_keywords(model, kind):
         by_config.engine.close()
 
 
-@needs_serving
+@pytest.mark.serving
 def test_an_engine_takes_a_config_or_keywords_not_both(model):
     config = EngineConfig(kv_budget_bytes=1 << 20)
     with pytest.raises(InvalidArgumentError, match="not both"):
@@ -258,7 +254,7 @@ def test_an_engine_takes_a_config_or_keywords_not_both(model):
         LLMEngine(model, kv_budget_bytes=1 << 20, max_num_seqs=0)
 
 
-@needs_serving
+@pytest.mark.serving
 def test_the_step_log_and_the_stats_time_the_same_phases(model):
     eng = LLMEngine(model, kv_budget_bytes=64 * PAGE, page_size=PAGE, record_steps=True, max_num_batched_tokens=16)
     try:

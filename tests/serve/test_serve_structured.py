@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from vpaged.hf.compat import serving_support
-
 pytest.importorskip("transformers")
 pytest.importorskip("xgrammar", reason="structured output needs xgrammar: pip install 'vpaged[structured]'")
 pydantic = pytest.importorskip("pydantic")
@@ -25,9 +23,7 @@ import real_model  # noqa: E402
 from vpaged.serve import LLM, SamplingParams  # noqa: E402
 from vpaged.serve.sample.structured import GrammarSpec  # noqa: E402
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 WHY = real_model.why_unavailable()
 PLACES = (
     "Paris Lima Oslo Cairo Tokyo Quito Rome Accra Hanoi Perth Dakar Lagos Seoul Kyiv Riga Baku Doha Sofia Bern Nice"

@@ -17,12 +17,11 @@ import pytest
 import torch
 
 from vpaged.errors import TensorParallelError
-from vpaged.hf.compat import serving_support
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = [
+    pytest.mark.serving,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
+]
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 

@@ -4,29 +4,25 @@ the server answers the official openai client, streaming and not, with the one-p
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import torch
-from serve_helpers import save_model_with_tokenizer  # noqa: F401 - the autouse fixture
+from serve_helpers import save_model_with_tokenizer
 
 from vpaged.cli import main
-from vpaged.hf.compat import serving_support
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = [
+    pytest.mark.serving,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
+]
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 TIMEOUT = 120
@@ -76,26 +72,19 @@ def test_generate_command_with_two_ranks_is_the_one_process_output(model_dir, ca
     assert not torch.distributed.is_initialized()
 
 
-def test_serve_with_two_ranks_answers_openai_and_dies_cleanly(model_dir):
+def test_serve_with_two_ranks_answers_openai_and_dies_cleanly(model_dir, server_process):
     from vpaged.serve import LLM, SamplingParams
 
     reference = LLM(str(model_dir), kv_budget_bytes=4 << 20, cpu_prepack=False)
     expected = reference.generate("the cat sees", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     reference.engine.close()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", VPAGED_TP_TIMEOUT_S="20")
-    args = [sys.executable, "-m", "vpaged.cli", "serve", str(model_dir), "--port", "0", "--served-model-name", "tiny"]
-    args += ["--kv-budget-mib", "2", "--log-level", "warning", "--threads", "1", "--tensor-parallel-size", "2"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    args = [str(model_dir), "--port", "0", "--served-model-name", "tiny", "--kv-budget-mib", "2"]
+    args += ["--log-level", "warning", "--threads", "1", "--tensor-parallel-size", "2"]
+    server = server_process(args, env={"VPAGED_TP_TIMEOUT_S": "20"})
+    proc = server.proc
     try:
-        deadline = time.monotonic() + TIMEOUT
-        line = ""
-        while "serving" not in line:
-            assert time.monotonic() < deadline and proc.poll() is None, "the server did not come up"
-            with contextlib.suppress(queue.Empty):
-                line = lines.get(timeout=1)
-        url = line.split(" at ")[1].split()[0]
+        server.ready(TIMEOUT)
+        url = server.url
         greedy = dict(model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
         with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=TIMEOUT) as client:
             r = client.completions.create(prompt="the cat sees", **greedy)
@@ -132,9 +121,7 @@ def test_serve_with_two_ranks_answers_openai_and_dies_cleanly(model_dir):
         assert proc.returncode not in (0, None)
         assert "rank 1" in proc.stderr.read()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        server.kill()
 
 
 TORCHRUN_SCRIPT = """

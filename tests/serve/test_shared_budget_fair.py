@@ -10,12 +10,11 @@ import random
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from serve_helpers import assert_greedy_matches  # noqa: F401  (autouse fixture)
+from serve_helpers import assert_greedy_matches
 
 from vpaged.memory import SharedBudget
 
@@ -25,13 +24,6 @@ WORKER = Path(__file__).resolve().parents[1] / "engine_budget_worker.py"
 # each) before their pages can move; on a quiet machine this takes well under a second.
 FAIR_WITHIN_S = 30.0
 MAX_TOKENS = 16
-
-
-@pytest.fixture
-def budget_name():
-    name = f"fair-{uuid.uuid4().hex[:12]}"
-    yield name
-    SharedBudget.remove(name, force=True)
 
 
 def granted(budget: SharedBudget, pid: int) -> int:

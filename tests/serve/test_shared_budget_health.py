@@ -14,20 +14,15 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-import torch
 from process_helpers import wait_until
-
-from vpaged.hf.compat import serving_support
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from serve_helpers import save_model_with_tokenizer  # noqa: E402, F401
 
 import vpaged  # noqa: E402
 from vpaged import PagePool  # noqa: E402
@@ -35,30 +30,14 @@ from vpaged.cli.main import main  # noqa: E402
 from vpaged.memory import SharedBudget  # noqa: E402
 from vpaged.memory.budget.member import REPORT_S  # noqa: E402
 from vpaged.memory.budget.segment import segment_path  # noqa: E402
-from vpaged.serve import LLMEngine, load_model  # noqa: E402
+from vpaged.serve import LLMEngine  # noqa: E402
 from vpaged.serve.http.server import ServerThread  # noqa: E402
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 PAGE = 64 * 1024
 TIMEOUT = 120
 WORKER = Path(__file__).resolve().parents[1] / "budget_worker.py"
-
-
-@pytest.fixture(scope="module")
-def model_and_tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    save_model_with_tokenizer(path)
-    return load_model(str(path), dtype=torch.float32)
-
-
-@pytest.fixture
-def budget_name():
-    name = f"health-{uuid.uuid4().hex[:12]}"
-    yield name
-    force_remove(name)
 
 
 def force_remove(name: str) -> None:

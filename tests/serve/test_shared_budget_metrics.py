@@ -6,45 +6,26 @@ exports none of them."""
 from __future__ import annotations
 
 import random
-import uuid
 
 import pytest
 import torch
 
 from vpaged import KVGeometry, VirtualCacheConfig
-from vpaged.hf.compat import serving_support
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from serve_helpers import save_model_with_tokenizer  # noqa: E402, F401
 
 from vpaged import VirtualKVCache  # noqa: E402
 from vpaged.memory import SharedBudget  # noqa: E402
-from vpaged.serve import LLMEngine, SamplingParams, load_model  # noqa: E402
+from vpaged.serve import LLMEngine, SamplingParams  # noqa: E402
 from vpaged.serve.http.server import ServerThread  # noqa: E402
 
-SERVING, WHY_NOT_SERVING = serving_support()
-if not SERVING:
-    pytest.skip(WHY_NOT_SERVING, allow_module_level=True)
+pytestmark = pytest.mark.serving  # skipped where transformers cannot serve (tests/conftest.py)
 
 PAGE = 64 * 1024
 TIMEOUT = 120
-
-
-@pytest.fixture(scope="module")
-def model_and_tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    save_model_with_tokenizer(path)
-    return load_model(str(path), dtype=torch.float32)
-
-
-@pytest.fixture
-def budget_name():
-    name = f"metrics-{uuid.uuid4().hex[:12]}"
-    yield name
-    SharedBudget.remove(name, force=True)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -2,7 +2,6 @@
 and produce what engines with private pools produce; a PagedKVCache holds its reservation; VPagedCache joins."""
 
 import random
-import uuid
 
 import pytest
 import torch
@@ -12,13 +11,6 @@ from vpaged.errors import BudgetMismatchError, InvalidArgumentError
 from vpaged.memory import SharedBudget
 
 PAGE = 64 * 1024
-
-
-@pytest.fixture
-def budget_name():
-    name = f"serve-{uuid.uuid4().hex[:12]}"
-    yield name
-    SharedBudget.remove(name, force=True)
 
 
 @pytest.fixture(scope="module")
