@@ -132,8 +132,20 @@ void VirtualRange::map_runs_or_undo(const std::vector<IndexRun>& index_runs, con
   }
 }
 
+void VirtualRange::refuse_mapping_during_capture(const char* call) const {
+  // Mapping (and creating the pages to map) calls cuMemCreate / cuMemMap / cuMemSetAccess, which a global-mode
+  // capture forbids from any thread. Only the process-wide flag is asked here (an atomic load): map pages
+  // before capturing.
+  if (pool_->backend().mapping_breaks_capture() && PagePool::capture_flagged()) {
+    throw CaptureActive(std::string(call) +
+                        ": a CUDA graph capture runs in this process (vpaged.memory.graph_capture): mapping would "
+                        "invalidate it; nothing was changed (map pages before capturing)");
+  }
+}
+
 std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& indices) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!indices.empty()) refuse_mapping_during_capture("map_new");
   for (int64_t s : indices) {
     check_index(s);
     if (table_[s] >= 0) throw InvalidArgument("page index " + std::to_string(s) + " is already mapped");
@@ -157,6 +169,7 @@ std::vector<PageId> VirtualRange::map_new(const std::vector<int64_t>& indices) {
 
 void VirtualRange::map_shared(const std::vector<int64_t>& indices, const std::vector<PageId>& pages) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!indices.empty()) refuse_mapping_during_capture("map_shared");
   if (indices.size() != pages.size()) throw InvalidArgument("map_shared: indices and pages differ in length");
   for (int64_t s : indices) {
     check_index(s);

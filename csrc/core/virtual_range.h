@@ -16,6 +16,10 @@
 //   (unmap, assign, copy_on_write, make_private, unmap_all_unpinned, the destructor) first waits for the
 //   streams registered with add_stream() (Backend::synchronize each; a no-op on the host). Mapping fresh
 //   pages needs no wait: nothing can be reading them yet.
+// - CUDA graph captures (page_pool.h): while one runs (the process flag, the legacy stream, a registered
+//   stream), unmapping and remapping are refused with CaptureActive, nothing changed; under the process flag
+//   mapping is refused too; the destructor then hands its mappings, references and reservation to the pool,
+//   which tears them down after the capture.
 // The range itself (reservation and pages) lives until the last view of it is gone.
 #pragma once
 #include <cstdint>
@@ -113,6 +117,8 @@ class VirtualRange : public std::enable_shared_from_this<VirtualRange> {
     if (static_cast<uint64_t>(index) >= num_pages_) index_out_of_range(index);
   }
   [[noreturn]] void index_out_of_range(int64_t index) const;
+  // CaptureActive while the process-wide capture flag is up on a backend whose mapping breaks a capture.
+  void refuse_mapping_during_capture(const char* call) const;
   void collect_spans(size_t offset, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides, size_t dim,
                      size_t itemsize, std::vector<std::pair<size_t, size_t>>& out) const;
   void unmap_locked(const std::vector<int64_t>& indices);
