@@ -70,6 +70,13 @@ class VirtualCacheConfig:
             EvictionPolicy; reclaim_order: which kind of kept pages goes back first: "dormant_first" (freed
             slots, then prefix blocks, then spare tails), "prefix_first", or a ReclaimOrder
             (kvcache/eviction.py).
+    Shared with other processes:
+        prefix_store: a KV page store (vpaged.memory.store.PageStore) by name ("NAME": in /dev/shm; "dir:PATH":
+            files under PATH, kept across restarts), made when missing with prefix_store_pages pages of this
+            cache's page size (default 4096). cache_prefix() publishes full blocks there; allocate(tokens)
+            fills the blocks after the local prefix hits from it (kvcache/virtual/store_link.py).
+            prefix_store_weights: the model weights' identity (a name with its revision, or a digest), part
+            of every page's key with the geometry, layout, page size and KV format: required with a store.
     """
 
     max_seqs: int = 64
@@ -85,9 +92,13 @@ class VirtualCacheConfig:
     swap_bytes: int = 0
     eviction_policy: str | EvictionPolicy = "lru"
     reclaim_order: str | ReclaimOrder = "dormant_first"
+    prefix_store: str | None = None
+    prefix_store_weights: str = ""
+    prefix_store_pages: int | None = None
 
     def __post_init__(self):
         check_positive_int("max_seqs", self.max_seqs)
+        check_prefix_store(self.prefix_store, self.prefix_store_weights, self.prefix_store_pages)
         check_positive_int("max_seq_len", self.max_seq_len)
         check_optional_bytes("capacity_bytes", self.capacity_bytes)
         check_optional_bytes("page_size", self.page_size)
@@ -96,6 +107,22 @@ class VirtualCacheConfig:
         if self.layout not in LAYOUTS:
             raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         check_budget(self.shared_budget, self.min_bytes, self.member_name)
+
+
+def check_prefix_store(store, weights, pages) -> None:
+    if store is None:
+        if weights or pages is not None:
+            raise InvalidArgumentError("prefix_store_weights and prefix_store_pages go with a prefix_store")
+        return
+    if not isinstance(store, str) or not store:
+        raise InvalidArgumentError(f'prefix_store is a store name or "dir:PATH", got {store!r}')
+    if not isinstance(weights, str) or not weights:
+        raise InvalidArgumentError(
+            "prefix_store_weights names the model weights (a name with its revision, or a digest): pages of "
+            "another model must never hit"
+        )
+    if pages is not None:
+        check_positive_int("prefix_store_pages", pages)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from .page_map import PageMap
 from .prefix import HashFn, PrefixIndex
 from .reclaim import SlotReclaim
 from .stats import virtual_cache_stats
+from .store_link import StoreLink, cache_fingerprint
 from .swap import SwappedSlots, SwapSpace
 from .views import SlotViews
 
@@ -112,12 +113,42 @@ class VirtualKVCache(KVCacheBase):
         swap = SwapSpace(c.swap_bytes, self.pool.page_size, pin=pin) if c.swap_bytes else None
         self._swapped = SwappedSlots(swap)
         self._reclaim = SlotReclaim(self._page_map, self._prefix, self._swapped, self.reclaim_order)
+        self._store = self._open_store(c, lay)
         self._streams: list = []  # stream objects given to use_stream(), kept alive while registered
         self._on_cuda = self.device.type == "cuda"
         if self._on_cuda:
             self._range.add_stream(0)  # the legacy default stream: torch's default, and vpaged's own copies
         self._closed = False
         self.pool.register(self)
+
+    def _open_store(self, c: VirtualCacheConfig, lay: Layout) -> StoreLink | None:
+        if c.prefix_store is None:
+            return None
+        if self.device.type != "cpu" or self.pool.accounting_only:
+            self._release_membership()
+            raise InvalidArgumentError(
+                f"a prefix_store serves caches on the CPU in this version (this one is on {self.device}): see "
+                "docs/kv-store.md"
+            )
+        try:
+            fp = cache_fingerprint(
+                c.prefix_store_weights, self.geometry, lay.kind, lay.page_size, self.kv_format, self.kv_scales
+            )
+            return StoreLink.open(c.prefix_store, fp, lay.runs, lay.page_size, c.prefix_store_pages)
+        except BaseException:
+            self._release_membership()
+            raise
+
+    def _release_membership(self) -> None:
+        self._range.unmap_all_unpinned()
+        if self._owns_membership:
+            self.pool.leave_budget()
+
+    @property
+    def prefix_store(self) -> StoreLink | None:
+        """The link to the shared page store (config.prefix_store), None without one: .store is the
+        PageStore, .stats its StoreLinkStats."""
+        return self._store
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def allocate(self, tokens: Sequence[int] | None = None) -> int:
@@ -139,10 +170,20 @@ class VirtualKVCache(KVCacheBase):
         if hits:
             pages = [b.pages[r] for r in range(self.layout.runs) for b in hits]  # run-major, like page_indices
             self._page_map.map_shared(slot, pages, len(hits))
+        blocks = len(hits)
+        if self._store is not None:
+            try:
+                blocks = self._store.fetch(index, self._page_map, slot, tokens, blocks)
+            except BaseException:
+                if hits:
+                    self._page_map.unmap_slot(slot)
+                t.release(slot)
+                raise
         seq = t.bind(slot)
         # The tokens wholly in the shared pages; one that straddles the last of them is computed again, and
-        # writing it copies that page first (it is below the shared watermark).
-        t.length_tokens[slot] = t.new_from_token[slot] = n = index.tokens_in(len(hits))
+        # writing it copies that page first (it is below the shared watermark; pages fetched from the store
+        # are the sequence's own, written in place).
+        t.length_tokens[slot] = t.new_from_token[slot] = n = index.tokens_in(blocks)
         self._prefix_hits += n
         return seq
 
@@ -401,6 +442,8 @@ class VirtualKVCache(KVCacheBase):
         blocks = index.insert_blocks(tokens, lambda d: self._page_map.pages(slot, d, d + 1))
         # Its pages the index now holds are read-only for the sequence too (also when a collision cut it short).
         self._slots.mark_shared(slot, blocks)
+        if self._store is not None:
+            self._store.publish(index, self._page_map, slot, tokens, blocks)
         return index.tokens_in(blocks)
 
     # ----------------------------------------------------------------------------------------- swapping
@@ -451,6 +494,8 @@ class VirtualKVCache(KVCacheBase):
             return
         if self._prefix:
             self._prefix.clear()
+        if self._store is not None:
+            self._store.close()
         self._swapped.clear()
         self._range.unmap_all_unpinned()  # waits for the cache's streams first
         self._page_map = self._range = self._views = self._reclaim = None

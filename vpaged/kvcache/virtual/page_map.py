@@ -16,7 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ...errors import OutOfPagesError, SequenceTooLongError, SlotsExhaustedError, ViewsAliveError
+import numpy as np
+
+from ...errors import (
+    InvalidArgumentError,
+    OutOfPagesError,
+    SequenceTooLongError,
+    SlotsExhaustedError,
+    ViewsAliveError,
+)
 from .layout import Layout
 from .slot_table import SlotTable
 
@@ -179,6 +187,26 @@ class PageMap:
             self.table.release(slot)
             raise
         self.table.mapped_pages[slot] = self.table.shared_below_page[slot] = npages
+
+    def map_new_with(self, slot: int, first: int, stop: int, data: list) -> None:
+        """Map fresh pages at pages first..stop-1 of every run of a slot (just taken, mapped up to `first`)
+        and copy `data` into them (run-major, one page-sized bytes-like object each). All or nothing:
+        OutOfPagesError (pool short) or a copy error leaves the slot mapped up to `first`."""
+        indices = self.layout.page_indices(slot, first, stop)
+        if len(data) != len(indices):
+            raise InvalidArgumentError(f"{len(indices)} pages to fill, {len(data)} given")
+        self.ensure_free(len(indices))
+        pages = self.with_reclaim(lambda: self.range.map_new(indices), len(indices))
+        try:
+            buffers = [np.frombuffer(d, dtype=np.uint8) for d in data]
+            self.pool.copy_pages_from_host(pages, [b.ctypes.data for b in buffers])
+            self.pool.synchronize()
+        except BaseException:
+            self.range.unmap(indices)
+            raise
+        self.table.mapped_pages[slot] = stop
+        self.pages_mapped += len(indices)
+        self.map_calls += 1
 
     def ensure_free(self, pages: int) -> None:
         if not self.pool.ensure_free(pages):

@@ -1,0 +1,191 @@
+"""VirtualKVCache on a shared page store (config.prefix_store): full blocks published by one cache come back,
+bit-exact, in another cache and another process; a different model, dtype or layout never hits; a damaged
+page is recomputed, not served."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+import torch
+
+from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
+from vpaged.errors import InvalidArgumentError, StoreMismatchError
+from vpaged.memory.store import PageStore
+
+PAGE = 4096
+GEOMETRY = KVGeometry(3, 2, 16, torch.float32)  # 128-byte rows: 32 tokens a page
+
+
+@pytest.fixture
+def store_name():
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield name
+    PageStore.remove(name)
+
+
+def make_cache(store, layout="per_layer", weights="model@1", geometry=GEOMETRY, **extra):
+    config = VirtualCacheConfig(
+        max_seqs=4,
+        max_seq_len=1024,
+        capacity_bytes=256 * PAGE,
+        page_size=PAGE,
+        layout=layout,
+        prefix_store=store,
+        prefix_store_weights=weights,
+        prefix_store_pages=256,
+        **extra,
+    )
+    return VirtualKVCache(geometry, config)
+
+
+def fill(cache, tokens, gen):
+    """A sequence of `tokens` with random K/V written; returns it and its K/V (clones), per layer."""
+    seq = cache.allocate(tokens=tokens)
+    assert cache.seq_len(seq) == 0
+    cache.extend(seq, len(tokens))
+    values = []
+    for layer in range(cache.num_layers):
+        k = torch.randn(len(tokens), 2, 16, generator=gen)
+        v = torch.randn(len(tokens), 2, 16, generator=gen)
+        cache.write(layer, seq, k, v, start=0)
+        values.append((k, v))
+    return seq, values
+
+
+@pytest.mark.parametrize("layout", ["per_layer", "interleaved", "head_major"])
+def test_published_blocks_come_back_bit_exact_in_a_new_cache(store_name, layout, rng):
+    gen = rng
+    tokens = torch.randint(0, 50_000, (150,), generator=gen).tolist()
+    a = make_cache(store_name, layout)
+    seq, values = fill(a, tokens, gen)
+    cached = a.cache_prefix(seq, tokens)
+    assert cached > 0
+    published = a.prefix_store.stats.published_pages
+    assert published > 0
+    a.close()
+
+    b = make_cache(store_name, layout)
+    got = b.allocate(tokens=tokens + [7, 8, 9])
+    n = b.seq_len(got)
+    assert n == cached  # the same blocks the local index would hit
+    for layer, (k, v) in enumerate(values):
+        kb, vb = b.kv(layer, got)
+        assert torch.equal(kb, k[:n]) and torch.equal(vb, v[:n])
+        del kb, vb
+    s = b.prefix_store.stats
+    assert s.hit_tokens == n and s.hit_pages == published and s.copied_bytes == published * PAGE
+    # The sequence goes on from there: its fetched pages are its own, written in place.
+    b.extend(got, 3 + len(tokens) - n)
+    k_new = torch.randn(len(tokens) + 3 - n, 2, 16, generator=gen)
+    b.write(0, got, k_new, k_new)
+    kb, _ = b.kv(0, got)
+    assert torch.equal(kb[:n], values[0][0][:n]) and torch.equal(kb[n:], k_new)
+    del kb
+    # Offering the same prefix again publishes nothing new.
+    b.cache_prefix(got, tokens)
+    assert b.prefix_store.stats.published_pages == 0
+    b.close()
+
+
+def test_another_model_dtype_or_layout_never_hits(store_name, rng):
+    gen = rng
+    tokens = torch.randint(0, 50_000, (100,), generator=gen).tolist()
+    a = make_cache(store_name)
+    seq, _ = fill(a, tokens, gen)
+    a.cache_prefix(seq, tokens)
+    a.close()
+    others = [
+        dict(weights="model@2"),
+        dict(layout="interleaved"),
+        dict(geometry=KVGeometry(3, 2, 16, torch.float32, kv_dtype=torch.int8)),
+        dict(geometry=KVGeometry(3, 1, 32, torch.float32)),  # same row bytes, another geometry
+    ]
+    for kw in others:
+        c = make_cache(store_name, **kw)
+        assert c.seq_len(c.allocate(tokens=tokens)) == 0, kw
+        assert c.prefix_store.stats.hit_pages == 0
+        c.close()
+    same = make_cache(store_name)
+    assert same.seq_len(same.allocate(tokens=tokens)) == 96
+    same.close()
+
+
+def test_a_damaged_page_is_recomputed_not_served(store_name, rng):
+    gen = rng
+    tokens = torch.randint(0, 50_000, (64,), generator=gen).tolist()
+    a = make_cache(store_name)
+    seq, _ = fill(a, tokens, gen)
+    a.cache_prefix(seq, tokens)
+    data_path = a.prefix_store.store.data_path
+    a.close()
+    with open(data_path, "r+b") as f:  # every published page overwritten outside vpaged
+        for slot in range(6):
+            f.seek(slot * PAGE + 100)
+            f.write(os.urandom(8))
+    b = make_cache(store_name)
+    used = b.pool.stats().used_pages
+    got = b.allocate(tokens=tokens)
+    assert b.seq_len(got) == 0 and b.prefix_store.stats.faults == 1
+    assert b.pool.stats().used_pages == used  # the pages it mapped for the fetch went back
+    b.close()
+
+
+def test_store_of_another_page_size_and_bad_config_are_refused(store_name):
+    make_cache(store_name).close()
+    with pytest.raises(StoreMismatchError):
+        VirtualKVCache(
+            GEOMETRY,
+            VirtualCacheConfig(
+                capacity_bytes=64 * 8192, page_size=8192, prefix_store=store_name, prefix_store_weights="m"
+            ),
+        )
+    with pytest.raises(InvalidArgumentError, match="prefix_store_weights"):
+        VirtualCacheConfig(prefix_store=store_name)
+    with pytest.raises(InvalidArgumentError, match="go with a prefix_store"):
+        VirtualCacheConfig(prefix_store_weights="m")
+    with pytest.raises(InvalidArgumentError, match="fixed kv_scales"):
+        make_cache(store_name, geometry=KVGeometry(3, 2, 16, torch.float32, kv_dtype=torch.float8_e4m3fn), kv_scales="calibrate")
+
+
+PUBLISHER = textwrap.dedent(
+    """
+    import sys, torch
+    from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
+    name, seed = sys.argv[1], int(sys.argv[2])
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50_000, (200,), generator=gen).tolist()
+    cache = VirtualKVCache(KVGeometry(3, 2, 16, torch.float32), VirtualCacheConfig(max_seqs=2, max_seq_len=1024,
+        capacity_bytes=256 * 4096, page_size=4096, prefix_store=name, prefix_store_weights="model@1",
+        prefix_store_pages=256))
+    seq = cache.allocate(tokens=tokens)
+    cache.extend(seq, len(tokens))
+    for layer in range(3):
+        k = torch.randn(len(tokens), 2, 16, generator=gen)
+        cache.write(layer, seq, k, -k, start=0)
+    print(cache.cache_prefix(seq, tokens))
+    cache.close()
+    """
+)
+
+
+def test_a_prefix_published_by_another_process_hits_here(store_name, prng):
+    seed = prng.randrange(1 << 30)
+    out = subprocess.run(
+        [sys.executable, "-c", PUBLISHER, store_name, str(seed)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    cached = int(out.stdout.strip())
+    gen = torch.Generator().manual_seed(seed)  # the publisher's values, made again here as the reference
+    tokens = torch.randint(0, 50_000, (200,), generator=gen).tolist()
+    keys = [torch.randn(200, 2, 16, generator=gen) for _ in range(3)]
+    b = make_cache(store_name)
+    got = b.allocate(tokens=tokens)
+    assert b.seq_len(got) == cached == 192
+    for layer in range(3):
+        k, v = b.kv(layer, got)
+        assert torch.equal(k, keys[layer][:cached]) and torch.equal(v, -keys[layer][:cached])
+        del k, v
+    b.close()

@@ -1,0 +1,217 @@
+"""StoreLink: a VirtualKVCache's tie to a PageStore shared with other processes (and with later runs).
+
+Note (what a link does, and what it does not do yet). A cache built with VirtualCacheConfig(prefix_store=...)
+opens the store (memory/store/) and keeps its own prefix index (prefix.py) as before. The store sits behind
+that index as a second tier:
+
+- publish: cache_prefix(seq, tokens) offers the sequence's full blocks to the local index and then publishes
+  every page of each block the store does not hold yet (one copy of each page into the store's data file).
+  A block is page d of every run of the slot (prefix.py); its store keys are one per run, chained from the
+  fingerprint as fingerprint.py says, so a page of another model, dtype, KV format, layout or page size never
+  hits.
+- fetch: allocate(tokens) maps the local index's hits first; for the blocks after them it asks the store,
+  pins the leading blocks whose every page is published, copies them into fresh pages of the new sequence
+  (each page checked against its crc32) and unpins. The sequence starts with those tokens present; its pages
+  are private (nothing else maps them), so the straddling token it recomputes is written in place.
+
+A hit therefore copies each page once (counted in copied_bytes); mapping the store's pages read-only into the
+range instead (zero bytes copied) needs the host backend to map pages of a file other than its pool's, which
+is not there yet (docs/kv-store.md). Pages the local index evicts under pressure stay in the store (within its
+capacity), so the store is also this process's host tier and, for a dir: store, what a restarted process
+finds again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...errors import InvalidArgumentError, OutOfPagesError, StoreError, StoreFullError
+from ...memory.store import PageStore, StoreFingerprint, chain_keys
+
+if TYPE_CHECKING:
+    from .page_map import PageMap
+    from .prefix import PrefixIndex
+
+DEFAULT_STORE_PAGES = 4096  # capacity of a store a cache creates when the config gives none
+
+
+@dataclass
+class StoreLinkStats:
+    """What a cache's link to its store did. hit_tokens: tokens a new sequence started with from the store
+    (beyond the local index's hits); hit_pages / copied_bytes: pages fetched and the bytes copied for them;
+    mapped_bytes: bytes of store pages mapped into ranges without a copy (0 in this version); published_pages:
+    pages this cache published; present_pages: pages it offered that the store held already; full: publishes
+    refused because every page of the store was pinned or being written; short: hits not taken because the
+    pool had no room for their pages; faults: fetches given up on a store error (a page failing its checksum,
+    a damaged file, a lost lease), the tokens computed instead."""
+
+    hit_tokens: int = 0
+    hit_pages: int = 0
+    copied_bytes: int = 0
+    mapped_bytes: int = 0
+    published_pages: int = 0
+    present_pages: int = 0
+    full: int = 0
+    short: int = 0
+    faults: int = 0
+
+
+def page_key(block_key: bytes, run: int) -> bytes:
+    """The store key of run `run`'s page of the block whose chain key is block_key."""
+    h = hashlib.blake2b(block_key, digest_size=len(block_key), person=b"vpaged-kv-run")
+    h.update(int(run).to_bytes(8, "little"))
+    return h.digest()
+
+
+class StoreLink:
+    def __init__(self, store: PageStore, fingerprint: StoreFingerprint, runs: int, page_size: int):
+        if store.page_bytes != page_size:
+            raise InvalidArgumentError(
+                f"store {store.name!r} holds pages of {store.page_bytes} bytes, this cache's pages are {page_size}: "
+                "use a store made for this page size (or another store name)"
+            )
+        self.store, self.fingerprint, self.runs, self.page_size = store, fingerprint, runs, page_size
+        self.stats = StoreLinkStats()
+        self._known: set[bytes] = set()  # block keys this process published or found published
+
+    @classmethod
+    def open(cls, name: str, fingerprint: StoreFingerprint, runs: int, page_size: int, capacity_pages: int | None):
+        store = PageStore.open(
+            name, create=True, capacity_pages=capacity_pages or DEFAULT_STORE_PAGES, page_bytes=page_size
+        )
+        try:
+            return cls(store, fingerprint, runs, page_size)
+        except BaseException:
+            store.close()
+            raise
+
+    def block_keys(self, windows: Sequence[Sequence[int]]) -> list[bytes]:
+        return chain_keys(self.fingerprint, windows)
+
+    def _keys_of(self, block_keys: Sequence[bytes]) -> list[bytes]:
+        """The store keys of the blocks, block-major (every run of a block, then the next block)."""
+        return [page_key(b, r) for b in block_keys for r in range(self.runs)]
+
+    # ------------------------------------------------------------------------------------------------ fetch
+    def fetch(self, index: PrefixIndex, page_map: PageMap, slot: int, tokens: Sequence[int], have: int) -> int:
+        """Fill blocks `have`.. of a slot just taken (its first `have` blocks mapped from the local index) from
+        the store: the leading blocks whose every page is published, within what a hit may map
+        (index.usable_pages). Returns the number of blocks the slot holds now. All or nothing on error: the
+        pages mapped here are unmapped again and the error raised."""
+        windows = [w for _, w in index.keys(tokens)]
+        if len(windows) <= have:
+            return have
+        block_keys = self.block_keys(windows)
+        keys = self._keys_of(block_keys[have:])
+        whole = self.store.match(keys) // self.runs
+        wanted = index.usable_pages(have + whole) - have
+        if wanted <= 0:
+            return have
+        try:
+            return self._fill(index, page_map, slot, block_keys, keys, have, wanted)
+        except StoreError:
+            # A corrupt page, a truncated file, a lost lease: the store is not worth failing a request for. The
+            # slot is as it was (map_new_with undoes itself); the caller computes those tokens.
+            self.stats.faults += 1
+            return have
+
+    def _fill(self, index, page_map, slot, block_keys, keys, have: int, wanted: int) -> int:
+        handles = self.store.pin(keys[: wanted * self.runs])
+        try:
+            got = len(handles) // self.runs  # a page evicted since match(): stop at the block before it
+            got = index.usable_pages(have + got) - have
+            if got <= 0:
+                return have
+            # Run-major, as page_indices lists them: run r's pages of blocks have..have+got-1.
+            data = [handles[d * self.runs + r].read() for r in range(self.runs) for d in range(got)]
+            try:
+                page_map.map_new_with(slot, have, have + got, data)
+            except OutOfPagesError:
+                self.stats.short += 1
+                return have  # the pool has no room for them now: the caller computes those tokens
+        finally:
+            for h in handles:
+                h.release()
+        self._known.update(block_keys[: have + got])
+        s = self.stats
+        s.hit_pages += got * self.runs
+        s.copied_bytes += got * self.runs * self.page_size
+        s.hit_tokens += index.tokens_in(have + got) - index.tokens_in(have)
+        return have + got
+
+    # ---------------------------------------------------------------------------------------------- publish
+    def publish(self, index: PrefixIndex, page_map: PageMap, slot: int, tokens: Sequence[int], blocks: int) -> int:
+        """Publish every page of the slot's first `blocks` blocks that the store lacks (their K/V written).
+        Returns the pages published. A full store (every page pinned or being written) is counted, not an
+        error: the local cache works on without it."""
+        windows = [w for _, w in index.keys(tokens)][:blocks]
+        if not windows:
+            return 0
+        block_keys = self.block_keys(windows)
+        published = 0
+        buffer = np.empty(self.page_size, dtype=np.uint8)
+        for depth, block_key in enumerate(block_keys):
+            if block_key in self._known:
+                continue
+            keys = self._keys_of([block_key])
+            if self.store.match(keys) == len(keys):
+                self._known.add(block_key)
+                self.stats.present_pages += len(keys)
+                continue
+            pages = page_map.pages(slot, depth, depth + 1)  # one per run, run order
+            try:
+                for key, page in zip(keys, pages):
+                    page_map.pool.copy_to_host(page, buffer.ctypes.data)
+                    page_map.pool.synchronize()
+                    outcome = self.store.publish(key, buffer)
+                    if outcome == "published":
+                        published += 1
+                    elif outcome == "present":
+                        self.stats.present_pages += 1
+            except StoreFullError:
+                self.stats.full += 1
+                break
+            self._known.add(block_key)
+        self.stats.published_pages += published
+        return published
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def cache_fingerprint(
+    weights: str, geometry, layout_name: str, page_size: int, kv_format, kv_scales
+) -> StoreFingerprint:
+    """The fingerprint of a cache's pages: the weights' identity (the caller's), the KV geometry, the layout,
+    the page size, the KV format and its scales' values (fp8: a digest of the per-layer scales; "calibrate"
+    scales are set by what is written first, so such a cache cannot share pages and is refused)."""
+    if not isinstance(weights, str) or not weights:
+        raise InvalidArgumentError(
+            "a cache with a prefix_store needs prefix_store_weights: a string naming the model weights (a name with "
+            "its revision, or a digest), so pages of another model never hit"
+        )
+    scales = ""
+    if kv_scales is not None:
+        values = kv_scales.detach().to("cpu").contiguous().numpy()
+        if np.isnan(values).any():
+            raise InvalidArgumentError(
+                'a prefix_store needs fixed kv_scales: "calibrate" sets them from the first writes, so pages of two '
+                "caches would not agree"
+            )
+        scales = hashlib.blake2b(values.astype("<f4").tobytes(), digest_size=16).hexdigest()
+    return StoreFingerprint(
+        weights=weights,
+        num_layers=geometry.num_layers,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        layout=layout_name,
+        page_bytes=page_size,
+        kv_format=f"{kv_format.name}:{geometry.dtype}",
+        scales=scales,
+        extra=(("v_head_dim", str(geometry.v_head_dim)),),
+    )
