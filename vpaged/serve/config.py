@@ -207,11 +207,29 @@ class VirtualStoreConfig(StoreConfig):
         ),
     )
 
+    prefix_store: str | None = field(
+        default=None,
+        metadata=option(
+            "a KV page store shared with other processes (NAME in /dev/shm, or dir:PATH, kept across restarts), "
+            "made when missing: full prompt blocks are published there, and a prompt's blocks past the engine's "
+            "own prefix hits are taken from it (docs/kv-store.md)"
+        ),
+    )
+    prefix_store_pages: int | None = field(
+        default=None, metadata=option("pages of a prefix store made here (default 4096)")
+    )
+
     def __post_init__(self):
         super().__post_init__()
         _check_nonnegative_int("swap_bytes", self.swap_bytes)
         _check_pages(self)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if self.prefix_store is not None and (not isinstance(self.prefix_store, str) or not self.prefix_store):
+            raise InvalidArgumentError(f'prefix_store is a store name or "dir:PATH", got {self.prefix_store!r}')
+        if self.prefix_store_pages is not None:
+            check_positive_int("prefix_store_pages", self.prefix_store_pages)
+        if self.prefix_store is not None and not self.enable_prefix_caching:
+            raise InvalidArgumentError("a prefix_store works through prefix caching: leave enable_prefix_caching on")
         for name, resolve in (("eviction_policy", resolve_eviction_policy), ("reclaim_order", resolve_reclaim_order)):
             if not isinstance(getattr(self, name), str):
                 raise InvalidArgumentError(f"{name} must be a name, got {getattr(self, name)!r}")

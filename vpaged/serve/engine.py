@@ -39,6 +39,7 @@ from .sample.structured import Grammars
 from .scheduler import Scheduler, StepUpdate
 from .sequence import Request, Sequence
 from .stores import make_store
+from .weights_identity import weights_identity
 
 _log = logging.getLogger("vpaged.serve")
 
@@ -144,7 +145,14 @@ class LLMEngine:
         self.kv = config.kv
         fmt = config.kv_format
         geometry = KVGeometry(layers, kv_heads, head_dim, fmt.dtype, kv_dtype=fmt.kv_dtype)
-        self.store = make_store(config, geometry, limit)
+        weights = ""
+        if getattr(config.store, "prefix_store", None) is not None:
+            if self.tp is not None:
+                raise InvalidArgumentError(
+                    "a prefix_store with tensor parallelism is not supported yet: each rank holds other heads"
+                )
+            weights = weights_identity(model)
+        self.store = make_store(config, geometry, limit, weights=weights)
         if self.tp is not None:
             self.store = self.tp.mirror(self.store)
         self.scheduler = Scheduler(self.store, config)
@@ -436,7 +444,20 @@ class LLMEngine:
             tensor_parallel_size=self.config.parallel.tensor_parallel_size,
             ranks=ranks,
             shared_budget=self.store.budget_figures(),
+            **self._prefix_store_figures(),
             **asdict(self.counters),
+        )
+
+    def _prefix_store_figures(self) -> dict:
+        link = getattr(getattr(self.store, "cache", None), "prefix_store", None)
+        if link is None:
+            return {}
+        s = link.stats
+        return dict(
+            prefix_store_hit_tokens_total=s.hit_tokens,
+            prefix_store_mapped_bytes_total=s.mapped_bytes,
+            prefix_store_copied_bytes_total=s.copied_bytes,
+            prefix_store_published_pages_total=s.published_pages,
         )
 
     def close(self) -> None:

@@ -100,6 +100,12 @@ class EngineStats:
     kv_used_pages: int = 0  # pages taken: by live sequences, swapped-in copies, freed slots kept, the prefix cache
     kv_dormant_pages: int = 0  # of the used pages, those kept only for reuse (reclaimable on demand)
     prefix_hit_rate: float = 0.0  # prefix_hit_tokens / (prefix_hit_tokens + prompt_tokens_total); 0 before any
+    # A shared prefix store (VirtualStoreConfig.prefix_store): tokens of prompts it supplied (part of
+    # prefix_hit_tokens), the bytes of its pages mapped without a copy and copied, the pages published to it.
+    prefix_store_hit_tokens_total: int = 0
+    prefix_store_mapped_bytes_total: int = 0
+    prefix_store_copied_bytes_total: int = 0
+    prefix_store_published_pages_total: int = 0
     extra: dict = field(default_factory=dict)
     # Tensor parallel: ranks, and each rank's StoreMemory (rank 0 first). With more than one rank the kv_*
     # byte and page fields above are the sums over the ranks; token counts are per sequence, the same on each.

@@ -22,8 +22,11 @@ STORES: dict[str, type] = {"vpaged": VirtualStore, "paged": PagedStore, "static"
 assert tuple(STORES) == KV_KINDS
 
 
-def make_store(config: EngineConfig, geometry: KVGeometry, max_seq_len: int) -> KVStore:
-    """The store of kind config.kv for a model of `geometry`, sequences of at most max_seq_len tokens."""
+def make_store(config: EngineConfig, geometry: KVGeometry, max_seq_len: int, weights: str = "") -> KVStore:
+    """The store of kind config.kv for a model of `geometry`, sequences of at most max_seq_len tokens. weights:
+    the model weights' identity (serve/weights_identity.py), what a prefix_store keys pages by."""
+    if getattr(config.store, "prefix_store", None) is not None:
+        return STORES[config.kv](config, geometry, max_seq_len, weights=weights)
     return STORES[config.kv](config, geometry, max_seq_len)
 
 

@@ -113,8 +113,10 @@ class VirtualStore:
         *,
         swap_bytes: int | None = None,
         prefix_caching: bool | None = None,
+        weights: str = "",
     ):
-        """swap_bytes / prefix_caching: the config's unless given (StaticStore turns both off)."""
+        """swap_bytes / prefix_caching: the config's unless given (StaticStore turns both off); weights: the
+        model weights' identity, for the config's prefix_store."""
         options = config.store  # a VirtualStoreConfig (or StaticStoreConfig: then both are given)
         swap_bytes = options.swap_bytes if swap_bytes is None else swap_bytes
         prefix_caching = options.enable_prefix_caching if prefix_caching is None else prefix_caching
@@ -133,6 +135,9 @@ class VirtualStore:
                 reclaim_order=getattr(options, "reclaim_order", "dormant_first"),
                 shared_budget=options.shared_budget,
                 member_name=options.shared_budget_member or "",
+                prefix_store=getattr(options, "prefix_store", None),
+                prefix_store_weights=weights if getattr(options, "prefix_store", None) else "",
+                prefix_store_pages=getattr(options, "prefix_store_pages", None),
             ),
         )
         self.device = self.cache.device
