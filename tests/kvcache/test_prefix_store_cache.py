@@ -147,7 +147,11 @@ def test_store_of_another_page_size_and_bad_config_are_refused(store_name):
     with pytest.raises(InvalidArgumentError, match="go with a prefix_store"):
         VirtualCacheConfig(prefix_store_weights="m")
     with pytest.raises(InvalidArgumentError, match="fixed kv_scales"):
-        make_cache(store_name, geometry=KVGeometry(3, 2, 16, torch.float32, kv_dtype=torch.float8_e4m3fn), kv_scales="calibrate")
+        make_cache(
+            store_name,
+            geometry=KVGeometry(3, 2, 16, torch.float32, kv_dtype=torch.float8_e4m3fn),
+            kv_scales="calibrate",
+        )
 
 
 PUBLISHER = textwrap.dedent(
