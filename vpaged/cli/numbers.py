@@ -51,6 +51,26 @@ def _vllm_elastic(d: dict) -> list[suite.Row]:
     ]
 
 
+def _prefix_store(d: dict) -> list[suite.Row]:
+    """bench_prefix_store.py: two servers on one page store against each with its own prefix cache, and a
+    server restarted on a directory store against its cold start."""
+    rows = []
+    if "multi_round" in d:
+        s = d["multi_round"]["summary"]
+        rows += [
+            suite.Row("prefix store", f"multi-round QA, TTFT {q}", s[f"store_{k}_ttft_s"], s[f"own_{k}_ttft_s"],
+                      "own prefix caches", "s", "lower")
+            for q, k in (("mean", "mean"), ("p99", "p99"))
+        ]  # fmt: skip
+    if "warm_restart" in d:
+        w = d["warm_restart"]
+        rows.append(
+            suite.Row("prefix store", f"TTFT of a {d['args']['warm']}-token prompt after a restart",
+                      w["warm"]["ttft_s"], w["cold"]["ttft_s"], "cold start", "s", "lower")
+        )  # fmt: skip
+    return rows
+
+
 def _script_reader(bench: str) -> Callable[[dict], list[suite.Row]]:
     """The rows of a suite benchmark's results, read by its script's summary_rows (found when a file is read,
     not at import)."""
@@ -67,6 +87,7 @@ CLAIMS: dict[str, tuple[str, Callable[[dict], list[suite.Row]]]] = {
     "elastic": ("A shared budget against a static split", _script_reader("elastic")),
     "vllm-plugin": ("The vLLM plugin: vLLM's CPU engine with the plugin on against off", _vllm_plugin),
     "vllm-elastic": ("Two vLLM engines on one shared budget against a static split", _vllm_elastic),
+    "prefix-store": ("A prefix store shared by server processes and restarts", _prefix_store),
 }
 
 _ISAS = ("avx512bf16", "avx512", "avx2", "neon", "sve")

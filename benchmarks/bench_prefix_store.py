@@ -1,0 +1,231 @@
+"""Prefix reuse across server processes and restarts through a shared page store (`vpaged serve --prefix-store`).
+
+Two sections, each measured side by side in one run on SmolLM2-135M-Instruct (benchmarks/real_model.py), every
+server a real `vpaged serve` process on one torch thread, TTFT read from the streamed /v1/completions (the time
+to the first chunk that carries text):
+
+- multi-round QA (LMCache's multi-round QA benchmark scaled to this box): USERS users, ROUNDS rounds each, a
+  shared system prompt of SYSTEM tokens, each user's history growing by HISTORY tokens of question plus the
+  previous answers a round, ANSWER-token greedy answers, two servers behind a client that alternates each user
+  between them (user u's round r to server (u + r) % 2: every server sees every other round of a user, and
+  each round half the users on each server). Arms: each server with its own prefix
+  cache (today's default), and both servers on one store. Reported: mean and p99 TTFT per arm, their ratios,
+  whether every answer is identical between the arms, and the bytes the store copied and mapped per hit page.
+- warm restart: a WARM-token prompt served by a server on a directory store, the server stopped and started
+  again on the same directory, the same prompt: TTFT cold vs warm.
+
+    .venv/bin/python benchmarks/bench_prefix_store.py [--users 8 --rounds 4 --system 1000 --history 500]
+
+Writes benchmarks/results/OUTPUT (default prefix-store.json; docs/numbers.md reads files named prefix-store_*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import queue
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_model  # noqa: E402
+from common import machine, write_json  # noqa: E402
+
+
+class Server:
+    """A `vpaged serve` process, up once it prints its serving line."""
+
+    def __init__(self, model: str, extra: list[str]):
+        args = [sys.executable, "-m", "vpaged.cli", "serve", model, "--port", "0", "--threads", "1"]
+        args += ["--log-level", "warning", "--kv-budget-mib", "512", "--max-num-batched-tokens", "4096", *extra]
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
+        deadline, line = time.monotonic() + 300, ""
+        while "serving" not in line:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError("a vpaged serve process did not come up")
+            with contextlib.suppress(queue.Empty):
+                line = lines.get(timeout=1)
+        url = line.split(" at ")[1].split()[0]  # http://127.0.0.1:PORT/v1
+        self.host, self.port = url.split("//")[1].split("/")[0].split(":")
+        self.model = model
+
+    def complete(self, prompt: list[int], max_tokens: int) -> tuple[float, str, dict]:
+        """(TTFT s, the text, the final usage) of one streamed greedy completion."""
+        body = json.dumps(
+            dict(model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+                 ignore_eos=True, stream_options={"include_usage": True})
+        )  # fmt: skip
+        conn = http.client.HTTPConnection(self.host, int(self.port), timeout=600)
+        start = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        ttft, text, usage = None, [], {}
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                    text.append(choice["text"])
+            usage = chunk.get("usage") or usage
+        conn.close()
+        return ttft, "".join(text), usage
+
+    def metrics(self) -> dict[str, float]:
+        conn = http.client.HTTPConnection(self.host, int(self.port), timeout=60)
+        conn.request("GET", "/metrics")
+        out = {}
+        for line in conn.getresponse().read().decode().splitlines():
+            if line.startswith("vpaged_prefix") and "{" not in line:
+                name, value = line.split()
+                out[name] = float(value)
+        conn.close()
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
+
+
+def multi_round(model: str, prose: list[int], args, store: str | None) -> dict:
+    # The store holds the whole working set (its capacity is the host tier's size); each server's own KV budget
+    # (512 MiB) holds about half of it, in both arms.
+    extra = ["--prefix-store", store, "--prefix-store-pages", str(args.store_pages)] if store else []
+    servers = [Server(model, extra), Server(model, extra)]
+    try:
+        system = prose[: args.system]
+        histories = [[] for _ in range(args.users)]
+        ttfts, answers = [], {}
+        for rnd in range(args.rounds):
+            for u in range(args.users):
+                start = args.system + (u * args.rounds + rnd) * args.history
+                question = prose[start : start + args.history]
+                histories[u] += question
+                ttft, text, _ = servers[(u + rnd) % 2].complete(system + histories[u], args.answer)
+                # The answer joins the history as its tokens would: the next round's prompt extends this one.
+                histories[u] += prose[-args.answer :]
+                ttfts.append(ttft)
+                answers[f"{u}-{rnd}"] = text
+        figures = [s.metrics() for s in servers]
+    finally:
+        for s in servers:
+            s.stop()
+    return dict(ttft_s=ttfts, answers=answers, metrics=figures)
+
+
+def warm_restart(model: str, prose: list[int], tokens: int) -> dict:
+    folder = tempfile.mkdtemp(prefix="vpaged-warm-")
+    store = f"dir:{folder}/kv"
+    out = {}
+    try:
+        for phase in ("cold", "warm"):
+            server = Server(model, ["--prefix-store", store])
+            try:
+                server.complete(prose[-50:], 2)  # a first request warms the process (not part of the figure)
+                ttft, text, _ = server.complete(prose[:tokens], 16)
+                out[phase] = dict(ttft_s=ttft, text=text, metrics=server.metrics())
+            finally:
+                server.stop()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    out["ratio"] = out["warm"]["ttft_s"] / out["cold"]["ttft_s"]
+    out["same_text"] = out["warm"]["text"] == out["cold"]["text"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--system", type=int, default=1000)
+    ap.add_argument("--history", type=int, default=500)
+    ap.add_argument("--answer", type=int, default=64)
+    ap.add_argument("--warm", type=int, default=2000)
+    ap.add_argument("--store-pages", type=int, default=24576, help="the shared store's capacity in pages")
+    ap.add_argument("--sections", default="multi_round,warm_restart")
+    ap.add_argument("--output", default="prefix-store.json", help="results file name under benchmarks/results/")
+    args = ap.parse_args()
+    why = real_model.why_unavailable()
+    if why:
+        print(f"SmolLM2 is not available: {why}")
+        return 1
+    model = str(real_model.model_dir())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    need = args.system + args.users * args.rounds * args.history + args.answer
+    prose = (real_model.prose_ids(tok, 4096) * (need // 4096 + 2))[: max(need, args.warm) + args.answer]
+    result = dict(machine=machine(), model=real_model.NAME, dtype="float32", args=vars(args))
+    sections = args.sections.split(",")
+    if "multi_round" in sections:
+        name = f"bench-{uuid.uuid4().hex[:10]}"
+        try:
+            own = multi_round(model, prose, args, None)
+            shared = multi_round(model, prose, args, name)
+        finally:
+            from vpaged.memory.store import PageStore
+
+            PageStore.remove(name)
+        m = [f for f in shared["metrics"]]
+        copied = sum(f.get("vpaged_prefix_store_copied_bytes_total", 0) for f in m)
+        mapped = sum(f.get("vpaged_prefix_store_mapped_bytes_total", 0) for f in m)
+        hit = sum(f.get("vpaged_prefix_store_hit_tokens_total", 0) for f in m)
+        summary = dict(
+            own_mean_ttft_s=statistics.mean(own["ttft_s"]),
+            store_mean_ttft_s=statistics.mean(shared["ttft_s"]),
+            own_p99_ttft_s=p99(own["ttft_s"]),
+            store_p99_ttft_s=p99(shared["ttft_s"]),
+            answers_identical=own["answers"] == shared["answers"],
+            store_hit_tokens=hit,
+            store_copied_bytes=copied,
+            store_mapped_bytes=mapped,
+        )
+        summary["mean_ratio"] = summary["own_mean_ttft_s"] / summary["store_mean_ttft_s"]
+        summary["p99_ratio"] = summary["own_p99_ttft_s"] / summary["store_p99_ttft_s"]
+        result["multi_round"] = dict(summary=summary, own=own, store=shared)
+        print(json.dumps(summary, indent=1))
+    if "warm_restart" in sections:
+        warm = warm_restart(model, prose, args.warm)
+        result["warm_restart"] = warm
+        print(
+            json.dumps({k: warm[k] for k in ("ratio", "same_text")} | {p: warm[p]["ttft_s"] for p in ("cold", "warm")})
+        )
+    path = write_json(args.output, result)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
