@@ -2,7 +2,8 @@
 # AddressSanitizer + UndefinedBehaviorSanitizer run of the C++ core: builds vpaged._C with
 # -fsanitize=address,undefined into build/sanitize/ (apart from the normal build, which stays as it is) and
 # runs the C++-heavy tests against it: ranges, caches, sharing, regressions, the shared budget's ledger (its
-# SIGBUS guard against a truncated segment included), the CUDA backend through the fake
+# SIGBUS guard against a truncated segment included), file pages mapped from a page store (the same guard
+# against a data file cut short), the CUDA backend through the fake
 # driver. Any sanitizer report fails the run (UBSan errors are fatal, ASan aborts on the first error).
 #
 #   scripts/sanitize.sh [extra pytest arguments]
@@ -87,5 +88,6 @@ T="$ROOT/tests"
   "$T/kvcache/test_sharing.py" "$T/kvcache/test_sharing_stateful.py" "$T/kvcache/test_regressions.py" "$T/kvcache/test_reliability.py" \
   "$T/memory/test_cuda_backend_fake.py" "$T/kvcache/test_paged_cache.py" "$T/ops/test_write_kv.py" "$T/ops/test_decode_kernels.py" \
   "$T/ops/test_decode_paged_steps.py" "$T/ops/test_fused_ops.py" "$T/memory/test_pool_keep_freed.py" \
-  "$T/memory/test_budget_ledger_faults.py" "$T/memory/test_shared_budget.py" "$@"
+  "$T/memory/test_budget_ledger_faults.py" "$T/memory/test_shared_budget.py" "$T/memory/test_file_pages.py" \
+  "$T/kvcache/test_prefix_store_cache.py" "$@"
 echo "==> sanitizers clean ($(($(date +%s) - START)) s in all)"

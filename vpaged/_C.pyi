@@ -22,6 +22,12 @@ class Backend:
     def unmap_calls(self) -> int: ...
     @property
     def unmap_fallbacks(self) -> int: ...  # runs the driver refused to unmap in one call, then unmapped page by page
+    @property
+    def can_attach_file_pages(
+        self,
+    ) -> bool: ...  # host: pages of another file can be mapped (PagePool.attach_file_pages)
+    @property
+    def file_page_faults(self) -> int: ...  # reads of file pages whose file was cut short, answered with zeros
     def reserve(self, bytes: int) -> int: ...
     def release(self, va: int, bytes: int) -> None: ...
     def synchronize(self, stream: int = 0) -> None: ...  # wait for the work queued on a CUDA stream
@@ -47,6 +53,7 @@ class PoolStats:
     unmap_fallbacks: int  # Backend.unmap_fallbacks
     release_pending: bool  # a trim / lowered limit waits for a CUDA graph capture to end
     deferred_teardowns: int  # ranges destroyed during a capture, unmapped once it ended
+    file_pages: int  # attached file pages still referenced (not in used_pages: their memory is the file's)
 
 # The process-wide CUDA graph capture flag (counted; vpaged/memory/capture.py raises it around a capture).
 def begin_capture() -> None: ...
@@ -62,6 +69,10 @@ class PagePool:
     @property
     def page_size(self) -> int: ...
     def acquire(self, n: int) -> list[int]: ...  # n pages with one reference each; all or nothing
+    # Ids for the pages of a file at `offsets` (multiples of the OS page), one reference each, owned by the caller;
+    # mapped MAP_PRIVATE, read-only to the pool's copies, detached when the last reference goes (page_pool.h).
+    def attach_file_pages(self, fd: int, offsets: list[int]) -> list[int]: ...
+    def is_file_page(self, page: int) -> bool: ...
     def incref(self, page: int) -> None: ...
     def decref(self, page: int) -> None: ...
     def incref_all(self, pages: list[int]) -> None: ...  # checks every page first; all or nothing

@@ -39,6 +39,13 @@
 // pwrite, which allocates it without the zeroing a fault would do. The window holds no memory of its own and
 // costs one mapping per chunk used, outside the range's addresses.
 //
+// File pages. A page of another file (a page store's data file, attach_file_pages) gets an id beyond every home
+// block, and an index showing it has a mapping of its own like any shared page, MAP_PRIVATE: reads show the file's
+// page cache page itself (no copy), a stray write would only make a private copy. Consecutive ids whose bytes
+// follow each other in one file are one mapping. Copies out of a file page read the file (pread), copies into one
+// are refused. A range that ever shows one is registered with the fault guard until it is released, so that a file
+// cut short under it answers a read with zeros instead of SIGBUS.
+//
 // A logically unmapped index is still readable memory here (its home page, usually a punched hole reading
 // zeros): the range's page table, not a fault, keeps views away from it, as before.
 #include <errno.h>
@@ -46,6 +53,7 @@
 #include <linux/falloc.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -60,10 +68,12 @@
 #include <new>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "core/backend.h"
 #include "core/errors.h"
+#include "core/fault_guard.h"
 
 namespace vpaged {
 namespace {
@@ -134,6 +144,7 @@ size_t mapping_count() {
 
 constexpr int kRW = PROT_READ | PROT_WRITE;
 constexpr int kShared = MAP_SHARED | MAP_NORESERVE;
+constexpr int kPrivate = MAP_PRIVATE | MAP_NORESERVE;  // file pages: nothing written reaches the file
 
 class HostBackend final : public Backend {
  public:
@@ -157,6 +168,9 @@ class HostBackend final : public Backend {
 
   ~HostBackend() override {
     give_up_reserve_locked();
+    for (auto& [va, r] : regions_) unguard_span(r.guard);
+    for (const AttachedFile& f : files_)
+      if (f.fd >= 0) close(f.fd);
     close(fd_);
   }
 
@@ -185,6 +199,20 @@ class HostBackend final : public Backend {
   }
 
   void discard_pages(const PageId* pages, size_t n) noexcept override {
+    std::vector<PageId> own;  // a file page is never discarded: its memory is its file's
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!attached_pages_.empty()) {
+        try {
+          for (size_t i = 0; i < n; ++i)
+            if (!is_file_page_locked(pages[i])) own.push_back(pages[i]);
+        } catch (...) {
+          return;
+        }
+        pages = own.data();
+        n = own.size();
+      }
+    }
     for_each_id_run(pages, n, [this](PageId first, size_t count) {
       try {
         punch(first, count);
@@ -198,7 +226,10 @@ class HostBackend final : public Backend {
 
   // A hole reads as zeros and is the cheapest zeroing there is: no memory is written.
   void zero_pages(const PageId* pages, size_t n, uintptr_t) override {
-    for (size_t i = 0; i < n; ++i) check_page(pages[i]);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = 0; i < n; ++i) check_writable_locked(pages[i], "zero_pages");
+    }
     for_each_id_run(pages, n, [this](PageId first, size_t count) { punch(first, count); });
   }
 
@@ -246,6 +277,11 @@ class HostBackend final : public Backend {
   void release(uintptr_t va, size_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find(va);
+    if (it != regions_.end() && it->second.guard >= 0) {
+      released_faults_ += span_faults(it->second.guard);
+      unguard_span(it->second.guard);  // before the span goes: a later mapping there is someone else's
+      it->second.guard = -1;
+    }
     if (it != regions_.end() && it->second.holes > 0) {
       // Holes (see put_home_back) may hold someone else's mapping by now: unmap around them.
       const Region& r = it->second;
@@ -388,8 +424,19 @@ class HostBackend final : public Backend {
 
   void copy_page(PageId dst, PageId src, uintptr_t) override {
     std::lock_guard<std::mutex> lock(mu_);
-    check_page_locked(dst);
+    check_writable_locked(dst, "copy_page");
     check_page_locked(src);
+    if (is_file_page_locked(src)) {  // copy-on-write of a store page: read from its file
+      const auto [fd, off] = source_locked(src);
+      if (char* to = resident_window_locked(dst)) {
+        io(true, fd, to, off, page_size_);
+      } else {
+        std::vector<char> buf(page_size_);
+        io(true, fd, buf.data(), off, page_size_);
+        io(false, fd_, buf.data(), offset(dst), page_size_);
+      }
+      return;
+    }
     // Where the source shows at its home index (the usual case: the page a fork or a prefix hit shares is its
     // first owner's), the data is read from there (the lock keeps that mapping in place meanwhile): into a page
     // whose memory is in place (a free page the pool kept) by a memcpy through the window, since a pwrite walks
@@ -399,7 +446,7 @@ class HostBackend final : public Backend {
       if (char* to = resident_window_locked(dst)) {
         std::memcpy(to, from, page_size_);
       } else {
-        io(false, const_cast<char*>(from), offset(dst), page_size_);
+        io(false, fd_, const_cast<char*>(from), offset(dst), page_size_);
       }
       return;
     }
@@ -439,7 +486,8 @@ class HostBackend final : public Backend {
         continue;
       }
       const size_t j = run_end(pages, host, i, n);
-      io(true, host[i], offset(pages[i]), (j - i) * page_size_);
+      const auto [fd, off] = source_locked(pages[i]);
+      io(true, fd, host[i], off, (j - i) * page_size_);
       i = j;
     }
   }
@@ -450,7 +498,7 @@ class HostBackend final : public Backend {
   // pwrite each: a write into a hole allocates it in the kernel, faster than faulting it in page by page.
   void copy_pages_from_host(const PageId* pages, const char* const* host, size_t n, uintptr_t) override {
     std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < n; ++i) check_page_locked(pages[i]);
+    for (size_t i = 0; i < n; ++i) check_writable_locked(pages[i], "copy_pages_from_host");
     for (size_t i = 0; i < n;) {
       if (char* to = resident_home_locked(pages[i])) {
         std::memcpy(to, host[i], page_size_);
@@ -462,7 +510,7 @@ class HostBackend final : public Backend {
              resident_home_locked(pages[j]) == nullptr) {
         ++j;
       }
-      io(false, const_cast<char*>(host[i]), offset(pages[i]), (j - i) * page_size_);
+      io(false, fd_, const_cast<char*>(host[i]), offset(pages[i]), (j - i) * page_size_);
       i = j;
     }
   }
@@ -475,15 +523,146 @@ class HostBackend final : public Backend {
     if (r == nullptr || bytes > page_size_ || dst + bytes > r->va + r->count * page_size_) {
       throw InvalidArgument("copy_page_to: the destination is not inside a reserved range of this backend");
     }
+    if (is_file_page_locked(r->shown((dst - r->va) / page_size_))) {
+      throw InvalidArgument("copy_page_to: the destination shows a file page, which is read-only");
+    }
     if (const char* from = home_address_locked(src)) {
       std::memcpy(reinterpret_cast<char*>(dst), from, bytes);
     } else {
-      io(true, reinterpret_cast<char*>(dst), offset(src), bytes);
+      const auto [fd, off] = source_locked(src);
+      io(true, fd, reinterpret_cast<char*>(dst), off, bytes);
     }
   }
   void synchronize(uintptr_t) override {}
 
+  bool can_attach_file_pages() const override { return true; }
+
+  void attach_file_pages(int fd, const uint64_t* offsets, size_t n, PageId* out) override {
+    struct stat st{};
+    if (fstat(fd, &st) != 0) throw InvalidArgument(errno_text("attach_file_pages: fstat", errno));
+    if (!S_ISREG(st.st_mode)) throw InvalidArgument("attach_file_pages: the descriptor is not a regular file");
+    const int mode = fcntl(fd, F_GETFL);
+    if (mode < 0 || (mode & O_ACCMODE) == O_WRONLY) {
+      throw InvalidArgument("attach_file_pages: the descriptor is not open for reading");
+    }
+    const uint64_t size = static_cast<uint64_t>(st.st_size);
+    for (size_t i = 0; i < n; ++i) {
+      if (offsets[i] % os_page_ != 0 || offsets[i] > size || page_size_ > size - offsets[i]) {
+        throw InvalidArgument("attach_file_pages: offset " + std::to_string(offsets[i]) + " is not a page of " +
+                              std::to_string(page_size_) + " bytes of the file (" + std::to_string(size) +
+                              " bytes, pages at multiples of " + std::to_string(os_page_) + ")");
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t file = files_.size();
+    for (size_t k = 0; k < files_.size(); ++k) {
+      if (files_[k].fd >= 0 && files_[k].dev == st.st_dev && files_[k].ino == st.st_ino) file = k;
+    }
+    const bool new_file = file == files_.size() || files_[file].fd < 0;
+    if (new_file) {
+      file = files_.size();
+      for (size_t k = 0; k < files_.size(); ++k)
+        if (files_[k].fd < 0) file = k;
+      if (file == files_.size()) files_.emplace_back();
+      const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+      if (own < 0) throw BackendFailure(errno_text("attach_file_pages: dup", errno));
+      files_[file] = AttachedFile{own, st.st_dev, st.st_ino, 0};
+    }
+    try {
+      attached_pages_.reserve(attached_pages_.size() + n);
+    } catch (...) {
+      if (files_[file].pages == 0) close_file_locked(file);
+      throw;
+    }
+    for (size_t i = 0; i < n; ++i) {  // nothing below allocates: no failure past here
+      PageId id;
+      if (!free_file_ids_.empty()) {
+        id = free_file_ids_.back();
+        free_file_ids_.pop_back();
+      } else {
+        id = next_id_++;
+      }
+      attached_pages_.emplace(id, FilePage{file, static_cast<off_t>(offsets[i])});
+      out[i] = id;
+    }
+    files_[file].pages += n;
+  }
+
+  void detach_file_page(PageId page) noexcept override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = attached_pages_.find(page);
+    if (it == attached_pages_.end()) return;
+    const size_t file = it->second.file;
+    attached_pages_.erase(it);
+    try {
+      free_file_ids_.push_back(page);
+    } catch (...) {
+      // The id is lost to reuse (a fresh one is taken next time); nothing else is.
+    }
+    if (--files_[file].pages == 0) close_file_locked(file);
+  }
+
+  bool is_file_page(PageId page) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return is_file_page_locked(page);
+  }
+
+  size_t file_page_faults() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t n = released_faults_;
+    for (const auto& [va, r] : regions_)
+      if (r.guard >= 0) n += span_faults(r.guard);
+    return n;
+  }
+
  private:
+  // A page of an attached file: which file (files_), and where in it.
+  struct FilePage {
+    size_t file;
+    off_t off;
+  };
+  struct AttachedFile {
+    int fd = -1;  // the backend's own descriptor; -1: the entry is free
+    dev_t dev = 0;
+    ino_t ino = 0;
+    size_t pages = 0;  // ids attached and not detached
+  };
+
+  void close_file_locked(size_t file) noexcept {
+    close(files_[file].fd);
+    files_[file] = AttachedFile{};
+  }
+
+  bool is_file_page_locked(PageId page) const { return !attached_pages_.empty() && attached_pages_.count(page) != 0; }
+
+  // Where a page's bytes lie: the pool's memfd at offset(page), or its attached file's page.
+  std::pair<int, off_t> source_locked(PageId page) const {
+    if (!attached_pages_.empty()) {
+      auto it = attached_pages_.find(page);
+      if (it != attached_pages_.end()) return {files_[it->second.file].fd, it->second.off};
+    }
+    return {fd_, offset(page)};
+  }
+
+  // Whether page b's bytes follow page a's in one file, so that one mapping or one read covers both. Consecutive
+  // ids of the pool's memfd always do; a file page only with the next page of its own file.
+  bool follows_locked(PageId a, PageId b) const {
+    if (b != a + 1) return false;
+    if (attached_pages_.empty()) return true;
+    auto ia = attached_pages_.find(a), ib = attached_pages_.find(b);
+    if (ia == attached_pages_.end() && ib == attached_pages_.end()) return true;
+    if (ia == attached_pages_.end() || ib == attached_pages_.end()) return false;
+    return ia->second.file == ib->second.file && ib->second.off == ia->second.off + static_cast<off_t>(page_size_);
+  }
+
+  void check_writable_locked(PageId page, const char* call) const {
+    check_page_locked(page);
+    if (is_file_page_locked(page)) {
+      throw InvalidArgument(std::string(call) + ": page " + std::to_string(page) +
+                            " is a file page, which is read-only");
+    }
+  }
+
   // What the page indices of one reserved range show. Stored as the difference from the home page, so
   // that a fresh range is all zeros: calloc'd, memory is only used for the parts that ever leave home.
   struct Region {
@@ -518,8 +697,19 @@ class HostBackend final : public Backend {
     PageId* delta;
     size_t away = 0;   // indices not showing their home page (unmap has nothing to do while this is 0)
     size_t holes = 0;  // indices with nothing mapped
+    int guard = -1;    // its fault guard slot, once it showed a file page (until release)
     std::vector<std::pair<char*, size_t>> window;  // its window's chunks (resident_window_locked), once made
   };
+
+  // A range about to show a file page goes under the fault guard (until it is released).
+  void guard_region_locked(Region& r) {
+    if (r.guard >= 0) return;
+    r.guard = guard_span(r.va, r.va + r.count * page_size_);
+    if (r.guard < 0) {
+      throw MappingLimit("cannot map a file page: " + std::to_string(kMaxGuardedSpans) +
+                         " ranges with file pages (or guarded ledgers) are live in this process already");
+    }
+  }
 
   off_t offset(PageId page) const { return static_cast<off_t>(page) * static_cast<off_t>(page_size_); }
 
@@ -576,7 +766,7 @@ class HostBackend final : public Backend {
         }
         // A run of consecutive page ids is one file stretch: one mapping.
         size_t run = 1;
-        while (done + run < n && pages[done + run] == pages[done] + static_cast<PageId>(run) &&
+        while (done + run < n && follows_locked(pages[done + run - 1], pages[done + run]) &&
                r.shown(at + run) != pages[done + run] && r.is_hole(at + run) == r.is_hole(at)) {
           ++run;
         }
@@ -613,7 +803,9 @@ class HostBackend final : public Backend {
   void show_pages(Region& r, size_t at, PageId page, size_t count) {
     void* want = reinterpret_cast<void*>(r.va + at * page_size_);
     const int fixed = r.is_hole(at) ? MAP_FIXED_NOREPLACE : MAP_FIXED;
-    void* got = mmap(want, count * page_size_, kRW, kShared | fixed, fd_, offset(page));
+    const auto [fd, off] = source_locked(page);
+    if (fd != fd_) guard_region_locked(r);
+    void* got = mmap(want, count * page_size_, kRW, (fd != fd_ ? kPrivate : kShared) | fixed, fd, off);
     ++map_calls_;
     if (got != want) {
       if (got != MAP_FAILED) munmap(got, count * page_size_);  // a kernel without NOREPLACE took it as a hint
@@ -705,9 +897,10 @@ class HostBackend final : public Backend {
       r.set_shown(at, -1);
       return true;
     }
+    const auto [fd, off] = source_locked(page);  // a file page here was guarded when it was first shown
     ++map_calls_;
-    void* got =
-        mmap(addr, page_size_, kRW, kShared | (r.is_hole(at) ? MAP_FIXED_NOREPLACE : MAP_FIXED), fd_, offset(page));
+    void* got = mmap(addr, page_size_, kRW,
+                     (fd != fd_ ? kPrivate : kShared) | (r.is_hole(at) ? MAP_FIXED_NOREPLACE : MAP_FIXED), fd, off);
     if (got != addr) {
       if (got != MAP_FAILED) munmap(got, page_size_);
       return false;
@@ -808,11 +1001,11 @@ class HostBackend final : public Backend {
     file_pages_ = pages;
   }
 
-  void io(bool read, char* host, off_t off, size_t bytes) {
+  void io(bool read, int fd, char* host, off_t off, size_t bytes) {
     size_t done = 0;
     while (done < bytes) {
-      ssize_t got = read ? pread(fd_, host + done, bytes - done, off + static_cast<off_t>(done))
-                         : pwrite(fd_, host + done, bytes - done, off + static_cast<off_t>(done));
+      ssize_t got = read ? pread(fd, host + done, bytes - done, off + static_cast<off_t>(done))
+                         : pwrite(fd, host + done, bytes - done, off + static_cast<off_t>(done));
       if (got < 0 && errno == EINTR) continue;
       if (got <= 0) throw BackendFailure(errno_text(read ? "pread(page)" : "pwrite(page)", got < 0 ? errno : EIO));
       done += static_cast<size_t>(got);
@@ -821,8 +1014,8 @@ class HostBackend final : public Backend {
 
   void copy_through_buffer(PageId dst, PageId src) {
     std::vector<char> buf(page_size_);
-    io(true, buf.data(), offset(src), page_size_);
-    io(false, buf.data(), offset(dst), page_size_);
+    io(true, fd_, buf.data(), offset(src), page_size_);
+    io(false, fd_, buf.data(), offset(dst), page_size_);
   }
 
   // The address where page `page` shows at its home index, nullptr when that index shows another page (or the
@@ -901,7 +1094,7 @@ class HostBackend final : public Backend {
   template <typename Ptr>
   size_t run_end(const PageId* pages, const Ptr* host, size_t i, size_t n) const {
     size_t j = i + 1;
-    while (j < n && pages[j] == pages[j - 1] + 1 && host[j] == host[j - 1] + page_size_) ++j;
+    while (j < n && follows_locked(pages[j - 1], pages[j]) && host[j] == host[j - 1] + page_size_) ++j;
     return j;
   }
 
@@ -922,6 +1115,12 @@ class HostBackend final : public Backend {
   std::map<uintptr_t, Region> regions_;
   std::map<PageId, uintptr_t> region_of_id_;  // first home page id of a region -> its address (home_address)
   std::vector<std::pair<PageId, size_t>> free_blocks_;
+  // File pages (attach_file_pages): id -> where; the files, by their own descriptor; ids detached, for reuse (never
+  // a range's: free_blocks_ ids may still be referenced as memfd pages); faults in ranges released since.
+  std::unordered_map<PageId, FilePage> attached_pages_;
+  std::vector<AttachedFile> files_;
+  std::vector<PageId> free_file_ids_;
+  size_t released_faults_ = 0;
 };
 
 }  // namespace

@@ -94,6 +94,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("unmap_fallbacks", &Backend::unmap_fallbacks)
       .def_property_readonly("addressable", &Backend::addressable)
       .def_property_readonly("page_ids", &Backend::page_ids)
+      .def_property_readonly("can_attach_file_pages", &Backend::can_attach_file_pages)
+      .def_property_readonly("file_page_faults", &Backend::file_page_faults)
       .def("home_page", &Backend::home_page, py::arg("va"))
       .def("reserve", &Backend::reserve, py::arg("bytes"))
       .def("release", &Backend::release, py::arg("va"), py::arg("bytes"))
@@ -121,7 +123,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("kept_free_pages", &PoolStats::kept_free_pages)
       .def_readonly("unmap_fallbacks", &PoolStats::unmap_fallbacks)
       .def_readonly("release_pending", &PoolStats::release_pending)
-      .def_readonly("deferred_teardowns", &PoolStats::deferred_teardowns);
+      .def_readonly("deferred_teardowns", &PoolStats::deferred_teardowns)
+      .def_readonly("file_pages", &PoolStats::file_pages);
 
   // The process-wide CUDA graph capture flag (page_pool.h): vpaged.memory.capture raises it around a capture.
   m.def("begin_capture", &PagePool::begin_capture);
@@ -144,6 +147,9 @@ PYBIND11_MODULE(_C, m) {
       .def("zero_pages", &PagePool::zero_pages, py::arg("pages"), py::arg("stream") = 0)
       .def("incref", &PagePool::incref)
       .def("decref", &PagePool::decref)
+      .def("attach_file_pages", &PagePool::attach_file_pages, py::arg("fd"), py::arg("offsets"),
+           "Ids for pages of a file (one per offset), each with one reference owned by the caller (page_pool.h)")
+      .def("is_file_page", &PagePool::is_file_page, py::arg("page"))
       .def("incref_all", &PagePool::incref_all, py::arg("pages"))
       .def("decref_all", &PagePool::decref_all, py::arg("pages"))
       .def("refcount", &PagePool::refcount)

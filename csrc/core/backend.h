@@ -199,6 +199,30 @@ class Backend {
     (void)dst, (void)src, (void)bytes, (void)stream;
     throw std::logic_error("copy_page_to: not offered by this backend");
   }
+  // FILE PAGES: pages of a file other than the backend's own memory (a page store's data file, vpaged/memory/store/),
+  // mapped into ranges with no copy. attach_file_pages gives the page of `fd` at each offsets[i] (a multiple of the OS
+  // page, inside the file) an id of its own in out[i]; the backend keeps its own descriptor of the file until the
+  // last of its pages is detached. A file page is mapped private (MAP_PRIVATE): nothing written through a range can
+  // ever reach the file, and the caller copies before writing (copy-on-write) in any case. It is read-only to the
+  // backend's own calls (zero_pages, copy_page / copy_pages_from_host into it: InvalidArgument) and is never
+  // discarded. A range showing one is under the fault guard (core/fault_guard.h): if the file is cut short under it,
+  // a read there completes on zeros instead of killing the process, and file_page_faults() counts it. Only where
+  // can_attach_file_pages(). All or nothing: on error no id was given.
+  virtual bool can_attach_file_pages() const { return false; }
+  virtual void attach_file_pages(int fd, const uint64_t* offsets, size_t n, PageId* out) {
+    (void)fd, (void)offsets, (void)n, (void)out;
+    throw std::logic_error("attach_file_pages: not offered by this backend");
+  }
+  // The id goes back (the page must be mapped nowhere). Never throws.
+  virtual void detach_file_page(PageId page) noexcept { (void)page; }
+  virtual bool is_file_page(PageId page) const {
+    (void)page;
+    return false;
+  }
+  // Reads of file pages that faulted because their file was cut short (answered with zeros), in live ranges and
+  // released ones.
+  virtual size_t file_page_faults() const { return 0; }
+
   // Wait for all work queued on the device, on every stream (CUDA: cuCtxSynchronize in the device's
   // primary context). Needed before unmapping memory whose users' streams are unknown. The host has
   // no queued work: its copies and kernels finish before they return. Throws CaptureActive when a CUDA

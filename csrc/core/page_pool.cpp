@@ -402,10 +402,45 @@ void PagePool::incref_all(const std::vector<PageId>& pages) {
   for (PageId p : pages) ++refcount_[p];
 }
 
-void PagePool::release_locked(PageId page) {
+bool PagePool::release_locked(PageId page) {
+  if (static_cast<size_t>(page) < file_page_.size() && file_page_[page]) {
+    file_page_[page] = 0;
+    --file_pages_;
+    backend_->detach_file_page(page);
+    return false;
+  }
   if (page < static_cast<PageId>(general_ids_)) free_.push_back(page);  // home ids are free at count 0
   --used_;
   --owned_[static_cast<size_t>(owner_[page])];
+  return true;
+}
+
+std::vector<PageId> PagePool::attach_file_pages(int fd, const std::vector<uint64_t>& offsets) {
+  if (!backend_->can_attach_file_pages()) {
+    throw InvalidArgument("this pool's backend (" + backend_->device() + ") cannot map pages of a file");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<PageId> ids(offsets.size());
+  backend_->attach_file_pages(fd, offsets.data(), offsets.size(), ids.data());
+  try {
+    absorb_ids_locked();
+    if (file_page_.size() < refcount_.size()) file_page_.resize(refcount_.size(), 0);
+  } catch (...) {
+    for (PageId id : ids) backend_->detach_file_page(id);
+    throw;
+  }
+  for (PageId id : ids) {
+    refcount_[id] = 1;
+    file_page_[id] = 1;
+  }
+  file_pages_ += ids.size();
+  return ids;
+}
+
+bool PagePool::is_file_page(PageId page) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  check(page);
+  return static_cast<size_t>(page) < file_page_.size() && file_page_[page] != 0;
 }
 
 void PagePool::decref(PageId page) { decref_all({page}); }
@@ -417,10 +452,7 @@ void PagePool::decref_all(const std::vector<PageId>& pages) {
   for (PageId p : pages) {
     check(p);
     if (refcount_[p] <= 0) throw InvalidArgument("decref of free page " + std::to_string(p));
-    if (--refcount_[p] == 0) {
-      release_locked(p);
-      freed.push_back(p);
-    }
+    if (--refcount_[p] == 0 && release_locked(p)) freed.push_back(p);
   }
   // The memory of a free page goes back at once (host: one punched hole per run of ids), so the process
   // never holds more RAM than its pages in use, however many different home pages it has touched; or, with
@@ -455,7 +487,8 @@ PoolStats PagePool::stats() const {
                    kept_count_,
                    backend_->unmap_fallbacks(),
                    deferred_release_ != kReleaseNone,
-                   teardowns_.size()};
+                   teardowns_.size(),
+                   file_pages_};
 }
 
 size_t PagePool::trim() {

@@ -32,6 +32,7 @@ struct PoolStats {
   size_t unmap_fallbacks;     // runs the driver refused to unmap as one call, unmapped page by page (Backend)
   bool release_pending;       // a trim or lowered limit waits for a CUDA graph capture to end (see below)
   size_t deferred_teardowns;  // ranges destroyed during a capture, waiting to be unmapped (see below)
+  size_t file_pages;          // file pages attached and referenced (attach_file_pages): not in used_pages
 };
 
 // A range destroyed while a CUDA graph capture ran: its pages stay mapped and referenced and its reservation
@@ -98,6 +99,13 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   size_t keep_freed() const;
   // Make pages read as zeros now (through the backend: a punched hole on the host, a copy on CUDA).
   void zero_pages(const std::vector<PageId>& pages, uintptr_t stream = 0);
+  // Pages of a file (a page store's data file), mapped into ranges with no copy: one id per offset, each with
+  // reference count 1 owned by the caller (Backend::attach_file_pages says what a file page is). They do not count
+  // against the capacity or the limit (their memory is the file's, not the pool's): stats().file_pages counts
+  // them. When a file page's last reference goes, its id is detached from the backend. InvalidArgument where the
+  // backend cannot map file pages (CUDA, the accounting backend) or an offset is not a page of the file.
+  std::vector<PageId> attach_file_pages(int fd, const std::vector<uint64_t>& offsets);
+  bool is_file_page(PageId page) const;
   void incref(PageId page);
   void incref_all(const std::vector<PageId>& pages);
   // Drops one reference; a page whose count reaches zero goes back on the free list.
@@ -125,8 +133,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // Size the reference counts to every id the backend has (home ids appear as ranges are reserved).
   void absorb_ids_locked();
   void check_budget_locked(size_t n, size_t general_needed);
-  // A page's last reference went: back on the free list (general ids) and its memory to the system.
-  void release_locked(PageId page);
+  // A page's last reference went: back on the free list (general ids) and its memory to the system; a file
+  // page is detached instead. Returns whether the page's memory is the pool's to give back (not a file page).
+  bool release_locked(PageId page);
   void zero_acquired_locked(const std::vector<PageId>& pages);
   // Release the memory of free_[0..count) (the least recently freed); those released move to released_.
   void release_free_locked(size_t count);
@@ -158,6 +167,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   uint64_t next_stamp_ = 1;
   size_t kept_count_ = 0;  // live entries of kept_
   size_t used_ = 0;
+  std::vector<uint8_t> file_page_;  // per page id: 1 while it is an attached file page
+  size_t file_pages_ = 0;
   size_t high_water_ = 0;
   size_t limit_ = SIZE_MAX;  // clamped to the backend's capacity where read (limit_locked)
   size_t limit_locked() const;

@@ -1,11 +1,13 @@
 """VirtualKVCache on a shared page store (config.prefix_store): full blocks published by one cache come back,
-bit-exact, in another cache and another process; a different model, dtype or layout never hits; a damaged
-page is recomputed, not served."""
+bit-exact, in another cache and another process, mapped (no copy) or copied; a write into a mapped page copies
+it first and never reaches the store; a different model, dtype or layout never hits; a damaged page is
+recomputed, not served; a data file cut short under mapped pages reads zeros instead of killing the process."""
 
 import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -55,8 +57,9 @@ def fill(cache, tokens, gen):
     return seq, values
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "copied"])
 @pytest.mark.parametrize("layout", ["per_layer", "interleaved", "head_major"])
-def test_published_blocks_come_back_bit_exact_in_a_new_cache(store_name, layout, rng):
+def test_published_blocks_come_back_bit_exact_in_a_new_cache(store_name, layout, mapped, rng):
     gen = rng
     tokens = torch.randint(0, 50_000, (150,), generator=gen).tolist()
     a = make_cache(store_name, layout)
@@ -67,7 +70,10 @@ def test_published_blocks_come_back_bit_exact_in_a_new_cache(store_name, layout,
     assert published > 0
     a.close()
 
-    b = make_cache(store_name, layout)
+    with open(_data_path(store_name), "rb") as f:
+        store_bytes = f.read()
+    b = make_cache(store_name, layout, prefix_store_map=mapped)
+    used = b.pool.stats().used_pages
     got = b.allocate(tokens=tokens + [7, 8, 9])
     n = b.seq_len(got)
     assert n == cached  # the same blocks the local index would hit
@@ -76,18 +82,48 @@ def test_published_blocks_come_back_bit_exact_in_a_new_cache(store_name, layout,
         assert torch.equal(kb, k[:n]) and torch.equal(vb, v[:n])
         del kb, vb
     s = b.prefix_store.stats
-    assert s.hit_tokens == n and s.hit_pages == published and s.copied_bytes == published * PAGE
-    # The sequence goes on from there: its fetched pages are its own, written in place.
-    b.extend(got, 3 + len(tokens) - n)
-    k_new = torch.randn(len(tokens) + 3 - n, 2, 16, generator=gen)
-    b.write(0, got, k_new, k_new)
+    assert s.hit_tokens == n and s.hit_pages == published
+    if mapped:  # the store's pages themselves: no copy, none of the pool's pages taken
+        assert s.copied_bytes == 0 and s.mapped_bytes == published * PAGE and s.mapped_pages == published
+        assert b.pool.stats().file_pages == published and b.pool.stats().used_pages == used
+    else:
+        assert s.copied_bytes == published * PAGE and s.mapped_bytes == 0
+        assert b.pool.stats().file_pages == 0 and b.pool.stats().used_pages == used + published
+    # The sequence goes on from there, and rewrites its last hit token: a mapped page is copied first.
+    b.truncate(got, n - 1)
+    b.extend(got, 4 + len(tokens) - n)
+    k_new = torch.randn(len(tokens) + 4 - n, 2, 16, generator=gen)
+    b.write(0, got, k_new, k_new, start=n - 1)
     kb, _ = b.kv(0, got)
-    assert torch.equal(kb[:n], values[0][0][:n]) and torch.equal(kb[n:], k_new)
+    assert torch.equal(kb[: n - 1], values[0][0][: n - 1]) and torch.equal(kb[n - 1 :], k_new)
     del kb
     # Offering the same prefix again publishes nothing new.
-    b.cache_prefix(got, tokens)
+    b.cache_prefix(got, tokens[: n - 1])
     assert b.prefix_store.stats.published_pages == 0
+    with open(_data_path(store_name), "rb") as f:
+        assert f.read() == store_bytes  # nothing the cache wrote reached the store
+    # A third cache still finds the published values, not the rewrite.
+    c = make_cache(store_name, layout, prefix_store_map=mapped)
+    got_c = c.allocate(tokens=tokens)
+    kc, _ = c.kv(0, got_c)
+    assert c.seq_len(got_c) == n and torch.equal(kc, values[0][0][:n])
+    del kc
+    c.close()
+    # Freed (and out of the local index), the mapped pages go back, pins and all, at the next store call.
+    b.free(got)
+    b._prefix.clear()
+    b.prefix_store.give_back_unused()
+    assert b.prefix_store.stats.mapped_pages == 0 and b.pool.stats().file_pages == 0
+    assert b.prefix_store.store.stats().pinned_pages == 0
     b.close()
+
+
+def _data_path(store_name):
+    store = PageStore.open(store_name)
+    try:
+        return store.data_path
+    finally:
+        store.close()
 
 
 def test_another_model_dtype_or_layout_never_hits(store_name, rng):
@@ -125,11 +161,34 @@ def test_a_damaged_page_is_recomputed_not_served(store_name, rng):
         for slot in range(6):
             f.seek(slot * PAGE + 100)
             f.write(os.urandom(8))
+    for mapped in (True, False):
+        b = make_cache(store_name, prefix_store_map=mapped)
+        used = b.pool.stats().used_pages
+        got = b.allocate(tokens=tokens)
+        assert b.seq_len(got) == 0 and b.prefix_store.stats.faults == 1
+        assert b.pool.stats().used_pages == used  # the pages it mapped for the fetch went back
+        assert b.pool.stats().file_pages == 0 and b.prefix_store.store.stats().pinned_pages == 0
+        b.close()
+
+
+def test_a_data_file_cut_short_under_mapped_pages_reads_zeros_not_sigbus(store_name, rng):
+    gen = rng
+    tokens = torch.randint(0, 50_000, (96,), generator=gen).tolist()
+    a = make_cache(store_name)
+    seq, values = fill(a, tokens, gen)
+    a.cache_prefix(seq, tokens)
+    a.close()
     b = make_cache(store_name)
-    used = b.pool.stats().used_pages
     got = b.allocate(tokens=tokens)
-    assert b.seq_len(got) == 0 and b.prefix_store.stats.faults == 1
-    assert b.pool.stats().used_pages == used  # the pages it mapped for the fetch went back
+    assert b.seq_len(got) == 96 and b.prefix_store.stats.mapped_pages > 0
+    os.truncate(_data_path(store_name), 0)  # someone cuts the file short under the mapping
+    k, _ = b.kv(0, got)
+    assert torch.count_nonzero(k) == 0  # the guard answered with zeros; without it the process would be dead
+    del k
+    assert b.pool.file_page_faults > 0
+    # The next request sees the damage: no store page is mapped from then on, and the tokens are computed.
+    again = b.allocate(tokens=tokens)
+    assert b.seq_len(again) == 0 and b.prefix_store.stats.read_faults > 0 and not b.prefix_store.maps
     b.close()
 
 
@@ -188,8 +247,52 @@ def test_a_prefix_published_by_another_process_hits_here(store_name, prng):
     b = make_cache(store_name)
     got = b.allocate(tokens=tokens)
     assert b.seq_len(got) == cached == 192
+    assert b.prefix_store.stats.mapped_bytes == b.prefix_store.stats.hit_pages * PAGE > 0
     for layer in range(3):
         k, v = b.kv(layer, got)
         assert torch.equal(k, keys[layer][:cached]) and torch.equal(v, -keys[layer][:cached])
         del k, v
     b.close()
+
+
+MAPPER = textwrap.dedent(
+    """
+    import sys, time, torch
+    from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
+    name, seed = sys.argv[1], int(sys.argv[2])
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50_000, (200,), generator=gen).tolist()
+    cache = VirtualKVCache(KVGeometry(3, 2, 16, torch.float32), VirtualCacheConfig(max_seqs=2, max_seq_len=1024,
+        capacity_bytes=256 * 4096, page_size=4096, prefix_store=name, prefix_store_weights="model@1",
+        prefix_store_pages=256))
+    seq = cache.allocate(tokens=tokens)
+    print(cache.seq_len(seq), cache.prefix_store.stats.mapped_pages, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_killed_process_holding_mapped_pages_gives_its_pins_back(store_name, prng):
+    seed = prng.randrange(1 << 30)
+    out = subprocess.run(
+        [sys.executable, "-c", PUBLISHER, store_name, str(seed)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    store = PageStore.open(store_name)
+    try:
+        mapper = subprocess.Popen(
+            [sys.executable, "-c", MAPPER, store_name, str(seed)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            tokens, mapped = map(int, mapper.stdout.readline().split())
+            assert tokens == 192 and mapped == 36  # 6 blocks of 6 pages (K and V of 3 layers), mapped there
+            assert store.stats().pinned_pages == mapped
+        finally:
+            mapper.kill()
+            mapper.wait()
+        killed = time.monotonic()
+        while store.stats().pinned_pages and time.monotonic() - killed < 1.0:
+            time.sleep(0.02)
+        assert store.stats().pinned_pages == 0  # the reclaim pass of this process returned them
+    finally:
+        store.close()

@@ -1,7 +1,8 @@
 """The `vpaged` command: `vpaged demo` (a mixed workload on the CPU), `vpaged info` (backends),
 `vpaged simulate` (KV memory of cache kinds at production scale, vpaged/cli/simulate.py), `vpaged bench`
 (the benchmark suite, vpaged/cli/bench.py), `vpaged budget` (a machine-wide shared budget,
-vpaged/cli/budget.py) and the serving commands `generate`, `serve` and `bench-serve` (vpaged/cli/serve.py)."""
+vpaged/cli/budget.py), `vpaged store` (a KV page store, vpaged/cli/store.py) and the serving commands
+`generate`, `serve` and `bench-serve` (vpaged/cli/serve.py)."""
 
 from __future__ import annotations
 
@@ -119,10 +120,12 @@ def main(argv=None) -> int:
     from .bench import add_parser as add_bench
     from .budget import add_parser as add_budget
     from .simulate import add_parser as add_simulate
+    from .store import add_parser as add_store
 
     add_simulate(sub)
     add_bench(sub)
     add_budget(sub)
+    add_store(sub)
     from .serve import add_serve_commands  # generate, serve, bench-serve
 
     add_serve_commands(sub)

@@ -77,6 +77,8 @@ class VirtualCacheConfig:
             fills the blocks after the local prefix hits from it (kvcache/virtual/store_link.py).
             prefix_store_weights: the model weights' identity (a name with its revision, or a digest), part
             of every page's key with the geometry, layout, page size and KV format: required with a store.
+            prefix_store_map: map the store's pages into the range on a hit, no byte copied (True, the
+            default; on the CPU), or copy each page into the sequence's own (False).
     """
 
     max_seqs: int = 64
@@ -95,8 +97,11 @@ class VirtualCacheConfig:
     prefix_store: str | None = None
     prefix_store_weights: str = ""
     prefix_store_pages: int | None = None
+    prefix_store_map: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.prefix_store_map, bool):
+            raise InvalidArgumentError(f"prefix_store_map must be a bool, got {self.prefix_store_map!r}")
         check_positive_int("max_seqs", self.max_seqs)
         check_prefix_store(self.prefix_store, self.prefix_store_weights, self.prefix_store_pages)
         check_positive_int("max_seq_len", self.max_seq_len)

@@ -44,6 +44,9 @@ class PoolStats:
     unmap_fallbacks: int = 0
     release_pending: bool = False  # a trim / lowered limit waits for a CUDA graph capture to end (capture.py)
     deferred_teardowns: int = 0  # ranges destroyed during a capture, unmapped once it ended (capture.py)
+    # Pages of a file (a page store's) mapped into ranges with no copy and still referenced: not in used_pages,
+    # since their memory is the file's, not the pool's (attach_file_pages).
+    file_pages: int = 0
 
     @property
     def used_bytes(self) -> int:
@@ -207,6 +210,7 @@ class PagePool:
             s.unmap_fallbacks,
             s.release_pending,
             s.deferred_teardowns,
+            s.file_pages,
         )
 
     def trim(self) -> int:
@@ -248,6 +252,29 @@ class PagePool:
 
     def refcount(self, page: int) -> int:
         return self._pool.refcount(page)
+
+    @property
+    def can_attach_file_pages(self) -> bool:
+        """Whether pages of another file can be mapped into this pool's ranges with no copy (the host backend)."""
+        return bool(self._pool.backend.can_attach_file_pages)
+
+    def attach_file_pages(self, fd: int, offsets: list[int]) -> list[int]:
+        """Ids for the pages of file `fd` at `offsets` (multiples of the OS page, inside the file), one reference
+        each owned by the caller, to map into ranges like any page (VirtualRange.map_shared) with no copy. Such a
+        page is mapped private (a write through a range never reaches the file; the caches copy before writing a
+        shared page anyway), is read-only to the pool's copies, does not count against the capacity (stats()'s
+        file_pages counts them), and is detached when its last reference goes. The host backend only:
+        InvalidArgumentError elsewhere, and for an offset that is not a page of the file."""
+        return self._pool.attach_file_pages(int(fd), [int(o) for o in offsets])
+
+    def is_file_page(self, page: int) -> bool:
+        return self._pool.is_file_page(int(page))
+
+    @property
+    def file_page_faults(self) -> int:
+        """Reads of file pages that faulted because their file was cut short under a range (each answered with
+        zeros instead of SIGBUS)."""
+        return int(self._pool.backend.file_page_faults)
 
     def copy_to_host(self, page: int, host_ptr: int, stream: int = 0) -> None:
         """Queue a copy of a page to host memory on `stream` (CUDA; synchronous on the host)."""

@@ -134,7 +134,9 @@ class VirtualKVCache(KVCacheBase):
             fp = cache_fingerprint(
                 c.prefix_store_weights, self.geometry, lay.kind, lay.page_size, self.kv_format, self.kv_scales
             )
-            return StoreLink.open(c.prefix_store, fp, lay.runs, lay.page_size, c.prefix_store_pages)
+            return StoreLink.open(
+                c.prefix_store, fp, lay.runs, lay.page_size, c.prefix_store_pages, self.pool, c.prefix_store_map
+            )
         except BaseException:
             self._release_membership()
             raise
@@ -181,8 +183,8 @@ class VirtualKVCache(KVCacheBase):
                 raise
         seq = t.bind(slot)
         # The tokens wholly in the shared pages; one that straddles the last of them is computed again, and
-        # writing it copies that page first (it is below the shared watermark; pages fetched from the store
-        # are the sequence's own, written in place).
+        # writing it copies that page first (it is below the shared watermark, store pages mapped in too; pages
+        # the store's hit copied are the sequence's own, written in place).
         t.length_tokens[slot] = t.new_from_token[slot] = n = index.tokens_in(blocks)
         self._prefix_hits += n
         return seq
@@ -494,10 +496,10 @@ class VirtualKVCache(KVCacheBase):
             return
         if self._prefix:
             self._prefix.clear()
-        if self._store is not None:
-            self._store.close()
         self._swapped.clear()
         self._range.unmap_all_unpinned()  # waits for the cache's streams first
+        if self._store is not None:
+            self._store.close()  # after the unmap: it gives back the store pages the range mapped
         self._page_map = self._range = self._views = self._reclaim = None
         self.kernel_plans.clear()  # their parameters address memory that is gone
         self._closed = True

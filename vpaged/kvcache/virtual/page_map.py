@@ -188,6 +188,20 @@ class PageMap:
             raise
         self.table.mapped_pages[slot] = self.table.shared_below_page[slot] = npages
 
+    def map_borrowed(self, slot: int, first: int, stop: int, pages: list[int]) -> None:
+        """Map pages someone else holds a reference on (a page store's pages, held by the cache's StoreLink) at
+        pages first..stop-1 of every run of a slot just taken (mapped up to `first`): shared, so the slot's shared
+        watermark rises to `stop` and a write there copies the page first. All or nothing."""
+        indices = self.layout.page_indices(slot, first, stop)
+        if len(pages) != len(indices):
+            raise InvalidArgumentError(f"{len(indices)} pages to map, {len(pages)} given")
+        self.range.map_shared(indices, pages)
+        t = self.table
+        t.mapped_pages[slot] = stop
+        t.shared_below_page[slot] = stop
+        self.pages_mapped += len(indices)
+        self.map_calls += 1
+
     def map_new_with(self, slot: int, first: int, stop: int, data: list) -> None:
         """Map fresh pages at pages first..stop-1 of every run of a slot (just taken, mapped up to `first`)
         and copy `data` into them (run-major, one page-sized bytes-like object each). All or nothing:

@@ -9,28 +9,37 @@ that index as a second tier:
   A block is page d of every run of the slot (prefix.py); its store keys are one per run, chained from the
   fingerprint as fingerprint.py says, so a page of another model, dtype, KV format, layout or page size never
   hits.
-- fetch: allocate(tokens) maps the local index's hits first; for the blocks after them it asks the store,
-  pins the leading blocks whose every page is published, copies them into fresh pages of the new sequence
-  (each page checked against its crc32) and unpins. The sequence starts with those tokens present; its pages
-  are private (nothing else maps them), so the straddling token it recomputes is written in place.
+- fetch: allocate(tokens) maps the local index's hits first; for the blocks after them it asks the store and
+  pins the leading blocks whose every page is published. On the host the pinned pages themselves are mapped
+  into the new sequence's range (PagePool.attach_file_pages: the store's data file, MAP_PRIVATE, no byte
+  copied; counted in mapped_bytes), each checked against its crc32 where it is mapped the first time in this
+  process. Elsewhere, or with mapping off, they are copied into fresh pages (copied_bytes) and unpinned.
 
-A hit therefore copies each page once (counted in copied_bytes); mapping the store's pages read-only into the
-range instead (zero bytes copied) needs the host backend to map pages of a file other than its pool's, which
-is not there yet (docs/kv-store.md). Pages the local index evicts under pressure stay in the store (within its
-capacity), so the store is also this process's host tier and, for a dir: store, what a restarted process
-finds again.
+Mapped pages. The link holds one pool reference and the store pin of every store page it mapped, keyed by the
+page's store key, so a page hit by several sequences is attached once. That reference keeps the page shared
+(reference count 2 or more while a sequence maps it): the sequence's pages up to the hit are below its shared
+watermark, so a write into one (the straddling token it recomputes, a rollback) copies the page first, as
+for any shared page, and no write ever lands in the store. Pages only the link still holds (their sequences
+freed, the local index's block evicted) are given back, pin and reference, at the next fetch or publish, and
+all of them at close. A page the local index caches stays pinned while it is cached; the store then cannot
+evict it.
+
+Pages the local index evicts under pressure stay in the store (within its capacity), so the store is also this
+process's host tier and, for a dir: store, what a restarted process finds again.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import InvalidArgumentError, OutOfPagesError, StoreError, StoreFullError
+from ...errors import InvalidArgumentError, MappingLimitError, OutOfPagesError, StoreError, StoreFullError
 from ...memory.store import PageStore, StoreFingerprint, chain_keys
 
 if TYPE_CHECKING:
@@ -43,22 +52,27 @@ DEFAULT_STORE_PAGES = 4096  # capacity of a store a cache creates when the confi
 @dataclass
 class StoreLinkStats:
     """What a cache's link to its store did. hit_tokens: tokens a new sequence started with from the store
-    (beyond the local index's hits); hit_pages / copied_bytes: pages fetched and the bytes copied for them;
-    mapped_bytes: bytes of store pages mapped into ranges without a copy (0 in this version); published_pages:
+    (beyond the local index's hits); hit_pages: pages fetched; copied_bytes: bytes copied for the pages fetched
+    by copy; mapped_bytes: bytes of store pages mapped into ranges with no copy (a page mapped into two sequences
+    counts twice); mapped_pages: store pages the link holds mapped now; published_pages:
     pages this cache published; present_pages: pages it offered that the store held already; full: publishes
     refused because every page of the store was pinned or being written; short: hits not taken because the
     pool had no room for their pages; faults: fetches given up on a store error (a page failing its checksum,
-    a damaged file, a lost lease), the tokens computed instead."""
+    a damaged file, a lost lease, a mapping refused), the tokens computed instead; read_faults: reads of mapped
+    store pages that found their data file cut short (they read zeros: the sequences mapping them compute wrong
+    K/V from there on, and the link maps no store page any more)."""
 
     hit_tokens: int = 0
     hit_pages: int = 0
     copied_bytes: int = 0
     mapped_bytes: int = 0
+    mapped_pages: int = 0
     published_pages: int = 0
     present_pages: int = 0
     full: int = 0
     short: int = 0
     faults: int = 0
+    read_faults: int = 0
 
 
 def page_key(block_key: bytes, run: int) -> bytes:
@@ -69,7 +83,11 @@ def page_key(block_key: bytes, run: int) -> bytes:
 
 
 class StoreLink:
-    def __init__(self, store: PageStore, fingerprint: StoreFingerprint, runs: int, page_size: int):
+    """map_pages: map hits into ranges with no copy where the pool can (the host backend), else copy them."""
+
+    def __init__(
+        self, store: PageStore, fingerprint: StoreFingerprint, runs: int, page_size: int, pool=None, map_pages=True
+    ):
         if store.page_bytes != page_size:
             raise InvalidArgumentError(
                 f"store {store.name!r} holds pages of {store.page_bytes} bytes, this cache's pages are {page_size}: "
@@ -78,14 +96,28 @@ class StoreLink:
         self.store, self.fingerprint, self.runs, self.page_size = store, fingerprint, runs, page_size
         self.stats = StoreLinkStats()
         self._known: set[bytes] = set()  # block keys this process published or found published
+        self.pool = pool
+        self.maps = bool(map_pages and pool is not None and pool.can_attach_file_pages)
+        # store key -> (pool page id, pin) of every store page mapped (see the module note)
+        self._mapped: dict[bytes, tuple[int, object]] = {}
+        self._read_faults_seen = pool.file_page_faults if self.maps else 0
 
     @classmethod
-    def open(cls, name: str, fingerprint: StoreFingerprint, runs: int, page_size: int, capacity_pages: int | None):
+    def open(
+        cls,
+        name: str,
+        fingerprint: StoreFingerprint,
+        runs: int,
+        page_size: int,
+        capacity_pages: int | None,
+        pool=None,
+        map_pages: bool = True,
+    ):
         store = PageStore.open(
             name, create=True, capacity_pages=capacity_pages or DEFAULT_STORE_PAGES, page_bytes=page_size
         )
         try:
-            return cls(store, fingerprint, runs, page_size)
+            return cls(store, fingerprint, runs, page_size, pool, map_pages)
         except BaseException:
             store.close()
             raise
@@ -103,16 +135,18 @@ class StoreLink:
         the store: the leading blocks whose every page is published, within what a hit may map
         (index.usable_pages). Returns the number of blocks the slot holds now. All or nothing on error: the
         pages mapped here are unmapped again and the error raised."""
+        self.give_back_unused()
+        self._check_read_faults()
         windows = [w for _, w in index.keys(tokens)]
         if len(windows) <= have:
             return have
         block_keys = self.block_keys(windows)
         keys = self._keys_of(block_keys[have:])
-        whole = self.store.match(keys) // self.runs
-        wanted = index.usable_pages(have + whole) - have
-        if wanted <= 0:
-            return have
         try:
+            whole = self.store.match(keys) // self.runs
+            wanted = index.usable_pages(have + whole) - have
+            if wanted <= 0:
+                return have
             return self._fill(index, page_map, slot, block_keys, keys, have, wanted)
         except StoreError:
             # A corrupt page, a truncated file, a lost lease: the store is not worth failing a request for. The
@@ -122,11 +156,15 @@ class StoreLink:
 
     def _fill(self, index, page_map, slot, block_keys, keys, have: int, wanted: int) -> int:
         handles = self.store.pin(keys[: wanted * self.runs])
+        got = len(handles) // self.runs  # a page evicted since match(): stop at the block before it
+        got = index.usable_pages(have + got) - have
+        if got <= 0:
+            for h in handles:
+                h.release()
+            return have
+        if self.maps:
+            return self._map(index, page_map, slot, block_keys, handles, have, got)
         try:
-            got = len(handles) // self.runs  # a page evicted since match(): stop at the block before it
-            got = index.usable_pages(have + got) - have
-            if got <= 0:
-                return have
             # Run-major, as page_indices lists them: run r's pages of blocks have..have+got-1.
             data = [handles[d * self.runs + r].read() for r in range(self.runs) for d in range(got)]
             try:
@@ -144,11 +182,89 @@ class StoreLink:
         s.hit_tokens += index.tokens_in(have + got) - index.tokens_in(have)
         return have + got
 
+    def _map(self, index, page_map, slot, block_keys, handles, have: int, got: int) -> int:
+        """_fill by mapping: the pinned pages of blocks have..have+got-1 (block-major in handles) mapped into the
+        slot, the ones new to this process attached (the link keeps their pins) and checked where they are mapped.
+        All or nothing: on error the slot is mapped up to `have` again."""
+        self._check_read_faults()
+        used = handles[: got * self.runs]
+        for h in handles[got * self.runs :]:
+            h.release()
+        new = [h for h in used if h.key not in self._mapped]
+        for h in used:
+            if h.key in self._mapped:
+                h.release()  # the pin the link holds already covers it
+        ids = self.pool.attach_file_pages(self.store.data_fd, [h.offset for h in new]) if new else []
+        for h, page in zip(new, ids):
+            self._mapped[h.key] = (page, h)
+        runs, ps = self.runs, self.page_size
+        pages = [self._mapped[used[d * runs + r].key][0] for r in range(runs) for d in range(got)]  # run-major
+        try:
+            page_map.map_borrowed(slot, have, have + got, pages)
+        except (OutOfPagesError, MappingLimitError):
+            self._drop([h.key for h in new])
+            self.stats.faults += 1
+            return have
+        # Checked in place (a read through the range, no copy): the file may have been overwritten outside vpaged.
+        fresh = {h.key for h in new}
+        indices = page_map.page_indices(slot, have, have + got)
+        base = page_map.range.address
+        bad = False
+        for r in range(runs):
+            for d in range(got):
+                h = used[d * runs + r]
+                if h.key in fresh:
+                    at = base + indices[r * got + d] * ps
+                    bad |= zlib.crc32((ctypes.c_char * ps).from_address(at)) != h.crc
+        if bad or self._check_read_faults():
+            page_map.unmap_tail(slot, have)
+            self._drop([h.key for h in new])
+            self.stats.faults += 1
+            return have
+        self._known.update(block_keys[: have + got])
+        s = self.stats
+        s.hit_pages += got * runs
+        s.mapped_bytes += got * runs * ps
+        s.mapped_pages = len(self._mapped)
+        s.hit_tokens += index.tokens_in(have + got) - index.tokens_in(have)
+        return have + got
+
+    def _check_read_faults(self) -> bool:
+        """Whether reads of mapped store pages faulted since last asked (their data file was cut short): the link
+        then stops mapping (later hits copy, and fail their checks while the file is damaged)."""
+        if not self.maps:
+            return False
+        now = self.pool.file_page_faults
+        if now == self._read_faults_seen:
+            return False
+        self.stats.read_faults += now - self._read_faults_seen
+        self._read_faults_seen = now
+        self.maps = False
+        return True
+
+    def _drop(self, keys) -> None:
+        """Give back the link's reference and pin of the mapped store pages of `keys`."""
+        for key in keys:
+            page, handle = self._mapped.pop(key)
+            self.pool.decref([page])
+            handle.release()
+        self.stats.mapped_pages = len(self._mapped)
+
+    def give_back_unused(self) -> int:
+        """Give back the mapped store pages no sequence or cached block maps any more (only the link's reference
+        left): their pins go, so the store may evict them. Returns how many went."""
+        if not self._mapped:
+            return 0
+        unused = [key for key, (page, _) in self._mapped.items() if self.pool.refcount(page) == 1]
+        self._drop(unused)
+        return len(unused)
+
     # ---------------------------------------------------------------------------------------------- publish
     def publish(self, index: PrefixIndex, page_map: PageMap, slot: int, tokens: Sequence[int], blocks: int) -> int:
         """Publish every page of the slot's first `blocks` blocks that the store lacks (their K/V written).
         Returns the pages published. A full store (every page pinned or being written) is counted, not an
         error: the local cache works on without it."""
+        self.give_back_unused()
         windows = [w for _, w in index.keys(tokens)][:blocks]
         if not windows:
             return 0
@@ -159,12 +275,12 @@ class StoreLink:
             if block_key in self._known:
                 continue
             keys = self._keys_of([block_key])
-            if self.store.match(keys) == len(keys):
-                self._known.add(block_key)
-                self.stats.present_pages += len(keys)
-                continue
-            pages = page_map.pages(slot, depth, depth + 1)  # one per run, run order
             try:
+                if self.store.match(keys) == len(keys):
+                    self._known.add(block_key)
+                    self.stats.present_pages += len(keys)
+                    continue
+                pages = page_map.pages(slot, depth, depth + 1)  # one per run, run order
                 for key, page in zip(keys, pages):
                     page_map.pool.copy_to_host(page, buffer.ctypes.data)
                     page_map.pool.synchronize()
@@ -176,12 +292,20 @@ class StoreLink:
             except StoreFullError:
                 self.stats.full += 1
                 break
+            except StoreError:  # a damaged store, a lost lease: the local cache works on without it
+                self.stats.faults += 1
+                break
             self._known.add(block_key)
         self.stats.published_pages += published
         return published
 
     def close(self) -> None:
-        self.store.close()
+        """Every mapped page given back (the cache unmapped its ranges first), then the store closed."""
+        try:
+            if self._mapped:
+                self._drop(list(self._mapped))
+        finally:
+            self.store.close()
 
 
 def cache_fingerprint(

@@ -244,6 +244,14 @@ class PageStore:
                 fenced_clients=c["fenced_clients"],
             )  # fmt: skip
 
+    def processes(self) -> list[tuple[int, int]]:
+        """(pid, pages pinned) of every other process with the store open (as its own PID namespace sees it)."""
+        with self._lock:
+            self._usable()
+            return [
+                (r.pid, r.pinned) for r in self.clients.records() if r.kind == cl.LIVE and r.index != self._me
+            ]
+
     # ---------------------------------------------------------------------------------------------- lookup
     def match(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, are published now (a probe: no pins, no counters, no LRU touch)."""
