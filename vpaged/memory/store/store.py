@@ -248,9 +248,7 @@ class PageStore:
         """(pid, pages pinned) of every other process with the store open (as its own PID namespace sees it)."""
         with self._lock:
             self._usable()
-            return [
-                (r.pid, r.pinned) for r in self.clients.records() if r.kind == cl.LIVE and r.index != self._me
-            ]
+            return [(r.pid, r.pinned) for r in self.clients.records() if r.kind == cl.LIVE and r.index != self._me]
 
     # ---------------------------------------------------------------------------------------------- lookup
     def match(self, keys: Sequence[bytes]) -> int:
