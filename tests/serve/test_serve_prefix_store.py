@@ -40,17 +40,19 @@ def test_a_second_engine_takes_the_prefix_from_the_store(model, prng, store_name
     sa = first.stats()
     assert sa.prefix_store_hit_tokens_total == 0 and sa.prefix_store_published_pages_total > 0
     first.engine.close()
-    second = engine(model, store_name)
-    b = second.generate([prompt], SamplingParams(**GREEDY))[0]
-    sb = second.stats()
     full = (len(prompt) // 32) * 32
-    assert sb.prefix_store_hit_tokens_total == sb.prefix_hit_tokens == full  # whole pages only, the rest computed
-    assert sb.prompt_tokens_total == len(prompt) - full
-    # The store's pages themselves are mapped into the second engine's ranges: no byte copied.
-    assert sb.prefix_store_mapped_bytes_total == sa.prefix_store_published_pages_total * PAGE
-    assert sb.prefix_store_copied_bytes_total == 0
-    assert a.token_ids == b.token_ids == plain.token_ids
-    second.engine.close()
+    hit_bytes = sa.prefix_store_published_pages_total * PAGE
+    for mapped in (True, False):
+        second = engine(model, store_name, prefix_store_map=mapped)
+        b = second.generate([prompt], SamplingParams(**GREEDY))[0]
+        sb = second.stats()
+        assert sb.prefix_store_hit_tokens_total == sb.prefix_hit_tokens == full  # whole pages, the rest computed
+        assert sb.prompt_tokens_total == len(prompt) - full
+        # Mapped: the store's pages themselves in the second engine's ranges, no byte copied. Else one copy each.
+        assert sb.prefix_store_mapped_bytes_total == (hit_bytes if mapped else 0)
+        assert sb.prefix_store_copied_bytes_total == (0 if mapped else hit_bytes)
+        assert a.token_ids == b.token_ids == plain.token_ids
+        second.engine.close()
 
 
 def test_other_weights_never_hit(model, reference, prng, store_name):

@@ -218,12 +218,20 @@ class VirtualStoreConfig(StoreConfig):
     prefix_store_pages: int | None = field(
         default=None, metadata=option("pages of a prefix store made here (default 4096)")
     )
+    prefix_store_map: bool = field(
+        default=True,
+        metadata=option(
+            "map the store's pages into a request's range on a hit, no byte copied (else copy each page into the "
+            "request's own)"
+        ),
+    )
 
     def __post_init__(self):
         super().__post_init__()
         _check_nonnegative_int("swap_bytes", self.swap_bytes)
         _check_pages(self)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_bool("prefix_store_map", self.prefix_store_map)
         if self.prefix_store is not None and (not isinstance(self.prefix_store, str) or not self.prefix_store):
             raise InvalidArgumentError(f'prefix_store is a store name or "dir:PATH", got {self.prefix_store!r}')
         if self.prefix_store_pages is not None:

@@ -138,6 +138,7 @@ class VirtualStore:
                 prefix_store=getattr(options, "prefix_store", None),
                 prefix_store_weights=weights if getattr(options, "prefix_store", None) else "",
                 prefix_store_pages=getattr(options, "prefix_store_pages", None),
+                prefix_store_map=getattr(options, "prefix_store_map", True),
             ),
         )
         self.device = self.cache.device
