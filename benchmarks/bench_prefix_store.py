@@ -8,11 +8,19 @@ to the first chunk that carries text):
   shared system prompt of SYSTEM tokens, each user's history growing by HISTORY tokens of question plus the
   previous answers a round, ANSWER-token greedy answers, two servers behind a client that alternates each user
   between them (user u's round r to server (u + r) % 2: every server sees every other round of a user, and
-  each round half the users on each server). Arms: each server with its own prefix
-  cache (today's default), and both servers on one store. Reported: mean and p99 TTFT per arm, their ratios,
-  whether every answer is identical between the arms, and the bytes the store copied and mapped per hit page.
+  each round half the users on each server). As LMCache runs it, the users are concurrent: user u joins STAGGER
+  seconds after user u - 1 and asks its next question as soon as the last answer is in, so a request waits for
+  the servers' other work, as in service (`multi_round`); `multi_round_serial` sends one request at a time, so
+  TTFT is the prefill alone. Arms: each server with its own prefix cache (today's default), and both servers on
+  one store. Reported: mean and p99 TTFT per arm, their ratios, whether every answer is identical between the
+  arms, and the bytes the store copied and mapped for its hits.
 - warm restart: a WARM-token prompt served by a server on a directory store, the server stopped and started
   again on the same directory, the same prompt: TTFT cold vs warm.
+- tier under pressure (`tier`): one server with a KV budget of TIER_BUDGET MiB, PREFIXES distinct documents of
+  TIER_PREFIX tokens (a working set 4x what the budget holds, by default), each asked twice in turn with a
+  different short question. Arms: the server's own prefix cache alone (it evicts what the next documents need
+  room for), and the server on a store that holds the working set. Reported for the second pass: the share of
+  prompt tokens that hit, and mean TTFT.
 
     .venv/bin/python benchmarks/bench_prefix_store.py [--users 8 --rounds 4 --system 1000 --history 500]
 
@@ -45,9 +53,10 @@ from common import machine, write_json  # noqa: E402
 class Server:
     """A `vpaged serve` process, up once it prints its serving line."""
 
-    def __init__(self, model: str, extra: list[str]):
+    def __init__(self, model: str, extra: list[str], budget_mib: int = 512):
         args = [sys.executable, "-m", "vpaged.cli", "serve", model, "--port", "0", "--threads", "1"]
-        args += ["--log-level", "warning", "--kv-budget-mib", "512", "--max-num-batched-tokens", "4096", *extra]
+        args += ["--log-level", "warning", "--kv-budget-mib", str(budget_mib), "--max-num-batched-tokens", "4096"]
+        args += extra
         self.proc = subprocess.Popen(
             args,
             stdout=subprocess.PIPE,
@@ -99,7 +108,7 @@ class Server:
         conn.request("GET", "/metrics")
         out = {}
         for line in conn.getresponse().read().decode().splitlines():
-            if line.startswith("vpaged_prefix") and "{" not in line:
+            if line.startswith(("vpaged_prefix", "vpaged_prompt_tokens")) and "{" not in line:
                 name, value = line.split()
                 out[name] = float(value)
         conn.close()
@@ -119,30 +128,52 @@ def p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
 
 
-def multi_round(model: str, prose: list[int], args, store: str | None) -> dict:
+def multi_round(model: str, prose: list[int], args, store: str | None, concurrent: bool) -> dict:
     # The store holds the whole working set (its capacity is the host tier's size); each server's own KV budget
     # (512 MiB) holds about half of it, in both arms.
     extra = ["--prefix-store", store, "--prefix-store-pages", str(args.store_pages)] if store else []
     servers = [Server(model, extra), Server(model, extra)]
-    try:
-        system = prose[: args.system]
-        histories = [[] for _ in range(args.users)]
-        ttfts, answers = [], {}
-        for rnd in range(args.rounds):
-            for u in range(args.users):
+    system = prose[: args.system]
+    ttfts, answers, errors = {}, {}, []
+
+    def user(u: int) -> None:
+        history: list[int] = []
+        try:
+            for rnd in range(args.rounds):
                 start = args.system + (u * args.rounds + rnd) * args.history
-                question = prose[start : start + args.history]
-                histories[u] += question
-                ttft, text, _ = servers[(u + rnd) % 2].complete(system + histories[u], args.answer)
+                history += prose[start : start + args.history]
+                ttft, text, _ = servers[(u + rnd) % 2].complete(system + history, args.answer)
                 # The answer joins the history as its tokens would: the next round's prompt extends this one.
-                histories[u] += prose[-args.answer :]
-                ttfts.append(ttft)
-                answers[f"{u}-{rnd}"] = text
+                history += prose[-args.answer :]
+                ttfts[f"{u}-{rnd}"], answers[f"{u}-{rnd}"] = ttft, text
+        except Exception as e:  # reported after the run, not lost in a thread
+            errors.append(f"user {u}: {e}")
+
+    try:
+        if concurrent:
+            threads = [threading.Thread(target=user, args=(u,)) for u in range(args.users)]
+            for t in threads:
+                t.start()
+                time.sleep(args.stagger)
+            for t in threads:
+                t.join()
+        else:  # one request at a time, round by round: every user's round r before anyone's round r + 1
+            histories: list[list[int]] = [[] for _ in range(args.users)]
+            for rnd in range(args.rounds):
+                for u in range(args.users):
+                    start = args.system + (u * args.rounds + rnd) * args.history
+                    histories[u] += prose[start : start + args.history]
+                    ttft, text, _ = servers[(u + rnd) % 2].complete(system + histories[u], args.answer)
+                    histories[u] += prose[-args.answer :]
+                    ttfts[f"{u}-{rnd}"], answers[f"{u}-{rnd}"] = ttft, text
+        if errors:
+            raise RuntimeError("; ".join(errors))
         figures = [s.metrics() for s in servers]
     finally:
         for s in servers:
             s.stop()
-    return dict(ttft_s=ttfts, answers=answers, metrics=figures)
+    order = sorted(ttfts, key=lambda k: tuple(map(int, k.split("-")))[::-1])  # round-major
+    return dict(ttft_s=[ttfts[k] for k in order], answers={k: answers[k] for k in order}, metrics=figures)
 
 
 def warm_restart(model: str, prose: list[int], tokens: int) -> dict:
@@ -165,6 +196,53 @@ def warm_restart(model: str, prose: list[int], tokens: int) -> dict:
     return out
 
 
+def tier(model: str, prose: list[int], args, store: str | None) -> dict:
+    """Two passes over the documents, each prompt a document and a question of its own; the second pass measured."""
+    extra = ["--prefix-store", store, "--prefix-store-pages", str(args.store_pages)] if store else []
+    server = Server(model, extra, budget_mib=args.tier_budget)
+    passes = []
+    try:
+        for rnd in range(2):
+            before = server.metrics()
+            ttfts = []
+            for d in range(args.prefixes):
+                doc = prose[d * 101 : d * 101 + args.tier_prefix]  # distinct from its first token on
+                question = prose[-(rnd + 1) * 40 - d : -(rnd + 1) * 40 - d + 32]
+                ttft, _, _ = server.complete(doc + question, 4)
+                ttfts.append(ttft)
+            after = server.metrics()
+            hit = after.get("vpaged_prefix_hit_tokens", 0) - before.get("vpaged_prefix_hit_tokens", 0)
+            computed = after.get("vpaged_prompt_tokens_total", 0) - before.get("vpaged_prompt_tokens_total", 0)
+            passes.append(dict(ttft_s=ttfts, hit_tokens=hit, computed_tokens=computed, metrics=after))
+    finally:
+        server.stop()
+    second = passes[1]
+    prompt = second["hit_tokens"] + second["computed_tokens"]
+    return dict(
+        passes=passes,
+        hit_rate=second["hit_tokens"] / prompt if prompt else 0.0,
+        mean_ttft_s=statistics.mean(second["ttft_s"]),
+    )
+
+
+def summarize(own: dict, shared: dict) -> dict:
+    m = shared["metrics"]
+    summary = dict(
+        own_mean_ttft_s=statistics.mean(own["ttft_s"]),
+        store_mean_ttft_s=statistics.mean(shared["ttft_s"]),
+        own_p99_ttft_s=p99(own["ttft_s"]),
+        store_p99_ttft_s=p99(shared["ttft_s"]),
+        answers_identical=own["answers"] == shared["answers"],
+        answers_differing=sum(own["answers"][k] != shared["answers"][k] for k in own["answers"]),
+        store_hit_tokens=sum(f.get("vpaged_prefix_store_hit_tokens_total", 0) for f in m),
+        store_copied_bytes=sum(f.get("vpaged_prefix_store_copied_bytes_total", 0) for f in m),
+        store_mapped_bytes=sum(f.get("vpaged_prefix_store_mapped_bytes_total", 0) for f in m),
+    )
+    summary["mean_ratio"] = summary["own_mean_ttft_s"] / summary["store_mean_ttft_s"]
+    summary["p99_ratio"] = summary["own_p99_ttft_s"] / summary["store_p99_ttft_s"]
+    return summary
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--users", type=int, default=8)
@@ -172,9 +250,13 @@ def main() -> int:
     ap.add_argument("--system", type=int, default=1000)
     ap.add_argument("--history", type=int, default=500)
     ap.add_argument("--answer", type=int, default=64)
+    ap.add_argument("--stagger", type=float, default=2.0, help="seconds between users joining (multi_round)")
     ap.add_argument("--warm", type=int, default=2000)
     ap.add_argument("--store-pages", type=int, default=24576, help="the shared store's capacity in pages")
-    ap.add_argument("--sections", default="multi_round,warm_restart")
+    ap.add_argument("--tier-budget", type=int, default=128, help="MiB of KV of the tier section's server")
+    ap.add_argument("--tier-prefix", type=int, default=1000, help="tokens of each document of the tier section")
+    ap.add_argument("--prefixes", type=int, default=12, help="documents of the tier section")
+    ap.add_argument("--sections", default="multi_round,multi_round_serial,warm_restart,tier")
     ap.add_argument("--output", default="prefix-store.json", help="results file name under benchmarks/results/")
     args = ap.parse_args()
     why = real_model.why_unavailable()
@@ -186,41 +268,41 @@ def main() -> int:
 
     tok = AutoTokenizer.from_pretrained(model)
     need = args.system + args.users * args.rounds * args.history + args.answer
-    prose = (real_model.prose_ids(tok, 4096) * (need // 4096 + 2))[: max(need, args.warm) + args.answer]
+    need = max(need, args.warm, args.prefixes * 101 + args.tier_prefix) + args.answer
+    prose = (real_model.prose_ids(tok, 4096) * (need // 4096 + 2))[:need]
     result = dict(machine=machine(), model=real_model.NAME, dtype="float32", args=vars(args))
     sections = args.sections.split(",")
-    if "multi_round" in sections:
-        name = f"bench-{uuid.uuid4().hex[:10]}"
-        try:
-            own = multi_round(model, prose, args, None)
-            shared = multi_round(model, prose, args, name)
-        finally:
-            from vpaged.memory.store import PageStore
+    from vpaged.memory.store import PageStore
 
+    for section in ("multi_round", "multi_round_serial"):
+        if section not in sections:
+            continue
+        name = f"bench-{uuid.uuid4().hex[:10]}"
+        concurrent = section == "multi_round"
+        try:
+            own = multi_round(model, prose, args, None, concurrent)
+            shared = multi_round(model, prose, args, name, concurrent)
+        finally:
             PageStore.remove(name)
-        m = [f for f in shared["metrics"]]
-        copied = sum(f.get("vpaged_prefix_store_copied_bytes_total", 0) for f in m)
-        mapped = sum(f.get("vpaged_prefix_store_mapped_bytes_total", 0) for f in m)
-        hit = sum(f.get("vpaged_prefix_store_hit_tokens_total", 0) for f in m)
-        summary = dict(
-            own_mean_ttft_s=statistics.mean(own["ttft_s"]),
-            store_mean_ttft_s=statistics.mean(shared["ttft_s"]),
-            own_p99_ttft_s=p99(own["ttft_s"]),
-            store_p99_ttft_s=p99(shared["ttft_s"]),
-            answers_identical=own["answers"] == shared["answers"],
-            store_hit_tokens=hit,
-            store_copied_bytes=copied,
-            store_mapped_bytes=mapped,
-        )
-        summary["mean_ratio"] = summary["own_mean_ttft_s"] / summary["store_mean_ttft_s"]
-        summary["p99_ratio"] = summary["own_p99_ttft_s"] / summary["store_p99_ttft_s"]
-        result["multi_round"] = dict(summary=summary, own=own, store=shared)
-        print(json.dumps(summary, indent=1))
+        summary = summarize(own, shared)
+        result[section] = dict(summary=summary, own=own, store=shared)
+        print(section, json.dumps(summary, indent=1))
     if "warm_restart" in sections:
         warm = warm_restart(model, prose, args.warm)
         result["warm_restart"] = warm
         print(
             json.dumps({k: warm[k] for k in ("ratio", "same_text")} | {p: warm[p]["ttft_s"] for p in ("cold", "warm")})
+        )
+    if "tier" in sections:
+        name = f"bench-{uuid.uuid4().hex[:10]}"
+        try:
+            own, shared = tier(model, prose, args, None), tier(model, prose, args, name)
+        finally:
+            PageStore.remove(name)
+        result["tier"] = dict(own=own, store=shared)
+        print(
+            "tier",
+            json.dumps({arm: {k: r[k] for k in ("hit_rate", "mean_ttft_s")} for arm, r in result["tier"].items()}),
         )
     path = write_json(args.output, result)
     print(f"wrote {path}")

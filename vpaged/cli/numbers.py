@@ -55,12 +55,22 @@ def _prefix_store(d: dict) -> list[suite.Row]:
     """bench_prefix_store.py: two servers on one page store against each with its own prefix cache, and a
     server restarted on a directory store against its cold start."""
     rows = []
-    if "multi_round" in d:
-        s = d["multi_round"]["summary"]
+    for section, how in (("multi_round", "users at once"), ("multi_round_serial", "one request at a time")):
+        if section not in d:
+            continue
+        s = d[section]["summary"]
         rows += [
-            suite.Row("prefix store", f"multi-round QA, TTFT {q}", s[f"store_{k}_ttft_s"], s[f"own_{k}_ttft_s"],
-                      "own prefix caches", "s", "lower")
-            for q, k in (("mean", "mean"), ("p99", "p99"))
+            suite.Row("prefix store", f"multi-round QA ({how}), TTFT {q}", s[f"store_{q}_ttft_s"],
+                      s[f"own_{q}_ttft_s"], "own prefix caches", "s", "lower")
+            for q in ("mean", "p99")
+        ]  # fmt: skip
+    if "tier" in d:
+        t = d["tier"]
+        rows += [
+            suite.Row("prefix store", "working set 4x the KV budget, second pass: prompt tokens that hit",
+                      100 * t["store"]["hit_rate"], 100 * t["own"]["hit_rate"], "own prefix cache", "%", "higher"),
+            suite.Row("prefix store", "working set 4x the KV budget, second pass: TTFT mean",
+                      t["store"]["mean_ttft_s"], t["own"]["mean_ttft_s"], "own prefix cache", "s", "lower"),
         ]  # fmt: skip
     if "warm_restart" in d:
         w = d["warm_restart"]
