@@ -70,7 +70,8 @@
 #                                   (28 s on the slow host here), + link
 #   probe                  8     6: torch + vpaged import (warm), cuInit + device query
 #   test:cuda_backend     18    13: F + tests (~3); alone: it compares the device's free memory
-#   test:cuda_cache       18    14: F + tests (~4; the vLLM plugin's buffer on CUDA ~1); alone, as above
+#   test:cuda_cache       22    17: F + tests (~4; the vLLM plugin's buffer on CUDA ~1; a prefix store between
+#                                   two caches, 3 layouts, ~3); alone, as above
 #   -- together (the group's time: its largest cap, 40) --
 #   test:decode_quant     32    21: F + 108 quantized cases (~0.1 s each on the H200 host's cores)
 #   test:decode_kernels   27    18: F + kernels at several geometries (~8)
@@ -85,8 +86,8 @@
 #   bench:decode          22    16: the same (8) + parts (~8); JSON after every part
 #   bench:allocator       36    27: parent (8, host part and latency ~5), then three workers started
 #                                   together (8) that measure in turn (~2 each); JSON after every part
-#   caps' sum            391    of 300 (the stages of the group run at once)
-#   time plan            220    of 300: 15 for the report, 20 for the environment probe, 45 to spare
+#   caps' sum            395    of 300 (the stages of the group run at once)
+#   time plan            224    of 300: 15 for the report, 20 for the environment probe, 41 to spare
 # A benchmark stopped at its cap keeps the parts it wrote; a test stage stopped at its cap keeps the tests
 # that finished (junit on SIGINT) and names the one that was running in the log.
 #
@@ -266,7 +267,7 @@ alone() { GROUP=""; }
 stage build 60 gpu build_in_place
 stage probe 8 gpu vpaged_probe
 stage test:cuda_backend 18 vmm 'pytest_file tests/memory/test_cuda_backend.py'
-stage test:cuda_cache 18 vmm 'pytest_file tests/kvcache/test_cuda_cache.py'
+stage test:cuda_cache 22 vmm 'pytest_file tests/kvcache/test_cuda_cache.py'
 together tests
 stage test:decode_quant 32 gpu 'pytest_file tests/ops/test_decode_quant_kernel.py'
 stage test:decode_kernels 27 gpu 'pytest_file tests/ops/test_decode_kernels.py'

@@ -350,3 +350,35 @@ def test_vllm_plugin_blocks_on_a_gpu_keep_their_data_while_held():
     backing.release_blocks(range(blocks))
     torch.cuda.synchronize()
     assert backing.stats().mapped_bytes == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefix_store_hits_copy_into_device_pages_bit_exact(layout, gen):
+    """On CUDA the store is host memory: a cache publishes its full blocks (a device-to-host copy per page) and
+    another cache's hit copies them into device pages of its own, bit for bit."""
+    import uuid
+
+    from vpaged.memory.store import PageStore
+
+    name = f"test-cuda-{uuid.uuid4().hex[:10]}"
+    store = dict(prefix_store=name, prefix_store_weights="model@1", prefix_store_pages=64)
+    try:
+        a = make(layout, **store)
+        tokens = torch.randint(0, 50_000, (9000,)).tolist()
+        seq = a.allocate(tokens=tokens)
+        fill(a, seq, len(tokens), gen)
+        cached = a.cache_prefix(seq, tokens)
+        before = clones(a, seq)
+        assert cached > 0 and a.prefix_store.stats.published_pages > 0
+        a.close()
+        b = make(layout, **store)
+        got = b.allocate(tokens=tokens)
+        assert b.seq_len(got) == cached
+        for layer, (k, v) in enumerate(before):
+            kb, vb = b.kv(layer, got)
+            assert torch.equal(kb, k[:cached]) and torch.equal(vb, v[:cached])
+        s = b.prefix_store.stats
+        assert s.mapped_bytes == 0 and s.copied_bytes == s.hit_pages * b.pool.page_size > 0
+        b.close()
+    finally:
+        PageStore.remove(name)

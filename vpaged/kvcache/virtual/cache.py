@@ -124,11 +124,10 @@ class VirtualKVCache(KVCacheBase):
     def _open_store(self, c: VirtualCacheConfig, lay: Layout) -> StoreLink | None:
         if c.prefix_store is None:
             return None
-        if self.device.type != "cpu" or self.pool.accounting_only:
+        if self.pool.accounting_only:
             self._release_membership()
             raise InvalidArgumentError(
-                f"a prefix_store serves caches on the CPU in this version (this one is on {self.device}): see "
-                "docs/kv-store.md"
+                "a prefix_store needs a cache with memory: this one's pool counts pages only (accounting_only)"
             )
         try:
             fp = cache_fingerprint(

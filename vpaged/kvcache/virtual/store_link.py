@@ -13,7 +13,8 @@ that index as a second tier:
   pins the leading blocks whose every page is published. On the host the pinned pages themselves are mapped
   into the new sequence's range (PagePool.attach_file_pages: the store's data file, MAP_PRIVATE, no byte
   copied; counted in mapped_bytes), each checked against its crc32 where it is mapped the first time in this
-  process. Elsewhere, or with mapping off, they are copied into fresh pages (copied_bytes) and unpinned.
+  process. On CUDA (the store is host memory), or with mapping off, they are copied into fresh pages
+  (copied_bytes: one host-to-device copy per page on CUDA) and unpinned.
 
 Mapped pages. The link holds one pool reference and the store pin of every store page it mapped, keyed by the
 page's store key, so a page hit by several sequences is attached once. That reference keeps the page shared
@@ -271,6 +272,8 @@ class StoreLink:
         block_keys = self.block_keys(windows)
         published = 0
         buffer = np.empty(self.page_size, dtype=np.uint8)
+        if any(k not in self._known for k in block_keys):
+            page_map.range.wait_for_streams()  # CUDA: the kernels that wrote the K/V finish before it is read
         for depth, block_key in enumerate(block_keys):
             if block_key in self._known:
                 continue
