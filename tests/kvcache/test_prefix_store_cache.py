@@ -296,3 +296,26 @@ def test_a_killed_process_holding_mapped_pages_gives_its_pins_back(store_name, p
         assert store.stats().pinned_pages == 0  # the reclaim pass of this process returned them
     finally:
         store.close()
+
+
+def test_a_mapping_refused_mid_fetch_is_computed_with_nothing_held(store_name, rng, monkeypatch):
+    gen = rng
+    tokens = torch.randint(0, 50_000, (96,), generator=gen).tolist()
+    a = make_cache(store_name)
+    seq, _ = fill(a, tokens, gen)
+    a.cache_prefix(seq, tokens)
+    a.close()
+    b = make_cache(store_name)
+    used = b.pool.stats().used_pages
+
+    def refuse(fd, offsets):
+        raise InvalidArgumentError("attach_file_pages: offset past the end of the file")
+
+    monkeypatch.setattr(b.pool, "attach_file_pages", refuse)
+    got = b.allocate(tokens=tokens)
+    assert b.seq_len(got) == 0 and b.prefix_store.stats.faults == 1
+    assert b.prefix_store.store.stats().pinned_pages == 0 and b.pool.stats().used_pages == used
+    monkeypatch.undo()
+    again = b.allocate(tokens=tokens)  # the next request maps them
+    assert b.seq_len(again) == 96 and b.prefix_store.stats.mapped_pages > 0
+    b.close()

@@ -40,7 +40,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import InvalidArgumentError, MappingLimitError, OutOfPagesError, StoreError, StoreFullError
+from ...errors import (
+    BackendError,
+    InvalidArgumentError,
+    MappingLimitError,
+    OutOfPagesError,
+    StoreError,
+    StoreFullError,
+)
 from ...memory.store import PageStore, StoreFingerprint, chain_keys
 
 if TYPE_CHECKING:
@@ -195,14 +202,21 @@ class StoreLink:
         for h in used:
             if h.key in self._mapped:
                 h.release()  # the pin the link holds already covers it
-        ids = self.pool.attach_file_pages(self.store.data_fd, [h.offset for h in new]) if new else []
+        try:
+            ids = self.pool.attach_file_pages(self.store.data_fd, [h.offset for h in new]) if new else []
+        except (StoreError, InvalidArgumentError, MappingLimitError, BackendError):
+            # The data file cut short (an offset past its end), out of descriptors: computed instead.
+            for h in new:
+                h.release()
+            self.stats.faults += 1
+            return have
         for h, page in zip(new, ids):
             self._mapped[h.key] = (page, h)
         runs, ps = self.runs, self.page_size
         pages = [self._mapped[used[d * runs + r].key][0] for r in range(runs) for d in range(got)]  # run-major
         try:
             page_map.map_borrowed(slot, have, have + got, pages)
-        except (OutOfPagesError, MappingLimitError):
+        except (OutOfPagesError, MappingLimitError, BackendError):
             self._drop([h.key for h in new])
             self.stats.faults += 1
             return have
