@@ -50,7 +50,8 @@ def check_page_size(page_size: int) -> int:
     return page_size
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
+    """Bytes as MiB with one decimal (and thousands separators), as the commands print sizes."""
     return f"{n / 2**20:,.1f}"
 
 
@@ -102,14 +103,15 @@ def _run(fn, args) -> int:
     try:
         return fn(args)
     except (VPagedError, ValueError, OverflowError) as e:
-        print(f"vpaged budget: {_one_line(str(e))}", file=sys.stderr)
+        print(f"vpaged budget: {one_line(str(e))}", file=sys.stderr)
     except OSError as e:  # e.g. another user's segment in /dev/shm (sticky): not this user's to remove
         where = f" ({e.filename})" if e.filename else ""
         print(f"vpaged budget: {e.strerror or type(e).__name__}{where}", file=sys.stderr)
     return 1
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
+    """An error's text on one line: how the commands report it on stderr."""
     return " ".join(text.split())
 
 
@@ -130,7 +132,7 @@ def cmd_create(args) -> int:
         name, capacity, page_size = check_name(a.name), parse_bytes(a.bytes), check_page_size(parse_bytes(a.page_size))
         b = SharedBudget.create(name, capacity, page_size=page_size, mode=mode, share_policy=a.share_policy)
         print(
-            f"created budget {a.name!r}: {_mib(b.capacity_bytes)} MiB in pages of {b.page_size} bytes, "
+            f"created budget {a.name!r}: {mib(b.capacity_bytes)} MiB in pages of {b.page_size} bytes, "
             f"share policy {b.policy.name}"
         )
         b.close()
@@ -154,14 +156,14 @@ def cmd_show(args) -> int:
 
 def print_state(state: BudgetState) -> None:
     head = (
-        f"budget {state.name}: {_mib(state.capacity_bytes)} MiB, granted {_mib(state.granted_bytes)} MiB, "
-        f"free {_mib(state.free_bytes)} MiB, pages of {state.page_size} bytes, share policy {state.share_policy}"
+        f"budget {state.name}: {mib(state.capacity_bytes)} MiB, granted {mib(state.granted_bytes)} MiB, "
+        f"free {mib(state.free_bytes)} MiB, pages of {state.page_size} bytes, share policy {state.share_policy}"
     )
     cols = ["#", "pid", "name", "model", "granted", "mapped", "live", "dormant", "min", "ceiling", "fair", "starved"]
     rows = [
         [str(m.index), str(m.pid), m.name, m.model or "-"]
-        + [_mib(x) for x in (m.granted_bytes, m.mapped_bytes, m.live_bytes, m.dormant_bytes, m.min_bytes)]
-        + [_mib(m.ceiling_bytes), _mib(m.fair_share_bytes), "yes" if m.starved else "-"]
+        + [mib(x) for x in (m.granted_bytes, m.mapped_bytes, m.live_bytes, m.dormant_bytes, m.min_bytes)]
+        + [mib(m.ceiling_bytes), mib(m.fair_share_bytes), "yes" if m.starved else "-"]
         for m in state.members
     ]
     try:
@@ -190,7 +192,7 @@ def cmd_limit(args) -> int:
                 changed = b.set_ceiling(a.member, max_bytes)
             else:
                 changed = b.set_ceiling(max_bytes=max_bytes, index=a.index, pid=a.pid)
-        print(f"ceiling of member(s) {', '.join(map(str, changed))} set to {_mib(max_bytes)} MiB")
+        print(f"ceiling of member(s) {', '.join(map(str, changed))} set to {mib(max_bytes)} MiB")
         return 0
 
     return _run(go, args)

@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 from ..errors import VPagedError
 from ..memory.store import PageStore
-from .budget import _mib, _one_line, check_page_size, parse_bytes
+from .budget import check_page_size, mib, one_line, parse_bytes
 
 
 def add_parser(sub) -> None:
@@ -56,7 +56,7 @@ def _run(fn, args) -> int:
     try:
         return fn(args)
     except (VPagedError, ValueError, OverflowError) as e:
-        print(f"vpaged store: {_one_line(str(e))}", file=sys.stderr)
+        print(f"vpaged store: {one_line(str(e))}", file=sys.stderr)
     except OSError as e:
         where = f" ({e.filename})" if e.filename else ""
         print(f"vpaged store: {e.strerror or type(e).__name__}{where}", file=sys.stderr)
@@ -82,7 +82,7 @@ def cmd_create(args) -> int:
             a.name, create=True, capacity_pages=a.pages, page_bytes=page_bytes, mode=0o660 if a.group else 0o600
         )
         store.close()
-        print(f"created store {a.name!r}: {a.pages} pages of {page_bytes} bytes ({_mib(a.pages * page_bytes)} MiB)")
+        print(f"created store {a.name!r}: {a.pages} pages of {page_bytes} bytes ({mib(a.pages * page_bytes)} MiB)")
         return 0
 
     return _run(go, args)
@@ -101,7 +101,7 @@ def cmd_show(args) -> int:
             return 0
         print(
             f"store {a.name}: {stats.capacity_pages} pages of {stats.page_bytes} bytes "
-            f"({_mib(stats.capacity_pages * stats.page_bytes)} MiB), {len(processes)} process(es) using it"
+            f"({mib(stats.capacity_pages * stats.page_bytes)} MiB), {len(processes)} process(es) using it"
             + "".join(f"\n  pid {pid}: {pinned} page(s) pinned" for pid, pinned in processes)
         )
         print(f"  files: {files['index']}, {files['data']}")
