@@ -69,6 +69,7 @@ MIB = 2**20
 
 FULL = dict(
     model="random:bench-llama",
+    dtype="float32",  # the model's weights and activations, every row's (bfloat16: what AMX / AVX512-BF16 boxes serve)
     requests=64,
     min_prompt=64,
     max_prompt=512,
@@ -93,6 +94,7 @@ FULL = dict(
 )
 QUICK = dict(
     model="random:llama-tiny",
+    dtype="float32",
     requests=12,
     min_prompt=8,
     max_prompt=48,
@@ -235,10 +237,11 @@ class VllmPeer:
             "max_model_len": max(map(len, workload.prompts)) + workload.max_tokens,
             "max_num_seqs": cfg["max_num_seqs"],
             "max_num_batched_tokens": cfg["max_batched"],
-            "dtype": "float32",
+            "dtype": cfg["dtype"],
             "seed": 0,
             "block_size": cfg["vllm_block_size"],
             "enforce_eager": bool(cfg["vllm_enforce_eager"]),
+            "api": cfg.get("vllm_api", "engine"),
         }
 
     def row(self, workload, cfg: dict, timeout: float | None = None, label: str = "vllm") -> dict:
@@ -252,12 +255,14 @@ class VllmPeer:
         row["vllm_block_size"] = cfg["vllm_block_size"]
         row["vllm_enforce_eager"] = bool(cfg["vllm_enforce_eager"])
         row["vllm_inproc"] = bool(cfg.get("vllm_inproc"))
+        row["vllm_api"] = cfg.get("vllm_api", "engine")
         return row
 
 
 def vllm_row_settings(name: str, cfg: dict) -> dict | None:
-    """The settings of a vllm row named vllm[-bs<N>][-eager|-compiled][-inproc] (e.g. vllm-bs32-eager): cfg with
-    that row's block size, mode and engine-core process; None when the name is no such row. Several of them in
+    """The settings of a vllm row named vllm[-bs<N>][-eager|-compiled][-inproc][-generate] (e.g. vllm-bs32-eager):
+    cfg with that row's block size, mode, engine-core process and API (-generate: vllm.LLM.generate, one call,
+    instead of stepping an LLMEngine); None when the name is no such row. Several of them in
     one --rows list sweep vLLM's settings side by side, alternated with the vpaged rows."""
     base, *parts = name.split("-")
     if base != "vllm":
@@ -270,6 +275,8 @@ def vllm_row_settings(name: str, cfg: dict) -> dict | None:
             out["vllm_enforce_eager"] = int(part == "eager")
         elif part == "inproc":
             out["vllm_inproc"] = 1
+        elif part == "generate":  # through vllm.LLM.generate, as its offline users run it
+            out["vllm_api"] = "generate"
         else:
             return None
     return out
@@ -689,6 +696,12 @@ def main(argv=None) -> int:
         metavar="KEY=VALUE",
         help="override any workload setting (see FULL), e.g. --set breakdown_prompt=64",
     )
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="the model's dtype for every row, vLLM's too (default float32; --set dtype=... does the same)",
+    )
     ap.add_argument("--output", default=None, help="JSON file name under benchmarks/results/")
     args = ap.parse_args(argv)
     cfg = dict(QUICK if args.quick else FULL)
@@ -705,6 +718,8 @@ def main(argv=None) -> int:
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     cfg["static_slots"] = args.static_slots
+    if args.dtype is not None:
+        cfg["dtype"] = args.dtype
     for item in args.set:
         key, _, value = item.partition("=")
         if key not in cfg:
@@ -721,7 +736,9 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[{time.perf_counter() - t_start:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
-    model, _ = load_model(cfg["model"], dtype=torch.float32)
+    if cfg["dtype"] not in ("float32", "bfloat16"):
+        ap.error(f"dtype must be float32 or bfloat16, got {cfg['dtype']!r}")
+    model, _ = load_model(cfg["model"], dtype=getattr(torch, cfg["dtype"]))
     vocab = model.config.get_text_config(decoder=True).vocab_size
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
@@ -833,6 +850,13 @@ def summary_rows(results: dict) -> list[dict]:
         ]
     if tps.get("vllm") and tps.get("vpaged"):
         rows.append(row("output tokens/s, engine kv=vpaged", tps["vpaged"], tps["vllm"], "vLLM CPU"))
+    # Named vLLM rows (vllm-bs32-eager-generate, ...): each against vpaged, with the dtype and how vLLM was driven.
+    dtype = str((results.get("config") or {}).get("dtype") or "float32")
+    for name, value in tps.items():
+        if not name.startswith("vllm-") or not tps.get("vpaged"):
+            continue
+        how = "LLM.generate" if name.endswith("-generate") else "LLMEngine stepped"
+        rows.append(row(f"output tokens/s, engine kv=vpaged, {dtype}", tps["vpaged"], value, f"vLLM CPU {name}, {how}"))
     return rows
 
 

@@ -18,6 +18,9 @@ request's first token is the step after which its output first holds a token, TT
 TPOT is (finish - first) / (tokens - 1). Result: seconds, output_tokens, outputs (token ids per prompt, in
 the prompts' order), ttft / tpot lists, finish_reasons, vllm_version, load_seconds.
 
+With "api": "generate" the job runs as vLLM's users run it offline: vllm.LLM(...) and one LLM.generate call over
+every prompt (all must arrive at 0), timed around that call; no per-request TTFT / TPOT then.
+
 The thread count and the KV space are vLLM's environment variables (VLLM_CPU_OMP_THREADS_BIND,
 VLLM_CPU_KVCACHE_SPACE), set by the caller.
 """
@@ -68,7 +71,11 @@ def probe() -> dict:
 def _make_engine(job: dict):
     from vllm import EngineArgs, LLMEngine
 
-    args = EngineArgs(
+    return LLMEngine.from_engine_args(EngineArgs(**_engine_kwargs(job)))
+
+
+def _engine_kwargs(job: dict) -> dict:
+    return dict(
         model=job["model_dir"],
         skip_tokenizer_init=True,
         dtype=job.get("dtype", "float32"),
@@ -79,12 +86,55 @@ def _make_engine(job: dict):
         enforce_eager=bool(job.get("enforce_eager", False)),
         **({"block_size": int(job["block_size"])} if job.get("block_size") else {}),
     )
-    return LLMEngine.from_engine_args(args)
+
+
+def generate(job: dict) -> dict:
+    """The job through vllm.LLM.generate: one call over every prompt, as an offline user makes it."""
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    if any(a for a in job.get("arrivals") or []):
+        raise ValueError('"api": "generate" serves prompts that all arrive at once (arrivals 0)')
+    t_load = time.perf_counter()
+    llm = LLM(**_engine_kwargs(job))
+    load_seconds = time.perf_counter() - t_load
+    prompts = job["prompts"]
+    params = SamplingParams(
+        max_tokens=int(job["max_tokens"]),
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        seed=int(job.get("seed", 0)),
+    )
+    llm.generate([{"prompt_token_ids": list(prompts[0][:16])}], params, use_tqdm=False)  # warm, as serve() does
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = [[int(x) for x in o.outputs[0].token_ids] for o in outs]
+    reasons: dict[str, int] = {}
+    for o in outs:
+        r = str(o.outputs[0].finish_reason)
+        reasons[r] = reasons.get(r, 0) + 1
+    return {
+        "vllm_version": getattr(vllm, "__version__", "?"),
+        "api": "generate",
+        "load_seconds": load_seconds,
+        "seconds": seconds,
+        "steps": None,
+        "requests": len(prompts),
+        "output_tokens": sum(map(len, tokens)),
+        "outputs": tokens,
+        "ttft": [],
+        "tpot": [],
+        "finish_reasons": reasons,
+    }
 
 
 def serve(job: dict) -> dict:
     from vllm import SamplingParams
 
+    if job.get("api") == "generate":
+        return generate(job)
     t_load = time.perf_counter()
     engine = _make_engine(job)
     load_seconds = time.perf_counter() - t_load

@@ -164,6 +164,27 @@ def test_serving_summary_compares_with_vllm_when_the_run_had_it():
     ]
 
 
+def test_serving_summary_names_the_dtype_and_how_each_vllm_row_ran():
+    data = _load("serve_throughput-bfloat16-generate-vs-runner_epyc-zen4-avx512bf16-2c.json")
+    med = data["throughput"]["medians"]
+    rows = suite.summary_rows("serving", data)
+    vp = med["vpaged"]["output_tokens_per_s"]
+    assert [(r.comparison, r.vpaged, r.baseline, r.baseline_name) for r in rows] == [
+        (
+            "output tokens/s, engine kv=vpaged, bfloat16",
+            vp,
+            med["vllm-bs32-eager-generate"]["output_tokens_per_s"],
+            "vLLM CPU vllm-bs32-eager-generate, LLM.generate",
+        ),
+        (
+            "output tokens/s, engine kv=vpaged, bfloat16",
+            vp,
+            med["vllm-bs32-eager"]["output_tokens_per_s"],
+            "vLLM CPU vllm-bs32-eager, LLMEngine stepped",
+        ),
+    ]
+
+
 def test_bench_prints_the_rows_each_script_summarises(tmp_path, capsys):
     # Scripts that stand in for the real ones: each "runs" by copying its committed results file where the
     # suite reads it, and carries the real script's summary_rows.
