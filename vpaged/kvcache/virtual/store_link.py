@@ -21,9 +21,11 @@ page's store key, so a page hit by several sequences is attached once. That refe
 (reference count 2 or more while a sequence maps it): the sequence's pages up to the hit are below its shared
 watermark, so a write into one (the straddling token it recomputes, a rollback) copies the page first, as
 for any shared page, and no write ever lands in the store. Pages only the link still holds (their sequences
-freed, the local index's block evicted) are given back, pin and reference, at the next fetch or publish, and
-all of them at close. A page the local index caches stays pinned while it is cached; the store then cannot
-evict it.
+freed) are given back, pin and reference, at the next fetch or publish, and all of them at close. The local
+index does not keep store pages past their use either: its blocks whose pages are all store pages that no
+sequence maps are evicted from it then too. Such a block costs the local pool nothing, so the pool would never
+ask for it back, and its pins would keep the store from evicting it for as long as the process runs; the
+store, which holds it anyway, serves the next hit on it by mapping it again.
 
 Pages the local index evicts under pressure stay in the store (within its capacity), so the store is also this
 process's host tier and, for a dir: store, what a restarted process finds again.
@@ -143,7 +145,7 @@ class StoreLink:
         the store: the leading blocks whose every page is published, within what a hit may map
         (index.usable_pages). Returns the number of blocks the slot holds now. All or nothing on error: the
         pages mapped here are unmapped again and the error raised."""
-        self.give_back_unused()
+        self.give_back_unused(index)
         self._check_read_faults()
         windows = [w for _, w in index.keys(tokens)]
         if len(windows) <= have:
@@ -265,12 +267,19 @@ class StoreLink:
             handle.release()
         self.stats.mapped_pages = len(self._mapped)
 
-    def give_back_unused(self) -> int:
-        """Give back the mapped store pages no sequence or cached block maps any more (only the link's reference
-        left): their pins go, so the store may evict them. Returns how many went."""
+    def give_back_unused(self, index: PrefixIndex | None = None) -> int:
+        """Give back the mapped store pages no sequence maps any more: first the blocks of the local `index`
+        made only of such pages are evicted from it (see the module note), then every page left with only the
+        link's reference loses its pin, so the store may evict it. Returns how many pages went."""
         if not self._mapped:
             return 0
-        unused = [key for key, (page, _) in self._mapped.items() if self.pool.refcount(page) == 1]
+        refcount = self.pool.refcount
+        if index is not None:
+            ours = {page for page, _ in self._mapped.values()}
+            for block in index.blocks():
+                if block.pages[0] in ours and all(p in ours and refcount(p) == 2 for p in block.pages):
+                    index.evict(block)  # held by the index and the link only
+        unused = [key for key, (page, _) in self._mapped.items() if refcount(page) == 1]
         self._drop(unused)
         return len(unused)
 
@@ -279,7 +288,7 @@ class StoreLink:
         """Publish every page of the slot's first `blocks` blocks that the store lacks (their K/V written).
         Returns the pages published. A full store (every page pinned or being written) is counted, not an
         error: the local cache works on without it."""
-        self.give_back_unused()
+        self.give_back_unused(index)
         windows = [w for _, w in index.keys(tokens)][:blocks]
         if not windows:
             return 0
