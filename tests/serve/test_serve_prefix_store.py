@@ -32,22 +32,25 @@ def engine(model, store, **kw):
     return LLM(model, kv_budget_bytes=8 << 20, page_size=PAGE, prefix_store=store, prefix_store_pages=512, **kw)
 
 
-def test_a_second_engine_takes_the_prefix_from_the_store(model, prng, store_name):
-    prompt = [prng.randrange(3, 512) for _ in range(prng.randint(140, 200))]
+@pytest.mark.parametrize("length", ["random", 160], ids=["random-length", "whole-pages"])
+def test_a_second_engine_takes_the_prefix_from_the_store(model, prng, store_name, length):
+    n = prng.randint(140, 200) if length == "random" else length
+    prompt = [prng.randrange(3, 512) for _ in range(n)]
     plain = LLM(model, kv_budget_bytes=8 << 20, page_size=PAGE).generate([prompt], SamplingParams(**GREEDY))[0]
     first = engine(model, store_name)
     a = first.generate([prompt], SamplingParams(**GREEDY))[0]
     sa = first.stats()
     assert sa.prefix_store_hit_tokens_total == 0 and sa.prefix_store_published_pages_total > 0
     first.engine.close()
-    full = (len(prompt) // 32) * 32
+    full = (len(prompt) // 32) * 32  # the whole pages the store holds
+    used = min(full, len(prompt) - 1)  # a prompt of whole pages still computes its last token (its logits)
     hit_bytes = sa.prefix_store_published_pages_total * PAGE
     for mapped in (True, False):
         second = engine(model, store_name, prefix_store_map=mapped)
         b = second.generate([prompt], SamplingParams(**GREEDY))[0]
         sb = second.stats()
-        assert sb.prefix_store_hit_tokens_total == sb.prefix_hit_tokens == full  # whole pages, the rest computed
-        assert sb.prompt_tokens_total == len(prompt) - full
+        assert sb.prefix_store_hit_tokens_total == full and sb.prefix_hit_tokens == used  # the rest computed
+        assert sb.prompt_tokens_total == len(prompt) - used
         # Mapped: the store's pages themselves in the second engine's ranges, no byte copied. Else one copy each.
         assert sb.prefix_store_mapped_bytes_total == (hit_bytes if mapped else 0)
         assert sb.prefix_store_copied_bytes_total == (0 if mapped else hit_bytes)
