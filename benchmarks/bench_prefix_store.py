@@ -136,16 +136,20 @@ def multi_round(model: str, prose: list[int], args, store: str | None, concurren
     system = prose[: args.system]
     ttfts, answers, errors = {}, {}, []
 
+    def ask(u: int, rnd: int, history: list[int]) -> None:
+        """User u's round rnd: its question joins its history, the prompt goes to its server of the round."""
+        start = args.system + (u * args.rounds + rnd) * args.history
+        history += prose[start : start + args.history]
+        ttft, text, _ = servers[(u + rnd) % 2].complete(system + history, args.answer)
+        # The answer joins the history as its tokens would: the next round's prompt extends this one.
+        history += prose[-args.answer :]
+        ttfts[f"{u}-{rnd}"], answers[f"{u}-{rnd}"] = ttft, text
+
     def user(u: int) -> None:
         history: list[int] = []
         try:
             for rnd in range(args.rounds):
-                start = args.system + (u * args.rounds + rnd) * args.history
-                history += prose[start : start + args.history]
-                ttft, text, _ = servers[(u + rnd) % 2].complete(system + history, args.answer)
-                # The answer joins the history as its tokens would: the next round's prompt extends this one.
-                history += prose[-args.answer :]
-                ttfts[f"{u}-{rnd}"], answers[f"{u}-{rnd}"] = ttft, text
+                ask(u, rnd, history)
         except Exception as e:  # reported after the run, not lost in a thread
             errors.append(f"user {u}: {e}")
 
@@ -161,11 +165,7 @@ def multi_round(model: str, prose: list[int], args, store: str | None, concurren
             histories: list[list[int]] = [[] for _ in range(args.users)]
             for rnd in range(args.rounds):
                 for u in range(args.users):
-                    start = args.system + (u * args.rounds + rnd) * args.history
-                    histories[u] += prose[start : start + args.history]
-                    ttft, text, _ = servers[(u + rnd) % 2].complete(system + histories[u], args.answer)
-                    histories[u] += prose[-args.answer :]
-                    ttfts[f"{u}-{rnd}"], answers[f"{u}-{rnd}"] = ttft, text
+                    ask(u, rnd, histories[u])
         if errors:
             raise RuntimeError("; ".join(errors))
         figures = [s.metrics() for s in servers]

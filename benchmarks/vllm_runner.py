@@ -88,10 +88,23 @@ def _engine_kwargs(job: dict) -> dict:
     )
 
 
+def _greedy_params(job: dict):
+    """The job's sampling: greedy, EOS ignored, exactly max_tokens tokens, no detokenizing."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=int(job["max_tokens"]),
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        seed=int(job.get("seed", 0)),
+    )
+
+
 def generate(job: dict) -> dict:
     """The job through vllm.LLM.generate: one call over every prompt, as an offline user makes it."""
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     if any(a for a in job.get("arrivals") or []):
         raise ValueError('"api": "generate" serves prompts that all arrive at once (arrivals 0)')
@@ -99,13 +112,7 @@ def generate(job: dict) -> dict:
     llm = LLM(**_engine_kwargs(job))
     load_seconds = time.perf_counter() - t_load
     prompts = job["prompts"]
-    params = SamplingParams(
-        max_tokens=int(job["max_tokens"]),
-        temperature=0.0,
-        ignore_eos=True,
-        detokenize=False,
-        seed=int(job.get("seed", 0)),
-    )
+    params = _greedy_params(job)
     llm.generate([{"prompt_token_ids": list(prompts[0][:16])}], params, use_tqdm=False)  # warm, as serve() does
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
@@ -131,8 +138,6 @@ def generate(job: dict) -> dict:
 
 
 def serve(job: dict) -> dict:
-    from vllm import SamplingParams
-
     if job.get("api") == "generate":
         return generate(job)
     t_load = time.perf_counter()
@@ -140,13 +145,7 @@ def serve(job: dict) -> dict:
     load_seconds = time.perf_counter() - t_load
     prompts = job["prompts"]
     arrivals = job.get("arrivals") or [0.0] * len(prompts)
-    params = SamplingParams(
-        max_tokens=int(job["max_tokens"]),
-        temperature=0.0,
-        ignore_eos=True,
-        detokenize=False,
-        seed=int(job.get("seed", 0)),
-    )
+    params = _greedy_params(job)
     warm = int(job.get("warmup_requests", 1))
     for w in range(warm):  # one short request first: compiles / allocates what the first step would
         engine.add_request(f"warm-{w}", {"prompt_token_ids": list(prompts[w % len(prompts)][:16])}, params)

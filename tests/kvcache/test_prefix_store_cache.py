@@ -218,9 +218,11 @@ def test_store_of_another_page_size_and_bad_config_are_refused(store_name):
         )
 
 
-PUBLISHER = textwrap.dedent(
+# A child process's cache on the store NAME (argv[1]) and a sequence of 200 tokens drawn from SEED (argv[2]),
+# allocated (hitting the store where it holds them).
+CHILD_CACHE = textwrap.dedent(
     """
-    import sys, torch
+    import sys, time, torch
     from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
     name, seed = sys.argv[1], int(sys.argv[2])
     gen = torch.Generator().manual_seed(seed)
@@ -229,6 +231,11 @@ PUBLISHER = textwrap.dedent(
         capacity_bytes=256 * 4096, page_size=4096, prefix_store=name, prefix_store_weights="model@1",
         prefix_store_pages=256))
     seq = cache.allocate(tokens=tokens)
+    """
+)
+
+PUBLISHER = CHILD_CACHE + textwrap.dedent(
+    """
     cache.extend(seq, len(tokens))
     for layer in range(3):
         k = torch.randn(len(tokens), 2, 16, generator=gen)
@@ -260,17 +267,8 @@ def test_a_prefix_published_by_another_process_hits_here(store_name, prng):
     b.close()
 
 
-MAPPER = textwrap.dedent(
+MAPPER = CHILD_CACHE + textwrap.dedent(
     """
-    import sys, time, torch
-    from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
-    name, seed = sys.argv[1], int(sys.argv[2])
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 50_000, (200,), generator=gen).tolist()
-    cache = VirtualKVCache(KVGeometry(3, 2, 16, torch.float32), VirtualCacheConfig(max_seqs=2, max_seq_len=1024,
-        capacity_bytes=256 * 4096, page_size=4096, prefix_store=name, prefix_store_weights="model@1",
-        prefix_store_pages=256))
-    seq = cache.allocate(tokens=tokens)
     print(cache.seq_len(seq), cache.prefix_store.stats.mapped_pages, flush=True)
     time.sleep(600)
     """

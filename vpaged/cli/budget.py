@@ -99,15 +99,21 @@ def add_parser(sub) -> None:
     r.set_defaults(func=cmd_remove)
 
 
-def _run(fn, args) -> int:
+def run_command(command: str, fn, args) -> int:
+    """fn(args), its errors one line on stderr (`vpaged COMMAND: ...`) and exit status 1, never a traceback:
+    how `vpaged budget` and `vpaged store` report bad input, missing or damaged segments and files."""
     try:
         return fn(args)
     except (VPagedError, ValueError, OverflowError) as e:
-        print(f"vpaged budget: {one_line(str(e))}", file=sys.stderr)
-    except OSError as e:  # e.g. another user's segment in /dev/shm (sticky): not this user's to remove
+        print(f"vpaged {command}: {one_line(str(e))}", file=sys.stderr)
+    except OSError as e:  # e.g. another user's file in /dev/shm (sticky): not this user's to remove
         where = f" ({e.filename})" if e.filename else ""
-        print(f"vpaged budget: {e.strerror or type(e).__name__}{where}", file=sys.stderr)
+        print(f"vpaged {command}: {e.strerror or type(e).__name__}{where}", file=sys.stderr)
     return 1
+
+
+def _run(fn, args) -> int:
+    return run_command("budget", fn, args)
 
 
 def one_line(text: str) -> str:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from dataclasses import asdict
 
 from ..errors import VPagedError
 from ..memory.store import PageStore
-from .budget import check_page_size, mib, one_line, parse_bytes
+from .budget import check_page_size, mib, parse_bytes, run_command
 
 
 def add_parser(sub) -> None:
@@ -53,14 +52,7 @@ def add_parser(sub) -> None:
 
 
 def _run(fn, args) -> int:
-    try:
-        return fn(args)
-    except (VPagedError, ValueError, OverflowError) as e:
-        print(f"vpaged store: {one_line(str(e))}", file=sys.stderr)
-    except OSError as e:
-        where = f" ({e.filename})" if e.filename else ""
-        print(f"vpaged store: {e.strerror or type(e).__name__}{where}", file=sys.stderr)
-    return 1
+    return run_command("store", fn, args)
 
 
 @contextlib.contextmanager

@@ -196,7 +196,6 @@ class StoreLink:
         """_fill by mapping: the pinned pages of blocks have..have+got-1 (block-major in handles) mapped into the
         slot, the ones new to this process attached (the link keeps their pins) and checked where they are mapped.
         All or nothing: on error the slot is mapped up to `have` again."""
-        self._check_read_faults()
         used = handles[: got * self.runs]
         for h in handles[got * self.runs :]:
             h.release()
