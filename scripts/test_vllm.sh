@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the vLLM plugin's tests (tests/integrations/test_vllm_plugin.py) in an environment that has vLLM's CPU build.
+# Runs the tests of the vLLM plugin and the KV connector (tests/integrations/test_vllm_{plugin,connector,connector_engine}.py)
+# in an environment that has vLLM's CPU build.
 #
 #   scripts/test_vllm.sh            (environment: $VPAGED_VLLM_VENV, default .venv-vllm, made when missing)
 #
@@ -39,4 +40,5 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}"
 # shellcheck disable=SC2086
-"$VENV/bin/python" -m pytest -q -ra -p no:cacheprovider tests/integrations/test_vllm_plugin.py ${PYTEST_ARGS:-}
+"$VENV/bin/python" -m pytest -q -ra -p no:cacheprovider tests/integrations/test_vllm_plugin.py tests/integrations/test_vllm_connector.py \
+  tests/integrations/test_vllm_connector_engine.py ${PYTEST_ARGS:-}

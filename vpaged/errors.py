@@ -202,3 +202,8 @@ class StoreFullError(StoreError, MemoryError):
 class StoreLeaseLostError(StoreError):
     """This process lost its client record in a page store (its lease ran out while it was stopped, and the
     others dropped its pins): its pinned handles are no longer valid; close the store and open it again."""
+
+
+class VersionUnsupportedError(VPagedError, RuntimeError):
+    """An integration was asked to run on a version of the other library it was not built and tested for (the
+    vLLM connector on another vLLM than vpaged.integrations.vllm.SUPPORTED_VLLM_VERSIONS)."""

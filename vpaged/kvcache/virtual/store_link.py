@@ -50,7 +50,7 @@ from ...errors import (
     StoreError,
     StoreFullError,
 )
-from ...memory.store import PageStore, StoreFingerprint, chain_keys
+from ...memory.store import PageStore, StoreFingerprint, chain_keys, page_key
 
 if TYPE_CHECKING:
     from .page_map import PageMap
@@ -83,13 +83,6 @@ class StoreLinkStats:
     short: int = 0
     faults: int = 0
     read_faults: int = 0
-
-
-def page_key(block_key: bytes, run: int) -> bytes:
-    """The store key of run `run`'s page of the block whose chain key is block_key."""
-    h = hashlib.blake2b(block_key, digest_size=len(block_key), person=b"vpaged-kv-run")
-    h.update(int(run).to_bytes(8, "little"))
-    return h.digest()
 
 
 class StoreLink:

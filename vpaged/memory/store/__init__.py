@@ -7,7 +7,7 @@ makes a page visible atomically; reclaim.py gives back what dead processes held;
 store.py the PageStore. docs/kv-store.md says what it guarantees and what is not wired yet.
 """
 
-from .fingerprint import StoreFingerprint, chain_keys
+from .fingerprint import StoreFingerprint, chain_keys, page_key
 from .reclaim import ReclaimCounts
 from .stats import StoreStats
 from .store import PRESENT, PUBLISHED, RACED, PageStore, PinnedPage
@@ -19,6 +19,7 @@ __all__ = [
     "StoreStats",
     "ReclaimCounts",
     "chain_keys",
+    "page_key",
     "PUBLISHED",
     "PRESENT",
     "RACED",

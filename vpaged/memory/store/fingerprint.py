@@ -95,3 +95,11 @@ def chain_keys(fingerprint: StoreFingerprint, windows: Iterable[Sequence[int]]) 
         parent = h.digest()
         out.append(parent)
     return out
+
+
+def page_key(block_key: bytes, part: int) -> bytes:
+    """The store key of page `part` of a block whose chain key is block_key: a block that spans several pages
+    (one per layer, one per run of a cache slot) has one key per page, each derived from the block's."""
+    h = hashlib.blake2b(block_key, digest_size=len(block_key), person=b"vpaged-kv-run")
+    h.update(int(part).to_bytes(8, "little"))
+    return h.digest()
