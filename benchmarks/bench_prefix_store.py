@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -128,11 +129,22 @@ def p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
 
 
-def multi_round(model: str, prose: list[int], args, store: str | None, concurrent: bool) -> dict:
+def multi_round(model: str, prose: list[int], args, store: str | None, concurrent: bool, start=None) -> dict:
+    """start(i): server i of the two (default: `vpaged serve`, on the store when one is named)."""
     # The store holds the whole working set (its capacity is the host tier's size); each server's own KV budget
     # (512 MiB) holds about half of it, in both arms.
-    extra = ["--prefix-store", store, "--prefix-store-pages", str(args.store_pages)] if store else []
-    servers = [Server(model, extra), Server(model, extra)]
+    if start is None:
+        extra = ["--prefix-store", store, "--prefix-store-pages", str(args.store_pages)] if store else []
+        start = lambda i: Server(model, extra)  # noqa: E731
+    with ThreadPoolExecutor(2) as pool:  # both come up at once (a vLLM server takes a minute)
+        starting = [pool.submit(start, i) for i in range(2)]
+        wait(starting)
+    if any(f.exception() for f in starting):
+        for f in starting:
+            if f.exception() is None:
+                f.result().stop()
+        raise next(f.exception() for f in starting if f.exception())
+    servers = [f.result() for f in starting]
     system = prose[: args.system]
     ttfts, answers, errors = {}, {}, []
 

@@ -10,7 +10,10 @@ neighbours, and a page may only go when every block on it is gone.
 
 The tensor is made from the raw address (not a vpaged view, which would pin every page and forbid unmap):
 touching an unmapped page is a segmentation fault, so the caller must map every block a step may read or
-write before the step runs (patches.py does it from the scheduler's output). Nothing here knows vLLM.
+write before the step runs (patches.py does it from the scheduler's output). A block may also map another
+file's pages in place of its own (share_file_pages: vpaged's KV connector maps a page store's pages into
+the blocks of a prefix hit, with no copy); they are unmapped like any when the block goes, and replaced by
+fresh pages when vLLM hands the block out for other tokens. Nothing here knows vLLM.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +80,8 @@ class BackingStats:
     page_size: int
     map_calls: int
     unmap_calls: int
+    file_bytes: int = 0  # mapped pages that are another file's (a page store's), not the pool's
+    file_blocks_replaced: int = 0  # blocks that mapped file pages and got pages of their own (handed out again)
 
 
 HOST_MIN_PAGE = 4096  # the smallest page a host range maps (the OS page)
@@ -163,9 +169,12 @@ class KVBacking:
         self._page_users = np.zeros(self._range.num_pages, dtype=np.int32)  # held blocks touching each page
         self._block_pages: dict[int, np.ndarray] = {}  # mapped block -> its pages
         self._dormant: set[int] = set()  # mapped blocks vLLM keeps only as prefix cache
+        # block -> (its page indices that map another file's pages, called once they are unmapped)
+        self._file_blocks: dict[int, tuple[list[int], Callable[[], None]]] = {}
         self.lock = threading.RLock()  # the worker's step holds it: no unmap runs under a kernel
         self.map_calls = 0
         self.unmap_calls = 0
+        self.file_blocks_replaced = 0
         self.device = device
         self._tensor: torch.Tensor | None = None
         if self.device.type == "cuda":
@@ -296,7 +305,70 @@ class KVBacking:
             if idle.size:
                 self._range.unmap(idle.tolist())
                 self.unmap_calls += 1
+            for b in gone:
+                if b in self._file_blocks:
+                    self._file_blocks.pop(b)[1]()
             return len(gone)
+
+    # ------------------------------------------------------------------------------------- another file's pages
+    def can_share_file_pages(self, nbytes: int) -> bool:
+        """Whether a span of `nbytes` of a block can be another file's pages (share_file_pages): the pool can
+        map file pages (the host backend), and every block's span starts on a page of its own and covers whole
+        pages, so a page never holds bytes of two blocks."""
+        ps = self.page_size
+        if not self.pool.can_attach_file_pages or nbytes % ps:
+            return False
+        return all(
+            g.block_bytes % ps == 0 and not (g.offset | g.layer_stride | g.block_stride) % ps for g in self.geometries
+        )
+
+    def share_file_pages(self, block: int, spans: list[tuple[int, int]], nbytes: int, fd: int, on_release) -> None:
+        """Map the pages of file `fd` in place of the mapped block's own: spans are (byte offset in the buffer,
+        byte offset in the file) of `nbytes` each. No byte is copied; the block then reads the file's page
+        cache pages, mapped private (a write would never reach the file). on_release() is called once they are
+        unmapped again: the block released (release_blocks) or given fresh pages (replace_file_pages). All or
+        nothing: an error leaves the block on pages of its own (their bytes undefined)."""
+        with self.lock:
+            if block not in self._block_pages:
+                raise InvalidArgumentError(f"block {block} is not mapped")
+            if not self.can_share_file_pages(nbytes):
+                raise InvalidArgumentError(f"spans of {nbytes} bytes cannot map file pages of this buffer")
+            ps = self.page_size
+            indices = [(at + k) // ps for at, _ in spans for k in range(0, nbytes, ps)]
+            offsets = [off + k for _, off in spans for k in range(0, nbytes, ps)]
+            if not set(indices) <= set(self._block_pages[block].tolist()) or (self._page_users[indices] != 1).any():
+                raise InvalidArgumentError(f"the spans given are not pages of block {block} alone")
+            self.replace_file_pages([block])  # the file pages of an earlier hit on this block go first
+            ids = self.pool.attach_file_pages(fd, offsets)
+            try:
+                self._range.unmap(indices)
+                try:
+                    self._range.map_shared(indices, ids)
+                except BaseException:
+                    self._range.map_new(indices)
+                    raise
+            finally:
+                self.pool.decref(ids)  # the range holds them now; they detach when it unmaps them
+            self._file_blocks[block] = (indices, on_release)
+            self.map_calls += 1
+
+    def replace_file_pages(self, blocks) -> int:
+        """Give the blocks among `blocks` that map file pages fresh pages of the pool instead (zeros), before
+        vLLM writes other tokens into them; returns how many were."""
+        with self.lock:
+            todo = [int(b) for b in blocks if int(b) in self._file_blocks]
+            for b in todo:
+                indices, _ = self._file_blocks[b]
+                self._range.unmap(indices)
+                self._take_pages(len(indices))
+                self._range.map_new(indices)
+                self._file_blocks.pop(b)[1]()
+                self.unmap_calls += 1
+                self.file_blocks_replaced += 1
+            return len(todo)
+
+    def maps_file_pages(self, block: int) -> bool:
+        return block in self._file_blocks
 
     def set_dormant(self, blocks, dormant: bool = True) -> None:
         """Mark mapped blocks as kept only for the prefix cache (counted as dormant), or as held again."""
@@ -334,6 +406,8 @@ class KVBacking:
                 ps,
                 self.map_calls,
                 self.unmap_calls,
+                sum(len(i) for i, _ in self._file_blocks.values()) * ps,
+                self.file_blocks_replaced,
             )
 
 

@@ -50,6 +50,7 @@ class PluginState:
         self.backing: KVBacking | None = None
         self.block_pools: weakref.WeakSet = weakref.WeakSet()
         self.candidates: set[int] = set()
+        self.evicted: set[int] = set()  # candidates evicted from vLLM's prefix cache since the last drain
         self.candidates_lock = threading.Lock()
         self.map_mode = "demand"
         self.released_since_trim = 0
@@ -72,9 +73,14 @@ class PluginState:
         if held is not None:
             held.release()
 
-    def note(self, block_ids) -> None:
+    def note(self, block_ids, evicted: bool = False) -> None:
+        """Blocks to look at in the next drain: freed, or evicted from the prefix cache (their bytes no longer
+        what their hash said)."""
         with self.candidates_lock:
-            self.candidates.update(block_ids)
+            ids = set(block_ids)
+            self.candidates.update(ids)
+            if evicted:
+                self.evicted.update(ids)
 
     def pool_for(self, backing: KVBacking):
         for pool in list(self.block_pools):
@@ -90,6 +96,7 @@ class PluginState:
             return 0
         with self.candidates_lock:
             ids, self.candidates = self.candidates, set()
+            evicted, self.evicted = self.evicted, set()
         if not ids:
             return 0
         pool = self.pool_for(backing)
@@ -110,6 +117,12 @@ class PluginState:
                     dormant.append(b)
             backing.set_dormant(dormant, True)
             backing.set_dormant(held, False)
+            # A held block that was evicted from the prefix cache, or has no hash, was handed out again for other
+            # tokens (a block re-hit from the prefix cache keeps its hash and was not evicted): if it maps a page
+            # store's pages (connector/worker_side.py maps them into the blocks of a hit), it gets pages of its
+            # own before the step writes into it. Its hash alone cannot tell: vLLM hashes the blocks a step
+            # fills when it schedules them, before the forward writes them.
+            backing.replace_file_pages(b for b in held if b in evicted or pool.blocks[b].block_hash is None)
             released = backing.release_blocks(release)
         self.released_since_trim += released
         return released
@@ -351,7 +364,7 @@ def make_block_pool_hooks(block_pool_cls):
     def _maybe_evict_cached_block(self, block):
         evicted = evict(self, block)
         if evicted:
-            STATE.note((block.block_id,))
+            STATE.note((block.block_id,), evicted=True)
         return evicted
 
     @functools.wraps(reset)

@@ -67,7 +67,7 @@ class VPagedConnector(KVConnectorBase_V1):
             self.worker_side = None
         else:
             self.scheduler_side = None
-            self.worker_side = WorkerSide(self.store, placement, loads, saves)
+            self.worker_side = WorkerSide(self.store, placement, loads, saves, self.settings.map_pages)
 
     @property
     def requires_kv_delivery(self) -> bool:

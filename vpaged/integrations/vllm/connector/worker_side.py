@@ -1,25 +1,31 @@
 """The worker half of the connector: fill blocks from the store before a step's forward, publish after it.
 
 A load pins every layer page of the request's matched blocks (the leading ones still published: a page may
-be evicted between the scheduler's match and this pin), reads each in place, checks it against its crc32 and
-writes it into the block's page of that layer in vLLM's buffer; then unpins. Blocks it could not fill (a page
-gone, a checksum that fails, a store error) are reported to vLLM (get_block_ids_with_load_errors), which
-computes their tokens again under kv_load_failure_policy "recompute" and fails the request under "fail"
-(vLLM's default: set "recompute" in --kv-transfer-config to have a lost page cost only time). Publishing
-reads each layer's page of a filled block out of vLLM's buffer into the store, after the forward that wrote
-it (wait_for_save): the blocks the store already holds are skipped with one probe, and a full store (every
-page pinned) or a store error costs only the pages not published.
+be evicted between the scheduler's match and this pin). When vLLM's buffer is on vpaged memory (the plugin,
+VPAGED_VLLM=1) and its blocks own whole pages, the pages are mapped into the block in place of its own
+(backing.share_file_pages): no byte is copied, the block reads the store's page cache pages, each checked
+against its crc32 where it is mapped, and the pins are held until the block is released or handed out for
+other tokens (patches.py gives it pages of its own first). Otherwise each page is read, checked and copied
+into the block, then unpinned. Blocks it could not fill (a page gone, a checksum that fails, a store error)
+are reported to vLLM (get_block_ids_with_load_errors), which computes their tokens again under
+kv_load_failure_policy "recompute" and fails the request under "fail" (vLLM's default: set "recompute" in
+--kv-transfer-config to have a lost page cost only time). Publishing reads each layer's page of a filled
+block out of vLLM's buffer into the store, after the forward that wrote it (wait_for_save): the blocks the
+store already holds are skipped with one probe, and a full store (every page pinned) or a store error costs
+only the pages not published.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ....errors import StoreError, StoreFullError
+from ....errors import StoreError, StoreFullError, VPagedError
 from ....memory.store import PUBLISHED, PageStore, page_key
 from .metadata import BlockTransfer, VPagedConnectorMetadata
 from .placement import BlockPlacement
@@ -29,13 +35,14 @@ logger = logging.getLogger("vpaged.integrations.vllm.connector")
 
 @dataclass
 class WorkerSideStats:
-    """Counts of this worker: tokens and pages filled from the store, bytes copied for them, blocks that
+    """Counts of this worker: tokens and pages filled from the store, bytes copied and mapped for them, blocks that
     could not be filled (load_failures), pages published, pages found present, pages a full store refused,
     store errors."""
 
     loaded_tokens: int = 0
     loaded_pages: int = 0
     copied_bytes: int = 0
+    mapped_bytes: int = 0
     load_failures: int = 0
     published_pages: int = 0
     present_pages: int = 0
@@ -44,8 +51,12 @@ class WorkerSideStats:
 
 
 class WorkerSide:
-    def __init__(self, store: PageStore | None, placement: BlockPlacement | None, loads: bool, saves: bool):
+    def __init__(
+        self, store: PageStore | None, placement: BlockPlacement | None, loads: bool, saves: bool, map_pages=True
+    ):
         self.store, self.placement = store, placement
+        self.map_pages = map_pages
+        self.backing = None  # vLLM's buffer when it is a vpaged range whose blocks can map store pages
         self.active = store is not None
         self.loads_enabled, self.saves_enabled = loads and self.active, saves and self.active
         self.layers = len(placement.layers) if placement else 0
@@ -70,6 +81,18 @@ class WorkerSide:
                 raise ValueError(f"layer {layer.name}: its last block ends at byte {last}, past its {raw.numel()}")
             buffers.append((raw, layer.offset, layer.block_stride))
         self._buffers = buffers
+        self.backing = self._mappable_backing(raws)
+
+    def _mappable_backing(self, raws: dict[int, torch.Tensor]):
+        """The plugin's backing of vLLM's KV buffer (VPAGED_VLLM=1) when hits can map store pages into it."""
+        if not self.map_pages:
+            return None
+        from ..patches import STATE
+
+        backing = STATE.backing
+        if backing is None or list(raws) != [backing.address] or not backing.can_share_file_pages(self.page_bytes):
+            return None
+        return backing
 
     def page(self, layer: int, block: int) -> torch.Tensor:
         """Layer `layer`'s page of vLLM block `block`: a uint8 view into vLLM's buffer."""
@@ -99,21 +122,64 @@ class WorkerSide:
         except StoreError as e:
             self._fault("pin", e)
             return 0
+        whole = len(handles) // self.layers
+        for h in handles[whole * self.layers :]:
+            h.release()
         filled = 0
+        for i, block in enumerate(transfer.block_ids[:whole]):
+            mine = handles[i * self.layers : (i + 1) * self.layers]
+            if not (self._map_block(block, mine) if self.backing is not None else self._copy_block(block, mine)):
+                for h in handles[(i + 1) * self.layers : whole * self.layers]:
+                    h.release()
+                break
+            filled += 1
+        return filled
+
+    def _copy_block(self, block: int, handles) -> bool:
+        """Copy the block's pages out of the store (each checked against its crc32), then unpin them."""
         try:
-            for i, block in enumerate(transfer.block_ids[: len(handles) // self.layers]):
-                for layer in range(self.layers):
-                    data = handles[i * self.layers + layer].read(verify=True)
-                    self._write_page(self.page(layer, block), data)
-                filled += 1
+            for layer, handle in enumerate(handles):
+                self._write_page(self.page(layer, block), handle.read(verify=True))
         except StoreError as e:  # a checksum that fails, a damaged file: the rest is computed
             self._fault("read", e)
+            return False
         finally:
             for h in handles:
                 h.release()
-        self.stats.loaded_pages += filled * self.layers
-        self.stats.copied_bytes += filled * self.layers * self.page_bytes
-        return filled
+        self.stats.loaded_pages += self.layers
+        self.stats.copied_bytes += self.layers * self.page_bytes
+        return True
+
+    def _map_block(self, block: int, handles) -> bool:
+        """Map the block's store pages in place of its own (no copy), checked against their crc32 where they
+        are mapped; the pins are held until the backing unmaps them (the block freed, or handed out again)."""
+        backing = self.backing
+        layers = self.placement.layers
+        spans = [(layers[i].offset + block * layers[i].block_stride, h.offset) for i, h in enumerate(handles)]
+
+        def unpin() -> None:
+            for h in handles:
+                h.release()
+
+        faults = backing.pool.file_page_faults
+        try:
+            backing.share_file_pages(block, spans, self.page_bytes, self.store.data_fd, unpin)
+        except (StoreError, VPagedError) as e:  # the data file cut short, out of mappings: computed instead
+            unpin()
+            self._fault("map", e)
+            return False
+        base = backing.address
+        bad = any(
+            zlib.crc32((ctypes.c_char * self.page_bytes).from_address(base + at)) != h.crc
+            for (at, _), h in zip(spans, handles)
+        )
+        if bad or backing.pool.file_page_faults != faults:
+            backing.replace_file_pages([block])  # its own pages again; unpins
+            self._fault("map", StoreError("a mapped page fails its checksum"))
+            return False
+        self.stats.loaded_pages += self.layers
+        self.stats.mapped_bytes += self.layers * self.page_bytes
+        return True
 
     @staticmethod
     def _write_page(dst: torch.Tensor, data: bytes) -> None:
