@@ -25,6 +25,7 @@ without being imported).
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -285,6 +286,9 @@ sys.exit(1 if failed else 0)
 """
 
 
+VLLM_CONNECTOR = "vpaged.integrations.vllm.connector."
+
+
 def test_every_module_imports_on_its_own():
     pytest.importorskip("transformers")
     pytest.importorskip("fastapi")
@@ -292,4 +296,11 @@ def test_every_module_imports_on_its_own():
     done = subprocess.run(
         [sys.executable, "-c", IMPORT_EACH, *names], capture_output=True, text=True, cwd=ROOT, timeout=600
     )
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    failed = [line for line in done.stdout.splitlines() if line.strip()]
+    if importlib.util.find_spec("vllm") is None:
+        # The vLLM connector's modules subclass vLLM's classes: they import only where vLLM is (test_vllm.sh).
+        failed = [
+            f for f in failed
+            if not (f.startswith(VLLM_CONNECTOR) and f.endswith("No module named 'vllm'"))
+        ]  # fmt: skip
+    assert failed == [] and (done.returncode == 0 or done.stdout.strip()), done.stdout + done.stderr[-3000:]
