@@ -11,9 +11,9 @@ caching on in every arm, TTFT read from the streamed /v1/completions as bench_pr
 - multi-round QA (bench_prefix_store.py's workload: USERS users, ROUNDS rounds, a shared system prompt, each
   user's history growing a round, user u's round r to server (u + r) % 2), one request at a time
   (`multi_round_serial`, TTFT is the prefill alone) and with the users at once (`multi_round`). Arms: each
-  instance with vLLM's prefix cache alone (`own`); both instances with the connector on one store, vLLM's KV
-  in its own buffer (`store`: a hit copies each page); and the same on vpaged memory (`store-mapped`: vLLM
-  under vpaged's plugin, a hit maps the store's pages into vLLM's blocks, no copy).
+  instance with vLLM's prefix cache alone (`own`), and both instances with the connector on one store (`store`:
+  a hit copies each page into vLLM's buffer; under `vllm serve` on the CPU the scheduler and the worker are two
+  processes, where the connector always copies: docs/vllm-connector.md).
 - warm restart: a WARM-token prompt on an instance with the connector on a `dir:` store, the instance stopped
   and started again, the same prompt: TTFT cold vs warm (the new process's own cache is empty both times).
 
@@ -63,18 +63,16 @@ def free_port() -> int:
 
 
 class VLLMServer(Server):
-    """A `vllm serve` process on core `core` (benchmarks/vllm_serve.py: with vpaged's plugin when `plugin`, so
-    vLLM's KV is on vpaged memory and the connector's hits map the store's pages), up once /health answers."""
+    """A `vllm serve` process on core `core`, up once /health answers."""
 
-    def __init__(self, model: str, core: int, store: str | None, args, plugin: bool = False):
+    def __init__(self, model: str, core: int, store: str | None, args):
         self.host, self.port, self.model = "127.0.0.1", str(free_port()), model
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "vllm_serve.py"), "--model", model, "--port", self.port]
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", self.port]
         cmd += ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--enable-prefix-caching"]
         cmd += ["--max-num-batched-tokens", "4096"]
         if store:
             cmd += ["--kv-transfer-config", connector_config(store, args.store_mib << 20)]
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core), VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib))
-        env["VPAGED_VLLM"] = "1" if plugin else "0"
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -105,8 +103,6 @@ class VLLMServer(Server):
                 name, value = line.rsplit(" ", 1)
                 out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
         conn.close()
-        self.log.seek(0)
-        out["vpaged_plugin_active"] = float("is a vpaged range" in self.log.read())  # the plugin's start-up line
         return out
 
 
@@ -121,7 +117,6 @@ def summarize(own: dict, shared: dict) -> dict:
         external_hit_tokens=sum(m.get("vllm:external_prefix_cache_hits_total", 0) for m in shared["metrics"]),
         local_hit_tokens_store=sum(m.get("vllm:prefix_cache_hits_total", 0) for m in shared["metrics"]),
         local_hit_tokens_own=sum(m.get("vllm:prefix_cache_hits_total", 0) for m in own["metrics"]),
-        vpaged_memory=all(m.get("vpaged_plugin_active") for m in shared["metrics"]),
     )
     s["mean_ratio"] = s["own_mean_ttft_s"] / s["store_mean_ttft_s"]
     s["p99_ratio"] = s["own_p99_ttft_s"] / s["store_p99_ttft_s"]
@@ -160,7 +155,6 @@ def main() -> int:
     ap.add_argument("--store-mib", type=int, default=2048, help="the store's capacity")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--sections", default="multi_round_serial,multi_round,warm_restart")
-    ap.add_argument("--arms", default="store,store-mapped", help="store arms measured against vLLM's own cache")
     ap.add_argument("--output", default="vllm-connector.json", help="results file name under benchmarks/results/")
     args = ap.parse_args()
     why = real_model.why_unavailable()
@@ -178,25 +172,19 @@ def main() -> int:
     prose = (real_model.prose_ids(tok, 4096) * (need // 4096 + 2))[:need]
     result = dict(machine=machine(), model=real_model.NAME, dtype="float32", vllm=vllm.__version__, args=vars(args))
     sections = args.sections.split(",")
-    arms = args.arms.split(",")
     for section in ("multi_round_serial", "multi_round"):
         if section not in sections:
             continue
+        name = f"bench-vllm-{uuid.uuid4().hex[:10]}"
         concurrent = section == "multi_round"
-        own = multi_round(model, prose, args, None, concurrent, start=lambda i: VLLMServer(model, i, None, args))
-        result[section] = dict(own=own)
-        for arm in arms:
-            name = f"bench-vllm-{uuid.uuid4().hex[:10]}"
-            mapped = arm == "store-mapped"
-            try:
-                shared = multi_round(
-                    model, prose, args, name, concurrent, start=lambda i: VLLMServer(model, i, name, args, mapped)
-                )
-            finally:
-                PageStore.remove(name)
-            summary = summarize(own, shared)
-            result[section][arm] = dict(summary=summary, run=shared)
-            print(section, arm, json.dumps(summary, indent=1), flush=True)
+        try:
+            own = multi_round(model, prose, args, None, concurrent, start=lambda i: VLLMServer(model, i, None, args))
+            shared = multi_round(model, prose, args, name, concurrent, start=lambda i: VLLMServer(model, i, name, args))
+        finally:
+            PageStore.remove(name)
+        summary = summarize(own, shared)
+        result[section] = dict(summary=summary, own=own, store=shared)
+        print(section, json.dumps(summary, indent=1), flush=True)
     if "warm_restart" in sections:
         warm = warm_restart(model, prose, args)
         result["warm_restart"] = warm

@@ -356,3 +356,65 @@ def test_another_vllm_version_is_refused(model_dir, store_name, monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     with pytest.raises(VersionUnsupportedError, match="this is vLLM 0.99.0"):
         VPagedConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def _finish(scheduler, out):
+    """Feed one sampled token back; the kv_transfer_params of every request that finished with it."""
+    done = {}
+    for client_outputs in scheduler.update_from_output(out, _output(out)).values():
+        for o in client_outputs.outputs:
+            if o.finish_reason is not None:
+                done[o.request_id] = o.kv_transfer_params
+    return done
+
+
+@needs_vllm
+@pytest.mark.parametrize("tail", [0, 11])  # a prompt of whole blocks, and one whose last block is not full
+def test_a_prefill_hands_its_whole_prompt_to_a_decode_instance(model_dir, store_name, tail):
+    import random
+
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    prompt = [rng.randrange(3, 512) for _ in range(BLOCK * 3 + tail)]
+    vp, kp = _configs(model_dir, store_name, role="kv_producer")
+    prefill, pw = _scheduler(vp, kp), Worker(vp, kp, seed=rng.randrange(1 << 30))
+    request = _request("p", prompt, max_tokens=1)
+    request.kv_transfer_params = {"do_remote_decode": True}
+    prefill.add_request(request)
+    out = prefill.schedule()
+    (save,) = out.kv_connector_metadata.saves
+    assert len(save.block_ids) == 3 + (tail > 0)  # the partial last block too
+    pw.step(out.kv_connector_metadata)
+    written = [pw.block(b) for b in save.block_ids]
+    params = _finish(prefill, out)["p"]
+    assert params["do_remote_prefill"] is True and params["vpaged_store"] == store_name
+
+    vc, kc = _configs(model_dir, store_name, role="kv_consumer")
+    decode, dw = _scheduler(vc, kc), Worker(vc, kc, seed=None)
+    request = _request("d", prompt)
+    request.kv_transfer_params = params
+    decode.add_request(request)
+    out = decode.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == len(prompt) - 1  # the prefill's, all but one token
+    assert out.num_scheduled_tokens["d"] == 1
+    (load,) = out.kv_connector_metadata.loads
+    assert load.last_written and len(load.block_ids) == len(written)
+    assert dw.step(out.kv_connector_metadata) == set()
+    assert [dw.block(b) for b in load.block_ids] == written
+    assert decode.connector.scheduler_side.stats.handoffs_in == 1
+
+    # The same prompt without the hand-off's params is a plain hit: full blocks only, the last one computed.
+    plain = _scheduler(vc, kc)
+    plain.add_request(_request("x", prompt))
+    assert plain.schedule().scheduled_new_reqs[0].num_computed_tokens == (len(prompt) - 1) // BLOCK * BLOCK
+
+
+@needs_vllm
+def test_a_decode_request_whose_prefill_pages_are_gone_computes_them(model_dir, store_name):
+    prompt = list(range(9, 9 + 2 * BLOCK + 5))
+    vc, kc = _configs(model_dir, store_name, role="kv_consumer")
+    decode = _scheduler(vc, kc)
+    request = _request("d", prompt)
+    request.kv_transfer_params = {"do_remote_prefill": True, "do_remote_decode": False}
+    decode.add_request(request)
+    out = decode.schedule()  # nothing was published: it computes the prompt, it does not wait
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0 and out.num_scheduled_tokens["d"] == len(prompt)

@@ -123,6 +123,26 @@ def test_smollm2_same_tokens_with_the_store(store_name):
     assert again["tokens"] == reference["tokens"] and again["stats"]["loaded_tokens"] > 0
 
 
+@needs_vllm
+def test_a_prefill_instance_hands_its_prompts_to_a_decode_instance(tiny_llama, store_name, tmp_path):
+    """vLLM's kv_transfer_params protocol, as a proxy drives it: each prompt to the producer with max_tokens 1
+    and {"do_remote_decode": true}, then with the params it returns to the consumer (on vpaged memory), which
+    computes one token of each prompt and generates what one instance alone generates."""
+    reference = _run(tiny_llama, None, "prefix")
+    params = tmp_path / "params.json"
+    produced = _run(tiny_llama, store_name, f"produce:{params}")
+    assert produced["sched"]["handoffs_out"] == 24
+    consumed = _run(tiny_llama, store_name, f"consume:{params}", plugin=True)
+    assert consumed["tokens"] == reference["tokens"]
+    # Every decode request found its whole prompt but the last token (vLLM's own cache supplied some blocks:
+    # prompts share prefixes), so the consumer computed one token of each.
+    assert consumed["sched"]["handoffs_in"] == 24
+    lengths = [len(p) for p in workload_prompts("prefix", n=24)]
+    assert consumed["sched"]["handoff_computed_tokens"] == 24 and sum(lengths) > 24 * 100
+    # The full blocks are mapped; only each prompt's last block, which decoding writes into, is copied.
+    assert consumed["stats"]["mapped_bytes"] > 0 and consumed["stats"]["load_failures"] == 0
+
+
 # ---- the engine process ----
 
 
@@ -146,24 +166,36 @@ def _engine(model: str, store: str, prompts: str, blocks: int) -> None:
     from vllm import LLM, SamplingParams
 
     kwargs = {}
+    mode, _, params_path = prompts.partition(":")
+    role = {"produce": "kv_producer", "consume": "kv_consumer"}.get(mode, "kv_both")
     if store != "-":
         kwargs["kv_transfer_config"] = {
             "kv_connector": "VPagedConnector",
             "kv_connector_module_path": "vpaged.integrations.vllm.connector",
-            "kv_role": "kv_both",
+            "kv_role": role,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"store": store, "store_bytes": 512 << 20},
         }
     llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
               num_gpu_blocks_override=blocks, enable_prefix_caching=True, **kwargs)  # fmt: skip
-    batch = workload_prompts("prefix", n=24) if prompts == "prefix" else _prose_prompts(model)
+    batch = _prose_prompts(model) if prompts == "prose" else workload_prompts("prefix", n=24)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    if mode == "produce":
+        handoff = {"kv_transfer_params": {"do_remote_decode": True}}
+        params = [SamplingParams(temperature=0, max_tokens=1, extra_args=handoff) for _ in batch]
+    elif mode == "consume":
+        handed = json.loads(Path(params_path).read_text())
+        params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, extra_args={"kv_transfer_params": h})
+                  for h in handed]  # fmt: skip
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
-    stats = None
+    if mode == "produce":
+        Path(params_path).write_text(json.dumps([o.kv_transfer_params for o in outs]))
+    stats = sched = None
     if store != "-":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         stats = dict(get_kv_transfer_group().worker_side.stats.__dict__)
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side.stats.__dict__
     plugin_stats = None
     if os.environ.get("VPAGED_VLLM") == "1":
         import vpaged.integrations.vllm as plugin
@@ -172,7 +204,7 @@ def _engine(model: str, store: str, prompts: str, blocks: int) -> None:
         plugin_stats = s and s.__dict__
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     cached = [o.num_cached_tokens for o in outs]
-    print(json.dumps({"tokens": tokens, "cached": cached, "stats": stats, "plugin": plugin_stats}))
+    print(json.dumps({"tokens": tokens, "cached": cached, "stats": stats, "sched": sched, "plugin": plugin_stats}))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ makes a page visible atomically; reclaim.py gives back what dead processes held;
 store.py the PageStore. docs/kv-store.md says what it guarantees and what is not wired yet.
 """
 
-from .fingerprint import StoreFingerprint, chain_keys, page_key
+from .fingerprint import StoreFingerprint, chain_keys, page_key, tail_key
 from .reclaim import ReclaimCounts
 from .stats import StoreStats
 from .store import PRESENT, PUBLISHED, RACED, PageStore, PinnedPage
@@ -20,6 +20,7 @@ __all__ = [
     "ReclaimCounts",
     "chain_keys",
     "page_key",
+    "tail_key",
     "PUBLISHED",
     "PRESENT",
     "RACED",

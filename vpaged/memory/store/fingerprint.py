@@ -103,3 +103,16 @@ def page_key(block_key: bytes, part: int) -> bytes:
     h = hashlib.blake2b(block_key, digest_size=len(block_key), person=b"vpaged-kv-run")
     h.update(int(part).to_bytes(8, "little"))
     return h.digest()
+
+
+def tail_key(fingerprint: StoreFingerprint, parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """The key of a block that is not full: the last block of one exact prompt, after the full blocks whose
+    last chain key is `parent` (None: there are none). A personalization of its own keeps it apart from every
+    full block's key; a prefill hands such a block to the decode instance of the same request (the vLLM
+    connector), no other prompt ever asks for it."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    if ids.ndim != 1 or ids.size == 0:
+        raise InvalidArgumentError(f"a tail block's token ids are a non-empty 1-d sequence, got {tokens!r}")
+    h = hashlib.blake2b(parent or fingerprint.digest(), digest_size=KEY_BYTES, person=b"vpaged-kv-tail")
+    h.update(ids.astype("<i8", copy=False).tobytes())
+    return h.digest()

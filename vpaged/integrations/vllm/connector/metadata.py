@@ -18,6 +18,7 @@ class BlockTransfer:
     req_id: str
     block_ids: list[int]
     block_keys: list[bytes]
+    last_written: bool = False  # a load whose last block vLLM writes into next (a hand-off's): copied, not mapped
 
     def __post_init__(self):
         if len(self.block_ids) != len(self.block_keys):

@@ -111,8 +111,7 @@ class VPagedConnector(KVConnectorBase_V1):
         return self.scheduler_side.build_connector_meta(scheduler_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler_side.request_finished(request)
-        return False, None
+        return False, self.scheduler_side.request_finished(request)
 
     # ---------------------------------------------------------------------------------------------- both
     def shutdown(self) -> None:

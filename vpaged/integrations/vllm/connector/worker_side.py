@@ -2,17 +2,17 @@
 
 A load pins every layer page of the request's matched blocks (the leading ones still published: a page may
 be evicted between the scheduler's match and this pin). When vLLM's buffer is on vpaged memory (the plugin,
-VPAGED_VLLM=1) and its blocks own whole pages, the pages are mapped into the block in place of its own
-(backing.share_file_pages): no byte is copied, the block reads the store's page cache pages, each checked
-against its crc32 where it is mapped, and the pins are held until the block is released or handed out for
-other tokens (patches.py gives it pages of its own first). Otherwise each page is read, checked and copied
-into the block, then unpinned. Blocks it could not fill (a page gone, a checksum that fails, a store error)
-are reported to vLLM (get_block_ids_with_load_errors), which computes their tokens again under
-kv_load_failure_policy "recompute" and fails the request under "fail" (vLLM's default: set "recompute" in
---kv-transfer-config to have a lost page cost only time). Publishing reads each layer's page of a filled
-block out of vLLM's buffer into the store, after the forward that wrote it (wait_for_save): the blocks the
-store already holds are skipped with one probe, and a full store (every page pinned) or a store error costs
-only the pages not published.
+VPAGED_VLLM=1), its blocks own whole pages and vLLM's scheduler runs in this process, the pages are mapped
+into the block in place of its own (backing.share_file_pages): no byte is copied, the block reads the
+store's page cache pages, each checked against its crc32 where it is mapped, and the pins are held until the
+block is released or handed out for other tokens (patches.py gives it pages of its own first). Otherwise
+each page is read, checked and copied into the block, then unpinned. Blocks it could not fill (a page gone,
+a checksum that fails, a store error) are reported to vLLM (get_block_ids_with_load_errors), which computes
+their tokens again under kv_load_failure_policy "recompute" and fails the request under "fail" (vLLM's
+default: set "recompute" in --kv-transfer-config to have a lost page cost only time). Publishing reads each
+layer's page of a filled block out of vLLM's buffer into the store, after the forward that wrote it
+(wait_for_save): the blocks the store already holds are skipped with one probe, and a full store (every page
+pinned) or a store error costs only the pages not published.
 """
 
 from __future__ import annotations
@@ -122,18 +122,33 @@ class WorkerSide:
         except StoreError as e:
             self._fault("pin", e)
             return 0
+        maps = self._maps_now()
         whole = len(handles) // self.layers
         for h in handles[whole * self.layers :]:
             h.release()
         filled = 0
         for i, block in enumerate(transfer.block_ids[:whole]):
             mine = handles[i * self.layers : (i + 1) * self.layers]
-            if not (self._map_block(block, mine) if self.backing is not None else self._copy_block(block, mine)):
+            # A block vLLM writes into next (a hand-off's last) is copied: its mapping would be copied anyway.
+            last_written = transfer.last_written and i == len(transfer.block_ids) - 1
+            if not (self._map_block(block, mine) if maps and not last_written else self._copy_block(block, mine)):
                 for h in handles[(i + 1) * self.layers : whole * self.layers]:
                     h.release()
                 break
             filled += 1
         return filled
+
+    def _maps_now(self) -> bool:
+        """Whether hits map: on the plugin's backing, and only where vLLM's block pool is in this process. The
+        plugin learns that a block was freed or handed out again from the block pool's hooks; where the
+        scheduler runs in another process (vLLM's multiprocess executor, which `vllm serve` on the CPU always
+        uses), it never would, and a block's store pages would stay pinned and be written through (privately)
+        by the next tokens vLLM puts there. Copying is always right."""
+        if self.backing is None:
+            return False
+        from ..patches import STATE
+
+        return STATE.pool_for(self.backing) is not None
 
     def _copy_block(self, block: int, handles) -> bool:
         """Copy the block's pages out of the store (each checked against its crc32), then unpin them."""
