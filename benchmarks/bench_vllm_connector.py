@@ -44,12 +44,12 @@ from bench_prefix_store import Server, multi_round, p99  # noqa: E402
 from common import machine, write_json  # noqa: E402
 
 
-def connector_config(store: str, store_bytes: int) -> str:
+def connector_config(store: str, store_bytes: int, role: str = "kv_both") -> str:
     return json.dumps(
         {
             "kv_connector": "VPagedConnector",
             "kv_connector_module_path": "vpaged.integrations.vllm.connector",
-            "kv_role": "kv_both",
+            "kv_role": role,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"store": store, "store_bytes": store_bytes},
         }
@@ -63,15 +63,15 @@ def free_port() -> int:
 
 
 class VLLMServer(Server):
-    """A `vllm serve` process on core `core`, up once /health answers."""
+    """A `vllm serve` process on core(s) `core` ("0", "0-1"), up once /health answers."""
 
-    def __init__(self, model: str, core: int, store: str | None, args):
+    def __init__(self, model: str, core: int | str, store: str | None, args, role: str = "kv_both"):
         self.host, self.port, self.model = "127.0.0.1", str(free_port()), model
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", self.port]
         cmd += ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--enable-prefix-caching"]
         cmd += ["--max-num-batched-tokens", "4096"]
         if store:
-            cmd += ["--kv-transfer-config", connector_config(store, args.store_mib << 20)]
+            cmd += ["--kv-transfer-config", connector_config(store, args.store_mib << 20, role)]
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core), VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib))
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log", delete=False)

@@ -135,6 +135,33 @@ def test_parallel_workers_are_declined(monkeypatch, caplog):
     assert guard.parallel_refusal(1, 1) is None
 
 
+def test_a_worker_apart_from_its_scheduler_is_declined(monkeypatch, caplog):
+    """vLLM's multiprocess executor (the CPU build's whenever VLLM_ENABLE_V1_MULTIPROCESSING=1) runs the worker
+    in a process of its own: the block pool's frees never reach the backing, so vLLM keeps its own buffer."""
+    from types import SimpleNamespace
+
+    from vpaged.integrations.vllm import patches
+
+    class FullAttentionSpec:
+        page_size_bytes = 4096
+
+    tensor = SimpleNamespace(size=1 << 20, layers=["a"], offset=0, layer_stride=1 << 19, block_stride=4096)
+    config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=FullAttentionSpec(), layer_names=["a"])],
+        kv_cache_tensors=[tensor],
+    )
+    allocate = patches.make_allocate_kv_cache(lambda *a: "vllm's own")
+    monkeypatch.setattr(guard, "_warned", set())
+    monkeypatch.setattr(patches, "_parallel_sizes", lambda: (1, 1))
+    for backend in ("mp", "ray"):
+        monkeypatch.setattr(patches, "_executor_backend", lambda b=backend: b)
+        with caplog.at_level("WARNING", logger="vpaged.integrations.vllm"):
+            assert allocate(config, torch.device("cpu"), None) == "vllm's own"
+    assert patches.STATE.backing is None
+    assert any("VLLM_ENABLE_V1_MULTIPROCESSING=0" in r.getMessage() for r in caplog.records)
+    assert guard.executor_refusal("uni") is None and guard.executor_refusal(None) is None
+
+
 def _cpu_backing(blocks=8, block_bytes=4096) -> KVBacking:
     geom = BlockGeometry(0, block_bytes, block_bytes, block_bytes, 1, blocks)
     return KVBacking(blocks * block_bytes, [geom], make_pool(blocks * block_bytes))

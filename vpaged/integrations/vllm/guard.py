@@ -63,3 +63,23 @@ def parallel_refusal(tensor_parallel: int, pipeline_parallel: int) -> str | None
             "from vLLM's block pool and could never give a page back"
         )
     return None
+
+
+APART_EXECUTORS = ("mp", "ray")  # executors whose workers run in processes of their own
+
+
+def executor_refusal(backend: str | None) -> str | None:
+    """Why the plugin declines an engine whose worker runs apart from its scheduler, or None.
+
+    The block pool (which blocks are freed, which a prefix-cache entry still holds) lives with the scheduler;
+    the KV buffer with the worker. vLLM's CPU build runs its one worker in a process of its own under the
+    multiprocess executor whenever VLLM_ENABLE_V1_MULTIPROCESSING is 1 (its default, and what `vllm serve`
+    uses): there the plugin would map pages as blocks are used and could never give one back (nor answer a
+    shared budget's asks), so it keeps vLLM's own buffer. VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the worker in
+    the scheduler's process (the engine-core process of `vllm serve`, the caller's of `LLM`)."""
+    if backend in APART_EXECUTORS:
+        return (
+            f"vLLM's worker runs apart from its scheduler (distributed_executor_backend={backend!r}), so freed "
+            "blocks could never give their pages back: run vLLM with VLLM_ENABLE_V1_MULTIPROCESSING=0"
+        )
+    return None

@@ -35,7 +35,7 @@ import weakref
 
 from .backing import BlockGeometry, KVBacking, block_page_size, make_pool
 from .budget import DormantBlockReclaimer, SchedulerCap, plan_step, refit_after_free
-from .guard import MAP_ENV, layout_refusal, parallel_refusal, warn_once
+from .guard import MAP_ENV, executor_refusal, layout_refusal, parallel_refusal, warn_once
 
 logger = logging.getLogger("vpaged.integrations.vllm")
 IDLE_PERIOD_S = 0.25
@@ -198,6 +198,7 @@ def make_allocate_kv_cache(original):
             return original(kv_cache_config, device, layout, kernel_block_sizes)
         refusal = None if kv_cache_config.kv_cache_tensors else "no KV tensors"
         refusal = refusal or layout_refusal(kv_cache_config) or parallel_refusal(*_parallel_sizes())
+        refusal = refusal or executor_refusal(_executor_backend())
         if refusal is None and device.type not in ("cpu", "cuda"):
             refusal = f"device {device} is not supported"
         if refusal is not None:
@@ -223,6 +224,18 @@ def _parallel_sizes() -> tuple[int, int]:
     tp = parallel_state._TP.world_size if parallel_state._TP is not None else 1
     pp = parallel_state._PP.world_size if parallel_state._PP is not None else 1
     return tp, pp
+
+
+def _executor_backend() -> str | None:
+    """The running engine's distributed_executor_backend as a name (None outside a vLLM config context)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+    except Exception:  # no vLLM config machinery (a test), or a vLLM that moved it
+        return None
+    backend = config.parallel_config.distributed_executor_backend if config is not None else None
+    return backend if isinstance(backend, str) or backend is None else getattr(backend, "__name__", str(backend))
 
 
 def _model_name() -> str:
