@@ -63,14 +63,17 @@ def stream(host: str, port: int, model: str, prompt: list[int], max_tokens: int)
     return dict(ttft_s=ttft, tpot_s=tpot, chunks=len(stamps))
 
 
-def workload(prose: list[int], args, seed: int = 3) -> list[tuple[float, list[int]]]:
+def workload(prose: list[int], args, round_: int, period: int, seed: int = 3) -> list[tuple[float, list[int]]]:
+    """Round `round_` (one per rate) of requests: arrival times at rate 1 (scaled per rate) and prompts that
+    start at positions of the text no other request of any round starts at (997 is prime to the text's period),
+    so no request hits another's prefix, in vLLM's cache or in the store: every rate computes every prompt."""
     rng = random.Random(seed)
     out, at = [], 0.0
     for i in range(args.requests):
         length = args.long if i % 4 == 0 else args.short
-        start = (i * 997) % (len(prose) - length)  # distinct windows: no two requests share a prefix
+        start = ((round_ * args.requests + i) * 997) % period
         out.append((at, prose[start : start + length]))
-        at += rng.expovariate(1.0)  # arrivals of rate 1; scaled per rate below
+        at += rng.expovariate(1.0)
     return out
 
 
@@ -108,7 +111,7 @@ def run_rate(target: tuple[str, int], model: str, load, rate: float, args) -> di
     )  # fmt: skip
 
 
-def arm(name: str, model: str, load, args) -> dict:
+def arm(name: str, model: str, prose: list[int], period: int, args) -> dict:
     servers, proxy = [], None
     store = f"bench-pd-{uuid.uuid4().hex[:10]}"
     try:
@@ -122,8 +125,8 @@ def arm(name: str, model: str, load, args) -> dict:
             proxy = ThreadingHTTPServer(("127.0.0.1", 0), pd_proxy.make_handler(*urls))
             threading.Thread(target=proxy.serve_forever, daemon=True).start()
             target = ("127.0.0.1", proxy.server_address[1])
-        stream(*target, model, load[0][1][:64], 4)  # warm the path (not measured)
-        rates = [run_rate(target, model, load, r, args) for r in args.rates]
+        stream(*target, model, prose[:64][::-1], 4)  # warm the path (not measured; no request's prefix)
+        rates = [run_rate(target, model, workload(prose, args, k, period), r, args) for k, r in enumerate(args.rates)]
     finally:
         if proxy is not None:
             proxy.shutdown()
@@ -159,11 +162,11 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     model = str(real_model.model_dir())
-    prose = real_model.prose_ids(AutoTokenizer.from_pretrained(model), 4096) * 4
-    load = workload(prose, args)
+    period = 4096
+    prose = real_model.prose_ids(AutoTokenizer.from_pretrained(model), period) * 2  # a window may wrap around
     result = dict(machine=machine(), model=real_model.NAME, dtype="float32", vllm=vllm.__version__, args=vars(args))
     for name in args.arms.split(","):
-        result[name] = arm(name, model, load, args)
+        result[name] = arm(name, model, prose, period, args)
         summary = [{k: r[k] for k in ("rate", "attainment", "mean_ttft_s", "mean_tpot_s", "p99_tpot_s")}
                    for r in result[name]["rates"]]  # fmt: skip
         print(name, json.dumps(summary), "best rate at 90 %:", result[name]["best_rate_90"], flush=True)

@@ -83,6 +83,42 @@ def _prefix_store(d: dict) -> list[suite.Row]:
     return rows
 
 
+def _vllm_connector(d: dict) -> list[suite.Row]:
+    """bench_vllm_connector.py: two vLLM instances on one page store (the connector) against each with vLLM's own
+    prefix cache, and an instance restarted on a directory store against its cold start."""
+    rows, dt = [], d.get("dtype", "float32")
+    for section, how in (("multi_round_serial", "one request at a time"), ("multi_round", "users at once")):
+        if section in d:
+            s = d[section]["summary"]
+            rows += [
+                suite.Row("vllm connector", f"two instances, multi-round QA ({how}, {dt}), TTFT {q}",
+                          s[f"store_{q}_ttft_s"], s[f"own_{q}_ttft_s"], "vLLM's own prefix caches", "s", "lower")
+                for q in ("mean", "p99")
+            ]  # fmt: skip
+    if "warm_restart" in d:
+        w = d["warm_restart"]
+        rows.append(
+            suite.Row("vllm connector", f"TTFT of a {d['args']['warm']}-token prompt after a restart ({dt})",
+                      w["warm"]["ttft_s"], w["cold"]["ttft_s"], "cold start", "s", "lower")
+        )  # fmt: skip
+    return rows
+
+
+def _vllm_pd(d: dict) -> list[suite.Row]:
+    """bench_vllm_pd.py: a prefill/decode split over the page store against one instance on the same cores."""
+    a, dt = d["args"], d.get("dtype", "float32")
+    slo = f"TTFT <= {a['ttft_slo']} s and TPOT <= {a['tpot_slo']} s"
+    best = (d["split"]["best_rate_90"], d["single"]["best_rate_90"])
+    rows = [suite.Row("vllm connector", f"highest request rate with 90 % within {slo} ({dt})", *best,
+                      "one instance", "req/s", "higher")]  # fmt: skip
+    for split, single in zip(d["split"]["rates"], d["single"]["rates"]):
+        rows.append(
+            suite.Row("vllm connector", f"slowest TPOT at {split['rate']} req/s ({dt})", split["p99_tpot_s"],
+                      single["p99_tpot_s"], "one instance", "s", "lower")
+        )  # fmt: skip
+    return rows
+
+
 def _script_reader(bench: str) -> Callable[[dict], list[suite.Row]]:
     """The rows of a suite benchmark's results, read by its script's summary_rows (found when a file is read,
     not at import)."""
@@ -100,6 +136,8 @@ CLAIMS: dict[str, tuple[str, Callable[[dict], list[suite.Row]]]] = {
     "vllm-plugin": ("The vLLM plugin: vLLM's CPU engine with the plugin on against off", _vllm_plugin),
     "vllm-elastic": ("Two vLLM engines on one shared budget against a static split", _vllm_elastic),
     "prefix-store": ("A prefix store shared by server processes and restarts", _prefix_store),
+    "vllm-connector": ("vLLM instances on one page store through vpaged's KV connector", _vllm_connector),
+    "vllm-pd": ("vLLM prefill/decode split over the page store against one instance", _vllm_pd),
 }
 
 _ISAS = ("avx512bf16", "avx512", "avx2", "neon", "sve")

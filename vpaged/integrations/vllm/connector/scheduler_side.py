@@ -45,7 +45,7 @@ class SchedulerSideStats:
     matched_tokens: int = 0
     loads: int = 0
     saves_planned: int = 0
-    handoffs_out: int = 0  # prefill requests that published their whole prompt for a decode instance
+    handoffs_out: int = 0  # prefill requests that finished with their whole prompt sent to publish
     handoffs_in: int = 0  # decode requests that found the whole prompt of their prefill
     handoff_computed_tokens: int = 0  # prompt tokens those requests computed themselves (1 each)
 
@@ -181,7 +181,6 @@ class SchedulerSide:
             ids.append(block_ids[n // bs])
             keys.append(self.last_block_key(tracked))
             tracked.tail_offered = True
-            self.stats.handoffs_out += 1
         self.stats.saves_planned += len(ids)
         return BlockTransfer(req_id, ids, keys) if ids else None
 
@@ -192,11 +191,8 @@ class SchedulerSide:
         self.matched.pop(request.request_id, None)
         if not self.saves_enabled or not self.handoff(request, "do_remote_decode"):
             return None
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "vpaged_store": self.store.name,
-            "vpaged_published": bool(
-                tracked and (tracked.tail_offered or request.num_prompt_tokens % self.block_size == 0)
-            ),
-        }
+        whole = request.num_prompt_tokens % self.block_size == 0
+        published = bool(tracked and (tracked.tail_offered or whole))
+        self.stats.handoffs_out += published
+        return {"do_remote_prefill": True, "do_remote_decode": False, "vpaged_store": self.store.name,
+                "vpaged_published": published}  # fmt: skip
