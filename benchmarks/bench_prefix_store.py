@@ -188,13 +188,15 @@ def multi_round(model: str, prose: list[int], args, store: str | None, concurren
     return dict(ttft_s=[ttfts[k] for k in order], answers={k: answers[k] for k in order}, metrics=figures)
 
 
-def warm_restart(model: str, prose: list[int], tokens: int) -> dict:
+def warm_restart(model: str, prose: list[int], tokens: int, start=None) -> dict:
+    """start(store): a server on the directory store `store` (default: `vpaged serve --prefix-store`)."""
+    start = start or (lambda store: Server(model, ["--prefix-store", store]))
     folder = tempfile.mkdtemp(prefix="vpaged-warm-")
     store = f"dir:{folder}/kv"
     out = {}
     try:
         for phase in ("cold", "warm"):
-            server = Server(model, ["--prefix-store", store])
+            server = start(store)
             try:
                 server.complete(prose[-50:], 2)  # a first request warms the process (not part of the figure)
                 ttft, text, _ = server.complete(prose[:tokens], 16)
@@ -237,8 +239,9 @@ def tier(model: str, prose: list[int], args, store: str | None) -> dict:
     )
 
 
-def summarize(own: dict, shared: dict) -> dict:
-    m = shared["metrics"]
+def ttft_summary(own: dict, shared: dict, **figures) -> dict:
+    """The two arms of multi_round side by side: mean and p99 TTFT, their ratios, whether the answers agree;
+    `figures` (the servers' own counters) join them."""
     summary = dict(
         own_mean_ttft_s=statistics.mean(own["ttft_s"]),
         store_mean_ttft_s=statistics.mean(shared["ttft_s"]),
@@ -246,24 +249,38 @@ def summarize(own: dict, shared: dict) -> dict:
         store_p99_ttft_s=p99(shared["ttft_s"]),
         answers_identical=own["answers"] == shared["answers"],
         answers_differing=sum(own["answers"][k] != shared["answers"][k] for k in own["answers"]),
-        store_hit_tokens=sum(f.get("vpaged_prefix_store_hit_tokens_total", 0) for f in m),
-        store_copied_bytes=sum(f.get("vpaged_prefix_store_copied_bytes_total", 0) for f in m),
-        store_mapped_bytes=sum(f.get("vpaged_prefix_store_mapped_bytes_total", 0) for f in m),
+        **figures,
     )
     summary["mean_ratio"] = summary["own_mean_ttft_s"] / summary["store_mean_ttft_s"]
     summary["p99_ratio"] = summary["own_p99_ttft_s"] / summary["store_p99_ttft_s"]
     return summary
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def summarize(own: dict, shared: dict) -> dict:
+    m = shared["metrics"]
+    return ttft_summary(
+        own,
+        shared,
+        store_hit_tokens=sum(f.get("vpaged_prefix_store_hit_tokens_total", 0) for f in m),
+        store_copied_bytes=sum(f.get("vpaged_prefix_store_copied_bytes_total", 0) for f in m),
+        store_mapped_bytes=sum(f.get("vpaged_prefix_store_mapped_bytes_total", 0) for f in m),
+    )
+
+
+def add_workload_args(ap: argparse.ArgumentParser, answer: int) -> None:
+    """The multi-round QA and warm-restart options (also bench_vllm_connector.py's)."""
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--system", type=int, default=1000)
     ap.add_argument("--history", type=int, default=500)
-    ap.add_argument("--answer", type=int, default=64)
+    ap.add_argument("--answer", type=int, default=answer)
     ap.add_argument("--stagger", type=float, default=2.0, help="seconds between users joining (multi_round)")
     ap.add_argument("--warm", type=int, default=2000)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(ap, answer=64)
     ap.add_argument("--store-pages", type=int, default=24576, help="the shared store's capacity in pages")
     ap.add_argument("--tier-budget", type=int, default=128, help="MiB of KV of the tier section's server")
     ap.add_argument("--tier-prefix", type=int, default=1000, help="tokens of each document of the tier section")

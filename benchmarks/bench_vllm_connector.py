@@ -26,9 +26,7 @@ import argparse
 import http.client
 import json
 import os
-import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))  # vpaged from the repository, as in scripts/test_vllm.sh
 import real_model  # noqa: E402
-from bench_prefix_store import Server, multi_round, p99  # noqa: E402
+from bench_prefix_store import Server, add_workload_args, multi_round, ttft_summary, warm_restart  # noqa: E402
 from common import machine, write_json  # noqa: E402
 
 
@@ -106,54 +104,27 @@ class VLLMServer(Server):
         return out
 
 
+def add_server_args(ap: argparse.ArgumentParser) -> None:
+    """VLLMServer's options (also bench_vllm_pd.py's)."""
+    ap.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of every instance")
+    ap.add_argument("--store-mib", type=int, default=2048, help="the store's capacity")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+
+
 def summarize(own: dict, shared: dict) -> dict:
-    s = dict(
-        own_mean_ttft_s=statistics.mean(own["ttft_s"]),
-        store_mean_ttft_s=statistics.mean(shared["ttft_s"]),
-        own_p99_ttft_s=p99(own["ttft_s"]),
-        store_p99_ttft_s=p99(shared["ttft_s"]),
-        answers_identical=own["answers"] == shared["answers"],
-        answers_differing=sum(own["answers"][k] != shared["answers"][k] for k in own["answers"]),
+    return ttft_summary(
+        own,
+        shared,
         external_hit_tokens=sum(m.get("vllm:external_prefix_cache_hits_total", 0) for m in shared["metrics"]),
         local_hit_tokens_store=sum(m.get("vllm:prefix_cache_hits_total", 0) for m in shared["metrics"]),
         local_hit_tokens_own=sum(m.get("vllm:prefix_cache_hits_total", 0) for m in own["metrics"]),
     )
-    s["mean_ratio"] = s["own_mean_ttft_s"] / s["store_mean_ttft_s"]
-    s["p99_ratio"] = s["own_p99_ttft_s"] / s["store_p99_ttft_s"]
-    return s
-
-
-def warm_restart(model: str, prose: list[int], args) -> dict:
-    folder = tempfile.mkdtemp(prefix="vpaged-vllm-warm-")
-    store, out = f"dir:{folder}/kv", {}
-    try:
-        for phase in ("cold", "warm"):
-            server = VLLMServer(model, 0, store, args)
-            try:
-                server.complete(prose[-50:], 2)  # a first request warms the process (not part of the figure)
-                ttft, text, _ = server.complete(prose[: args.warm], 16)
-                out[phase] = dict(ttft_s=ttft, text=text, metrics=server.metrics())
-            finally:
-                server.stop()
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    out["ratio"] = out["warm"]["ttft_s"] / out["cold"]["ttft_s"]
-    out["same_text"] = out["warm"]["text"] == out["cold"]["text"]
-    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--users", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--system", type=int, default=1000)
-    ap.add_argument("--history", type=int, default=500)
-    ap.add_argument("--answer", type=int, default=32)
-    ap.add_argument("--stagger", type=float, default=2.0, help="seconds between users joining (multi_round)")
-    ap.add_argument("--warm", type=int, default=2000)
-    ap.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of every instance")
-    ap.add_argument("--store-mib", type=int, default=2048, help="the store's capacity")
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    add_workload_args(ap, answer=32)
+    add_server_args(ap)
     ap.add_argument("--sections", default="multi_round_serial,multi_round,warm_restart")
     ap.add_argument("--output", default="vllm-connector.json", help="results file name under benchmarks/results/")
     args = ap.parse_args()
@@ -186,7 +157,7 @@ def main() -> int:
         result[section] = dict(summary=summary, own=own, store=shared)
         print(section, json.dumps(summary, indent=1), flush=True)
     if "warm_restart" in sections:
-        warm = warm_restart(model, prose, args)
+        warm = warm_restart(model, prose, args.warm, start=lambda store: VLLMServer(model, 0, store, args))
         result["warm_restart"] = warm
         print(
             json.dumps({k: warm[k] for k in ("ratio", "same_text")} | {p: warm[p]["ttft_s"] for p in ("cold", "warm")})

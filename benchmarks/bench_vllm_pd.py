@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pd_proxy  # noqa: E402
 import real_model  # noqa: E402
-from bench_vllm_connector import ROOT, VLLMServer  # noqa: E402
+from bench_vllm_connector import ROOT, VLLMServer, add_server_args  # noqa: E402
 from common import machine, write_json  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
@@ -148,9 +148,7 @@ def main() -> int:
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--ttft-slo", type=float, default=4.0, help="seconds")
     ap.add_argument("--tpot-slo", type=float, default=0.15, help="seconds")
-    ap.add_argument("--kv-gib", type=int, default=1)
-    ap.add_argument("--store-mib", type=int, default=2048)
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    add_server_args(ap)
     ap.add_argument("--arms", default="single,split")
     ap.add_argument("--out", default="vllm-pd.json", help="results file name under benchmarks/results/")
     args = ap.parse_args()

@@ -51,21 +51,37 @@ def _vllm_elastic(d: dict) -> list[suite.Row]:
     ]
 
 
+def _multi_round_rows(d: dict, topic: str, sections, label: str, baseline: str) -> list[suite.Row]:
+    """Mean and p99 TTFT of the store arm against the own-cache arm of each multi-round section present;
+    label is formatted with the section's `how`."""
+    rows = []
+    for section, how in sections:
+        if section in d:
+            s = d[section]["summary"]
+            rows += [
+                suite.Row(topic, f"{label.format(how=how)}, TTFT {q}", s[f"store_{q}_ttft_s"], s[f"own_{q}_ttft_s"],
+                          baseline, "s", "lower")
+                for q in ("mean", "p99")
+            ]  # fmt: skip
+    return rows
+
+
+def _restart_rows(d: dict, topic: str, suffix: str = "") -> list[suite.Row]:
+    """The warm restart's TTFT against its cold start, where the file has one."""
+    if "warm_restart" not in d:
+        return []
+    w = d["warm_restart"]
+    return [suite.Row(topic, f"TTFT of a {d['args']['warm']}-token prompt after a restart{suffix}",
+                      w["warm"]["ttft_s"], w["cold"]["ttft_s"], "cold start", "s", "lower")]  # fmt: skip
+
+
 def _prefix_store(d: dict) -> list[suite.Row]:
     """bench_prefix_store.py: two servers on one page store against each with its own prefix cache, and a
     server restarted on a directory store against its cold start."""
-    rows = []
     # Files written before the users ran at once (no --stagger) hold the one-at-a-time run under "multi_round".
     at_once = "users at once" if "stagger" in d.get("args", {}) else "one request at a time"
-    for section, how in (("multi_round", at_once), ("multi_round_serial", "one request at a time")):
-        if section not in d:
-            continue
-        s = d[section]["summary"]
-        rows += [
-            suite.Row("prefix store", f"multi-round QA ({how}), TTFT {q}", s[f"store_{q}_ttft_s"],
-                      s[f"own_{q}_ttft_s"], "own prefix caches", "s", "lower")
-            for q in ("mean", "p99")
-        ]  # fmt: skip
+    sections = (("multi_round", at_once), ("multi_round_serial", "one request at a time"))
+    rows = _multi_round_rows(d, "prefix store", sections, "multi-round QA ({how})", "own prefix caches")
     if "tier" in d:
         t = d["tier"]
         rows += [
@@ -74,34 +90,17 @@ def _prefix_store(d: dict) -> list[suite.Row]:
             suite.Row("prefix store", "working set 4x the KV budget, second pass: TTFT mean",
                       t["store"]["mean_ttft_s"], t["own"]["mean_ttft_s"], "own prefix cache", "s", "lower"),
         ]  # fmt: skip
-    if "warm_restart" in d:
-        w = d["warm_restart"]
-        rows.append(
-            suite.Row("prefix store", f"TTFT of a {d['args']['warm']}-token prompt after a restart",
-                      w["warm"]["ttft_s"], w["cold"]["ttft_s"], "cold start", "s", "lower")
-        )  # fmt: skip
-    return rows
+    return rows + _restart_rows(d, "prefix store")
 
 
 def _vllm_connector(d: dict) -> list[suite.Row]:
     """bench_vllm_connector.py: two vLLM instances on one page store (the connector) against each with vLLM's own
     prefix cache, and an instance restarted on a directory store against its cold start."""
-    rows, dt = [], d.get("dtype", "float32")
-    for section, how in (("multi_round_serial", "one request at a time"), ("multi_round", "users at once")):
-        if section in d:
-            s = d[section]["summary"]
-            rows += [
-                suite.Row("vllm connector", f"two instances, multi-round QA ({how}, {dt}), TTFT {q}",
-                          s[f"store_{q}_ttft_s"], s[f"own_{q}_ttft_s"], "vLLM's own prefix caches", "s", "lower")
-                for q in ("mean", "p99")
-            ]  # fmt: skip
-    if "warm_restart" in d:
-        w = d["warm_restart"]
-        rows.append(
-            suite.Row("vllm connector", f"TTFT of a {d['args']['warm']}-token prompt after a restart ({dt})",
-                      w["warm"]["ttft_s"], w["cold"]["ttft_s"], "cold start", "s", "lower")
-        )  # fmt: skip
-    return rows
+    dt = d.get("dtype", "float32")
+    sections = (("multi_round_serial", "one request at a time"), ("multi_round", "users at once"))
+    label = "two instances, multi-round QA ({how}, " + dt + ")"
+    rows = _multi_round_rows(d, "vllm connector", sections, label, "vLLM's own prefix caches")
+    return rows + _restart_rows(d, "vllm connector", f" ({dt})")
 
 
 def _vllm_pd(d: dict) -> list[suite.Row]:
