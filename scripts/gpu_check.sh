@@ -78,6 +78,8 @@
 #   test:torch_allocator  23    15: F + MemPool scopes, graph captures (~5)
 #   test:budget_gpu       33    22: F + two member processes started together (8) + fills, checks (~4)
 #   test:capture_trim     18    12: F + one capture with a trim, three replays (~2)
+#   test:shared_pages     30    20: F + a peer process (torch + vpaged imported, CUDA's start: 8) + pages
+#                                   written, exported, sent over a socket, imported and read (~2)
 #   test:serve_engine     38    25: F + transformers (5) + two models and hundreds of steps (~10)
 #   serve:cli             40    26: a tiny model saved (transformers, ~9), the server's start (~13), one
 #                                   request (~2), shutdown (~2)
@@ -86,7 +88,7 @@
 #   bench:decode          22    16: the same (8) + parts (~8); JSON after every part
 #   bench:allocator       36    27: parent (8, host part and latency ~5), then three workers started
 #                                   together (8) that measure in turn (~2 each); JSON after every part
-#   caps' sum            395    of 300 (the stages of the group run at once)
+#   caps' sum            425    of 300 (the stages of the group run at once)
 #   time plan            224    of 300: 15 for the report, 20 for the environment probe, 41 to spare
 # A benchmark stopped at its cap keeps the parts it wrote; a test stage stopped at its cap keeps the tests
 # that finished (junit on SIGINT) and names the one that was running in the log.
@@ -274,6 +276,7 @@ stage test:decode_kernels 27 gpu 'pytest_file tests/ops/test_decode_kernels.py'
 stage test:torch_allocator 23 vmm 'pytest_file tests/memory/test_torch_allocator_gpu.py'
 stage test:budget_gpu 33 vmm 'pytest_file tests/memory/test_budget_gpu.py'
 stage test:capture_trim 18 vmm 'pytest_file tests/memory/test_capture_trim_gpu.py'
+stage test:shared_pages 30 vmm 'pytest_file tests/memory/test_cuda_shared_pages_gpu.py'
 stage test:serve_engine 38 vmm 'pytest_file tests/serve/test_serve_engine_gpu.py'
 stage serve:cli 40 vmm serve_request
 alone

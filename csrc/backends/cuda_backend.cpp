@@ -46,6 +46,15 @@
 // Drivers have accepted a run of whole mappings in one call (cheaper: ~26 us per call), so a run is tried as
 // one call first; where the driver refuses it, every page of the run is unmapped with a call of its own
 // (unmap_run), and the refusal is counted (Backend::unmap_fallbacks, PoolStats.unmap_fallbacks).
+//
+// SHARED PAGES (core/backend.h, "SHARED DEVICE PAGES"). Where the device supports POSIX file-descriptor handles
+// (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) every page is made with that handle type
+// requested (VPAGED_CUDA_SHAREABLE_PAGES=0 turns it off), so any page can be exported later: the type cannot be
+// added to an allocation afterwards. Imported pages get ids from capacity_pages_ on (slot k: id capacity_pages_ +
+// k), each mapped once into an import window of its own (reserved at the first import, kMinImportSlots or
+// capacity_pages_ slots, whichever is more: imports are not the pool's capacity, and virtual address space is cheap
+// on a GPU) with read-only access, so copies read it there; ranges map it read-only too. Its handle is released with
+// its last reference (release_imported_page).
 #include <memory>
 #include <string>
 
@@ -73,6 +82,8 @@ std::shared_ptr<Backend> make_cuda_backend(int device, size_t, size_t, size_t) {
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <vector>
@@ -103,7 +114,8 @@ constexpr int kDriverApi = 12000;
   X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease)                                  \
   X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)           \
   X(cuMemcpyDtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemcpyHtoDAsync) X(cuStreamSynchronize)             \
-  X(cuStreamIsCapturing)
+  X(cuStreamIsCapturing) X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)         \
+  X(cuMemGetAllocationPropertiesFromHandle)
 // clang-format on
 
 // The process-wide driver table: written once under std::call_once, read-only afterwards.
@@ -213,7 +225,8 @@ std::string device_problem(int device) {
   return "";
 }
 
-// Pinned device memory on one device, no export handle types, no compression: what every page is.
+// Pinned device memory on one device, no compression: what every page is (the backend adds the POSIX
+// file-descriptor handle type where the device supports it: "Shared pages" above).
 CUmemAllocationProp page_properties(int device) {
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -281,6 +294,9 @@ void retain_for_process(CUdevice dev) {
 
 bool is_power_of_two(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
 
+// Imported pages a backend can hold at least (8 GiB of virtual address space at 2 MiB pages).
+constexpr size_t kMinImportSlots = 4096;
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, size_t page_size, size_t capacity_pages, size_t reserve_pages)
@@ -293,6 +309,10 @@ class CudaBackend final : public Backend {
     prop_ = page_properties(device);
     access_.location = prop_.location;
     access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    read_access_.location = prop_.location;
+    read_access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READ;
+    shareable_ = posix_fd_handles(dev_);
+    if (shareable_) prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     context_ = std::make_unique<PrimaryContext>(dev_);  // released by the member's destructor
     try {
       ScopedContext current(context_->get());
@@ -313,6 +333,12 @@ class CudaBackend final : public Backend {
       // released and re-created, while other threads read other ids' handles).
       handles_.reset(new std::atomic<CUmemGenericAllocationHandle>[capacity_pages]);
       for (size_t i = 0; i < capacity_pages; ++i) handles_[i].store(0, std::memory_order_relaxed);
+      import_capacity_ = std::max(capacity_pages, kMinImportSlots);
+      if (import_capacity_ > std::numeric_limits<size_t>::max() / page_size) {
+        throw InvalidArgument("the import window's size overflows");
+      }
+      imported_.reset(new std::atomic<CUmemGenericAllocationHandle>[import_capacity_]);
+      for (size_t i = 0; i < import_capacity_; ++i) imported_[i].store(0, std::memory_order_relaxed);
       check(d.cuMemAddressReserve(&window_, capacity_pages * page_size, alignment_, 0, 0),
             "cuMemAddressReserve(pool window)");
       create_pages(std::min(reserve_pages, capacity_pages));
@@ -332,7 +358,11 @@ class CudaBackend final : public Backend {
   size_t capacity_pages() const override { return capacity_pages_; }
   // Pages with device memory now (live handles); page_ids(): the ids created so far, released ones included.
   size_t created_pages() const override { return backed_.load(std::memory_order_acquire); }
-  size_t page_ids() const override { return created_.load(std::memory_order_acquire); }
+  size_t page_ids() const override {
+    const size_t slots = import_slots_.load(std::memory_order_acquire);
+    return slots > 0 ? capacity_pages_ + slots : created_.load(std::memory_order_acquire);
+  }
+  size_t general_page_ids() const override { return created_.load(std::memory_order_acquire); }
   bool keeps_freed_memory() const override { return true; }
   bool mapping_breaks_capture() const override { return true; }
 
@@ -434,6 +464,7 @@ class CudaBackend final : public Backend {
     std::lock_guard<std::mutex> lock(create_mu_);
     std::vector<PageId> ids;
     for (size_t i = 0; i < n; ++i) {
+      if (is_imported_page(pages[i])) continue;        // the exporter's memory: nothing to create
       if (!in_window(pages[i])) check_page(pages[i]);  // throws: not an id of this pool
       if (!has_memory(pages[i])) ids.push_back(pages[i]);
     }
@@ -502,11 +533,12 @@ class CudaBackend final : public Backend {
   }
 
   // One cuMemMap per page (a mapping covers a whole handle), then a single cuMemSetAccess over the run
-  // (every mapping needs access set; the call costs ~36 us whatever the length, so it is batched).
-  // map_calls() grows by n + 1. All or nothing: on failure what was mapped is unmapped again.
+  // (every mapping needs access set; the call costs ~36 us whatever the length, so it is batched): one per
+  // stretch of the run where imported pages (read-only access) and the pool's own (read/write) alternate.
+  // map_calls() grows by n + 1 without imported pages. All or nothing: on failure what was mapped is unmapped.
   void map(uintptr_t va, const PageId* pages, size_t n) override {
     if (n == 0) return;
-    for (size_t i = 0; i < n; ++i) check_page(pages[i]);
+    for (size_t i = 0; i < n; ++i) check_readable(pages[i]);
     const Driver& d = driver();
     ScopedContext current(context_->get());
     size_t done = 0;
@@ -515,17 +547,21 @@ class CudaBackend final : public Backend {
     const char* failed = nullptr;
     for (; done < n; ++done) {
       ++calls;
-      err = d.cuMemMap(static_cast<CUdeviceptr>(va + done * page_size_), page_size_, 0,
-                       handles_[pages[done]].load(std::memory_order_acquire), 0);
+      err = d.cuMemMap(static_cast<CUdeviceptr>(va + done * page_size_), page_size_, 0, handle_of(pages[done]), 0);
       if (err != CUDA_SUCCESS) {
         failed = "cuMemMap";
         break;
       }
     }
-    if (failed == nullptr) {
+    for (size_t i = 0; failed == nullptr && i < n;) {
+      const bool read_only = is_imported_page(pages[i]);
+      size_t j = i + 1;
+      while (j < n && is_imported_page(pages[j]) == read_only) ++j;
       ++calls;
-      err = d.cuMemSetAccess(static_cast<CUdeviceptr>(va), n * page_size_, &access_, 1);
+      err = d.cuMemSetAccess(static_cast<CUdeviceptr>(va + i * page_size_), (j - i) * page_size_,
+                             read_only ? &read_access_ : &access_, 1);
       if (err != CUDA_SUCCESS) failed = "cuMemSetAccess";
+      i = j;
     }
     count_calls(calls, 0);
     if (failed == nullptr) return;
@@ -545,16 +581,16 @@ class CudaBackend final : public Backend {
 
   void copy_page(PageId dst, PageId src, uintptr_t stream) override {
     check_page(dst);
-    check_page(src);
+    check_readable(src);
     ScopedContext current(context_->get());
-    check(driver().cuMemcpyDtoDAsync(window_address(dst), window_address(src), page_size_, as_stream(stream)),
+    check(driver().cuMemcpyDtoDAsync(window_address(dst), address_of(src), page_size_, as_stream(stream)),
           "cuMemcpyDtoDAsync");
   }
 
   void copy_to_host(PageId src, void* host, uintptr_t stream) override {
-    check_page(src);
+    check_readable(src);
     ScopedContext current(context_->get());
-    check(driver().cuMemcpyDtoHAsync(host, window_address(src), page_size_, as_stream(stream)), "cuMemcpyDtoHAsync");
+    check(driver().cuMemcpyDtoHAsync(host, address_of(src), page_size_, as_stream(stream)), "cuMemcpyDtoHAsync");
   }
 
   void copy_from_host(PageId dst, const void* host, uintptr_t stream) override {
@@ -564,13 +600,16 @@ class CudaBackend final : public Backend {
   }
 
   // Consecutive page ids are consecutive in the pool window: a run into consecutive host buffers is one copy.
+  // Imported pages are consecutive in the import window as general ones are in the pool window.
   void copy_pages_to_host(const PageId* pages, char* const* host, size_t n, uintptr_t stream) override {
-    for (size_t i = 0; i < n; ++i) check_page(pages[i]);
+    for (size_t i = 0; i < n; ++i) check_readable(pages[i]);
     ScopedContext current(context_->get());
     for (size_t i = 0; i < n;) {
       size_t j = i + 1;
-      while (j < n && pages[j] == pages[j - 1] + 1 && host[j] == host[j - 1] + page_size_) ++j;
-      check(driver().cuMemcpyDtoHAsync(host[i], window_address(pages[i]), (j - i) * page_size_, as_stream(stream)),
+      while (j < n && pages[j] == pages[j - 1] + 1 && host[j] == host[j - 1] + page_size_ &&
+             is_imported_page(pages[j]) == is_imported_page(pages[i]))
+        ++j;
+      check(driver().cuMemcpyDtoHAsync(host[i], address_of(pages[i]), (j - i) * page_size_, as_stream(stream)),
             "cuMemcpyDtoHAsync");
       i = j;
     }
@@ -591,11 +630,114 @@ class CudaBackend final : public Backend {
   // A device-to-device copy from the page's window address to a range's mapped address.
   bool can_copy_page_to() const override { return true; }
   void copy_page_to(uintptr_t dst, PageId src, size_t bytes, uintptr_t stream) override {
-    check_page(src);
+    check_readable(src);
     if (bytes > page_size_) throw InvalidArgument("copy_page_to: more bytes than a page");
     ScopedContext current(context_->get());
-    check(driver().cuMemcpyDtoDAsync(static_cast<CUdeviceptr>(dst), window_address(src), bytes, as_stream(stream)),
+    check(driver().cuMemcpyDtoDAsync(static_cast<CUdeviceptr>(dst), address_of(src), bytes, as_stream(stream)),
           "cuMemcpyDtoDAsync");
+  }
+
+  bool can_share_pages() const override { return shareable_; }
+  std::string share_unavailable_reason() const override { return shareable_ ? "" : unshareable_reason(); }
+
+  int export_page(PageId page) override {
+    if (!shareable_) throw InvalidArgument(device() + " pages cannot be shared: " + unshareable_reason());
+    check_page(page);
+    if (is_imported_page(page)) throw InvalidArgument("export_page: page " + std::to_string(page) + " is imported");
+    ScopedContext current(context_->get());
+    int fd = -1;
+    check(driver().cuMemExportToShareableHandle(&fd, handles_[page].load(std::memory_order_acquire),
+                                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+          "cuMemExportToShareableHandle");
+    return fd;
+  }
+
+  // Each descriptor: import, check the allocation is on this device, map into a free slot of the import window
+  // with read-only access. A slot is taken only once every step for it worked; a failure undoes the imports so far.
+  void import_pages(const int* fds, size_t n, PageId* out) override {
+    if (!shareable_) throw InvalidArgument(device() + " pages cannot be shared: " + unshareable_reason());
+    if (n == 0) return;
+    std::lock_guard<std::mutex> lock(import_mu_);
+    const Driver& d = driver();
+    ScopedContext current(context_->get());
+    const bool reserved_here = import_window_ == 0;
+    if (reserved_here) {
+      CUdeviceptr window = 0;
+      check(d.cuMemAddressReserve(&window, import_capacity_ * page_size_, alignment_, 0, 0),
+            "cuMemAddressReserve(import window)");
+      import_window_ = window;
+    }
+    std::vector<size_t> taken;
+    auto undo = [&] {  // as before the call: the imports so far go, and a window reserved for them
+      for (size_t slot : taken) release_slot_locked(slot);
+      if (imports_ == 0 && reserved_here) {
+        d.cuMemAddressFree(import_window_, import_capacity_ * page_size_);
+        import_window_ = 0;
+      }
+    };
+    for (size_t i = 0; i < n; ++i) {
+      size_t slot = 0;
+      while (slot < import_capacity_ && imported_[slot].load(std::memory_order_relaxed) != 0) ++slot;
+      if (slot == import_capacity_) {
+        undo();
+        throw OutOfPages("import_pages: " + std::to_string(import_capacity_) +
+                         " imported pages are held already (a pool holds at most " + std::to_string(kMinImportSlots) +
+                         " or its capacity of them, whichever is more)");
+      }
+      CUmemGenericAllocationHandle h = 0;
+      CUresult r = d.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fds[i])),
+                                                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+      if (r != CUDA_SUCCESS) {
+        undo();
+        throw InvalidArgument(
+            "import_pages: descriptor " + std::to_string(fds[i]) +
+            " is not a shareable CUDA allocation: " + call_error("cuMemImportFromShareableHandle", r));
+      }
+      CUmemAllocationProp prop{};
+      r = d.cuMemGetAllocationPropertiesFromHandle(&prop, h);
+      const CUdeviceptr at = import_window_ + static_cast<CUdeviceptr>(slot) * page_size_;
+      std::string problem;
+      if (r != CUDA_SUCCESS) {
+        problem = call_error("cuMemGetAllocationPropertiesFromHandle", r);
+      } else if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != device_) {
+        problem = "the allocation is not on " + device();
+      } else if ((r = d.cuMemMap(at, page_size_, 0, h, 0)) != CUDA_SUCCESS) {
+        problem = "it does not map as one page of " + std::to_string(page_size_) + " bytes (" +
+                  call_error("cuMemMap", r) + ")";
+      } else if ((r = d.cuMemSetAccess(at, page_size_, &read_access_, 1)) != CUDA_SUCCESS) {
+        d.cuMemUnmap(at, page_size_);
+        d.cuMemRelease(h);
+        undo();
+        throw BackendFailure(call_error("cuMemSetAccess(import window)", r));
+      }
+      if (!problem.empty()) {
+        d.cuMemRelease(h);
+        undo();
+        throw InvalidArgument("import_pages: descriptor " + std::to_string(fds[i]) + ": " + problem);
+      }
+      imported_[slot].store(h, std::memory_order_release);
+      ++imports_;
+      taken.push_back(slot);
+      out[i] = static_cast<PageId>(capacity_pages_ + slot);
+      if (slot + 1 > import_slots_.load(std::memory_order_relaxed))
+        import_slots_.store(slot + 1, std::memory_order_release);
+    }
+  }
+
+  void release_imported_page(PageId page) noexcept override {
+    if (!is_imported_page(page)) return;
+    try {
+      std::lock_guard<std::mutex> lock(import_mu_);
+      ScopedContext current(context_->get());
+      release_slot_locked(static_cast<size_t>(page) - capacity_pages_);
+    } catch (...) {  // no current context could be made: the handle stays until the backend goes
+    }
+  }
+
+  bool is_imported_page(PageId page) const override {
+    return page >= static_cast<PageId>(capacity_pages_) &&
+           static_cast<size_t>(page) < capacity_pages_ + import_capacity_ &&
+           imported_[static_cast<size_t>(page) - capacity_pages_].load(std::memory_order_acquire) != 0;
   }
 
   void synchronize(uintptr_t stream) override {
@@ -637,6 +779,42 @@ class CudaBackend final : public Backend {
            r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT || r == CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
   }
   CUdeviceptr window_address(PageId page) const { return window_ + static_cast<CUdeviceptr>(page) * page_size_; }
+  // Where a readable page (general or imported) is mapped in this backend's own windows.
+  CUdeviceptr address_of(PageId page) const {
+    if (!is_imported_page(page)) return window_address(page);
+    return import_window_ + static_cast<CUdeviceptr>(static_cast<size_t>(page) - capacity_pages_) * page_size_;
+  }
+  CUmemGenericAllocationHandle handle_of(PageId page) const {
+    if (is_imported_page(page))
+      return imported_[static_cast<size_t>(page) - capacity_pages_].load(std::memory_order_acquire);
+    return handles_[page].load(std::memory_order_acquire);
+  }
+  // A page that may be read or mapped: a general page with memory, or an imported one (read-only).
+  void check_readable(PageId page) const {
+    if (!is_imported_page(page)) check_page(page);
+  }
+  // Caller holds import_mu_ and a current context. The slot's mapping goes, then its handle.
+  void release_slot_locked(size_t slot) noexcept {
+    const CUmemGenericAllocationHandle h = imported_[slot].exchange(0, std::memory_order_acq_rel);
+    if (h == 0) return;
+    --imports_;
+    driver().cuMemUnmap(import_window_ + static_cast<CUdeviceptr>(slot) * page_size_, page_size_);
+    driver().cuMemRelease(h);
+  }
+  std::string unshareable_reason() const {
+    const char* off = std::getenv("VPAGED_CUDA_SHAREABLE_PAGES");
+    if (off != nullptr && std::strcmp(off, "0") == 0) return "VPAGED_CUDA_SHAREABLE_PAGES=0";
+    return "the device does not support POSIX file-descriptor handles";
+  }
+  // Whether pages are made shareable: the device supports POSIX fd handles, and the user did not turn it off.
+  static bool posix_fd_handles(CUdevice dev) {
+    const char* off = std::getenv("VPAGED_CUDA_SHAREABLE_PAGES");
+    if (off != nullptr && std::strcmp(off, "0") == 0) return false;
+    int supported = 0;
+    const CUresult r =
+        driver().cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
+    return r == CUDA_SUCCESS && supported != 0;
+  }
 
   // Only created pages that were not released since have a handle and a window mapping.
   bool in_window(PageId page) const {
@@ -644,6 +822,10 @@ class CudaBackend final : public Backend {
   }
   bool has_memory(PageId page) const { return in_window(page) && handles_[page].load(std::memory_order_acquire) != 0; }
   void check_page(PageId page) const {
+    if (is_imported_page(page)) {
+      throw InvalidArgument("page id " + std::to_string(page) +
+                            " is an imported page: read-only (copy it before writing: copy-on-write)");
+    }
     if (!in_window(page)) {
       throw InvalidArgument("page id " + std::to_string(page) + " out of range (" + std::to_string(page_ids()) +
                             " pages created)");
@@ -714,11 +896,17 @@ class CudaBackend final : public Backend {
       for (size_t i = 0; i < made; ++i)
         if (const CUmemGenericAllocationHandle h = handles_[i].exchange(0)) d.cuMemRelease(h);
       if (window_ != 0) d.cuMemAddressFree(window_, capacity_pages_ * page_size_);
+      if (import_window_ != 0) {
+        for (size_t slot = 0; slot < import_capacity_; ++slot) release_slot_locked(slot);
+        d.cuMemAddressFree(import_window_, import_capacity_ * page_size_);
+      }
     } catch (...) {
     }
     created_.store(0);
     backed_.store(0);
     window_ = 0;
+    import_window_ = 0;
+    import_slots_.store(0);
     context_.reset();  // cuDevicePrimaryCtxRelease
   }
 
@@ -729,12 +917,21 @@ class CudaBackend final : public Backend {
   size_t alignment_ = 0;
   CUmemAllocationProp prop_{};
   CUmemAccessDesc access_{};
+  CUmemAccessDesc read_access_{};  // imported pages: read-only
+  bool shareable_ = false;         // pages are made with POSIX fd handles requested (export_page / import_pages)
   std::unique_ptr<PrimaryContext> context_;
   CUdeviceptr window_ = 0;  // capacity_pages_ * page_size_ of VA; page id i is mapped at i * page_size_
   std::unique_ptr<std::atomic<CUmemGenericAllocationHandle>[]> handles_;  // 0: no memory (not created, released)
   std::atomic<size_t> created_{0};  // ids 0..created_-1 exist (have a window address)
   std::atomic<size_t> backed_{0};   // of those, the ones with a live handle
   std::mutex create_mu_;
+  // Imported pages: slot k is id capacity_pages_ + k, mapped read-only at import_window_ + k * page_size_.
+  size_t import_capacity_ = 0;                                             // slots of the import window
+  std::unique_ptr<std::atomic<CUmemGenericAllocationHandle>[]> imported_;  // 0: slot free
+  CUdeviceptr import_window_ = 0;        // reserved at the first import (under import_mu_), freed with the backend
+  std::atomic<size_t> import_slots_{0};  // slots ever used: ids capacity_pages_ .. capacity_pages_ + this - 1
+  size_t imports_ = 0;                   // slots in use (under import_mu_)
+  std::mutex import_mu_;
 };
 
 }  // namespace

@@ -96,6 +96,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("page_ids", &Backend::page_ids)
       .def_property_readonly("can_attach_file_pages", &Backend::can_attach_file_pages)
       .def_property_readonly("file_page_faults", &Backend::file_page_faults)
+      .def_property_readonly("can_share_pages", &Backend::can_share_pages)
       .def("home_page", &Backend::home_page, py::arg("va"))
       .def("reserve", &Backend::reserve, py::arg("bytes"))
       .def("release", &Backend::release, py::arg("va"), py::arg("bytes"))
@@ -124,7 +125,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("unmap_fallbacks", &PoolStats::unmap_fallbacks)
       .def_readonly("release_pending", &PoolStats::release_pending)
       .def_readonly("deferred_teardowns", &PoolStats::deferred_teardowns)
-      .def_readonly("file_pages", &PoolStats::file_pages);
+      .def_readonly("file_pages", &PoolStats::file_pages)
+      .def_readonly("imported_pages", &PoolStats::imported_pages);
 
   // The process-wide CUDA graph capture flag (page_pool.h): vpaged.memory.capture raises it around a capture.
   m.def("begin_capture", &PagePool::begin_capture);
@@ -150,6 +152,11 @@ PYBIND11_MODULE(_C, m) {
       .def("attach_file_pages", &PagePool::attach_file_pages, py::arg("fd"), py::arg("offsets"),
            "Ids for pages of a file (one per offset), each with one reference owned by the caller (page_pool.h)")
       .def("is_file_page", &PagePool::is_file_page, py::arg("page"))
+      .def("export_pages", &PagePool::export_pages, py::arg("pages"),
+           "One new POSIX file descriptor per page in use, the caller's to send and close (CUDA; page_pool.h)")
+      .def("import_pages", &PagePool::import_pages, py::arg("fds"),
+           "Read-only ids for device pages another process exported, one reference each (page_pool.h)")
+      .def("is_imported_page", &PagePool::is_imported_page, py::arg("page"))
       .def("incref_all", &PagePool::incref_all, py::arg("pages"))
       .def("decref_all", &PagePool::decref_all, py::arg("pages"))
       .def("refcount", &PagePool::refcount)

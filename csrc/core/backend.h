@@ -6,6 +6,7 @@
 // one page size. Every page with memory is also mapped once in the backend's private "pool window", so
 // page-to-page and page-to-host copies never need a caller's mapping.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -93,8 +94,9 @@ class Backend {
   virtual void ensure_backed(const PageId* pages, size_t n) { (void)pages, (void)n; }
 
   // Page ids that exist: 0..page_ids()-1. Ids below capacity_pages() are "general" pages, the pool's free
-  // list (on CUDA the ids created so far, released ones included). The host backend adds a block of "home"
-  // ids per reserved range (home_page); CUDA has none.
+  // list (on CUDA the ids created so far, released ones included: general_page_ids()). The host backend adds a
+  // block of "home" ids per reserved range (home_page) and the ids of file pages; CUDA has no home ids, and gives
+  // imported pages ids from capacity_pages() on.
   virtual size_t page_ids() const { return created_pages(); }
   // The page that shows at `va` of a reserved range without a mapping call of its own, -1 if none. The
   // pool hands a page index its home page when it is free, so pages that stay where they were first mapped
@@ -222,6 +224,38 @@ class Backend {
   // Reads of file pages that faulted because their file was cut short (answered with zeros), in live ranges and
   // released ones.
   virtual size_t file_page_faults() const { return 0; }
+
+  // SHARED DEVICE PAGES (CUDA): a page's physical memory handed to another process on the machine as a POSIX file
+  // descriptor, which that process maps into its own ranges: the same device memory, no copy (docs/kv-store.md,
+  // "On CUDA"). export_page returns a new descriptor of the general page `page` (cuMemExportToShareableHandle); the
+  // caller owns it and closes it once sent (over a Unix socket, SCM_RIGHTS): the memory lives while any process
+  // holds a handle or a mapping of it, so the exporter's death does not end an importer's pages. import_pages gives
+  // the allocation behind each descriptor (cuMemImportFromShareableHandle) an id of its own in out[i]; the caller's
+  // descriptors stay its own. An imported page is read-only: ranges map it with read access only, and the backend's
+  // own writes into it (copy_page, copy_from_host, zero_pages into it) are InvalidArgument; a writer copies it first
+  // (copy-on-write), as for a file page. It is not the pool's memory (no capacity, never released by trim);
+  // release_imported_page gives its id back once it is mapped nowhere (never throws). Only where can_share_pages():
+  // the device supports POSIX file-descriptor handles and the backend made its pages with them. All or nothing: on
+  // error no id was given. InvalidArgument for a descriptor that is not a page of this size on this device.
+  virtual bool can_share_pages() const { return false; }
+  // Why pages are not shared here (for errors); "" where can_share_pages().
+  virtual std::string share_unavailable_reason() const { return "only CUDA device pages are shared this way"; }
+  virtual int export_page(PageId page) {
+    (void)page;
+    throw std::logic_error("export_page: not offered by this backend");
+  }
+  virtual void import_pages(const int* fds, size_t n, PageId* out) {
+    (void)fds, (void)n, (void)out;
+    throw std::logic_error("import_pages: not offered by this backend");
+  }
+  virtual void release_imported_page(PageId page) noexcept { (void)page; }
+  virtual bool is_imported_page(PageId page) const {
+    (void)page;
+    return false;
+  }
+  // The general ids that exist (0..general_page_ids()-1, below capacity_pages()): the pool's free list draws on
+  // them. CUDA's ids beyond them (imported pages) sit above capacity, while general ids still grow below it.
+  virtual size_t general_page_ids() const { return std::min(page_ids(), capacity_pages()); }
 
   // Wait for all work queued on the device, on every stream (CUDA: cuCtxSynchronize in the device's
   // primary context). Needed before unmapping memory whose users' streams are unknown. The host has

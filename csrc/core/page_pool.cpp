@@ -1,5 +1,7 @@
 #include "core/page_pool.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <string>
 #include <utility>
@@ -177,7 +179,7 @@ size_t PagePool::limit() const {
 // `needed` are free, create more in batches, bounded by capacity.
 void PagePool::grow_locked(size_t needed) {
   auto absorb = [this] {
-    const size_t now = std::min(backend_->page_ids(), backend_->capacity_pages());  // the general ids
+    const size_t now = backend_->general_page_ids();
     if (now > general_ids_) {
       const size_t old = general_ids_;
       if (refcount_.size() < now) refcount_.resize(now, 0);
@@ -403,10 +405,15 @@ void PagePool::incref_all(const std::vector<PageId>& pages) {
 }
 
 bool PagePool::release_locked(PageId page) {
-  if (static_cast<size_t>(page) < file_page_.size() && file_page_[page]) {
-    file_page_[page] = 0;
-    --file_pages_;
-    backend_->detach_file_page(page);
+  if (static_cast<size_t>(page) < file_page_.size() && file_page_[page] != kOwnPage) {
+    if (file_page_[page] == kImportedPage) {
+      --imported_pages_;
+      backend_->release_imported_page(page);
+    } else {
+      --file_pages_;
+      backend_->detach_file_page(page);
+    }
+    file_page_[page] = kOwnPage;
     return false;
   }
   if (page < static_cast<PageId>(general_ids_)) free_.push_back(page);  // home ids are free at count 0
@@ -423,24 +430,78 @@ std::vector<PageId> PagePool::attach_file_pages(int fd, const std::vector<uint64
   std::vector<PageId> ids(offsets.size());
   backend_->attach_file_pages(fd, offsets.data(), offsets.size(), ids.data());
   try {
-    absorb_ids_locked();
-    if (file_page_.size() < refcount_.size()) file_page_.resize(refcount_.size(), 0);
+    adopt_foreign_locked(ids, kFilePage);
   } catch (...) {
     for (PageId id : ids) backend_->detach_file_page(id);
     throw;
   }
+  return ids;
+}
+
+void PagePool::adopt_foreign_locked(const std::vector<PageId>& ids, ForeignPage kind) {
+  absorb_ids_locked();
+  if (file_page_.size() < refcount_.size()) file_page_.resize(refcount_.size(), kOwnPage);
   for (PageId id : ids) {
     refcount_[id] = 1;
-    file_page_[id] = 1;
+    file_page_[id] = kind;
   }
-  file_pages_ += ids.size();
-  return ids;
+  (kind == kImportedPage ? imported_pages_ : file_pages_) += ids.size();
 }
 
 bool PagePool::is_file_page(PageId page) const {
   std::lock_guard<std::mutex> lock(mu_);
   check(page);
-  return static_cast<size_t>(page) < file_page_.size() && file_page_[page] != 0;
+  return static_cast<size_t>(page) < file_page_.size() && file_page_[page] == kFilePage;
+}
+
+std::vector<int> PagePool::export_pages(const std::vector<PageId>& pages) {
+  if (!backend_->can_share_pages()) {
+    throw InvalidArgument("this pool's backend (" + backend_->device() +
+                          ") cannot share pages with other processes: " + backend_->share_unavailable_reason());
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (PageId p : pages) {
+    check(p);
+    if (refcount_[p] <= 0) throw InvalidArgument("export of free page " + std::to_string(p));
+  }
+  std::vector<int> fds;
+  fds.reserve(pages.size());
+  try {
+    for (PageId p : pages) fds.push_back(backend_->export_page(p));
+  } catch (...) {
+    for (int fd : fds) ::close(fd);
+    throw;
+  }
+  return fds;
+}
+
+std::vector<PageId> PagePool::import_pages(const std::vector<int>& fds) {
+  if (!backend_->can_share_pages()) {
+    throw InvalidArgument("this pool's backend (" + backend_->device() +
+                          ") cannot share pages with other processes: " + backend_->share_unavailable_reason());
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<PageId> ids(fds.size());
+  backend_->import_pages(fds.data(), fds.size(), ids.data());
+  try {
+    adopt_foreign_locked(ids, kImportedPage);
+  } catch (...) {
+    for (PageId id : ids) backend_->release_imported_page(id);
+    throw;
+  }
+  return ids;
+}
+
+bool PagePool::is_foreign_page(PageId page) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  check(page);
+  return static_cast<size_t>(page) < file_page_.size() && file_page_[page] != kOwnPage;
+}
+
+bool PagePool::is_imported_page(PageId page) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  check(page);
+  return static_cast<size_t>(page) < file_page_.size() && file_page_[page] == kImportedPage;
 }
 
 void PagePool::decref(PageId page) { decref_all({page}); }
@@ -488,7 +549,8 @@ PoolStats PagePool::stats() const {
                    backend_->unmap_fallbacks(),
                    deferred_release_ != kReleaseNone,
                    teardowns_.size(),
-                   file_pages_};
+                   file_pages_,
+                   imported_pages_};
 }
 
 size_t PagePool::trim() {

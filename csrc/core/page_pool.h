@@ -33,6 +33,7 @@ struct PoolStats {
   bool release_pending;       // a trim or lowered limit waits for a CUDA graph capture to end (see below)
   size_t deferred_teardowns;  // ranges destroyed during a capture, waiting to be unmapped (see below)
   size_t file_pages;          // file pages attached and referenced (attach_file_pages): not in used_pages
+  size_t imported_pages;      // device pages of another process imported and referenced (import_pages): likewise
 };
 
 // A range destroyed while a CUDA graph capture ran: its pages stay mapped and referenced and its reservation
@@ -106,6 +107,18 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // backend cannot map file pages (CUDA, the accounting backend) or an offset is not a page of the file.
   std::vector<PageId> attach_file_pages(int fd, const std::vector<uint64_t>& offsets);
   bool is_file_page(PageId page) const;
+  // Device pages shared between processes (CUDA; Backend::can_share_pages says where): export_pages gives one new
+  // POSIX file descriptor per page in use, the caller's to send and close; import_pages gives each received
+  // descriptor's page an id with reference count 1 owned by the caller, read-only (a writer copies it first), not
+  // counted against the capacity or the limit (the memory is the exporter's): stats().imported_pages counts them,
+  // and the id goes back to the backend with its last reference. InvalidArgument where the backend cannot share
+  // pages, for a free page to export, or a descriptor that is not a page of this pool's size and device; all or
+  // nothing (export: descriptors made before a failure are closed).
+  std::vector<int> export_pages(const std::vector<PageId>& pages);
+  std::vector<PageId> import_pages(const std::vector<int>& fds);
+  bool is_imported_page(PageId page) const;
+  // A file page or an imported page: memory that is not the pool's, read-only to the ranges (copy before writing).
+  bool is_foreign_page(PageId page) const;
   void incref(PageId page);
   void incref_all(const std::vector<PageId>& pages);
   // Drops one reference; a page whose count reaches zero goes back on the free list.
@@ -167,8 +180,13 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   uint64_t next_stamp_ = 1;
   size_t kept_count_ = 0;  // live entries of kept_
   size_t used_ = 0;
-  std::vector<uint8_t> file_page_;  // per page id: 1 while it is an attached file page
+  // Per page id: kFilePage while it is an attached file page, kImportedPage while an imported device page.
+  enum ForeignPage : uint8_t { kOwnPage = 0, kFilePage = 1, kImportedPage = 2 };
+  std::vector<uint8_t> file_page_;
   size_t file_pages_ = 0;
+  size_t imported_pages_ = 0;
+  // Ids a backend gave for foreign memory (file or imported pages): reference count 1 each, marked `kind`.
+  void adopt_foreign_locked(const std::vector<PageId>& ids, ForeignPage kind);
   size_t high_water_ = 0;
   size_t limit_ = SIZE_MAX;  // clamped to the backend's capacity where read (limit_locked)
   size_t limit_locked() const;

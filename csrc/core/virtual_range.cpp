@@ -357,17 +357,20 @@ std::vector<int64_t> VirtualRange::copy_plan_locked(const std::vector<int64_t>& 
     order = &listed_once;
   }
   // A page referenced only by listed indices needs one copy fewer than it has indices: the last index listed
-  // keeps the original (its reference count is 1 by then).
+  // keeps the original (its reference count is 1 by then). A file or imported page is never the range's to
+  // write, however few references it has: every index showing one gets a copy.
   std::vector<int64_t> shared;
+  std::vector<int64_t> copy;
   std::map<PageId, size_t> listed;  // page -> listed indices that show it
   for (int64_t s : *order) {
     check_index(s);
-    if (table_[s] >= 0 && pool_->refcount(table_[s]) > 1) {
+    if (table_[s] >= 0 && pool_->is_foreign_page(table_[s])) {
+      copy.push_back(s);
+    } else if (table_[s] >= 0 && pool_->refcount(table_[s]) > 1) {
       shared.push_back(s);
       ++listed[table_[s]];
     }
   }
-  std::vector<int64_t> copy;
   std::map<PageId, size_t> planned;
   for (int64_t s : shared) {
     const PageId page = table_[s];
@@ -540,7 +543,9 @@ size_t VirtualRange::reorder_runs(const std::vector<int64_t>& dst, const std::ve
       if (pins_[index] > 0)
         throw ViewsAlive("reorder: page index " + std::to_string(index) +
                          " is read through a live tensor view; drop the view first");
-      if (can_copy && tail[k] > 0 && j == count[k] - 1 && want >= 0 && have >= 0 && pool_->refcount(have) == 1) {
+      // Only a page of the pool's own may be written in place (a file or imported page is read-only).
+      if (can_copy && tail[k] > 0 && j == count[k] - 1 && want >= 0 && have >= 0 && pool_->refcount(have) == 1 &&
+          !pool_->is_foreign_page(have)) {
         tail_index[k] = index;
         tail_src[k] = want;
         continue;

@@ -7,7 +7,9 @@
 //   physical allocation (cuMemCreate)     a memfd of the allocation's size (sparse until written)
 //   address reservation (cuMemAddressReserve)  a PROT_NONE anonymous mmap, aligned to the granularity
 //   mapping (cuMemMap)                    mmap(MAP_SHARED | MAP_FIXED) of the memfd, still PROT_NONE
-//   access (cuMemSetAccess)               mprotect(PROT_READ | PROT_WRITE)
+//   access (cuMemSetAccess)               mprotect(PROT_READ | PROT_WRITE), or PROT_READ for read-only access
+//   sharing (cuMemExportToShareableHandle /  a POSIX file descriptor of the allocation's memfd, which another
+//     cuMemImportFromShareableHandle)     process (receiving it over a Unix socket) imports: the same bytes
 //   unmapping (cuMemUnmap)                the range goes back to a PROT_NONE anonymous mapping
 //   copies (cuMemcpy*Async)               queued on their stream (the NULL / legacy stream of the current
 //                                         context's device, or a stream of the tests made by
@@ -69,11 +71,16 @@
 //   FAKE_CUDA_DRIVER_VERSION=V       CUDA version the driver supports (default 13000)
 //   FAKE_CUDA_MISSING=a,b            entry points cuGetProcAddress does not find
 //   FAKE_CUDA_MULTI_UNMAP=1          cuMemUnmap accepts a run of several whole mappings in one call
+//   FAKE_CUDA_POSIX_FD=0             devices report no POSIX file-descriptor handles (no shareable pages)
 // Build: g++ -std=c++17 -shared -fPIC -fvisibility=hidden -I<cuda>/include fake_libcuda.cpp
 //        -Wl,-soname,libcuda.so.1 -o <dir>/libcuda.so.1   (tests/test_cuda_backend_fake.py does this)
 #include <cuda.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <climits>
+#include <cstdio>
 
 #include <algorithm>
 #include <cstdint>
@@ -111,6 +118,7 @@ struct Config {
   bool granularity_needs_context = false;
   int driver_version = 13000;
   bool multi_unmap = false;
+  bool posix_fd = true;
   std::set<std::string> missing;
 };
 
@@ -125,6 +133,7 @@ Config read_config() {
   c.granularity_needs_context = env_long("FAKE_CUDA_GRANULARITY_NEEDS_CONTEXT", 0) != 0;
   c.driver_version = static_cast<int>(env_long("FAKE_CUDA_DRIVER_VERSION", 13000));
   c.multi_unmap = env_long("FAKE_CUDA_MULTI_UNMAP", 0) != 0;
+  c.posix_fd = env_long("FAKE_CUDA_POSIX_FD", 1) != 0;
   if (const char* m = std::getenv("FAKE_CUDA_MISSING")) {
     std::stringstream names(m);
     std::string name;
@@ -133,17 +142,24 @@ Config read_config() {
   return c;
 }
 
-struct Allocation {  // one cuMemCreate handle, holding memory until released and unmapped everywhere
+// One cuMemCreate or cuMemImportFromShareableHandle handle, holding memory until released and unmapped
+// everywhere. Its memfd is named after its device ("fake-cuda-allocation-dN"), so that an import knows where the
+// memory lies, as the real driver does.
+struct Allocation {
   int fd;
   size_t size;
-  int mappings = 0;       // live cuMemMap mappings of this handle
-  bool released = false;  // cuMemRelease was called: the memory goes with the last mapping
+  int device;
+  bool shareable = false;  // created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR requested: exportable
+  bool imported = false;   // made by an import: the exporter's memory (not counted in bytes_allocated)
+  int mappings = 0;        // live cuMemMap mappings of this handle
+  bool released = false;   // cuMemRelease was called: the memory goes with the last mapping
 };
 
 struct Mapping {  // one cuMemMap
   size_t size;
   CUmemGenericAllocationHandle handle;
-  bool accessible;  // cuMemSetAccess has granted read/write
+  bool accessible;  // cuMemSetAccess has granted read access (read-only or read/write)
+  bool writable;    // ... and write access
 };
 
 // A copy or kernel queued on a stream of the tests, run when the stream is synchronized.
@@ -297,12 +313,13 @@ bool whole_mappings(State& s, uintptr_t p, size_t size) {
   return at == p + size;
 }
 
-// True when every byte of [p, p + size) lies in mappings that have been granted access.
-bool accessible(State& s, uintptr_t p, size_t size) {
+// True when every byte of [p, p + size) lies in mappings that have been granted access (write access too, for
+// `write`).
+bool accessible(State& s, uintptr_t p, size_t size, bool write = false) {
   uintptr_t at = p;
   while (at < p + size) {
     auto it = mapping_at(s, at);
-    if (it == s.mappings.end() || !it->second.accessible) return false;
+    if (it == s.mappings.end() || !it->second.accessible || (write && !it->second.writable)) return false;
     at = it->first + it->second.size;
   }
   return true;
@@ -375,7 +392,7 @@ void drain(State& s, FakeStream& st) {
   for (const PendingOp& op : st.queue) {
     const bool dst_device = op.kind == PendingOp::kHtoD || op.kind == PendingOp::kDtoD;
     const bool src_device = op.kind != PendingOp::kHtoD;
-    if ((dst_device && !accessible(s, op.dst, op.bytes)) || (src_device && !accessible(s, op.src, op.bytes))) {
+    if ((dst_device && !accessible(s, op.dst, op.bytes, true)) || (src_device && !accessible(s, op.src, op.bytes))) {
       fault(s, st, "queued work ran on a device range that is no longer mapped");
       return;
     }
@@ -492,6 +509,10 @@ CUresult fake_cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUd
     *value = config(s).vmm ? 1 : 0;
     return CUDA_SUCCESS;
   }
+  if (attribute == CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) {
+    *value = config(s).posix_fd ? 1 : 0;
+    return CUDA_SUCCESS;
+  }
   // Not a driver rule: the fake models one attribute; extend it when vpaged queries another.
   REFUSE(CUDA_ERROR_NOT_SUPPORTED, "attribute " + std::to_string(attribute) + " is not modelled by the fake");
 }
@@ -571,17 +592,25 @@ CUresult fake_cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, con
     REFUSE(CUDA_ERROR_INVALID_VALUE, "size " + std::to_string(size) + " is not a multiple of the granularity");
   if (flags != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
   if (!device_pinned_prop(s, prop)) REFUSE(CUDA_ERROR_INVALID_VALUE, "not pinned memory on a visible device");
+  // Rule: the handle types asked for must be ones the device supports (vpaged asks for POSIX file descriptors
+  // only where CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED says so; the fake models no other).
+  const bool shareable = prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  if (prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE && !shareable)
+    REFUSE(CUDA_ERROR_NOT_SUPPORTED, "handle types other than POSIX file descriptors are not modelled");
+  if (shareable && !config(s).posix_fd)
+    REFUSE(CUDA_ERROR_NOT_SUPPORTED, "POSIX file-descriptor handles asked of a device that does not support them");
   // The device's memory is finite (fake_cuda_set_memory_limit): CUDA_ERROR_OUT_OF_MEMORY past it.
   if (s.memory_limit >= 0 && s.bytes_allocated + size > static_cast<size_t>(s.memory_limit))
     return CUDA_ERROR_OUT_OF_MEMORY;
-  int fd = memfd_create("fake-cuda-allocation", MFD_CLOEXEC);
+  const std::string name = "fake-cuda-allocation-d" + std::to_string(prop->location.id);
+  int fd = memfd_create(name.c_str(), MFD_CLOEXEC);
   if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
     close(fd);
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   *handle = s.next_handle++;
-  s.allocations[*handle] = Allocation{fd, size};
+  s.allocations[*handle] = Allocation{fd, size, prop->location.id, shareable};
   s.bytes_allocated += size;
   return CUDA_SUCCESS;
 }
@@ -599,7 +628,7 @@ CUresult fake_cuMemRelease(CUmemGenericAllocationHandle handle) {
   it->second.released = true;
   if (it->second.mappings == 0) {
     close(it->second.fd);
-    s.bytes_allocated -= it->second.size;
+    if (!it->second.imported) s.bytes_allocated -= it->second.size;
     s.allocations.erase(it);
   }
   return CUDA_SUCCESS;
@@ -659,7 +688,12 @@ CUresult fake_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneric
   if (offset != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "offset must be 0");
   if (flags != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
   if (ptr % config(s).granularity != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "address not aligned to the granularity");
-  if (size != a->second.size) REFUSE(CUDA_ERROR_INVALID_VALUE, "size differs from the allocation's");
+  // An imported allocation's size is not known to the importer (the descriptor does not carry it): one smaller
+  // than the mapping is refused as the driver refuses it, not as a violation; a larger one maps its prefix, as
+  // the driver allows. vpaged maps its own pages whole, so another size for them is a bug.
+  if (a->second.imported && size > a->second.size) return CUDA_ERROR_INVALID_VALUE;
+  if (a->second.imported ? size % config(s).granularity != 0 : size != a->second.size)
+    REFUSE(CUDA_ERROR_INVALID_VALUE, "size differs from the allocation's");
   // Rule: the range must lie in one reservation and must not be mapped already.
   if (!inside_one_reservation(s, ptr, size)) REFUSE(CUDA_ERROR_INVALID_VALUE, "range outside a reservation");
   auto next = s.mappings.lower_bound(ptr);
@@ -668,7 +702,7 @@ CUresult fake_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneric
   // Rule: a new mapping is not accessible until cuMemSetAccess grants access.
   void* p = mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, a->second.fd, 0);
   if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
-  s.mappings[ptr] = Mapping{size, handle, false};
+  s.mappings[ptr] = Mapping{size, handle, false, false};
   ++a->second.mappings;
   return CUDA_SUCCESS;
 }
@@ -700,7 +734,7 @@ CUresult fake_cuMemUnmap(CUdeviceptr ptr, size_t size) {
     auto a = s.allocations.find(it->second.handle);
     if (a != s.allocations.end() && --a->second.mappings == 0 && a->second.released) {
       close(a->second.fd);
-      s.bytes_allocated -= a->second.size;
+      if (!a->second.imported) s.bytes_allocated -= a->second.size;
       s.allocations.erase(a);
     }
     s.mappings.erase(it);
@@ -716,6 +750,7 @@ CUresult fake_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc
   // must be fully mapped (the fake requires whole mappings, which is how vpaged calls it).
   if (desc == nullptr || count == 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "no access descriptors");
   bool read_write = false;
+  bool read_only = false;
   for (size_t i = 0; i < count; ++i) {
     if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || !valid_device(s, desc[i].location.id))
       REFUSE(CUDA_ERROR_INVALID_VALUE, "descriptor does not name a visible device");
@@ -723,16 +758,81 @@ CUresult fake_cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc
         desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
       REFUSE(CUDA_ERROR_INVALID_VALUE, "unknown access flags");
     read_write |= desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    read_only |= desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READ;
   }
   if (!whole_mappings(s, ptr, size)) REFUSE(CUDA_ERROR_INVALID_VALUE, "range is not fully mapped");
-  // Not a driver rule: vpaged pages are read and written; any other access is modelled as none.
-  if (mprotect(reinterpret_cast<void*>(ptr), size, read_write ? PROT_READ | PROT_WRITE : PROT_NONE) != 0)
-    return CUDA_ERROR_UNKNOWN;
+  // Read-only access (imported pages) is PROT_READ: a write through it faults, as on the device.
+  const int prot = read_write ? PROT_READ | PROT_WRITE : (read_only ? PROT_READ : PROT_NONE);
+  if (mprotect(reinterpret_cast<void*>(ptr), size, prot) != 0) return CUDA_ERROR_UNKNOWN;
   for (uintptr_t at = ptr; at < ptr + size;) {
     Mapping& m = s.mappings.at(at);
-    m.accessible = read_write;
+    m.accessible = read_write || read_only;
+    m.writable = read_write;
     at += m.size;
   }
+  return CUDA_SUCCESS;
+}
+
+// Sharing an allocation between processes. Export: a POSIX file descriptor of the handle's memory (a dup of its
+// memfd), owned by the caller. Import: the memory behind such a descriptor (received from another process) as a
+// handle of this process; the caller keeps its descriptor. The imported handle is released and unmapped as any.
+CUresult fake_cuMemExportToShareableHandle(void* shareable, CUmemGenericAllocationHandle handle,
+                                           CUmemAllocationHandleType type, unsigned long long flags) {
+  ENTER("cuMemExportToShareableHandle");
+  NEED_INIT;
+  if (shareable == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null output");
+  // Rules: a live handle; the type asked for must be one requested when the allocation was made; flags 0.
+  auto a = s.allocations.find(handle);
+  if (a == s.allocations.end() || a->second.released) REFUSE(CUDA_ERROR_INVALID_VALUE, "unknown or released handle");
+  if (flags != 0) REFUSE(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
+  if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) REFUSE(CUDA_ERROR_INVALID_VALUE, "only POSIX fds are modelled");
+  if (!a->second.shareable && !a->second.imported)
+    REFUSE(CUDA_ERROR_INVALID_VALUE, "the allocation was made without POSIX file-descriptor handles requested");
+  const int fd = dup(a->second.fd);
+  if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  *static_cast<int*>(shareable) = fd;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* handle, void* os_handle,
+                                             CUmemAllocationHandleType type) {
+  ENTER("cuMemImportFromShareableHandle");
+  NEED_CONTEXT;
+  NO_CAPTURE;
+  if (handle == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null handle");
+  if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) REFUSE(CUDA_ERROR_INVALID_VALUE, "only POSIX fds are modelled");
+  // For POSIX file descriptors the "OS handle" is the descriptor's value itself.
+  const int fd = static_cast<int>(reinterpret_cast<intptr_t>(os_handle));
+  // A descriptor that is not an exported allocation is refused, as the driver refuses it; not a violation: the
+  // caller cannot tell such a descriptor from a good one before asking.
+  char link[64];
+  char target[PATH_MAX] = {};
+  std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  const ssize_t len = readlink(link, target, sizeof target - 1);
+  const std::string prefix = "/memfd:fake-cuda-allocation-d";
+  if (len <= 0 || std::strncmp(target, prefix.c_str(), prefix.size()) != 0) return CUDA_ERROR_INVALID_VALUE;
+  const int device = std::atoi(target + prefix.size());
+  struct stat st{};
+  if (fstat(fd, &st) != 0 || st.st_size <= 0) return CUDA_ERROR_INVALID_VALUE;
+  const int own = dup(fd);
+  if (own < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  *handle = s.next_handle++;
+  Allocation imported{own, static_cast<size_t>(st.st_size), device, false, true};
+  s.allocations[*handle] = imported;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CUmemGenericAllocationHandle handle) {
+  ENTER("cuMemGetAllocationPropertiesFromHandle");
+  NEED_INIT;
+  if (prop == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null properties");
+  auto a = s.allocations.find(handle);
+  if (a == s.allocations.end() || a->second.released) REFUSE(CUDA_ERROR_INVALID_VALUE, "unknown or released handle");
+  *prop = CUmemAllocationProp{};
+  prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop->location.id = a->second.device;
+  if (a->second.shareable) prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   return CUDA_SUCCESS;
 }
 
@@ -743,8 +843,8 @@ CUresult fake_cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, 
   ENTER("cuMemcpyDtoDAsync");
   NEED_CONTEXT;
   if (!known_stream(s, stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
-  if (!accessible(s, dst, bytes) || !accessible(s, src, bytes))
-    REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
+  if (!accessible(s, dst, bytes, true) || !accessible(s, src, bytes))
+    REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access (write access for the destination)");
   return submit_copy(s, stream, PendingOp{PendingOp::kDtoD, dst, src, bytes});
 }
 
@@ -762,7 +862,7 @@ CUresult fake_cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, 
   NEED_CONTEXT;
   if (!known_stream(s, stream)) REFUSE(CUDA_ERROR_INVALID_HANDLE, "unknown stream");
   if (src == nullptr) REFUSE(CUDA_ERROR_INVALID_VALUE, "null host pointer");
-  if (!accessible(s, dst, bytes)) REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with access");
+  if (!accessible(s, dst, bytes, true)) REFUSE(CUDA_ERROR_INVALID_VALUE, "device range not mapped with write access");
   return submit_copy(s, stream, PendingOp{PendingOp::kHtoD, dst, reinterpret_cast<uintptr_t>(src), bytes});
 }
 
@@ -872,6 +972,9 @@ const EntryPoint kEntryPoints[] = {
     ENTRY(cuStreamSynchronize, 2000),
     ENTRY(cuCtxSynchronize, 2000),
     ENTRY(cuStreamIsCapturing, 10000),
+    ENTRY(cuMemExportToShareableHandle, 10020),
+    ENTRY(cuMemImportFromShareableHandle, 10020),
+    ENTRY(cuMemGetAllocationPropertiesFromHandle, 10020),
 };
 #undef ENTRY
 

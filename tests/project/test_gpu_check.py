@@ -157,8 +157,8 @@ def test_stages_run_most_informative_first_with_the_caps_they_need():
     table = stages()
     names = [name for name, *_ in table]
     order = ["build", "probe", "test:cuda_backend", "test:cuda_cache", "test:decode_quant", "test:decode_kernels",
-             "test:torch_allocator", "test:budget_gpu", "test:capture_trim", "test:serve_engine",
-             "serve:cli"]  # fmt: skip
+             "test:torch_allocator", "test:budget_gpu", "test:capture_trim", "test:shared_pages",
+             "test:serve_engine", "serve:cli"]  # fmt: skip
     assert names[: len(order)] == order and all(n.startswith("bench:") for n in names[len(order) :])
     caps = {name: cap for name, cap, *_ in table}
     text = SCRIPT.read_text()

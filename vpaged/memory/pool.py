@@ -47,6 +47,9 @@ class PoolStats:
     # Pages of a file (a page store's) mapped into ranges with no copy and still referenced: not in used_pages,
     # since their memory is the file's, not the pool's (attach_file_pages).
     file_pages: int = 0
+    # Device pages another process exported, imported and still referenced (import_pages, CUDA): not in
+    # used_pages either, since their memory is the exporter's.
+    imported_pages: int = 0
 
     @property
     def used_bytes(self) -> int:
@@ -211,6 +214,7 @@ class PagePool:
             s.release_pending,
             s.deferred_teardowns,
             s.file_pages,
+            s.imported_pages,
         )
 
     def trim(self) -> int:
@@ -269,6 +273,33 @@ class PagePool:
 
     def is_file_page(self, page: int) -> bool:
         return self._pool.is_file_page(int(page))
+
+    @property
+    def can_share_pages(self) -> bool:
+        """Whether this pool's pages can be exported to and imported from other processes (CUDA, where the device
+        supports POSIX file-descriptor handles; VPAGED_CUDA_SHAREABLE_PAGES=0 turns it off)."""
+        return bool(self._pool.backend.can_share_pages)
+
+    def export_pages(self, pages: list[int]) -> list[int]:
+        """One new POSIX file descriptor per page in use (cuMemExportToShareableHandle), for another process on the
+        machine to import: send them over a Unix socket (socket.send_fds) and close them here. The memory lives
+        while any process holds or maps it, so this pool's later death does not end an importer's pages; the page
+        itself stays this pool's as before (its data is shared: publish only pages no one writes any more).
+        InvalidArgumentError where pages cannot be shared (can_share_pages) and for a free page."""
+        return self._pool.export_pages([int(p) for p in pages])
+
+    def import_pages(self, fds: list[int]) -> list[int]:
+        """Ids for the device pages behind descriptors another process exported (export_pages), one reference each
+        owned by the caller, to map into ranges like any page (VirtualRange.map_shared): the exporter's memory, no
+        copy. Such a page is read-only (ranges map it read-only; the pool's copies into it are refused; the caches
+        copy a shared page before writing it), does not count against the capacity (stats()'s imported_pages counts
+        them), and is released when its last reference goes. The descriptors stay the caller's to close. All or
+        nothing; InvalidArgumentError where pages cannot be shared and for a descriptor that is not a page of this
+        pool's size on its device."""
+        return self._pool.import_pages([int(fd) for fd in fds])
+
+    def is_imported_page(self, page: int) -> bool:
+        return self._pool.is_imported_page(int(page))
 
     @property
     def file_page_faults(self) -> int:
