@@ -35,12 +35,14 @@ context (fixed per-call cost: checks, descriptor, launch), without flushing.
     python benchmarks/bench_decode.py --quick --threads 2 --warm-path   # K/V cold, the call's own path warm
 
 Against vLLM's CPU attention op (--vllm-python PATH, an interpreter with vLLM's CPU build; --vllm-only skips
-the grid): batch 8, 16 query / 8 KV heads, head_dim 128, 2K context, fp32 and bf16, the same K/V in both.
-vpaged's contiguous kernel (decode_attention on a VirtualKVCache) is timed here; vLLM's
-`cpu_attention_with_kv_cache` (what its CPU attention backend calls, on its own block layout, block size 128)
-by benchmarks/vllm_decode.py in the other interpreter, flushed the same way; vpaged is timed before and after
-that process (median of both). Rows: ms each, ratio vpaged contiguous / vLLM, and the two outputs' max
-difference.
+the grid): 16 query / 8 KV heads, head_dim 128, batch 8 x 2K context and batch 1 x 16K, fp32 and bf16, the same
+K/V in both. vpaged's contiguous kernel (decode_attention on a VirtualKVCache) is timed here; vLLM's
+`cpu_attention_with_kv_cache` (what its CPU attention backend calls, on its own block layout) by
+benchmarks/vllm_decode.py in the other interpreter, flushed the same way, at each block size of --vllm-blocks
+(default 16, 32, 128: the ISA vLLM picks depends on it, its AMX kernel wants 32), the fastest taken as vLLM's
+best kernel; vpaged is timed before and after that process (median of both). Rows: ms each, ratio vpaged
+contiguous / vLLM's best, the read floor of the cell's K/V (its bytes over a torch reduction's rate, flushed
+the same way) and the two outputs' max difference.
 
 Writes benchmarks/results/decode_<device>.json. On CUDA the contiguous kernel reads a VirtualKVCache on the
 CUDA VMM backend; where that backend is unusable (vpaged.backends() says why) it runs on a plain tensor with
@@ -398,6 +400,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_<device>.json)")
     ap.add_argument("--vllm-python", default=None, metavar="PATH", help="compare with vLLM's CPU attention op")
     ap.add_argument("--vllm-only", action="store_true", help="with --vllm-python: only the vLLM comparison")
+    ap.add_argument("--vllm-blocks", default="16,32,128", help="vLLM block sizes to time (its fastest is compared)")
     args = ap.parse_args()
 
     device = vpaged.memory.device.normalize_device(args.device)
@@ -512,11 +515,15 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-VLLM_CELL = dict(batch=8, heads=16, kv_heads=8, head_dim=128, context=2048)
+VLLM_CELLS = (
+    dict(batch=8, heads=16, kv_heads=8, head_dim=128, context=2048),
+    dict(batch=1, heads=16, kv_heads=8, head_dim=128, context=16384),
+)
 
 
 def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str]) -> dict:
-    """vpaged's contiguous kernel against vLLM's CPU attention op on the same K/V (VLLM_CELL)."""
+    """vpaged's contiguous kernel against vLLM's CPU attention op (its fastest block size) on the same K/V, per
+    cell of VLLM_CELLS and dtype."""
     import tempfile
 
     from vllm_peer import PeerError, peer_env, probe, run_runner
@@ -527,12 +534,13 @@ def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str])
     if facts is None:
         print(f"vllm comparison skipped: {why}")
         return {"python": args.vllm_python, "skipped": why}
-    c = VLLM_CELL
-    b, h, kvh, d, ctx = c["batch"], c["heads"], c["kv_heads"], c["head_dim"], c["context"]
     gen = torch.Generator().manual_seed(0)
-    tensors, vpaged_fns, closers, outs = {}, {}, [], {}
-    for name in dtypes:
-        dtype = DTYPES[name]
+    tensors, vpaged_fns, floor_fns, closers, outs, cases = {}, {}, {}, [], {}, {}
+    for c, dtype_name in ((c, n) for c in VLLM_CELLS for n in dtypes):
+        b, h, kvh, d, ctx = c["batch"], c["heads"], c["kv_heads"], c["head_dim"], c["context"]
+        name = f"{dtype_name}-b{b}x{ctx}"
+        cases[name] = (c, dtype_name)
+        dtype = DTYPES[dtype_name]
         k = torch.randn(b, ctx, kvh, d, generator=gen).to(dtype)
         v = torch.randn(b, ctx, kvh, d, generator=gen).to(dtype)
         q = torch.randn(b, h, d, generator=gen).to(dtype)
@@ -554,8 +562,10 @@ def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str])
             virt.write(0, seqs[i], k[i], v[i])
         outs[name] = torch.empty_like(q)
         vpaged_fns[name] = lambda q=q, virt=virt, seqs=seqs, o=outs[name]: ops.decode_attention(q, virt, seqs, 0, out=o)
+        floor_fns[name] = lambda k=k, v=v: (k.max(), v.max())  # the cell's K/V read once: the read floor
         closers.append(virt.close)
     before = timer.many(vpaged_fns, repeats)
+    floors = timer.many(floor_fns, repeats)
     try:
         with tempfile.TemporaryDirectory(prefix="vpaged-vllm-decode-") as tmp:
             tpath, opath = Path(tmp) / "kv.pt", Path(tmp) / "out.pt"
@@ -566,6 +576,7 @@ def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str])
                 "repeats": repeats,
                 "threads": torch.get_num_threads(),
                 "flush_bytes": timer.flush.numel() * 4,
+                "block_sizes": [int(x) for x in args.vllm_blocks.split(",")],
             }
             res = run_runner(args.vllm_python, "decode", job, env=peer_env(torch.get_num_threads()), timeout=900)
             vouts = torch.load(opath)
@@ -576,27 +587,33 @@ def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str])
         return {"python": args.vllm_python, "error": str(e), "vllm_version": facts.get("vllm_version")}
     after = timer.many(vpaged_fns, repeats)
     rows = []
-    for name in dtypes:
+    for name, (c, dtype_name) in cases.items():
         vp = statistics.median([before[name], after[name]]) * 1e3
-        vl = res["ops"][name]["median_ms"]
+        best = res["ops"][name]
+        vl = best["median_ms"]
         diff = (outs[name].float() - vouts[name].float()).abs().max().item()
         rows.append(
             {
-                "dtype": name,
-                **VLLM_CELL,
+                "dtype": dtype_name,
+                **c,
                 "vpaged_contiguous_ms": vp,
                 "vpaged_before_after_ms": [before[name] * 1e3, after[name] * 1e3],
                 "vllm_ms": vl,
-                "vllm_isa": res["ops"][name]["isa"],
-                "vllm_block_size": res["ops"][name]["block_size"],
+                "vllm_isa": best["isa"],
+                "vllm_block_size": best["block_size"],
+                "vllm_by_block_ms": {bs: r.get("median_ms", r.get("error")) for bs, r in best["by_block"].items()},
                 "vpaged_over_vllm": vp / vl,
+                "read_floor_ms": floors[name] * 1e3,
+                "vpaged_over_read_floor": vp / (floors[name] * 1e3),
                 "max_abs_diff": diff,
             }
         )
         print(
-            f"vs vLLM {res['vllm_version']} ({name}, batch {b}, {h}/{kvh} heads, d{d}, ctx {ctx}): vpaged contiguous "
-            f"{vp:.3f} ms, vLLM cpu_attention_with_kv_cache {vl:.3f} ms (isa {res['ops'][name]['isa']}): "
-            f"ratio {vp / vl:.2f}, max |diff| {diff:.2e}"
+            f"vs vLLM {res['vllm_version']} ({dtype_name}, batch {c['batch']}, {c['heads']}/{c['kv_heads']} heads, "
+            f"d{c['head_dim']}, ctx {c['context']}): vpaged contiguous {vp:.3f} ms, vLLM cpu_attention_with_kv_cache "
+            f"{vl:.3f} ms (best of blocks {rows[-1]['vllm_by_block_ms']}: {best['block_size']}, isa {best['isa']}): "
+            f"ratio {vp / vl:.2f}; read floor {floors[name] * 1e3:.3f} ms (vpaged {vp / (floors[name] * 1e3):.2f}x), "
+            f"max |diff| {diff:.2e}"
         )
     for close in closers:
         close()
