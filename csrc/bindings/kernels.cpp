@@ -214,6 +214,11 @@ void register_kernels(py::module_& m) {
       },
       "The CPU code paths of the decode kernels this CPU can run, portable first.");
   m.def(
+      "decode_cpu_int8_dot", [](const std::string& isa) { return cpu_int8_dot(isa_code(isa)); },
+      py::arg("isa") = "auto",
+      "Whether int8 K/V decode on this CPU code path uses VNNI dot products of a quantized query and probabilities "
+      "(an accuracy contract of its own: csrc/kernels/decode_cpu_tiles.h) instead of fp32 products.");
+  m.def(
       "cpu_auto_isa", [] { return std::string(cpu_isa_name(cpu_auto_isa())); },
       "The CPU code path isa='auto' runs: the best this CPU has, capped by VPAGED_CPU_ISA.");
   m.def("decode_cuda", &decode_cuda, py::arg("params"), py::arg("launch"), py::call_guard<py::gil_scoped_release>(),

@@ -93,6 +93,10 @@ int cpu_auto_isa();
 // The path a CPU kernel named `op` runs for a requested isa: kIsaAuto -> cpu_auto_isa(); an unknown code or a
 // path this CPU lacks raises InvalidArgument.
 int resolve_cpu_isa(const char* op, int isa);
+// Whether int8 K/V decode on path `isa` (resolved as resolve_cpu_isa does) takes its products by VNNI dot products
+// of a query and probabilities quantized to bytes (the avx512bf16 path, where the CPU has AVX512_VNNI): outputs then
+// hold to the accuracy contract of decode_cpu_tiles.h ("Int8 scores by dot products") instead of fp32 rounding.
+bool cpu_int8_dot(int isa);
 
 // CPU (OpenMP). num_threads <= 0: the OpenMP default. isa: kIsaAuto (the best), or a path to force (tests
 // cover every path the CPU has); a path the CPU lacks raises InvalidArgument.

@@ -487,6 +487,13 @@ bool cpu_has_avx512_bf16() {
   return has;
 }
 
+// Every CPU with AVX512_BF16 so far has AVX512_VNNI too (Cooper Lake, Sapphire Rapids and later, Zen 4 and later);
+// checked all the same.
+bool cpu_has_avx512_vnni() {
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
 template <int DT>
 ItemFn select_dim(int D, int DV, int isa) {
   const bool avx2 = isa >= kIsaAvx2;
@@ -515,11 +522,14 @@ ItemFn select_dim(int D, int DV, int isa) {
 }
 
 // Quantized K/V (fp32 q/out): the AVX-512 tile loop (16 elements dequantized per load) where the path is AVX-512,
-// the AVX2 one (AVX2 + F16C) from AVX2 up, else portable.
+// with int8 scores by VNNI dot products on the avx512bf16 path (decode_cpu_tiles.h: the query quantized per head,
+// within a stated bound; the avx512 path keeps an fp32 query), the AVX2 one (AVX2 + F16C) from AVX2 up, else
+// portable.
 template <int KT>
 ItemFn select_quant(int D, int DV, int isa) {
   if (isa >= kIsaAvx512) {
-    if (const ItemFn fn = avx512_tile_item(kFloat32, KT, D, DV, false)) return fn;
+    const bool int8_dot = KT == kInt8 && isa >= kIsaAvx512Bf16 && cpu_has_avx512_vnni();  // as cpu_int8_dot
+    if (const ItemFn fn = avx512_tile_item(kFloat32, KT, D, DV, false, int8_dot)) return fn;
   }
   const bool v3 = isa >= kIsaAvx2 && cpu_has_f16c();  // every AVX2 CPU has F16C; checked all the same
   if (v3) {
@@ -620,6 +630,10 @@ int cpu_auto_isa() {
     throw InvalidArgument(std::string("VPAGED_CPU_ISA must be auto, baseline, avx2, avx512 or avx512bf16, got '") +
                           std::getenv("VPAGED_CPU_ISA") + "'");
   return std::min(cap, cpu_best_isa());
+}
+
+bool cpu_int8_dot(int isa) {
+  return resolve_cpu_isa("decode attention", isa) >= kIsaAvx512Bf16 && cpu_has_avx512_vnni();
 }
 
 int resolve_cpu_isa(const char* op, int isa) {

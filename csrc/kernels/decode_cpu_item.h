@@ -8,6 +8,7 @@
 // function, whatever ISA the file it came from was built for.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -137,9 +138,10 @@ struct RowFinder {
 
 // Floats of per-thread workspace an item needs (the tile loops' partial score vectors, 4 heads x kChunk
 // tokens x up to 16 lanes, fit in the kChunk rows of max(D, DV, 64) floats).
+// floats of per-head query facts the int8 dot-product scores keep (the query's scale and its sum, 2 * H).
 inline size_t workspace_floats(const DecodeParams& p) {
   const size_t H = p.num_heads, D = p.head_dim, DV = p.v_head_dim;
-  return H * D + H * DV + size_t(kChunk) * std::max<size_t>(std::max<size_t>(D, DV), 64) + H * kChunk + 2 * H;
+  return H * D + H * DV + size_t(kChunk) * std::max<size_t>(std::max<size_t>(D, DV), 64) + H * kChunk + 4 * H;
 }
 
 // Write an item's result: the normalised output when it covers its whole sequence, else its partial state.
@@ -165,10 +167,11 @@ VP_INLINE void finish_item(const DecodeParams& p, const Item& it, const float* a
 
 // The tile loop's item function for (q/out dtype, K/V format, head dims) on one ISA, or nullptr where it is not
 // compiled (head dims other than 64/64, 128/128, 256/256 and 192/128; AVX2: 16-bit and 1-byte K/V only, the
-// 1-byte ones with dtype kFloat32; AVX-512: fp32 and 16-bit K/V, bf16_dot for bf16 scores by vdpbf16ps).
-// Call only where the CPU has the ISA (decode_cpu.cpp checks).
+// 1-byte ones with dtype kFloat32; AVX-512: fp32 and 16-bit K/V, bf16_dot for bf16 scores by vdpbf16ps, and the
+// 1-byte formats, int8_dot for int8 scores by vpdpbusd of a query quantized per head: decode_cpu_tiles.h).
+// Call only where the CPU has the ISA (decode_cpu.cpp checks; int8_dot needs AVX512_VNNI).
 ItemFn avx2_tile_item(int dtype, int kv_dtype, int D, int DV);
-ItemFn avx512_tile_item(int dtype, int kv_dtype, int D, int DV, bool bf16_dot);
+ItemFn avx512_tile_item(int dtype, int kv_dtype, int D, int DV, bool bf16_dot, bool int8_dot = false);
 
 }  // namespace cpu_decode
 }  // namespace kernels

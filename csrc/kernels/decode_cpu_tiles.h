@@ -24,7 +24,28 @@
 //   first(base, n): the mask of lanes with base + lane < n; select(m, v, fallback); zero_unless(m, v);
 //   load<KT>(src): kLanes stored elements as floats; load_pv<KT>(src, v): one P.V tile row (kPvVecs vectors);
 //   kPermutedPv<KT>: load_pv gives dims out of order and unpermute(row, dim) puts an accumulator row back;
-//   scores_bf16dp<D, GB>(...) (only where bf16 dot products are compiled: DP below).
+//   scores_bf16dp<D, GB>(...) (only where bf16 dot products are compiled: DP below), scores_int8dp<D, GB>(...)
+//   (only where int8 dot products are: IDP below).
+//
+// INT8 SCORES BY DOT PRODUCTS (IDP; AVX-512 VNNI). The query, already scaled by the softmax scale, is quantized per
+// head in two bytes per dim: a high part with a power-of-two step, s_q = 2^ceil(log2(max|q| / 127)) (< 2 max|q| /
+// 127), hi = round(q / s_q) in [-127, 127], and the remainder in steps of s_q / kLowSteps, lo = round((q / s_q - hi)
+// * kLowSteps) in [-127, 127]. vpdpbusd multiplies unsigned by signed bytes, so the K row goes in as k + 128 (its
+// sign bit flipped), once against each part, and the score is s_q * ((sum hi (k + 128) - 128 sum hi) + (sum lo (k +
+// 128) - 128 sum lo) / kLowSteps) * the row's scale. The integer sums are exact (at head dim 256 they stay below
+// 2^24), and a query whose values are multiples of s_q scores exactly. The one approximation is the query's
+// rounding, which moves a score by at most
+//   0.5 * (s_q / kLowSteps) * sum_i |k_i| * row scale                                 (the accuracy contract)
+// (one high part alone, 0.5 * s_q * ..., measured 1-1.4 % off the output's mean magnitude on random data).
+// One instruction does 64 products (16 per lane), where dequantizing K and FMAs took ~6 instructions per 16.
+// P.V likewise (W::pv_int8dp): per chunk of kChunk tokens and head, the probabilities times their V row's scale,
+// p'_t, are quantized to unsigned bytes with a power-of-two step, s_p = 2^ceil(log2(max p' / 255)) (< 2 max p' /
+// 255; a lone token's probability 1 is exact), pu = round(p' / s_p), and vpdpbusd sums pu * v over four tokens per
+// lane. That rounding moves an output dim by at most
+//   0.5 * s_p * sum_t |v_t| / l  <  (max_t p'_t / 255) * sum_t |v_t| / l   (l the softmax's sum; p' in the final
+//                                                                          max's terms, v as stored integers)
+// Both bounds together are the contract tests/ops/test_decode_int8_dot.py checks against the fp64 reference (with
+// scores off by at most delta, the output moves by at most (e^(2 delta) - 1) max|v|).
 //
 // Each file's instantiations must keep internal linkage (this file's anonymous namespace): two files compile
 // the same template names for different ISAs, and a merged copy would run one file's ISA on the other's CPUs.
@@ -68,6 +89,20 @@ struct Ahead {
     if (k_off[j] >= 0) prefetch_token(K, V, k_off[j] + head_k, v_off[j] + head_v, heads, HS, VHS, k_foot, v_foot);
   }
 };
+
+// Steps of a query's low byte per step of its high byte (int8 scores by dot products, below).
+constexpr float kLowSteps = 254.0f;
+
+// The smallest power of two s with x / s <= top (x >= 0; 0 for 0): the quantization step of IDP's query and
+// probabilities, exact to scale by.
+VP_INLINE float power_of_two_step(float x, float top) {
+  if (!(x > 0.0f)) return 0.0f;
+  int e = 0;
+  const float f = std::frexp(x / top, &e);  // x / top = f * 2^e, f in [0.5, 1)
+  float s = std::ldexp(1.0f, f == 0.5f ? e - 1 : e);
+  while (x / s > top) s *= 2.0f;  // x / top rounded down above: never past top
+  return s;
+}
 
 // Partial score vectors of GB query heads (q rows D apart) against the n K rows at off[] + hoff, into
 // red[g][i][kLanes]; two tokens at a time (an odd last token pairs with itself). ahead (or null): rows to
@@ -131,14 +166,16 @@ VP_INLINE void pv_tile(float* __restrict acc, const Stored<KT>* V, const int64_t
 }
 
 // One item. DT: q and out; KT: K/V as stored (DT, or a 1-byte format with DT == kFloat32). DP: bf16 scores by
-// W::scores_bf16dp of the raw (unscaled) bf16 query, scaled after the reduction.
+// W::scores_bf16dp of the raw (unscaled) bf16 query, scaled after the reduction. IDP: int8 scores by
+// W::scores_int8dp of the query quantized per head (see "Int8 scores by dot products" above).
 //
 // Prefetch: by the trait's plan for KT (PrefetchPlan above). Whatever the plan, the first rows of an item are
 // asked for up front, so that they arrive in parallel instead of as one demand miss after another.
-template <typename W, int DT, int KT, int D, int DV, bool DP>
+template <typename W, int DT, int KT, int D, int DV, bool DP, bool IDP = false>
 void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* part_acc, float* part_ml) {
   static_assert(is_quantized(KT) ? DT == kFloat32 : KT == DT, "quantized K/V come with fp32 q/out");
   static_assert(!DP || DT == kBFloat16, "dot products of bf16 pairs need bf16 data");
+  static_assert(!IDP || KT == kInt8, "int8 dot products need int8 K");
   using Vec = typename W::Vec;
   using Mask = typename W::Mask;
   using ET = Stored<KT>;
@@ -152,19 +189,46 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
   constexpr bool kWholeRows = kPlan != PrefetchPlan::kHeadSlices;
   constexpr int kDist = kPlan == PrefetchPlan::kRowsAhead ? kAhead : kChunk;  // tokens between a prefetch and its use
   const int H = p.num_heads, HKV = p.num_kv_heads, G = H / HKV;
-  float* __restrict qf = ws;                 // [H][D] query, pre-scaled (fp8: by k_scale too)
-  float* __restrict acc = qf + H * D;        // [H][DV] unnormalised output
-  float* __restrict red = acc + H * DV;      // [4][kChunk][kLanes] partial score vectors (<= kChunk * DR)
-  float* __restrict sc = red + kChunk * DR;  // [H][kChunk] scores, then probabilities
-  float* __restrict m = sc + H * kChunk;     // [H] running max
-  float* __restrict l = m + H;               // [H] running sum of exp(score - max)
-  alignas(64) float rs[kChunk];              // int8: the chunk's row scales of one kv head (0 past n)
-  alignas(64) float pr[4 * kChunk];          // int8: probabilities times their V row's scale
+  float* __restrict qf = ws;                              // [H][D] query, pre-scaled (fp8: by k_scale too)
+  float* __restrict acc = qf + H * D;                     // [H][DV] unnormalised output
+  float* __restrict red = acc + H * DV;                   // [4][kChunk][kLanes] partial score vectors (<= kChunk * DR)
+  float* __restrict sc = red + kChunk * DR;               // [H][kChunk] scores, then probabilities
+  float* __restrict m = sc + H * kChunk;                  // [H] running max
+  float* __restrict l = m + H;                            // [H] running sum of exp(score - max)
+  float* __restrict q8_scale = l + H;                     // IDP: [H] s_q of each head's quantized query
+  float* __restrict q8_bias = q8_scale + H;               // IDP: [H] 128 * sum q8 of each head (the k + 128 correction)
+  int8_t* __restrict q8 = reinterpret_cast<int8_t*>(qf);  // IDP: [H][2][D] quantized query, over qf (below)
+  alignas(64) float rs[kChunk];                           // int8: the chunk's row scales of one kv head (0 past n)
+  alignas(64) float pr[4 * kChunk];                       // int8: probabilities times their V row's scale
   static_assert(4 * L <= DR, "the partial score vectors fit the row buffer");
 
   const typename Elem<DT>::T* q = static_cast<const typename Elem<DT>::T*>(p.q) + int64_t(it.b) * H * D;
   const float qs = p.scale * (kTensorScale ? tensor_factor<KT>(p.k_scale) : 1.0f);
   for (int i = 0; i < H * D; ++i) qf[i] = Elem<DT>::load(q[i]) * qs;
+  if constexpr (IDP) {
+    // Head h's 2 D bytes land on floats h * D / 2 .., which (h >= 1) belong to heads already quantized; head 0 goes
+    // through a row of its own first.
+    alignas(64) int8_t row8[2 * D];
+    for (int h = 0; h < H; ++h) {
+      const float* x = qf + h * D;
+      float amax = 0.0f;
+      for (int d = 0; d < D; ++d) amax = std::max(amax, x[d] < 0.0f ? -x[d] : x[d]);
+      const float sq = power_of_two_step(amax, 127.0f), inv = sq > 0.0f ? 1.0f / sq : 0.0f;
+      int32_t sum_hi = 0, sum_lo = 0;
+      for (int d = 0; d < D; ++d) {
+        const float y = x[d] * inv;  // exact: inv is a power of two
+        const int hi = std::max(-127, std::min(127, int(std::nearbyint(y))));
+        const int lo = std::max(-127, std::min(127, int(std::nearbyint((y - float(hi)) * kLowSteps))));
+        row8[d] = int8_t(hi);
+        row8[D + d] = int8_t(lo);
+        sum_hi += hi;
+        sum_lo += lo;
+      }
+      std::memcpy(q8 + 2 * h * D, row8, 2 * D);
+      q8_scale[h] = sq;
+      q8_bias[h] = 128.0f * (float(sum_hi) + float(sum_lo) / kLowSteps);
+    }
+  }
   std::fill(acc, acc + H * DV, 0.0f);
   std::fill(red, red + 4 * kChunk * L, 0.0f);  // rows past a short chunk's end are summed, never used
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
@@ -218,7 +282,22 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
       for (int g0 = 0; g0 < G; g0 += 4, pf = nullptr) {
         const int gb = std::min(4, G - g0);
         const float* qg = qf + (kh * G + g0) * D;
-        if constexpr (DP) {
+        if constexpr (IDP) {
+          const int8_t* qr = q8 + 2 * (kh * G + g0) * D;
+          switch (gb) {
+            case 4:
+              W::template scores_int8dp<D, 4>(qr, K, off, kh * HS, n, red, pf);
+              break;
+            case 3:
+              W::template scores_int8dp<D, 3>(qr, K, off, kh * HS, n, red, pf);
+              break;
+            case 2:
+              W::template scores_int8dp<D, 2>(qr, K, off, kh * HS, n, red, pf);
+              break;
+            default:
+              W::template scores_int8dp<D, 1>(qr, K, off, kh * HS, n, red, pf);
+          }
+        } else if constexpr (DP) {
           const uint16_t* qr = q + (kh * G + g0) * D;
           switch (gb) {
             case 4:
@@ -252,6 +331,10 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
           for (int i = 0; i < n; i += L) {
             Vec s = W::reduce_rows(red + (g * kChunk + i) * L);
             if constexpr (DP) s = W::mul(s, W::set1(p.scale));  // the raw query's scores, scaled here
+            if constexpr (IDP) {  // exact integers so far: the k + 128 correction, then the query's scale
+              const int h = kh * G + g0 + g;
+              s = W::mul(W::sub(s, W::set1(q8_bias[h])), W::set1(q8_scale[h]));
+            }
             if constexpr (kRowScale) s = W::mul(s, W::loadu(rs + i));
             W::storeu(sc + (kh * G + g0 + g) * kChunk + i, s);
           }
@@ -304,6 +387,22 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
             for (int i = 0; i < n; ++i) pr[g * kChunk + i] = ps[g * kChunk + i] * rs[i];
           ps = pr;
         }
+        if constexpr (IDP) {
+          switch (gb) {
+            case 4:
+              W::template pv_int8dp<DV, 4>(a, V, voff, kh * VHS, n, pr);
+              break;
+            case 3:
+              W::template pv_int8dp<DV, 3>(a, V, voff, kh * VHS, n, pr);
+              break;
+            case 2:
+              W::template pv_int8dp<DV, 2>(a, V, voff, kh * VHS, n, pr);
+              break;
+            default:
+              W::template pv_int8dp<DV, 1>(a, V, voff, kh * VHS, n, pr);
+          }
+          continue;
+        }
         switch (gb) {
           case 4:
             pv_tile<W, KT, DV, 4>(a, V, voff, kh * VHS, n, ps);
@@ -330,21 +429,21 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
 }
 
 // The item function of the compiled head dims (see decode_cpu_item.h), or nullptr.
-template <typename W, int DT, int KT, bool DP = false>
+template <typename W, int DT, int KT, bool DP = false, bool IDP = false>
 ItemFn tile_item_for_dims(int D, int DV) {
   if (D == DV) {
     switch (D) {
       case 64:
-        return run_item_tiles<W, DT, KT, 64, 64, DP>;
+        return run_item_tiles<W, DT, KT, 64, 64, DP, IDP>;
       case 128:
-        return run_item_tiles<W, DT, KT, 128, 128, DP>;
+        return run_item_tiles<W, DT, KT, 128, 128, DP, IDP>;
       case 256:
-        return run_item_tiles<W, DT, KT, 256, 256, DP>;
+        return run_item_tiles<W, DT, KT, 256, 256, DP, IDP>;
       default:
         return nullptr;
     }
   }
-  if (D == 192 && DV == 128) return run_item_tiles<W, DT, KT, 192, 128, DP>;
+  if (D == 192 && DV == 128) return run_item_tiles<W, DT, KT, 192, 128, DP, IDP>;
   return nullptr;
 }
 

@@ -56,6 +56,35 @@ def reference(q, ks, vs, scale):
     return out
 
 
+def int8_dot_bound(q, ks, vs, scale):
+    """The accuracy contract of int8 decode by VNNI dot products (csrc/kernels/decode_cpu_tiles.h, "Int8 scores by
+    dot products"), per output element, from the dequantized K/V rows in float64: the query quantized per head moves
+    a score by at most delta = 0.5 * (s_q / 254) * sum_i |k_i| (s_q the power-of-two step of its high byte), which
+    moves the output by at most (e^(2 delta) - 1) * sum_t w_t |v_t|; probabilities quantized to bytes per chunk (a
+    power-of-two step, < 2 max / 255) move it by at most 1 / 255 * max_t (w_t * v row scale_t) * sum_t |v_t| / v row
+    scale_t, times e^(2 delta) for the scores' own error (w: the exact softmax weights)."""
+    num_seqs, num_heads, head_dim = q.shape
+    hkv = ks[0].shape[1]
+    out = torch.empty(num_seqs, num_heads, vs[0].shape[-1], dtype=torch.float64)
+    for i, (k, v) in enumerate(zip(ks, vs)):
+        k, v = k.double(), v.double()  # [t, hkv, d]
+        grouped = q[i].double().view(hkv, num_heads // hkv, head_dim) * scale
+        amax = grouped.abs().amax(-1)  # [hkv, g]
+        s_q = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-300) / 127))), 0.0)
+        # the query's low byte leaves 0.5 / 254 of a step per dim; the fp32 sums of up to ~2^22 steps round to 4
+        rk = k.abs().amax(-1) / 127  # [t, hkv]: the int8 K rows' scales
+        delta = s_q * ((0.5 / 254) * k.abs().sum(-1) + 4 * rk).amax(0)[:, None]  # [hkv, g]
+        w = torch.einsum("kgd,tkd->kgt", grouped, k).softmax(-1)  # [hkv, g, t]
+        rs = v.abs().amax(-1) / 127  # [t, hkv]: the int8 rows' scales
+        v_int = torch.where(rs[..., None] > 0, v / rs.clamp_min(1e-300)[..., None], torch.zeros_like(v))
+        grow = torch.expm1(2 * delta)[..., None]
+        score_part = grow * torch.einsum("kgt,tkd->kgd", w, v.abs())
+        p_max = (w * rs.T[:, None, :]).amax(-1)  # [hkv, g]
+        p_part = (1 / 255) * (1 + grow) * p_max[..., None] * v_int.abs().sum(0)[:, None, :]
+        out[i] = (score_part + p_part).reshape(num_heads, -1)
+    return out
+
+
 def quantize_each(xs, fmt, scale=1.0):
     """quantize() of every sequence's rows in one call (int8 scales are per row, fp8's per tensor: the
     same bytes as one call per sequence): [(stored, dequantized)] per sequence."""
@@ -180,15 +209,25 @@ def case(fmt, group, head_dim, v_head_dim, layout, rng, lengths=LENGTHS, hkv=2, 
     p, keep = make_params(fmt, q, out, kst, vst, lens, max_len, v_head_dim, scale, k_scale, v_scale, paged)
     p.num_kv_heads = hkv
     ref = reference(q.cpu(), [d for _, d in kq], [d for _, d in vq], scale)
+    if fmt == "int8":
+        ref.int8_dot_bound = int8_dot_bound(q.cpu(), [d for _, d in kq], [d for _, d in vq], scale)
     return p, (keep, kst, vst), q, out, ref
 
 
 def run_cpu_all_isas(p, out, ref, threads=2):
+    """Every CPU path against the float64 reference: within fp32 rounding (TOL), or for int8 on a path with VNNI dot
+    products (_C.decode_cpu_int8_dot) within the contract's bound, which the reference carries (int8_dot_bound)."""
     for isa in ISAS:
         out.fill_(float("nan"))
         _C.decode_cpu(p, threads, isa)
         assert torch.isfinite(out).all(), f"{isa}: output not fully written or not finite"
-        torch.testing.assert_close(out.double(), ref, **TOL, msg=lambda m, isa=isa: f"{isa}: {m}")
+        if p.kv_dtype == CODES["int8"] and _C.decode_cpu_int8_dot(isa):
+            bound = ref.int8_dot_bound + TOL["atol"] + TOL["rtol"] * ref.abs()
+            err = (out.double() - ref).abs()
+            worst = (err / bound).max().item()
+            assert worst <= 1.0, f"{isa}: int8 dot products off by {worst:.3f} of the contract's bound"
+        else:
+            torch.testing.assert_close(out.double(), ref, **TOL, msg=lambda m, isa=isa: f"{isa}: {m}")
 
 
 @pytest.mark.parametrize("layout", ["dense", "padded", "head_major"])
@@ -238,6 +277,7 @@ def test_int8_zero_rows(rng):
     p, keep = make_params("int8", q, out, kst, vst, Lengths(lengths, slots), max(lengths), d, scale, 1.0, 1.0)
     p.num_kv_heads = hkv
     ref = reference(q, [x for _, x in kq], [x for _, x in vq], scale)
+    ref.int8_dot_bound = int8_dot_bound(q, [x for _, x in kq], [x for _, x in vq], scale)
     assert (ref[0] == 0).all()
     run_cpu_all_isas(p, out, ref)
     assert (out[0] == 0).all()
@@ -382,7 +422,8 @@ def test_bad_inputs_are_refused():
 
 
 def test_isa_forcing_paths_agree(rng):
-    """Forced paths give the same numbers up to fp32 rounding, and a path the CPU lacks is refused."""
+    """Forced paths give the same numbers up to fp32 rounding (int8 by VNNI dot products: within its contract), and
+    a path the CPU lacks is refused."""
     p, keep, q, out, ref = case("int8", 4, 128, 128, "dense", rng, lengths=[600, 5])
     for isa in ("avx2", "avx512", "avx512bf16"):
         if isa not in ISAS:
