@@ -3,7 +3,9 @@
 Any engine, whatever its cache, must run the model's matrix products over every prompt token and every
 decode token, and each decode token must read the K/V of its whole context. This script counts both for the
 throughput workload (the same prompts as bench_serve.py: 64 requests of 64..512 random ids, 128 output tokens
-each, bench-llama fp32) and prices them at rates measured here, in this process, the way a forward meets them:
+each, bench-llama in --dtype: float32, or bfloat16 as bench_serve.py --dtype bfloat16 runs it) and prices them at
+rates measured here, in this process, the way a forward meets them (bf16 products at the box's bf16 rate: oneDNN
+runs them on AMX or AVX512_BF16 where the CPU has them, so a bf16 floor can be well below the fp32 one):
 
   products   the model's own linear layers (every decoder layer's, then the LM head), run in forward order on
              M rows with their real weights, so the weights stream from memory as in a step, at M = 512
@@ -21,6 +23,7 @@ of its rounds) are set against both, and so is the time a row would need to run 
 
   python benchmarks/bench_serve_floor.py
   python benchmarks/bench_serve_floor.py --compare serve_throughput-rows_epyc-avx2-2c.json
+  python benchmarks/bench_serve_floor.py --dtype bfloat16 --compare serve_throughput-bfloat16-...json
 
 Writes benchmarks/results/serve_floor_cpu.json.
 """
@@ -63,7 +66,8 @@ def products_rate(layer_linears: list, head, rows: int, repeats: int, packed: bo
     F.linear on the plain weights, or (packed) oneDNN's matmul on weights packed once for `rows` rows, the
     engine's cpu_prepack path (0.0 where this torch / CPU cannot pack them)."""
     linears = [*layer_linears, head]
-    inputs = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
+    dtype = head.weight.dtype  # a bf16 model's products are bf16 x bf16 (fp32 accumulation)
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
     if packed:
         ops = packed_linear_ops()
         weights = [pack_weight(m.weight, rows) for m in linears]
@@ -155,13 +159,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-rows", type=int, default=512, help="rows per product for prompt tokens (token budget)")
     ap.add_argument("--decode-rows", type=int, default=64, help="rows per product for decode tokens (batch)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's (as bench_serve)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--compare", action="append", default=[], help="a bench_serve JSON under benchmarks/results/")
     ap.add_argument("--output", default="serve_floor_cpu.json", help="JSON file name under benchmarks/results/")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, _ = load_model(args.model, dtype=torch.float32)
+    model, _ = load_model(args.model, dtype=getattr(torch, args.dtype))
     vocab = model.config.get_text_config(decoder=True).vocab_size
     # seed=0: bench_serve.py's throughput prompts
     prompts = random_prompts(args.requests, args.min_prompt, args.max_prompt, vocab, seed=0)
@@ -214,7 +219,7 @@ def main(argv=None) -> int:
         "compared": [compare(floor_s, estimate_s, RESULTS / name) for name in args.compare],
     }
     print(
-        f"products: {rates['prompt_products_flops_per_s'] / 1e9:.0f} GFLOP/s at {args.prompt_rows} rows, "
+        f"{args.dtype} products: {rates['prompt_products_flops_per_s'] / 1e9:.0f} GFLOP/s at {args.prompt_rows} rows, "
         f"{rates['decode_products_flops_per_s'] / 1e9:.0f} at {args.decode_rows}; read {rates['read_bytes_per_s'] / 1e9:.1f} GB/s"
     )
     for name, sec in parts.items():
