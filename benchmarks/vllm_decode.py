@@ -29,6 +29,11 @@ def decode(job: dict) -> dict:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     torch.set_num_threads(int(job.get("threads", torch.get_num_threads())))
+    # Linux hands a process the AMX tile state only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM); without it
+    # the first tile instruction is SIGILL. vLLM's kernel does not ask: in its worker oneDNN has asked already,
+    # on the model's first bf16 product. This job runs no product, so it asks the way oneDNN does (torch's own
+    # call, a no-op returning False on a CPU without AMX).
+    amx_granted = bool(getattr(torch._C._cpu, "_init_amx", lambda: False)())
     data = torch.load(job["tensors"])
     flush = torch.ones(int(job.get("flush_bytes", 256 << 20)) // 4, dtype=torch.int32)
     repeats = int(job.get("repeats", 9))
@@ -52,7 +57,12 @@ def decode(job: dict) -> dict:
     torch.save(outputs, job["out"])
     import vllm
 
-    return {"vllm_version": getattr(vllm, "__version__", "?"), "threads": torch.get_num_threads(), "ops": results}
+    return {
+        "vllm_version": getattr(vllm, "__version__", "?"),
+        "threads": torch.get_num_threads(),
+        "amx_granted": amx_granted,
+        "ops": results,
+    }
 
 
 def _time_op(ops, get_isa, t: dict, block_size: int, repeats: int, split: bool, flush) -> tuple[dict, object]:
