@@ -50,9 +50,17 @@ class _WorkerDone(Exception):
     """A rank > 0 of a torchrun launch served rank 0 until it stopped: exit status 0."""
 
 
-def _make_engine(args):
+def _make_engine(args, for_engine_thread: bool = False):
+    """for_engine_thread: the engine is stepped by an EngineLoop's thread (the server), so it is built with one
+    intra-op thread here and gets --threads (or the threads it had) after (loop.built_for_an_engine_thread)."""
     try:
-        args.engine = _build_engine(args)  # kept on args: _reporting_errors closes a tensor-parallel one
+        if for_engine_thread:
+            from ..serve.http.loop import built_for_an_engine_thread
+
+            with built_for_an_engine_thread(args.threads):
+                args.engine = _build_engine(args, apply_threads=False)
+        else:
+            args.engine = _build_engine(args)  # kept on args: _reporting_errors closes a tensor-parallel one
     except VPagedError as e:
         raise _EngineError(f"{type(e).__name__}: {e}") from None
     if args.engine.rank != 0:  # torchrun started this process as another rank: it serves rank 0, then ends
@@ -64,10 +72,10 @@ def _make_engine(args):
     return args.engine
 
 
-def _build_engine(args):
+def _build_engine(args, apply_threads: bool = True):
     from ..serve import LLMEngine, load_model
 
-    if args.threads:
+    if args.threads and apply_threads:
         torch.set_num_threads(args.threads)
     try:
         config = engine_config(args)
@@ -244,7 +252,7 @@ def cmd_serve(args) -> int:
         raise _EngineError(str(e)) from None
     if len(models) == 1:  # one model: served as before (tensor parallel included)
         use_only_model(args, models[0])
-        engine = _make_engine(args)
+        engine = _make_engine(args, for_engine_thread=True)
         try:
             use_chat_templates({models[0].name: engine}, templates)
         except VPagedError as e:
@@ -255,7 +263,10 @@ def cmd_serve(args) -> int:
         return _serve(options, limits, engine, models[0].name, f"kv={engine.kv}, {budget}")
     with contextlib.ExitStack() as stack:
         try:
-            engines, budget, capacity = stack.enter_context(several_engines(models, args))
+            from ..serve.http.loop import built_for_an_engine_thread
+
+            with built_for_an_engine_thread(args.threads):  # each engine's loop thread opens its own pool
+                engines, budget, capacity = stack.enter_context(several_engines(models, args))
             use_chat_templates(engines, templates)
         except VPagedError as e:
             raise _EngineError(str(e)) from None

@@ -29,6 +29,28 @@ from ...errors import EngineStepError, EngineUnavailableError, TensorParallelErr
 log = logging.getLogger("vpaged.serve")
 
 
+@contextlib.contextmanager
+def built_for_an_engine_thread(threads: int | None = None):
+    """Build the engines an EngineLoop will own under this, on the thread that serves HTTP: torch's intra-op
+    threads are 1 meanwhile, then `threads` (None: what they were).
+
+    Why: torch's CPU build runs intra-op work on GNU OpenMP, which keeps a pool of worker threads for each thread
+    that opens a parallel region. A model loaded and packed here with N threads leaves an idle pool of N - 1
+    workers behind on this thread; the engine thread then opens a second pool, and with more OpenMP threads than
+    CPUs libgomp stops spinning between regions (every region wakes its workers through the kernel). The same
+    steps ran 1.18x slower on an engine thread than on the main thread that way (SmolLM2-135M fp32, a burst of
+    32 x 256 -> 64 tokens on 2 cores: 12.9 s against 15.3 s; benchmarks/NOTES.md). Built with one thread, nothing
+    opens a pool here, and the engine thread's is the only one."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads or before)
+
+
 class EngineLoop:
     """Owns an engine on one thread. Other threads call add/abort/call, which return futures."""
 
