@@ -565,7 +565,10 @@ def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str])
         # The cell's K/V bytes read once (the read floor), reduced as int32: torch's max over bf16 is no streaming
         # read (2.7x the int32 time over the same bytes on an AMX Xeon), which made a bf16 "floor" slower than the
         # kernels it bounds.
-        floor_fns[name] = lambda k=k, v=v: (k.reshape(-1).view(torch.int32).max(), v.reshape(-1).view(torch.int32).max())
+        floor_fns[name] = lambda k=k, v=v: (
+            k.reshape(-1).view(torch.int32).max(),
+            v.reshape(-1).view(torch.int32).max(),
+        )
         closers.append(virt.close)
     before = timer.many(vpaged_fns, repeats)
     floors = timer.many(floor_fns, repeats)
