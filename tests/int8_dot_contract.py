@@ -31,3 +31,11 @@ def int8_dot_bound(q, ks, vs, scale):
         p_part = (1 / 255) * (1 + grow) * p_max[..., None] * v_int.abs().sum(0)[:, None, :]
         out[i] = (score_part + p_part).reshape(num_heads, -1)
     return out
+
+
+def assert_within_contract(out, exact, bound, atol, rtol, label):
+    """out within the contract's bound of the float64 exact attention, widened by the caller's fp32 / bf16
+    tolerance (the output's own rounding)."""
+    allowed = bound + atol + rtol * exact.abs()
+    worst = ((out.double() - exact).abs() / allowed).max().item()
+    assert worst <= 1.0, f"{label}: int8 dot products off by {worst:.3f} of the contract's bound"

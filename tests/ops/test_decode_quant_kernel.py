@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from int8_dot_contract import int8_dot_bound
+from int8_dot_contract import assert_within_contract, int8_dot_bound
 
 from vpaged import _C
 from vpaged.errors import InvalidArgumentError
@@ -194,10 +194,7 @@ def run_cpu_all_isas(p, out, ref, threads=2):
         _C.decode_cpu(p, threads, isa)
         assert torch.isfinite(out).all(), f"{isa}: output not fully written or not finite"
         if p.kv_dtype == CODES["int8"] and _C.decode_cpu_int8_dot(isa):
-            bound = ref.int8_dot_bound + TOL["atol"] + TOL["rtol"] * ref.abs()
-            err = (out.double() - ref).abs()
-            worst = (err / bound).max().item()
-            assert worst <= 1.0, f"{isa}: int8 dot products off by {worst:.3f} of the contract's bound"
+            assert_within_contract(out, ref, ref.int8_dot_bound, TOL["atol"], TOL["rtol"], isa)
         else:
             torch.testing.assert_close(out.double(), ref, **TOL, msg=lambda m, isa=isa: f"{isa}: {m}")
 
