@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from int8_dot_contract import assert_within_contract, int8_dot_bound
+from int8_contract_helpers import assert_within_contract, int8_dot_bound
 
 from vpaged import _C, KVGeometry, PagedCacheConfig, PagedKVCache, VirtualCacheConfig, VirtualKVCache, ops
 from vpaged.errors import DTypeError, InvalidArgumentError, ReadOnlyTokensError, ShapeError

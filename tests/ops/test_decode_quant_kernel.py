@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from int8_dot_contract import assert_within_contract, int8_dot_bound
+from int8_contract_helpers import assert_within_contract, int8_dot_bound
 
 from vpaged import _C
 from vpaged.errors import InvalidArgumentError
