@@ -50,13 +50,16 @@ from ...errors import (
     StoreError,
     StoreFullError,
 )
-from ...memory.store import PageStore, StoreFingerprint, chain_keys, page_key
+from ...memory.store import FULL, PRESENT, PUBLISHED, PageStore, StoreFingerprint, chain_keys, page_key
 
 if TYPE_CHECKING:
     from .page_map import PageMap
     from .prefix import PrefixIndex
 
 DEFAULT_STORE_PAGES = 4096  # capacity of a store a cache creates when the config gives none
+# Pages staged for one PageStore.publish_many (whole blocks, at least one): a batch reads the store's slot table
+# twice however many pages it holds.
+PUBLISH_BATCH_BYTES = 32 << 20
 
 
 @dataclass
@@ -286,35 +289,67 @@ class StoreLink:
             return 0
         block_keys = self.block_keys(windows)
         published = 0
-        buffer = np.empty(self.page_size, dtype=np.uint8)
-        if any(k not in self._known for k in block_keys):
-            page_map.range.wait_for_streams()  # CUDA: the kernels that wrote the K/V finish before it is read
+        try:
+            todo = self._unknown_blocks(block_keys)
+            if todo:
+                published = self._publish_blocks(page_map, slot, block_keys, todo)
+        except StoreError:  # a damaged store, a lost lease: the local cache works on without it
+            self.stats.faults += 1
+        return published
+
+    def _unknown_blocks(self, block_keys: list[bytes]) -> list[int]:
+        """The depths of the blocks the store may lack; those it holds whole become known."""
+        todo = []
         for depth, block_key in enumerate(block_keys):
             if block_key in self._known:
                 continue
-            keys = self._keys_of([block_key])
+            if self.store.match(self._keys_of([block_key])) == self.runs:
+                self._known.add(block_key)
+                self.stats.present_pages += self.runs
+            else:
+                todo.append(depth)
+        return todo
+
+    def _publish_blocks(self, page_map: PageMap, slot: int, block_keys: list[bytes], todo: list[int]) -> int:
+        """Publish the blocks at depths `todo`, a batch of whole blocks per PageStore.publish_many. On the host a
+        page is handed to the store where the range maps it (the store copies it into its data file); a device's
+        pages are copied to a host buffer first. Stops at a full store, the blocks after a missing one being of
+        no use (a hit needs every block before it)."""
+        runs, ps = self.runs, self.page_size
+        host = page_map.pool.device.type == "cpu"
+        page_map.range.wait_for_streams()  # CUDA: the kernels that wrote the K/V finish before it is read
+        per_batch = max(1, PUBLISH_BATCH_BYTES // (runs * ps))
+        staging = None if host else np.empty((min(per_batch, len(todo)) * runs, ps), dtype=np.uint8)
+        published = 0
+        for at in range(0, len(todo), per_batch):
+            depths = todo[at : at + per_batch]
+            keys = self._keys_of([block_keys[d] for d in depths])  # block-major, one page per run
+            if host:
+                base = page_map.range.address
+                data = [
+                    (ctypes.c_char * ps).from_address(base + i * ps)
+                    for d in depths
+                    for i in page_map.page_indices(slot, d, d + 1)
+                ]
+            else:
+                for row, page in zip(staging, [p for d in depths for p in page_map.pages(slot, d, d + 1)]):
+                    page_map.pool.copy_to_host(page, row.ctypes.data)
+                page_map.pool.synchronize()
+                data = list(staging)
             try:
-                if self.store.match(keys) == len(keys):
-                    self._known.add(block_key)
-                    self.stats.present_pages += len(keys)
-                    continue
-                pages = page_map.pages(slot, depth, depth + 1)  # one per run, run order
-                for key, page in zip(keys, pages):
-                    page_map.pool.copy_to_host(page, buffer.ctypes.data)
-                    page_map.pool.synchronize()
-                    outcome = self.store.publish(key, buffer)
-                    if outcome == "published":
-                        published += 1
-                    elif outcome == "present":
-                        self.stats.present_pages += 1
-            except StoreFullError:
+                outcomes = self.store.publish_many(list(zip(keys, data)))
+            except StoreFullError:  # the data file has no room for a page's bytes (ENOSPC)
                 self.stats.full += 1
                 break
-            except StoreError:  # a damaged store, a lost lease: the local cache works on without it
-                self.stats.faults += 1
+            published += outcomes.count(PUBLISHED)
+            self.stats.published_pages += outcomes.count(PUBLISHED)
+            self.stats.present_pages += outcomes.count(PRESENT)
+            for j, d in enumerate(depths):
+                if FULL not in outcomes[j * runs : (j + 1) * runs]:
+                    self._known.add(block_keys[d])
+            if FULL in outcomes:  # every page pinned or being written
+                self.stats.full += 1
                 break
-            self._known.add(block_key)
-        self.stats.published_pages += published
         return published
 
     def close(self) -> None:

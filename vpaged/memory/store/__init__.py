@@ -10,7 +10,7 @@ store.py the PageStore. docs/kv-store.md says what it guarantees and what is not
 from .fingerprint import StoreFingerprint, chain_keys, page_key, tail_key
 from .reclaim import ReclaimCounts
 from .stats import StoreStats
-from .store import PRESENT, PUBLISHED, RACED, PageStore, PinnedPage
+from .store import FULL, PRESENT, PUBLISHED, RACED, PageStore, PinnedPage
 
 __all__ = [
     "PageStore",
@@ -24,4 +24,5 @@ __all__ = [
     "PUBLISHED",
     "PRESENT",
     "RACED",
+    "FULL",
 ]

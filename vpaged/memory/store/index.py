@@ -43,6 +43,7 @@ SLOT_DTYPE = np.dtype(
 )
 assert SLOT_DTYPE.itemsize == SLOT_BYTES
 _PINS_AT, _LAST_USE_AT, _KEY_AT = 8, 16, 24
+KEY_WORD = _KEY_AT // 8  # the record's 64-bit word where its key begins (a vectorized look at the keys)
 _META = struct.Struct(f"<{KEY_BYTES}sII")
 
 
