@@ -6,9 +6,9 @@ to the first chunk that carries text):
 
 - multi-round QA (LMCache's multi-round QA benchmark scaled to this box): USERS users, ROUNDS rounds each, a
   shared system prompt of SYSTEM tokens, each user's history growing by HISTORY tokens of question plus the
-  previous answers a round, ANSWER-token greedy answers, two servers behind a client that alternates each user
-  between them (user u's round r to server (u + r) % 2: every server sees every other round of a user, and
-  each round half the users on each server). As LMCache runs it, the users are concurrent: user u joins STAGGER
+  previous answers a round, ANSWER-token greedy answers, SERVERS servers (default two) behind a client that
+  moves each user from one to the next every round (user u's round r to server (u + r) % SERVERS: every server
+  sees every SERVERS-th round of a user, and each round as many users as the others). As LMCache runs it, the users are concurrent: user u joins STAGGER
   seconds after user u - 1 and asks its next question as soon as the last answer is in, so a request waits for
   the servers' other work, as in service (`multi_round`); `multi_round_serial` sends one request at a time, so
   TTFT is the prefill alone. Arms: each server with its own prefix cache (today's default), and both servers on
@@ -22,7 +22,7 @@ to the first chunk that carries text):
   room for), and the server on a store that holds the working set. Reported for the second pass: the share of
   prompt tokens that hit, and mean TTFT.
 
-    .venv/bin/python benchmarks/bench_prefix_store.py [--users 8 --rounds 4 --system 1000 --history 500]
+    .venv/bin/python benchmarks/bench_prefix_store.py [--users 8 --rounds 4 --system 1000 --history 500 --servers 2]
 
 Writes benchmarks/results/OUTPUT (default prefix-store.json; docs/numbers.md reads files named prefix-store_*).
 """
@@ -130,14 +130,14 @@ def p99(xs: list[float]) -> float:
 
 
 def multi_round(model: str, prose: list[int], args, store: str | None, concurrent: bool, start=None) -> dict:
-    """start(i): server i of the two (default: `vpaged serve`, on the store when one is named)."""
+    """start(i): server i of args.servers (default: `vpaged serve`, on the store when one is named)."""
     # The store holds the whole working set (its capacity is the host tier's size); each server's own KV budget
-    # (512 MiB) holds about half of it, in both arms.
+    # (512 MiB) holds about half of it with two servers, in both arms.
     if start is None:
         extra = ["--prefix-store", store, "--prefix-store-pages", str(args.store_pages)] if store else []
         start = lambda i: Server(model, extra)  # noqa: E731
-    with ThreadPoolExecutor(2) as pool:  # both come up at once (a vLLM server takes a minute)
-        starting = [pool.submit(start, i) for i in range(2)]
+    with ThreadPoolExecutor(args.servers) as pool:  # all come up at once (a vLLM server takes a minute)
+        starting = [pool.submit(start, i) for i in range(args.servers)]
         wait(starting)
     if any(f.exception() for f in starting):
         for f in starting:
@@ -152,7 +152,7 @@ def multi_round(model: str, prose: list[int], args, store: str | None, concurren
         """User u's round rnd: its question joins its history, the prompt goes to its server of the round."""
         start = args.system + (u * args.rounds + rnd) * args.history
         history += prose[start : start + args.history]
-        ttft, text, _ = servers[(u + rnd) % 2].complete(system + history, args.answer)
+        ttft, text, _ = servers[(u + rnd) % len(servers)].complete(system + history, args.answer)
         # The answer joins the history as its tokens would: the next round's prompt extends this one.
         history += prose[-args.answer :]
         ttfts[f"{u}-{rnd}"], answers[f"{u}-{rnd}"] = ttft, text
@@ -276,6 +276,9 @@ def add_workload_args(ap: argparse.ArgumentParser, answer: int) -> None:
     ap.add_argument("--answer", type=int, default=answer)
     ap.add_argument("--stagger", type=float, default=2.0, help="seconds between users joining (multi_round)")
     ap.add_argument("--warm", type=int, default=2000)
+    ap.add_argument(
+        "--servers", type=int, default=2, help="servers behind the client (user u's round r to (u + r) %% N)"
+    )
 
 
 def main() -> int:

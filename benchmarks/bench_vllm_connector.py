@@ -9,7 +9,7 @@ SmolLM2-135M-Instruct (benchmarks/real_model.py) in float32, every server a real
 caching on in every arm, TTFT read from the streamed /v1/completions as bench_prefix_store.py reads it:
 
 - multi-round QA (bench_prefix_store.py's workload: USERS users, ROUNDS rounds, a shared system prompt, each
-  user's history growing a round, user u's round r to server (u + r) % 2), one request at a time
+  user's history growing a round, user u's round r to server (u + r) % SERVERS), one request at a time
   (`multi_round_serial`, TTFT is the prefill alone) and with the users at once (`multi_round`). Arms: each
   instance with vLLM's prefix cache alone (`own`), and both instances with the connector on one store (`store`:
   a hit copies each page into vLLM's buffer; under `vllm serve` on the CPU the scheduler and the worker are two
@@ -149,8 +149,13 @@ def main() -> int:
         name = f"bench-vllm-{uuid.uuid4().hex[:10]}"
         concurrent = section == "multi_round"
         try:
-            own = multi_round(model, prose, args, None, concurrent, start=lambda i: VLLMServer(model, i, None, args))
-            shared = multi_round(model, prose, args, name, concurrent, start=lambda i: VLLMServer(model, i, name, args))
+            core = lambda i: i % (os.cpu_count() or 1)  # noqa: E731  (more servers than cores share them)
+            own = multi_round(
+                model, prose, args, None, concurrent, start=lambda i: VLLMServer(model, core(i), None, args)
+            )
+            shared = multi_round(
+                model, prose, args, name, concurrent, start=lambda i: VLLMServer(model, core(i), name, args)
+            )
         finally:
             PageStore.remove(name)
         summary = summarize(own, shared)

@@ -81,7 +81,9 @@ def _prefix_store(d: dict) -> list[suite.Row]:
     # Files written before the users ran at once (no --stagger) hold the one-at-a-time run under "multi_round".
     at_once = "users at once" if "stagger" in d.get("args", {}) else "one request at a time"
     sections = (("multi_round", at_once), ("multi_round_serial", "one request at a time"))
-    rows = _multi_round_rows(d, "prefix store", sections, "multi-round QA ({how})", "own prefix caches")
+    servers = d.get("args", {}).get("servers", 2)  # files written before --servers ran two
+    label = "multi-round QA ({how}, " + f"{servers} servers)"
+    rows = _multi_round_rows(d, "prefix store", sections, label, "own prefix caches")
     if "tier" in d:
         t = d["tier"]
         rows += [
@@ -118,6 +120,27 @@ def _vllm_pd(d: dict) -> list[suite.Row]:
     return rows
 
 
+def _sampler(d: dict) -> list[suite.Row]:
+    """bench_sampler.py: the serving sampler's step against the one-level draw (a prefix sum over the whole row)."""
+    return [
+        suite.Row("sampler", f"sample() of {c['rows']} x {c['vocab']} fp32 logits, {c['mode']}", c["vpaged_ms"],
+                  c["one_level_ms"], "one-level draw", "ms", "lower")
+        for c in d["cells"]
+        if c["mode"] != "greedy"  # no draw: both arms run the same code
+    ]  # fmt: skip
+
+
+def _store_publish(d: dict) -> list[suite.Row]:
+    """bench_store_publish.py: PageStore.publish_many of a batch against publish of each page, per capacity."""
+    base = {c["capacity"]: c["ms_per_page"] for c in d["cells"] if c["arm"] == "publish each page"}
+    return [
+        suite.Row("prefix store", f"publishing a page, {c['arm']}, store of {c['capacity']:,} pages", c["ms_per_page"],
+                  base[c["capacity"]], "publish each page", "ms", "lower")
+        for c in d["cells"]
+        if c["arm"] != "publish each page"
+    ]  # fmt: skip
+
+
 def _script_reader(bench: str) -> Callable[[dict], list[suite.Row]]:
     """The rows of a suite benchmark's results, read by its script's summary_rows (found when a file is read,
     not at import)."""
@@ -137,6 +160,8 @@ CLAIMS: dict[str, tuple[str, Callable[[dict], list[suite.Row]]]] = {
     "prefix-store": ("A prefix store shared by server processes and restarts", _prefix_store),
     "vllm-connector": ("vLLM instances on one page store through vpaged's KV connector", _vllm_connector),
     "vllm-pd": ("vLLM prefill/decode split over the page store against one instance", _vllm_pd),
+    "sampler": ("The serving sampler's draw against a prefix sum over the whole vocabulary", _sampler),
+    "store-publish": ("Publishing pages to a page store: in batches against one by one", _store_publish),
 }
 
 _ISAS = ("avx512bf16", "avx512", "avx2", "neon", "sve")

@@ -1,25 +1,23 @@
 """PageStore: a named, content-addressed store of KV pages that processes share through files they own.
 
-Note (what a store does now). A store keeps up to capacity_pages pages of page_bytes each, keyed by the chain
-keys of fingerprint.py. publish(key, data) makes a page visible atomically (index.py's state machine): a
-writer reserves a free slot by compare-and-swap (or evicts the least recently used unpinned page), writes
-the key, checks that no other slot holds or is writing the same key (one of two concurrent publishers of a
-key gives its slot back; if each sees the other, both do), writes the bytes into the data file, its crc32,
-then publishes by one compare-and-swap; publish_many(pages) does the same for a batch, reading the slot table
-(capacity x 64 bytes) twice in all instead of twice a page. match(keys) counts the leading keys present;
-pin(keys) pins them and returns handles with each page's data offset, so the page can be read (verified against
-its crc32) and, later, mapped read-only at that offset. A process's pins are one bit in each page's pin word plus counts in
-its own memory; a dead process's bits and half-written slots go back through reclaim.py. Everything shared
-lives in the index file, touched only through a vpaged._C.LedgerMapping; page bytes are written with pwrite
-(a full tmpfs is ENOSPC, an error, not a SIGBUS) and read through a second LedgerMapping of the data file
-(a truncated file is a typed error, not a SIGBUS).
+Note (what a store does now). A store keeps up to capacity_pages pages of page_bytes each, keyed by the chain keys
+of fingerprint.py. publish(key, data) makes a page visible atomically (index.py's state machine): a writer reserves
+a free slot by compare-and-swap (or evicts the least recently used unpinned page), writes the key, checks that no
+other slot holds or is writing the same key (one of two concurrent publishers of a key gives its slot back; if each
+sees the other, both do), writes the bytes into the data file, its crc32, then publishes by one compare-and-swap;
+publish_many(pages) does the same for a batch, reading the slot table (capacity x 64 bytes) twice in all instead of
+twice a page. match(keys) counts the leading keys present; pin(keys) pins them and returns handles with each page's
+data offset, so the page can be read (verified against its crc32) and, later, mapped read-only at that offset. A
+process's pins are one bit in each page's pin word plus counts in its own memory; a dead process's bits and
+half-written slots go back through reclaim.py. Everything shared lives in the index file, touched only through a
+vpaged._C.LedgerMapping; page bytes are written with pwrite (a full tmpfs is ENOSPC, an error, not a SIGBUS) and
+read through a second LedgerMapping of the data file (a truncated file is a typed error, not a SIGBUS).
 
 Lookups: each process keeps a dict key -> slot built from one read of the slot table, valid while the store's
 publish counter has not moved; every hit is re-checked against the slot's state word and record crc, so a
 stale dict entry is a miss, never a wrong page.
 
-Not here yet: mapping pinned pages into a cache's ranges (the data file's fd and each page's offset are what
-that needs), and wiring into VirtualKVCache, the engine and the server.
+A cache maps pinned pages into its ranges at their offsets in the data file (kvcache/virtual/store_link.py).
 """
 
 from __future__ import annotations
