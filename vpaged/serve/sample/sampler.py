@@ -5,8 +5,9 @@ min_tokens, bad_words: logits_processors.py), then the penalties (penalties.py).
 none of them are not touched, so a batch costs nothing there unless one of its requests asks; those that do are
 changed in one float32 copy of their rows.
 Greedy rows take the argmax. Sampled rows are scaled by their temperature, cut to their top-k and top-p
-sets, and drawn by inverse CDF with one uniform number from the sequence's own generator: a sequence's
-tokens depend only on its logits and its seed, never on which other sequences share the batch.
+sets, and drawn by inverse CDF (inverse_cdf, in two levels) with one uniform number from the sequence's own
+generator: a sequence's tokens depend only on its logits and its seed, never on which other sequences share the
+batch.
 
 A row left with no token to draw (every logit -inf or NaN: a grammar whose every allowed token bad_words or
 min_tokens ban, a model whose logits are NaN) is never sampled: it gets NO_TOKEN, and the engine ends that
@@ -100,9 +101,10 @@ def _mend(logits: torch.Tensor, tokens: torch.Tensor, troubled: torch.Tensor):
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+    """One token for each row of logits [R, V] (float32, a copy of the caller's: it is scaled in place)."""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
-    logits = logits / temps[:, None]
+    logits = logits.div_(temps[:, None])
     top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
     if any(top_k):
         k_max = min(max(top_k), logits.shape[1])
@@ -120,12 +122,45 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
         drop_sorted = before >= top_p[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    cdf = probs.cumsum(dim=-1)
-    # u in (0, 1]: the first index whose CDF reaches u * total always has a positive probability.
-    u = 1.0 - torch.cat([torch.rand(1, generator=g) for g in generators]).to(device=device, dtype=cdf.dtype)
-    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1)
-    return picked.clamp_(max=logits.shape[1] - 1)  # rounding at the very top of the CDF
+    # Unnormalized probabilities: the draw compares u against the row's total, so softmax's division is not needed.
+    weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+    # u in (0, 1]: the first index whose cumulative weight reaches u * total always has a positive weight.
+    u = 1.0 - torch.cat([torch.rand(1, generator=g) for g in generators]).to(device=device, dtype=weights.dtype)
+    return inverse_cdf(weights, u)
+
+
+DRAW_BLOCK = 256  # tokens a block of inverse_cdf's first level sums
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of weights [R, V] (>= 0, some weight positive in every row) the first index whose cumulative
+    weight reaches u * the row's total, u [R] in (0, 1]: the draw by inverse CDF, and the index it gives always has
+    a positive weight. In two levels, so that no prefix sum runs over the whole vocabulary (a prefix sum is a
+    serial pass, several times the cost of a vectorized sum on a CPU): the row's blocks of DRAW_BLOCK tokens are
+    summed and those sums prefix-summed, the block that holds the target is found, and that block alone is
+    prefix-summed. Each row's answer depends on that row only."""
+    rows, vocab = weights.shape
+    block = DRAW_BLOCK
+    whole = vocab // block * block
+    sums = weights[:, :whole].reshape(rows, -1, block).sum(dim=-1)
+    if whole < vocab:
+        sums = torch.cat([sums, weights[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
+    cum = sums.cumsum(dim=-1)
+    target = u * cum[:, -1]
+    # The first block whose cumulative sum reaches the target; rounding can put the target past the last block's
+    # sum, and then the last block with any weight holds it.
+    blocks = torch.arange(sums.shape[1], device=weights.device)
+    last_block = torch.where(sums > 0, blocks, 0).amax(dim=-1)
+    j = torch.minimum(torch.searchsorted(cum, target[:, None]).squeeze(1), last_block)
+    before = torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    rest = target - before  # > 0: the block's cumulative sum before it is below the target
+    offsets = torch.arange(block, device=weights.device)
+    cols = j[:, None] * block + offsets
+    inside = cols < vocab
+    chunk = weights.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(~inside, 0.0)
+    last_in_chunk = torch.where(chunk > 0, offsets, 0).amax(dim=-1)
+    k = torch.minimum(torch.searchsorted(chunk.cumsum(dim=-1), rest[:, None]).squeeze(1), last_in_chunk)
+    return j * block + k
 
 
 def check_first_draw(params: SamplingParams, prompt: list[int], vocab_size: int, eos_token_ids, grammars=None) -> None:
