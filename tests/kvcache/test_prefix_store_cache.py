@@ -15,6 +15,7 @@ import torch
 
 from vpaged import KVGeometry, VirtualCacheConfig, VirtualKVCache
 from vpaged.errors import InvalidArgumentError, StoreMismatchError
+from vpaged.kvcache.virtual import store_link
 from vpaged.memory.store import PageStore
 
 PAGE = 4096
@@ -57,12 +58,16 @@ def fill(cache, tokens, gen):
     return seq, values
 
 
+@pytest.mark.parametrize("publish", ["in-place", "staged-by-block"])
 @pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "copied"])
 @pytest.mark.parametrize("layout", ["per_layer", "interleaved", "head_major"])
-def test_published_blocks_come_back_bit_exact_in_a_new_cache(store_name, layout, mapped, rng):
+def test_published_blocks_come_back_bit_exact_in_a_new_cache(store_name, layout, mapped, publish, rng, monkeypatch):
     gen = rng
     tokens = torch.randint(0, 50_000, (150,), generator=gen).tolist()
     a = make_cache(store_name, layout)
+    if publish == "staged-by-block":  # the device's way (through a host buffer), one block a batch
+        a.prefix_store.publishes_in_place = False
+        monkeypatch.setattr(store_link, "PUBLISH_BATCH_BYTES", 1)
     seq, values = fill(a, tokens, gen)
     cached = a.cache_prefix(seq, tokens)
     assert cached > 0

@@ -104,6 +104,8 @@ class StoreLink:
         self._known: set[bytes] = set()  # block keys this process published or found published
         self.pool = pool
         self.maps = bool(map_pages and pool is not None and pool.can_attach_file_pages)
+        # A publish hands the store host pages where the range maps them; a device's go through a host buffer.
+        self.publishes_in_place = pool is not None and pool.device.type == "cpu"
         # store key -> (pool page id, pin) of every store page mapped (see the module note)
         self._mapped: dict[bytes, tuple[int, object]] = {}
         self._read_faults_seen = pool.file_page_faults if self.maps else 0
@@ -316,7 +318,7 @@ class StoreLink:
         pages are copied to a host buffer first. Stops at a full store, the blocks after a missing one being of
         no use (a hit needs every block before it)."""
         runs, ps = self.runs, self.page_size
-        host = page_map.pool.device.type == "cpu"
+        host = self.publishes_in_place
         page_map.range.wait_for_streams()  # CUDA: the kernels that wrote the K/V finish before it is read
         per_batch = max(1, PUBLISH_BATCH_BYTES // (runs * ps))
         staging = None if host else np.empty((min(per_batch, len(todo)) * runs, ps), dtype=np.uint8)

@@ -377,7 +377,7 @@ class PageStore:
         store found no free or evictable slot for (the others are published all the same). A key given twice
         is published once; its later places say PRESENT. Each page becomes visible on its own, whole, as with
         publish(). The batch reads the slot table (capacity x 64 bytes) twice in all, where publishing its pages
-        one by one reads it twice per page: on a store of 24,576 pages that was 0.7 ms a page. StoreFullError
+        one by one reads it twice per page, a cost that grows with the capacity (bench_store_publish.py). StoreFullError
         only when the data file has no room for a page's bytes (ENOSPC): the pages before it stay published,
         that one and those after it are not."""
         keys = _check_keys([key for key, _ in pages])
