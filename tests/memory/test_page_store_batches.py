@@ -1,16 +1,21 @@
 """PageStore.publish_many: a batch of pages gives, page by page, what publish() of each in turn would (checked
 against a model of the store's contents), settles keys given twice, fills what room there is and says FULL for
-the rest, and races other processes' batches of the same keys with one winner per key. The single-page path
+the rest, races other processes' batches of the same keys with one winner per key, and, cut by a SIGKILL at any
+step of any of its pages, leaves the pages before the cut whole and nothing else behind. The single-page path
 (publish) runs on the same code: test_page_store.py and test_page_store_faults.py."""
 
 import os
 import random
+import signal
 
 import pytest
+from process_helpers import wait_until
 from test_page_store import PAGE, Child, page_for, page_is_whole, store_name  # noqa: F401
+from test_page_store_faults import no_slot_leaked
 
 from vpaged.errors import InvalidArgumentError, StoreFullError
 from vpaged.memory.store import FULL, PRESENT, PUBLISHED, RACED, PageStore
+from vpaged.memory.store import store as store_module
 
 
 def published_keys(store: PageStore) -> list[bytes]:
@@ -121,3 +126,39 @@ def test_batches_of_the_same_keys_race_and_one_process_wins_each(store_name, prn
         for h in store.pin(keys):
             assert page_is_whole(h.key, h.read())
             h.release()
+
+
+def _publish_a_batch_and_die(say, name, keys, seed, step, at):
+    """Publish keys in one batch, SIGKILLed at the at-th time the batch reaches `step` (publish_hook)."""
+    rng = random.Random(seed)
+    seen = [0]
+
+    def hook(where):
+        if where == step:
+            seen[0] += 1
+            if seen[0] == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    store_module.publish_hook = hook
+    with PageStore.open(name) as store:
+        say("ready")
+        store.publish_many([(k, page_for(k, rng)) for k in keys])
+
+
+@pytest.mark.parametrize("step", ["reserved", "written", "signed"])
+def test_a_batch_cut_by_a_kill_shows_only_whole_pages_and_leaks_nothing(store_name, step, prng):  # noqa: F811
+    keys = [os.urandom(32) for _ in range(6)]
+    at = prng.randrange(1, len(keys) + 1)
+    with PageStore.open(store_name, create=True, capacity_pages=16, page_bytes=PAGE) as store:
+        child = Child(_publish_a_batch_and_die, store_name, keys, prng.randrange(1 << 30), step, at)
+        assert child.readline() == "ready"
+        assert child.wait() == -signal.SIGKILL
+        # The pages before the cut are published whole (in the batch's order); the one cut and those after are not.
+        assert store.match(keys) == at - 1 and published_keys(store) == sorted(keys[: at - 1])
+        for h in store.pin(keys[: at - 1]):
+            assert page_is_whole(h.key, h.read())
+            h.release()
+        assert wait_until(lambda: no_slot_leaked(store), 10.0), store.stats()  # its reserved slots come back
+        assert store.publish_many([(k, page_for(k, prng)) for k in keys]) == [PRESENT] * (at - 1) + [PUBLISHED] * (
+            len(keys) - at + 1
+        )

@@ -133,15 +133,19 @@ def no_slot_leaked(store: PageStore, readers: int = 0) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- publishers
-def _publish_forever(say, name, seed, stop_at):
+def _publish_forever(say, name, seed, stop_at, batches):
     rng = random.Random(seed)
     if stop_at:
         store_module.publish_hook = lambda step: step == stop_at and os.kill(os.getpid(), signal.SIGKILL)
     with PageStore.open(name) as store:
         say("ready", store.client_index)
-        while True:
-            key = hashlib.blake2b(rng.randbytes(16), digest_size=32).digest()
-            store.publish(key, page_for(key, rng))
+        while True:  # one page at a time, or (batches) also batches of up to 8, as a cache publishes whole blocks
+            keys = [hashlib.blake2b(rng.randbytes(16), digest_size=32).digest() for _ in range(rng.choice([1, 8]))]
+            keys = keys if batches else keys[:1]
+            if len(keys) == 1:
+                store.publish(keys[0], page_for(keys[0], rng))
+            else:
+                store.publish_many([(key, page_for(key, rng)) for key in keys[: rng.randrange(2, 9)]])
 
 
 def _verify_forever(say, name, stop_path, seed, mapped):
@@ -198,7 +202,7 @@ def test_publishers_killed_mid_publish_leave_nothing_partial_and_nothing_leaked(
             for r in readers:
                 assert r.readline() == "ready"
             for i in range(kills):
-                child = Child(_publish_forever, store_name, rng.randrange(1 << 30), None)
+                child = Child(_publish_forever, store_name, rng.randrange(1 << 30), None, True)
                 words = child.readline().split()
                 assert words[0] == "ready"
                 index = int(words[1])
@@ -252,7 +256,7 @@ def test_a_publisher_killed_at_each_step_of_a_publish(store_name, step):
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     with PageStore.open(store_name, create=True, capacity_pages=8, page_bytes=PAGE) as store:
         for _ in range(5):
-            child = Child(_publish_forever, store_name, rng.randrange(1 << 30), step)
+            child = Child(_publish_forever, store_name, rng.randrange(1 << 30), step, False)
             assert child.readline().split()[0] == "ready"
             assert child.wait() == -signal.SIGKILL  # it killed itself at `step` of its first publish
             assert store.stats().published_pages == 0 or check_every_visible_page(store) >= 0
@@ -272,7 +276,7 @@ def test_a_publisher_killed_while_evicting_loses_no_published_page(store_name):
         for key in keys:
             store.publish(key, page_for(key, rng))  # full: the child's first publish must evict
         for _ in range(3):
-            child = Child(_publish_forever, store_name, rng.randrange(1 << 30), "evicting")
+            child = Child(_publish_forever, store_name, rng.randrange(1 << 30), "evicting", False)
             assert child.readline().split()[0] == "ready"
             assert child.wait() == -signal.SIGKILL  # killed with a published page EVICTING
             assert wait_until(lambda: no_slot_leaked(store), 10.0), store.stats()
