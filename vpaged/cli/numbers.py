@@ -169,6 +169,10 @@ _ISAS = ("avx512bf16", "avx512", "avx2", "neon", "sve")
 # Results files kept for the record but no longer quoted as their claim's figures, with why (the analysis is in
 # benchmarks/NOTES.md). Their rows are listed apart, under the reason, never in a claim's table.
 SUPERSEDED: dict[str, str] = {
+    "prefix-store_serial-4-servers-before-batched_epyc-zen3-avx2-2c.json": (
+        "the library of 6958f34, before PageStore.publish_many: the control run of "
+        "prefix-store_serial-4-servers-batched_epyc-zen3-avx2-2c.json (the ratio is level between the two)"
+    ),
     "prefix-store_multi-round-warm_epyc-zen4-avx512bf16-2c.json": (
         "hits copied each page then (987 MB for 21,428 tokens); they map the store's pages now, measured again with "
         "the users at once and a tier section in prefix-store_mapped-concurrent-tier_epyc-zen4-avx512bf16-2c.json"
