@@ -90,6 +90,27 @@ def test_torchs_private_ops_exist_and_match_f_linear(rows, bias):
         torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), atol=2e-5, rtol=1e-4)
 
 
+@needs_ops
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_bf16_layer_packed_in_fp32_runs_its_products_in_fp32(bias):
+    """The packing a CPU without oneDNN's bf16 path gets (forced here on any CPU): bf16 in, bf16 out, each output
+    the exact sum of the bf16 products rounded once, within fp32 summation error."""
+    reorder, linear = packed_linear_ops()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    w = torch.randn(96, 80, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16() if bias else None
+    packed = reorder(w.float(), 64)
+    assert packed.dtype == torch.float32
+    for x in (torch.randn(7, 80, generator=g), torch.randn(1, 300, 80, generator=g)):
+        x = x.bfloat16()
+        out = linear(x, packed, b)
+        exact = x.double() @ w.double().T + (0 if b is None else b.double())
+        assert out.dtype == torch.bfloat16 and out.shape == exact.shape
+        torch.testing.assert_close(out.double(), exact, atol=1e-4, rtol=2**-8)  # one bf16 rounding
+    # pack_weight picks it where oneDNN has no bf16 path, and never leaves a bf16 layer unpacked on a CPU it packs
+    assert pack_weight(w).dtype in (torch.bfloat16, torch.float32)
+
+
 def test_weights_that_cannot_be_packed_are_refused_not_guessed():
     assert pack_weight(torch.zeros(4, 4, dtype=torch.float64)) is None
     assert pack_weight(torch.zeros(4, 4, dtype=torch.float16)) is None
