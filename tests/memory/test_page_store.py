@@ -353,28 +353,35 @@ def _publish_all(say, name, keys, seed):
     say("won", *won)
 
 
+def race(store: PageStore, publisher, keys: list[bytes], rng: random.Random, processes: int = 3) -> None:
+    """`processes` children run publisher(say, store name, keys, seed) at once, each saying "ready" and then the
+    places of the keys it published ("won"): every key must be published by exactly one of them, in one slot,
+    whole."""
+    children = [Child(publisher, store.name, keys, rng.randrange(1 << 30)) for _ in range(processes)]
+    wins = []
+    for c in children:
+        assert c.readline() == "ready"
+    for c in children:
+        words = c.readline(120).split()
+        assert words[0] == "won"
+        wins += [int(w) for w in words[1:]]
+        assert c.wait() == 0
+    assert sorted(wins) == list(range(len(keys)))  # each key published by exactly one of them
+    snap = store.slots.snapshot()
+    published = snap[(snap["state"] & 3) == 2]
+    assert sorted(bytes(k) for k in published["key"]) == sorted(keys)  # one slot per key: no duplicate
+    s = store.stats()
+    assert (s.published_pages, s.used_pages, s.writing_pages) == (len(keys), len(keys), 0)
+    for h in store.pin(keys):
+        assert page_is_whole(h.key, h.read())
+        h.release()
+
+
 def test_duplicate_publishes_race_and_one_wins(store_name):
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     keys = [os.urandom(32) for _ in range(150)]
     with PageStore.open(store_name, create=True, capacity_pages=256, page_bytes=PAGE) as store:
-        children = [Child(_publish_all, store_name, keys, rng.randrange(1 << 30)) for _ in range(3)]
-        wins = []
-        for c in children:
-            assert c.readline() == "ready"
-        for c in children:
-            words = c.readline(120).split()
-            assert words[0] == "won"
-            wins += [int(w) for w in words[1:]]
-            assert c.wait() == 0
-        assert sorted(wins) == list(range(len(keys)))  # each key published by exactly one of them
-        snap = store.slots.snapshot()
-        published = snap[(snap["state"] & 3) == 2]
-        assert sorted(bytes(k) for k in published["key"]) == sorted(keys)  # one slot per key: no duplicate
-        s = store.stats()
-        assert (s.published_pages, s.used_pages, s.writing_pages) == (len(keys), len(keys), 0)
-        for h in store.pin(keys):
-            assert page_is_whole(h.key, h.read())
-            h.release()
+        race(store, _publish_all, keys, rng)
 
 
 def _publish_and_leave(say, spec, keys, seed):

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 from process_helpers import wait_until
-from test_page_store import PAGE, Child, page_for, page_is_whole, store_name  # noqa: F401
+from test_page_store import PAGE, Child, page_for, page_is_whole, race, store_name  # noqa: F401
 from test_page_store_faults import no_slot_leaked
 
 from vpaged.errors import InvalidArgumentError, StoreFullError
@@ -107,25 +107,9 @@ def _publish_batches(say, name, keys, seed):
 
 
 def test_batches_of_the_same_keys_race_and_one_process_wins_each(store_name, prng):  # noqa: F811
-    rng = prng
     keys = [os.urandom(32) for _ in range(300)]
     with PageStore.open(store_name, create=True, capacity_pages=512, page_bytes=PAGE) as store:
-        children = [Child(_publish_batches, store_name, keys, rng.randrange(1 << 30)) for _ in range(3)]
-        for c in children:
-            assert c.readline() == "ready"
-        wins = []
-        for c in children:
-            words = c.readline(120).split()
-            assert words[0] == "won"
-            wins += [int(w) for w in words[1:]]
-            assert c.wait() == 0
-        assert sorted(wins) == list(range(len(keys)))  # each key published by exactly one of them
-        assert published_keys(store) == sorted(keys)
-        s = store.stats()
-        assert (s.published_pages, s.used_pages, s.writing_pages) == (len(keys), len(keys), 0)
-        for h in store.pin(keys):
-            assert page_is_whole(h.key, h.read())
-            h.release()
+        race(store, _publish_batches, keys, prng)
 
 
 def _publish_a_batch_and_die(say, name, keys, seed, step, at):
