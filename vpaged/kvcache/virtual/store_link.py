@@ -343,8 +343,9 @@ class StoreLink:
             except StoreFullError:  # the data file has no room for a page's bytes (ENOSPC)
                 self.stats.full += 1
                 break
-            published += outcomes.count(PUBLISHED)
-            self.stats.published_pages += outcomes.count(PUBLISHED)
+            done = outcomes.count(PUBLISHED)
+            published += done
+            self.stats.published_pages += done
             self.stats.present_pages += outcomes.count(PRESENT)
             for j, d in enumerate(depths):
                 if FULL not in outcomes[j * runs : (j + 1) * runs]:

@@ -407,7 +407,7 @@ class PageStore:
             except BaseException:
                 for i, slot, writing in mine.values():
                     if outcomes[i] is None:  # reserved, not published
-                        self.slots.cas(slot, writing, ix.word(ix.FREE, 0, ix.generation_of(writing) + 1))
+                        self._give_back(slot, writing)
                 raise
         for i, key in enumerate(keys):
             if outcomes[i] is None:  # a later place of a key given twice
@@ -439,7 +439,7 @@ class PageStore:
             other = elsewhere.get(key)
             if other is not None:
                 outcomes[i] = PRESENT if other == ix.PUBLISHED else RACED
-                self.slots.cas(slot, writing, ix.word(ix.FREE, 0, ix.generation_of(writing) + 1))
+                self._give_back(slot, writing)
                 continue
             if publish_hook is not None:
                 publish_hook("reserved")
@@ -459,6 +459,11 @@ class PageStore:
             outcomes[i] = PUBLISHED
             self.counters.add("publish_seq")
             self.counters.add("published")
+
+    def _give_back(self, slot: int, writing: int) -> None:
+        """A slot this process reserved (WRITING) and will not publish goes back FREE, one generation on (a no-op
+        when the reclaimer took it already)."""
+        self.slots.cas(slot, writing, ix.word(ix.FREE, 0, ix.generation_of(writing) + 1))
 
     def _write_bytes(self, slot: int, view: memoryview) -> None:
         offset = slot * self.page_bytes
