@@ -4,16 +4,17 @@ Two sections, each measured side by side in one run on SmolLM2-135M-Instruct (be
 server a real `vpaged serve` process on one torch thread, TTFT read from the streamed /v1/completions (the time
 to the first chunk that carries text):
 
-- multi-round QA (LMCache's multi-round QA benchmark scaled to this box): USERS users, ROUNDS rounds each, a
-  shared system prompt of SYSTEM tokens, each user's history growing by HISTORY tokens of question plus the
-  previous answers a round, ANSWER-token greedy answers, SERVERS servers (default two) behind a client that
-  moves each user from one to the next every round (user u's round r to server (u + r) % SERVERS: every server
-  sees every SERVERS-th round of a user, and each round as many users as the others). As LMCache runs it, the users are concurrent: user u joins STAGGER
-  seconds after user u - 1 and asks its next question as soon as the last answer is in, so a request waits for
-  the servers' other work, as in service (`multi_round`); `multi_round_serial` sends one request at a time, so
-  TTFT is the prefill alone. Arms: each server with its own prefix cache (today's default), and both servers on
-  one store. Reported: mean and p99 TTFT per arm, their ratios, whether every answer is identical between the
-  arms, and the bytes the store copied and mapped for its hits.
+- multi-round QA (LMCache's multi-round QA benchmark scaled to this box): USERS users, ROUNDS rounds each, a shared
+  system prompt of SYSTEM tokens, each user's own history of USER_HISTORY tokens up front (none by default), growing
+  by HISTORY tokens of question plus the previous answers a round, ANSWER-token greedy answers, SERVERS servers
+  (default two) behind a client that moves each user from one to the next every round (user u's round r to server
+  (u + r) % SERVERS: every server sees every SERVERS-th round of a user, and each round as many users as the others).
+  As LMCache runs it, the users are concurrent: user u joins STAGGER seconds after user u - 1 and asks its next
+  question as soon as the last answer is in, so a request waits for the servers' other work, as in service
+  (`multi_round`); `multi_round_serial` sends one request at a time, so TTFT is the prefill alone. Arms: each server
+  with its own prefix cache (today's default), and both servers on one store. Reported: mean and p99 TTFT per arm,
+  their ratios, whether every answer is identical between the arms, and the bytes the store copied and mapped for
+  its hits.
 - warm restart: a WARM-token prompt served by a server on a directory store, the server stopped and started
   again on the same directory, the same prompt: TTFT cold vs warm.
 - tier under pressure (`tier`): one server with a KV budget of TIER_BUDGET MiB, PREFIXES distinct documents of
@@ -22,7 +23,8 @@ to the first chunk that carries text):
   room for), and the server on a store that holds the working set. Reported for the second pass: the share of
   prompt tokens that hit, and mean TTFT.
 
-    .venv/bin/python benchmarks/bench_prefix_store.py [--users 8 --rounds 4 --system 1000 --history 500 --servers 2]
+    .venv/bin/python benchmarks/bench_prefix_store.py [--users 8 --rounds 4 --system 1000 --history 500
+        --user-history 0 --servers 2]
 
 Writes benchmarks/results/OUTPUT (default prefix-store.json; docs/numbers.md reads files named prefix-store_*).
 """
@@ -132,10 +134,10 @@ def p99(xs: list[float]) -> float:
 def multi_round(model: str, prose: list[int], args, store: str | None, concurrent: bool, start=None) -> dict:
     """start(i): server i of args.servers (default: `vpaged serve`, on the store when one is named)."""
     # The store holds the whole working set (its capacity is the host tier's size); each server's own KV budget
-    # (512 MiB) holds about half of it with two servers, in both arms.
+    # (KV_BUDGET_MIB, 512 by default) holds about half of it in the default workload with two servers, in both arms.
     if start is None:
         extra = ["--prefix-store", store, "--prefix-store-pages", str(args.store_pages)] if store else []
-        start = lambda i: Server(model, extra)  # noqa: E731
+        start = lambda i: Server(model, extra, args.kv_budget_mib)  # noqa: E731
     with ThreadPoolExecutor(args.servers) as pool:  # all come up at once (a vLLM server takes a minute)
         starting = [pool.submit(start, i) for i in range(args.servers)]
         wait(starting)
@@ -149,8 +151,12 @@ def multi_round(model: str, prose: list[int], args, store: str | None, concurren
     ttfts, answers, errors = {}, {}, []
 
     def ask(u: int, rnd: int, history: list[int]) -> None:
-        """User u's round rnd: its question joins its history, the prompt goes to its server of the round."""
-        start = args.system + (u * args.rounds + rnd) * args.history
+        """User u's round rnd: its question joins its history (after its history up front, in round 0), the
+        prompt goes to its server of the round."""
+        block = args.system + u * (args.user_history + args.rounds * args.history)  # user u's own prose
+        if rnd == 0:
+            history += prose[block : block + args.user_history]
+        start = block + args.user_history + rnd * args.history
         history += prose[start : start + args.history]
         ttft, text, _ = servers[(u + rnd) % len(servers)].complete(system + history, args.answer)
         # The answer joins the history as its tokens would: the next round's prompt extends this one.
@@ -272,7 +278,10 @@ def add_workload_args(ap: argparse.ArgumentParser, answer: int) -> None:
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--system", type=int, default=1000)
-    ap.add_argument("--history", type=int, default=500)
+    ap.add_argument("--history", type=int, default=500, help="tokens of question a user adds each round")
+    ap.add_argument(
+        "--user-history", type=int, default=0, help="tokens of each user's own history before its first question"
+    )
     ap.add_argument("--answer", type=int, default=answer)
     ap.add_argument("--stagger", type=float, default=2.0, help="seconds between users joining (multi_round)")
     ap.add_argument("--warm", type=int, default=2000)
@@ -281,10 +290,18 @@ def add_workload_args(ap: argparse.ArgumentParser, answer: int) -> None:
     )
 
 
+def workload_tokens(args) -> int:
+    """Tokens of prose the multi-round and warm-restart sections read: the system prompt, every user's history up
+    front and questions, the answers' stand-in at the end."""
+    users = args.system + args.users * (args.user_history + args.rounds * args.history)
+    return max(users, args.warm) + 2 * args.answer
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_workload_args(ap, answer=64)
     ap.add_argument("--store-pages", type=int, default=24576, help="the shared store's capacity in pages")
+    ap.add_argument("--kv-budget-mib", type=int, default=512, help="MiB of KV of each multi_round server")
     ap.add_argument("--tier-budget", type=int, default=128, help="MiB of KV of the tier section's server")
     ap.add_argument("--tier-prefix", type=int, default=1000, help="tokens of each document of the tier section")
     ap.add_argument("--prefixes", type=int, default=12, help="documents of the tier section")
@@ -299,8 +316,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    need = args.system + args.users * args.rounds * args.history + args.answer
-    need = max(need, args.warm, args.prefixes * 101 + args.tier_prefix) + args.answer
+    need = max(workload_tokens(args), args.prefixes * 101 + args.tier_prefix + args.answer)
     prose = (real_model.prose_ids(tok, 4096) * (need // 4096 + 2))[:need]
     result = dict(machine=machine(), model=real_model.NAME, dtype="float32", args=vars(args))
     sections = args.sections.split(",")

@@ -1,12 +1,14 @@
 """The serving sampler's cost per step: `vpaged.serve.sample.sampler.sample` against the one-level draw it
-replaced (softmax over the row, a prefix sum over the whole vocabulary, a binary search), side by side in one run.
+replaced (softmax over the row, a prefix sum over the whole vocabulary, a binary search), and for top-p against
+the cut it replaced (a sort of every row), side by side in one run.
 
 Rows R of fp32 logits over a vocabulary V (SmolLM2's 49,152, Llama 3's 128,256), every row sampled with a seed of
 its own, in four modes: greedy, temperature 1.0 (what a client that sends no temperature gets), top-k 50 at 0.7,
 top-p 0.9 at 0.7. Both arms take the same logits and generators; the one-level arm runs the sampler's own
-temperature / top-k / top-p code and differs only in the draw. Reported: median milliseconds per step of each arm
-and their ratio, and how many of the drawn tokens agree (the two draws sum in a different order, so a target
-within float32 rounding of a token boundary can fall on the other side of it).
+temperature / top-k / top-p code and differs only in the draw; the sorted-top-p arm (top-p modes only) differs
+only in the cut. Reported: median milliseconds per step of each arm and their ratios, and how many of the drawn
+tokens agree (the arms sum in a different order, so a target within float32 rounding of a token boundary can
+fall on the other side of it).
 
     .venv/bin/python benchmarks/bench_sampler.py [--rows 1,8,32] [--vocab 49152,128256] [--repeats 15] [--threads N]
 
@@ -45,10 +47,25 @@ def one_level_draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return picked.clamp_(max=weights.shape[1] - 1)
 
 
-def time_arm(logits: torch.Tensor, params: list[SamplingParams], draw, repeats: int) -> tuple[float, list[int]]:
-    """(median seconds of one sample() call, the tokens of the first call) with `draw` as the sampler's draw."""
-    saved = sampler.inverse_cdf
-    sampler.inverse_cdf = draw
+def sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The textbook top-p cut: sort every row, prefix-sum its probabilities, drop past top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    drop_sorted = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    return torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+
+
+# Each arm: the sampler's functions it replaces (none for vpaged's own).
+ARMS = {"vpaged": {}, "one-level": {"inverse_cdf": one_level_draw}, "sorted top-p": {"past_top_p": sorted_top_p}}
+
+
+def time_arm(logits: torch.Tensor, params: list[SamplingParams], arm: str, repeats: int) -> tuple[float, list[int]]:
+    """(median seconds of one sample() call, the tokens of the first call) with the arm's functions in the
+    sampler."""
+    saved = {name: getattr(sampler, name) for name in ARMS[arm]}
+    for name, fn in ARMS[arm].items():
+        setattr(sampler, name, fn)
     try:
         samples, first = [], None
         for i in range(repeats + 1):
@@ -60,7 +77,8 @@ def time_arm(logits: torch.Tensor, params: list[SamplingParams], draw, repeats: 
             first = first or tokens
         return statistics.median(samples), first
     finally:
-        sampler.inverse_cdf = saved
+        for name, fn in saved.items():
+            setattr(sampler, name, fn)
 
 
 def main() -> int:
@@ -80,10 +98,11 @@ def main() -> int:
             logits = torch.randn(rows, vocab, generator=gen) * 3
             for mode, kw in MODES.items():
                 params = [SamplingParams(seed=1000 + r, **kw) for r in range(rows)]
+                names = [a for a in ARMS if a != "sorted top-p" or kw.get("top_p", 1.0) < 1.0]
                 arms = {}
                 for _ in range(2):  # alternated, twice: each arm's figure is the lower of its two medians
-                    for name, draw in (("vpaged", sampler.inverse_cdf), ("one-level", one_level_draw)):
-                        seconds, tokens = time_arm(logits, params, draw, args.repeats)
+                    for name in names:
+                        seconds, tokens = time_arm(logits, params, name, args.repeats)
                         best = arms.get(name, (float("inf"), tokens))[0]
                         arms[name] = (min(best, seconds), tokens)
                 agree = sum(a == b for a, b in zip(arms["vpaged"][1], arms["one-level"][1]))
@@ -96,10 +115,17 @@ def main() -> int:
                     tokens_agree=agree,
                 )
                 cell["ratio"] = cell["vpaged_ms"] / cell["one_level_ms"]
+                sort = ""
+                if "sorted top-p" in arms:
+                    cell["sorted_top_p_ms"] = 1e3 * arms["sorted top-p"][0]
+                    cell["top_p_ratio"] = cell["vpaged_ms"] / cell["sorted_top_p_ms"]
+                    cell["top_p_tokens_agree"] = sum(a == b for a, b in zip(arms["vpaged"][1], arms["sorted top-p"][1]))
+                    sort = f"{cell['sorted_top_p_ms']:.3f} ({cell['top_p_ratio']:.2f})"
                 cells.append(cell)
                 table.append([vocab, rows, mode, f"{cell['vpaged_ms']:.3f}", f"{cell['one_level_ms']:.3f}",
-                              f"{cell['ratio']:.2f}", f"{agree}/{rows}"])  # fmt: skip
-    print_table(["vocab", "rows", "mode", "vpaged ms", "one-level ms", "ratio", "same token"], table)
+                              f"{cell['ratio']:.2f}", f"{agree}/{rows}", sort])  # fmt: skip
+    headers = ["vocab", "rows", "mode", "vpaged ms", "one-level ms", "ratio", "same token", "sorted top-p ms (ratio)"]
+    print_table(headers, table)
     path = write_json(
         args.output,
         dict(machine=machine(), threads=torch.get_num_threads(), args=vars(args), cells=cells),

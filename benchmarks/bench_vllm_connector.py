@@ -38,7 +38,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))  # vpaged from the repository, as in scripts/test_vllm.sh
 import real_model  # noqa: E402
-from bench_prefix_store import Server, add_workload_args, multi_round, ttft_summary, warm_restart  # noqa: E402
+from bench_prefix_store import (  # noqa: E402
+    Server,
+    add_workload_args,
+    multi_round,
+    ttft_summary,
+    warm_restart,
+    workload_tokens,
+)
 from common import machine, write_json  # noqa: E402
 
 
@@ -139,7 +146,7 @@ def main() -> int:
 
     model = str(real_model.model_dir())
     tok = AutoTokenizer.from_pretrained(model)
-    need = max(args.system + args.users * args.rounds * args.history, args.warm) + 2 * args.answer
+    need = workload_tokens(args)
     prose = (real_model.prose_ids(tok, 4096) * (need // 4096 + 2))[:need]
     result = dict(machine=machine(), model=real_model.NAME, dtype="float32", vllm=vllm.__version__, args=vars(args))
     sections = args.sections.split(",")

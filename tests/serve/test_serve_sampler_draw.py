@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vpaged.serve import SamplingParams
-from vpaged.serve.sample.sampler import DRAW_BLOCK, inverse_cdf, sample
+from vpaged.serve.sample.sampler import DRAW_BLOCK, inverse_cdf, past_top_p, sample
 
 # float32 sums of up to 10^5 weights against float64 ones: the target may move by this share of the row's total.
 ROUNDING = 1e-4
@@ -122,3 +122,30 @@ def test_sample_draws_the_reference_token_for_its_uniform_number(rng, prng):
             lo = reference_pick(x, p, max(u - ROUNDING, 1e-12))[0]
             hi = reference_pick(x, p, min(u + ROUNDING, 1.0))[0]
             assert lo <= picked[r] <= hi, f"row {r} ({p}): picked {picked[r]}, reference {want} (u = {u})"
+
+
+@pytest.mark.parametrize("vocab", [3, 200, 2000, 49152])
+def test_the_top_p_cut_keeps_the_tokens_the_definition_keeps(rng, vocab):
+    """past_top_p against a float64 sort of every row: rows peaked (the cut among the first TOP_P_FIRST_K tokens),
+    wider (past them) and flat (a full sort), rows cut to a few tokens by top-k first, rows with top_p 1.0 kept
+    whole, all in one batch; a token within float32 rounding of the cut may fall on either side."""
+    scales = [8.0, 3.0, 1.0, 0.05, 3.0, 8.0, 0.5, 2.0]
+    logits = torch.randn(len(scales), vocab, generator=rng) * torch.tensor(scales)[:, None]
+    logits[4, torch.randperm(vocab, generator=rng)[: vocab // 2]] = float("-inf")  # as top-k leaves a row
+    top_p = torch.tensor([0.9, 0.95, 0.5, 0.9, 0.8, 1.0, 1.0, 0.3])
+    dropped = past_top_p(logits, top_p)
+    assert dropped.dtype == torch.bool and dropped.shape == logits.shape
+    for r in range(len(scales)):
+        x = logits[r].double().numpy()
+        if top_p[r] == 1.0:
+            assert not dropped[r].any(), f"row {r}: top_p 1.0 dropped a token"
+            continue
+        order = np.argsort(-x, kind="stable")
+        probs = np.exp(x[order] - x[order[0]])
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs
+        p = float(top_p[r])
+        got = dropped[r].numpy()[order]
+        sure = np.abs(before - p) > ROUNDING
+        assert np.array_equal(got[sure], (before >= p)[sure]), f"row {r}: the cut differs from the definition's"
+        assert not got[0], f"row {r}: its most likely token was dropped"

@@ -121,13 +121,21 @@ def _vllm_pd(d: dict) -> list[suite.Row]:
 
 
 def _sampler(d: dict) -> list[suite.Row]:
-    """bench_sampler.py: the serving sampler's step against the one-level draw (a prefix sum over the whole row)."""
-    return [
+    """bench_sampler.py: the serving sampler's step against the one-level draw (a prefix sum over the whole row),
+    and in its top-p modes against the sorted cut (files from before that arm have no such rows)."""
+    draws = [
         suite.Row("sampler", f"sample() of {c['rows']} x {c['vocab']} fp32 logits, {c['mode']}", c["vpaged_ms"],
                   c["one_level_ms"], "one-level draw", "ms", "lower")
         for c in d["cells"]
         if c["mode"] != "greedy"  # no draw: both arms run the same code
     ]  # fmt: skip
+    cuts = [
+        suite.Row("sampler", f"sample() of {c['rows']} x {c['vocab']} fp32 logits, {c['mode']}", c["vpaged_ms"],
+                  c["sorted_top_p_ms"], "sorted top-p cut", "ms", "lower")
+        for c in d["cells"]
+        if "sorted_top_p_ms" in c
+    ]  # fmt: skip
+    return draws + cuts
 
 
 def _store_publish(d: dict) -> list[suite.Row]:

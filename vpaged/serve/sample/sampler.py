@@ -115,18 +115,46 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
         logits = logits.masked_fill(~keep_all & (logits < threshold), float("-inf"))
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
     if bool((top_p < 1.0).any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Keep a token while the probability of the tokens before it is below top_p (the first always stays).
-        before = probs.cumsum(dim=-1) - probs
-        drop_sorted = before >= top_p[:, None]
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(past_top_p(logits, top_p), float("-inf"))
     # Unnormalized probabilities: the draw compares u against the row's total, so softmax's division is not needed.
     weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
     # u in (0, 1]: the first index whose cumulative weight reaches u * total always has a positive weight.
     u = 1.0 - torch.cat([torch.rand(1, generator=g) for g in generators]).to(device=device, dtype=weights.dtype)
     return inverse_cdf(weights, u)
+
+
+TOP_P_FIRST_K = 64  # the most likely tokens past_top_p looks at first
+
+
+def past_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """bool [R, V]: the tokens outside each row's top-p set (the smallest set of its most likely tokens whose
+    probability reaches top_p [R]; a row's first token always stays; a row with top_p 1.0 keeps every token).
+    A token stays while the probability of the tokens before it in descending order is below top_p.
+
+    Without sorting the vocabulary where it can: a model's distribution puts top_p's mass on a few tokens, so the
+    TOP_P_FIRST_K most likely are taken (torch.topk, one pass) and, when their mass reaches every row's top_p, the
+    cut lies among them and every token past them is out. Otherwise k grows 16x a time, up to a full sort (a flat
+    distribution, a high temperature). On one core a sort of 32 rows of 49,152 tokens takes about 30x the time of
+    their top 64 (benchmarks/bench_sampler.py)."""
+    rows, vocab = logits.shape
+    probs = logits.softmax(dim=-1)
+    cut = top_p < 1.0
+    k = min(TOP_P_FIRST_K, vocab)
+    while True:
+        if 4 * k >= vocab:
+            values, order = probs.sort(dim=-1, descending=True)
+            break
+        values, order = probs.topk(k, dim=-1)  # descending
+        # A row whose cut is past the k: its k tokens hold less than top_p (rows kept whole never need more).
+        if not bool((cut & (values.sum(dim=-1) < top_p)).any()):
+            break
+        k *= 16
+    before = values.cumsum(dim=-1) - values
+    keep_sorted = (before < top_p[:, None]) | ~cut[:, None]
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, keep_sorted)
+    if values.shape[1] < vocab:
+        keep |= ~cut[:, None]  # a row kept whole keeps the tokens past the k too
+    return ~keep
 
 
 DRAW_BLOCK = 256  # tokens a block of inverse_cdf's first level sums
