@@ -81,8 +81,12 @@ def _prefix_store(d: dict) -> list[suite.Row]:
     # Files written before the users ran at once (no --stagger) hold the one-at-a-time run under "multi_round".
     at_once = "users at once" if "stagger" in d.get("args", {}) else "one request at a time"
     sections = (("multi_round", at_once), ("multi_round_serial", "one request at a time"))
-    servers = d.get("args", {}).get("servers", 2)  # files written before --servers ran two
-    label = "multi-round QA ({how}, " + f"{servers} servers)"
+    args = d.get("args", {})
+    servers = args.get("servers", 2)  # files written before --servers ran two
+    shape = f"{args.get('users', 8)} users x {args.get('rounds', 4)} rounds"
+    if args.get("user_history"):  # files written before --user-history had none
+        shape += f", {args['user_history']:,} tokens of history up front"
+    label = "multi-round QA ({how}, " + f"{servers} servers, {shape})"
     rows = _multi_round_rows(d, "prefix store", sections, label, "own prefix caches")
     if "tier" in d:
         t = d["tier"]
@@ -138,6 +142,22 @@ def _sampler(d: dict) -> list[suite.Row]:
     return draws + cuts
 
 
+def _chunk_attention(d: dict) -> list[suite.Row]:
+    """bench_chunk_attention.py: a prefill chunk after cached tokens split in two unmasked calls against one masked
+    call, per layer and through the engine (SmolLM2's first token)."""
+    rows = [
+        suite.Row("chunk attention", f"one layer, {c['tokens']:,} tokens after {c['start']:,} cached, {c['dtype']}",
+                  c["split_ms"], c["masked_ms"], "one masked call", "ms", "lower")
+        for c in d["kernel"]
+    ]  # fmt: skip
+    rows += [
+        suite.Row("chunk attention", f"SmolLM2-135M fp32 first token, {c['case']}", c["split_s"], c["masked_s"],
+                  "one masked call", "s", "lower")
+        for c in d.get("engine", [])
+    ]  # fmt: skip
+    return rows
+
+
 def _store_publish(d: dict) -> list[suite.Row]:
     """bench_store_publish.py: PageStore.publish_many of a batch against publish of each page, per capacity."""
     base = {c["capacity"]: c["ms_per_page"] for c in d["cells"] if c["arm"] == "publish each page"}
@@ -170,6 +190,7 @@ CLAIMS: dict[str, tuple[str, Callable[[dict], list[suite.Row]]]] = {
     "vllm-pd": ("vLLM prefill/decode split over the page store against one instance", _vllm_pd),
     "sampler": ("The serving sampler's draw against a prefix sum over the whole vocabulary", _sampler),
     "store-publish": ("Publishing pages to a page store: in batches against one by one", _store_publish),
+    "chunk-attention": ("A prefill chunk after cached tokens: split against masked attention", _chunk_attention),
 }
 
 _ISAS = ("avx512bf16", "avx512", "avx2", "neon", "sve")
