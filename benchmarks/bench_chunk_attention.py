@@ -3,8 +3,9 @@
 one run, alternated.
 
 - kernel: one layer's attention of a chunk of N queries after START cached tokens (9 query heads over 3 K/V
-  heads of 64, SmolLM2-135M's geometry), fp32 and bf16: median milliseconds of each arm, their ratio, and the
-  largest difference between the arms' outputs.
+  heads of 64, SmolLM2-135M's geometry; K/V as a store holds them, [START + N, 3, 64]), fp32 and bf16: median
+  milliseconds of each arm (the masked arm includes its copy of the K/V per query head, as the engine made it),
+  their ratio, and the largest difference between the arms' outputs.
 - engine (with --engine, SmolLM2-135M-Instruct fp32, benchmarks/real_model.py): the time to the first token of
   (a) a PROMPT-token prompt prefilled in chunks of 512 (every chunk after the first attends over cached tokens)
   and (b) a DOC-token document served before, then the same document with TAIL new tokens (a prefix-cache hit:
@@ -39,6 +40,10 @@ CELLS = [(3036, 464), (1000, 2000), (3500, 512), (7000, 512), (4000, 64)]  # (ST
 
 
 def masked(q, k, v, start, scale):
+    """The call of before, as StepAttention.attend made it: K/V [start + n, KVH, D] copied once per query head,
+    the chunk's mask."""
+    heads = q.shape[1]
+    k, v = attention.heads_first(k, heads), attention.heads_first(v, heads)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attention.chunk_mask(start, q.shape[2], None), scale=scale)
 
 
@@ -58,8 +63,8 @@ def kernel_cells(repeats: int) -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         for start, n in CELLS:
             q = torch.randn(1, HEADS, n, DIM, generator=gen).to(dtype)
-            k = attention.heads_first(torch.randn(start + n, KV_HEADS, DIM, generator=gen).to(dtype), HEADS)
-            v = attention.heads_first(torch.randn(start + n, KV_HEADS, DIM, generator=gen).to(dtype), HEADS)
+            k = torch.randn(start + n, KV_HEADS, DIM, generator=gen).to(dtype)  # as a store holds them
+            v = torch.randn(start + n, KV_HEADS, DIM, generator=gen).to(dtype)
             scale = 1 / math.sqrt(DIM)
             arms = {"split": attention.prefix_then_causal, "masked": masked}
             best = {name: math.inf for name in arms}

@@ -1,8 +1,9 @@
-"""A prefill chunk after a cached prefix (stores/attention.py, prefix_then_causal): its queries at positions
-start.. attend over every cached key and causally over the chunk's own, by two unmasked calls of SDPA's fused CPU
-kernel merged by their log-sum-exps. Checked against attention written from the definition in float64 (softmax
-of q.k over the keys at or before each query's position, times V), for chunks of one token and of many, short and
-long prefixes, fp32 and bf16; and the step's attend() gives the same answer for a chunk with or without the split."""
+"""A prefill chunk after a cached prefix (stores/attention.py, prefix_then_causal): its queries at positions start..
+attend over every cached key (a K/V head's query heads in one call) and causally over the chunk's own, by two
+unmasked calls of SDPA's fused CPU kernel merged by their log-sum-exps. Checked against attention written from the
+definition in float64 (softmax of q.k over the keys at or before each query's position, times V), for chunks of one
+token and of many, short and long prefixes, fp32 and bf16, one K/V head per query head and grouped ones; and the
+step's attend() gives the same answer for a chunk with or without the split."""
 
 import math
 
@@ -25,15 +26,16 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sca
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("start,n", [(1, 1), (7, 1), (1, 9), (40, 3), (257, 64), (100, 300)])
-def test_the_split_chunk_matches_the_definition(rng, dtype, tol, start, n):
-    heads, dim = 6, 32
+@pytest.mark.parametrize("heads,kv_heads", [(6, 6), (6, 2), (9, 3)])
+def test_the_split_chunk_matches_the_definition(rng, dtype, tol, start, n, heads, kv_heads):
+    dim = 32
     q = torch.randn(1, heads, n, dim, generator=rng).to(dtype)
-    k = (torch.randn(1, heads, start + n, dim, generator=rng) * 2).to(dtype)
-    v = torch.randn(1, heads, start + n, dim, generator=rng).to(dtype)
+    k = (torch.randn(start + n, kv_heads, dim, generator=rng) * 2).to(dtype)
+    v = torch.randn(start + n, kv_heads, dim, generator=rng).to(dtype)
     scale = 1 / math.sqrt(dim)
     got = prefix_then_causal(q, k, v, start, scale)
     assert got.dtype == dtype and got.shape == q.shape
-    want = reference(q, k, v, start, scale)
+    want = reference(q, heads_first(k, heads), heads_first(v, heads), start, scale)
     err = (got.double() - want).abs().max().item()
     assert err <= tol, f"max error {err} against the float64 definition"
 

@@ -198,6 +198,10 @@ _ISAS = ("avx512bf16", "avx512", "avx2", "neon", "sve")
 # Results files kept for the record but no longer quoted as their claim's figures, with why (the analysis is in
 # benchmarks/NOTES.md). Their rows are listed apart, under the reason, never in a claim's table.
 SUPERSEDED: dict[str, str] = {
+    "chunk-attention_epyc-zen3-avx2-2c.json": (
+        "the split before a K/V head's query heads shared the cached prefix's call (the prefix's K/V copied per "
+        "query head); measured again with them sharing it in chunk-attention-grouped_epyc-zen3-avx2-2c.json"
+    ),
     "prefix-store_serial-4-servers-before-batched_epyc-zen3-avx2-2c.json": (
         "the library of 6958f34, before PageStore.publish_many: the control run of "
         "prefix-store_serial-4-servers-batched_epyc-zen3-avx2-2c.json (the ratio is level between the two)"

@@ -40,13 +40,17 @@ class StepAttention(ABC):
         for i, (row, start, n) in enumerate(self.prefills):
             k, v = self.prefill_kv(layer, i)  # [start + n, KVH, D]
             q = qt[row : row + n].transpose(0, 1).unsqueeze(0)
-            k, v = heads_first(k, qt.shape[1]), heads_first(v, qt.shape[1])
             if start and self.split_chunks:
                 o = prefix_then_causal(q, k, v, start, scale)
             else:
                 mask = self.causal_masks[i]
                 o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, is_causal=mask is None and n > 1, scale=scale
+                    q,
+                    heads_first(k, qt.shape[1]),
+                    heads_first(v, qt.shape[1]),
+                    attn_mask=mask,
+                    is_causal=mask is None and n > 1,
+                    scale=scale,
                 )
             out[row : row + n] = o[0].transpose(0, 1)
         return out.unsqueeze(0)
@@ -96,17 +100,27 @@ FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu
 
 
 def prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale) -> torch.Tensor:
-    """Attention of a chunk's queries q [1, H, n, D] at positions start.. over k, v [1, H, start + n, D]: the
-    same as SDPA with the chunk's bottom-right causal mask, in two unmasked calls of the fused CPU kernel, over
-    the cached prefix (every key visible) and over the chunk itself (plain causal), merged by their log-sum-exps
-    (softmax over the union of two key sets: each part's output weighted by its share of the total exp-sum).
+    """Attention of a chunk's queries q [1, H, n, D] at positions start.. over the cached and new k, v
+    [start + n, KVH, D] (H a multiple of KVH, query head h on K/V head h // (H / KVH)): the same as SDPA with the
+    chunk's bottom-right causal mask, in two unmasked calls of the fused CPU kernel, over the cached prefix (every
+    key visible) and over the chunk itself (plain causal), merged by their log-sum-exps (softmax over the union of
+    two key sets: each part's output weighted by its share of the total exp-sum).
 
     Why: given a mask, the kernel computes every (query, key) pair and masks after; here it skips the chunk's
-    upper triangle and reads no mask. On one Zen 3 core (fp32, 9 heads of 64) a 464-token chunk after 3,036
-    cached tokens takes 0.84x the time of the masked call, a 2,000-token chunk after 1,000 0.62x
-    (benchmarks/bench_chunk_attention.py)."""
-    o1, lse1 = FLASH_CPU(q, k[:, :, :start], v[:, :, :start], scale=scale)[:2]
-    o2, lse2 = FLASH_CPU(q, k[:, :, start:], v[:, :, start:], is_causal=q.shape[2] > 1, scale=scale)[:2]
+    upper triangle and reads no mask. And since every query sees the whole prefix, the query heads of a K/V head
+    go to the prefix's call as one head of group x n queries: the cached K/V are read as they are, not copied
+    once per query head, and the kernel's blocks of queries are larger. On one Zen 3 core (fp32, 9 heads over 3
+    of 64) a 464-token chunk after 3,036 cached tokens takes 0.83x the masked call's time, 2,000 after 1,000 0.62x,
+    64 after 4,000 0.69x (benchmarks/bench_chunk_attention.py)."""
+    heads, n, dim = q.shape[1], q.shape[2], q.shape[3]
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    grouped = q.reshape(1, kv_heads, group * n, dim)  # heads h = j * group + g, kv-head-major
+    prefix_k, prefix_v = k[:start].transpose(0, 1).unsqueeze(0), v[:start].transpose(0, 1).unsqueeze(0)
+    o1, lse1 = FLASH_CPU(grouped, prefix_k, prefix_v, scale=scale)[:2]
+    o1, lse1 = o1.reshape(1, heads, n, dim), lse1.reshape(1, heads, n)
+    own_k, own_v = heads_first(k[start:], heads), heads_first(v[start:], heads)
+    o2, lse2 = FLASH_CPU(q, own_k, own_v, is_causal=n > 1, scale=scale)[:2]
     # lse [1, H, n], float32 for every input dtype; the merge runs in float32 and rounds once.
     top = torch.maximum(lse1, lse2)
     w1, w2 = (lse1 - top).exp_(), (lse2 - top).exp_()
