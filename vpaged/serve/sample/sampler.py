@@ -150,11 +150,8 @@ def past_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
             break
         k *= 16
     before = values.cumsum(dim=-1) - values
-    keep_sorted = (before < top_p[:, None]) | ~cut[:, None]
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, keep_sorted)
-    if values.shape[1] < vocab:
-        keep |= ~cut[:, None]  # a row kept whole keeps the tokens past the k too
-    return ~keep
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, before < top_p[:, None])
+    return ~keep & cut[:, None]  # a row with top_p 1.0 drops nothing, past the k or not
 
 
 DRAW_BLOCK = 256  # tokens a block of inverse_cdf's first level sums
