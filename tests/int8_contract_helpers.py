@@ -1,16 +1,19 @@
-"""The accuracy contract of int8 decode by VNNI dot products as a bound the tests check outputs against (shared by
-the kernel's tests and the caches' quantized-decode tests)."""
+"""The accuracy contract of int8 decode by integer products (VNNI dot products on avx512bf16, 16-bit products on
+avx2) as a bound the tests check outputs against (shared by the kernel's tests and the caches' quantized-decode
+tests)."""
 
 import torch
 
 
-def int8_dot_bound(q, ks, vs, scale):
-    """The accuracy contract of int8 decode by VNNI dot products (csrc/kernels/decode_cpu_tiles.h, "Int8 scores by
+def int8_dot_bound(q, ks, vs, scale, prob_steps):
+    """The accuracy contract of int8 decode by integer products (csrc/kernels/decode_cpu_tiles.h, "Int8 scores by
     dot products"), per output element, from the dequantized K/V rows in float64: the query quantized per head moves
     a score by at most delta = 0.5 * (s_q / 254) * sum_i |k_i| (s_q the power-of-two step of its high byte), which
-    moves the output by at most (e^(2 delta) - 1) * sum_t w_t |v_t|; probabilities quantized to bytes per chunk (a
-    power-of-two step, < 2 max / 255) move it by at most 1 / 255 * max_t (w_t * v row scale_t) * sum_t |v_t| / v row
-    scale_t, times e^(2 delta) for the scores' own error (w: the exact softmax weights)."""
+    moves the output by at most (e^(2 delta) - 1) * sum_t w_t |v_t|; probabilities quantized per chunk to
+    prob_steps steps (a power-of-two step, < 2 max / prob_steps: 255 by VNNI, 32767 on avx2;
+    _C.decode_cpu_int8_dot_prob_steps) move it by at most 1 / prob_steps * max_t (w_t * v row scale_t) * sum_t
+    |v_t| / v row scale_t, times e^(2 delta) for the scores' own error (w: the exact softmax weights)."""
+    assert prob_steps > 0, "the path takes fp32 products: no contract of its own"
     num_seqs, num_heads, head_dim = q.shape
     hkv = ks[0].shape[1]
     out = torch.empty(num_seqs, num_heads, vs[0].shape[-1], dtype=torch.float64)
@@ -28,7 +31,7 @@ def int8_dot_bound(q, ks, vs, scale):
         grow = torch.expm1(2 * delta)[..., None]
         score_part = grow * torch.einsum("kgt,tkd->kgd", w, v.abs())
         p_max = (w * rs.T[:, None, :]).amax(-1)  # [hkv, g]
-        p_part = (1 / 255) * (1 + grow) * p_max[..., None] * v_int.abs().sum(0)[:, None, :]
+        p_part = (1 / prob_steps) * (1 + grow) * p_max[..., None] * v_int.abs().sum(0)[:, None, :]
         out[i] = (score_part + p_part).reshape(num_heads, -1)
     return out
 
@@ -38,4 +41,4 @@ def assert_within_contract(out, exact, bound, atol, rtol, label):
     tolerance (the output's own rounding)."""
     allowed = bound + atol + rtol * exact.abs()
     worst = ((out.double() - exact).abs() / allowed).max().item()
-    assert worst <= 1.0, f"{label}: int8 dot products off by {worst:.3f} of the contract's bound"
+    assert worst <= 1.0, f"{label}: int8 integer products off by {worst:.3f} of the contract's bound"

@@ -216,8 +216,14 @@ void register_kernels(py::module_& m) {
   m.def(
       "decode_cpu_int8_dot", [](const std::string& isa) { return cpu_int8_dot(isa_code(isa)); },
       py::arg("isa") = "auto",
-      "Whether int8 K/V decode on this CPU code path uses VNNI dot products of a quantized query and probabilities "
-      "(an accuracy contract of its own: csrc/kernels/decode_cpu_tiles.h) instead of fp32 products.");
+      "Whether int8 K/V decode on this CPU code path takes integer products of a quantized query and probabilities "
+      "(VNNI on avx512bf16, 16-bit on avx2: an accuracy contract of its own, csrc/kernels/decode_cpu_tiles.h) "
+      "instead of fp32 products.");
+  m.def(
+      "decode_cpu_int8_dot_prob_steps", [](const std::string& isa) { return cpu_int8_dot_prob_steps(isa_code(isa)); },
+      py::arg("isa") = "auto",
+      "The steps int8 decode's integer products quantize a chunk's probabilities to on this CPU code path (the "
+      "contract's 255 or 32767), 0 where it takes fp32 products.");
   m.def(
       "cpu_auto_isa", [] { return std::string(cpu_isa_name(cpu_auto_isa())); },
       "The CPU code path isa='auto' runs: the best this CPU has, capped by VPAGED_CPU_ISA.");

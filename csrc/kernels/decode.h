@@ -93,10 +93,14 @@ int cpu_auto_isa();
 // The path a CPU kernel named `op` runs for a requested isa: kIsaAuto -> cpu_auto_isa(); an unknown code or a
 // path this CPU lacks raises InvalidArgument.
 int resolve_cpu_isa(const char* op, int isa);
-// Whether int8 K/V decode on path `isa` (resolved as resolve_cpu_isa does) takes its products by VNNI dot products
-// of a query and probabilities quantized to bytes (the avx512bf16 path, where the CPU has AVX512_VNNI): outputs then
-// hold to the accuracy contract of decode_cpu_tiles.h ("Int8 scores by dot products") instead of fp32 rounding.
+// Whether int8 K/V decode on path `isa` (resolved as resolve_cpu_isa does) takes its products in integers, of a
+// query quantized per head and of probabilities quantized per chunk: by VNNI dot products on the avx512bf16 path
+// (where the CPU has AVX512_VNNI; probabilities in bytes), by 16-bit products (vpmaddwd) on the avx2 path
+// (probabilities in 15 bits). Outputs then hold to the accuracy contract of decode_cpu_tiles.h ("Int8 scores by dot
+// products") instead of fp32 rounding. The baseline and avx512 paths keep fp32 products.
 bool cpu_int8_dot(int isa);
+// The contract's probability steps on path `isa`: 255 (VNNI), 32767 (avx2), 0 where cpu_int8_dot is false.
+int cpu_int8_dot_prob_steps(int isa);
 
 // CPU (OpenMP). num_threads <= 0: the OpenMP default. isa: kIsaAuto (the best), or a path to force (tests
 // cover every path the CPU has); a path the CPU lacks raises InvalidArgument.

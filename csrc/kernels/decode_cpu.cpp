@@ -523,8 +523,8 @@ ItemFn select_dim(int D, int DV, int isa) {
 
 // Quantized K/V (fp32 q/out): the AVX-512 tile loop (16 elements dequantized per load) where the path is AVX-512,
 // with int8 scores by VNNI dot products on the avx512bf16 path (decode_cpu_tiles.h: the query quantized per head,
-// within a stated bound; the avx512 path keeps an fp32 query), the AVX2 one (AVX2 + F16C) from AVX2 up, else
-// portable.
+// within a stated bound; the avx512 path keeps an fp32 query), the AVX2 one (AVX2 + F16C; int8 by 16-bit integer
+// products within the same bound) from AVX2 up, else portable.
 template <int KT>
 ItemFn select_quant(int D, int DV, int isa) {
   if (isa >= kIsaAvx512) {
@@ -632,9 +632,14 @@ int cpu_auto_isa() {
   return std::min(cap, cpu_best_isa());
 }
 
-bool cpu_int8_dot(int isa) {
-  return resolve_cpu_isa("decode attention", isa) >= kIsaAvx512Bf16 && cpu_has_avx512_vnni();
+int cpu_int8_dot_prob_steps(int isa) {
+  isa = resolve_cpu_isa("decode attention", isa);
+  if (isa >= kIsaAvx512Bf16 && cpu_has_avx512_vnni()) return 255;  // as select_quant
+  if (isa == kIsaAvx2 && cpu_has_f16c()) return 32767;
+  return 0;
 }
+
+bool cpu_int8_dot(int isa) { return cpu_int8_dot_prob_steps(isa) != 0; }
 
 int resolve_cpu_isa(const char* op, int isa) {
   if (isa == kIsaAuto) return cpu_auto_isa();

@@ -170,7 +170,8 @@ struct Avx512Lanes {
   using Vec = __m512;
   using Mask = __mmask16;
   static constexpr int kLanes = 16;
-  static constexpr int kPvVecs = 4;  // P.V tiles of 64 dims: 4 heads x 4 vectors = 16 accumulator registers
+  static constexpr bool kInt16Query = false;  // vpdpbusd takes the query as two bytes per dim
+  static constexpr int kPvVecs = 4;           // P.V tiles of 64 dims: 4 heads x 4 vectors = 16 accumulator registers
   template <int KT>
   static constexpr PrefetchPlan kPrefetch = PrefetchPlan::kHeadSlices;
   template <int KT>

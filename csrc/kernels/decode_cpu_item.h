@@ -167,9 +167,9 @@ VP_INLINE void finish_item(const DecodeParams& p, const Item& it, const float* a
 
 // The tile loop's item function for (q/out dtype, K/V format, head dims) on one ISA, or nullptr where it is not
 // compiled (head dims other than 64/64, 128/128, 256/256 and 192/128; AVX2: 16-bit and 1-byte K/V only, the
-// 1-byte ones with dtype kFloat32; AVX-512: fp32 and 16-bit K/V, bf16_dot for bf16 scores by vdpbf16ps, and the
-// 1-byte formats, int8_dot for int8 scores by vpdpbusd of a query quantized per head: decode_cpu_tiles.h).
-// Call only where the CPU has the ISA (decode_cpu.cpp checks; int8_dot needs AVX512_VNNI).
+// 1-byte ones with dtype kFloat32, int8 by 16-bit integer products; AVX-512: fp32 and 16-bit K/V, bf16_dot for bf16
+// scores by vdpbf16ps, and the 1-byte formats, int8_dot for int8 scores by vpdpbusd of a query quantized per head:
+// decode_cpu_tiles.h). Call only where the CPU has the ISA (decode_cpu.cpp checks; int8_dot needs AVX512_VNNI).
 ItemFn avx2_tile_item(int dtype, int kv_dtype, int D, int DV);
 ItemFn avx512_tile_item(int dtype, int kv_dtype, int D, int DV, bool bf16_dot, bool int8_dot = false);
 

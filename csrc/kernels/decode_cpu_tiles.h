@@ -24,8 +24,9 @@
 //   first(base, n): the mask of lanes with base + lane < n; select(m, v, fallback); zero_unless(m, v);
 //   load<KT>(src): kLanes stored elements as floats; load_pv<KT>(src, v): one P.V tile row (kPvVecs vectors);
 //   kPermutedPv<KT>: load_pv gives dims out of order and unpermute(row, dim) puts an accumulator row back;
-//   scores_bf16dp<D, GB>(...) (only where bf16 dot products are compiled: DP below), scores_int8dp<D, GB>(...)
-//   (only where int8 dot products are: IDP below).
+//   scores_bf16dp<D, GB>(...) (only where bf16 dot products are compiled: DP below); where int8 integer products
+//   are (IDP below): kInt16Query (the query's format, below; where true, quantize_query16<D>(x, out)),
+//   scores_int8dp<D, GB>(...) and pv_int8dp<DV, GB>(...).
 //
 // INT8 SCORES BY DOT PRODUCTS (IDP; AVX-512 VNNI). The query, already scaled by the softmax scale, is quantized per
 // head in two bytes per dim: a high part with a power-of-two step, s_q = 2^ceil(log2(max|q| / 127)) (< 2 max|q| /
@@ -44,8 +45,23 @@
 // lane. That rounding moves an output dim by at most
 //   0.5 * s_p * sum_t |v_t| / l  <  (max_t p'_t / 255) * sum_t |v_t| / l   (l the softmax's sum; p' in the final
 //                                                                          max's terms, v as stored integers)
-// Both bounds together are the contract tests/ops/test_decode_int8_dot.py checks against the fp64 reference (with
-// scores off by at most delta, the output moves by at most (e^(2 delta) - 1) max|v|).
+// Both bounds together are the contract tests/int8_contract_helpers.py states and the int8 decode tests check
+// against the fp64 reference (with scores off by at most delta, the output moves by at most (e^(2 delta) - 1)
+// max|v|).
+//
+// INT8 BY INTEGER PRODUCTS ON AVX2 (IDP with W::kInt16Query; no VNNI): vpmaddwd multiplies 16-bit pairs and adds
+// each pair into a 32-bit lane, 16 products per instruction where an FMA does 8, and runs at the FMA's rate (2 per
+// cycle on Zen 3). So the K and V bytes are sign-extended to 16 bits (one vpmovsxbw per 16, shared by the GQA
+// group) and the other factor is 16-bit:
+//   * scores: the query in one 16-bit value per dim on the finer of the steps above, q16 = round(q / s_q *
+//     kLowSteps) (|q16| <= 127 * 254; W::quantize_query16), scaled by s_q / kLowSteps after the reduction: at most
+//     half a step of s_q / kLowSteps per dim, so the same bound on a score. The sums are exact in 32 bits; turned
+//     into floats per lane (above 2^24 they round, by far less than the query's rounding: the contract's slack
+//     covers it);
+//   * P.V: per chunk and head, p' quantized to 15 bits with a power-of-two step s_p = 2^ceil(log2(max p' /
+//     32767)), two tokens per 32-bit lane (their V bytes interleaved), so the bound above holds with 32767 in
+//     place of 255 (a lone token's probability 1 is still exact).
+// (vpmaddubsw, the byte form, would saturate its 16-bit pair sums at these magnitudes.)
 //
 // Each file's instantiations must keep internal linkage (this file's anonymous namespace): two files compile
 // the same template names for different ISAs, and a merged copy would run one file's ISA on the other's CPUs.
@@ -97,12 +113,25 @@ constexpr float kLowSteps = 254.0f;
 // probabilities, exact to scale by.
 VP_INLINE float power_of_two_step(float x, float top) {
   if (!(x > 0.0f)) return 0.0f;
-  int e = 0;
-  const float f = std::frexp(x / top, &e);  // x / top = f * 2^e, f in [0.5, 1)
-  float s = std::ldexp(1.0f, f == 0.5f ? e - 1 : e);
+  const float r = x / top;
+  float s;
+  const uint32_t b = f_bits(r);
+  if (r >= 0x1p-126f && r < 0x1p126f) {
+    // By the exponent bits, not frexp / ldexp: those are library calls, and this runs per head and chunk (P.V).
+    // r itself where it is a power of two (no mantissa bits), else the next power of two above it.
+    s = bits_f(((b >> 23) + ((b & 0x7fffffu) != 0 ? 1u : 0u)) << 23);
+  } else {
+    int e = 0;
+    const float f = std::frexp(r, &e);  // r = f * 2^e, f in [0.5, 1)
+    s = std::ldexp(1.0f, f == 0.5f ? e - 1 : e);
+  }
   while (x / s > top) s *= 2.0f;  // x / top rounded down above: never past top
   return s;
 }
+
+// A power of two to scale a query head by before dividing by its step sq, so that 1 / sq stays finite for the
+// tiniest queries (sq below 2^-64, down to the subnormals: 1 / sq would be inf from 2^-128 on). Exact either way.
+VP_INLINE float query_prescale(float sq) { return sq > 0.0f && sq < 0x1p-64f ? 0x1p64f : 1.0f; }
 
 // Partial score vectors of GB query heads (q rows D apart) against the n K rows at off[] + hoff, into
 // red[g][i][kLanes]; two tokens at a time (an odd last token pairs with itself). ahead (or null): rows to
@@ -197,7 +226,7 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
   float* __restrict l = m + H;                            // [H] running sum of exp(score - max)
   float* __restrict q8_scale = l + H;                     // IDP: [H] s_q of each head's quantized query
   float* __restrict q8_bias = q8_scale + H;               // IDP: [H] 128 * sum q8 of each head (the k + 128 correction)
-  int8_t* __restrict q8 = reinterpret_cast<int8_t*>(qf);  // IDP: [H][2][D] quantized query, over qf (below)
+  int8_t* __restrict q8 = reinterpret_cast<int8_t*>(qf);  // IDP: [H][2 D bytes] quantized query, over qf (below)
   alignas(64) float rs[kChunk];                           // int8: the chunk's row scales of one kv head (0 past n)
   alignas(64) float pr[4 * kChunk];                       // int8: probabilities times their V row's scale
   static_assert(4 * L <= DR, "the partial score vectors fit the row buffer");
@@ -211,12 +240,20 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
     alignas(64) int8_t row8[2 * D];
     for (int h = 0; h < H; ++h) {
       const float* x = qf + h * D;
+      if constexpr (W::kInt16Query) {  // sum q16 * k with k signed: no correction, scaled in low-part steps
+        const float sq = W::template quantize_query16<D>(x, reinterpret_cast<int16_t*>(row8));
+        std::memcpy(q8 + 2 * h * D, row8, 2 * D);
+        q8_scale[h] = sq / kLowSteps;
+        q8_bias[h] = 0.0f;
+        continue;
+      }
       float amax = 0.0f;
       for (int d = 0; d < D; ++d) amax = std::max(amax, x[d] < 0.0f ? -x[d] : x[d]);
-      const float sq = power_of_two_step(amax, 127.0f), inv = sq > 0.0f ? 1.0f / sq : 0.0f;
+      const float sq = power_of_two_step(amax, 127.0f), pre = query_prescale(sq);
+      const float inv = sq > 0.0f ? 1.0f / (sq * pre) : 0.0f;
       int32_t sum_hi = 0, sum_lo = 0;
       for (int d = 0; d < D; ++d) {
-        const float y = x[d] * inv;  // exact: inv is a power of two
+        const float y = x[d] * pre * inv;  // exact: pre and inv are powers of two
         const int hi = std::max(-127, std::min(127, int(std::nearbyint(y))));
         const int lo = std::max(-127, std::min(127, int(std::nearbyint((y - float(hi)) * kLowSteps))));
         row8[d] = int8_t(hi);

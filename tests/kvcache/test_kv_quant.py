@@ -326,9 +326,9 @@ def test_decode_on_quantized_kv_equals_dequantized_reference(isa, kind, kv_dtype
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
         exact = reference(q.float(), *zip(*kvs))
         if kv_dtype == torch.int8 and _C.decode_cpu_int8_dot(isa):
-            # int8 by VNNI dot products quantizes the query and the probabilities: its own contract's bound
+            # int8 by integer products quantizes the query and the probabilities: its own contract's bound
             ks, vs = zip(*kvs)
-            bound = int8_dot_bound(q.float(), ks, vs, 1 / math.sqrt(dim))
+            bound = int8_dot_bound(q.float(), ks, vs, 1 / math.sqrt(dim), _C.decode_cpu_int8_dot_prob_steps(isa))
             assert_within_contract(out, exact, bound, tol["atol"], tol["rtol"], isa)
             continue
         torch.testing.assert_close(out.double(), exact.to(out.dtype).double(), **tol)

@@ -7,6 +7,7 @@ a kernel reading a token it should not shows up in the output. Outputs are poiso
 """
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -182,19 +183,21 @@ def case(fmt, group, head_dim, v_head_dim, layout, rng, lengths=LENGTHS, hkv=2, 
     p.num_kv_heads = hkv
     ref = reference(q.cpu(), [d for _, d in kq], [d for _, d in vq], scale)
     if fmt == "int8":
-        ref.int8_dot_bound = int8_dot_bound(q.cpu(), [d for _, d in kq], [d for _, d in vq], scale)
+        ref.int8_dot_bound = partial(int8_dot_bound, q.cpu(), [d for _, d in kq], [d for _, d in vq], scale)
     return p, (keep, kst, vst), q, out, ref
 
 
 def run_cpu_all_isas(p, out, ref, threads=2):
-    """Every CPU path against the float64 reference: within fp32 rounding (TOL), or for int8 on a path with VNNI dot
-    products (_C.decode_cpu_int8_dot) within the contract's bound, which the reference carries (int8_dot_bound)."""
+    """Every CPU path against the float64 reference: within fp32 rounding (TOL), or for int8 on a path with integer
+    products (_C.decode_cpu_int8_dot) within the contract's bound for the path's probability steps, which the
+    reference carries (int8_dot_bound, given the steps)."""
     for isa in ISAS:
         out.fill_(float("nan"))
         _C.decode_cpu(p, threads, isa)
         assert torch.isfinite(out).all(), f"{isa}: output not fully written or not finite"
         if p.kv_dtype == CODES["int8"] and _C.decode_cpu_int8_dot(isa):
-            assert_within_contract(out, ref, ref.int8_dot_bound, TOL["atol"], TOL["rtol"], isa)
+            bound = ref.int8_dot_bound(_C.decode_cpu_int8_dot_prob_steps(isa))
+            assert_within_contract(out, ref, bound, TOL["atol"], TOL["rtol"], isa)
         else:
             torch.testing.assert_close(out.double(), ref, **TOL, msg=lambda m, isa=isa: f"{isa}: {m}")
 
@@ -246,7 +249,7 @@ def test_int8_zero_rows(rng):
     p, keep = make_params("int8", q, out, kst, vst, Lengths(lengths, slots), max(lengths), d, scale, 1.0, 1.0)
     p.num_kv_heads = hkv
     ref = reference(q, [x for _, x in kq], [x for _, x in vq], scale)
-    ref.int8_dot_bound = int8_dot_bound(q, [x for _, x in kq], [x for _, x in vq], scale)
+    ref.int8_dot_bound = partial(int8_dot_bound, q, [x for _, x in kq], [x for _, x in vq], scale)
     assert (ref[0] == 0).all()
     run_cpu_all_isas(p, out, ref)
     assert (out[0] == 0).all()
@@ -390,8 +393,30 @@ def test_bad_inputs_are_refused():
     _C.decode_check(p)
 
 
+def test_int8_tiny_queries(rng):
+    """Query heads from ordinary scales down to the subnormals (quantization steps below 2^-128, whose reciprocal
+    is inf in float32): finite outputs within the contract on every path (the tiny heads near V's average)."""
+    lengths = [70, 33]
+    hkv, group, d = 2, 4, 128
+    ks = [torch.randn(n, hkv, d, generator=rng) for n in lengths]
+    vs = [torch.randn(n, hkv, d, generator=rng) for n in lengths]
+    kq, vq = [quantize(k, "int8") for k in ks], [quantize(v, "int8") for v in vs]
+    kst = Store([r for r, _ in kq], "dense", max(lengths), rng, slots=[0, 1])
+    vst = Store([r for r, _ in vq], "dense", max(lengths), rng, slots=[0, 1])
+    q = torch.randn(len(lengths), hkv * group, d, generator=rng)
+    # per head a scale from ordinary to subnormal: 1, 2^-40, 2^-70, 2^-100, 2^-125, 2^-135, 2^-140, 2^-145
+    q *= torch.tensor([2.0**-e for e in (0, 40, 70, 100, 125, 135, 140, 145)])[None, :, None]
+    out = torch.full((len(lengths), hkv * group, d), float("nan"))
+    scale = 1 / math.sqrt(d)
+    p, keep = make_params("int8", q, out, kst, vst, Lengths(lengths, [0, 1]), max(lengths), d, scale, 1.0, 1.0)
+    p.num_kv_heads = hkv
+    ref = reference(q, [x for _, x in kq], [x for _, x in vq], scale)
+    ref.int8_dot_bound = partial(int8_dot_bound, q, [x for _, x in kq], [x for _, x in vq], scale)
+    run_cpu_all_isas(p, out, ref)
+
+
 def test_isa_forcing_paths_agree(rng):
-    """Forced paths give the same numbers up to fp32 rounding (int8 by VNNI dot products: within its contract), and
+    """Forced paths give the same numbers up to fp32 rounding (int8 by integer products: within its contract), and
     a path the CPU lacks is refused."""
     p, keep, q, out, ref = case("int8", 4, 128, 128, "dense", rng, lengths=[600, 5])
     for isa in ("avx2", "avx512", "avx512bf16"):
