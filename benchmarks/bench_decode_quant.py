@@ -7,11 +7,14 @@ scale after the values), fp8 rows of 128 bytes. Per CPU code path (forced: basel
 when it is neither) the four formats of a context are timed round-robin (one call of each per round, so a
 burst of load from other processes lands on all alike), each call after flushing the caches by reading a
 buffer larger than the last-level cache (see bench_decode.py: every call reads K/V from memory, as a decode
-step over many layers would). Reports the median ms, the K/V read rate, and quantized / bf16.
+step over many layers would). Reports the median ms, the K/V read rate, and quantized / bf16. With --warm the
+caches are not flushed: K/V small enough (--batch 1, a short context) stay in the core's caches from call to
+call, and the times show the kernel's own work rather than the memory's.
 
     python benchmarks/bench_decode_quant.py                  # 2 threads, 7 repeats
     python benchmarks/bench_decode_quant.py --repeats 15 --contexts 4096
     python benchmarks/bench_decode_quant.py --threads 1 --clock cpu   # on a machine busy with other work
+    python benchmarks/bench_decode_quant.py --warm --batch 1 --threads 1 --contexts 64 192 --repeats 201
 
 Writes benchmarks/results/decode_quant_<machine>.json (machine: e.g. epyc-avx2-2c, xeon-avx512-2c).
 """
@@ -28,7 +31,7 @@ from common import RESULTS, machine, print_table, write_json
 
 from vpaged import _C
 
-BATCH, HEADS, KV_HEADS, HEAD_DIM = 8, 32, 8, 128
+BATCH, HEADS, KV_HEADS, HEAD_DIM = 8, 32, 8, 128  # BATCH: --batch
 FORMATS = {"bf16": (2, -1), "int8": (0, 3), "e4m3": (0, 4), "e5m2": (0, 5)}  # name: (dtype, kv_dtype)
 
 
@@ -85,6 +88,7 @@ def cell_params(fmt: str, ctx: int, gen: torch.Generator):
 
 
 def main() -> None:
+    global BATCH  # --batch: storage() and cell_params() read it
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
@@ -95,11 +99,19 @@ def main() -> None:
         help="cpu: the calling thread's CPU time (with --threads 1, on a machine busy with other work)",
     )
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--batch", type=int, default=BATCH, help="sequences per call (every one of the context's length)")
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="no cache flush: each timed call right after an untimed call of the same format (its K/V as far up "
+        "the cache hierarchy as they fit)",
+    )
     ap.add_argument("--isas", nargs="+", default=None, help="CPU code paths (default: baseline, avx2, the best)")
     ap.add_argument(
         "--output", type=Path, default=None, help="JSON file name under benchmarks/results/ (an absolute path as given)"
     )
     args = ap.parse_args()
+    BATCH = args.batch
 
     have = _C.decode_cpu_isas()
     isas = args.isas or [i for i in ("baseline", "avx2") if i in have] + (
@@ -116,7 +128,7 @@ def main() -> None:
         cells = {fmt: cell_params(fmt, ctx, gen) for fmt in FORMATS}
         for isa in isas:
             fns = {fmt: (lambda p=c[0]: _C.decode_cpu(p, args.threads, isa)) for fmt, c in cells.items()}
-            times = timer.many(fns, args.repeats)
+            times = timer.many(fns, args.repeats, flush=not args.warm, primes=fns if args.warm else None)
             base = times["bf16"]
             for fmt, t in times.items():
                 gbps = cells[fmt][2] / t / 1e9
@@ -138,14 +150,20 @@ def main() -> None:
                 "repeats": args.repeats,
                 "contexts": args.contexts,
                 "isas": isas,
-                "flush_bytes": timer.flush.numel() * 4,
-                "timing": "median over repeats, formats round-robin, caches flushed (by a read) before each call",
+                "flush_bytes": 0 if args.warm else timer.flush.numel() * 4,
+                "timing": "median over repeats, formats round-robin, "
+                + (
+                    "each timed call right after an untimed call of the same format (no flush)"
+                    if args.warm
+                    else "caches flushed (by a read) before each call"
+                ),
             },
             "results": results,
         }
         write_json(out_path, payload)
     print(
         f"{info['cpu']}, {args.threads} threads ({args.clock} clock), batch {BATCH}, {HEADS}/{KV_HEADS} heads, d{HEAD_DIM}"
+        + (", warm (no flush)" if args.warm else "")
     )
     print_table(["context", "isa", "format", "ms", "KV GB/s", "vs bf16"], rows)
     print(f"wrote {out_path}")
