@@ -119,36 +119,33 @@ struct Avx2Lanes {
 
   // Partial score vectors of GB heads against the n int8 K rows by vpmaddwd, into red[g][i][8] as floats: q is the
   // query quantized per head to 16 bits per dim (run_item_tiles; rows 2 D bytes apart), each 16 K bytes
-  // sign-extended to 16 bits once for the group; lane j sums the products of dims 2j, 2j + 1 of every 16.
+  // sign-extended to 16 bits once for the group; lane j sums the products of dims 2j, 2j + 1 of every 16. Two
+  // tokens at a time (for_row_pairs).
   template <int D, int GB>
   static VP_INLINE void scores_int8dp(const int8_t* q8, const uint8_t* K, const int64_t* off, int64_t hoff, int n,
                                       float* __restrict red, const Ahead* ahead) {
     static_assert(D % 16 == 0, "16-bit products take 16 dims at a time");
     const int16_t* q = reinterpret_cast<const int16_t*>(q8);
-    for (int i = 0; i < n; i += 2) {
-      const int i1 = i + 1 < n ? i + 1 : i;
-      if (ahead)
-        for (int j = i; j <= i1; ++j) ahead->token(j);
-      const uint8_t* k0 = K + off[i] + hoff;
-      const uint8_t* k1 = K + off[i1] + hoff;
-      __m256i a[GB], b[GB];
-      for (int g = 0; g < GB; ++g) a[g] = b[g] = _mm256_setzero_si256();
+    for_row_pairs(K, off, hoff, n, ahead,
+                  [&](int i, int i1, const uint8_t* k0, const uint8_t* k1) __attribute__((always_inline)) {
+                    __m256i a[GB], b[GB];
+                    for (int g = 0; g < GB; ++g) a[g] = b[g] = _mm256_setzero_si256();
 #pragma GCC unroll 16
-      for (int c = 0; c < D; c += 16) {
-        const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k0 + c)));
-        const __m256i y = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k1 + c)));
-        for (int g = 0; g < GB; ++g) {
-          __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * D + c));
-          __asm__("" : "+x"(qv));  // one load for both tokens (as in scores_tile)
-          madd_into(a[g], qv, x);
-          madd_into(b[g], qv, y);
-        }
-      }
-      for (int g = 0; g < GB; ++g) {
-        _mm256_storeu_ps(red + (g * kChunk + i) * 8, _mm256_cvtepi32_ps(a[g]));
-        _mm256_storeu_ps(red + (g * kChunk + i1) * 8, _mm256_cvtepi32_ps(b[g]));
-      }
-    }
+                    for (int c = 0; c < D; c += 16) {
+                      const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k0 + c)));
+                      const __m256i y = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k1 + c)));
+                      for (int g = 0; g < GB; ++g) {
+                        __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * D + c));
+                        __asm__("" : "+x"(qv));  // one load for both tokens (as in scores_tile)
+                        madd_into(a[g], qv, x);
+                        madd_into(b[g], qv, y);
+                      }
+                    }
+                    for (int g = 0; g < GB; ++g) {
+                      _mm256_storeu_ps(red + (g * kChunk + i) * 8, _mm256_cvtepi32_ps(a[g]));
+                      _mm256_storeu_ps(red + (g * kChunk + i1) * 8, _mm256_cvtepi32_ps(b[g]));
+                    }
+                  });
   }
 
   // acc[g] (rows DV apart, dims in order) += sum_i pr[g][i] * V row i, for GB heads, by vpmaddwd: pr (kChunk per

@@ -133,40 +133,48 @@ VP_INLINE float power_of_two_step(float x, float top) {
 // tiniest queries (sq below 2^-64, down to the subnormals: 1 / sq would be inf from 2^-128 on). Exact either way.
 VP_INLINE float query_prescale(float sq) { return sq > 0.0f && sq < 0x1p-64f ? 0x1p64f : 1.0f; }
 
+// The walk of the scores tiles: step(i, i1, row i, row i1) for the n rows at off[] + hoff, two tokens at a time (an
+// odd last token pairs with itself: i1 == i), after asking ahead (or null) for those tokens' rows further on. Only
+// for callers compiled under their file's ISA pragma: a lambda does not take a function's own target attribute.
+template <typename T, typename Step>
+VP_INLINE void for_row_pairs(const T* K, const int64_t* off, int64_t hoff, int n, const Ahead* ahead, Step&& step) {
+  for (int i = 0; i < n; i += 2) {
+    const int i1 = i + 1 < n ? i + 1 : i;
+    if (ahead)
+      for (int j = i; j <= i1; ++j) ahead->token(j);
+    step(i, i1, K + off[i] + hoff, K + off[i1] + hoff);
+  }
+}
+
 // Partial score vectors of GB query heads (q rows D apart) against the n K rows at off[] + hoff, into
-// red[g][i][kLanes]; two tokens at a time (an odd last token pairs with itself). ahead (or null): rows to
-// prefetch meanwhile.
+// red[g][i][kLanes]; two tokens at a time (for_row_pairs). ahead (or null): rows to prefetch meanwhile.
 template <typename W, int KT, int D, int GB>
 VP_INLINE void scores_tile(const float* __restrict q, const Stored<KT>* K, const int64_t* off, int64_t hoff, int n,
                            float* __restrict red, const Ahead* ahead) {
   using Vec = typename W::Vec;
   constexpr int L = W::kLanes;
   static_assert(D % L == 0, "scores take kLanes dims at a time");
-  for (int i = 0; i < n; i += 2) {
-    const int i1 = i + 1 < n ? i + 1 : i;
-    if (ahead)
-      for (int j = i; j <= i1; ++j) ahead->token(j);
-    const Stored<KT>* k0 = K + off[i] + hoff;
-    const Stored<KT>* k1 = K + off[i1] + hoff;
-    Vec a[GB], b[GB];
-    for (int g = 0; g < GB; ++g) a[g] = b[g] = W::zero();
+  for_row_pairs(K, off, hoff, n, ahead,
+                [&](int i, int i1, const Stored<KT>* k0, const Stored<KT>* k1) __attribute__((always_inline)) {
+                  Vec a[GB], b[GB];
+                  for (int g = 0; g < GB; ++g) a[g] = b[g] = W::zero();
 #pragma GCC unroll 8
-    for (int c = 0; c < D; c += L) {
-      const Vec x = W::template load<KT>(k0 + c), y = W::template load<KT>(k1 + c);
-      for (int g = 0; g < GB; ++g) {
-        Vec qv = W::loadu(q + g * D + c);
-        // Held in a register for both tokens: GCC otherwise folds the load into each FMA, and loads, not FMAs,
-        // bound this step (AVX2 int8: 10 loads per 2 x 8 elements, 6 this way).
-        __asm__("" : "+v"(qv));
-        a[g] = W::fma(qv, x, a[g]);
-        b[g] = W::fma(qv, y, b[g]);
-      }
-    }
-    for (int g = 0; g < GB; ++g) {
-      W::storeu(red + (g * kChunk + i) * L, a[g]);
-      W::storeu(red + (g * kChunk + i1) * L, b[g]);
-    }
-  }
+                  for (int c = 0; c < D; c += L) {
+                    const Vec x = W::template load<KT>(k0 + c), y = W::template load<KT>(k1 + c);
+                    for (int g = 0; g < GB; ++g) {
+                      Vec qv = W::loadu(q + g * D + c);
+                      // Held in a register for both tokens: GCC otherwise folds the load into each FMA, and loads,
+                      // not FMAs, bound this step (AVX2 int8: 10 loads per 2 x 8 elements, 6 this way).
+                      __asm__("" : "+v"(qv));
+                      a[g] = W::fma(qv, x, a[g]);
+                      b[g] = W::fma(qv, y, b[g]);
+                    }
+                  }
+                  for (int g = 0; g < GB; ++g) {
+                    W::storeu(red + (g * kChunk + i) * L, a[g]);
+                    W::storeu(red + (g * kChunk + i1) * L, b[g]);
+                  }
+                });
 }
 
 // acc[g] (rows DV apart) += sum_i ps[g][i] * V row i, for GB heads, kPvVecs x kLanes dims at a time held in
