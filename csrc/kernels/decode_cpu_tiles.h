@@ -232,8 +232,8 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
   float* __restrict sc = red + kChunk * DR;               // [H][kChunk] scores, then probabilities
   float* __restrict m = sc + H * kChunk;                  // [H] running max
   float* __restrict l = m + H;                            // [H] running sum of exp(score - max)
-  float* __restrict q8_scale = l + H;                     // IDP: [H] s_q of each head's quantized query
-  float* __restrict q8_bias = q8_scale + H;               // IDP: [H] 128 * sum q8 of each head (the k + 128 correction)
+  float* __restrict q8_scale = l + H;                     // IDP: [H] the step of a head's sums (16-bit: s_q / 254)
+  float* __restrict q8_bias = q8_scale + H;               // IDP: [H] the k + 128 correction, 128 * sum q8 (16-bit: 0)
   int8_t* __restrict q8 = reinterpret_cast<int8_t*>(qf);  // IDP: [H][2 D bytes] quantized query, over qf (below)
   alignas(64) float rs[kChunk];                           // int8: the chunk's row scales of one kv head (0 past n)
   alignas(64) float pr[4 * kChunk];                       // int8: probabilities times their V row's scale
