@@ -310,6 +310,22 @@ def test_a_runner_whose_names_moved_is_declined_with_one_warning(monkeypatch, ca
     assert set(runners.DECLINED) == {"VX", "VY"} and not runners.hooked_runner(Runner)
 
 
+def test_exit_during_a_release_round_ends_the_process_cleanly():
+    # The process ends while the idle thread is inside a release round whose torch calls let the GIL go: the
+    # round finishes and the thread is joined before the interpreter finalizes (else the daemon thread is
+    # ended inside C++ frames and the process aborts with "terminate called without an active exception").
+    proc = subprocess.run(
+        [sys.executable, __file__, "exit-in-release"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rounds = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rounds["started"] >= 1 and rounds["finished"] == rounds["started"], rounds
+
+
 @needs_vllm
 def test_off_by_default_changes_nothing(monkeypatch):
     from vllm.v1.worker import gpu_model_runner
@@ -580,8 +596,34 @@ def _engine(model: str, workload: str, blocks: int) -> None:
     print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "plugin": s and s.__dict__}))
 
 
+def _exit_in_release() -> None:
+    import atexit
+    import threading
+
+    from vpaged.integrations.vllm import patches
+
+    state, entered = patches.PluginState(), threading.Event()
+    rounds = {"started": 0, "finished": 0}
+    x = torch.randn(192, 192)
+
+    def drain():  # a release round long enough for the main thread to end inside it
+        rounds["started"] += 1
+        entered.set()
+        for _ in range(200):
+            torch.mm(x, x).clamp_(-1, 1)
+        rounds["finished"] += 1
+        return 0
+
+    state.drain = drain
+    # atexit runs its hooks last registered first: this one reports after the idle thread's stop.
+    atexit.register(lambda: print(json.dumps(rounds), flush=True))
+    state.start_idle_thread()
+    assert entered.wait(30)  # then the interpreter ends with the round under way
+
 if __name__ == "__main__":
-    if sys.argv[1] == "model":
+    if sys.argv[1] == "exit-in-release":
+        _exit_in_release()
+    elif sys.argv[1] == "model":
         _make_model(sys.argv[2])
     elif sys.argv[1] == "runners":
         print(json.dumps(_runner_cases()))

@@ -25,6 +25,7 @@ trims once idle). TP or PP > 1 is declined (guard.parallel_refusal says why).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
 import logging
@@ -66,6 +67,7 @@ class PluginState:
         self.steps = 0
         self.step_seconds = 0.0  # whole steps, hooks included
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def release_plan(self) -> None:
         """Let the budget's give-back thread in again (the planned step has mapped, or never ran)."""
@@ -129,8 +131,26 @@ class PluginState:
 
     def start_idle_thread(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._idle_loop, name="vpaged-vllm-release", daemon=True)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._idle_loop, args=(self._stop,), name="vpaged-vllm-release", daemon=True
+            )
             self._thread.start()
+            # A daemon thread still running when the interpreter finalizes is ended where it next asks for the
+            # GIL back. Inside a torch or numpy call that had let the GIL go (the release work makes such
+            # calls), that end unwinds through C++ frames and aborts the process ("terminate called without
+            # an active exception") after the engine's work is done. atexit hooks run before that.
+            atexit.register(self.stop_idle_thread)
+
+    def stop_idle_thread(self, timeout_s: float = 5.0) -> None:
+        """Stop the idle thread after its current round and wait for it (up to timeout_s)."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        atexit.unregister(self.stop_idle_thread)
+        self._stop.set()
+        if thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     def capturing(self) -> bool:
         """Whether a CUDA graph capture runs in this process: vLLM's (counted here) or any other that
@@ -138,9 +158,8 @@ class PluginState:
         driver memory call from any thread invalidates the capture."""
         return self.captures > 0 or _vpaged_capture_active()
 
-    def _idle_loop(self) -> None:
-        while True:
-            time.sleep(IDLE_PERIOD_S)
+    def _idle_loop(self, stop: threading.Event) -> None:
+        while not stop.wait(IDLE_PERIOD_S):
             try:
                 if self.capturing():
                     continue  # the noted blocks stay noted; the first round after the capture releases them
