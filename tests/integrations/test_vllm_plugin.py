@@ -620,6 +620,7 @@ def _exit_in_release() -> None:
     state.start_idle_thread()
     assert entered.wait(30)  # then the interpreter ends with the round under way
 
+
 if __name__ == "__main__":
     if sys.argv[1] == "exit-in-release":
         _exit_in_release()
