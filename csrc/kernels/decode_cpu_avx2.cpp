@@ -23,7 +23,7 @@ struct Avx2Lanes {
   static constexpr bool kInt16Query = true;  // vpmaddwd takes the query as one 16-bit value per dim
   static constexpr int kPvVecs = 2;          // P.V tiles of 16 dims: 4 heads x 2 vectors of accumulators
   template <int KT>
-  static constexpr PrefetchPlan kPrefetch = is_quantized(KT) ? PrefetchPlan::kRowsSpread : PrefetchPlan::kRowsAhead;
+  static constexpr PrefetchPlan kPrefetch = PrefetchPlan::kLinesSpread;
   template <int KT>
   static constexpr bool kPermutedPv = false;
 

@@ -78,23 +78,88 @@ namespace cpu_decode {
 namespace {
 
 // How an item's K/V rows are prefetched (into L2), each plan measured on its ISA (benchmarks/NOTES.md):
-//   kRowsAhead:  every kv head's K and V rows of the token kAhead tokens on, asked for during the first kv head's
-//                scores pass (as in the generic loop). AVX2, 16-bit K/V.
-//   kRowsSpread: every kv head's rows of the token a chunk on, one token in HKV per kv head's scores pass (token j
-//                in pass j % HKV, from a list made per pass): the next chunk streams in evenly over the chunk
-//                instead of in a burst during its first eighth. AVX2, 1-byte K/V: 12-25 % less time than
-//                kRowsAhead from memory on a Zen 3, while bf16 took ~15 % more with it.
-//   kHeadSlices: each kv head's K and V slices of the token a chunk on, in the scores pass over that head.
-//                AVX-512, every format.
-enum class PrefetchPlan { kRowsAhead, kRowsSpread, kHeadSlices };
+//   kLinesSpread: the lines of every kv head's K and V rows of the next chunk, walked a few lines at a time (LineWalk)
+//                 from every token step of every kv head's scores pass, so that the next chunk streams in evenly
+//                 over the whole chunk. AVX2, every format: from memory 6-29 % less time than prefetching a
+//                 token's rows at once (a burst of 17-64 prefetches every few tokens), on a Zen 3 with 2 cores.
+//   kHeadSlices:  each kv head's K and V slices of the token a chunk on, in the scores pass over that head.
+//                 AVX-512, every format.
+enum class PrefetchPlan { kLinesSpread, kHeadSlices };
 
 // Stored element type of K/V format KT: float, uint16_t for the 16-bit types, a byte for the 1-byte formats.
 template <int KT>
 using Stored = std::conditional_t<KT == kFloat32, float, std::conditional_t<is_quantized(KT), uint8_t, uint16_t>>;
 
-// Rows to prefetch while a scores tile passes the current tokens: per token of the chunk the byte offsets of
-// rows further on (or -1), `heads` heads from head_k / head_v on (bytes) with the given footprints.
+// The lines of the next chunk's K and V rows (all kv heads), prefetched `per` lines a step (issue()), K rows of every
+// token first, then V. A token's heads are one span where they are dense (head stride == footprint), else a span per
+// head. Asked for a token at a time (17-64 lines every few tokens), the prefetches came in bursts, and from memory a
+// call took about the sum of its compute and memory times; spread over the steps of a chunk they overlap better (the
+// burst filling the core's miss buffers is the likely reason; this VM has no counters to show it).
+struct LineWalk {
+  const uint8_t* base[2];  // K, V
+  const int64_t* off[2];   // per token of the next chunk: byte offset of its head-0 row, or -1 (none)
+  int64_t head_stride[2];  // bytes
+  int64_t footprint[2];    // bytes of one head's row
+  int heads;               // kv heads
+  int which = 2, tok = 0, head = 0, n = 0, per = 0;
+  uintptr_t a = 0, end = 0;  // the span under way: next line, end
+
+  VP_INLINE bool dense(int w) const { return head_stride[w] == footprint[w]; }
+
+  // Walk the n tokens of off[] in about `steps` calls of issue().
+  VP_INLINE void start(int tokens, int steps) {
+    n = tokens;
+    which = 0;
+    tok = -1;
+    head = heads;
+    a = end = 0;
+    int count = 0;
+    for (int j = 0; j < n; ++j) count += off[0][j] >= 0;
+    int64_t lines = 0;  // an upper bound: every span's lines plus one for a start inside a line
+    for (int w = 0; w < 2; ++w) lines += dense(w) ? heads * footprint[w] / 64 + 2 : heads * (footprint[w] / 64 + 2);
+    lines *= count;
+    per = steps > 0 ? int((lines + steps - 1) / steps) : 0;
+  }
+
+  // The next span into [a, end); false when the walk is over.
+  VP_INLINE bool advance() {
+    for (;;) {
+      if (which >= 2) return false;
+      if (++head >= (dense(which) ? 1 : heads)) {
+        head = 0;
+        if (++tok >= n) {
+          ++which;
+          tok = -1;
+          head = heads;
+          continue;
+        }
+      }
+      const int64_t o = off[which][tok];
+      if (o < 0) {
+        head = heads;  // none of its heads
+        continue;
+      }
+      const uint8_t* p = base[which] + o + head * head_stride[which];
+      a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63);
+      end = reinterpret_cast<uintptr_t>(p) + uintptr_t(dense(which) ? heads * footprint[which] : footprint[which]);
+      return true;
+    }
+  }
+
+  VP_INLINE void issue() {
+    for (int k = 0; k < per; ++k) {
+      if (a >= end && !advance()) return;
+      __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
+      a += 64;
+    }
+  }
+};
+
+// What a scores tile prefetches while it passes the current tokens (token(j) for each token j it takes): the next
+// lines of `lines` (kLinesSpread), or (kHeadSlices) per token of the chunk the byte offsets of rows further on (or
+// -1), `heads` heads from head_k / head_v on (bytes) with the given footprints.
 struct Ahead {
+  LineWalk* lines;
   const uint8_t *K, *V;
   const int64_t *k_off, *v_off;
   int heads;
@@ -102,7 +167,11 @@ struct Ahead {
   int k_foot, v_foot;
   int64_t head_k = 0, head_v = 0;
   VP_INLINE void token(int j) const {
-    if (k_off[j] >= 0) prefetch_token(K, V, k_off[j] + head_k, v_off[j] + head_v, heads, HS, VHS, k_foot, v_foot);
+    if (lines) {
+      lines->issue();
+    } else if (k_off[j] >= 0) {
+      prefetch_token(K, V, k_off[j] + head_k, v_off[j] + head_v, heads, HS, VHS, k_foot, v_foot);
+    }
   }
 };
 
@@ -222,9 +291,7 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
   constexpr bool kTensorScale = KT == kFloat8E4M3 || KT == kFloat8E5M2;
   constexpr int kFoot = D + (kRowScale ? 4 : 0), kVFoot = DV + (kRowScale ? 4 : 0);  // elements of a head row
   constexpr int DR = D > DV ? D : DV;
-  constexpr PrefetchPlan kPlan = W::template kPrefetch<KT>;
-  constexpr bool kWholeRows = kPlan != PrefetchPlan::kHeadSlices;
-  constexpr int kDist = kPlan == PrefetchPlan::kRowsAhead ? kAhead : kChunk;  // tokens between a prefetch and its use
+  constexpr bool kWalk = W::template kPrefetch<KT> == PrefetchPlan::kLinesSpread;
   const int H = p.num_heads, HKV = p.num_kv_heads, G = H / HKV;
   float* __restrict qf = ws;                              // [H][D] query, pre-scaled (fp8: by k_scale too)
   float* __restrict acc = qf + H * D;                     // [H][DV] unnormalised output
@@ -286,12 +353,11 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
   const uint8_t* VB = reinterpret_cast<const uint8_t*>(V);
   const RowFinder row(p, it.b);
   const int64_t HS = p.head_stride, VHS = p.v_head_stride;
-  int64_t off[kChunk], voff[kChunk], aoff[kChunk], avoff[kChunk];
-  int64_t pass_k[kChunk], pass_v[kChunk];  // kRowsSpread: the byte offsets one pass asks for (the rest -1)
-  constexpr bool kSpread = kPlan == PrefetchPlan::kRowsSpread;
-  Ahead ahead{KB,          VB,           kSpread ? pass_k : aoff, kSpread ? pass_v : avoff, kWholeRows ? HKV : 1,
-              HS * kBytes, VHS * kBytes, kFoot * kBytes,          kVFoot * kBytes};
-  for (int t = it.t0; t < std::min(it.t1, it.t0 + kDist); ++t) {
+  int64_t off[kChunk], voff[kChunk], aoff[kChunk], avoff[kChunk];  // aoff / avoff: a chunk on (bytes, or -1)
+  LineWalk walk{{KB, VB}, {aoff, avoff}, {HS * kBytes, VHS * kBytes}, {kFoot * kBytes, kVFoot * kBytes}, HKV};
+  Ahead ahead{kWalk ? &walk : nullptr, KB, VB, aoff, avoff, 1, HS * kBytes, VHS * kBytes, kFoot * kBytes,
+              kVFoot * kBytes};
+  for (int t = it.t0; t < std::min(it.t1, it.t0 + kChunk); ++t) {
     int64_t ko, vo;
     row(t, ko, vo);
     prefetch_token(KB, VB, ko * kBytes, vo * kBytes, HKV, HS * kBytes, VHS * kBytes, kFoot * kBytes, kVFoot * kBytes);
@@ -301,27 +367,21 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
     const int n = std::min(kChunk, it.t1 - c0);
     for (int i = 0; i < n; ++i) {
       row(c0 + i, off[i], voff[i]);
-      if (c0 + i + kDist < it.t1) {
-        row(c0 + i + kDist, aoff[i], avoff[i]);
+      if (c0 + i + kChunk < it.t1) {
+        row(c0 + i + kChunk, aoff[i], avoff[i]);
         aoff[i] *= kBytes;
         avoff[i] *= kBytes;
       } else {
         aoff[i] = avoff[i] = -1;
       }
     }
+    // kLinesSpread: the scores passes take a token step n times per kv head (in the first query group's pass).
+    if constexpr (kWalk) walk.start(n, HKV * n);
 
     for (int kh = 0; kh < HKV; ++kh) {
-      ahead.head_k = kWholeRows ? 0 : kh * HS * kBytes;
-      ahead.head_v = kWholeRows ? 0 : kh * VHS * kBytes;
-      if constexpr (kSpread) {
-        std::fill(pass_k, pass_k + n, int64_t(-1));
-        for (int j = kh; j < n; j += HKV) {
-          pass_k[j] = aoff[j];
-          pass_v[j] = avoff[j];
-        }
-      }
-      // In the first query group's pass over the head; kRowsAhead: in the first head's only.
-      const Ahead* pf = kPlan == PrefetchPlan::kRowsAhead && kh > 0 ? nullptr : &ahead;
+      ahead.head_k = kh * HS * kBytes;  // kHeadSlices: this head's slices
+      ahead.head_v = kh * VHS * kBytes;
+      const Ahead* pf = &ahead;  // in the first query group's pass over the head
       if constexpr (kRowScale)
         for (int i = 0; i < n; ++i) rs[i] = row_factor<KT>(KB + off[i] + kh * HS, D, 1.0f);
       for (int g0 = 0; g0 < G; g0 += 4, pf = nullptr) {
