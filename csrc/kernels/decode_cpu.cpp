@@ -15,7 +15,11 @@
 // Rows of K and V are prefetched in software, kAhead tokens ahead, into L2: hardware prefetchers stop at
 // 4 KiB pages, which is one fp32 row of 8 heads x 128, and rows of a block table or of the interleaved
 // layout are not adjacent anyway. Prefetching into L1 instead stalled on L1 miss buffers (measured on
-// the dev box: bf16 from DRAM 4.5 -> 6.7 GB/s per core with L2 hints).
+// the dev box: bf16 from DRAM 4.5 -> 6.7 GB/s per core with L2 hints). The lines go out a few at a time from
+// every (token pair, kv head) step (LineWalk, decode_cpu_item.h) over the chunk of tokens kAhead on: asked for
+// a pair's rows at once (256 lines in fp32), memory and compute added up; spread, fp32 from memory took 8-15 %
+// less time on a Zen 3 (in cache 1-3 % more at 1K tokens, 7 % at 64). A whole chunk ahead was slower: two
+// chunks of fp32 rows (512 KiB) fill that core's L2.
 //
 // Quantized K/V (1-byte int8 / fp8 elements, fp32 q and out) take the same item loop: per chunk and kv head
 // the chunk's rows are dequantized into the fp32 row buffer (scale applied), by AVX2 + F16C code in the AVX2
@@ -324,9 +328,6 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
   const KV* V = static_cast<const KV*>(p.v);
   const RowFinder row(p, it.b);
   const int64_t HS = p.head_stride, VHS = p.v_head_stride;  // elements between kv heads of a token
-  // Prefetch a token's whole row when its heads are dense, else the first head's slice.
-  const int row_bytes = (HS == D ? HKV : 1) * D * int(sizeof(T));
-  const int v_row_bytes = (VHS == DV ? HKV : 1) * DV * int(sizeof(T));
   int64_t off[kChunk], voff[kChunk];
   const float* vr[kChunk];
   // Quantized: bytes of a head's row (int8: with its scale) and the per-tensor factors (fp8).
@@ -341,9 +342,37 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
     }
   }
 
+  // 16-bit and fp32 rows: the lines of the tokens kAhead..kAhead + n on, a few from every (token pair, kv head) step
+  // (the 1-byte formats ask for the next chunk's rows at its start instead, above and below).
+  int64_t aoff[kChunk], avoff[kChunk];  // bytes, or -1
+  LineWalk walk{{reinterpret_cast<const uint8_t*>(K), reinterpret_cast<const uint8_t*>(V)},
+                {aoff, avoff},
+                {HS * int64_t(sizeof(T)), VHS * int64_t(sizeof(T))},
+                {D * int64_t(sizeof(T)), DV * int64_t(sizeof(T))},
+                HKV};
+  if constexpr (!kQuant) {
+    for (int t = it.t0; t < std::min(it.t1, it.t0 + kAhead); ++t) {  // the first rows, asked for together
+      int64_t ko, vo;
+      row(t, ko, vo);
+      prefetch_token(reinterpret_cast<const uint8_t*>(K), reinterpret_cast<const uint8_t*>(V), ko * sizeof(T),
+                     vo * sizeof(T), HKV, HS * sizeof(T), VHS * sizeof(T), D * sizeof(T), DV * sizeof(T));
+    }
+  }
   for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
     const int n = std::min(kChunk, it.t1 - c0);
     for (int i = 0; i < n; ++i) row(c0 + i, off[i], voff[i]);
+    if constexpr (!kQuant) {
+      for (int i = 0; i < n; ++i) {
+        if (c0 + kAhead + i < it.t1) {
+          row(c0 + kAhead + i, aoff[i], avoff[i]);
+          aoff[i] *= sizeof(T);
+          avoff[i] *= sizeof(T);
+        } else {
+          aoff[i] = avoff[i] = -1;
+        }
+      }
+      walk.start(n, ((n + 1) / 2) * HKV);
+    }
     if constexpr (kQuant) {
       // Scores: the next chunk's rows are prefetched (a whole chunk's time before they are read), then per kv
       // head the chunk's K rows are dequantized into the row buffer and dotted two at a time.
@@ -374,19 +403,11 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
       }
     } else {
       // Scores of the chunk, all heads, two tokens at a time (an odd last token is paired with itself; the
-      // spare score lands in an unused column). Meanwhile K rows kAhead tokens on and this chunk's V rows,
-      // which P·V reads next, are prefetched.
+      // spare score lands in an unused column), the prefetch walk going on meanwhile.
       for (int i = 0; i < n; i += 2) {
         const int i1 = i + 1 < n ? i + 1 : i;
-        for (int j = i; j <= i1; ++j) {
-          if (c0 + j + kAhead < it.t1) {
-            int64_t ka, va;
-            row(c0 + j + kAhead, ka, va);
-            prefetch_row(K + ka, row_bytes);
-            prefetch_row(V + va, v_row_bytes);
-          }
-        }
         for (int kh = 0; kh < HKV; ++kh) {
+          walk.issue();
           const float* k0 = widen<DT, DC>(K + off[i] + kh * HS, rows, D);
           const float* k1 = widen<DT, DC>(K + off[i1] + kh * HS, rows + D, D);
           const float* qg = qf + kh * G * D;

@@ -41,14 +41,8 @@ VP_INLINE float fast_exp(float x) {
   return e * bits_f(uint32_t(int32_t(n) + 127) << 23);
 }
 
-// Into L2 (locality hint 2 = prefetcht1): L2 tracks more outstanding misses than L1.
-template <typename T>
-VP_INLINE void prefetch_row(const T* row, int bytes) {
-  const char* c = reinterpret_cast<const char*>(row);
-  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
-}
-
-// Prefetch (into L2) the lines of [p, p + bytes).
+// Prefetch the lines of [p, p + bytes) into L2 (locality hint 2 = prefetcht1: L2 tracks more outstanding misses than
+// L1).
 VP_INLINE void prefetch_span(const uint8_t* p, int64_t bytes) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes);
   for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); a < end; a += 64)
@@ -70,6 +64,71 @@ VP_INLINE void prefetch_token(const uint8_t* K, const uint8_t* V, int64_t k_off,
     for (int kh = 0; kh < HKV; ++kh) prefetch_span(V + v_off + kh * VHS, v_foot);
   }
 }
+
+// The lines of the next chunk's K and V rows (all kv heads), prefetched `per` lines a step (issue()), K rows of every
+// token first, then V. A token's heads are one span where they are dense (head stride == footprint), else a span per
+// head. Asked for a token at a time (17-64 lines every few tokens), the prefetches came in bursts, and from memory a
+// call took about the sum of its compute and memory times; spread over the steps of a chunk they overlap better (the
+// burst filling the core's miss buffers is the likely reason; this VM has no counters to show it).
+struct LineWalk {
+  const uint8_t* base[2];  // K, V
+  const int64_t* off[2];   // per token of the next chunk: byte offset of its head-0 row, or -1 (none)
+  int64_t head_stride[2];  // bytes
+  int64_t footprint[2];    // bytes of one head's row
+  int heads;               // kv heads
+  int which = 2, tok = 0, head = 0, n = 0, per = 0;
+  uintptr_t a = 0, end = 0;  // the span under way: next line, end
+
+  VP_INLINE bool dense(int w) const { return head_stride[w] == footprint[w]; }
+
+  // Walk the n tokens of off[] in about `steps` calls of issue().
+  VP_INLINE void start(int tokens, int steps) {
+    n = tokens;
+    which = 0;
+    tok = -1;
+    head = heads;
+    a = end = 0;
+    int count = 0;
+    for (int j = 0; j < n; ++j) count += off[0][j] >= 0;
+    int64_t lines = 0;  // an upper bound: every span's lines plus one for a start inside a line
+    for (int w = 0; w < 2; ++w) lines += dense(w) ? heads * footprint[w] / 64 + 2 : heads * (footprint[w] / 64 + 2);
+    lines *= count;
+    per = steps > 0 ? int((lines + steps - 1) / steps) : 0;
+  }
+
+  // The next span into [a, end); false when the walk is over.
+  VP_INLINE bool advance() {
+    for (;;) {
+      if (which >= 2) return false;
+      if (++head >= (dense(which) ? 1 : heads)) {
+        head = 0;
+        if (++tok >= n) {
+          ++which;
+          tok = -1;
+          head = heads;
+          continue;
+        }
+      }
+      const int64_t o = off[which][tok];
+      if (o < 0) {
+        head = heads;  // none of its heads
+        continue;
+      }
+      const uint8_t* p = base[which] + o + head * head_stride[which];
+      a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63);
+      end = reinterpret_cast<uintptr_t>(p) + uintptr_t(dense(which) ? heads * footprint[which] : footprint[which]);
+      return true;
+    }
+  }
+
+  VP_INLINE void issue() {
+    for (int k = 0; k < per; ++k) {
+      if (a >= end && !advance()) return;
+      __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
+      a += 64;
+    }
+  }
+};
 
 // ------------------------------------------------------------------------------------ quantized K/V
 // fp8 goes through fp16 bits: an e5m2 byte is the high byte of an fp16; the 7 low bits of an e4m3 byte shifted
