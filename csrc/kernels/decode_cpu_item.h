@@ -65,11 +65,12 @@ VP_INLINE void prefetch_token(const uint8_t* K, const uint8_t* V, int64_t k_off,
   }
 }
 
-// The lines of the next chunk's K and V rows (all kv heads), prefetched `per` lines a step (issue()), K rows of every
-// token first, then V. A token's heads are one span where they are dense (head stride == footprint), else a span per
-// head. Asked for a token at a time (17-64 lines every few tokens), the prefetches came in bursts, and from memory a
-// call took about the sum of its compute and memory times; spread over the steps of a chunk they overlap better (the
-// burst filling the core's miss buffers is the likely reason; this VM has no counters to show it).
+// The lines of the K and V rows (all kv heads) of up to kChunk tokens further on, prefetched `per` lines a step
+// (issue()) so that they go out evenly over the steps of the chunk under way: K rows of every token first, then V. A
+// token's heads are one span where they are dense (head stride == footprint), else a span per head. Asked for a
+// token or a token pair at a time (17-256 lines at once), the prefetches came in bursts, and from memory a call took
+// about the sum of its compute and memory times; spread, they overlap better (the burst filling the core's miss
+// buffers is the likely reason; the VM it was measured on has no counters to show it).
 struct LineWalk {
   const uint8_t* base[2];  // K, V
   const int64_t* off[2];   // per token of the next chunk: byte offset of its head-0 row, or -1 (none)
@@ -90,7 +91,7 @@ struct LineWalk {
     a = end = 0;
     int count = 0;
     for (int j = 0; j < n; ++j) count += off[0][j] >= 0;
-    int64_t lines = 0;  // an upper bound: every span's lines plus one for a start inside a line
+    int64_t lines = 0;  // an upper bound: a span's whole lines, plus its partial last one and its start inside a line
     for (int w = 0; w < 2; ++w) lines += dense(w) ? heads * footprint[w] / 64 + 2 : heads * (footprint[w] / 64 + 2);
     lines *= count;
     per = steps > 0 ? int((lines + steps - 1) / steps) : 0;
