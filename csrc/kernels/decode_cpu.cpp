@@ -330,47 +330,30 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
   const int64_t HS = p.head_stride, VHS = p.v_head_stride;  // elements between kv heads of a token
   int64_t off[kChunk], voff[kChunk];
   const float* vr[kChunk];
-  // Quantized: bytes of a head's row (int8: with its scale) and the per-tensor factors (fp8).
-  const int k_foot = D + (KT == kInt8 ? 4 : 0), v_foot = DV + (KT == kInt8 ? 4 : 0);
+  // Bytes of a head's row (int8: with its scale) and between kv heads; the per-tensor factors (fp8).
+  const uint8_t* KB = reinterpret_cast<const uint8_t*>(K);
+  const uint8_t* VB = reinterpret_cast<const uint8_t*>(V);
+  const int k_foot = (D + (KT == kInt8 ? 4 : 0)) * int(sizeof(KV)),
+            v_foot = (DV + (KT == kInt8 ? 4 : 0)) * int(sizeof(KV));
+  const int64_t HSB = HS * int64_t(sizeof(KV)), VHSB = VHS * int64_t(sizeof(KV));
   const float ktf = tensor_factor<KT>(p.k_scale), vtf = tensor_factor<KT>(p.v_scale);
-  if constexpr (kQuant) {
-    // The first chunk's rows, asked for together (later chunks are prefetched a chunk ahead, below).
-    for (int t = it.t0; t < std::min(it.t1, it.t0 + kChunk); ++t) {
-      int64_t ko, vo;
-      row(t, ko, vo);
-      prefetch_token(K, V, ko, vo, HKV, HS, VHS, k_foot, v_foot);
-    }
+  // The first rows, asked for together: the first chunk's for the 1-byte formats (later chunks are prefetched a
+  // chunk ahead, below), kAhead tokens' for the others (then the walk's window, below).
+  for (int t = it.t0; t < std::min(it.t1, it.t0 + (kQuant ? kChunk : kAhead)); ++t) {
+    int64_t ko, vo;
+    row(t, ko, vo);
+    prefetch_token(KB, VB, ko * int64_t(sizeof(KV)), vo * int64_t(sizeof(KV)), HKV, HSB, VHSB, k_foot, v_foot);
   }
 
   // 16-bit and fp32 rows: the lines of the tokens kAhead..kAhead + n on, a few from every (token pair, kv head) step
-  // (the 1-byte formats ask for the next chunk's rows at its start instead, above and below).
+  // (the 1-byte formats ask for the next chunk's rows at its start instead, below).
   int64_t aoff[kChunk], avoff[kChunk];  // bytes, or -1
-  LineWalk walk{{reinterpret_cast<const uint8_t*>(K), reinterpret_cast<const uint8_t*>(V)},
-                {aoff, avoff},
-                {HS * int64_t(sizeof(T)), VHS * int64_t(sizeof(T))},
-                {D * int64_t(sizeof(T)), DV * int64_t(sizeof(T))},
-                HKV};
-  if constexpr (!kQuant) {
-    for (int t = it.t0; t < std::min(it.t1, it.t0 + kAhead); ++t) {  // the first rows, asked for together
-      int64_t ko, vo;
-      row(t, ko, vo);
-      prefetch_token(reinterpret_cast<const uint8_t*>(K), reinterpret_cast<const uint8_t*>(V), ko * sizeof(T),
-                     vo * sizeof(T), HKV, HS * sizeof(T), VHS * sizeof(T), D * sizeof(T), DV * sizeof(T));
-    }
-  }
+  LineWalk walk{{KB, VB}, {aoff, avoff}, {HSB, VHSB}, {k_foot, v_foot}, HKV};
   for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
     const int n = std::min(kChunk, it.t1 - c0);
     for (int i = 0; i < n; ++i) row(c0 + i, off[i], voff[i]);
     if constexpr (!kQuant) {
-      for (int i = 0; i < n; ++i) {
-        if (c0 + kAhead + i < it.t1) {
-          row(c0 + kAhead + i, aoff[i], avoff[i]);
-          aoff[i] *= sizeof(T);
-          avoff[i] *= sizeof(T);
-        } else {
-          aoff[i] = avoff[i] = -1;
-        }
-      }
+      rows_ahead(row, c0 + kAhead, it.t1, n, sizeof(KV), aoff, avoff);
       walk.start(n, ((n + 1) / 2) * HKV);
     }
     if constexpr (kQuant) {
@@ -379,7 +362,7 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
       for (int t = c0 + kChunk; t < std::min(it.t1, c0 + 2 * kChunk); ++t) {
         int64_t ko, vo;
         row(t, ko, vo);
-        prefetch_token(K, V, ko, vo, HKV, HS, VHS, k_foot, v_foot);
+        prefetch_token(KB, VB, ko, vo, HKV, HSB, VHSB, k_foot, v_foot);  // 1-byte elements: offsets are bytes
       }
       for (int kh = 0; kh < HKV; ++kh) {
         if constexpr (V3) {

@@ -196,6 +196,21 @@ struct RowFinder {
   }
 };
 
+// The byte offsets of the K and V rows of the n tokens from `first` on (elem_bytes a stored element), -1 from t1 on:
+// the rows a prefetch walk (LineWalk) asks for.
+VP_INLINE void rows_ahead(const RowFinder& row, int first, int t1, int n, int64_t elem_bytes, int64_t* k_off,
+                          int64_t* v_off) {
+  for (int i = 0; i < n; ++i) {
+    if (first + i < t1) {
+      row(first + i, k_off[i], v_off[i]);
+      k_off[i] *= elem_bytes;
+      v_off[i] *= elem_bytes;
+    } else {
+      k_off[i] = v_off[i] = -1;
+    }
+  }
+}
+
 // Floats of per-thread workspace an item needs (the tile loops' partial score vectors, 4 heads x kChunk
 // tokens x up to 16 lanes, fit in the kChunk rows of max(D, DV, 64) floats).
 // floats of per-head query facts the int8 dot-product scores keep (the query's scale and its sum, 2 * H).

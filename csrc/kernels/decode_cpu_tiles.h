@@ -92,12 +92,11 @@ using Stored = std::conditional_t<KT == kFloat32, float, std::conditional_t<is_q
 
 // What a scores tile prefetches while it passes the current tokens (token(j) for each token j it takes): the next
 // lines of `lines` (kLinesSpread), or (kHeadSlices) per token of the chunk the byte offsets of rows further on (or
-// -1), `heads` heads from head_k / head_v on (bytes) with the given footprints.
+// -1), one head's slice from head_k / head_v on (bytes) with the given footprints.
 struct Ahead {
   LineWalk* lines;
   const uint8_t *K, *V;
   const int64_t *k_off, *v_off;
-  int heads;
   int64_t HS, VHS;  // bytes between heads
   int k_foot, v_foot;
   int64_t head_k = 0, head_v = 0;
@@ -105,7 +104,7 @@ struct Ahead {
     if (lines) {
       lines->issue();
     } else if (k_off[j] >= 0) {
-      prefetch_token(K, V, k_off[j] + head_k, v_off[j] + head_v, heads, HS, VHS, k_foot, v_foot);
+      prefetch_token(K, V, k_off[j] + head_k, v_off[j] + head_v, 1, HS, VHS, k_foot, v_foot);
     }
   }
 };
@@ -290,8 +289,7 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
   const int64_t HS = p.head_stride, VHS = p.v_head_stride;
   int64_t off[kChunk], voff[kChunk], aoff[kChunk], avoff[kChunk];  // aoff / avoff: a chunk on (bytes, or -1)
   LineWalk walk{{KB, VB}, {aoff, avoff}, {HS * kBytes, VHS * kBytes}, {kFoot * kBytes, kVFoot * kBytes}, HKV};
-  Ahead ahead{kWalk ? &walk : nullptr, KB, VB, aoff, avoff, 1, HS * kBytes, VHS * kBytes, kFoot * kBytes,
-              kVFoot * kBytes};
+  Ahead ahead{kWalk ? &walk : nullptr, KB, VB, aoff, avoff, HS * kBytes, VHS * kBytes, kFoot * kBytes, kVFoot * kBytes};
   for (int t = it.t0; t < std::min(it.t1, it.t0 + kChunk); ++t) {
     int64_t ko, vo;
     row(t, ko, vo);
@@ -300,16 +298,8 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
 
   for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
     const int n = std::min(kChunk, it.t1 - c0);
-    for (int i = 0; i < n; ++i) {
-      row(c0 + i, off[i], voff[i]);
-      if (c0 + i + kChunk < it.t1) {
-        row(c0 + i + kChunk, aoff[i], avoff[i]);
-        aoff[i] *= kBytes;
-        avoff[i] *= kBytes;
-      } else {
-        aoff[i] = avoff[i] = -1;
-      }
-    }
+    for (int i = 0; i < n; ++i) row(c0 + i, off[i], voff[i]);
+    rows_ahead(row, c0 + kChunk, it.t1, n, kBytes, aoff, avoff);
     // kLinesSpread: the scores passes take a token step n times per kv head (in the first query group's pass).
     if constexpr (kWalk) walk.start(n, HKV * n);
 
