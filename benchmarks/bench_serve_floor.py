@@ -45,7 +45,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, machine, write_json  # noqa: E402
 
-from vpaged.hf.prepack import pack_weight, packed_linear_ops  # noqa: E402
+from vpaged.hf.prepack import pack_weight, packed_linear  # noqa: E402
 from vpaged.serve import load_model  # noqa: E402
 from vpaged.serve.bench import random_prompts  # noqa: E402
 from vpaged.serve.models import model_geometry  # noqa: E402
@@ -63,21 +63,19 @@ def median_seconds(fn, repeats: int) -> float:
 
 def products_rate(layer_linears: list, head, rows: int, repeats: int, packed: bool = False) -> float:
     """Flops per second of the model's linear layers in forward order on `rows` rows (LM head included):
-    F.linear on the plain weights, or (packed) oneDNN's matmul on weights packed once for `rows` rows, the
-    engine's cpu_prepack path (0.0 where this torch / CPU cannot pack them)."""
+    F.linear on the plain weights, or (packed) the products on weights packed once (prepack's plan: oneDNN for
+    `rows` rows, or vpaged's panels), the engine's cpu_prepack path (0.0 where this torch / CPU cannot pack them)."""
     linears = [*layer_linears, head]
     dtype = head.weight.dtype  # a bf16 model's products are bf16 x bf16 (fp32 accumulation)
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
     if packed:
-        ops = packed_linear_ops()
         weights = [pack_weight(m.weight, rows) for m in linears]
-        if ops is None or any(w is None for w in weights):
+        if any(w is None for w in weights):
             return 0.0
-        matmul = ops[1]
 
         def forward_products():
             for m, w in zip(linears, weights):
-                matmul(inputs[m.in_features], w, None)
+                packed_linear(inputs[m.in_features], w, None, m.weight)
     else:
 
         def forward_products():

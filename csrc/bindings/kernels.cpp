@@ -93,6 +93,7 @@ vpaged::kernels::DecodeParams step_params(const vpaged::kernels::DecodeParams& b
 
 void register_write_kv(py::module_& m);   // at the end of this file
 void register_fused_ops(py::module_& m);  // at the end of this file
+void register_linear(py::module_& m);     // at the end of this file
 
 void register_kernels(py::module_& m) {
   using namespace vpaged::kernels;
@@ -232,6 +233,7 @@ void register_kernels(py::module_& m) {
   m.def("kernels_built_with_cuda", &kernels_built_with_cuda);
   register_write_kv(m);
   register_fused_ops(m);
+  register_linear(m);
 }
 
 // The K/V scatter (csrc/kernels/write_kv.h): its own parameter struct and entry points.
@@ -309,4 +311,30 @@ void register_fused_ops(py::module_& m) {
       py::arg("gate"), py::arg("gate_stride"), py::arg("up"), py::arg("up_stride"), py::arg("out"),
       py::arg("out_stride"), py::arg("rows"), py::arg("cols"), py::arg("dtype"), py::arg("num_threads") = 0,
       py::arg("isa") = "auto", "silu(gate) * up over [rows, cols] rows (CPU, blocking).");
+}
+
+// The small-batch linear product on panels (csrc/kernels/linear_cpu.h): addresses and strides in elements;
+// vpaged/ops/linear.py packs the panels and checks the tensors.
+#include "kernels/linear_cpu.h"
+
+void register_linear(py::module_& m) {
+  using namespace vpaged::kernels;
+  m.attr("LINEAR_PANEL_WIDTH") = kLinearPanelWidth;
+  m.def(
+      "linear_panels_cpu",
+      [](uintptr_t x, int64_t x_stride, int64_t rows, int64_t in_features, uintptr_t panels, int weight_dtype,
+         int64_t out_features, uintptr_t bias, uintptr_t out, int64_t out_stride, int dtype, int num_threads,
+         const std::string& isa) {
+        const int code = isa_code(isa);
+        py::gil_scoped_release release;
+        linear_panels_cpu(reinterpret_cast<const void*>(x), x_stride, rows, in_features,
+                          reinterpret_cast<const void*>(panels), weight_dtype, out_features,
+                          reinterpret_cast<const void*>(bias), reinterpret_cast<void*>(out), out_stride, dtype,
+                          num_threads, code);
+      },
+      py::arg("x"), py::arg("x_stride"), py::arg("rows"), py::arg("in_features"), py::arg("panels"),
+      py::arg("weight_dtype"), py::arg("out_features"), py::arg("bias"), py::arg("out"), py::arg("out_stride"),
+      py::arg("dtype"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
+      "out = x @ W.T (+ bias) for [rows, in_features] rows, W packed in 16-wide column panels (CPU, blocking; bias 0 "
+      "= none).");
 }

@@ -1,4 +1,5 @@
-"""vpaged.hf.prepack: linear layers on oneDNN-packed weights against the same model left plain.
+"""vpaged.hf.prepack: linear layers on packed weights (oneDNN's, or vpaged's panels) against the same model left
+plain. Both plans run on every CPU (the one this CPU does not pick is forced); oneDNN's only where torch has it.
 
 torch's private ops are checked against F.linear on the installed torch; every random-weight family the
 engine serves (and a tied-embedding Gemma 3) gives the plain model's logits in fp32 and bf16; what users do
@@ -14,21 +15,40 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
+import vpaged.hf.prepack as prepack_module  # noqa: E402
+from vpaged import _C  # noqa: E402
 from vpaged.errors import InvalidArgumentError  # noqa: E402
+from vpaged.hf.fused import fuse_modules  # noqa: E402
 from vpaged.hf.prepack import (  # noqa: E402
+    PANEL_ROWS_MAX,
     PrepackedLinear,
+    linear_plan,
     pack_weight,
+    packed_linear,
     packed_linear_ops,
     prepack_linears,
     prepack_supported,
     prepacked_layers,
     unprepack,
 )
+from vpaged.ops.linear import PanelWeight  # noqa: E402
 from vpaged.serve import RANDOM_CONFIGS, LLMEngine, SamplingParams, load_model  # noqa: E402
 
 FAMILIES = sorted(n for n in RANDOM_CONFIGS if n.endswith("-tiny"))
 FP32_OK, _ = prepack_supported(torch.float32)
-needs_ops = pytest.mark.skipif(not FP32_OK, reason="this torch / CPU cannot pack fp32 weights with oneDNN")
+needs_ops = pytest.mark.skipif(not FP32_OK, reason="this torch / CPU cannot pack fp32 weights")
+HAS_ONEDNN = packed_linear_ops() is not None
+needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this torch has no oneDNN linear ops")
+PLANS = ["panels", pytest.param("onednn", marks=needs_onednn)]
+
+
+@pytest.fixture(params=PLANS)
+def plan(request, monkeypatch):
+    """Each packing plan, whichever this CPU picks (linear_plan is what pack_weight asks)."""
+    monkeypatch.setattr(prepack_module, "linear_plan", lambda: request.param)
+    return request.param
+
+
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
@@ -77,7 +97,7 @@ def ids(n=2, t=11, seed=0):
 
 
 # ------------------------------------------------------------------------------------------ torch's ops
-@needs_ops
+@needs_onednn
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_torchs_private_ops_exist_and_match_f_linear(rows, bias):
@@ -90,7 +110,7 @@ def test_torchs_private_ops_exist_and_match_f_linear(rows, bias):
         torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), atol=2e-5, rtol=1e-4)
 
 
-@needs_ops
+@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_bf16_layer_packed_in_fp32_runs_its_products_in_fp32(bias):
     """The packing a CPU without oneDNN's bf16 path gets (forced here on any CPU): bf16 in, bf16 out, each output
@@ -111,6 +131,31 @@ def test_a_bf16_layer_packed_in_fp32_runs_its_products_in_fp32(bias):
     assert pack_weight(w).dtype in (torch.bfloat16, torch.float32)
 
 
+def test_the_plan_follows_the_kernels_cpu_path():
+    assert linear_plan() == ("panels" if _C.cpu_auto_isa() == "avx2" else "onednn")
+    packed = pack_weight(torch.randn(24, 16))
+    assert (type(packed) is PanelWeight) == (linear_plan() == "panels")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_panels_keep_the_weights_dtype_and_run_every_row_count(dtype, plan):
+    """Panels hold a bf16 weight as bf16 (half oneDNN's fp32 copy on AVX2 CPUs); calls of more than
+    PANEL_ROWS_MAX rows run F.linear on the plain weight, the others the panels: both the exact sum rounded once."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    w = torch.randn(40, 24, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype)
+    packed = pack_weight(w)
+    if plan == "panels":
+        assert type(packed) is PanelWeight and packed.dtype == dtype
+        assert packed.panels.numel() * packed.panels.element_size() == 48 * 24 * w.element_size()
+    for rows in (1, 5, PANEL_ROWS_MAX, PANEL_ROWS_MAX + 1):
+        x = torch.randn(rows, 24, generator=g).to(dtype)
+        exact = x.double() @ w.double().T + b.double()
+        got = packed_linear(x, packed, b, w)
+        assert got.dtype == dtype and got.shape == (rows, 40)
+        torch.testing.assert_close(got.double(), exact, **TOL[dtype])
+
+
 def test_weights_that_cannot_be_packed_are_refused_not_guessed():
     assert pack_weight(torch.zeros(4, 4, dtype=torch.float64)) is None
     assert pack_weight(torch.zeros(4, 4, dtype=torch.float16)) is None
@@ -124,7 +169,7 @@ def test_weights_that_cannot_be_packed_are_refused_not_guessed():
 # ------------------------------------------------------------------------------------------ equal outputs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", [*FAMILIES, "gemma3-tied"])
-def test_a_prepared_model_gives_the_plain_models_logits(name, dtype):
+def test_a_prepared_model_gives_the_plain_models_logits(name, dtype, plan):
     model, ref = pair(name)
     model.to(dtype), ref.to(dtype)
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
@@ -142,6 +187,23 @@ def test_layers_hold_a_packed_weight_once_prepared():
     model, _ = pair("llama-tiny")
     prepack_linears(model)
     assert all(m.packed_weight is not None for m in model.modules() if type(m) is PrepackedLinear)
+
+
+def test_a_fused_mlp_on_panels_over_many_rows_runs_the_plain_weights_without_packing_again(monkeypatch):
+    """Past PANEL_ROWS_MAX rows the fused gate_up product runs F.linear on gate_proj's and up_proj's own weights:
+    the two layers' dropped copies stay dropped (no third copy of the MLP's weights), and the result is the plain
+    model's."""
+    monkeypatch.setattr(prepack_module, "linear_plan", lambda: "panels")
+    model, ref = pair("llama-tiny")
+    prepack_linears(model)
+    assert fuse_modules(model) > 0
+    mlp = model.model.layers[0].mlp
+    assert type(mlp.__dict__["_vpaged_gate_up"][0]) is PanelWeight
+    x = torch.randn(PANEL_ROWS_MAX + 3, mlp.gate_proj.in_features)
+    with torch.no_grad():
+        got, want = mlp(x), ref.model.layers[0].mlp(x)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert mlp.gate_proj.packed_weight is None and mlp.up_proj.packed_weight is None
 
 
 def test_state_dict_keys_and_values_are_unchanged():

@@ -12,8 +12,8 @@ with vpaged.ops.fused:
   * an RMSNorm of the Llama formula (weight * (x * rsqrt(mean(x**2) + eps)), a `weight` and a
     `variance_epsilon`: Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Mixtral, ...) runs ops.fused.rms_norm;
   * a gated MLP with SiLU (gate_proj / up_proj / down_proj, or Phi-3's gate_up_proj / down_proj) runs its
-    gate and up products as one product (where oneDNN packs weights: the two weights concatenated and packed
-    once, as vpaged.hf.prepack packs single layers), then ops.fused.silu_mul, then down_proj.
+    gate and up products as one product (where vpaged.hf.prepack packs weights: the two weights concatenated
+    and packed once, as it packs single layers), then ops.fused.silu_mul, then down_proj.
 
 A module qualifies by its structure and then by a probe: its own forward and the fused one run on the same
 random rows at construction, and a module whose results differ (another formula behind a familiar name, e.g.
@@ -28,11 +28,13 @@ deep-copied module is rebuilt fused from its state (the packed copy is made agai
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidArgumentError
 from ..ops.fused import FUSED_DTYPES, rms_norm, silu_mul
-from .prepack import DEFAULT_BATCH_HINT, PrepackedLinear, pack_weight, packed_linear_ops, weight_key
+from ..ops.linear import PanelWeight
+from .prepack import DEFAULT_BATCH_HINT, PANEL_ROWS_MAX, PrepackedLinear, pack_weight, packed_linear, weight_key
 
 _PLAIN_LINEARS = (nn.Linear, PrepackedLinear)
 _FUSED_CLASSES: dict[tuple[type, type], type] = {}
@@ -79,11 +81,15 @@ class _FusedGatedMLP(_Fused):
         packed = self._packed_gate_up()
         if packed is None:
             return self.down_proj(silu_mul(gate(x), up(x)))
-        return self.down_proj(silu_mul(packed_linear_ops()[1](x, *packed)))
+        if type(packed[0]) is PanelWeight and x.numel() > PANEL_ROWS_MAX * x.shape[-1]:
+            # prepack's plan for so many rows: F.linear on the plain weights (not gate(x): a layer whose copy was
+            # dropped here would pack it again)
+            return self.down_proj(silu_mul(F.linear(x, gate.weight, gate.bias), F.linear(x, up.weight, up.bias)))
+        return self.down_proj(silu_mul(packed_linear(x, *packed)))
 
     def _packed_gate_up(self):
         """(packed [gate; up] weight, bias or None), made again whenever either weight or bias changed; None where
-        oneDNN cannot pack it (then the two layers run as they are)."""
+        it cannot be packed (then the two layers run as they are)."""
         gate, up = self.gate_proj, self.up_proj
         parts = (gate.weight, up.weight, gate.bias, up.bias)
         key = tuple(None if t is None else weight_key(t) for t in parts)

@@ -1,4 +1,5 @@
-"""prepack_linears: run a transformers model's dense linear layers through oneDNN on weights packed once.
+"""prepack_linears: run a transformers model's dense linear layers on weights packed once (oneDNN, or vpaged's
+panel product on AVX2 CPUs).
 
 On CPU, F.linear hands each product to MKL with the weight in its plain [out, in] layout, and MKL re-blocks
 the weight on every call. oneDNN can take the weight already blocked for the machine's kernels: torch ships
@@ -27,6 +28,14 @@ plain weight, which state_dict() must keep returning.
 
 torch's ops are private: they are named in one place, `packed_linear_ops()`, which says whether they exist
 here, and tests/hf/test_prepack.py checks them against F.linear on the installed torch.
+
+Where vpaged's kernels run their AVX2 path (CPUs with AVX2 and without AVX-512, or VPAGED_CPU_ISA=avx2), the packed
+copy is vpaged's instead (vpaged.ops.linear: the weight in 16-output panels, its own dtype): on such a CPU (a
+2-core Zen 3) the panel product takes SmolLM2-135M's 30 layers at 1-32 rows (decode steps) in 0.63-0.75x of
+oneDNN's time and is level with it from 128 to 1,024 rows (prompt chunks; benchmarks/bench_linear.py), and a bf16
+weight stays bf16 (oneDNN packs it in fp32 there). Calls of more than PANEL_ROWS_MAX rows run F.linear on the plain
+weight, level with or ahead of both at such sizes. linear_plan() says which copy this process makes; on AVX-512 and
+AMX CPUs oneDNN's wider kernels keep the products (the panel product is not measured ahead there).
 """
 
 from __future__ import annotations
@@ -35,10 +44,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _C
 from ..errors import InvalidArgumentError
+from ..ops.linear import PanelWeight, pack_panels, panel_linear
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 DEFAULT_BATCH_HINT = 64
+# Calls of more rows than this run F.linear on the plain weight instead of the panels (bench_linear.py: at 2,048
+# rows the panel product re-reads its weight once per chunk of rows and falls 5-8 % behind MKL and oneDNN).
+PANEL_ROWS_MAX = 1024
+
+
+def linear_plan() -> str:
+    """Which packed copy pack_weight makes in this process: "panels" where vpaged's kernels run their AVX2 path
+    (cpu_auto_isa, capped by VPAGED_CPU_ISA), else "onednn"."""
+    return "panels" if _C.cpu_auto_isa() == "avx2" else "onednn"
+
+
 _OPS: tuple | None = None
 
 
@@ -100,7 +122,7 @@ class PrepackedLinear(nn.Linear):
         bias = self.bias
         if bias is not None and (bias.dtype != weight.dtype or bias.device != weight.device):
             return F.linear(x, weight, bias)
-        return packed_linear_ops()[1](x, packed, bias)
+        return packed_linear(x, packed, bias, weight)
 
     def __getstate__(self):
         # copy.deepcopy and pickle take the parameters; the packed copy is made again by the next call.
@@ -112,17 +134,32 @@ class PrepackedLinear(nn.Linear):
         return super().extra_repr() + f", prepacked (batch_hint={self.batch_hint})"
 
 
-def pack_weight(weight: torch.Tensor, batch_hint: int = DEFAULT_BATCH_HINT) -> torch.Tensor | None:
-    """The weight packed by oneDNN for `batch_hint`-row products, or None where it cannot be (see
-    prepack_linears): the caller then runs F.linear.
+def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None, weight: torch.Tensor | None = None):
+    """x @ W.T (+ bias) on W's packed copy (pack_weight's result: a PanelWeight or oneDNN's tensor), in x's dtype.
+    With the plain weight given, a call of more than PANEL_ROWS_MAX rows on panels runs F.linear on it instead."""
+    if type(packed) is PanelWeight:
+        if weight is not None and x.dim() > 1 and x.numel() > PANEL_ROWS_MAX * x.shape[-1]:
+            return F.linear(x, weight, bias)
+        return panel_linear(x, packed, bias)
+    return packed_linear_ops()[1](x, packed, bias)
 
-    A bf16 weight on a CPU whose oneDNN has no bf16 path (no avx512bw/vl/dq, no avx_ne_convert: AVX2-only CPUs)
-    is packed as its fp32 copy, and its products run in fp32 (packed_linear_ops' linear converts the input and
-    the result): the products of bf16 values are exact in fp32 and the sums are fp32, as in oneDNN's bf16 path,
-    while torch's own bf16 matmul on such a CPU ran 6.8x slower than fp32 (512 x 1024 x 2816, AMD Zen 3, one
-    thread). The packed copy then takes twice the bf16 weight's bytes."""
+
+def pack_weight(weight: torch.Tensor, batch_hint: int = DEFAULT_BATCH_HINT):
+    """The weight's packed copy for packed_linear - vpaged's panels where linear_plan() says "panels", else
+    oneDNN's packing for `batch_hint`-row products - or None where it cannot be packed (see prepack_linears): the
+    caller then runs F.linear.
+
+    oneDNN: a bf16 weight on a CPU whose oneDNN has no bf16 path (no avx512bw/vl/dq, no avx_ne_convert: AVX2-only
+    CPUs) is packed as its fp32 copy, and its products run in fp32 (packed_linear_ops' linear converts the input
+    and the result): the products of bf16 values are exact in fp32 and the sums are fp32, as in oneDNN's bf16
+    path, while torch's own bf16 matmul on such a CPU ran 6.8x slower than fp32 (512 x 1024 x 2816, AMD Zen 3, one
+    thread). The packed copy then takes twice the bf16 weight's bytes. Panels keep the weight's dtype."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2 or 0 in weight.shape:
+        return None
+    if linear_plan() == "panels":
+        return pack_panels(weight)
     ops = packed_linear_ops()
-    if ops is None or weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2:
+    if ops is None:
         return None
     with torch.no_grad():
         try:
@@ -138,6 +175,8 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = DEFAULT_BATCH_HINT) -> t
 
 def prepack_supported(dtype: torch.dtype = torch.float32) -> tuple[bool, str | None]:
     """(True, None) when this torch and CPU pack weights of `dtype`, else (False, why)."""
+    if linear_plan() == "panels" and dtype in PACKABLE_DTYPES:
+        return True, None
     if packed_linear_ops() is None:
         return False, "this torch has no oneDNN linear ops (torch.ops.mkldnn._reorder_linear_weight)"
     if dtype not in PACKABLE_DTYPES:

@@ -157,3 +157,27 @@ def check_held(seqs: list, lengths: list[int]) -> None:
     if lengths and min(lengths) < 1:
         seq = seqs[lengths.index(min(lengths))]
         raise InvalidArgumentError(f"sequence {seq} holds no tokens; decode attends over at least one")
+
+
+def cpu_rows(op: str, dtypes: tuple, name: str, t, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """t as a 2-d [rows, cols] view with dense rows (a copy only where its leading dims cannot be viewed as one or
+    its last dim is strided), checked for a CPU row op: a CPU tensor of one of `dtypes` (of `dtype` when given),
+    a non-empty last dim, nothing autograd would record."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise InvalidArgumentError(f"{name} is on {t.device}: {op} run on the CPU")
+    if t.dtype not in dtypes:
+        raise DTypeError(f"{name} has dtype {t.dtype}; {op} take {', '.join(map(str, dtypes))}")
+    if dtype is not None and t.dtype != dtype:
+        raise DTypeError(f"{name} has dtype {t.dtype}, the other operand {dtype}")
+    if t.dim() == 0 or t.shape[-1] == 0:
+        raise ShapeError(f"{name} needs a non-empty last dim, got shape {list(t.shape)}")
+    if torch.is_grad_enabled() and t.requires_grad:
+        raise InvalidArgumentError(f"{name} requires grad: {op} are for inference (no autograd)")
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return t.contiguous().view(-1, t.shape[-1])

@@ -17,32 +17,15 @@ from __future__ import annotations
 import torch
 
 from .. import _C
-from ..errors import DTypeError, InvalidArgumentError, ShapeError
+from ..errors import InvalidArgumentError, ShapeError
+from .checks import cpu_rows
 from .launch import DTYPE_CODES
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _rows(name: str, t, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """t as a 2-d [rows, cols] view (a copy only where its leading dims cannot be viewed as one), checked."""
-    if not isinstance(t, torch.Tensor):
-        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise InvalidArgumentError(f"{name} is on {t.device}: the fused ops run on the CPU")
-    if t.dtype not in FUSED_DTYPES:
-        raise DTypeError(f"{name} has dtype {t.dtype}; the fused ops take {', '.join(map(str, FUSED_DTYPES))}")
-    if dtype is not None and t.dtype != dtype:
-        raise DTypeError(f"{name} has dtype {t.dtype}, the other operand {dtype}")
-    if t.dim() == 0 or t.shape[-1] == 0:
-        raise ShapeError(f"{name} needs a non-empty last dim, got shape {list(t.shape)}")
-    if torch.is_grad_enabled() and t.requires_grad:
-        raise InvalidArgumentError(f"{name} requires grad: the fused ops are for inference (no autograd)")
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return t.contiguous().view(-1, t.shape[-1])
+    return cpu_rows("the fused ops", FUSED_DTYPES, name, t, dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, isa: str = "auto") -> torch.Tensor:
