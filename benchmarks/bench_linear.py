@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, print_table, write_json  # noqa: E402
 
-from vpaged.hf.prepack import pack_weight, packed_linear_ops  # noqa: E402
+from vpaged.hf.prepack import pack_onednn, packed_linear_ops  # noqa: E402
 from vpaged.ops.linear import pack_panels, panel_linear  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def main() -> None:
     ops = packed_linear_ops()
     arms = {"panels": [[pack_panels(w) for w in layer] for layer in weights]}
     if ops is not None:
-        arms["onednn"] = [[pack_weight(w, 64) for w in layer] for layer in weights]
+        arms["onednn"] = [[pack_onednn(w, 64) for w in layer] for layer in weights]
     arms["F.linear"] = weights
     flops_per_row = 2 * sum(n * k for n, k in shapes) * args.layers
     weight_bytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)

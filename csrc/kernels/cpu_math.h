@@ -85,6 +85,39 @@ struct Elem<kBFloat16> {
   static VP_INLINE uint16_t store(float x) { return f32_to_bf16(x); }
 };
 
+// 8 elements of dtype DT (float32 or bfloat16) as fp32 lanes, and back: bf16 rounded half to even, NaN kept NaN.
+template <int DT>
+VP_AVX2 __m256 load8(const typename Elem<DT>::T* p) {
+  if constexpr (DT == kFloat32) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// The bf16 bits of v's lanes (round half to even; NaN stays NaN), in the high halves of 32-bit lanes.
+VP_AVX2 __m256i bf16_high_bits(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i hi = _mm256_set1_epi32(int32_t(0xffff0000u));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), hi);
+  const __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, hi), _mm256_set1_epi32(0x00400000));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), nan));
+}
+
+template <int DT>
+VP_AVX2 void store8(typename Elem<DT>::T* p, __m256 v) {
+  if constexpr (DT == kFloat32) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    const __m256i b = _mm256_srli_epi32(bf16_high_bits(v), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+}
+
 // fast_exp of 8 lanes for x <= 0 (the softmax's range): 2^n by exponent bits, e^r (|r| <= ln2/2) by its Taylor
 // series to r^6 (relative error < 2e-7), ln2 split in two (Cody-Waite). Below -87 the result would leave the
 // normal floats; x is clamped there (the result, ~1e-38, is nothing).

@@ -8,7 +8,8 @@
 // the panel a few KiB ahead, so the stream runs ahead of the arithmetic instead of behind it.
 //
 // Threads split the panels (each thread writes its own output columns); rows are taken in chunks whose x fits the
-// L2 beside a panel, so a long prompt chunk re-reads its weight once per chunk rather than x once per panel.
+// L2 beside a panel, so a long prompt chunk re-reads its weight once per chunk rather than x once per panel. For a
+// chunk of many rows a bf16 panel is widened to fp32 once, and its tiles read the widened copy.
 #include <omp.h>
 
 #include <algorithm>
@@ -33,6 +34,10 @@ constexpr int64_t kParallelMacs = int64_t(1) << 18;
 constexpr int64_t kChunkXBytes = int64_t(384) << 10;
 // How far ahead of the tile the first tile of a chunk prefetches its panel.
 constexpr int64_t kPrefetchBytes = int64_t(8) << 10;
+// bf16 panels are widened to fp32 once per chunk from this many tiles on (13+ rows), in each tile's registers
+// below: at 512 rows widening in registers cost 1.18x oneDNN's time on the fp32 copy (Zen 3, SmolLM2's layers),
+// at a few rows a separate pass would add a write and a read of every panel to a stream that is the whole cost.
+constexpr int64_t kWidenTiles = 3;
 
 // One tile's result: up to kMaxTileRows x kW fp32 sums, before bias and rounding.
 struct TileSums {
@@ -59,15 +64,9 @@ void tile_base(const float* x, int64_t xs, int mr, const void* panel_v, int64_t 
 
 // ------------------------------------------------------------------------------------ AVX2 build
 template <int WT>
-VP_AVX2 void load16(const void* p, __m256& lo, __m256& hi) {
-  if constexpr (WT == kFloat32) {
-    lo = _mm256_loadu_ps(static_cast<const float*>(p));
-    hi = _mm256_loadu_ps(static_cast<const float*>(p) + 8);
-  } else {
-    const __m128i* h = static_cast<const __m128i*>(p);
-    lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h)), 16));
-    hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h + 1)), 16));
-  }
+VP_AVX2 void load16(const typename Elem<WT>::T* p, __m256& lo, __m256& hi) {
+  lo = load8<WT>(p);
+  hi = load8<WT>(p + 8);
 }
 
 // MR rows x 16 outputs over all of K. The accumulators are named registers, not an array: GCC keeps an array of
@@ -119,6 +118,56 @@ VP_AVX2_TARGET void tile_avx2(const float* x, int64_t xs, int mr, const void* pa
   }
 }
 
+// A bf16 panel widened to fp32 once (16 x K values), prefetched ahead as the first tile does: for a chunk of
+// several tiles, where widening in every tile's registers would repeat the widening per tile.
+VP_AVX2_TARGET void widen_panel_avx2(const void* panel_v, int64_t K, float* dst) {
+  const uint16_t* panel = static_cast<const uint16_t*>(panel_v);
+  const char* ahead = reinterpret_cast<const char*>(panel) + kPrefetchBytes;
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(ahead + k * kW * 2, _MM_HINT_T0);
+    __m256 lo, hi;
+    load16<kBFloat16>(panel + k * kW, lo, hi);
+    _mm256_storeu_ps(dst + k * kW, lo);
+    _mm256_storeu_ps(dst + k * kW + 8, hi);
+  }
+}
+
+// finish() below in 8 lanes: the bias added and the sums rounded to DT eight at a time (a bf16 output's rounding is
+// a dozen integer operations per element in scalar code: at prompt sizes as much as a tenth of the call).
+template <int DT>
+VP_AVX2_TARGET void finish_avx2(const TileSums& sums, int mr, int valid, const void* bias_v, int64_t n0, void* out_v,
+                                int64_t os, int64_t r0) {
+  using T = typename Elem<DT>::T;
+  const T* bias = static_cast<const T*>(bias_v);
+  T* out = static_cast<T*>(out_v);
+  for (int r = 0; r < mr; ++r) {
+    T* o = out + (r0 + r) * os + n0;
+    int j = 0;
+    for (; j + 8 <= valid; j += 8) {
+      __m256 v = _mm256_load_ps(sums.v[r] + j);
+      if (bias) v = _mm256_add_ps(v, load8<DT>(bias + n0 + j));
+      store8<DT>(o + j, v);
+    }
+    for (; j < valid; ++j) o[j] = Elem<DT>::store(sums.v[r][j] + (bias ? Elem<DT>::load(bias[n0 + j]) : 0.0f));
+  }
+}
+
+// bf16 rows widened to fp32 once per call, eight at a time.
+VP_AVX2_TARGET void widen_rows_avx2(const uint16_t* x, int64_t xs, int64_t rows, int64_t K, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* src = x + r * xs;
+    float* d = dst + r * K;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(d + k, load8<kBFloat16>(src + k));
+    for (; k < K; ++k) d[k] = Elem<kBFloat16>::load(src[k]);
+  }
+}
+
+void widen_panel_base(const void* panel_v, int64_t K, float* dst) {
+  const uint16_t* panel = static_cast<const uint16_t*>(panel_v);
+  for (int64_t i = 0; i < K * kW; ++i) dst[i] = Elem<kBFloat16>::load(panel[i]);
+}
+
 // ------------------------------------------------------------------------------------ driver
 using TileFn = void (*)(const float*, int64_t, int, const void*, int64_t, TileSums&);
 
@@ -147,6 +196,10 @@ struct Call {
   void* out;
   int64_t os;
   TileFn first, rest;  // the chunk's first tile (prefetching the panel) and the others
+  // bf16 panels: the widening of a panel to fp32 and the fp32 tiles that read it, for chunks of kWidenTiles tiles
+  // or more (null for fp32 panels)
+  void (*widen)(const void*, int64_t, float*);
+  TileFn fp32_tile;
   void (*finish)(const TileSums&, int, int, const void*, int64_t, void*, int64_t, int64_t);
 };
 
@@ -155,16 +208,23 @@ void run_panels(const Call& c, int64_t p0, int64_t p1) {
   const int64_t chunk =
       std::max<int64_t>(kMaxTileRows, std::min<int64_t>(120, kChunkXBytes / (c.K * 4)) / kMaxTileRows * kMaxTileRows);
   TileSums sums;
+  std::vector<float> widened;
   for (int64_t m0 = 0; m0 < c.rows; m0 += chunk) {
     const int64_t m1 = std::min(c.rows, m0 + chunk);
     const int64_t tiles = (m1 - m0 + kMaxTileRows - 1) / kMaxTileRows;
+    const bool widen = c.widen != nullptr && tiles >= kWidenTiles;
+    if (widen) widened.resize(size_t(c.K * kW));
     for (int64_t p = p0; p < p1; ++p) {
       const char* panel = c.panels + p * c.panel_bytes;
       const int valid = int(std::min<int64_t>(kW, c.N - p * kW));
+      if (widen) c.widen(panel, c.K, widened.data());
       int64_t r = m0;
       for (int64_t t = 0; t < tiles; ++t) {
         const int mr = int((m1 - r) / (tiles - t));
-        (t == 0 ? c.first : c.rest)(c.x + r * c.xs, c.xs, mr, panel, c.K, sums);
+        if (widen)
+          c.fp32_tile(c.x + r * c.xs, c.xs, mr, widened.data(), c.K, sums);
+        else
+          (t == 0 ? c.first : c.rest)(c.x + r * c.xs, c.xs, mr, panel, c.K, sums);
         c.finish(sums, mr, valid, c.bias, p * kW, c.out, c.os, r);
         r += mr;
       }
@@ -209,9 +269,13 @@ void linear_panels_cpu(const void* x, int64_t x_stride, int64_t rows, int64_t in
   } else {
     widened.resize(size_t(rows * in_features));
     const uint16_t* xb = static_cast<const uint16_t*>(x);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k = 0; k < in_features; ++k)
-        widened[size_t(r * in_features + k)] = Elem<kBFloat16>::load(xb[r * x_stride + k]);
+    if (avx2) {
+      widen_rows_avx2(xb, x_stride, rows, in_features, widened.data());
+    } else {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < in_features; ++k)
+          widened[size_t(r * in_features + k)] = Elem<kBFloat16>::load(xb[r * x_stride + k]);
+    }
     c.x = widened.data();
     c.xs = in_features;
   }
@@ -223,11 +287,18 @@ void linear_panels_cpu(const void* x, int64_t x_stride, int64_t rows, int64_t in
   c.bias = bias;
   c.out = out;
   c.os = out_stride;
-  if (weight_dtype == kFloat32)
+  if (weight_dtype == kFloat32) {
     pick_tiles<kFloat32>(avx2, c.first, c.rest);
-  else
+  } else {
     pick_tiles<kBFloat16>(avx2, c.first, c.rest);
-  c.finish = dtype == kFloat32 ? finish<kFloat32> : finish<kBFloat16>;
+    TileFn unused;
+    pick_tiles<kFloat32>(avx2, unused, c.fp32_tile);
+    c.widen = avx2 ? widen_panel_avx2 : widen_panel_base;
+  }
+  if (avx2)
+    c.finish = dtype == kFloat32 ? finish_avx2<kFloat32> : finish_avx2<kBFloat16>;
+  else
+    c.finish = dtype == kFloat32 ? finish<kFloat32> : finish<kBFloat16>;
 
   const int64_t num_panels = (out_features + kW - 1) / kW;
   int nt = num_threads > 0 ? num_threads : omp_get_max_threads();

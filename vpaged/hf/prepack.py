@@ -158,6 +158,12 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = DEFAULT_BATCH_HINT):
         return None
     if linear_plan() == "panels":
         return pack_panels(weight)
+    return pack_onednn(weight, batch_hint)
+
+
+def pack_onednn(weight: torch.Tensor, batch_hint: int = DEFAULT_BATCH_HINT) -> torch.Tensor | None:
+    """oneDNN's packing of a CPU float32 / bfloat16 weight for `batch_hint`-row products (a bf16 weight as its fp32
+    copy where oneDNN has no bf16 path: see pack_weight), or None where this torch cannot pack it."""
     ops = packed_linear_ops()
     if ops is None:
         return None
