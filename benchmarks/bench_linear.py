@@ -13,12 +13,19 @@ matmul.
     .venv/bin/python benchmarks/bench_linear.py [--rows 1,4,8,16,32,64,128,256,512] [--dtype float32]
         [--layers 30] [--hidden 576] [--intermediate 1536] [--kv-width 192] [--repeats 7] [--threads 2]
 
-Writes benchmarks/results/OUTPUT (default linear.json). Time it on a quiet machine.
+--engine: instead, the serving engine on SmolLM2-135M-Instruct (benchmarks/real_model.py) with each packing plan
+(vpaged.hf.prepack.linear_plan forced to "onednn" and to "panels"): two engines in one process, a burst of 32
+random prompts x 256 tokens -> 64 (greedy, ignore_eos) on each in turn, --repeats rounds, fresh prompts every
+round; reported: each burst's seconds, the time in the linear products split at 64 rows (decode steps below,
+prompt chunks above), and how many completions the plans share.
+
+Writes benchmarks/results/OUTPUT (default linear.json, or linear-engine.json). Time it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -46,6 +53,80 @@ def layer_shapes(hidden: int, intermediate: int, kv_width: int) -> list[tuple[in
     ]
 
 
+def engine_section(args) -> None:
+    """The --engine run (see the module's text)."""
+    import collections
+    import random
+
+    import real_model
+
+    import vpaged.hf.fused as fused_module
+    import vpaged.hf.prepack as prepack_module
+    from vpaged.serve import LLM, SamplingParams
+
+    split = collections.defaultdict(float)
+    current = ["warm-up"]
+    plain = prepack_module.packed_linear
+
+    def timed(x, packed, bias=None, weight=None):
+        t = time.perf_counter()
+        y = plain(x, packed, bias, weight)
+        rows = x.numel() // x.shape[-1]
+        split[(current[0], "rows <= 64" if rows <= 64 else "rows > 64")] += time.perf_counter() - t
+        return y
+
+    prepack_module.packed_linear = fused_module.packed_linear = timed
+
+    def prompts(seed: int, n: int = 32, length: int = 256) -> list[list[int]]:
+        rng = random.Random(seed)
+        return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
+
+    dtype = getattr(torch, args.dtype)
+    engines = {}
+    for plan in ("onednn", "panels"):
+        prepack_module.linear_plan = lambda plan=plan: plan
+        model, tok = real_model.load(dtype)
+        engines[plan] = LLM(model, tok, kv_budget_bytes=1 << 29)
+        engines[plan].generate(prompts(99, 2), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    seconds = {plan: [] for plan in engines}
+    same = total = 0
+    for r in range(args.repeats):
+        tokens = {}
+        for plan, llm in engines.items():
+            current[0] = plan
+            t = time.perf_counter()
+            outs = llm.generate(prompts(1000 + r), params)
+            seconds[plan].append(round(time.perf_counter() - t, 2))
+            tokens[plan] = [list(o.outputs[0].token_ids) for o in outs]
+        same += sum(a == b for a, b in zip(tokens["onednn"], tokens["panels"]))
+        total += len(tokens["panels"])
+        print(f"round {r + 1}: " + ", ".join(f"{p} {seconds[p][-1]} s" for p in engines), flush=True)
+    medians = {plan: statistics.median(v) for plan, v in seconds.items()}
+    payload = {
+        "benchmark": "linear-engine",
+        "machine": machine(),
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "workload": "SmolLM2-135M-Instruct, 32 x 256 -> 64, greedy, max_num_batched_tokens 512",
+        "seconds": seconds,
+        "median_seconds": medians,
+        "panels_over_onednn": round(medians["panels"] / medians["onednn"], 3),
+        "linear_seconds": {f"{plan}, {rows}": round(v, 2) for (plan, rows), v in sorted(split.items())},
+        "identical_completions": [same, total],
+    }
+    write_json(args.output or "linear-engine.json", payload)
+    print(
+        json.dumps(
+            {
+                k: payload[k]
+                for k in ("median_seconds", "panels_over_onednn", "linear_seconds", "identical_completions")
+            },
+            indent=1,
+        )
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,8,16,32,64,128,256,512")
@@ -56,9 +137,13 @@ def main() -> None:
     ap.add_argument("--kv-width", type=int, default=192)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--output", default="linear.json")
+    ap.add_argument("--engine", action="store_true", help="the engine on SmolLM2 with each plan (see above)")
+    ap.add_argument("--output", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.engine:
+        engine_section(args)
+        return
     dtype = getattr(torch, args.dtype)
     rows_list = [int(r) for r in args.rows.split(",")]
     shapes = layer_shapes(args.hidden, args.intermediate, args.kv_width)
@@ -99,7 +184,7 @@ def main() -> None:
         for arm, ts in times.items():
             med = statistics.median(ts)
             row[arm] = {
-                "ms": round(med * 1e3, 2),
+                "ms": round(med * 1e3, 4),
                 "gflops": round(flops_per_row * m / med / 1e9, 1),
                 "weight_gbs": round(weight_bytes / med / 1e9, 1),
                 "over_panels": round(med / base, 3),
@@ -111,7 +196,7 @@ def main() -> None:
             flush=True,
         )
         write_json(
-            args.output,
+            args.output or "linear.json",
             {
                 "benchmark": "linear",
                 "machine": machine(),

@@ -61,6 +61,9 @@ PUBLIC = {
         "batched_kv_from_tensors",
         "write_kv",
         "plan_cuda_splits",
+        "PanelWeight",
+        "pack_panels",
+        "panel_linear",
     ],
     "vpaged.hf": [
         "VPagedCache",

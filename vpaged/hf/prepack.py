@@ -30,12 +30,13 @@ torch's ops are private: they are named in one place, `packed_linear_ops()`, whi
 here, and tests/hf/test_prepack.py checks them against F.linear on the installed torch.
 
 Where vpaged's kernels run their AVX2 path (CPUs with AVX2 and without AVX-512, or VPAGED_CPU_ISA=avx2), the packed
-copy is vpaged's instead (vpaged.ops.linear: the weight in 16-output panels, its own dtype): on such a CPU (a
-2-core Zen 3) the panel product takes SmolLM2-135M's 30 layers at 1-32 rows (decode steps) in 0.63-0.75x of
-oneDNN's time and is level with it from 128 to 1,024 rows (prompt chunks; benchmarks/bench_linear.py), and a bf16
-weight stays bf16 (oneDNN packs it in fp32 there). Calls of more than PANEL_ROWS_MAX rows run F.linear on the plain
-weight, level with or ahead of both at such sizes. linear_plan() says which copy this process makes; on AVX-512 and
-AMX CPUs oneDNN's wider kernels keep the products (the panel product is not measured ahead there).
+copy is vpaged's instead (vpaged.ops.linear: the weight in 16-output panels, its own dtype), in place of oneDNN's, so
+memory stays as it was: on such a CPU (a 2-core Zen 3) the panel product takes SmolLM2-135M's 30 layers at 1-32
+rows (decode steps) in 0.55-0.74x oneDNN's time and a bf16 weight stays bf16 (0.36-0.77x: oneDNN packs it in fp32
+there), while prompt chunks of ~512 rows take 1.06-1.11x (benchmarks/bench_linear.py, and its --engine run, where
+a burst of 32 prompts came out level). Calls of more than PANEL_ROWS_MAX rows run F.linear on the plain weight.
+linear_plan() says which copy this process makes; on AVX-512 and AMX CPUs oneDNN's wider kernels keep the products
+(the panel product is not measured against them there).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from ..ops.linear import PanelWeight, pack_panels, panel_linear
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 DEFAULT_BATCH_HINT = 64
 # Calls of more rows than this run F.linear on the plain weight instead of the panels (bench_linear.py: at 2,048
-# rows the panel product re-reads its weight once per chunk of rows and falls 5-8 % behind MKL and oneDNN).
+# rows the panel product re-reads its weight once per chunk of rows and falls 5-8 % behind MKL and oneDNN; below,
+# MKL is the slower one, 1.1-1.3x the panels' time at 128-512 rows).
 PANEL_ROWS_MAX = 1024
 
 

@@ -7,11 +7,11 @@ At decode batch sizes a layer's product reads its whole weight for a few rows: t
 the rows' arithmetic is small. General GEMM libraries block for large products; this kernel
 (csrc/kernels/linear_cpu.cpp) reads each 16-output panel once per call, k-major, while every row takes its
 products from it, so the weight streams near the memory's rate (on a 2-core Zen 3, SmolLM2-135M's 30 layers at 8
-rows in about half oneDNN's packed time: benchmarks/bench_linear.py). vpaged.hf.prepack runs it for calls of few
-rows and oneDNN for the rest.
+rows in 0.6x oneDNN's packed time: benchmarks/bench_linear.py). vpaged.hf.prepack packs its layers for it where
+vpaged's kernels run their AVX2 path (prepack.linear_plan()).
 
 float32 and bfloat16 rows and weights, any mix: bf16 weights are widened in registers (exact), so a bf16 model
-streams half the bytes even on CPUs without bf16 arithmetic. Every output is one fp32 sum in k order, bias added,
+streams half the bytes even on CPUs without bf16 arithmetic. Every output is one fp32 sum in k order (bf16 x and weights widened to fp32 first), bias added,
 rounded once to x's dtype. Inference only (no autograd). On CPUs with AVX2 the AVX2 build runs (AVX-512 CPUs
 included), elsewhere the portable one; isa= forces a path as the decode kernels' does.
 """
