@@ -11,9 +11,10 @@ rows in 0.6x oneDNN's packed time: benchmarks/bench_linear.py). vpaged.hf.prepac
 vpaged's kernels run their AVX2 path (prepack.linear_plan()).
 
 float32 and bfloat16 rows and weights, any mix: bf16 weights are widened in registers (exact), so a bf16 model
-streams half the bytes even on CPUs without bf16 arithmetic. Every output is one fp32 sum in k order (bf16 x and weights widened to fp32 first), bias added,
-rounded once to x's dtype. Inference only (no autograd). On CPUs with AVX2 the AVX2 build runs (AVX-512 CPUs
-included), elsewhere the portable one; isa= forces a path as the decode kernels' does.
+streams half the bytes even on CPUs without bf16 arithmetic. Every output is one fp32 sum in k order (bf16 x and
+weights widened to fp32 first), bias added, rounded once to x's dtype. Inference only (no autograd). On CPUs with
+AVX2 the AVX2 build runs (AVX-512 CPUs included), elsewhere the portable one; isa= forces a path as the decode
+kernels' does.
 """
 
 from __future__ import annotations
