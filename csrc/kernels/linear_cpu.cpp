@@ -204,25 +204,25 @@ struct Call {
 };
 
 // Panels [p0, p1) for every row, chunk by chunk; a chunk's rows in near-equal tiles of at most kMaxTileRows.
-void run_panels(const Call& c, int64_t p0, int64_t p1) {
+// scratch: K x kW floats of this thread's (for widened bf16 panels), allocated by the caller outside the parallel
+// region: an allocation that throws there would end the process.
+void run_panels(const Call& c, int64_t p0, int64_t p1, float* scratch) {
   const int64_t chunk =
       std::max<int64_t>(kMaxTileRows, std::min<int64_t>(120, kChunkXBytes / (c.K * 4)) / kMaxTileRows * kMaxTileRows);
   TileSums sums;
-  std::vector<float> widened;
   for (int64_t m0 = 0; m0 < c.rows; m0 += chunk) {
     const int64_t m1 = std::min(c.rows, m0 + chunk);
     const int64_t tiles = (m1 - m0 + kMaxTileRows - 1) / kMaxTileRows;
     const bool widen = c.widen != nullptr && tiles >= kWidenTiles;
-    if (widen) widened.resize(size_t(c.K * kW));
     for (int64_t p = p0; p < p1; ++p) {
       const char* panel = c.panels + p * c.panel_bytes;
       const int valid = int(std::min<int64_t>(kW, c.N - p * kW));
-      if (widen) c.widen(panel, c.K, widened.data());
+      if (widen) c.widen(panel, c.K, scratch);
       int64_t r = m0;
       for (int64_t t = 0; t < tiles; ++t) {
         const int mr = int((m1 - r) / (tiles - t));
         if (widen)
-          c.fp32_tile(c.x + r * c.xs, c.xs, mr, widened.data(), c.K, sums);
+          c.fp32_tile(c.x + r * c.xs, c.xs, mr, scratch, c.K, sums);
         else
           (t == 0 ? c.first : c.rest)(c.x + r * c.xs, c.xs, mr, panel, c.K, sums);
         c.finish(sums, mr, valid, c.bias, p * kW, c.out, c.os, r);
@@ -304,12 +304,15 @@ void linear_panels_cpu(const void* x, int64_t x_stride, int64_t rows, int64_t in
   int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
   if (rows * in_features * out_features < kParallelMacs) nt = 1;
   nt = int(std::min<int64_t>(nt, num_panels));
+  const int64_t per_thread = c.widen != nullptr ? c.K * kW : 0;
+  std::vector<float> scratch(size_t(std::max(nt, 1) * per_thread));
   if (nt <= 1) {
-    run_panels(c, 0, num_panels);
+    run_panels(c, 0, num_panels, scratch.data());
     return;
   }
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
-  for (int t = 0; t < nt; ++t) run_panels(c, num_panels * t / nt, num_panels * (t + 1) / nt);
+  for (int t = 0; t < nt; ++t)
+    run_panels(c, num_panels * t / nt, num_panels * (t + 1) / nt, scratch.data() + t * per_thread);
 }
 
 }  // namespace kernels
