@@ -159,7 +159,7 @@ def main() -> None:
     x_full = torch.randn(max(rows_list), max(k for _, k in shapes), generator=gen).to(dtype)
 
     def forward(arm: str, m: int) -> None:
-        for li, layer in enumerate(arms[arm]):
+        for layer in arms[arm]:
             for (n, k), w in zip(shapes, layer):
                 x = x_full[:m, :k]
                 if arm == "panels":

@@ -33,8 +33,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError
 from ..ops.fused import FUSED_DTYPES, rms_norm, silu_mul
-from ..ops.linear import PanelWeight
-from .prepack import DEFAULT_BATCH_HINT, PANEL_ROWS_MAX, PrepackedLinear, pack_weight, packed_linear, weight_key
+from .prepack import DEFAULT_BATCH_HINT, PrepackedLinear, pack_weight, packed_linear, past_panel_rows, weight_key
 
 _PLAIN_LINEARS = (nn.Linear, PrepackedLinear)
 _FUSED_CLASSES: dict[tuple[type, type], type] = {}
@@ -81,7 +80,7 @@ class _FusedGatedMLP(_Fused):
         packed = self._packed_gate_up()
         if packed is None:
             return self.down_proj(silu_mul(gate(x), up(x)))
-        if type(packed[0]) is PanelWeight and x.numel() > PANEL_ROWS_MAX * x.shape[-1]:
+        if past_panel_rows(x, packed[0]):
             # prepack's plan for so many rows: F.linear on the plain weights (not gate(x): a layer whose copy was
             # dropped here would pack it again)
             return self.down_proj(silu_mul(F.linear(x, gate.weight, gate.bias), F.linear(x, up.weight, up.bias)))

@@ -136,11 +136,17 @@ class PrepackedLinear(nn.Linear):
         return super().extra_repr() + f", prepacked (batch_hint={self.batch_hint})"
 
 
+def past_panel_rows(x: torch.Tensor, packed) -> bool:
+    """Whether prepack's plan runs this call on the plain weight (F.linear) rather than on `packed`: panels and more
+    than PANEL_ROWS_MAX rows of x."""
+    return type(packed) is PanelWeight and x.numel() > PANEL_ROWS_MAX * x.shape[-1]
+
+
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None, weight: torch.Tensor | None = None):
     """x @ W.T (+ bias) on W's packed copy (pack_weight's result: a PanelWeight or oneDNN's tensor), in x's dtype.
-    With the plain weight given, a call of more than PANEL_ROWS_MAX rows on panels runs F.linear on it instead."""
+    With the plain weight given, a call past_panel_rows runs F.linear on it instead."""
     if type(packed) is PanelWeight:
-        if weight is not None and x.dim() > 1 and x.numel() > PANEL_ROWS_MAX * x.shape[-1]:
+        if weight is not None and past_panel_rows(x, packed):
             return F.linear(x, weight, bias)
         return panel_linear(x, packed, bias)
     return packed_linear_ops()[1](x, packed, bias)
