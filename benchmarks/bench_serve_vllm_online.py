@@ -33,6 +33,7 @@ import argparse
 import http.client
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -72,18 +73,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(arm: str, model: str, dtype: str, port: int, vpaged_python: str, vllm_python: str) -> list[str]:
-    """The server of an arm with its defaults: only the port, the dtype and the name the client asks for."""
-    if arm == "vpaged":
+def server_kind(arm: str) -> str:
+    """Which server an arm runs: "vpaged" or "vllm" (a variant's name starts with one of them)."""
+    for kind in ("vpaged", "vllm"):
+        if arm == kind or arm.startswith(kind + "-"):
+            return kind
+    raise ValueError(f"arm {arm!r}: names start with vpaged or vllm")
+
+
+def server_command(
+    arm: str, model: str, dtype: str, port: int, vpaged_python: str, vllm_python: str, extra: list[str] = ()
+) -> list[str]:
+    """The server of an arm with its defaults (only the port, the dtype and the name the client asks for), plus a
+    variant arm's own options (`extra`)."""
+    if server_kind(arm) == "vpaged":
         return [vpaged_python, "-m", "vpaged.cli", "serve", model, "--port", str(port), "--dtype", dtype,
-                "--served-model-name", SERVED_NAME]  # fmt: skip
+                "--served-model-name", SERVED_NAME, *extra]  # fmt: skip
     return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-            "--dtype", dtype, "--served-model-name", SERVED_NAME]  # fmt: skip
+            "--dtype", dtype, "--served-model-name", SERVED_NAME, *extra]  # fmt: skip
+
+
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """--variant NAME=OPTIONS (e.g. vpaged-2048="--max-num-batched-tokens 2048") -> {NAME: [options]}."""
+    variants = {}
+    for spec in specs:
+        name, sep, options = spec.partition("=")
+        if not sep:
+            raise ValueError(f"--variant {spec!r}: expected NAME=OPTIONS")
+        server_kind(name)
+        variants[name] = shlex.split(options)
+    return variants
 
 
 def server_env(arm: str) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if arm == "vllm":
+    if server_kind(arm) == "vllm":
         # vLLM's CPU settings as its docs give them for this box: both cores, 4 GiB of K/V.
         env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="4")
     else:
@@ -180,16 +204,28 @@ def summarize(runs: list[dict]) -> dict:
         xs = [c[key] for c in by.get(section, {}).get(arm, []) if c.get(key) is not None]
         return statistics.median(xs) if xs else None
 
-    def ratio(section, key):
-        a, b = med(section, "vpaged", key), med(section, "vllm", key)
+    def ratio(section, key, arm="vpaged"):
+        a, b = med(section, arm, key), med(section, "vllm", key)
         return a / b if a is not None and b else None
 
+    variants = sorted({r["arm"] for r in runs} - {"vpaged", "vllm"})
     return {
         "medians": {s: {arm: {k: med(s, arm, k) for k in FIELDS} for arm in arms} for s, arms in by.items()},
         "burst_output_throughput_ratio": ratio("burst", "output_throughput"),
         "rate_mean_tpot_ratio": ratio("rate", "mean_tpot_ms"),
         "rate_p99_ttft_ratio": ratio("rate", "p99_ttft_ms"),
         "burst_p99_ttft_ratio": ratio("burst", "p99_ttft_ms"),
+        # The same four ratios for each variant arm (vpaged-* over vllm).
+        "variant_ratios": {
+            arm: {
+                "burst_output_throughput_ratio": ratio("burst", "output_throughput", arm),
+                "rate_mean_tpot_ratio": ratio("rate", "mean_tpot_ms", arm),
+                "rate_p99_ttft_ratio": ratio("rate", "p99_ttft_ms", arm),
+                "burst_p99_ttft_ratio": ratio("burst", "p99_ttft_ms", arm),
+            }
+            for arm in variants
+            if server_kind(arm) == "vpaged"
+        },
         "goals": "burst output throughput >= 1.3x; rate mean TPOT <= 0.8x; TTFT p99 no worse (<= 1.0x)",
     }
 
@@ -199,6 +235,14 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--sections", default="burst,rate")
     ap.add_argument("--arms", default="vpaged,vllm")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=OPTIONS",
+        help='an extra arm: a server with options of its own, e.g. vpaged-2048="--max-num-batched-tokens 2048" '
+        "(the name starts with vpaged or vllm; list it in --arms)",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="alternations of the arms")
     ap.add_argument("--scale", type=float, default=1.0, help="scale prompt counts and lengths (smoke runs)")
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
@@ -212,6 +256,14 @@ def main() -> int:
     if not Path(args.vllm_python).exists():
         print(f"no vLLM interpreter at {args.vllm_python} (--vllm-python)")
         return 1
+    try:
+        variants = parse_variants(args.variant)
+        for arm in args.arms.split(","):
+            if arm not in ("vpaged", "vllm") and arm not in variants:
+                raise ValueError(f"arm {arm!r} is neither vpaged, vllm nor a --variant")
+    except ValueError as e:
+        print(e)
+        return 2
     model = str(real_model.model_dir())
     output = args.output or f"online-vllm_{args.dtype}.json"
     sections = {name: scaled(SECTIONS[name], args.scale) for name in args.sections.split(",")}
@@ -221,9 +273,10 @@ def main() -> int:
         for rep in range(args.repeats):
             for arm in args.arms.split(","):
                 port = free_port()
-                server = Server(
-                    arm, server_command(arm, model, args.dtype, port, args.vpaged_python, args.vllm_python), port
+                cmd = server_command(
+                    arm, model, args.dtype, port, args.vpaged_python, args.vllm_python, variants.get(arm, [])
                 )
+                server = Server(arm, cmd, port)
                 print(f"round {rep + 1}: {arm} up in {server.start_s:.0f} s", flush=True)
                 try:
                     run_client(client_command(args.vllm_python, port, model, warmup, 0, Path(tmp) / "warm.json"),

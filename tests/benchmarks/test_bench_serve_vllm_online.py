@@ -9,6 +9,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import bench_serve_vllm_online as online  # noqa: E402
@@ -71,7 +73,22 @@ def test_summary_ratios_are_the_ratios_of_the_medians():
     def med(section, arm, key):
         return statistics.median(c[key] for c in kept[(section, arm)])
 
+    # A variant arm of vpaged's (a server with options of its own) gets the same ratios against vllm.
+    for rep in range(2):
+        for section in ("burst", "rate"):
+            client = {k: rng.uniform(1, 100) for k in online.FIELDS}
+            runs.append({"round": rep, "arm": "vpaged-2048", "section": section, "client": client})
+            kept.setdefault((section, "vpaged-2048"), []).append(client)
+
     s = online.summarize(runs)
+    variant = s["variant_ratios"]["vpaged-2048"]
+    assert variant["burst_output_throughput_ratio"] == med("burst", "vpaged-2048", "output_throughput") / med(
+        "burst", "vllm", "output_throughput"
+    )
+    assert variant["rate_mean_tpot_ratio"] == med("rate", "vpaged-2048", "mean_tpot_ms") / med(
+        "rate", "vllm", "mean_tpot_ms"
+    )
+    assert set(s["variant_ratios"]) == {"vpaged-2048"}
     assert s["burst_output_throughput_ratio"] == med("burst", "vpaged", "output_throughput") / med(
         "burst", "vllm", "output_throughput"
     )
@@ -81,3 +98,17 @@ def test_summary_ratios_are_the_ratios_of_the_medians():
     # One arm missing: no ratio, not a division by nothing.
     only = online.summarize([r for r in runs if r["arm"] == "vpaged"])
     assert only["burst_output_throughput_ratio"] is None and only["rate_mean_tpot_ratio"] is None
+
+
+def test_variant_arms_add_their_options_to_their_server():
+    variants = online.parse_variants(["vpaged-2048=--max-num-batched-tokens 2048", "vllm-eager=--enforce-eager"])
+    assert variants == {"vpaged-2048": ["--max-num-batched-tokens", "2048"], "vllm-eager": ["--enforce-eager"]}
+    cmd = online.server_command("vpaged-2048", "/m", "float32", 1, "/vp/python", "/vl/python", variants["vpaged-2048"])
+    assert cmd[0] == "/vp/python" and flag(cmd, "--max-num-batched-tokens") == "2048"
+    cmd = online.server_command("vllm-eager", "/m", "float32", 1, "/vp/python", "/vl/python", variants["vllm-eager"])
+    assert cmd[0] == "/vl/python" and cmd[-1] == "--enforce-eager"
+    assert online.server_env("vllm-eager")["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    with pytest.raises(ValueError, match="NAME=OPTIONS"):
+        online.parse_variants(["vpaged-2048"])
+    with pytest.raises(ValueError, match="start with vpaged or vllm"):
+        online.parse_variants(["sglang=--x 1"])

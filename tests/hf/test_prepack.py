@@ -156,6 +156,25 @@ def test_panels_keep_the_weights_dtype_and_run_every_row_count(dtype, plan):
         torch.testing.assert_close(got.double(), exact, **TOL[dtype])
 
 
+def test_past_panel_rows_bf16_panels_stay_on_the_panels_fp32_ones_run_f_linear(monkeypatch):
+    """Where the plan is panels, torch's bf16 matmul runs without bf16 instructions (6-8x its fp32 time): a long
+    call on bf16 panels stays on them, one on fp32 panels runs F.linear (MKL) on the plain weight."""
+    monkeypatch.setattr(prepack_module, "linear_plan", lambda: "panels")
+    calls = []
+    plain_linear = F.linear
+    monkeypatch.setattr(prepack_module.F, "linear", lambda *a: calls.append(a[0].dtype) or plain_linear(*a))
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.randn(24, 16, generator=g).to(dtype)
+        x = torch.randn(PANEL_ROWS_MAX + 1, 16, generator=g).to(dtype)
+        packed = pack_weight(w)
+        assert prepack_module.past_panel_rows(x, packed) == (dtype == torch.float32)
+        assert not prepack_module.past_panel_rows(x[:PANEL_ROWS_MAX], packed)
+        got = packed_linear(x, packed, None, w)
+        torch.testing.assert_close(got.double(), x.double() @ w.double().T, **TOL[dtype])
+    assert calls == [torch.float32]
+
+
 def test_weights_that_cannot_be_packed_are_refused_not_guessed():
     assert pack_weight(torch.zeros(4, 4, dtype=torch.float64)) is None
     assert pack_weight(torch.zeros(4, 4, dtype=torch.float16)) is None
@@ -189,20 +208,22 @@ def test_layers_hold_a_packed_weight_once_prepared():
     assert all(m.packed_weight is not None for m in model.modules() if type(m) is PrepackedLinear)
 
 
-def test_a_fused_mlp_on_panels_over_many_rows_runs_the_plain_weights_without_packing_again(monkeypatch):
-    """Past PANEL_ROWS_MAX rows the fused gate_up product runs F.linear on gate_proj's and up_proj's own weights:
-    the two layers' dropped copies stay dropped (no third copy of the MLP's weights), and the result is the plain
-    model's."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_fused_mlp_on_panels_over_many_rows_runs_the_plain_weights_without_packing_again(monkeypatch, dtype):
+    """Past PANEL_ROWS_MAX rows the fused gate_up product on fp32 panels runs F.linear on gate_proj's and up_proj's
+    own weights (on bf16 panels it stays on the panels): the two layers' dropped copies stay dropped (no third copy
+    of the MLP's weights), and the result is the plain model's."""
     monkeypatch.setattr(prepack_module, "linear_plan", lambda: "panels")
     model, ref = pair("llama-tiny")
+    model.to(dtype), ref.to(dtype)
     prepack_linears(model)
     assert fuse_modules(model) > 0
     mlp = model.model.layers[0].mlp
     assert type(mlp.__dict__["_vpaged_gate_up"][0]) is PanelWeight
-    x = torch.randn(PANEL_ROWS_MAX + 3, mlp.gate_proj.in_features)
+    x = torch.randn(PANEL_ROWS_MAX + 3, mlp.gate_proj.in_features).to(dtype)
     with torch.no_grad():
         got, want = mlp(x), ref.model.layers[0].mlp(x)
-    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(got, want, **TOL[dtype])
     assert mlp.gate_proj.packed_weight is None and mlp.up_proj.packed_weight is None
 
 

@@ -55,7 +55,7 @@ def test_engine_config_defaults_normalizes_and_is_frozen():
     assert (c.kv, scheduler.max_num_seqs, scheduler.max_num_batched_tokens, scheduler.watermark_fraction) == (
         "vpaged",
         64,
-        512,
+        2048,
         0.01,
     )
     assert EngineConfig(kv_budget_bytes=1 << 20, kv="paged").store.block_size == 16

@@ -34,7 +34,8 @@ copy is vpaged's instead (vpaged.ops.linear: the weight in 16-output panels, its
 memory stays as it was: on such a CPU (a 2-core Zen 3) the panel product takes SmolLM2-135M's 30 layers at 1-32
 rows (decode steps) in 0.55-0.74x oneDNN's time and a bf16 weight stays bf16 (0.36-0.77x: oneDNN packs it in fp32
 there), while prompt chunks of ~512 rows take 1.06-1.11x (benchmarks/bench_linear.py, and its --engine run, where
-a burst of 32 prompts came out level). Calls of more than PANEL_ROWS_MAX rows run F.linear on the plain weight.
+a burst of 32 prompts came out level). Calls of more than PANEL_ROWS_MAX rows on an fp32 weight run F.linear on the
+plain weight (MKL; a bf16 weight stays on its panels: torch's bf16 matmul is 6-8x slower there).
 linear_plan() says which copy this process makes; on AVX-512 and AMX CPUs oneDNN's wider kernels keep the products
 (the panel product is not measured against them there).
 """
@@ -51,9 +52,10 @@ from ..ops.linear import PanelWeight, pack_panels, panel_linear
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 DEFAULT_BATCH_HINT = 64
-# Calls of more rows than this run F.linear on the plain weight instead of the panels (bench_linear.py: at 2,048
-# rows the panel product re-reads its weight once per chunk of rows and falls 5-8 % behind MKL and oneDNN; below,
-# MKL is the slower one, 1.1-1.3x the panels' time at 128-512 rows).
+# Calls of more rows than this on fp32 panels run F.linear on the plain weight instead (bench_linear.py: at 2,048
+# rows the panel product re-reads its weight once per chunk of rows and falls 3-8 % behind MKL; below, MKL is the
+# slower one, 1.1-1.3x the panels' time at 128-512 rows). bf16 panels take every call: where the plan is panels
+# (AVX2 CPUs) torch's bf16 matmul has no bf16 instructions to run on and takes 6-8x the fp32 time.
 PANEL_ROWS_MAX = 1024
 
 
@@ -137,9 +139,9 @@ class PrepackedLinear(nn.Linear):
 
 
 def past_panel_rows(x: torch.Tensor, packed) -> bool:
-    """Whether prepack's plan runs this call on the plain weight (F.linear) rather than on `packed`: panels and more
-    than PANEL_ROWS_MAX rows of x."""
-    return type(packed) is PanelWeight and x.numel() > PANEL_ROWS_MAX * x.shape[-1]
+    """Whether prepack's plan runs this call on the plain weight (F.linear) rather than on `packed`: fp32 panels and
+    more than PANEL_ROWS_MAX rows of x."""
+    return type(packed) is PanelWeight and packed.dtype == torch.float32 and x.numel() > PANEL_ROWS_MAX * x.shape[-1]
 
 
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None, weight: torch.Tensor | None = None):

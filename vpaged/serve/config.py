@@ -63,7 +63,10 @@ class SchedulerConfig:
     """What the scheduler admits and runs each step. Scheduling policies are fields here too."""
 
     max_num_seqs: int = field(default=64, metadata=option("sequences running at once"))
-    max_num_batched_tokens: int = field(default=512, metadata=option("tokens per step (chunked prefill)"))
+    # 2,048: what vLLM's OpenAI server takes a step on the CPU. Against 512, a burst's prompts finish sooner (SmolLM2
+    # on a 2-core Zen 3: last first token 7-16 % earlier, burst throughput level or better; benchmarks/NOTES.md), while
+    # a long prompt arriving mid-decode holds the running sequences' next token for a longer step: lower it for that.
+    max_num_batched_tokens: int = field(default=2048, metadata=option("tokens per step (chunked prefill)"))
     watermark_fraction: float = field(
         default=0.01,
         metadata=option(
