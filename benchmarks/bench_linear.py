@@ -14,10 +14,11 @@ matmul.
         [--layers 30] [--hidden 576] [--intermediate 1536] [--kv-width 192] [--repeats 7] [--threads 2]
 
 --engine: instead, the serving engine on SmolLM2-135M-Instruct (benchmarks/real_model.py) with each packing plan
-(vpaged.hf.prepack.linear_plan forced to "onednn" and to "panels"): two engines in one process, a burst of 32
-random prompts x 256 tokens -> 64 (greedy, ignore_eos) on each in turn, --repeats rounds, fresh prompts every
-round; reported: each burst's seconds, the time in the linear products split at 64 rows (decode steps below,
-prompt chunks above), and how many completions the plans share.
+of --plans (vpaged.hf.prepack.linear_plan forced to each; default "onednn,panels"): one engine per plan in one
+process, a burst of 32 random prompts x 256 tokens -> 64 (greedy, ignore_eos)
+on each in turn, --repeats rounds, fresh prompts every round; reported: each burst's seconds, each plan's median
+over the first plan's, the time in the linear products split at 64 rows (decode steps below, prompt chunks above),
+and how many completions every plan shares with the first. --max-batched sets the engines' tokens per step.
 
 Writes benchmarks/results/OUTPUT (default linear.json, or linear-engine.json). Time it on a quiet machine.
 """
@@ -68,25 +69,47 @@ def engine_section(args) -> None:
     current = ["warm-up"]
     plain = prepack_module.packed_linear
 
+    def count(x, seconds):
+        rows = x.numel() // x.shape[-1]
+        split[(current[0], "rows <= 64" if rows <= 64 else "rows > 64")] += seconds
+
     def timed(x, packed, bias=None, weight=None):
         t = time.perf_counter()
         y = plain(x, packed, bias, weight)
-        rows = x.numel() // x.shape[-1]
-        split[(current[0], "rows <= 64" if rows <= 64 else "rows > 64")] += time.perf_counter() - t
+        count(x, time.perf_counter() - t)
         return y
 
+    class TimedFunctional:
+        """torch.nn.functional for the fused MLP, its F.linear timed: past PANEL_ROWS_MAX rows on fp32 panels it
+        runs gate_proj's and up_proj's products there, not through packed_linear."""
+
+        def __getattr__(self, name):
+            return getattr(F, name)
+
+        @staticmethod
+        def linear(x, weight, bias=None):
+            t = time.perf_counter()
+            y = F.linear(x, weight, bias)
+            count(x, time.perf_counter() - t)
+            return y
+
     prepack_module.packed_linear = fused_module.packed_linear = timed
+    fused_module.F = TimedFunctional()
 
     def prompts(seed: int, n: int = 32, length: int = 256) -> list[list[int]]:
         rng = random.Random(seed)
         return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
 
     dtype = getattr(torch, args.dtype)
+    plans = args.plans.split(",")
+    for plan in plans:
+        if plan not in prepack_module.LINEAR_PLANS:
+            raise SystemExit(f"--plans: {plan!r} is not one of {prepack_module.LINEAR_PLANS}")
     engines = {}
-    for plan in ("onednn", "panels"):
+    for plan in plans:
         prepack_module.linear_plan = lambda plan=plan: plan
         model, tok = real_model.load(dtype)
-        engines[plan] = LLM(model, tok, kv_budget_bytes=1 << 29)
+        engines[plan] = LLM(model, tok, kv_budget_bytes=1 << 30, max_num_batched_tokens=args.max_batched)
         engines[plan].generate(prompts(99, 2), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     seconds = {plan: [] for plan in engines}
@@ -99,8 +122,9 @@ def engine_section(args) -> None:
             outs = llm.generate(prompts(1000 + r), params)
             seconds[plan].append(round(time.perf_counter() - t, 2))
             tokens[plan] = [list(o.outputs[0].token_ids) for o in outs]
-        same += sum(a == b for a, b in zip(tokens["onednn"], tokens["panels"]))
-        total += len(tokens["panels"])
+        first = tokens[plans[0]]
+        same += sum(all(t[i] == first[i] for t in tokens.values()) for i in range(len(first)))
+        total += len(first)
         print(f"round {r + 1}: " + ", ".join(f"{p} {seconds[p][-1]} s" for p in engines), flush=True)
     medians = {plan: statistics.median(v) for plan, v in seconds.items()}
     payload = {
@@ -108,20 +132,18 @@ def engine_section(args) -> None:
         "machine": machine(),
         "dtype": args.dtype,
         "threads": args.threads,
-        "workload": "SmolLM2-135M-Instruct, 32 x 256 -> 64, greedy, max_num_batched_tokens 512",
+        "workload": f"SmolLM2-135M-Instruct, 32 x 256 -> 64, greedy, max_num_batched_tokens {args.max_batched}",
+        "plans": plans,
         "seconds": seconds,
         "median_seconds": medians,
-        "panels_over_onednn": round(medians["panels"] / medians["onednn"], 3),
+        "over_first_plan": {plan: round(medians[plan] / medians[plans[0]], 3) for plan in plans[1:]},
         "linear_seconds": {f"{plan}, {rows}": round(v, 2) for (plan, rows), v in sorted(split.items())},
         "identical_completions": [same, total],
     }
     write_json(args.output or "linear-engine.json", payload)
     print(
         json.dumps(
-            {
-                k: payload[k]
-                for k in ("median_seconds", "panels_over_onednn", "linear_seconds", "identical_completions")
-            },
+            {k: payload[k] for k in ("median_seconds", "over_first_plan", "linear_seconds", "identical_completions")},
             indent=1,
         )
     )
@@ -138,6 +160,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engine", action="store_true", help="the engine on SmolLM2 with each plan (see above)")
+    ap.add_argument("--plans", default="onednn,panels", help="--engine: the packing plans, the first the reference")
+    ap.add_argument("--max-batched", type=int, default=2048, help="--engine: the engines' tokens per step")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

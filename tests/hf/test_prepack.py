@@ -20,6 +20,7 @@ from vpaged import _C  # noqa: E402
 from vpaged.errors import InvalidArgumentError  # noqa: E402
 from vpaged.hf.fused import fuse_modules  # noqa: E402
 from vpaged.hf.prepack import (  # noqa: E402
+    LINEAR_PLAN_ENV,
     PANEL_ROWS_MAX,
     PrepackedLinear,
     linear_plan,
@@ -131,10 +132,24 @@ def test_a_bf16_layer_packed_in_fp32_runs_its_products_in_fp32(bias):
     assert pack_weight(w).dtype in (torch.bfloat16, torch.float32)
 
 
-def test_the_plan_follows_the_kernels_cpu_path():
+def test_the_plan_follows_the_kernels_cpu_path(monkeypatch):
+    monkeypatch.delenv(LINEAR_PLAN_ENV, raising=False)
     assert linear_plan() == ("panels" if _C.cpu_auto_isa() == "avx2" else "onednn")
     packed = pack_weight(torch.randn(24, 16))
     assert (type(packed) is PanelWeight) == (linear_plan() == "panels")
+    monkeypatch.setenv(LINEAR_PLAN_ENV, "auto")
+    assert linear_plan() == ("panels" if _C.cpu_auto_isa() == "avx2" else "onednn")
+
+
+@pytest.mark.parametrize("chosen", ["panels", "onednn", " OneDNN "])
+def test_the_environment_picks_the_plan_and_a_bad_value_is_refused(monkeypatch, chosen):
+    monkeypatch.setenv(LINEAR_PLAN_ENV, chosen)
+    assert linear_plan() == chosen.strip().lower()
+    monkeypatch.setenv(LINEAR_PLAN_ENV, "mkl")
+    with pytest.raises(InvalidArgumentError, match="VPAGED_LINEAR_PLAN='mkl'"):
+        linear_plan()
+    with pytest.raises(InvalidArgumentError):
+        pack_weight(torch.randn(4, 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

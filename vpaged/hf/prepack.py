@@ -37,10 +37,13 @@ there), while prompt chunks of ~512 rows take 1.06-1.11x (benchmarks/bench_linea
 a burst of 32 prompts came out level). Calls of more than PANEL_ROWS_MAX rows on an fp32 weight run F.linear on the
 plain weight (MKL; a bf16 weight stays on its panels: torch's bf16 matmul is 6-8x slower there).
 linear_plan() says which copy this process makes; on AVX-512 and AMX CPUs oneDNN's wider kernels keep the products
-(the panel product is not measured against them there).
+(the panel product is not measured against them there). VPAGED_LINEAR_PLAN=panels or onednn overrides it for the
+process.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -59,10 +62,21 @@ DEFAULT_BATCH_HINT = 64
 PANEL_ROWS_MAX = 1024
 
 
+# The packed copies pack_weight can make (linear_plan): vpaged's panels or oneDNN's copy.
+LINEAR_PLANS = ("panels", "onednn")
+LINEAR_PLAN_ENV = "VPAGED_LINEAR_PLAN"
+
+
 def linear_plan() -> str:
-    """Which packed copy pack_weight makes in this process: "panels" where vpaged's kernels run their AVX2 path
-    (cpu_auto_isa, capped by VPAGED_CPU_ISA), else "onednn"."""
-    return "panels" if _C.cpu_auto_isa() == "avx2" else "onednn"
+    """Which packed copy pack_weight makes in this process (one of LINEAR_PLANS): VPAGED_LINEAR_PLAN where it is set
+    to one of them; unset or "auto": "panels" where vpaged's kernels run their AVX2 path (cpu_auto_isa, capped by
+    VPAGED_CPU_ISA), else "onednn". Any other value raises InvalidArgumentError."""
+    chosen = os.environ.get(LINEAR_PLAN_ENV, "auto").strip().lower() or "auto"
+    if chosen == "auto":
+        return "panels" if _C.cpu_auto_isa() == "avx2" else "onednn"
+    if chosen not in LINEAR_PLANS:
+        raise InvalidArgumentError(f"{LINEAR_PLAN_ENV}={chosen!r}: expected auto, {', '.join(LINEAR_PLANS)}")
+    return chosen
 
 
 _OPS: tuple | None = None
