@@ -190,6 +190,60 @@ def test_bad_rows_write_nothing(layout, rng):
     assert torch.equal(cache.kv(1, seqs[3])[0][32], k[5])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_write_plan_writes_every_layer_as_write_kv_does(layout, dtype, rng):
+    """One WritePlan over every layer's descriptor of the same sequences (as a serving step builds it) leaves the
+    cache byte for byte as write_kv called per layer on a second cache with the same contents."""
+    caches = [make_cache(layout, dtype) for _ in range(2)]
+    for cache, seqs in caches:
+        fill(cache, seqs, torch.Generator().manual_seed(7))
+    (plan_cache, seqs), (ref_cache, ref_seqs) = caches
+    lengths = [plan_cache.seq_len(s) for s in seqs]
+    rows, pos = random_rows(lengths, rng, 30)
+    first = torch.tensor([plan_cache.writable_range(s)[0] for s in seqs], dtype=torch.int32)
+    plan = ops.WritePlan([plan_cache.batch(layer, seqs) for layer in range(LAYERS)], rows, pos, writable_from=first)
+    for layer in reversed(range(LAYERS)):  # any order of layers
+        k = strided_rows(len(rows), HKV, D, dtype, rng)
+        v = rand((len(rows), HKV, D), dtype, rng)
+        plan.write(layer, k, v)
+        ops.write_kv(k, v, ref_cache.batch(layer, ref_seqs), rows, pos, writable_from=first)
+    assert_same(plan_cache, seqs, snapshot(ref_cache, ref_seqs))
+
+
+def test_a_write_plan_refuses_what_write_kv_refuses_and_writes_nothing(rng):
+    cache, seqs = make_cache("per_layer", torch.float32)
+    fill(cache, seqs, rng)
+    snap = snapshot(cache, seqs)
+    layers = [cache.batch(layer, seqs) for layer in range(LAYERS)]
+    n = 4
+    rows = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    pos = torch.tensor([4, 69, 0, 32], dtype=torch.int32)
+    k, v = rand((n, HKV, D), torch.float32, rng), rand((n, HKV, D), torch.float32, rng)
+    with pytest.raises(InvalidArgumentError, match="same slots and lengths"):
+        ops.WritePlan([layers[0], cache.batch(1, seqs[::-1])], rows, pos)
+    with pytest.raises(InvalidArgumentError):
+        ops.WritePlan([], rows, pos)
+    with pytest.raises(InvalidArgumentError):
+        ops.WritePlan([layers[0], "not a descriptor"], rows, pos)
+    with pytest.raises(ShapeError):
+        ops.WritePlan(layers, rows.view(2, 2), pos)
+    with pytest.raises(DTypeError):
+        ops.WritePlan(layers, rows, pos.float())
+    plan = ops.WritePlan(layers, rows, pos)
+    with pytest.raises(ShapeError):
+        plan.write(0, k[:-1], v[:-1])  # not the plan's rows
+    with pytest.raises(DTypeError):
+        plan.write(1, k.double(), v.double())
+    bad = ops.WritePlan(layers, rows, pos.clone().index_fill_(0, torch.tensor([3]), 33))  # = the length: refused
+    for layer in range(LAYERS):
+        with pytest.raises(InvalidArgumentError):
+            bad.write(layer, k, v)
+    assert_same(cache, seqs, snap)
+    plan.write(2, k, v)
+    assert torch.equal(cache.kv(2, seqs[3])[0][32], k[3]) and torch.equal(cache.kv(2, seqs[1])[1][69], v[1])
+
+
 def test_shared_tokens_are_refused_through_writable_range(rng):
     """After a fork the parent's tokens live in shared pages: writable_range() bounds keep the scatter off them."""
     cache, seqs = make_cache("per_layer", torch.float32, lengths=(64,))

@@ -60,6 +60,7 @@ PUBLIC = {
         "decode_attention_reference",
         "batched_kv_from_tensors",
         "write_kv",
+        "WritePlan",
         "plan_cuda_splits",
         "PanelWeight",
         "pack_panels",

@@ -7,6 +7,7 @@
     decode_attention_reference(q, cache, seqs, layer)  torch SDPA per sequence
     batched_kv_from_tensors(k, v, lengths)             BatchedKV over ordinary dense tensors
     write_kv(k, v, batched_kv, rows, positions)        scatter new tokens' K/V into a cache (write.py)
+    WritePlan(descriptors, rows, positions).write(i, k, v)   the same for every layer of a step, checked once
     panel_linear(x, pack_panels(weight), bias)         a linear product of few rows on a packed weight (linear.py)
 
 decode.py holds the tensor-level entry points, plans.py the step plan (DecodePlan) and the per-layer plans
@@ -24,11 +25,12 @@ from .launch import plan_cuda_splits
 from .linear import PanelWeight, pack_panels, panel_linear
 from .plans import DecodePlan, decode_attention
 from .support import decode_supported, decode_unsupported
-from .write import write_kv
+from .write import WritePlan, write_kv
 
 __all__ = [
     "DecodePlan",
     "PanelWeight",
+    "WritePlan",
     "batched_kv_from_tensors",
     "decode_attention",
     "decode_attention_contiguous",

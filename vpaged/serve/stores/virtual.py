@@ -14,7 +14,7 @@ import torch
 
 from ...kvcache import VirtualCacheConfig, VirtualKVCache
 from ...kvcache.geometry import KVGeometry
-from ...ops import DecodePlan, decode_unsupported, write_kv
+from ...ops import DecodePlan, WritePlan, decode_unsupported
 from .attention import StepAttention, decodes_as_prefills, prefill_rows
 from .base import Allocation, StoreMemory
 
@@ -54,7 +54,7 @@ class VirtualStep(StepAttention):
         if decodes:  # each attends over its tokens and the new one (a static slot holds more)
             lengths = [seq.num_computed + 1 for seq in decodes]
             self._decode = DecodePlan.build(cache, [seq.handle for seq in decodes], lengths)
-        # New tokens are written by one scatter per layer (vpaged.ops.write_kv) through a descriptor of every
+        # New tokens are written by one scatter per layer (vpaged.ops.WritePlan) through a descriptor of every
         # sequence of the step: row i of the packed K/V goes to token positions[i] of sequence rows[i]. The
         # bounds come from the cache (writable_range: the tokens mapped, and not shared with another sequence),
         # and the extension checks every row against them before writing.
@@ -67,21 +67,21 @@ class VirtualStep(StepAttention):
                 positions.extend(range(start, start + n))
             counts = [1] * len(decodes) + [n for _, _, n in prefills]
             ends = [end for _, end in ranges]
-            self._write = (
-                torch.tensor([first for first, _ in ranges], dtype=torch.int32),
-                torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32), torch.tensor(counts)),
-                torch.tensor(positions, dtype=torch.int32),
-            )
-            # write_kv reads the slots and lengths on the host: CPU tensors also for a CUDA cache.
+            # write_kv reads the slots and lengths on the host: CPU tensors also for a CUDA cache. One WritePlan for
+            # every layer: the rows and positions are checked once a step, not once a layer.
             slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.int32)
             lengths = torch.tensor(ends, dtype=torch.int32)
-            self._write_kv = [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv]
+            self._write = WritePlan(
+                [dataclasses.replace(b, slots=slots, lengths=lengths) for b in store.layer_kv],
+                torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32), torch.tensor(counts)),
+                torch.tensor(positions, dtype=torch.int32),
+                writable_from=torch.tensor([first for first, _ in ranges], dtype=torch.int32),
+                check_mapped=False,
+            )
 
     def write(self, layer, k, v):
-        if self._write is None:
-            return
-        first, rows, positions = self._write
-        write_kv(k, v, self._write_kv[layer], rows, positions, writable_from=first, check_mapped=False)
+        if self._write is not None:
+            self._write.write(layer, k, v)
 
     def decode(self, layer, q, scale, out):
         self._decode.run(layer, q, scale, out)
