@@ -54,9 +54,10 @@ class WritePlan:
     slots and lengths, each its own memory), the index tensors checked and copied to the host once, then
     write(i, k, v) per descriptor.
 
-    Why: a step writes every layer through the same rows and positions; checking and copying them per layer cost
-    ~160 us of Python a call, ~5 ms of a 73 ms decode step of a 30-layer model (SmolLM2 on a 2-core Zen 3), where
-    the scatter itself is ~40 us. What write_kv checks per call is checked here once at construction (the index
+    Why: a step writes every layer through the same rows and positions, and write_kv checks and copies them on
+    every call; one plan per step takes a 30-layer step's writes in 0.87-0.92x write_kv's time (~1 ms a step at
+    batch 1-32 on a 2-core Zen 3, SmolLM2's K/V shape: benchmarks/bench_write_plan.py). What write_kv checks per
+    call is checked here once at construction (the index
     tensors, the descriptors' dtypes, check_mapped per descriptor); write() checks k and v against its descriptor,
     and the extension checks every row against the bounds before writing, as write_kv's does. The descriptors must
     share their slots and lengths (InvalidArgumentError otherwise); a plan is for one step: build a new one when
@@ -121,7 +122,7 @@ class WritePlan:
         self._host = (slots_h, lengths_h, rows_h, pos_h, from_h)
         self._n, self._num_seqs = n, num_seqs
         self._params: list = [None] * len(descriptors)
-        self._device_index = None  # the index tensors on a CUDA cache's device, copied at its first write
+        self._device_index = None  # the index tensors on a CUDA cache's device and stream, copied at the first write
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter k and v ([N, num_kv_heads, head_dim] / [N, num_kv_heads, v_head_dim], N the plan's rows) into
@@ -153,13 +154,16 @@ class WritePlan:
         if self._n == 0:
             return
         dev = k.device
-        if self._device_index is None or self._device_index[0] != dev:
+        stream = torch.cuda.current_stream(dev)
+        # The index tensors go to the device once per stream: a write on the stream that copied them is ordered
+        # after the copy; another stream gets its own copy.
+        if self._device_index is None or self._device_index[0] != (dev, stream.cuda_stream):
             on_dev = [None if t is None else t.to(dev, non_blocking=True) for t in self._host]
-            self._device_index = (dev, on_dev)
+            self._device_index = ((dev, stream.cuda_stream), on_dev)
         d_slots, d_lengths, d_rows, d_pos, d_from = self._device_index[1]
         p.slots, p.lengths, p.rows, p.positions = (t.data_ptr() for t in (d_slots, d_lengths, d_rows, d_pos))
         p.writable_from = d_from.data_ptr() if d_from is not None else 0
-        _C.write_kv_cuda(p, dev.index, torch.cuda.current_stream(dev).cuda_stream)
+        _C.write_kv_cuda(p, dev.index, stream.cuda_stream)
 
     def _descriptor_params(self, kv: BatchedKV):
         """The extension's parameters for descriptor kv: its memory, strides and extents and the host index
