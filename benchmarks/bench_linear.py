@@ -15,10 +15,10 @@ matmul.
 
 --engine: instead, the serving engine on SmolLM2-135M-Instruct (benchmarks/real_model.py) with each packing plan
 of --plans (vpaged.hf.prepack.linear_plan forced to each; default "onednn,panels"): one engine per plan in one
-process, a burst of 32 random prompts x 256 tokens -> 64 (greedy, ignore_eos)
-on each in turn, --repeats rounds, fresh prompts every round; reported: each burst's seconds, each plan's median
-over the first plan's, the time in the linear products split at 64 rows (decode steps below, prompt chunks above),
-and how many completions every plan shares with the first. --max-batched sets the engines' tokens per step.
+process, a burst of 32 random prompts x 256 tokens -> 64 (greedy, ignore_eos) on each in turn, --repeats rounds,
+fresh prompts every round; reported: each burst's seconds, each plan's median over the first plan's, the time in
+the linear products split at 64 rows (decode steps below, prompt steps above), and how many completions every plan
+shares with the first. --max-batched sets the engines' tokens per step (default 2,048, the engine's own).
 
 Writes benchmarks/results/OUTPUT (default linear.json, or linear-engine.json). Time it on a quiet machine.
 """
