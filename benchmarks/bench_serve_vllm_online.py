@@ -22,6 +22,10 @@ each the median over the repeats.
 
     .venv/bin/python benchmarks/bench_serve_vllm_online.py [--dtype bfloat16] [--repeats 2]
     .venv/bin/python benchmarks/bench_serve_vllm_online.py --scale 0.125   # a smoke run: 4 prompts, short
+    .venv/bin/python benchmarks/bench_serve_vllm_online.py --arms vpaged,vpaged-512,vllm \
+        --variant 'vpaged-512=--max-num-batched-tokens 512'     # an extra arm: a server with options of its own
+
+A variant's ratios over vllm are reported beside the main arm's (summary.variant_ratios).
 
 Nothing else may run on the machine meanwhile (vLLM's start-up compiles for about 75 s on 2 cores). Writes
 benchmarks/results/OUTPUT (default online-vllm_<dtype>.json) after every client run.
