@@ -203,17 +203,24 @@ struct Call {
   void (*finish)(const TileSums&, int, int, const void*, int64_t, void*, int64_t, int64_t);
 };
 
+// The rows a chunk takes for rows of K values: x fits the L2 beside a panel, a whole number of tiles.
+int64_t chunk_rows(int64_t K) {
+  return std::max<int64_t>(kMaxTileRows, std::min<int64_t>(120, kChunkXBytes / (K * 4)) / kMaxTileRows * kMaxTileRows);
+}
+
+// Whether a chunk of `rows` rows of bf16 panels widens each panel once instead of in every tile's registers.
+bool widens(int64_t rows) { return (rows + kMaxTileRows - 1) / kMaxTileRows >= kWidenTiles; }
+
 // Panels [p0, p1) for every row, chunk by chunk; a chunk's rows in near-equal tiles of at most kMaxTileRows.
-// scratch: K x kW floats of this thread's (for widened bf16 panels), allocated by the caller outside the parallel
-// region: an allocation that throws there would end the process.
+// scratch: K x kW floats of this thread's (for widened bf16 panels; none where no chunk widens), allocated by the
+// caller outside the parallel region: an allocation that throws there would end the process.
 void run_panels(const Call& c, int64_t p0, int64_t p1, float* scratch) {
-  const int64_t chunk =
-      std::max<int64_t>(kMaxTileRows, std::min<int64_t>(120, kChunkXBytes / (c.K * 4)) / kMaxTileRows * kMaxTileRows);
+  const int64_t chunk = chunk_rows(c.K);
   TileSums sums;
   for (int64_t m0 = 0; m0 < c.rows; m0 += chunk) {
     const int64_t m1 = std::min(c.rows, m0 + chunk);
     const int64_t tiles = (m1 - m0 + kMaxTileRows - 1) / kMaxTileRows;
-    const bool widen = c.widen != nullptr && tiles >= kWidenTiles;
+    const bool widen = c.widen != nullptr && widens(m1 - m0);
     for (int64_t p = p0; p < p1; ++p) {
       const char* panel = c.panels + p * c.panel_bytes;
       const int valid = int(std::min<int64_t>(kW, c.N - p * kW));
@@ -304,7 +311,9 @@ void linear_panels_cpu(const void* x, int64_t x_stride, int64_t rows, int64_t in
   int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
   if (rows * in_features * out_features < kParallelMacs) nt = 1;
   nt = int(std::min<int64_t>(nt, num_panels));
-  const int64_t per_thread = c.widen != nullptr ? c.K * kW : 0;
+  // Only calls with a chunk that widens get scratch (the first chunk is the largest): decode-size calls on bf16
+  // panels, ~200 a step, allocate nothing.
+  const int64_t per_thread = c.widen != nullptr && widens(std::min(rows, chunk_rows(c.K))) ? c.K * kW : 0;
   std::vector<float> scratch(size_t(std::max(nt, 1) * per_thread));
   if (nt <= 1) {
     run_panels(c, 0, num_panels, scratch.data());
