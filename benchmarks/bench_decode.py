@@ -401,6 +401,12 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, metavar="PATH", help="compare with vLLM's CPU attention op")
     ap.add_argument("--vllm-only", action="store_true", help="with --vllm-python: only the vLLM comparison")
     ap.add_argument("--vllm-blocks", default="16,32,128", help="vLLM block sizes to time (its fastest is compared)")
+    ap.add_argument(
+        "--isas",
+        default="",
+        help="with --vllm-python: also time vpaged on these CPU code paths (comma-separated, e.g. avx512bf16,amx), "
+        "each beside the auto path in the same round-robin",
+    )
     args = ap.parse_args()
 
     device = vpaged.memory.device.normalize_device(args.device)
@@ -534,6 +540,10 @@ def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str])
     if facts is None:
         print(f"vllm comparison skipped: {why}")
         return {"python": args.vllm_python, "skipped": why}
+    isas = [isa for isa in args.isas.split(",") if isa]
+    missing = [isa for isa in isas if isa not in vpaged._C.decode_cpu_isas()]
+    if missing:
+        raise SystemExit(f"--isas: this CPU has no code path {missing} (it has {vpaged._C.decode_cpu_isas()})")
     gen = torch.Generator().manual_seed(0)
     tensors, vpaged_fns, floor_fns, closers, outs, cases = {}, {}, {}, [], {}, {}
     for c, dtype_name in ((c, n) for c in VLLM_CELLS for n in dtypes):
@@ -562,6 +572,8 @@ def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str])
             virt.write(0, seqs[i], k[i], v[i])
         outs[name] = torch.empty_like(q)
         vpaged_fns[name] = lambda q=q, virt=virt, seqs=seqs, o=outs[name]: ops.decode_attention(q, virt, seqs, 0, out=o)
+        for isa in isas:
+            vpaged_fns[f"{name}@{isa}"] = on_code_path(isa, vpaged_fns[name])
         # The cell's K/V bytes read once (the read floor), reduced as int32: torch's max over bf16 is no streaming
         # read (2.7x the int32 time over the same bytes on an AMX Xeon), which made a bf16 "floor" slower than the
         # kernels it bounds.
@@ -614,6 +626,15 @@ def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str])
                 "max_abs_diff": diff,
             }
         )
+        if isas:
+            rows[-1]["vpaged_by_isa"] = {
+                isa: {
+                    "ms": (ms := statistics.median([before[f"{name}@{isa}"], after[f"{name}@{isa}"]]) * 1e3),
+                    "over_vllm": ms / vl,
+                    "over_read_floor": ms / (floors[name] * 1e3),
+                }
+                for isa in isas
+            }
         print(
             f"vs vLLM {res['vllm_version']} ({dtype_name}, batch {c['batch']}, {c['heads']}/{c['kv_heads']} heads, "
             f"d{c['head_dim']}, ctx {c['context']}): vpaged contiguous {vp:.3f} ms, vLLM cpu_attention_with_kv_cache "
@@ -621,9 +642,28 @@ def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str])
             f"ratio {vp / vl:.2f}; read floor {floors[name] * 1e3:.3f} ms (vpaged {vp / (floors[name] * 1e3):.2f}x), "
             f"max |diff| {diff:.2e}"
         )
+        for isa, r in rows[-1].get("vpaged_by_isa", {}).items():
+            print(
+                f"    vpaged on {isa}: {r['ms']:.3f} ms, ratio {r['over_vllm']:.2f}, {r['over_read_floor']:.2f}x the read floor"
+            )
     for close in closers:
         close()
     return {"python": args.vllm_python, "vllm_version": res["vllm_version"], "threads": res["threads"], "rows": rows}
+
+
+def on_code_path(isa: str, fn):
+    """fn with vpaged's CPU decode kernel forced onto code path `isa` for the call (the step path a cache's
+    decode_attention takes reads _C.decode_cpu_rows per call; its last argument is the path)."""
+    real = vpaged._C.decode_cpu_rows
+
+    def run():
+        vpaged._C.decode_cpu_rows = lambda *a: real(*a[:8], isa)
+        try:
+            return fn()
+        finally:
+            vpaged._C.decode_cpu_rows = real
+
+    return run
 
 
 def summary_rows(results: dict) -> list[dict]:

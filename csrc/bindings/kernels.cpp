@@ -25,7 +25,8 @@ void address_field(py::class_<C>& cls, const char* name, P C::* field) {
 
 int isa_code(const std::string& isa) {
   const int code = vpaged::kernels::cpu_isa_from_name(isa);
-  if (code == -2) throw vpaged::InvalidArgument("isa must be auto, baseline, avx2, avx512 or avx512bf16, got " + isa);
+  if (code == -2)
+    throw vpaged::InvalidArgument("isa must be auto, baseline, avx2, avx512, avx512bf16 or amx, got " + isa);
   return code;
 }
 
@@ -161,8 +162,8 @@ void register_kernels(py::module_& m) {
         decode_cpu(p, num_threads, code);
       },
       py::arg("params"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
-      "Decode attention on the CPU (blocking). isa: auto (the best this CPU has), baseline, avx2, avx512 or "
-      "avx512bf16.");
+      "Decode attention on the CPU (blocking). isa: auto (the best this CPU has), baseline, avx2, avx512, "
+      "avx512bf16 or amx.");
   // The per-call path of decode_attention on a cache: the layer's geometry comes prebuilt (base), the call
   // adds what changes per step. Slots and lengths arrive as lists and live in C++ for the call, so a step
   // builds no tensors; base.max_tokens is the capacity per sequence, and every length is checked against
@@ -218,7 +219,7 @@ void register_kernels(py::module_& m) {
       "decode_cpu_int8_dot", [](const std::string& isa) { return cpu_int8_dot(isa_code(isa)); },
       py::arg("isa") = "auto",
       "Whether int8 K/V decode on this CPU code path takes integer products of a quantized query and probabilities "
-      "(VNNI on avx512bf16, 16-bit on avx2: an accuracy contract of its own, csrc/kernels/decode_cpu_tiles.h) "
+      "(VNNI on avx512bf16 and amx, 16-bit on avx2: an accuracy contract of its own, csrc/kernels/decode_cpu_tiles.h) "
       "instead of fp32 products.");
   m.def(
       "decode_cpu_int8_dot_prob_steps", [](const std::string& isa) { return cpu_int8_dot_prob_steps(isa_code(isa)); },

@@ -75,27 +75,37 @@ void check_params(const DecodeParams& p);
 
 // CPU code paths, chosen at run time: the portable x86-64 build (the reference), AVX2+FMA, AVX-512
 // (F/BW/VL/DQ; head_dim = v_head_dim = 64, 128 or 256, and K 192 / V 128; other head dims run the AVX2 build),
-// and AVX-512 with BF16 dot products (bf16 scores by vdpbf16ps; other dtypes as AVX-512). On the AVX2 path,
+// AVX-512 with BF16 dot products (bf16 scores by vdpbf16ps; other dtypes as AVX-512), and AMX (bf16 q/K/V/out on
+// contiguous K/V with up to 16 query heads per kv head, at those head dims: scores and P.V as tile products,
+// decode_cpu_amx.cpp, probabilities rounded to bf16 for P.V; everything else as avx512bf16). On the AVX2 path,
 // 16-bit K/V of those head dims run a tile loop that widens rows in registers (fp32 K/V the generic loop).
 // Quantized K/V run a tile loop that dequantizes in registers: the AVX2 one (AVX2 + F16C) on the AVX2 path, the
-// 16-lane one on both AVX-512 paths; the portable build on baseline.
-enum CpuIsa : int { kIsaAuto = -1, kIsaBaseline = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3 };
-// The name of a path ("baseline", "avx2", "avx512", "avx512bf16"), and back: the code of a name, kIsaAuto for
+// 16-lane one on the AVX-512 paths; the portable build on baseline.
+enum CpuIsa : int {
+  kIsaAuto = -1,
+  kIsaBaseline = 0,
+  kIsaAvx2 = 1,
+  kIsaAvx512 = 2,
+  kIsaAvx512Bf16 = 3,
+  kIsaAmx = 4,
+};
+// The name of a path ("baseline", "avx2", "avx512", "avx512bf16", "amx"), and back: the code of a name, kIsaAuto for
 // "auto", -2 for a name of no path.
 const char* cpu_isa_name(int isa);
 int cpu_isa_from_name(const std::string& name);
-// The best path this CPU (and OS) supports.
+// The best path this CPU (and OS) supports. AMX counts only where the OS grants this process the tile state
+// (Linux: arch_prctl ARCH_REQ_XCOMP_PERM, asked once here).
 int cpu_best_isa();
 // The path kIsaAuto runs: the best one, capped by the environment variable VPAGED_CPU_ISA (baseline, avx2,
-// avx512 or avx512bf16; read once) so that a whole process (a serving engine, a benchmark) can run a narrower
+// avx512, avx512bf16 or amx; read once) so that a whole process (a serving engine, a benchmark) can run a narrower
 // ISA's kernels, as ATEN_CPU_CAPABILITY does for torch's. An unknown value raises InvalidArgument.
 int cpu_auto_isa();
 // The path a CPU kernel named `op` runs for a requested isa: kIsaAuto -> cpu_auto_isa(); an unknown code or a
 // path this CPU lacks raises InvalidArgument.
 int resolve_cpu_isa(const char* op, int isa);
 // Whether int8 K/V decode on path `isa` (resolved as resolve_cpu_isa does) takes its products in integers, of a
-// query quantized per head and of probabilities quantized per chunk: by VNNI dot products on the avx512bf16 path
-// (where the CPU has AVX512_VNNI; probabilities in bytes), by 16-bit products (vpmaddwd) on the avx2 path
+// query quantized per head and of probabilities quantized per chunk: by VNNI dot products on the avx512bf16 and amx
+// paths (where the CPU has AVX512_VNNI; probabilities in bytes), by 16-bit products (vpmaddwd) on the avx2 path
 // (probabilities in 15 bits). Outputs then hold to the accuracy contract of decode_cpu_tiles.h ("Int8 scores by dot
 // products") instead of fp32 rounding. The baseline and avx512 paths keep fp32 products.
 bool cpu_int8_dot(int isa);

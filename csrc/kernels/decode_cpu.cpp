@@ -36,6 +36,8 @@
 // 16 lanes in decode_cpu_avx512.cpp; decode_cpu_item.h is what they share (items, row offsets, prefetches).
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -498,6 +500,28 @@ bool cpu_has_avx512_vnni() {
   return has;
 }
 
+// AMX tiles for bf16 (decode_cpu_amx.cpp). The tile state is an extended state Linux saves only for a process that
+// asked for it (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); until then a tile instruction faults (SIGILL).
+// Asked once; a refusal (an old kernel, a seccomp policy) leaves the path unavailable.
+bool request_amx_tile_state() {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr long kReqXcompPerm = 0x1023, kGetXcompPerm = 0x1022;
+  constexpr int kXtileData = 18;
+  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) != 0) return false;
+  unsigned long granted = 0;
+  if (syscall(SYS_arch_prctl, kGetXcompPerm, &granted) != 0) return false;
+  return (granted >> kXtileData) & 1u;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_amx() {
+  static const bool has = cpu_has_avx512_bf16() && __builtin_cpu_supports("amx-tile") &&
+                          __builtin_cpu_supports("amx-bf16") && request_amx_tile_state();
+  return has;
+}
+
 template <int DT>
 ItemFn select_dim(int D, int DV, int isa) {
   const bool avx2 = isa >= kIsaAvx2;
@@ -603,21 +627,22 @@ void merge_seq(const DecodeParams& p, int b, int64_t first, int count, const flo
 }  // namespace
 
 int cpu_best_isa() {
-  return cpu_has_avx512_bf16() ? kIsaAvx512Bf16
-         : cpu_has_avx512()    ? kIsaAvx512
-         : cpu_has_avx2()      ? kIsaAvx2
-                               : kIsaBaseline;
+  return cpu_has_amx()           ? kIsaAmx
+         : cpu_has_avx512_bf16() ? kIsaAvx512Bf16
+         : cpu_has_avx512()      ? kIsaAvx512
+         : cpu_has_avx2()        ? kIsaAvx2
+                                 : kIsaBaseline;
 }
 
 namespace {
-const char* const kIsaNames[] = {"baseline", "avx2", "avx512", "avx512bf16"};  // by code, kIsaBaseline first
+const char* const kIsaNames[] = {"baseline", "avx2", "avx512", "avx512bf16", "amx"};  // by code, kIsaBaseline first
 }  // namespace
 
-const char* cpu_isa_name(int isa) { return isa >= kIsaBaseline && isa <= kIsaAvx512Bf16 ? kIsaNames[isa] : "auto"; }
+const char* cpu_isa_name(int isa) { return isa >= kIsaBaseline && isa <= kIsaAmx ? kIsaNames[isa] : "auto"; }
 
 int cpu_isa_from_name(const std::string& name) {
   if (name == "auto") return kIsaAuto;
-  for (int i = kIsaBaseline; i <= kIsaAvx512Bf16; ++i)
+  for (int i = kIsaBaseline; i <= kIsaAmx; ++i)
     if (name == kIsaNames[i]) return i;
   return -2;
 }
@@ -626,12 +651,12 @@ int cpu_auto_isa() {
   // -2: VPAGED_CPU_ISA names no path (reported on every use, not at load time, where nothing can catch it).
   static const int cap = [] {
     const char* v = std::getenv("VPAGED_CPU_ISA");
-    if (v == nullptr || *v == '\0') return int(kIsaAvx512Bf16);
+    if (v == nullptr || *v == '\0') return int(kIsaAmx);
     const int code = cpu_isa_from_name(v);
-    return code == kIsaAuto ? int(kIsaAvx512Bf16) : code;
+    return code == kIsaAuto ? int(kIsaAmx) : code;
   }();
   if (cap == -2)
-    throw InvalidArgument(std::string("VPAGED_CPU_ISA must be auto, baseline, avx2, avx512 or avx512bf16, got '") +
+    throw InvalidArgument(std::string("VPAGED_CPU_ISA must be auto, baseline, avx2, avx512, avx512bf16 or amx, got '") +
                           std::getenv("VPAGED_CPU_ISA") + "'");
   return std::min(cap, cpu_best_isa());
 }
@@ -647,13 +672,14 @@ bool cpu_int8_dot(int isa) { return cpu_int8_dot_prob_steps(isa) != 0; }
 
 int resolve_cpu_isa(const char* op, int isa) {
   if (isa == kIsaAuto) return cpu_auto_isa();
-  if (isa < kIsaBaseline || isa > kIsaAvx512Bf16)
+  if (isa < kIsaBaseline || isa > kIsaAmx)
     throw InvalidArgument(std::string(op) + ": unknown CPU code path " + std::to_string(isa));
   if (isa > cpu_best_isa())
     throw InvalidArgument(std::string(op) + ": this CPU cannot run the requested code path (" +
-                          std::string(isa == kIsaAvx512Bf16 ? "AVX512_BF16"
-                                      : isa == kIsaAvx512   ? "AVX-512"
-                                                            : "AVX2") +
+                          std::string(isa == kIsaAmx          ? "AMX-BF16, with the tile state granted by the OS"
+                                      : isa == kIsaAvx512Bf16 ? "AVX512_BF16"
+                                      : isa == kIsaAvx512     ? "AVX-512"
+                                                              : "AVX2") +
                           ")");
   return isa;
 }
@@ -703,7 +729,9 @@ void decode_cpu(const DecodeParams& params, int num_threads, int isa) {
   }
   std::vector<float> part_acc(size_t(partials) * H * DV), part_ml(size_t(partials) * H * 2);
 
-  const ItemFn fn = select_item_fn(p.dtype, p.kv_dtype, D, DV, isa);
+  ItemFn fn = select_item_fn(p.dtype, p.kv_dtype, D, DV, isa);
+  if (isa >= kIsaAmx)
+    if (const ItemFn tiles = amx_item(p)) fn = tiles;
   const size_t ws_floats = workspace_floats(p);
   const int64_t n_items = int64_t(items.size());
   if (nt == 1 || n_items == 1) {

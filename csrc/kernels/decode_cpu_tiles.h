@@ -205,6 +205,48 @@ VP_INLINE void pv_tile(float* __restrict acc, const Stored<KT>* V, const int64_t
   }
 }
 
+// The online softmax of one chunk, once per head, kLanes tokens per vector: sc [H][kChunk] scores in, probabilities
+// e^(score - new max) out; m / l (running max and sum) updated, and each head's row of acc (DV floats, any order of
+// dims) rescaled where its max grew. Lanes past n are masked (what they held, even inf or NaN, becomes -inf for the
+// max and 0 for the sum and the probabilities).
+template <typename W>
+VP_INLINE void chunk_softmax(float* __restrict sc, float* __restrict m, float* __restrict l, float* __restrict acc,
+                             int H, int DV, int n) {
+  using Vec = typename W::Vec;
+  using Mask = typename W::Mask;
+  constexpr int L = W::kLanes;
+  constexpr int NC = kChunk / L;
+  Mask valid[NC];
+  for (int j = 0; j < NC; ++j) valid[j] = W::first(L * j, n);
+  const Vec ninf = W::set1(-std::numeric_limits<float>::infinity());
+  for (int h = 0; h < H; ++h) {
+    float* s = sc + h * kChunk;
+    Vec v[NC];
+    Vec vmx = ninf;
+    for (int j = 0; j < NC; ++j) {
+      v[j] = W::loadu(s + L * j);
+      vmx = W::max(vmx, W::select(valid[j], v[j], ninf));
+    }
+    const float mx = W::hmax(vmx);
+    const float mn = mx > m[h] ? mx : m[h];
+    const float alpha = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : fast_exp(m[h] - mn);
+    const Vec vmn = W::set1(mn);
+    Vec vsum = W::zero();
+    for (int j = 0; j < NC; ++j) {
+      const Vec e = W::zero_unless(valid[j], W::exp(W::sub(v[j], vmn)));
+      W::storeu(s + L * j, e);
+      vsum = W::add(vsum, e);
+    }
+    l[h] = l[h] * alpha + W::hsum(vsum);
+    m[h] = mn;
+    if (alpha != 1.0f) {
+      float* a = acc + h * DV;
+      const Vec va = W::set1(alpha);
+      for (int d = 0; d < DV; d += L) W::storeu(a + d, W::mul(W::loadu(a + d), va));
+    }
+  }
+}
+
 // One item. DT: q and out; KT: K/V as stored (DT, or a 1-byte format with DT == kFloat32). DP: bf16 scores by
 // W::scores_bf16dp of the raw (unscaled) bf16 query, scaled after the reduction. IDP: int8 scores by
 // W::scores_int8dp of the query quantized per head (see "Int8 scores by dot products" above).
@@ -217,7 +259,6 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
   static_assert(!DP || DT == kBFloat16, "dot products of bf16 pairs need bf16 data");
   static_assert(!IDP || KT == kInt8, "int8 dot products need int8 K");
   using Vec = typename W::Vec;
-  using Mask = typename W::Mask;
   using ET = Stored<KT>;
   constexpr int L = W::kLanes;
   constexpr int kBytes = int(sizeof(ET));
@@ -372,38 +413,7 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
       }
     }
 
-    // Online softmax, once per chunk and head, kLanes tokens per vector; lanes past n are masked (what they
-    // held, even inf or NaN, becomes -inf for the max and 0 for the sum).
-    constexpr int NC = kChunk / L;
-    Mask valid[NC];
-    for (int j = 0; j < NC; ++j) valid[j] = W::first(L * j, n);
-    const Vec ninf = W::set1(-std::numeric_limits<float>::infinity());
-    for (int h = 0; h < H; ++h) {
-      float* s = sc + h * kChunk;
-      Vec v[NC];
-      Vec vmx = ninf;
-      for (int j = 0; j < NC; ++j) {
-        v[j] = W::loadu(s + L * j);
-        vmx = W::max(vmx, W::select(valid[j], v[j], ninf));
-      }
-      const float mx = W::hmax(vmx);
-      const float mn = mx > m[h] ? mx : m[h];
-      const float alpha = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : fast_exp(m[h] - mn);
-      const Vec vmn = W::set1(mn);
-      Vec vsum = W::zero();
-      for (int j = 0; j < NC; ++j) {
-        const Vec e = W::zero_unless(valid[j], W::exp(W::sub(v[j], vmn)));
-        W::storeu(s + L * j, e);
-        vsum = W::add(vsum, e);
-      }
-      l[h] = l[h] * alpha + W::hsum(vsum);
-      m[h] = mn;
-      if (alpha != 1.0f) {
-        float* a = acc + h * DV;
-        const Vec va = W::set1(alpha);
-        for (int d = 0; d < DV; d += L) W::storeu(a + d, W::mul(W::loadu(a + d), va));
-      }
-    }
+    chunk_softmax<W>(sc, m, l, acc, H, DV, n);
 
     for (int kh = 0; kh < HKV; ++kh) {
       if constexpr (kRowScale)

@@ -222,7 +222,7 @@ def test_unknown_or_unsupported_code_path():
     )
     with pytest.raises(InvalidArgumentError, match="isa"):
         _C.decode_cpu(p, 1, "sse9")
-    for isa in ("avx2", "avx512", "avx512bf16"):
+    for isa in ("avx2", "avx512", "avx512bf16", "amx"):
         if isa not in ISAS:
             with pytest.raises(InvalidArgumentError, match="cannot run"):
                 _C.decode_cpu(p, 1, isa)
@@ -238,7 +238,7 @@ def test_cpu_isa_cap_from_the_environment():
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
     assert _C.cpu_auto_isa() in ISAS
-    for isa in ("baseline", "avx2", "avx512", "avx512bf16"):
+    for isa in ("baseline", "avx2", "avx512", "avx512bf16", "amx"):
         got = auto_isa(isa)
         assert got.returncode == 0, got.stderr
         expected = isa if isa in ISAS else ISAS[-1]

@@ -419,7 +419,7 @@ def test_isa_forcing_paths_agree(rng):
     """Forced paths give the same numbers up to fp32 rounding (int8 by integer products: within its contract), and
     a path the CPU lacks is refused."""
     p, keep, q, out, ref = case("int8", 4, 128, 128, "dense", rng, lengths=[600, 5])
-    for isa in ("avx2", "avx512", "avx512bf16"):
+    for isa in ("avx2", "avx512", "avx512bf16", "amx"):
         if isa not in ISAS:
             with pytest.raises(InvalidArgumentError, match="cannot run"):
                 _C.decode_cpu(p, 1, isa)
