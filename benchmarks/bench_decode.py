@@ -42,7 +42,12 @@ benchmarks/vllm_decode.py in the other interpreter, flushed the same way, at eac
 (default 16, 32, 128: the ISA vLLM picks depends on it, its AMX kernel wants 32), the fastest taken as vLLM's
 best kernel; vpaged is timed before and after that process (median of both). Rows: ms each, ratio vpaged
 contiguous / vLLM's best, the read floor of the cell's K/V (its bytes over a torch reduction's rate, flushed
-the same way) and the two outputs' max difference.
+the same way) and the two outputs' max difference. --vllm-heads 16,32 adds the cells with 32 query heads (groups
+of 4, where the products weigh more); --isas avx512bf16,amx times vpaged on each of those code paths as well, in
+the same round-robin as the auto path:
+
+    python benchmarks/bench_decode.py --vllm-python .venv-vllm/bin/python --vllm-only --dtypes bf16 \
+        --vllm-heads 16,32 --isas avx512bf16,amx --threads 2
 
 Writes benchmarks/results/decode_<device>.json. On CUDA the contiguous kernel reads a VirtualKVCache on the
 CUDA VMM backend; where that backend is unusable (vpaged.backends() says why) it runs on a plain tensor with
@@ -402,6 +407,11 @@ def main() -> None:
     ap.add_argument("--vllm-only", action="store_true", help="with --vllm-python: only the vLLM comparison")
     ap.add_argument("--vllm-blocks", default="16,32,128", help="vLLM block sizes to time (its fastest is compared)")
     ap.add_argument(
+        "--vllm-heads",
+        default="16",
+        help="with --vllm-python: query heads per cell (8 kv heads; comma-separated, e.g. 16,32 for groups of 2 and 4)",
+    )
+    ap.add_argument(
         "--isas",
         default="",
         help="with --vllm-python: also time vpaged on these CPU code paths (comma-separated, e.g. avx512bf16,amx), "
@@ -546,9 +556,11 @@ def vllm_comparison(args, device, timer: Timer, repeats: int, dtypes: list[str])
         raise SystemExit(f"--isas: this CPU has no code path {missing} (it has {vpaged._C.decode_cpu_isas()})")
     gen = torch.Generator().manual_seed(0)
     tensors, vpaged_fns, floor_fns, closers, outs, cases = {}, {}, {}, [], {}, {}
-    for c, dtype_name in ((c, n) for c in VLLM_CELLS for n in dtypes):
+    heads = [int(h) for h in args.vllm_heads.split(",")]
+    cells = [dict(c, heads=h) for h in heads for c in VLLM_CELLS]
+    for c, dtype_name in ((c, n) for c in cells for n in dtypes):
         b, h, kvh, d, ctx = c["batch"], c["heads"], c["kv_heads"], c["head_dim"], c["context"]
-        name = f"{dtype_name}-b{b}x{ctx}"
+        name = f"{dtype_name}-b{b}x{ctx}" + ("" if h == VLLM_CELLS[0]["heads"] else f"-h{h}")
         cases[name] = (c, dtype_name)
         dtype = DTYPES[dtype_name]
         k = torch.randn(b, ctx, kvh, d, generator=gen).to(dtype)

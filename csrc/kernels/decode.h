@@ -76,7 +76,7 @@ void check_params(const DecodeParams& p);
 // CPU code paths, chosen at run time: the portable x86-64 build (the reference), AVX2+FMA, AVX-512
 // (F/BW/VL/DQ; head_dim = v_head_dim = 64, 128 or 256, and K 192 / V 128; other head dims run the AVX2 build),
 // AVX-512 with BF16 dot products (bf16 scores by vdpbf16ps; other dtypes as AVX-512), and AMX (bf16 q/K/V/out on
-// contiguous K/V with up to 16 query heads per kv head, at those head dims: scores and P.V as tile products,
+// contiguous K/V with 4 to 16 query heads per kv head, at those head dims: scores and P.V as tile products,
 // decode_cpu_amx.cpp, probabilities rounded to bf16 for P.V; everything else as avx512bf16). On the AVX2 path,
 // 16-bit K/V of those head dims run a tile loop that widens rows in registers (fp32 K/V the generic loop).
 // Quantized K/V run a tile loop that dequantizes in registers: the AVX2 one (AVX2 + F16C) on the AVX2 path, the

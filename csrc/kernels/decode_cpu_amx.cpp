@@ -1,11 +1,12 @@
 // bf16 decode attention on AMX tiles (the "amx" CPU code path): contiguous K/V (VirtualKVCache's layouts), GQA
-// groups of up to 16 query heads, head dims 64/64, 128/128, 256/256 and 192/128. Other cases on this path run the
-// avx512bf16 build (decode_cpu.cpp picks).
+// groups of 4 to 16 query heads per kv head, head dims 64/64, 128/128, 256/256 and 192/128. Other cases on this path
+// run the avx512bf16 build (decode_cpu.cpp picks).
 //
-// Why: at batch 8 x 2K with 4 query heads per kv head a decode step is ~8 flops per byte of K/V, and on a 2-core
-// Sapphire Rapids the avx512bf16 tile loop spent about as long in its products (2.0-2.2 ms for a cell held in cache)
-// as the cell's bytes take from memory (2.4-2.7 ms), reaching only 1.1-1.34x the read floor where vLLM's AMX kernel
-// ran at it. A tile product does 16 x 16 x 32 multiply-adds per instruction.
+// Why: with 4 query heads per kv head a decode step is ~8 flops per byte of K/V, and on a 2-core Sapphire Rapids
+// class Xeon the avx512bf16 tile loop's products weigh about as much as its memory traffic. A tile product does
+// 16 x 16 x 32 multiply-adds per instruction. Measured there (benchmarks/NOTES.md, "bf16 decode on AMX tiles"):
+// 0.92-0.94x the avx512bf16 build's time at groups of 4 from memory, 0.72x at groups of 8 with K/V in cache; at
+// groups of 2 (and 3 at head dim 64) level or slower, so those stay on avx512bf16 (kAmxMinGroup).
 //
 // Per chunk of kChunk (32) tokens and kv head:
 //   * scores, as (K rows) x (query heads)^T: the A tiles are 16 K rows x 32 dims read in place (tileloadd takes the
@@ -65,7 +66,12 @@ static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
 #define VP_TILE_VALUES 6   // B: 16 token pairs x 16 dims of V
 #define VP_TILE_OUT 7      // C: G heads x 16 dims of the accumulators
 
-// bf16 q/K/V/out, contiguous K/V, G = H / HKV <= 16, D and DV multiples of 32.
+// Fewest query heads per kv head the tiles are used for: below it the products are too small a part of the work
+// (and the tiles' rows too empty) to pay for packing V and storing scores; measured, see the top of this file.
+constexpr int kAmxMinGroup = 4;
+
+// bf16 q/K/V/out, contiguous K/V, G = H / HKV <= 16 (the kernel is correct for any such G; amx_item picks it from
+// kAmxMinGroup on), D and DV multiples of 32.
 template <int D, int DV>
 void run_item_amx(const DecodeParams& p, const Item& it, float* ws, float* part_acc, float* part_ml) {
   static_assert(D % 32 == 0 && DV % 32 == 0, "tiles take 32 dims of K and 32 of V at a time");
@@ -222,7 +228,8 @@ namespace cpu_decode {
 
 ItemFn amx_item(const DecodeParams& p) {
   if (p.dtype != kBFloat16 || p.kv_dtype != kBFloat16 || p.paged) return nullptr;
-  if (p.num_heads / p.num_kv_heads > 16) return nullptr;
+  const int group = p.num_heads / p.num_kv_heads;
+  if (group < kAmxMinGroup || group > 16) return nullptr;
   const int D = p.head_dim, DV = p.v_head_dim;
   if (D == DV) {
     switch (D) {

@@ -248,7 +248,7 @@ VP_INLINE void finish_item(const DecodeParams& p, const Item& it, const float* a
 ItemFn avx2_tile_item(int dtype, int kv_dtype, int D, int DV);
 ItemFn avx512_tile_item(int dtype, int kv_dtype, int D, int DV, bool bf16_dot, bool int8_dot = false);
 // The AMX item function for these parameters (resolved), or nullptr where decode_cpu_amx.cpp does not cover them (it
-// takes bf16 q/K/V/out, contiguous K/V, G <= 16 and the tile loop's head dims). Call only where cpu_has_amx().
+// takes bf16 q/K/V/out, contiguous K/V, 4 <= G <= 16 and the tile loop's head dims). Call only where cpu_has_amx().
 ItemFn amx_item(const DecodeParams& p);
 
 }  // namespace cpu_decode

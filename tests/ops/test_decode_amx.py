@@ -1,10 +1,10 @@
 """The AMX code path of CPU decode attention (csrc/kernels/decode_cpu_amx.cpp), on CPUs that have AMX-BF16 and whose
 OS grants the tile state; skipped elsewhere with the reason.
 
-What the path covers (bf16 q/K/V/out, contiguous K/V, up to 16 query heads per kv head, head dims 64/64, 128/128,
+What the path covers (bf16 q/K/V/out, contiguous K/V, 4 to 16 query heads per kv head, head dims 64/64, 128/128,
 256/256 and 192/128) is checked against a float64 reference within the bound its header states: probabilities
 rounded to bf16 for P.V move an output by at most 2^-9 max|v|, on top of the bf16 output's own rounding. What it
-does not cover (more than 16 query heads per kv head, a block table, other dtypes, quantized K/V) runs the avx512bf16
+does not cover (fewer than 4 or more than 16 query heads per kv head, a block table, other dtypes, quantized K/V) runs the avx512bf16
 build on this path: bit-identical outputs.
 """
 
@@ -84,7 +84,7 @@ def assert_within_amx_bound(out, q, k, v, lengths):
 
 @needs_amx
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (256, 256), (192, 128)])
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("group", [4, 5, 8, 16])
 @pytest.mark.parametrize("layout", ["bthd", "bhtd"])
 def test_amx_decode_within_its_bound(dims, group, layout):
     dim, v_dim = dims
@@ -127,11 +127,11 @@ def test_amx_rounds_probabilities_to_bf16_only():
 @needs_amx
 @pytest.mark.parametrize(
     "case",
-    ["group_of_32", "float32", "float16"],
+    ["group_of_2", "group_of_3", "group_of_32", "float32", "float16"],
 )
 def test_what_amx_does_not_cover_runs_the_avx512bf16_build(case):
     """Bit-identical to the avx512bf16 path where the AMX item does not apply."""
-    group, dtype = (32, torch.bfloat16) if case == "group_of_32" else (4, getattr(torch, case))
+    group, dtype = (int(case.split("_")[-1]), torch.bfloat16) if case.startswith("group") else (4, getattr(torch, case))
     k = torch.randn(2, 200, 1, 128).to(dtype)
     v = torch.randn(2, 200, 1, 128).to(dtype)
     q = torch.randn(2, group, 128).to(dtype)
