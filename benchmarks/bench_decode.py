@@ -474,6 +474,8 @@ def main() -> None:
             "on a VirtualKVCache, paged = on a PagedKVCache, tensors = decode_attention_contiguous "
             "on a from_tensors descriptor with max_len (tensors_checked: without, lengths checked)",
             "cpu_code_path": (vpaged._C.decode_cpu_isas()[-1] if device.type == "cpu" else None),
+            # The path the auto calls ran (VPAGED_CPU_ISA caps it): what docs/numbers.md names as the run's ISA.
+            "vpaged_isa": (vpaged._C.cpu_auto_isa() if device.type == "cpu" else None),
         }
 
     vllm_cmp = None
