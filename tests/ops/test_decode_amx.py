@@ -4,8 +4,8 @@ OS grants the tile state; skipped elsewhere with the reason.
 What the path covers (bf16 q/K/V/out, contiguous K/V, 4 to 16 query heads per kv head, head dims 64/64, 128/128,
 256/256 and 192/128) is checked against a float64 reference within the bound its header states: probabilities
 rounded to bf16 for P.V move an output by at most 2^-9 max|v|, on top of the bf16 output's own rounding. What it
-does not cover (fewer than 4 or more than 16 query heads per kv head, a block table, other dtypes, quantized K/V) runs the avx512bf16
-build on this path: bit-identical outputs.
+does not cover (fewer than 4 or more than 16 query heads per kv head, a block table, other dtypes, quantized K/V)
+runs the avx512bf16 build on this path: bit-identical outputs.
 """
 
 import contextlib
