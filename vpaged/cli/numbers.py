@@ -193,7 +193,7 @@ CLAIMS: dict[str, tuple[str, Callable[[dict], list[suite.Row]]]] = {
     "chunk-attention": ("A prefill chunk after cached tokens: split against masked attention", _chunk_attention),
 }
 
-_ISAS = ("amx", "avx512bf16", "avx512", "avx2", "neon", "sve")
+_ISAS = ("avx512bf16", "avx512", "avx2", "neon", "sve")
 
 # Results files kept for the record but no longer quoted as their claim's figures, with why (the analysis is in
 # benchmarks/NOTES.md). Their rows are listed apart, under the reason, never in a claim's table.
