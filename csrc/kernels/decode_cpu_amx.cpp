@@ -5,7 +5,7 @@
 // Why: with 4 query heads per kv head a decode step is ~8 flops per byte of K/V, and on a 2-core Sapphire Rapids
 // class Xeon the avx512bf16 tile loop's products weigh about as much as its memory traffic. A tile product does
 // 16 x 16 x 32 multiply-adds per instruction. Measured there (benchmarks/NOTES.md, "bf16 decode on AMX tiles"):
-// 0.92-0.94x the avx512bf16 build's time at groups of 4 from memory, 0.72x at groups of 8 with K/V in cache; at
+// 0.92-0.95x the avx512bf16 build's time at groups of 4 from memory, 0.72x at groups of 8 with K/V in cache; at
 // groups of 2 (and 3 at head dim 64) level or slower, so those stay on avx512bf16 (kAmxMinGroup).
 //
 // Per chunk of kChunk (32) tokens and kv head:
