@@ -193,7 +193,10 @@ CLAIMS: dict[str, tuple[str, Callable[[dict], list[suite.Row]]]] = {
     "chunk-attention": ("A prefill chunk after cached tokens: split against masked attention", _chunk_attention),
 }
 
-_ISAS = ("avx512bf16", "avx512", "avx2", "neon", "sve")
+_ISAS = ("amx", "avx512bf16", "avx512", "avx2", "neon", "sve")
+# The names a machine tag's parts are read as when a run recorded no ISA. Not "amx": in a tag it names the CPU (e.g.
+# xeon-amx-2c), and the runs on such a box before vpaged had an amx path ran the avx512bf16 one.
+_TAG_ISAS = tuple(isa for isa in _ISAS if isa != "amx")
 
 # Results files kept for the record but no longer quoted as their claim's figures, with why (the analysis is in
 # benchmarks/NOTES.md). Their rows are listed apart, under the reason, never in a claim's table.
@@ -262,7 +265,7 @@ def provenance(path: Path, data: dict) -> Provenance:
     machine = f"{machine} ({tag})" if machine else tag
     isa = _find(data, ("vpaged_isa", "isa"))
     if not isa or str(isa).startswith("unknown"):  # a run that could not ask the extension records "unknown (...)"
-        isa = next((p for p in parts if p in _ISAS), None) or "ISA unknown"
+        isa = next((p for p in parts if p in _TAG_ISAS), None) or "ISA unknown"
     date = _find(data, ("date", "timestamp"))
     date = str(date)[:10] if date else "date unknown"
     load = _find(data, ("load_average_1min", "load_1min"))
