@@ -341,11 +341,8 @@ VP_INLINE void run_item_impl(const DecodeParams& p, const Item& it, float* ws, f
   const float ktf = tensor_factor<KT>(p.k_scale), vtf = tensor_factor<KT>(p.v_scale);
   // The first rows, asked for together: the first chunk's for the 1-byte formats (later chunks are prefetched a
   // chunk ahead, below), kAhead tokens' for the others (then the walk's window, below).
-  for (int t = it.t0; t < std::min(it.t1, it.t0 + (kQuant ? kChunk : kAhead)); ++t) {
-    int64_t ko, vo;
-    row(t, ko, vo);
-    prefetch_token(KB, VB, ko * int64_t(sizeof(KV)), vo * int64_t(sizeof(KV)), HKV, HSB, VHSB, k_foot, v_foot);
-  }
+  prefetch_rows(row, it.t0, std::min(it.t1, it.t0 + (kQuant ? kChunk : kAhead)), int64_t(sizeof(KV)), KB, VB, HKV, HSB,
+                VHSB, k_foot, v_foot);
 
   // 16-bit and fp32 rows: the lines of the tokens kAhead..kAhead + n on, a few from every (token pair, kv head) step
   // (the 1-byte formats ask for the next chunk's rows at its start instead, below).

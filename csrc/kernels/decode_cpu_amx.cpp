@@ -120,11 +120,8 @@ void run_item_amx(const DecodeParams& p, const Item& it, float* ws, float* part_
   const int64_t row_bytes = p.token_stride * kBytes;  // contiguous: K rows of a chunk are this far apart
   int64_t off[kChunk], voff[kChunk], aoff[kChunk], avoff[kChunk];
   LineWalk walk{{KB, VB}, {aoff, avoff}, {HS * kBytes, VHS * kBytes}, {D * kBytes, DV * kBytes}, HKV};
-  for (int t = it.t0; t < std::min(it.t1, it.t0 + kChunk); ++t) {
-    int64_t ko, vo;
-    row(t, ko, vo);
-    prefetch_token(KB, VB, ko * kBytes, vo * kBytes, HKV, HS * kBytes, VHS * kBytes, D * kBytes, DV * kBytes);
-  }
+  prefetch_rows(row, it.t0, std::min(it.t1, it.t0 + kChunk), kBytes, KB, VB, HKV, HS * kBytes, VHS * kBytes, D * kBytes,
+                DV * kBytes);
 
   for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
     const int n = std::min(kChunk, it.t1 - c0);

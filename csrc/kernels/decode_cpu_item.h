@@ -196,6 +196,18 @@ struct RowFinder {
   }
 };
 
+// Prefetch the K and V rows of tokens [t0, t1) at once (elem_bytes a stored element; strides and footprints in
+// bytes): an item's first rows, asked for together so that they arrive in parallel instead of as one demand miss
+// after another.
+VP_INLINE void prefetch_rows(const RowFinder& row, int t0, int t1, int64_t elem_bytes, const uint8_t* K,
+                             const uint8_t* V, int HKV, int64_t HS, int64_t VHS, int k_foot, int v_foot) {
+  for (int t = t0; t < t1; ++t) {
+    int64_t ko, vo;
+    row(t, ko, vo);
+    prefetch_token(K, V, ko * elem_bytes, vo * elem_bytes, HKV, HS, VHS, k_foot, v_foot);
+  }
+}
+
 // The byte offsets of the K and V rows of the n tokens from `first` on (elem_bytes a stored element), -1 from t1 on:
 // the rows a prefetch walk (LineWalk) asks for.
 VP_INLINE void rows_ahead(const RowFinder& row, int first, int t1, int n, int64_t elem_bytes, int64_t* k_off,

@@ -331,11 +331,8 @@ void run_item_tiles(const DecodeParams& p, const Item& it, float* ws, float* par
   int64_t off[kChunk], voff[kChunk], aoff[kChunk], avoff[kChunk];  // aoff / avoff: a chunk on (bytes, or -1)
   LineWalk walk{{KB, VB}, {aoff, avoff}, {HS * kBytes, VHS * kBytes}, {kFoot * kBytes, kVFoot * kBytes}, HKV};
   Ahead ahead{kWalk ? &walk : nullptr, KB, VB, aoff, avoff, HS * kBytes, VHS * kBytes, kFoot * kBytes, kVFoot * kBytes};
-  for (int t = it.t0; t < std::min(it.t1, it.t0 + kChunk); ++t) {
-    int64_t ko, vo;
-    row(t, ko, vo);
-    prefetch_token(KB, VB, ko * kBytes, vo * kBytes, HKV, HS * kBytes, VHS * kBytes, kFoot * kBytes, kVFoot * kBytes);
-  }
+  prefetch_rows(row, it.t0, std::min(it.t1, it.t0 + kChunk), kBytes, KB, VB, HKV, HS * kBytes, VHS * kBytes,
+                kFoot * kBytes, kVFoot * kBytes);
 
   for (int c0 = it.t0; c0 < it.t1; c0 += kChunk) {
     const int n = std::min(kChunk, it.t1 - c0);
