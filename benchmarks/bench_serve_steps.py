@@ -4,6 +4,8 @@ loaded machine does not drown.
   python benchmarks/bench_serve_steps.py                       # kv=paged vs kv=vpaged, 64 requests x 16 tokens
   python benchmarks/bench_serve_steps.py --kv paged,vpaged,static --requests 32 --max-tokens 64
   python benchmarks/bench_serve_steps.py --kv vpaged-unfused,vpaged   # the fused RMSNorm / MLP forwards
+  python benchmarks/bench_serve_steps.py --kv vpaged-transformers,vpaged --model smollm2 --dtype bfloat16
+                                                                      # the direct forward vs transformers'
 
 bench_serve.py runs its rows one after the other, so on a machine whose load changes by the minute a row's
 time follows the neighbours' work as much as the cache (here: the same two rows 1.03x and 0.55x apart in
@@ -30,6 +32,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")  # as bench_serve.py (see there)
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_model  # noqa: E402
 from common import machine, write_json  # noqa: E402
 
 from vpaged.hf.prepack import prepack_linears, prepack_supported  # noqa: E402
@@ -77,12 +80,18 @@ def main(argv=None) -> int:
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--budget-mib", type=int, default=1024)
-    ap.add_argument("--model", default="random:bench-llama")
+    ap.add_argument(
+        "--model", default="random:bench-llama", help="a load_model spec, or smollm2 (benchmarks/real_model.py)"
+    )
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--max-batched", type=int, default=512, help="max_num_batched_tokens of every engine")
     ap.add_argument("--output", default="serve_steps_cpu.json", help="JSON file name under benchmarks/results/")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     kinds = list(dict.fromkeys(k.strip() for k in args.kv.split(",") if k.strip()))
-    model, _ = load_model(args.model, dtype=torch.float32)
+    dtype = getattr(torch, args.dtype)
+    spec = str(real_model.model_dir()) if args.model == "smollm2" else args.model
+    model, _ = load_model(spec, dtype=dtype)
     prompts = random_prompts(
         args.requests, args.min_prompt, args.max_prompt, model.config.get_text_config(decoder=True).vocab_size
     )
@@ -91,26 +100,31 @@ def main(argv=None) -> int:
     engines, cpu = {}, {}
     for kv in kinds:
         # "<kv>-noprefix": that store with prefix caching off; "<kv>-unfused": on a second copy of the model
-        # (the same seeded weights) whose linears are prepacked but whose RMSNorms and MLPs run eager.
+        # (the same seeded weights) whose linears are prepacked but whose RMSNorms and MLPs run eager;
+        # "<kv>-transformers": on a second copy, prepared alike, stepped by the transformers forward instead of
+        # the direct forward (vpaged.serve.direct_forward).
         store, _, option = kv.partition("-")
-        if option not in ("", "noprefix", "unfused"):
-            raise SystemExit(f"unknown store option {option!r} in {kv!r} (use <kv>, <kv>-noprefix or <kv>-unfused)")
+        if option not in ("", "noprefix", "unfused", "transformers"):
+            raise SystemExit(
+                f"unknown store option {option!r} in {kv!r} (use <kv>, <kv>-noprefix, <kv>-unfused or <kv>-transformers)"
+            )
         own_model = model
-        if option == "unfused":
-            own_model, _ = load_model(args.model, dtype=torch.float32)
-            if prepack_supported(own_model.dtype)[0]:
-                prepack_linears(own_model, batch_hint=64)
+        if option in ("unfused", "transformers"):
+            own_model, _ = load_model(spec, dtype=dtype)
+        if option == "unfused" and prepack_supported(own_model.dtype)[0]:
+            prepack_linears(own_model, batch_hint=64)
         e = LLMEngine(
             own_model,
             None,
             kv_budget_bytes=args.budget_mib << 20,
             max_num_seqs=64,
-            max_num_batched_tokens=512,
+            max_num_batched_tokens=args.max_batched,
             kv=store,
             enable_prefix_caching=option != "noprefix",
             max_model_len=args.max_prompt + args.max_tokens,
             record_steps=True,
             cpu_prepack=option != "unfused",  # the unfused copy stays as prepared above
+            direct_forward=option != "transformers",
         )
         for p in prompts:
             e.add_request(list(p), params)
@@ -146,6 +160,9 @@ def main(argv=None) -> int:
         "load_average_before": load_before,
         "load_average_after": open("/proc/loadavg").read().split()[:3],
         "tokens_identical": all(tokens[kv] == tokens[kinds[0]] for kv in kinds),
+        "forward_paths": {
+            kv: "direct" if e.runner.direct is not None else e.direct_forward_off for kv, e in engines.items()
+        },
         "prefill_steps": summarize(logs, kinds, lambda s: s["prefill_tokens"] > 0),
         "decode_steps": summarize(logs, kinds, lambda s: s["prefill_tokens"] == 0),
         "total_seconds": {kv: sum(s[p] for s in logs[kv] for p in PHASES if p != "forward_cpu") for kv in kinds},

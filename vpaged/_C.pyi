@@ -268,6 +268,34 @@ def rms_norm_cpu(
     num_threads: int = 0,
     isa: str = "auto",
 ) -> None: ...
+def add_rms_norm_cpu(
+    x: int,
+    x_stride: int,
+    residual: int,
+    residual_stride: int,
+    weight: int,
+    out: int,
+    out_stride: int,
+    rows: int,
+    cols: int,
+    eps: float,
+    dtype: int,
+    num_threads: int = 0,
+    isa: str = "auto",
+) -> None: ...
+def rotary_cpu(
+    x: int,
+    x_stride: int,
+    heads: int,
+    head_dim: int,
+    cos: int,
+    sin: int,
+    cs_stride: int,
+    rows: int,
+    dtype: int,
+    num_threads: int = 0,
+    isa: str = "auto",
+) -> None: ...
 def silu_mul_cpu(
     gate: int,
     gate_stride: int,

@@ -312,6 +312,33 @@ void register_fused_ops(py::module_& m) {
       py::arg("gate"), py::arg("gate_stride"), py::arg("up"), py::arg("up_stride"), py::arg("out"),
       py::arg("out_stride"), py::arg("rows"), py::arg("cols"), py::arg("dtype"), py::arg("num_threads") = 0,
       py::arg("isa") = "auto", "silu(gate) * up over [rows, cols] rows (CPU, blocking).");
+  m.def(
+      "add_rms_norm_cpu",
+      [](uintptr_t x, int64_t x_stride, uintptr_t residual, int64_t residual_stride, uintptr_t weight, uintptr_t out,
+         int64_t out_stride, int64_t rows, int64_t cols, float eps, int dtype, int num_threads,
+         const std::string& isa) {
+        const int code = isa_code(isa);
+        py::gil_scoped_release release;
+        add_rms_norm_cpu(reinterpret_cast<const void*>(x), x_stride, reinterpret_cast<void*>(residual), residual_stride,
+                         reinterpret_cast<const void*>(weight), reinterpret_cast<void*>(out), out_stride, rows, cols,
+                         eps, dtype, num_threads, code);
+      },
+      py::arg("x"), py::arg("x_stride"), py::arg("residual"), py::arg("residual_stride"), py::arg("weight"),
+      py::arg("out"), py::arg("out_stride"), py::arg("rows"), py::arg("cols"), py::arg("eps"), py::arg("dtype"),
+      py::arg("num_threads") = 0, py::arg("isa") = "auto",
+      "residual += x, then the RMSNorm of residual's [rows, cols] rows times weight into out (CPU, blocking).");
+  m.def(
+      "rotary_cpu",
+      [](uintptr_t x, int64_t x_stride, int64_t heads, int64_t head_dim, uintptr_t cos, uintptr_t sin,
+         int64_t cs_stride, int64_t rows, int dtype, int num_threads, const std::string& isa) {
+        const int code = isa_code(isa);
+        py::gil_scoped_release release;
+        rotary_cpu(reinterpret_cast<void*>(x), x_stride, heads, head_dim, reinterpret_cast<const void*>(cos),
+                   reinterpret_cast<const void*>(sin), cs_stride, rows, dtype, num_threads, code);
+      },
+      py::arg("x"), py::arg("x_stride"), py::arg("heads"), py::arg("head_dim"), py::arg("cos"), py::arg("sin"),
+      py::arg("cs_stride"), py::arg("rows"), py::arg("dtype"), py::arg("num_threads") = 0, py::arg("isa") = "auto",
+      "Rotate-half rotary embedding of [rows, heads, head_dim] rows in place (CPU, blocking).");
 }
 
 // The small-batch linear product on panels (csrc/kernels/linear_cpu.h): addresses and strides in elements;

@@ -1,4 +1,5 @@
-// RMSNorm and SiLU-and-multiply on the CPU in one pass over their rows (see fused_ops.h).
+// RMSNorm (alone or after the residual add), SiLU-and-multiply and the rotary embedding on the CPU, in one pass
+// over their rows (see fused_ops.h).
 //
 // Two builds, picked at run time as the decode kernels' are: the portable x86-64 one (the reference: std::exp,
 // scalar loops GCC may vectorise) and AVX2 + FMA, 8 lanes at a time, bf16 widened in registers and rounded to
@@ -57,6 +58,49 @@ void rms_norm_rows_base(const void* xv, int64_t xs, const void* wv, void* ov, in
     const float inv = 1.0f / std::sqrt(float(ss / double(cols)) + eps);
     for (int64_t c = 0; c < cols; ++c)
       o[c] = Elem<DT>::store(Elem<DT>::load(w[c]) * round_to<DT>(Elem<DT>::load(x[c]) * inv));
+  }
+}
+
+template <int DT>
+void add_row_base(const void* xv, void* rv, int64_t cols) {
+  using T = typename Elem<DT>::T;
+  const T* x = static_cast<const T*>(xv);
+  T* res = static_cast<T*>(rv);
+  for (int64_t c = 0; c < cols; ++c) res[c] = Elem<DT>::store(Elem<DT>::load(res[c]) + Elem<DT>::load(x[c]));
+}
+
+// One head's rotation (fused_ops.h's formula): every product and the sum rounded as the eager code rounds them.
+// An fp32 product goes through a register barrier before the sum, so that no FMA merges the two roundings.
+template <int DT>
+VP_INLINE float rounded_product(float a, float b) {
+  float p = a * b;
+  if constexpr (DT == kFloat32) {
+    asm("" : "+x"(p));
+    return p;
+  } else {
+    return round_to<DT>(p);
+  }
+}
+
+template <int DT>
+void rotary_rows_base(void* xv, int64_t xs, int64_t heads, int64_t dim, const void* cv, const void* sv, int64_t cs,
+                      int64_t r0, int64_t r1) {
+  using T = typename Elem<DT>::T;
+  const int64_t half = dim / 2;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* cr = static_cast<const T*>(cv) + r * cs;
+    const T* sr = static_cast<const T*>(sv) + r * cs;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* x = static_cast<T*>(xv) + r * xs + h * dim;
+      for (int64_t c = 0; c < half; ++c) {
+        const float a = Elem<DT>::load(x[c]), b = Elem<DT>::load(x[c + half]);
+        const float lo = rounded_product<DT>(a, Elem<DT>::load(cr[c])) - rounded_product<DT>(b, Elem<DT>::load(sr[c]));
+        const float hi =
+            rounded_product<DT>(b, Elem<DT>::load(cr[c + half])) + rounded_product<DT>(a, Elem<DT>::load(sr[c + half]));
+        x[c] = Elem<DT>::store(lo);
+        x[c + half] = Elem<DT>::store(hi);
+      }
+    }
   }
 }
 
@@ -146,6 +190,56 @@ VP_AVX2_TARGET void rms_norm_rows_avx2(const void* xv, int64_t xs, const void* w
 }
 
 template <int DT>
+VP_AVX2_TARGET void add_row_avx2(const void* xv, void* rv, int64_t cols) {
+  using T = typename Elem<DT>::T;
+  const T* x = static_cast<const T*>(xv);
+  T* res = static_cast<T*>(rv);
+  int64_t c = 0;
+  for (; c + 8 <= cols; c += 8) store8<DT>(res + c, _mm256_add_ps(load8<DT>(res + c), load8<DT>(x + c)));
+  for (; c < cols; ++c) res[c] = Elem<DT>::store(Elem<DT>::load(res[c]) + Elem<DT>::load(x[c]));
+}
+
+template <int DT>
+VP_AVX2 __m256 rounded_product8(__m256 a, __m256 b) {
+  __m256 p = _mm256_mul_ps(a, b);
+  if constexpr (DT == kFloat32) {
+    asm("" : "+x"(p));  // no FMA with the sum: eager rounds the product first
+    return p;
+  } else {
+    return round8<DT>(p);
+  }
+}
+
+// Heads whose half is a multiple of 8 (64 and 128 dims, ...) take 8 columns of both halves at a time; the others
+// run the portable loop (their rows are short).
+template <int DT>
+VP_AVX2_TARGET void rotary_rows_avx2(void* xv, int64_t xs, int64_t heads, int64_t dim, const void* cv, const void* sv,
+                                     int64_t cs, int64_t r0, int64_t r1) {
+  using T = typename Elem<DT>::T;
+  const int64_t half = dim / 2;
+  if (half % 8) {
+    rotary_rows_base<DT>(xv, xs, heads, dim, cv, sv, cs, r0, r1);
+    return;
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* cr = static_cast<const T*>(cv) + r * cs;
+    const T* sr = static_cast<const T*>(sv) + r * cs;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* x = static_cast<T*>(xv) + r * xs + h * dim;
+      for (int64_t c = 0; c < half; c += 8) {
+        const __m256 a = load8<DT>(x + c), b = load8<DT>(x + c + half);
+        const __m256 lo =
+            _mm256_sub_ps(rounded_product8<DT>(a, load8<DT>(cr + c)), rounded_product8<DT>(b, load8<DT>(sr + c)));
+        const __m256 hi = _mm256_add_ps(rounded_product8<DT>(b, load8<DT>(cr + c + half)),
+                                        rounded_product8<DT>(a, load8<DT>(sr + c + half)));
+        store8<DT>(x + c, lo);
+        store8<DT>(x + c + half, hi);
+      }
+    }
+  }
+}
+
+template <int DT>
 VP_AVX2 __m256 silu_mul8(__m256 g, __m256 u) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 e = exp8(_mm256_or_ps(g, sign));  // exp(-|g|)
@@ -220,6 +314,42 @@ void rms_norm_cpu(const void* x, int64_t x_stride, const void* weight, void* out
                                : (avx2 ? rms_norm_rows_avx2<kBFloat16> : rms_norm_rows_base<kBFloat16>);
   for_rows(rows, cols, num_threads,
            [&](int64_t r0, int64_t r1) { fn(x, x_stride, weight, out, out_stride, r0, r1, cols, eps); });
+}
+
+void add_rms_norm_cpu(const void* x, int64_t x_stride, void* residual, int64_t residual_stride, const void* weight,
+                      void* out, int64_t out_stride, int64_t rows, int64_t cols, float eps, int dtype, int num_threads,
+                      int isa) {
+  check_rows("add_rms_norm", rows, cols, dtype);
+  if (!(eps >= 0.0f)) throw InvalidArgument("add_rms_norm: eps must be >= 0, got " + std::to_string(eps));
+  const bool avx2 = use_avx2("add_rms_norm", isa);
+  if (rows == 0) return;
+  const bool f32 = dtype == kFloat32;
+  auto* add = f32 ? (avx2 ? add_row_avx2<kFloat32> : add_row_base<kFloat32>)
+                  : (avx2 ? add_row_avx2<kBFloat16> : add_row_base<kBFloat16>);
+  auto* norm = f32 ? (avx2 ? rms_norm_rows_avx2<kFloat32> : rms_norm_rows_base<kFloat32>)
+                   : (avx2 ? rms_norm_rows_avx2<kBFloat16> : rms_norm_rows_base<kBFloat16>);
+  const int64_t elem = f32 ? 4 : 2;
+  auto* x_bytes = static_cast<const char*>(x);
+  auto* r_bytes = static_cast<char*>(residual);
+  for_rows(rows, cols, num_threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {  // row by row: the sum is still in cache when the norm reads it
+      add(x_bytes + r * x_stride * elem, r_bytes + r * residual_stride * elem, cols);
+      norm(residual, residual_stride, weight, out, out_stride, r, r + 1, cols, eps);
+    }
+  });
+}
+
+void rotary_cpu(void* x, int64_t x_stride, int64_t heads, int64_t head_dim, const void* cos, const void* sin,
+                int64_t cs_stride, int64_t rows, int dtype, int num_threads, int isa) {
+  check_rows("rotary", rows, heads * head_dim, dtype);
+  if (head_dim < 2 || head_dim % 2)
+    throw InvalidArgument("rotary: head_dim must be even and >= 2, got " + std::to_string(head_dim));
+  const bool avx2 = use_avx2("rotary", isa);
+  if (rows == 0) return;
+  auto* fn = dtype == kFloat32 ? (avx2 ? rotary_rows_avx2<kFloat32> : rotary_rows_base<kFloat32>)
+                               : (avx2 ? rotary_rows_avx2<kBFloat16> : rotary_rows_base<kBFloat16>);
+  for_rows(rows, heads * head_dim, num_threads,
+           [&](int64_t r0, int64_t r1) { fn(x, x_stride, heads, head_dim, cos, sin, cs_stride, r0, r1); });
 }
 
 void silu_mul_cpu(const void* gate, int64_t gate_stride, const void* up, int64_t up_stride, void* out,

@@ -49,6 +49,7 @@ SPELLINGS = {
     "swap_bytes": Spelling("--swap-mib", scale=1 << 20, metavar="MIB"),
     "enable_prefix_caching": Spelling("--no-prefix-caching", negated=True),
     "cpu_prepack": Spelling("--no-cpu-prepack", negated=True),
+    "direct_forward": Spelling("--no-direct-forward", negated=True),
     "prefix_store_map": Spelling("--prefix-store-copy", negated=True),
     "dtype": Spelling("--dtype", default="float32"),  # a directory's weights load as float32 unless told
     "seed": Spelling("--engine-seed"),  # --seed is the requests' (generate) or the prompts' (bench-serve)

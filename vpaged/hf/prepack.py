@@ -128,19 +128,24 @@ class PrepackedLinear(nn.Linear):
         weight = self.weight
         if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
             return F.linear(x, weight, self.bias)
-        key = weight_key(weight)
-        if key is None:
-            return F.linear(x, weight, self.bias)
-        if key != self.packed_key:
-            self.packed_weight = pack_weight(weight, self.batch_hint)
-            self.packed_key = key
-        packed = self.packed_weight
+        packed = self.current_packed()
         if packed is None or x.dtype != weight.dtype or x.device != weight.device:
             return F.linear(x, weight, self.bias)
         bias = self.bias
         if bias is not None and (bias.dtype != weight.dtype or bias.device != weight.device):
             return F.linear(x, weight, bias)
         return packed_linear(x, packed, bias, weight)
+
+    def current_packed(self):
+        """The packed copy of the weight as it is now (packed again if it changed since), or None where it cannot
+        be packed or tracked (calls then run F.linear on the plain weight)."""
+        key = weight_key(self.weight)
+        if key is None:
+            return None
+        if key != self.packed_key:
+            self.packed_weight = pack_weight(self.weight, self.batch_hint)
+            self.packed_key = key
+        return self.packed_weight
 
     def __getstate__(self):
         # copy.deepcopy and pickle take the parameters; the packed copy is made again by the next call.

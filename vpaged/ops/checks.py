@@ -159,10 +159,37 @@ def check_held(seqs: list, lengths: list[int]) -> None:
         raise InvalidArgumentError(f"sequence {seq} holds no tokens; decode attends over at least one")
 
 
+def cpu_rows_in_place(op: str, dtypes: tuple, name: str, t, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """As cpu_rows, for an operand a row op updates in place: a 2-d view of t itself (never a copy), else
+    InvalidArgumentError (its leading dims must merge into rows, its last dim be dense)."""
+    check_cpu_operand(op, dtypes, name, t, dtype)
+    if t.stride(-1) == 1:
+        try:
+            return t.view(-1, t.shape[-1])
+        except RuntimeError:
+            pass
+    raise InvalidArgumentError(
+        f"{name} is updated in place: its last dim must be dense and its leading dims mergeable into rows "
+        f"(got shape {list(t.shape)}, strides {list(t.stride())})"
+    )
+
+
 def cpu_rows(op: str, dtypes: tuple, name: str, t, dtype: torch.dtype | None = None) -> torch.Tensor:
     """t as a 2-d [rows, cols] view with dense rows (a copy only where its leading dims cannot be viewed as one or
     its last dim is strided), checked for a CPU row op: a CPU tensor of one of `dtypes` (of `dtype` when given),
     a non-empty last dim, nothing autograd would record."""
+    check_cpu_operand(op, dtypes, name, t, dtype)
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return t.contiguous().view(-1, t.shape[-1])
+
+
+def check_cpu_operand(op: str, dtypes: tuple, name: str, t, dtype: torch.dtype | None = None) -> None:
+    """t is a CPU tensor of one of `dtypes` (of `dtype` when given) with a non-empty last dim that autograd would
+    not record; else a typed error naming it."""
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -175,9 +202,3 @@ def cpu_rows(op: str, dtypes: tuple, name: str, t, dtype: torch.dtype | None = N
         raise ShapeError(f"{name} needs a non-empty last dim, got shape {list(t.shape)}")
     if torch.is_grad_enabled() and t.requires_grad:
         raise InvalidArgumentError(f"{name} requires grad: {op} are for inference (no autograd)")
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return t.contiguous().view(-1, t.shape[-1])

@@ -1,15 +1,20 @@
-"""Fused element-wise ops of a decoder layer's forward, on the CPU: RMSNorm and SiLU-and-multiply in one pass.
+"""Fused element-wise ops of a decoder layer's forward, on the CPU: each one pass over its rows.
 
-    rms_norm(x, weight, eps)        weight * (x * rsqrt(mean(x**2, -1) + eps)), LlamaRMSNorm's formula
-    silu_mul(gate, up)              silu(gate) * up, a gated MLP's activation
-    silu_mul(gate_up)               the same over the [gate | up] halves of one product's last dim
+    rms_norm(x, weight, eps)                 weight * (x * rsqrt(mean(x**2, -1) + eps)), LlamaRMSNorm's formula
+    add_rms_norm(x, residual, weight, eps)   residual += x (in place), then rms_norm(residual, weight, eps)
+    rotary_(x, cos, sin)                     x * cos + rotate_half(x) * sin per head, in place
+    silu_mul(gate, up)                       silu(gate) * up, a gated MLP's activation
+    silu_mul(gate_up)                        the same over the [gate | up] halves of one product's last dim
 
 Eager PyTorch runs RMSNorm as ~6 kernels (to, pow, mean, add, rsqrt, mul, mul) and SiLU-and-multiply as 2, each
 a pass over the activations; these are one pass each (csrc/kernels/fused_ops_cpu.cpp, AVX2 where the CPU has
 it). float32 and bfloat16, rounded where the eager code rounds (bf16: the normalised row before the weight,
-silu(gate) before the product), so a model whose modules call them (vpaged.hf.fused) gives what it gave, up to
-the order of a sum. Any leading dims; the last one dense. Inference only: a call autograd would record is
-refused (the modules fall back to their own forward there). Results are new tensors.
+silu(gate) before the product, each product of the rotation and its sum), so a model whose modules call them
+(vpaged.hf.fused, vpaged.serve.direct_forward) gives what it gave, up to the order of a sum. Any leading dims;
+the last one dense. Inference only: a call autograd would record is refused (the modules fall back to their own
+forward there). rms_norm and silu_mul return new tensors; add_rms_norm updates residual and returns the norm;
+rotary_ rotates x where it is (the query and key heads of one fused product in a single call: their rows may be
+any distance apart), and takes only tensors it can update without a copy.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 
 from .. import _C
 from ..errors import InvalidArgumentError, ShapeError
-from .checks import cpu_rows
+from .checks import check_cpu_operand, cpu_rows, cpu_rows_in_place
 from .launch import DTYPE_CODES
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -37,21 +42,134 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, isa: str = "a
         raise ShapeError(f"weight must be [{cols}] (x's last dim), got {list(weight.shape)}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise InvalidArgumentError(f"eps must be a number >= 0, got {eps!r}")
-    out = torch.empty(x.shape, dtype=x.dtype)
+    return _rms_norm_rows(rows, w, float(eps), isa).view(x.shape)
+
+
+def _rms_norm_rows(rows: torch.Tensor, weight: torch.Tensor, eps: float, isa: str = "auto") -> torch.Tensor:
+    """rms_norm of checked operands: rows [R, C] with dense rows, weight [C] dense, both of one fused dtype."""
+    cols = rows.shape[1]
+    out = torch.empty(rows.shape, dtype=rows.dtype)
     _C.rms_norm_cpu(
         rows.data_ptr(),
         rows.stride(0),
-        w.data_ptr(),
+        weight.data_ptr(),
         out.data_ptr(),
         cols,
         rows.shape[0],
         cols,
-        float(eps),
-        DTYPE_CODES[x.dtype],
+        eps,
+        DTYPE_CODES[rows.dtype],
         torch.get_num_threads(),
         isa,
     )
     return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, isa: str = "auto"
+) -> torch.Tensor:
+    """residual += x (rounded to the dtype, as eager `residual + x`), then rms_norm(residual, weight, eps): the
+    residual add and the next RMSNorm of a decoder layer in one pass. Returns the norm (a new tensor)."""
+    if isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor) and x.shape != residual.shape:
+        raise ShapeError(f"x and residual must have one shape, got {list(x.shape)} and {list(residual.shape)}")
+    rows = _rows("x", x)
+    res = cpu_rows_in_place("the fused ops", FUSED_DTYPES, "residual", residual, x.dtype)
+    w = _rows("weight", weight, x.dtype)
+    cols = rows.shape[1]
+    if weight.dim() != 1 or weight.shape[0] != cols:
+        raise ShapeError(f"weight must be [{cols}] (x's last dim), got {list(weight.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise InvalidArgumentError(f"eps must be a number >= 0, got {eps!r}")
+    if _overlap(res, rows):
+        raise InvalidArgumentError("x and residual must not share memory")
+    return _add_rms_norm_rows(rows, res, w, float(eps), isa).view(x.shape)
+
+
+def _add_rms_norm_rows(
+    rows: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, isa: str = "auto"
+) -> torch.Tensor:
+    """add_rms_norm of checked operands: rows and residual [R, C] with dense rows and apart, weight [C] dense."""
+    cols = rows.shape[1]
+    out = torch.empty(rows.shape, dtype=rows.dtype)
+    _C.add_rms_norm_cpu(
+        rows.data_ptr(),
+        rows.stride(0),
+        residual.data_ptr(),
+        residual.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        cols,
+        rows.shape[0],
+        cols,
+        eps,
+        DTYPE_CODES[rows.dtype],
+        torch.get_num_threads(),
+        isa,
+    )
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
+    """Rotary position embedding of x [rows, heads, head_dim] in place (returned): per head,
+    x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x[half:], x[:half]), as Llama-family models apply
+    it; cos and sin [rows, head_dim] (a row per position, shared by its heads), of x's dtype. x's heads must be
+    dense (head_dim elements apart, each dense); its rows may be any distance apart."""
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 3 or x.shape[2] < 2 or x.shape[2] % 2:
+        raise ShapeError(f"x must be [rows, heads, head_dim] with an even head_dim, got {list(x.shape)}")
+    rows, heads, dim = x.shape
+    if cos.shape != (rows, dim) or sin.shape != (rows, dim):
+        raise ShapeError(
+            f"cos and sin must be [{rows}, {dim}] (x's rows and head_dim), got {list(cos.shape)} and {list(sin.shape)}"
+        )
+    check_cpu_operand("the fused ops", FUSED_DTYPES, "x", x)
+    c = _rows("cos", cos, x.dtype)
+    s = _rows("sin", sin, x.dtype)
+    if c.stride(0) != s.stride(0):
+        s = s.contiguous()
+        c = c.contiguous()
+    if x.stride(2) != 1 or (heads > 1 and x.stride(1) != dim):
+        raise InvalidArgumentError(f"x's heads must be dense ({dim} elements apart), got strides {list(x.stride())}")
+    if rows > 1 and x.stride(0) < heads * dim:
+        raise InvalidArgumentError(f"x's rows overlap: {x.stride(0)} elements apart for {heads} x {dim}")
+    if _overlap(x, c) or _overlap(x, s):
+        raise InvalidArgumentError("x must not share memory with cos or sin")
+    _rotary_rows(x, c, s, isa)
+    return x
+
+
+def _rotary_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, isa: str = "auto") -> None:
+    """rotary_ of checked operands: x [R, H, D] with dense heads, cos and sin [R, D] with dense rows, one stride."""
+    rows, heads, dim = x.shape
+    _C.rotary_cpu(
+        x.data_ptr(),
+        x.stride(0) if rows > 1 else heads * dim,
+        heads,
+        dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+        rows,
+        DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+        isa,
+    )
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two CPU tensors' element spans share any byte (a conservative test: spans, not elements)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t):
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+        return t.data_ptr(), t.data_ptr() + last * t.element_size()
+
+    a0, a1 = span(a)
+    b0, b1 = span(b)
+    return a0 < b1 and b0 < a1
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None, *, isa: str = "auto") -> torch.Tensor:
@@ -82,6 +200,26 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None, *, isa: str = "
         g.shape[0],
         cols,
         DTYPE_CODES[gate.dtype],
+        torch.get_num_threads(),
+        isa,
+    )
+    return out
+
+
+def _silu_mul_halves(gate_up: torch.Tensor, isa: str = "auto") -> torch.Tensor:
+    """silu_mul(gate_up) of a checked operand: [R, 2C] with dense rows, of a fused dtype."""
+    cols = gate_up.shape[1] // 2
+    out = torch.empty((gate_up.shape[0], cols), dtype=gate_up.dtype)
+    _C.silu_mul_cpu(
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        gate_up.data_ptr() + cols * gate_up.element_size(),
+        gate_up.stride(0),
+        out.data_ptr(),
+        cols,
+        gate_up.shape[0],
+        cols,
+        DTYPE_CODES[gate_up.dtype],
         torch.get_num_threads(),
         isa,
     )

@@ -317,12 +317,22 @@ class ModelConfig:
         ),
     )
 
+    direct_forward: bool = field(
+        default=True,
+        metadata=option(
+            "on CPU with cpu_prepack, run Llama-family models (llama, mistral, qwen2, qwen3) through vpaged's own "
+            "layer walk (vpaged.serve.direct_forward) instead of the transformers forward; a model that does not "
+            "qualify runs the transformers forward (the log says why)"
+        ),
+    )
+
     def __post_init__(self):
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise InvalidArgumentError(f"dtype must be a torch.dtype, got {self.dtype!r}")
         if self.max_model_len is not None:
             check_positive_int("max_model_len", self.max_model_len)
         _check_bool("cpu_prepack", self.cpu_prepack)
+        _check_bool("direct_forward", self.direct_forward)
         object.__setattr__(self, "device", normalize_device(self.device))
 
 

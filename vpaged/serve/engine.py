@@ -28,6 +28,7 @@ from ..hf.fused import fuse_modules
 from ..hf.prepack import prepack_linears, prepack_supported
 from ..kvcache.geometry import KVGeometry
 from .config import EngineConfig
+from .direct_forward import DirectForward
 from .models import attention_window, load_model, model_geometry
 from .outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StepRecord, StepTimes
 from .runner import ModelRunner, prompt_logprob_rows
@@ -156,8 +157,17 @@ class LLMEngine:
         if self.tp is not None:
             self.store = self.tp.mirror(self.store)
         self.scheduler = Scheduler(self.store, config)
+        direct, self.direct_forward_off = None, "cpu_prepack is off, on CUDA or with tensor parallelism"
+        if self.fused_modules and not config.model.direct_forward:
+            self.direct_forward_off = "direct_forward=False"
+        elif self.fused_modules:
+            direct, self.direct_forward_off = DirectForward.build(model, batch_hint)
+            if direct is None:
+                _log.info("the direct forward is off, transformers' runs the steps: %s", self.direct_forward_off)
         self.runner = (
-            ModelRunner(model, self.store, config) if self.tp is None else self.tp.runner(model, self.store, config)
+            ModelRunner(model, self.store, config, direct)
+            if self.tp is None
+            else self.tp.runner(model, self.store, config)
         )
         store = self.store
         if store.prefix_caching:
@@ -467,6 +477,8 @@ class LLMEngine:
         self._pending = []
         if self.tp is not None:
             self.tp.close()
+        if self.runner.direct is not None:
+            self.runner.direct.close()
         self.store.close()
 
 

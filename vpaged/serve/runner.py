@@ -1,4 +1,4 @@
-"""ModelRunner: one packed forward per step.
+"""ModelRunner: one packed forward per step (the model's DirectForward where it has one, else transformers').
 
 All scheduled tokens - one per decoding sequence, then each prefill chunk - form a single batch row with
 their position_ids. The model runs with attn_implementation="vpaged" and gets the step's StepAttention as
@@ -20,6 +20,7 @@ from .scheduler import StepPlan
 
 if TYPE_CHECKING:
     from .config import EngineConfig
+    from .direct_forward import DirectForward
     from .sequence import Sequence
     from .stores import KVStore
 
@@ -53,9 +54,12 @@ def prompt_logprob_rows(plan: StepPlan) -> list[PromptRows]:
 class ModelRunner:
     """Runs the model on a step's plan; the store supplies the step's attention (KVStore.step_attention)."""
 
-    def __init__(self, model, store: KVStore, config: EngineConfig):
+    def __init__(self, model, store: KVStore, config: EngineConfig, direct: DirectForward | None = None):
+        """direct: the model's DirectForward, which then runs every step (the engine builds it where the model
+        qualifies); None: the transformers forward."""
         self.model = model
         self.store = store
+        self.direct = direct
         self.device = device = config.model.device
         # Handed to the model as a prepared 4D mask: transformers returns such a mask untouched instead of
         # building one, and the vpaged attention function ignores it in a packed step.
@@ -97,6 +101,10 @@ class ModelRunner:
         return self._run(inputs, step)
 
     def _run(self, inputs: dict, step) -> torch.Tensor:
+        if self.direct is not None:
+            return self.direct.forward(
+                inputs["input_ids"][0], inputs["position_ids"][0], inputs["logits_to_keep"], step
+            )
         if self.model.config._attn_implementation != ATTN_NAME:
             # Someone switched the model to another implementation (e.g. to run model.generate on it with
             # SDPA): the packed step needs ours, which serves plain generate() calls just as well.

@@ -31,8 +31,14 @@ class StepAttention(ABC):
             self.causal_masks = [m if m is None else m.to(device) for m in self.causal_masks]
 
     def attend(self, layer: int, query, key, value, scale) -> torch.Tensor:
-        qt = query[0].transpose(0, 1)  # [T, H, D]
-        self.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        """transformers' call: query [1, H, T, D], key / value [1, KVH, T, D] -> [1, T, H, D]."""
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        return self.attend_rows(layer, q, k, v, scale).unsqueeze(0)
+
+    def attend_rows(self, layer: int, qt, k, v, scale) -> torch.Tensor:
+        """The packed rows' attention: qt [T, H, D], k / v [T, KVH, D] (any row strides) -> [T, H, D], after
+        writing k and v into the cache (vpaged.serve.direct_forward calls this directly)."""
+        self.write(layer, k, v)
         out = torch.empty(qt.shape, dtype=qt.dtype, device=qt.device)
         nd = self.num_decodes
         if nd:
@@ -53,7 +59,7 @@ class StepAttention(ABC):
                     scale=scale,
                 )
             out[row : row + n] = o[0].transpose(0, 1)
-        return out.unsqueeze(0)
+        return out
 
     @abstractmethod
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
