@@ -114,3 +114,42 @@ def assert_greedy_matches(got: list[int], prompt: list[int], model, max_new_toke
         if a != b:
             assert gaps[i] < tol, f"token {i}: got {a}, reference {b} (top-2 gap {gaps[i]:.2e})"
             return  # past a tie the sequences legitimately diverge
+
+
+def record_logits(engine) -> list:
+    """The logits of every step the engine runs from now on (its runner's forward, wrapped)."""
+    seen = []
+    inner = engine.runner.forward
+
+    def forward(inputs, step):
+        out = inner(inputs, step)
+        seen.append(out.detach().clone())
+        return out
+
+    engine.runner.forward = forward
+    return seen
+
+
+def run_lockstep(a, b, requests) -> tuple[list, list]:
+    """The same requests ((prompt, SamplingParams) each) added to engines a and b, stepped alternately to the
+    end: the logits of each one's steps."""
+    seen_a, seen_b = record_logits(a), record_logits(b)
+    for engine in (a, b):
+        for prompt, params in requests:
+            engine.add_request(prompt, params)
+    while a.has_unfinished() or b.has_unfinished():
+        a.step()
+        b.step()
+    return seen_a, seen_b
+
+
+def assert_logits_agree(seen_a, seen_b, dtype) -> None:
+    """Step by step, the same shapes and logits within the dtype's share of the largest (fp32 2e-5, bf16 4e-2)."""
+    assert len(seen_a) == len(seen_b) >= 2
+    for got, want in zip(seen_a, seen_b):
+        assert got.shape == want.shape
+        if got.numel() == 0:
+            continue
+        scale = want.double().abs().max().item()
+        tol = 2e-5 if dtype == torch.float32 else 4e-2
+        assert (got.double() - want.double()).abs().max().item() <= tol * scale

@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from serve_helpers import assert_logits_agree, run_lockstep
+
 from vpaged.serve import LLMEngine, SamplingParams
 
 FAMILY = ["random:llama-tiny", "random:mistral-tiny", "random:qwen2-tiny", "random:qwen3-tiny"]
@@ -24,20 +26,6 @@ VOCAB = 512
 def engine(model, direct: bool, **options) -> LLMEngine:
     options.setdefault("max_num_batched_tokens", 48)  # prompts split into chunks, beside decode rows
     return LLMEngine(model, kv_budget_bytes=8 << 20, direct_forward=direct, **options)
-
-
-def record_logits(eng: LLMEngine) -> list[torch.Tensor]:
-    """The logits of every step the engine runs from now on."""
-    seen = []
-    inner = eng.runner.forward
-
-    def forward(inputs, step):
-        out = inner(inputs, step)
-        seen.append(out.detach().clone())
-        return out
-
-    eng.runner.forward = forward
-    return seen
 
 
 def random_requests(prng, count: int, max_tokens: int = 6) -> list[tuple[list[int], SamplingParams]]:
@@ -54,28 +42,6 @@ def random_requests(prng, count: int, max_tokens: int = 6) -> list[tuple[list[in
             )
         )
     return out
-
-
-def run_lockstep(a: LLMEngine, b: LLMEngine, requests) -> tuple[list, list]:
-    seen_a, seen_b = record_logits(a), record_logits(b)
-    for eng in (a, b):
-        for prompt, params in requests:
-            eng.add_request(prompt, params)
-    while a.has_unfinished() or b.has_unfinished():
-        a.step()
-        b.step()
-    return seen_a, seen_b
-
-
-def assert_logits_agree(seen_a, seen_b, dtype):
-    assert len(seen_a) == len(seen_b) >= 2
-    for got, want in zip(seen_a, seen_b):
-        assert got.shape == want.shape
-        if got.numel() == 0:
-            continue
-        scale = want.double().abs().max().item()
-        tol = 2e-5 if dtype == torch.float32 else 4e-2
-        assert (got.double() - want.double()).abs().max().item() <= tol * scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -19,10 +19,21 @@ class StepAttention(ABC):
     """One step's attention for the packed batch: rows 0..num_decodes-1 are decode tokens (one per
     sequence), then the prefill chunks. attend() is called once per layer by the attention function."""
 
-    def __init__(self, num_decodes: int, prefills: list[tuple[int, int, int]], num_tokens: int, device=None):
+    def __init__(
+        self,
+        num_decodes: int,
+        prefills: list[tuple[int, int, int]],
+        num_tokens: int,
+        device=None,
+        kernel_chunks: int = 0,
+    ):
+        """kernel_chunks: how many leading prefill chunks the store's decode kernel attends, one row per query
+        token (see kernel_chunks()); their rows follow the decode rows, and decode() gets them all in one call."""
         self.num_decodes = num_decodes
         self.prefills = prefills  # (row offset, start position, tokens) per prefill chunk
         self.num_tokens = num_tokens
+        self.kernel_chunks = kernel_chunks
+        self.kernel_rows = num_decodes + sum(n for _, _, n in prefills[:kernel_chunks])
         on_cpu = device is None or torch.device(device).type == "cpu"
         self.split_chunks = on_cpu and FLASH_CPU is not None
         # A chunk after a cached prefix needs a mask, unless it is split (prefix_then_causal).
@@ -40,10 +51,11 @@ class StepAttention(ABC):
         writing k and v into the cache (vpaged.serve.direct_forward calls this directly)."""
         self.write(layer, k, v)
         out = torch.empty(qt.shape, dtype=qt.dtype, device=qt.device)
-        nd = self.num_decodes
-        if nd:
-            self.decode(layer, qt[:nd], scale, out[:nd])
-        for i, (row, start, n) in enumerate(self.prefills):
+        rows = self.kernel_rows
+        if rows:
+            self.decode(layer, qt[:rows], scale, out[:rows])
+        for i in range(self.kernel_chunks, len(self.prefills)):
+            row, start, n = self.prefills[i]
             k, v = self.prefill_kv(layer, i)  # [start + n, KVH, D]
             q = qt[row : row + n].transpose(0, 1).unsqueeze(0)
             if start and self.split_chunks:
@@ -67,11 +79,33 @@ class StepAttention(ABC):
 
     @abstractmethod
     def decode(self, layer: int, q: torch.Tensor, scale, out: torch.Tensor) -> None:
-        """Attention of the decode rows q ([num_decodes, H, D]) over their sequences, into out."""
+        """Attention of the kernel's rows q ([kernel_rows, H, D]: the decode rows, then the query tokens of the
+        first kernel_chunks prefill chunks) over their sequences, into out."""
 
     @abstractmethod
     def prefill_kv(self, layer: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ([start + n, KVH, D]) that prefill chunk i attends over, its own tokens included."""
+
+
+# A prefill chunk whose sequence's K/V (its prefix and itself) take at most this many bytes in a layer is attended
+# by the decode kernel, one row per query token, each over the tokens up to its own (causal by length): the kernel
+# then reads that K/V once per query token, from the caches. Past it SDPA's blocked kernel, which reads it once per
+# block of queries, is faster. Measured on a 2-core Zen 4 (bf16, 9 query heads over 3 of 64: 768 bytes a token),
+# the kernel's time over SDPA's: 0.80x at 128 tokens, 0.66x at 512, 0.65x at 2,048 (eight 256-token prompts in one
+# call: 0.49x), 1.13x at 4,096, 1.09x for 256 after 2,048 cached, 1.25x for 512 after 8,192 (benchmarks/NOTES.md,
+# "Prompt chunks on the decode kernel").
+KERNEL_CHUNK_KV_BYTES = 2 << 20
+
+
+def kernel_chunks(prefills, kv_bytes_per_token: int) -> int:
+    """How many leading chunks of prefills ((sequence, start, tokens) each) the decode kernel attends: those up to
+    the first whose sequence's K/V in a layer would pass KERNEL_CHUNK_KV_BYTES."""
+    taken = 0
+    for _, start, n in prefills:
+        if (start + n) * kv_bytes_per_token > KERNEL_CHUNK_KV_BYTES:
+            break
+        taken += 1
+    return taken
 
 
 def decodes_as_prefills(decodes, prefills, row_offsets: list[int]):

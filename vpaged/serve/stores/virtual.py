@@ -1,7 +1,8 @@
 """VirtualStore (kv="vpaged"): a VirtualKVCache, each sequence contiguous in its slot, pages mapped as it grows.
 
 Prefix caching (full prompt pages computed before are mapped again), swap to host memory, and forks that
-share pages. Decode rows run the contiguous kernel; prefill chunks run SDPA on zero-copy views of the cache.
+share pages. Decode rows run the contiguous kernel, and on the CPU so do the query tokens of short prefill chunks
+(stores/attention.py: kernel_chunks); longer prefill chunks run SDPA on zero-copy views of the cache.
 StaticStore (static.py) is the same cache with each sequence's whole slot mapped at admission.
 """
 
@@ -15,7 +16,7 @@ import torch
 from ...kvcache import VirtualCacheConfig, VirtualKVCache
 from ...kvcache.geometry import KVGeometry
 from ...ops import DecodePlan, WritePlan, decode_unsupported
-from .attention import StepAttention, decodes_as_prefills, prefill_rows
+from .attention import StepAttention, decodes_as_prefills, kernel_chunks, prefill_rows
 from .base import Allocation, StoreMemory
 
 if TYPE_CHECKING:
@@ -43,17 +44,29 @@ class VirtualStep(StepAttention):
     DecodePlan (vpaged.ops), prefill chunks read views of their sequence's prefix."""
 
     def __init__(self, store: VirtualStore, decodes, prefills, row_offsets, num_tokens):
-        super().__init__(len(decodes), prefill_rows(row_offsets, prefills), num_tokens, store.device)
+        # On the CPU the decode kernel also takes the short prefill chunks (attention.kernel_chunks).
+        taken = kernel_chunks(prefills, store.kv_bytes_per_token) if store.device.type == "cpu" else 0
+        super().__init__(len(decodes), prefill_rows(row_offsets, prefills), num_tokens, store.device, taken)
         cache = store.cache
         self._kv_format, self._kv_scales = store.kv_format, cache.kv_scales
         self._value_dims = (cache.head_dim, cache.v_head_dim)
-        # Prefill chunks attend over one view of the sequence's whole prefix (split per layer in prefill_kv).
-        self._prefill_views = [cache.kv_layers(seq.handle, 0, start + n) for seq, start, n in prefills]
-        # Decode rows: one plan for the step from the cache's own rows (slots), run per layer.
+        # The other prefill chunks attend over one view of the sequence's whole prefix (split per layer in
+        # prefill_kv).
+        self._prefill_views = [
+            None if i < taken else cache.kv_layers(seq.handle, 0, start + n)
+            for i, (seq, start, n) in enumerate(prefills)
+        ]
+        # The kernel's rows: one plan for the step from the cache's own rows (slots), run per layer. A decode row
+        # attends over its tokens and the new one (a static slot holds more); a taken chunk's query token at
+        # position p over tokens 0..p, its own included (its K/V are written before the kernel runs).
         self._decode = None
-        if decodes:  # each attends over its tokens and the new one (a static slot holds more)
+        if self.kernel_rows:
+            handles = [seq.handle for seq in decodes]
             lengths = [seq.num_computed + 1 for seq in decodes]
-            self._decode = DecodePlan.build(cache, [seq.handle for seq in decodes], lengths)
+            for seq, start, n in prefills[:taken]:
+                handles += [seq.handle] * n
+                lengths += range(start + 1, start + n + 1)
+            self._decode = DecodePlan.build(cache, handles, lengths)
         # New tokens are written by one scatter per layer (vpaged.ops.WritePlan) through a descriptor of every
         # sequence of the step: row i of the packed K/V goes to token positions[i] of sequence rows[i]. The
         # bounds come from the cache (writable_range: the tokens mapped, and not shared with another sequence),
@@ -161,6 +174,11 @@ class VirtualStore:
         )
         # A quantized cache's prefill chunks attend over values made from its stored rows (format.dequantize).
         self.kv_format = self.cache.kv_format if self.cache.kv_format.quantized else None
+        # What a token's K and V take in one layer (a quantized row's scale included): which prompt chunks the
+        # decode kernel takes (attention.kernel_chunks). None of them where decode rows cannot go to the kernel.
+        self.kv_bytes_per_token = geometry.bytes_per_token // geometry.num_layers
+        if self.decode_unsupported is not None:
+            self.kv_bytes_per_token = 1 << 62
         self._swapped_bytes = 0  # swap space in use, tracked here so planning needs no stats() call
         self._swapped: dict[int, int] = {}  # handle -> bytes it holds in swap space
 
