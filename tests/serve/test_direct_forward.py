@@ -13,9 +13,8 @@ import weakref
 
 import pytest
 import torch
-from torch import nn
-
 from serve_helpers import assert_logits_agree, run_lockstep
+from torch import nn
 
 from vpaged.serve import LLMEngine, SamplingParams
 
