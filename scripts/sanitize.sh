@@ -87,7 +87,8 @@ T="$ROOT/tests"
 "$PY" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$T/memory/test_range.py" "$T/kvcache/test_cache.py" "$T/kvcache/test_cache_parts.py" \
   "$T/kvcache/test_sharing.py" "$T/kvcache/test_sharing_stateful.py" "$T/kvcache/test_regressions.py" "$T/kvcache/test_reliability.py" \
   "$T/memory/test_cuda_backend_fake.py" "$T/kvcache/test_paged_cache.py" "$T/ops/test_write_kv.py" "$T/ops/test_decode_kernels.py" \
-  "$T/ops/test_decode_amx.py" "$T/ops/test_decode_paged_steps.py" "$T/ops/test_fused_ops.py" "$T/ops/test_linear.py" "$T/memory/test_pool_keep_freed.py" \
+  "$T/ops/test_decode_amx.py" "$T/ops/test_decode_paged_steps.py" "$T/ops/test_fused_ops.py" \
+  "$T/ops/test_fused_residual_rotary.py" "$T/ops/test_linear.py" "$T/memory/test_pool_keep_freed.py" \
   "$T/memory/test_budget_ledger_faults.py" "$T/memory/test_shared_budget.py" "$T/memory/test_file_pages.py" \
   "$T/kvcache/test_prefix_store_cache.py" "$@"
 echo "==> sanitizers clean ($(($(date +%s) - START)) s in all)"
