@@ -50,6 +50,21 @@ def count_kernel_chunks(eng: LLMEngine) -> list[tuple[int, int]]:
     return seen
 
 
+def every_chunk_on_sdpa(eng: LLMEngine, monkeypatch) -> None:
+    """The engine's steps see a threshold of 0 bytes (every prompt chunk on SDPA); other engines keep theirs."""
+    inner = eng.store.step_attention
+
+    def step_attention(*args):
+        threshold = attention.KERNEL_CHUNK_KV_BYTES
+        monkeypatch.setattr(attention, "KERNEL_CHUNK_KV_BYTES", 0)
+        try:
+            return inner(*args)
+        finally:
+            monkeypatch.setattr(attention, "KERNEL_CHUNK_KV_BYTES", threshold)
+
+    eng.store.step_attention = step_attention
+
+
 @pytest.mark.parametrize(
     "dtype, options",
     [(torch.float32, {}), (torch.bfloat16, {}), (torch.float32, dict(kv_dtype=torch.int8))],
@@ -58,39 +73,22 @@ def count_kernel_chunks(eng: LLMEngine) -> list[tuple[int, int]]:
 def test_chunks_on_the_kernel_give_sdpas_logits(monkeypatch, prng, dtype, options):
     on_kernel, on_sdpa = engine(dtype=dtype, **options), engine(dtype=dtype, **options)
     taken = count_kernel_chunks(on_kernel)
-    real = attention.KERNEL_CHUNK_KV_BYTES
-    # The reference engine's steps see a threshold of 0 bytes: every chunk on SDPA.
-    inner_step = on_sdpa.store.step_attention
-
-    def step_attention(*args):
-        monkeypatch.setattr(attention, "KERNEL_CHUNK_KV_BYTES", 0)
-        try:
-            return inner_step(*args)
-        finally:
-            monkeypatch.setattr(attention, "KERNEL_CHUNK_KV_BYTES", real)
-
-    on_sdpa.store.step_attention = step_attention
+    every_chunk_on_sdpa(on_sdpa, monkeypatch)
     assert_logits_agree(*run_lockstep(on_kernel, on_sdpa, requests(prng)), dtype)
     assert sum(k for k, _ in taken) >= 6 and all(k == n for k, n in taken)  # every chunk here is short
 
 
 def test_a_long_chunk_sends_it_and_the_chunks_after_it_to_sdpa(monkeypatch, prng):
     bytes_per_token = 2 * 2 * 16 * 4  # K and V of 2 kv heads x 16 dims, fp32
-    monkeypatch.setattr(attention, "KERNEL_CHUNK_KV_BYTES", 60 * bytes_per_token)
-    mixed, reference = engine(), engine(max_num_batched_tokens=64)
+    monkeypatch.setattr(attention, "KERNEL_CHUNK_KV_BYTES", 8 * bytes_per_token)  # chunks of sequences <= 8 tokens
+    mixed, reference = engine(), engine()
     taken = count_kernel_chunks(mixed)
-    inner_step = reference.store.step_attention
-
-    def sdpa_step(*args):
-        monkeypatch.setattr(attention, "KERNEL_CHUNK_KV_BYTES", 0)
-        try:
-            return inner_step(*args)
-        finally:
-            monkeypatch.setattr(attention, "KERNEL_CHUNK_KV_BYTES", 60 * bytes_per_token)
-
-    reference.store.step_attention = sdpa_step
-    assert_logits_agree(*run_lockstep(mixed, reference, requests(prng, 8)), torch.float32)
-    assert any(0 < k < n for k, n in taken), taken  # some steps on both paths
+    every_chunk_on_sdpa(reference, monkeypatch)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    # a 3-token prompt and a 50-token one share the first step: the kernel takes the first chunk, SDPA the second
+    first = [([prng.randrange(3, VOCAB) for _ in range(n)], greedy) for n in (3, 50)]
+    assert_logits_agree(*run_lockstep(mixed, reference, first + requests(prng, 6)), torch.float32)
+    assert taken[0][0] == 1 and taken[0][1] >= 2, taken
 
 
 def test_kernel_chunks_takes_the_leading_chunks_under_the_threshold():

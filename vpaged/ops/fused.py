@@ -36,13 +36,18 @@ def _rows(name: str, t, dtype: torch.dtype | None = None) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, isa: str = "auto") -> torch.Tensor:
     """weight * (x * rsqrt(mean(x**2, -1) + eps)) over x's last dim (see the module's text); x's shape."""
     rows = _rows("x", x)
-    w = _rows("weight", weight, x.dtype)
-    cols = rows.shape[1]
+    w = _norm_weight(weight, rows.shape[1], x.dtype, eps)
+    return _rms_norm_rows(rows, w, float(eps), isa).view(x.shape)
+
+
+def _norm_weight(weight, cols: int, dtype: torch.dtype, eps) -> torch.Tensor:
+    """A norm's weight as a dense [cols] row of dtype, after checking it and eps (typed errors)."""
+    w = _rows("weight", weight, dtype)
     if weight.dim() != 1 or weight.shape[0] != cols:
         raise ShapeError(f"weight must be [{cols}] (x's last dim), got {list(weight.shape)}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise InvalidArgumentError(f"eps must be a number >= 0, got {eps!r}")
-    return _rms_norm_rows(rows, w, float(eps), isa).view(x.shape)
+    return w
 
 
 def _rms_norm_rows(rows: torch.Tensor, weight: torch.Tensor, eps: float, isa: str = "auto") -> torch.Tensor:
@@ -74,12 +79,7 @@ def add_rms_norm(
         raise ShapeError(f"x and residual must have one shape, got {list(x.shape)} and {list(residual.shape)}")
     rows = _rows("x", x)
     res = cpu_rows_in_place("the fused ops", FUSED_DTYPES, "residual", residual, x.dtype)
-    w = _rows("weight", weight, x.dtype)
-    cols = rows.shape[1]
-    if weight.dim() != 1 or weight.shape[0] != cols:
-        raise ShapeError(f"weight must be [{cols}] (x's last dim), got {list(weight.shape)}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise InvalidArgumentError(f"eps must be a number >= 0, got {eps!r}")
+    w = _norm_weight(weight, rows.shape[1], x.dtype, eps)
     if _overlap(res, rows):
         raise InvalidArgumentError("x and residual must not share memory")
     return _add_rms_norm_rows(rows, res, w, float(eps), isa).view(x.shape)
