@@ -22,7 +22,7 @@ fi
 # The serving tests too: the engine's greedy tokens against generate()'s on each release.
 TESTS=(tests/hf/test_hf.py tests/hf/test_hf_models.py tests/hf/test_hf_compat.py tests/project/test_examples.py tests/cli/test_cli.py
   tests/serve/test_serve_engine.py tests/cli/test_cli_serve.py tests/serve/test_serve_server.py tests/serve/test_serve_stores.py
-  tests/kvcache/test_prefix_geometry.py tests/ops/test_decode_support.py)
+  tests/kvcache/test_prefix_geometry.py tests/ops/test_decode_support.py tests/serve/test_direct_forward.py)
 BASE_PY="$("$BASE/bin/python" -c 'import sys; print(sys._base_executable)')"
 BASE_SITE="$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 
