@@ -4,7 +4,8 @@
 Every CPU code path this machine has is forced, on fresh random shapes (head dims whose half is and is not a
 multiple of the vector width), both dtypes. The eager code's roundings are replicated: the residual equals eager
 `residual + x` and the rotation eager `x * cos + rotate_half(x) * sin` bit for bit; the norm equals rms_norm of the
-new residual. Only what the op names is written (the product's v columns and the row padding stay as they were).
+new residual. The lean entries for layer loops (add_rms_norm_rows, rotary_rows) give the checked ops' results, and
+their errors outside the common case. Only what the op names is written (the product's v columns and the row padding stay as they were).
 Bad arguments raise typed errors and change nothing."""
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from vpaged import _C
 from vpaged.errors import DTypeError, InvalidArgumentError, ShapeError
-from vpaged.ops.fused import add_rms_norm, rms_norm, rotary_
+from vpaged.ops.fused import add_rms_norm, add_rms_norm_rows, rms_norm, rotary_, rotary_rows
 
 ISAS = _C.decode_cpu_isas()
 DTYPES = [torch.float32, torch.bfloat16]
@@ -191,3 +192,30 @@ def test_bad_arguments_raise_typed_errors_and_change_nothing():
             call()
         q.requires_grad_(False)
         assert torch.equal(q, kept_q)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_the_lean_entries_give_the_checked_ops_results_and_errors(dtype):
+    g = rng(17)
+    x, residual = torch.randn(33, 96, generator=g).to(dtype), torch.randn(33, 96, generator=g).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    r1, r2 = residual.clone(), residual.clone()
+    assert torch.equal(add_rms_norm_rows(x, r1, w, 1e-6), add_rms_norm(x, r2, w, 1e-6)) and torch.equal(r1, r2)
+    qkv = torch.randn(33, 7 * 64, generator=g).to(dtype)
+    cos, sin = cos_sin(33, 64, dtype, g)
+    a, b = qkv.clone(), qkv.clone()
+    rotary_rows(a[:, : 5 * 64].view(33, 5, 64), cos, sin)
+    rotary_(b[:, : 5 * 64].view(33, 5, 64), cos, sin)
+    assert torch.equal(a, b)
+    # outside the common case: the checked op's answer or its typed error
+    strided = torch.randn(96, 33, generator=g).to(dtype).t()
+    r1, r2 = residual.clone(), residual.clone()
+    assert torch.equal(add_rms_norm_rows(strided, r1, w, 1e-6), add_rms_norm(strided, r2, w, 1e-6))
+    with pytest.raises(InvalidArgumentError):
+        add_rms_norm_rows(x, x, w, 1e-6)
+    with pytest.raises(DTypeError):
+        add_rms_norm_rows(x, residual.double(), w, 1e-6)
+    with pytest.raises(ShapeError):
+        rotary_rows(qkv.view(33, 7, 64), cos[:5], sin[:5])
+    with pytest.raises(InvalidArgumentError):
+        rotary_rows(qkv.view(33, 7, 64), qkv[:, :64], qkv[:, 64:128])  # cos and sin inside x

@@ -77,7 +77,7 @@ class _FusedGatedMLP(_Fused):
         gate, up = self.gate_proj, self.up_proj
         if not _inference_call(x, gate.weight) or up.weight.dtype != x.dtype:
             return self._vpaged_plain.forward(self, x)
-        packed = self._packed_gate_up()
+        packed = self.packed_gate_up()
         if packed is None:
             return self.down_proj(silu_mul(gate(x), up(x)))
         if past_panel_rows(x, packed[0]):
@@ -86,7 +86,7 @@ class _FusedGatedMLP(_Fused):
             return self.down_proj(silu_mul(F.linear(x, gate.weight, gate.bias), F.linear(x, up.weight, up.bias)))
         return self.down_proj(silu_mul(packed_linear(x, *packed)))
 
-    def _packed_gate_up(self):
+    def packed_gate_up(self):
         """(packed [gate; up] weight, bias or None), made again whenever either weight or bias changed; None where
         it cannot be packed (then the two layers run as they are)."""
         gate, up = self.gate_proj, self.up_proj
@@ -255,6 +255,16 @@ def unfuse(model: nn.Module) -> int:
             _restore(module)
             undone += 1
     return undone
+
+
+def is_fused_rms_norm(module) -> bool:
+    """Whether module runs the fused RMSNorm (fuse_modules swapped it after its probe)."""
+    return isinstance(module, _FusedRMSNorm)
+
+
+def is_fused_gated_mlp(module) -> bool:
+    """Whether module runs the fused gate / up / down MLP with SiLU (its packed_gate_up() is the [gate; up] copy)."""
+    return isinstance(module, _FusedGatedMLP)
 
 
 def fused_modules(model: nn.Module) -> list[str]:

@@ -3,6 +3,8 @@
     rms_norm(x, weight, eps)                 weight * (x * rsqrt(mean(x**2, -1) + eps)), LlamaRMSNorm's formula
     add_rms_norm(x, residual, weight, eps)   residual += x (in place), then rms_norm(residual, weight, eps)
     rotary_(x, cos, sin)                     x * cos + rotate_half(x) * sin per head, in place
+    add_rms_norm_rows / rotary_rows          the same two for a loop over layers: a lean check of the common
+                                             case (2-d rows / 3-d heads, one dtype, apart), the full one else
     silu_mul(gate, up)                       silu(gate) * up, a gated MLP's activation
     silu_mul(gate_up)                        the same over the [gate | up] halves of one product's last dim
 
@@ -158,6 +160,68 @@ def _rotary_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, isa: str
     )
 
 
+def add_rms_norm_rows(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """add_rms_norm for a loop over layers (vpaged.serve.direct_forward): where x and residual are [R, C] CPU
+    tensors of one fused dtype with dense rows in separate storages, weight a dense [C] of that dtype and eps a
+    float >= 0, the op runs after that lean check alone; any other call is add_rms_norm's (its checks, its
+    errors)."""
+    if (
+        _lean_rows(x)
+        and _lean_rows(residual, x)
+        and weight.dtype is x.dtype
+        and weight.device.type == "cpu"
+        and weight.dim() == 1
+        and weight.is_contiguous()
+        and weight.shape[0] == x.shape[1]
+        and type(eps) is float
+        and eps >= 0
+        and not _same_storage(x, residual)
+        and not (torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad))
+    ):
+        return _add_rms_norm_rows(x, residual, weight, eps)
+    return add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotary_ for a loop over layers (vpaged.serve.direct_forward): where x is [R, H, D] on the CPU with dense
+    heads and rows at least H * D apart, cos and sin [R, D] of x's dtype with dense rows, one row stride, and x's
+    storage is neither's, the rotation runs after that lean check alone; any other call is rotary_'s."""
+    if (
+        type(x) is torch.Tensor
+        and x.dim() == 3
+        and x.dtype in FUSED_DTYPES
+        and x.device.type == "cpu"
+        and x.shape[2] % 2 == 0
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and x.stride(0) >= x.shape[1] * x.shape[2]
+        and _lean_rows(cos, x)
+        and _lean_rows(sin, x)
+        and cos.shape == sin.shape == (x.shape[0], x.shape[2])
+        and cos.stride(0) == sin.stride(0)
+        and not _same_storage(x, cos)
+        and not _same_storage(x, sin)
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    ):
+        _rotary_rows(x, cos, sin)
+        return x
+    return rotary_(x, cos, sin)
+
+
+def _lean_rows(t, like: torch.Tensor | None = None) -> bool:
+    """t is a 2-d CPU tensor of a fused dtype (like's, given like) with dense rows (and like's shape, for a
+    2-d like)."""
+    if type(t) is not torch.Tensor or t.dim() != 2 or t.stride(1) != 1 or t.device.type != "cpu":
+        return False
+    if like is None:
+        return t.dtype in FUSED_DTYPES and t.shape[1] > 0
+    return t.dtype is like.dtype and (like.dim() != 2 or t.shape == like.shape)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two CPU tensors' element spans share any byte (a conservative test: spans, not elements)."""
     if a.numel() == 0 or b.numel() == 0:
@@ -200,26 +264,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None, *, isa: str = "
         g.shape[0],
         cols,
         DTYPE_CODES[gate.dtype],
-        torch.get_num_threads(),
-        isa,
-    )
-    return out
-
-
-def _silu_mul_halves(gate_up: torch.Tensor, isa: str = "auto") -> torch.Tensor:
-    """silu_mul(gate_up) of a checked operand: [R, 2C] with dense rows, of a fused dtype."""
-    cols = gate_up.shape[1] // 2
-    out = torch.empty((gate_up.shape[0], cols), dtype=gate_up.dtype)
-    _C.silu_mul_cpu(
-        gate_up.data_ptr(),
-        gate_up.stride(0),
-        gate_up.data_ptr() + cols * gate_up.element_size(),
-        gate_up.stride(0),
-        out.data_ptr(),
-        cols,
-        gate_up.shape[0],
-        cols,
-        DTYPE_CODES[gate_up.dtype],
         torch.get_num_threads(),
         isa,
     )

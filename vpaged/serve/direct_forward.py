@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidArgumentError
-from ..hf.fused import _FusedGatedMLP, _FusedRMSNorm
+from ..hf.fused import is_fused_gated_mlp, is_fused_rms_norm
 from ..hf.prepack import (
     DEFAULT_BATCH_HINT,
     PrepackedLinear,
@@ -45,7 +45,7 @@ from ..hf.prepack import (
     past_panel_rows,
     weight_key,
 )
-from ..ops.fused import FUSED_DTYPES, _add_rms_norm_rows, _rms_norm_rows, _rotary_rows, _silu_mul_halves, rms_norm
+from ..ops.fused import FUSED_DTYPES, add_rms_norm_rows, rms_norm, rotary_rows, silu_mul
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LINEARS = (nn.Linear, PrepackedLinear)
@@ -104,7 +104,7 @@ class _Layer:
             self.qkv, self.qkv_key = (packed, bias), key
         self.o = _packed_of(self.o_proj)
         self.down = _packed_of(self.down_proj)
-        self.gate_up = self.mlp._packed_gate_up()
+        self.gate_up = self.mlp.packed_gate_up()
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """x @ [Wq; Wk; Wv].T (+ biases): [rows, (heads + 2 kv_heads) * head_dim], q's columns, then k's, then v's.
@@ -122,7 +122,7 @@ class _Layer:
         gate_up = self.gate_up
         if gate_up is None or past_panel_rows(x, gate_up[0]):
             return self.mlp(x)
-        return _linear(_silu_mul_halves(packed_linear(x, *gate_up)), self.down, self.down_proj)
+        return _linear(silu_mul(packed_linear(x, *gate_up)), self.down, self.down_proj)
 
     def drop_split_copies(self) -> None:
         """The q/k/v layers' own packed copies (prepack_linears made them): the walk runs the packed [q; k; v]
@@ -228,9 +228,9 @@ class DirectForward:
                 norm = layer.in_norm
                 if residual is None:  # the first layer: the embedding is the residual
                     residual = h.clone()
-                    x = _rms_norm_rows(h, norm.weight, norm.variance_epsilon)
+                    x = rms_norm(h, norm.weight, norm.variance_epsilon)
                 else:
-                    x = _add_rms_norm_rows(h, residual, norm.weight, norm.variance_epsilon)
+                    x = add_rms_norm_rows(h, residual, norm.weight, norm.variance_epsilon)
                 qkv = layer.project_qkv(x)
                 q = qkv[:, :q_end].view(t, heads, dim)
                 k = qkv[:, q_end:k_end].view(t, kv_heads, dim)
@@ -238,18 +238,18 @@ class DirectForward:
                 if layer.q_norm is not None:  # Qwen3: an RMSNorm over each head before the rotation
                     q = rms_norm(q, layer.q_norm.weight, layer.q_norm.variance_epsilon)
                     k = rms_norm(k, layer.k_norm.weight, layer.k_norm.variance_epsilon)
-                    _rotary_rows(q, cos, sin)
-                    _rotary_rows(k, cos, sin)
+                    rotary_rows(q, cos, sin)
+                    rotary_rows(k, cos, sin)
                 else:  # q's and k's heads are neighbours in each qkv row: one call rotates both
-                    _rotary_rows(qkv[:, :k_end].view(t, heads + kv_heads, dim), cos, sin)
+                    rotary_rows(qkv[:, :k_end].view(t, heads + kv_heads, dim), cos, sin)
                 out = step.attend_rows(layer.index, q, k, v, layer.scale)
                 h = _linear(out.view(t, heads * dim), layer.o, layer.o_proj)
                 norm = layer.post_norm
-                x = _add_rms_norm_rows(h, residual, norm.weight, norm.variance_epsilon)
+                x = add_rms_norm_rows(h, residual, norm.weight, norm.variance_epsilon)
                 h = layer.mlp_forward(x)
             h, residual = h[keep], residual[keep]  # the rows whose logits are asked for, in keep's order
             norm = self.final_norm
-            x = _add_rms_norm_rows(h, residual, norm.weight, norm.variance_epsilon)
+            x = add_rms_norm_rows(h, residual, norm.weight, norm.variance_epsilon)
             return self.lm_head(x)
 
     def _probe(self) -> str | None:
@@ -322,16 +322,14 @@ def _why_not(model: nn.Module) -> str | None:
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype not in FUSED_DTYPES:
         return f"the direct forward runs float32 / bfloat16 models on the CPU, not {p.dtype} on {p.device}"
-    if not isinstance(body.embed_tokens, nn.Embedding) or not isinstance(body.norm, _FusedRMSNorm):
+    if not isinstance(body.embed_tokens, nn.Embedding) or not is_fused_rms_norm(body.norm):
         return "the embedding or the final norm is not a plain nn.Embedding / a fused RMSNorm"
     for i, layer in enumerate(body.layers):
         if set(dict(layer.named_children())) != _LAYER_PARTS:
             return f"layer {i} has other parts than {sorted(_LAYER_PARTS)}"
-        if not isinstance(layer.input_layernorm, _FusedRMSNorm) or not isinstance(
-            layer.post_attention_layernorm, _FusedRMSNorm
-        ):
+        if not is_fused_rms_norm(layer.input_layernorm) or not is_fused_rms_norm(layer.post_attention_layernorm):
             return f"layer {i}'s norms do not run fused (cpu_prepack off, or their probe refused them)"
-        if not isinstance(layer.mlp, _FusedGatedMLP):
+        if not is_fused_gated_mlp(layer.mlp):
             return f"layer {i}'s MLP does not run fused (cpu_prepack off, or its probe refused it)"
         attn = layer.self_attn
         children = dict(attn.named_children())
@@ -340,7 +338,7 @@ def _why_not(model: nn.Module) -> str | None:
             return f"layer {i}'s attention has other parts than q/k/v/o projections (and q/k norms)"
         if any(not isinstance(children[n], _LINEARS) for n in _ATTENTION_PARTS):
             return f"layer {i}'s projections are not plain linear layers"
-        if extra and not all(isinstance(children[n], _FusedRMSNorm) for n in extra):
+        if extra and not all(is_fused_rms_norm(children[n]) for n in extra):
             return f"layer {i}'s q/k norms do not run fused"
         if getattr(attn, "layer_idx", i) != i or not isinstance(getattr(attn, "scaling", None), float):
             return f"layer {i}'s attention has no layer_idx {i} or no float scaling"
