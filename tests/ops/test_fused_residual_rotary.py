@@ -5,8 +5,8 @@ Every CPU code path this machine has is forced, on fresh random shapes (head dim
 multiple of the vector width), both dtypes. The eager code's roundings are replicated: the residual equals eager
 `residual + x` and the rotation eager `x * cos + rotate_half(x) * sin` bit for bit; the norm equals rms_norm of the
 new residual. The lean entries for layer loops (add_rms_norm_rows, rotary_rows) give the checked ops' results, and
-their errors outside the common case. Only what the op names is written (the product's v columns and the row padding stay as they were).
-Bad arguments raise typed errors and change nothing."""
+their errors outside the common case. Only what the op names is written (the product's v columns and the row
+padding stay as they were). Bad arguments raise typed errors and change nothing."""
 
 import pytest
 import torch
