@@ -73,6 +73,18 @@ def test_models_and_engines_outside_the_walk_keep_the_transformers_forward():
     assert unprepared.runner.direct is None and "cpu_prepack" in unprepared.direct_forward_off
 
 
+def test_a_model_made_under_inference_mode_keeps_the_transformers_forward():
+    from vpaged.serve import load_model
+
+    with torch.inference_mode():
+        model = load_model("random:llama-tiny")[0]
+    eng = engine(model, True)
+    assert eng.runner.direct is None and "inference" in eng.direct_forward_off
+    eng.add_request([5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
+    while eng.has_unfinished():
+        eng.step()
+
+
 def test_the_probe_refuses_a_model_whose_forward_differs_from_the_walk():
     from vpaged.serve import load_model
 

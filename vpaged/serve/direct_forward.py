@@ -187,10 +187,13 @@ class DirectForward:
         if self._stale:
             tensors = [t for layer in self.layers for t in layer.tensors()]
             dtype = self.embed.weight.dtype
-            if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+            if any(
+                t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" or t.is_inference() for t in tensors
+            ):
                 raise InvalidArgumentError(
-                    f"the model's weights are no longer dense CPU {dtype} tensors: the engine's model was changed "
-                    "under it (build a new engine for a model in another dtype or on another device)"
+                    f"the model's weights are no longer dense CPU {dtype} tensors with version counters: the engine's "
+                    "model was changed under it (build a new engine for a model in another dtype, on another device "
+                    "or made under inference_mode)"
                 )
             self._tensors, self._stale, self._versions = tensors, False, None
         versions = [(t.data_ptr(), t._version) for t in self._tensors]
@@ -322,6 +325,8 @@ def _why_not(model: nn.Module) -> str | None:
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype not in FUSED_DTYPES:
         return f"the direct forward runs float32 / bfloat16 models on the CPU, not {p.dtype} on {p.device}"
+    if any(t.is_inference() for t in model.parameters()):
+        return "the model's weights are inference tensors (made under torch.inference_mode): no version counter shows their changes"
     if not isinstance(body.embed_tokens, nn.Embedding) or not is_fused_rms_norm(body.norm):
         return "the embedding or the final norm is not a plain nn.Embedding / a fused RMSNorm"
     for i, layer in enumerate(body.layers):
