@@ -326,7 +326,10 @@ def _why_not(model: nn.Module) -> str | None:
     if p.device.type != "cpu" or p.dtype not in FUSED_DTYPES:
         return f"the direct forward runs float32 / bfloat16 models on the CPU, not {p.dtype} on {p.device}"
     if any(t.is_inference() for t in model.parameters()):
-        return "the model's weights are inference tensors (made under torch.inference_mode): no version counter shows their changes"
+        return (
+            "the model's weights are inference tensors (made under torch.inference_mode): no version counter "
+            "shows their changes"
+        )
     if not isinstance(body.embed_tokens, nn.Embedding) or not is_fused_rms_norm(body.norm):
         return "the embedding or the final norm is not a plain nn.Embedding / a fused RMSNorm"
     for i, layer in enumerate(body.layers):
