@@ -191,6 +191,7 @@ def rotary_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
         and x.dim() == 3
         and x.dtype in FUSED_DTYPES
         and x.device.type == "cpu"
+        and x.shape[2] >= 2
         and x.shape[2] % 2 == 0
         and x.stride(2) == 1
         and x.stride(1) == x.shape[2]

@@ -229,8 +229,8 @@ class DirectForward:
             residual = None
             for layer in self.layers:
                 norm = layer.in_norm
-                if residual is None:  # the first layer: the embedding is the residual
-                    residual = h.clone()
+                if residual is None:  # the first layer: the embedding (a fresh tensor) is the residual
+                    residual = h
                     x = rms_norm(h, norm.weight, norm.variance_epsilon)
                 else:
                     x = add_rms_norm_rows(h, residual, norm.weight, norm.variance_epsilon)

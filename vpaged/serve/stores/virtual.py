@@ -45,7 +45,8 @@ class VirtualStep(StepAttention):
 
     def __init__(self, store: VirtualStore, decodes, prefills, row_offsets, num_tokens):
         # On the CPU the decode kernel also takes the short prefill chunks (attention.kernel_chunks).
-        taken = kernel_chunks(prefills, store.kv_bytes_per_token) if store.device.type == "cpu" else 0
+        kernel_takes = store.device.type == "cpu" and store.decode_unsupported is None
+        taken = kernel_chunks(prefills, store.kv_bytes_per_token) if kernel_takes else 0
         super().__init__(len(decodes), prefill_rows(row_offsets, prefills), num_tokens, store.device, taken)
         cache = store.cache
         self._kv_format, self._kv_scales = store.kv_format, cache.kv_scales
@@ -175,10 +176,8 @@ class VirtualStore:
         # A quantized cache's prefill chunks attend over values made from its stored rows (format.dequantize).
         self.kv_format = self.cache.kv_format if self.cache.kv_format.quantized else None
         # What a token's K and V take in one layer (a quantized row's scale included): which prompt chunks the
-        # decode kernel takes (attention.kernel_chunks). None of them where decode rows cannot go to the kernel.
+        # decode kernel takes (attention.kernel_chunks).
         self.kv_bytes_per_token = geometry.bytes_per_token // geometry.num_layers
-        if self.decode_unsupported is not None:
-            self.kv_bytes_per_token = 1 << 62
         self._swapped_bytes = 0  # swap space in use, tracked here so planning needs no stats() call
         self._swapped: dict[int, int] = {}  # handle -> bytes it holds in swap space
 
